@@ -1,0 +1,122 @@
+//! Admission (invariant 5): render the chat template, count prompt tokens with the model's real
+//! tokenizer, and refuse what cannot fit before anything is dispatched.
+
+use std::sync::Arc;
+
+use minijinja::Environment;
+use serde::Serialize;
+use tokenizers::Tokenizer;
+
+use crate::config::{ChatTemplateConfig, ModelConfig};
+use crate::error::LockstepError;
+
+/// A chat message after validation: role and flattened text content.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct ChatMessage {
+    /// `system`, `user`, `assistant` or `tool`.
+    pub role: String,
+    /// The text content.
+    pub content: String,
+}
+
+/// The model's tokenizer and chat template, loaded once.
+pub struct Admission {
+    tokenizer: Tokenizer,
+    env: Environment<'static>,
+    bos_token: String,
+    eos_token: String,
+}
+
+impl std::fmt::Debug for Admission {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Admission").finish_non_exhaustive()
+    }
+}
+
+impl Admission {
+    /// Loads the tokenizer file and compiles the chat template of a model.
+    pub fn load(model: &ModelConfig) -> Result<Arc<Admission>, String> {
+        let tokenizer = Tokenizer::from_file(&model.tokenizer)
+            .map_err(|e| format!("model `{}`: tokenizer {}: {e}", model.name, model.tokenizer.display()))?;
+        let source = match &model.chat_template {
+            ChatTemplateConfig::Inline(s) => s.clone(),
+            ChatTemplateConfig::Path(p) => std::fs::read_to_string(p)
+                .map_err(|e| format!("model `{}`: chat template {}: {e}", model.name, p.display()))?,
+        };
+        let mut env = Environment::new();
+        env.add_template_owned("chat", source)
+            .map_err(|e| format!("model `{}`: chat template: {e}", model.name))?;
+        Ok(Arc::new(Admission {
+            tokenizer,
+            env,
+            bos_token: model.bos_token.clone(),
+            eos_token: model.eos_token.clone(),
+        }))
+    }
+
+    /// Renders the chat template with `add_generation_prompt = true`.
+    pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, LockstepError> {
+        let tmpl = self.env.get_template("chat").map_err(|e| internal_template(&e))?;
+        tmpl.render(minijinja::context! {
+            messages => messages,
+            add_generation_prompt => true,
+            bos_token => &self.bos_token,
+            eos_token => &self.eos_token,
+        })
+        .map_err(|e| LockstepError::InvalidRequest {
+            message: format!("the chat template cannot render these messages: {e}"),
+            param: Some("messages".into()),
+        })
+    }
+
+    /// Tokenizes text exactly as the workers would (special tokens written in the text are parsed
+    /// as special tokens; no extra BOS is added: the template carries it).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, LockstepError> {
+        let enc = self.tokenizer.encode(text, false).map_err(|e| LockstepError::InvalidRequest {
+            message: format!("cannot tokenize the prompt: {e}"),
+            param: Some("prompt".into()),
+        })?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Decodes token ids to text (used for token-id prompts echoed back and for tests).
+    pub fn decode(&self, ids: &[u32]) -> String {
+        self.tokenizer.decode(ids, false).unwrap_or_default()
+    }
+
+    /// The vocabulary size, to validate client-sent token ids.
+    pub fn vocab_size(&self) -> usize {
+        self.tokenizer.get_vocab_size(true)
+    }
+}
+
+fn internal_template(e: &minijinja::Error) -> LockstepError {
+    LockstepError::Unavailable { message: format!("chat template unavailable: {e}") }
+}
+
+/// Refuses a request whose prompt plus completion exceeds the smaller of the context window and
+/// the KV capacity.
+pub fn check_fits(prompt_tokens: u64, max_tokens: u64, context_window: u64, kv_capacity: u64) -> Result<(), LockstepError> {
+    let limit = context_window.min(kv_capacity);
+    if prompt_tokens.saturating_add(max_tokens) > limit {
+        return Err(LockstepError::ContextLengthExceeded { prompt_tokens, max_tokens, limit, context_window, kv_capacity });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fits_uses_smaller_of_window_and_capacity() {
+        assert!(check_fits(10, 10, 20, 100).is_ok());
+        assert!(check_fits(10, 11, 20, 100).is_err());
+        assert!(check_fits(10, 10, 100, 19).is_err());
+        assert!(check_fits(u64::MAX, u64::MAX, 100, 100).is_err());
+        match check_fits(15, 10, 20, 30) {
+            Err(LockstepError::ContextLengthExceeded { limit, .. }) => assert_eq!(limit, 20),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+}

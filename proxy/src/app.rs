@@ -1,0 +1,207 @@
+//! Building a running lockstep from a configuration: models, pools, backends, health checks,
+//! the deployment check against what workers report, and the HTTP server.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+
+use crate::admission::Admission;
+use crate::backend::sglang::SglangBackend;
+use crate::backend::{PdBackend, UpstreamClient};
+use crate::config::{BackendKind, Config, ModelConfig, deployment_check};
+use crate::pair::{PairRegistry, PairRuntime, PairStats};
+use crate::pool::{WorkerPool, health_loop};
+
+/// One served model.
+#[derive(Debug)]
+pub struct ModelRuntime {
+    /// The name clients use.
+    pub name: Arc<str>,
+    /// Its configuration.
+    pub cfg: ModelConfig,
+    /// Tokenizer and chat template.
+    pub admission: Arc<Admission>,
+    /// Its pair lifecycle and pools.
+    pub pairs: Arc<PairRuntime>,
+    kv_capacity: AtomicU64,
+}
+
+impl std::fmt::Debug for PairRuntime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PairRuntime").field("model", &self.model).finish_non_exhaustive()
+    }
+}
+
+impl ModelRuntime {
+    /// The KV capacity admission uses: the configured one, or less when workers reported less.
+    pub fn kv_capacity(&self) -> u64 {
+        self.kv_capacity.load(Ordering::Acquire)
+    }
+}
+
+/// Shared state of the front ends.
+#[derive(Debug)]
+pub struct AppState {
+    /// Models by name.
+    pub models: BTreeMap<String, Arc<ModelRuntime>>,
+    /// Live pairs of all models.
+    pub registry: Arc<PairRegistry>,
+    /// Outcome counters of all models.
+    pub stats: Arc<PairStats>,
+    /// Largest accepted body.
+    pub max_body_bytes: usize,
+    /// Set while shutting down: `/ready` fails.
+    pub draining: AtomicBool,
+}
+
+/// The capacity a worker reports (SGLang `/get_server_info` → `max_total_num_tokens`).
+pub async fn probe_capacity(client: &UpstreamClient, base: &str) -> Option<u64> {
+    let url = format!("{base}/get_server_info");
+    let (status, body) = tokio::time::timeout(Duration::from_secs(2), client.get_collect(&url)).await.ok()?.ok()?;
+    if !(200..300).contains(&status) {
+        return None;
+    }
+    let v: serde_json::Value = serde_json::from_slice(&body).ok()?;
+    v.get("max_total_num_tokens")
+        .or_else(|| v.pointer("/internal_states/0/max_total_num_tokens"))
+        .and_then(serde_json::Value::as_u64)
+}
+
+/// Invariant 6 against live workers: the effective capacity is the smaller of the configured one
+/// and every capacity a worker reports. Returns it, or every problem found.
+pub async fn check_deployment(client: &UpstreamClient, m: &ModelConfig) -> Result<u64, String> {
+    let mut capacity = m.kv_capacity_tokens;
+    let mut source = "configured kv_capacity_tokens".to_string();
+    for w in m.prefill.workers.iter().chain(&m.decode.workers) {
+        match probe_capacity(client, w.url.trim_end_matches('/')).await {
+            Some(reported) if reported < capacity => {
+                capacity = reported;
+                source = format!("reported by worker {}", w.url);
+            }
+            Some(_) => {}
+            None => tracing::warn!(model = %m.name, worker = %w.url, "worker did not report a KV capacity; using the configured one"),
+        }
+    }
+    deployment_check(&m.name, m.context_window, m.headroom, capacity, &source)?;
+    Ok(capacity)
+}
+
+/// A running lockstep: its state, address and background tasks.
+#[derive(Debug)]
+pub struct Lockstep {
+    /// Shared state.
+    pub state: Arc<AppState>,
+    /// Where the HTTP listener is bound.
+    pub http_addr: SocketAddr,
+    tasks: Vec<JoinHandle<()>>,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl Lockstep {
+    /// Builds everything from `cfg`, runs the deployment check against the workers, binds the
+    /// listener and starts serving. Fails (naming every problem) rather than start unsafe.
+    pub async fn start(cfg: Config) -> Result<Lockstep, String> {
+        let problems = cfg.problems();
+        if !problems.is_empty() {
+            return Err(problems.join("\n"));
+        }
+        let client = UpstreamClient::new(Duration::from_millis(cfg.server.connect_timeout_ms));
+        let registry = Arc::new(PairRegistry::default());
+        let stats = Arc::new(PairStats::default());
+        let mut models = BTreeMap::new();
+        let mut tasks = Vec::new();
+        let mut errors = Vec::new();
+        for m in &cfg.models {
+            let capacity = match check_deployment(&client, m).await {
+                Ok(c) => c,
+                Err(e) => {
+                    errors.push(e);
+                    continue;
+                }
+            };
+            let admission = match Admission::load(m) {
+                Ok(a) => a,
+                Err(e) => {
+                    errors.push(e);
+                    continue;
+                }
+            };
+            let backend: Arc<dyn PdBackend> = match m.backend {
+                BackendKind::Sglang => Arc::new(SglangBackend::new(client.clone())),
+            };
+            let prefill = Arc::new(WorkerPool::new(&m.prefill));
+            let decode = Arc::new(WorkerPool::new(&m.decode));
+            let workers = prefill.workers().iter().chain(decode.workers()).cloned().collect();
+            tasks.push(tokio::spawn(health_loop(client.clone(), workers, m.health.clone())));
+            let name: Arc<str> = m.name.as_str().into();
+            let pairs = Arc::new(PairRuntime {
+                model: name.clone(),
+                backend,
+                prefill,
+                decode,
+                registry: registry.clone(),
+                timeouts: m.timeouts.clone(),
+                retry: m.retry.clone(),
+                stats: stats.clone(),
+            });
+            tracing::info!(model = %name, context_window = m.context_window, kv_capacity = capacity, "model ready");
+            models.insert(m.name.clone(), Arc::new(ModelRuntime { name, cfg: m.clone(), admission, pairs, kv_capacity: AtomicU64::new(capacity) }));
+        }
+        if !errors.is_empty() {
+            for t in &tasks {
+                t.abort();
+            }
+            return Err(errors.join("\n"));
+        }
+        let state = Arc::new(AppState {
+            models,
+            registry,
+            stats,
+            max_body_bytes: cfg.server.max_body_bytes,
+            draining: AtomicBool::new(false),
+        });
+        let listener = TcpListener::bind(cfg.server.http_listen)
+            .await
+            .map_err(|e| format!("cannot listen on {}: {e}", cfg.server.http_listen))?;
+        let http_addr = listener.local_addr().map_err(|e| e.to_string())?;
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let app = crate::http::router(state.clone());
+        tasks.push(tokio::spawn(async move {
+            let serve = axum::serve(listener, app).with_graceful_shutdown(async {
+                let _ = rx.await;
+            });
+            if let Err(e) = serve.await {
+                tracing::error!(error = %e, "HTTP server failed");
+            }
+        }));
+        tracing::info!(%http_addr, "lockstep listening (HTTP/1.1 and h2c)");
+        Ok(Lockstep { state, http_addr, tasks, shutdown: Some(tx) })
+    }
+
+    /// Stops accepting, lets in-flight responses end, stops background tasks.
+    pub async fn shutdown(mut self) {
+        self.state.draining.store(true, Ordering::Release);
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        if let Some(server) = self.tasks.pop() {
+            let _ = tokio::time::timeout(Duration::from_secs(10), server).await;
+        }
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+impl Drop for Lockstep {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}

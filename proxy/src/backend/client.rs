@@ -1,0 +1,100 @@
+//! The one HTTP client toward upstream workers: pooled keep-alive hyper.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Method, Request, Response};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+/// A cheap-to-clone pooled HTTP/1.1 client.
+#[derive(Clone, Debug)]
+pub struct UpstreamClient {
+    inner: Client<HttpConnector, Full<Bytes>>,
+}
+
+/// Why an upstream call failed.
+#[derive(Debug, Clone)]
+pub enum CallError {
+    /// Connecting failed: nothing was sent.
+    Connect(String),
+    /// The request was (maybe) sent but the exchange failed.
+    Transport(String),
+}
+
+impl UpstreamClient {
+    /// A client whose connects are bounded by `connect_timeout`.
+    pub fn new(connect_timeout: Duration) -> UpstreamClient {
+        let mut conn = HttpConnector::new();
+        conn.set_connect_timeout(Some(connect_timeout));
+        conn.set_nodelay(true);
+        let inner = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(90))
+            .pool_max_idle_per_host(1024)
+            .build(conn);
+        UpstreamClient { inner }
+    }
+
+    /// Sends a request and returns the response head (the body streams).
+    pub async fn send(&self, method: Method, url: &str, body: Bytes) -> Result<Response<Incoming>, CallError> {
+        let req = Request::builder()
+            .method(method)
+            .uri(url)
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(Full::new(body))
+            .map_err(|e| CallError::Connect(format!("bad request for {url}: {e}")))?;
+        self.inner.request(req).await.map_err(|e| {
+            let msg = format!("{url}: {}", error_chain(&e));
+            if e.is_connect() { CallError::Connect(msg) } else { CallError::Transport(msg) }
+        })
+    }
+
+    /// POSTs JSON and collects the whole answer (status, body).
+    pub async fn post_collect(&self, url: &str, body: Bytes) -> Result<(u16, Bytes), CallError> {
+        let resp = self.send(Method::POST, url, body).await?;
+        let status = resp.status().as_u16();
+        let body = resp
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| CallError::Transport(format!("{url}: {}", error_chain(&e))))?
+            .to_bytes();
+        Ok((status, body))
+    }
+
+    /// GETs a URL and collects the answer.
+    pub async fn get_collect(&self, url: &str) -> Result<(u16, Bytes), CallError> {
+        let resp = self.send(Method::GET, url, Bytes::new()).await?;
+        let status = resp.status().as_u16();
+        let body = resp
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| CallError::Transport(format!("{url}: {}", error_chain(&e))))?
+            .to_bytes();
+        Ok((status, body))
+    }
+
+    /// `GET {base}/health` answered 2xx within `timeout`.
+    pub async fn health(&self, base: &str, timeout: Duration) -> bool {
+        matches!(
+            tokio::time::timeout(timeout, self.get_collect(&format!("{base}/health"))).await,
+            Ok(Ok((s, _))) if (200..300).contains(&s)
+        )
+    }
+}
+
+/// An error and its sources, on one line.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        src = c.source();
+    }
+    s
+}

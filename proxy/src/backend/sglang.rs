@@ -1,0 +1,241 @@
+//! SGLang PD backend: the native `/generate` API with `input_ids` computed by lockstep,
+//! `rid`/`bootstrap_*` set by lockstep, and `/abort_request` on both halves.
+
+use bytes::{Bytes, BytesMut};
+use futures_util::StreamExt;
+use futures_util::future::BoxFuture;
+use http::Method;
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use serde_json::{Value, json};
+
+use super::client::{CallError, UpstreamClient, error_chain};
+use super::{DecodeChunk, DecodeStream, Dispatch, FinishReason, HalfError, HalfFailure, PdBackend, PrefillReport, Side};
+
+/// Talks to SGLang prefill and decode workers.
+#[derive(Debug, Clone)]
+pub struct SglangBackend {
+    client: UpstreamClient,
+}
+
+impl SglangBackend {
+    /// A backend over the shared upstream client.
+    pub fn new(client: UpstreamClient) -> SglangBackend {
+        SglangBackend { client }
+    }
+
+    /// The `/generate` body of one half. Client-sent routing fields never reach here: lockstep
+    /// builds the whole body.
+    pub fn generate_body(d: &Dispatch, stream: bool) -> Bytes {
+        let body = json!({
+            "input_ids": &*d.input_ids,
+            "sampling_params": &*d.sampling,
+            "rid": d.pair_id.to_string(),
+            "bootstrap_host": d.prefill.bootstrap_host,
+            "bootstrap_port": d.prefill.bootstrap_port,
+            "bootstrap_room": d.pair_id.raw(),
+            "stream": stream,
+        });
+        Bytes::from(serde_json::to_vec(&body).unwrap_or_default())
+    }
+}
+
+fn half_err(side: Side, e: CallError) -> HalfError {
+    let failure = match e {
+        CallError::Connect(m) => HalfFailure::Connect(m),
+        CallError::Transport(m) => HalfFailure::Transport(m),
+    };
+    HalfError { side, failure }
+}
+
+/// Extracts a worker's error message from an error body (SGLang: `{"error":{"message"}}` or
+/// `{"object":"error","message"}`), falling back to the raw text.
+fn error_message(body: &[u8]) -> String {
+    let v: Option<Value> = serde_json::from_slice(body).ok();
+    v.as_ref()
+        .and_then(|v| v.pointer("/error/message").or_else(|| v.get("message")).or_else(|| v.get("error")))
+        .map(|m| m.as_str().map(str::to_string).unwrap_or_else(|| m.to_string()))
+        .unwrap_or_else(|| String::from_utf8_lossy(&body[..body.len().min(256)]).into_owned())
+}
+
+/// Checks one `/generate` JSON object for an in-band failure; returns its finish reason.
+fn inspect(side: Side, v: &Value) -> Result<Option<FinishReason>, HalfError> {
+    let fail = |m: String| HalfError { side, failure: HalfFailure::InBandAbort(m) };
+    if let Some(err) = v.get("error").filter(|e| !e.is_null()) {
+        return Err(fail(err.to_string()));
+    }
+    let Some(meta) = v.get("meta_info") else {
+        return Err(HalfError { side, failure: HalfFailure::Protocol("no meta_info".into()) });
+    };
+    match meta.get("finish_reason") {
+        None | Some(Value::Null) => Ok(None),
+        Some(fr) => {
+            let kind = fr.get("type").and_then(Value::as_str).or_else(|| fr.as_str()).unwrap_or("");
+            match kind {
+                "stop" => Ok(Some(FinishReason::Stop)),
+                "length" => Ok(Some(FinishReason::Length)),
+                "abort" => Err(fail(fr.get("message").and_then(Value::as_str).unwrap_or("finish_reason abort").to_string())),
+                other => Err(HalfError { side, failure: HalfFailure::Protocol(format!("unknown finish_reason `{other}`")) }),
+            }
+        }
+    }
+}
+
+fn meta_u64(v: &Value, key: &str) -> Option<u64> {
+    v.get("meta_info").and_then(|m| m.get(key)).and_then(Value::as_u64)
+}
+
+impl PdBackend for SglangBackend {
+    fn prefill(&self, d: &Dispatch) -> BoxFuture<'static, Result<PrefillReport, HalfError>> {
+        let client = self.client.clone();
+        let url = format!("{}/generate", d.prefill.url);
+        let body = Self::generate_body(d, false);
+        Box::pin(async move {
+            let side = Side::Prefill;
+            let (status, body) = client.post_collect(&url, body).await.map_err(|e| half_err(side, e))?;
+            if !(200..300).contains(&status) {
+                return Err(HalfError { side, failure: HalfFailure::Status { status, message: error_message(&body) } });
+            }
+            let v: Value = serde_json::from_slice(&body)
+                .map_err(|e| HalfError { side, failure: HalfFailure::Protocol(format!("not JSON: {e}")) })?;
+            inspect(side, &v)?;
+            let prompt_tokens = meta_u64(&v, "prompt_tokens")
+                .ok_or(HalfError { side, failure: HalfFailure::Protocol("no meta_info.prompt_tokens".into()) })?;
+            Ok(PrefillReport { prompt_tokens })
+        })
+    }
+
+    fn decode(&self, d: &Dispatch) -> DecodeStream {
+        let client = self.client.clone();
+        let url = format!("{}/generate", d.decode.url);
+        let body = Self::generate_body(d, true);
+        let start = async move {
+            let side = Side::Decode;
+            let resp = client.send(Method::POST, &url, body).await.map_err(|e| half_err(side, e))?;
+            let status = resp.status().as_u16();
+            if !(200..300).contains(&status) {
+                let body = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+                return Err(HalfError { side, failure: HalfFailure::Status { status, message: error_message(&body) } });
+            }
+            Ok(SseDecoder { body: resp.into_body(), buf: BytesMut::new(), text_len: 0, done: false })
+        };
+        futures_util::stream::once(start)
+            .flat_map(|r| match r {
+                Ok(dec) => dec.into_stream().boxed(),
+                Err(e) => futures_util::stream::once(async move { Err(e) }).boxed(),
+            })
+            .boxed()
+    }
+
+    fn abort(&self, d: &Dispatch, side: Side) -> BoxFuture<'static, Result<(), HalfError>> {
+        let client = self.client.clone();
+        let worker = match side {
+            Side::Prefill => &d.prefill,
+            Side::Decode => &d.decode,
+        };
+        let url = format!("{}/abort_request", worker.url);
+        let body = Bytes::from(json!({ "rid": d.pair_id.to_string() }).to_string());
+        Box::pin(async move {
+            let (status, body) = client.post_collect(&url, body).await.map_err(|e| half_err(side, e))?;
+            if (200..300).contains(&status) {
+                Ok(())
+            } else {
+                Err(HalfError { side, failure: HalfFailure::Status { status, message: error_message(&body) } })
+            }
+        })
+    }
+}
+
+/// Turns SGLang's SSE stream (`data: {cumulative text, meta_info}` events, then `data: [DONE]`)
+/// into text deltas.
+struct SseDecoder {
+    body: Incoming,
+    buf: BytesMut,
+    text_len: usize,
+    done: bool,
+}
+
+impl SseDecoder {
+    fn into_stream(self) -> DecodeStream {
+        futures_util::stream::unfold(self, |mut dec| async move {
+            if dec.done {
+                return None;
+            }
+            let item = dec.next_chunk().await;
+            match item {
+                Ok(Some(c)) => Some((Ok(c), dec)),
+                Ok(None) => None,
+                Err(e) => {
+                    dec.done = true;
+                    Some((Err(e), dec))
+                }
+            }
+        })
+        .boxed()
+    }
+
+    async fn next_chunk(&mut self) -> Result<Option<DecodeChunk>, HalfError> {
+        let side = Side::Decode;
+        loop {
+            if let Some(event) = self.take_event() {
+                let data = event.trim();
+                if data.is_empty() {
+                    continue;
+                }
+                if data == "[DONE]" {
+                    self.done = true;
+                    return Ok(None);
+                }
+                let v: Value = serde_json::from_str(data)
+                    .map_err(|e| HalfError { side, failure: HalfFailure::Protocol(format!("bad SSE event: {e}")) })?;
+                let finish = inspect(side, &v)?;
+                let text = v.get("text").and_then(Value::as_str).unwrap_or("");
+                // SGLang streams cumulative text; lockstep forwards only the new part.
+                let delta = if text.len() >= self.text_len && text.is_char_boundary(self.text_len) {
+                    text[self.text_len..].to_string()
+                } else {
+                    return Err(HalfError { side, failure: HalfFailure::Protocol("streamed text is not cumulative".into()) });
+                };
+                self.text_len = text.len();
+                return Ok(Some(DecodeChunk {
+                    delta,
+                    prompt_tokens: meta_u64(&v, "prompt_tokens"),
+                    completion_tokens: meta_u64(&v, "completion_tokens").unwrap_or(0),
+                    finish,
+                }));
+            }
+            match self.body.frame().await {
+                Some(Ok(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        self.buf.extend_from_slice(&data);
+                    }
+                }
+                Some(Err(e)) => return Err(HalfError { side, failure: HalfFailure::Transport(error_chain(&e)) }),
+                None => {
+                    self.done = true;
+                    if self.buf.iter().all(u8::is_ascii_whitespace) {
+                        return Ok(None);
+                    }
+                    return Err(HalfError { side, failure: HalfFailure::Transport("stream ended mid-event".into()) });
+                }
+            }
+        }
+    }
+
+    /// Pops one complete SSE event's `data` payload from the buffer.
+    fn take_event(&mut self) -> Option<String> {
+        let pos = self.buf.windows(2).position(|w| w == b"\n\n")?;
+        let raw = self.buf.split_to(pos + 2);
+        let text = String::from_utf8_lossy(&raw);
+        let mut data = String::new();
+        for line in text.lines() {
+            if let Some(rest) = line.strip_prefix("data:") {
+                if !data.is_empty() {
+                    data.push('\n');
+                }
+                data.push_str(rest.strip_prefix(' ').unwrap_or(rest));
+            }
+        }
+        Some(data)
+    }
+}

@@ -1,0 +1,470 @@
+//! The TOML configuration: types, loading with precise errors, validation and the deployment check.
+//!
+//! Unknown keys are errors. Loading reports the file, the key path and what was expected;
+//! [`Config::problems`] lists every semantic problem at once, so `lockstep check` can show them all.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+/// The whole configuration file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Listeners and process-wide limits.
+    #[serde(default)]
+    pub server: ServerConfig,
+    /// The models lockstep serves, each with its backend and workers.
+    pub models: Vec<ModelConfig>,
+}
+
+/// Listeners and process-wide limits.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    /// Address of the HTTP listener (HTTP/1.1 and h2c).
+    pub http_listen: SocketAddr,
+    /// Log filter (`info`, `debug`, `lockstep=debug,warn`, ...).
+    pub log_level: String,
+    /// Largest request body accepted, in bytes.
+    pub max_body_bytes: usize,
+    /// Bound on connecting to a worker, in milliseconds.
+    pub connect_timeout_ms: u64,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            http_listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            log_level: "info".into(),
+            max_body_bytes: 4 * 1024 * 1024,
+            connect_timeout_ms: 2_000,
+        }
+    }
+}
+
+/// Which kind of backend serves a model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BackendKind {
+    /// SGLang prefill/decode workers over the native `/generate` API.
+    Sglang,
+}
+
+/// One model, its limits and its backend.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    /// The name clients use in `model`.
+    pub name: String,
+    /// The backend kind.
+    pub backend: BackendKind,
+    /// The model's context window in tokens (what it is advertised with).
+    pub context_window: u64,
+    /// KV capacity in tokens that one request can get. When workers report a capacity, the
+    /// smaller of the two is used.
+    pub kv_capacity_tokens: u64,
+    /// Safety factor: `context_window × headroom` must fit in the KV capacity. At least 1.
+    #[serde(default = "default_headroom")]
+    pub headroom: f64,
+    /// `max_tokens` used when a request does not say.
+    #[serde(default = "default_max_tokens")]
+    pub default_max_tokens: u64,
+    /// Path to a Hugging Face `tokenizer.json` (relative paths are relative to the config file).
+    pub tokenizer: PathBuf,
+    /// Chat template (Jinja): inline text or a file.
+    pub chat_template: ChatTemplateConfig,
+    /// Begin-of-sequence token text given to the template as `bos_token`.
+    #[serde(default)]
+    pub bos_token: String,
+    /// End-of-sequence token text given to the template as `eos_token`.
+    #[serde(default)]
+    pub eos_token: String,
+    /// Prefill workers.
+    pub prefill: PoolConfig,
+    /// Decode workers.
+    pub decode: PoolConfig,
+    /// Pair deadlines.
+    #[serde(default)]
+    pub timeouts: TimeoutConfig,
+    /// Retry policy.
+    #[serde(default)]
+    pub retry: RetryConfig,
+    /// Background health checks of the workers.
+    #[serde(default)]
+    pub health: HealthConfig,
+}
+
+fn default_headroom() -> f64 {
+    1.0
+}
+fn default_max_tokens() -> u64 {
+    256
+}
+
+/// A chat template given inline or as a file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "snake_case")]
+pub enum ChatTemplateConfig {
+    /// The template text itself.
+    Inline(String),
+    /// A file holding the template (relative to the config file).
+    Path(PathBuf),
+}
+
+/// How a pool picks a worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PolicyKind {
+    /// Each worker in turn.
+    #[default]
+    RoundRobin,
+    /// Power of two choices on in-flight pairs.
+    LeastLoad,
+}
+
+/// One side's worker pool.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolConfig {
+    /// Selection policy.
+    #[serde(default)]
+    pub policy: PolicyKind,
+    /// The workers.
+    pub workers: Vec<WorkerConfig>,
+}
+
+/// One worker.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerConfig {
+    /// Base URL, e.g. `http://10.0.0.5:30000`.
+    pub url: String,
+    /// SGLang bootstrap port of a prefill worker (sent to the decode as `bootstrap_port`).
+    #[serde(default)]
+    pub bootstrap_port: Option<u16>,
+    /// Host the decode should reach the prefill's bootstrap server at (default: the URL's host).
+    #[serde(default)]
+    pub bootstrap_host: Option<String>,
+}
+
+/// Pair deadlines, in milliseconds. Each one, when it expires, aborts both halves.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TimeoutConfig {
+    /// Whole pair, dispatch to last token.
+    pub total_ms: u64,
+    /// Prefill answer, from dispatch.
+    pub prefill_ms: u64,
+    /// First decode token, from dispatch.
+    pub first_token_ms: u64,
+    /// Longest gap between two decode chunks.
+    pub idle_ms: u64,
+    /// Bound on each `/abort_request` call (never delays the client's error).
+    pub abort_ms: u64,
+}
+
+impl Default for TimeoutConfig {
+    fn default() -> Self {
+        TimeoutConfig {
+            total_ms: 600_000,
+            prefill_ms: 60_000,
+            first_token_ms: 90_000,
+            idle_ms: 30_000,
+            abort_ms: 2_000,
+        }
+    }
+}
+
+impl TimeoutConfig {
+    /// `total_ms` as a duration.
+    pub fn total(&self) -> Duration {
+        Duration::from_millis(self.total_ms)
+    }
+    /// `prefill_ms` as a duration.
+    pub fn prefill(&self) -> Duration {
+        Duration::from_millis(self.prefill_ms)
+    }
+    /// `first_token_ms` as a duration.
+    pub fn first_token(&self) -> Duration {
+        Duration::from_millis(self.first_token_ms)
+    }
+    /// `idle_ms` as a duration.
+    pub fn idle(&self) -> Duration {
+        Duration::from_millis(self.idle_ms)
+    }
+    /// `abort_ms` as a duration.
+    pub fn abort(&self) -> Duration {
+        Duration::from_millis(self.abort_ms)
+    }
+}
+
+/// Retry policy: only before anything reached the client, only for failures safe to retry.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RetryConfig {
+    /// Additional attempts after the first (0 disables retries).
+    pub max_retries: u32,
+    /// Pause before a retry.
+    pub backoff_ms: u64,
+}
+
+impl Default for RetryConfig {
+    fn default() -> Self {
+        RetryConfig { max_retries: 1, backoff_ms: 20 }
+    }
+}
+
+/// Background health checks (`GET /health`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HealthConfig {
+    /// Time between checks.
+    pub interval_ms: u64,
+    /// Bound on one check.
+    pub timeout_ms: u64,
+    /// Consecutive failures that make a worker unhealthy.
+    pub failure_threshold: u32,
+    /// Consecutive successes that make it healthy again.
+    pub success_threshold: u32,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        HealthConfig { interval_ms: 5_000, timeout_ms: 1_000, failure_threshold: 3, success_threshold: 2 }
+    }
+}
+
+/// A configuration that could not be loaded or is not valid.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("{path}: cannot read: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The TOML does not parse or does not match the schema.
+    #[error("{path}: {message}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// Key path, position and what was expected.
+        message: String,
+    },
+    /// The configuration parses but has problems; all of them are listed.
+    #[error("{path}: {} problem(s):\n  - {}", problems.len(), problems.join("\n  - "))]
+    Invalid {
+        /// The file.
+        path: PathBuf,
+        /// One line per problem, each naming its key path.
+        problems: Vec<String>,
+    },
+}
+
+impl Config {
+    /// Reads, parses and validates a configuration file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
+        let mut cfg = Config::parse(&text).map_err(|message| ConfigError::Parse { path: path.to_path_buf(), message })?;
+        cfg.resolve_paths(path.parent().unwrap_or(Path::new(".")));
+        let problems = cfg.problems();
+        if problems.is_empty() {
+            Ok(cfg)
+        } else {
+            Err(ConfigError::Invalid { path: path.to_path_buf(), problems })
+        }
+    }
+
+    /// Parses TOML text; the error names the key path and what was expected.
+    pub fn parse(text: &str) -> Result<Config, String> {
+        let de = toml::Deserializer::parse(text).map_err(|e| e.to_string().trim_end().to_string())?;
+        serde_path_to_error::deserialize(de).map_err(|e| {
+            let path = e.path().to_string();
+            let inner = e.into_inner().to_string();
+            format!("at `{path}`: {}", inner.trim_end())
+        })
+    }
+
+    /// Makes relative tokenizer and template paths relative to the config file's folder.
+    pub fn resolve_paths(&mut self, base: &Path) {
+        for m in &mut self.models {
+            if m.tokenizer.is_relative() {
+                m.tokenizer = base.join(&m.tokenizer);
+            }
+            if let ChatTemplateConfig::Path(p) = &mut m.chat_template
+                && p.is_relative()
+            {
+                *p = base.join(&*p);
+            }
+        }
+    }
+
+    /// Every semantic problem, each naming its key path. Empty when the config is valid.
+    pub fn problems(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if self.models.is_empty() {
+            out.push("models: at least one model is required".to_string());
+        }
+        if self.server.connect_timeout_ms == 0 {
+            out.push("server.connect_timeout_ms: must be greater than 0".into());
+        }
+        if self.server.max_body_bytes == 0 {
+            out.push("server.max_body_bytes: must be greater than 0".into());
+        }
+        let mut names = std::collections::HashSet::new();
+        for (i, m) in self.models.iter().enumerate() {
+            let at = format!("models[{i}] ({})", m.name);
+            if m.name.trim().is_empty() {
+                out.push(format!("models[{i}].name: must not be empty"));
+            }
+            if !names.insert(m.name.as_str()) {
+                out.push(format!("{at}.name: duplicate model name"));
+            }
+            if m.context_window == 0 {
+                out.push(format!("{at}.context_window: must be greater than 0"));
+            }
+            if m.kv_capacity_tokens == 0 {
+                out.push(format!("{at}.kv_capacity_tokens: must be greater than 0"));
+            }
+            if !(m.headroom >= 1.0 && m.headroom.is_finite()) {
+                out.push(format!("{at}.headroom: must be a number >= 1.0, got {}", m.headroom));
+            }
+            if m.default_max_tokens == 0 {
+                out.push(format!("{at}.default_max_tokens: must be greater than 0"));
+            }
+            if let Err(p) = deployment_check(&m.name, m.context_window, m.headroom, m.kv_capacity_tokens, "configured") {
+                out.push(format!("{at}: {p}"));
+            }
+            if !m.tokenizer.is_file() {
+                out.push(format!("{at}.tokenizer: file not found: {}", m.tokenizer.display()));
+            }
+            if let ChatTemplateConfig::Path(p) = &m.chat_template
+                && !p.is_file()
+            {
+                out.push(format!("{at}.chat_template.path: file not found: {}", p.display()));
+            }
+            for (side, pool) in [("prefill", &m.prefill), ("decode", &m.decode)] {
+                if pool.workers.is_empty() {
+                    out.push(format!("{at}.{side}.workers: at least one worker is required"));
+                }
+                for (j, w) in pool.workers.iter().enumerate() {
+                    if let Err(e) = w.url.parse::<http::Uri>().map_err(|e| e.to_string()).and_then(|u| {
+                        if u.scheme_str() == Some("http") && u.host().is_some() {
+                            Ok(())
+                        } else {
+                            Err("expected an http://host:port URL".to_string())
+                        }
+                    }) {
+                        out.push(format!("{at}.{side}.workers[{j}].url: `{}`: {e}", w.url));
+                    }
+                }
+            }
+            if m.backend == BackendKind::Sglang {
+                for (j, w) in m.prefill.workers.iter().enumerate() {
+                    if w.bootstrap_port.is_none() {
+                        out.push(format!(
+                            "{at}.prefill.workers[{j}].bootstrap_port: required for the sglang backend"
+                        ));
+                    }
+                }
+            }
+            let t = &m.timeouts;
+            for (k, v) in [
+                ("total_ms", t.total_ms),
+                ("prefill_ms", t.prefill_ms),
+                ("first_token_ms", t.first_token_ms),
+                ("idle_ms", t.idle_ms),
+                ("abort_ms", t.abort_ms),
+            ] {
+                if v == 0 {
+                    out.push(format!("{at}.timeouts.{k}: must be greater than 0"));
+                }
+            }
+            let h = &m.health;
+            if h.interval_ms == 0 || h.timeout_ms == 0 || h.failure_threshold == 0 || h.success_threshold == 0 {
+                out.push(format!("{at}.health: interval_ms, timeout_ms and both thresholds must be greater than 0"));
+            }
+        }
+        out
+    }
+}
+
+/// Invariant 6: refuse a deployment whose context window (times headroom) exceeds the KV capacity.
+///
+/// `source` says where the capacity came from (`configured`, or the worker that reported it).
+pub fn deployment_check(model: &str, context_window: u64, headroom: f64, kv_capacity: u64, source: &str) -> Result<(), String> {
+    let needed = context_window as f64 * headroom;
+    if needed > kv_capacity as f64 {
+        Err(format!(
+            "deployment check failed for model `{model}`: context_window {context_window} × headroom {headroom} = {needed:.0} tokens \
+             exceeds the KV capacity of {kv_capacity} tokens ({source}); a request that fits the window would not fit the cache"
+        ))
+    } else {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BASE: &str = r#"
+[[models]]
+name = "m"
+backend = "sglang"
+context_window = 1000
+kv_capacity_tokens = 2000
+tokenizer = "/nonexistent/tokenizer.json"
+chat_template = { inline = "{{ messages }}" }
+[models.prefill]
+workers = [{ url = "http://127.0.0.1:1", bootstrap_port = 8998 }]
+[models.decode]
+workers = [{ url = "http://127.0.0.1:2" }]
+"#;
+
+    #[test]
+    fn unknown_key_names_the_key_path() {
+        let text = BASE.replace("context_window = 1000", "context_window = 1000\ncontext_windwo = 5");
+        let err = Config::parse(&text).unwrap_err();
+        assert!(err.contains("context_windwo"), "{err}");
+        assert!(err.contains("models"), "{err}");
+    }
+
+    #[test]
+    fn wrong_type_names_the_key_path_and_expectation() {
+        let text = BASE.replace("context_window = 1000", "context_window = \"big\"");
+        let err = Config::parse(&text).unwrap_err();
+        assert!(err.contains("context_window"), "{err}");
+        assert!(err.contains("u64") || err.contains("integer"), "{err}");
+    }
+
+    #[test]
+    fn all_problems_are_listed_at_once() {
+        let text = BASE
+            .replace("context_window = 1000", "context_window = 5000")
+            .replace("bootstrap_port = 8998", "")
+            .replace("http://127.0.0.1:2", "ftp://x");
+        let cfg = Config::parse(&text).expect("parses");
+        let p = cfg.problems().join("\n");
+        assert!(p.contains("5000") && p.contains("2000") && p.contains("`m`"), "{p}");
+        assert!(p.contains("bootstrap_port"), "{p}");
+        assert!(p.contains("decode.workers[0].url"), "{p}");
+        assert!(p.contains("tokenizer"), "{p}");
+    }
+
+    #[test]
+    fn deployment_check_uses_headroom() {
+        assert!(deployment_check("m", 1000, 1.0, 1000, "configured").is_ok());
+        let e = deployment_check("m", 1000, 1.5, 1200, "configured").unwrap_err();
+        assert!(e.contains("1000") && e.contains("1200") && e.contains("`m`"), "{e}");
+        // The incident's numbers.
+        let e = deployment_check("glm", 1_048_576, 1.0, 681_280, "worker").unwrap_err();
+        assert!(e.contains("1048576") && e.contains("681280"), "{e}");
+    }
+}

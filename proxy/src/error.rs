@@ -1,0 +1,304 @@
+//! The one place where errors become HTTP statuses and OpenAI error bodies.
+//!
+//! Every failure a client can see is a [`LockstepError`]. Each variant has one stable machine
+//! code ([`LockstepError::code`]), one HTTP status ([`LockstepError::status`]) and one body shape
+//! ([`LockstepError::body`]); front ends never build error responses by hand.
+
+use axum::response::{IntoResponse, Response};
+use http::StatusCode;
+use serde_json::json;
+
+use crate::pair::PairId;
+
+/// Which phase of a pair a deadline bounded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Phase {
+    /// The whole pair, from dispatch to the last token.
+    Total,
+    /// The prefill half's answer.
+    Prefill,
+    /// The decode half's first token.
+    FirstToken,
+    /// The gap between two decode tokens.
+    Idle,
+}
+
+impl Phase {
+    /// Stable lower-case name used in messages, metrics and tests.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Phase::Total => "total",
+            Phase::Prefill => "prefill",
+            Phase::FirstToken => "first_token",
+            Phase::Idle => "idle",
+        }
+    }
+}
+
+/// Every error a client of lockstep can receive.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum LockstepError {
+    /// The body is not valid JSON (or not UTF-8).
+    #[error("invalid JSON body: {message}")]
+    InvalidJson {
+        /// What the parser said.
+        message: String,
+    },
+    /// The JSON is well formed but a field is missing, of the wrong type or out of range.
+    #[error("{message}")]
+    InvalidRequest {
+        /// What is wrong.
+        message: String,
+        /// The offending field, when there is one.
+        param: Option<String>,
+    },
+    /// The body exceeds the configured limit.
+    #[error("request body exceeds the limit of {limit} bytes")]
+    BodyTooLarge {
+        /// The configured limit in bytes.
+        limit: usize,
+    },
+    /// No model of that name is configured.
+    #[error("model `{model}` does not exist")]
+    ModelNotFound {
+        /// The requested model.
+        model: String,
+    },
+    /// Prompt plus completion would not fit the model's context window or KV capacity.
+    #[error(
+        "this request needs {prompt_tokens} prompt tokens + {max_tokens} completion tokens = {} tokens, \
+         but the limit is {limit} tokens (context window {context_window}, KV capacity {kv_capacity})",
+        prompt_tokens + max_tokens
+    )]
+    ContextLengthExceeded {
+        /// Prompt tokens counted by lockstep's tokenizer.
+        prompt_tokens: u64,
+        /// Completion tokens requested (or the model default).
+        max_tokens: u64,
+        /// The smaller of the context window and the KV capacity.
+        limit: u64,
+        /// The model's context window.
+        context_window: u64,
+        /// The KV capacity lockstep can get.
+        kv_capacity: u64,
+    },
+    /// A feature the request uses is not supported yet.
+    #[error("{message}")]
+    Unsupported {
+        /// What is not supported.
+        message: String,
+        /// The field that asked for it.
+        param: Option<String>,
+    },
+    /// The prefill half failed or was rejected (error status, in-band abort, transport error).
+    #[error("prefill rejected pair {pair_id}: {message}")]
+    PrefillRejected {
+        /// The pair.
+        pair_id: PairId,
+        /// Why.
+        message: String,
+    },
+    /// The decode half failed (error status, transport error, stream cut).
+    #[error("decode failed for pair {pair_id}: {message}")]
+    DecodeFailed {
+        /// The pair.
+        pair_id: PairId,
+        /// Why.
+        message: String,
+    },
+    /// The halves disagree about what was computed: the answer cannot be proven to be the caller's.
+    #[error("integrity violation in pair {pair_id}: {message}")]
+    IntegrityViolation {
+        /// The pair.
+        pair_id: PairId,
+        /// What disagreed.
+        message: String,
+    },
+    /// A pair deadline expired.
+    #[error("pair {pair_id} timed out waiting for {}", phase.as_str())]
+    Timeout {
+        /// The pair.
+        pair_id: PairId,
+        /// The deadline that expired.
+        phase: Phase,
+    },
+    /// No healthy worker is available for one side of a model.
+    #[error("no healthy {side} worker for model `{model}`")]
+    NoHealthyWorker {
+        /// The model.
+        model: String,
+        /// `prefill` or `decode`.
+        side: &'static str,
+    },
+    /// No route matches the path.
+    #[error("no route for {method} {path}")]
+    RouteNotFound {
+        /// Request method.
+        method: String,
+        /// Request path.
+        path: String,
+    },
+    /// lockstep is shutting down or otherwise cannot take the request.
+    #[error("{message}")]
+    Unavailable {
+        /// Why.
+        message: String,
+    },
+}
+
+impl LockstepError {
+    /// The stable machine code, the `code` field of the OpenAI error body.
+    pub fn code(&self) -> &'static str {
+        match self {
+            LockstepError::InvalidJson { .. } => "invalid_json",
+            LockstepError::InvalidRequest { .. } => "invalid_request",
+            LockstepError::BodyTooLarge { .. } => "body_too_large",
+            LockstepError::ModelNotFound { .. } => "model_not_found",
+            LockstepError::ContextLengthExceeded { .. } => "context_length_exceeded",
+            LockstepError::Unsupported { .. } => "unsupported",
+            LockstepError::PrefillRejected { .. } => "prefill_rejected",
+            LockstepError::DecodeFailed { .. } => "decode_failed",
+            LockstepError::IntegrityViolation { .. } => "integrity_violation",
+            LockstepError::Timeout { .. } => "timeout",
+            LockstepError::NoHealthyWorker { .. } => "no_healthy_worker",
+            LockstepError::RouteNotFound { .. } => "not_found",
+            LockstepError::Unavailable { .. } => "unavailable",
+        }
+    }
+
+    /// The one HTTP status for this error's code.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            LockstepError::InvalidJson { .. }
+            | LockstepError::InvalidRequest { .. }
+            | LockstepError::ContextLengthExceeded { .. }
+            | LockstepError::Unsupported { .. } => StatusCode::BAD_REQUEST,
+            LockstepError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            LockstepError::ModelNotFound { .. } | LockstepError::RouteNotFound { .. } => {
+                StatusCode::NOT_FOUND
+            }
+            LockstepError::PrefillRejected { .. }
+            | LockstepError::DecodeFailed { .. }
+            | LockstepError::IntegrityViolation { .. } => StatusCode::BAD_GATEWAY,
+            LockstepError::Timeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+            LockstepError::NoHealthyWorker { .. } | LockstepError::Unavailable { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
+        }
+    }
+
+    /// The OpenAI `type` field.
+    pub fn kind(&self) -> &'static str {
+        if self.status().is_client_error() {
+            "invalid_request_error"
+        } else {
+            "server_error"
+        }
+    }
+
+    /// The OpenAI `param` field.
+    pub fn param(&self) -> Option<&str> {
+        match self {
+            LockstepError::InvalidRequest { param, .. } | LockstepError::Unsupported { param, .. } => {
+                param.as_deref()
+            }
+            LockstepError::ModelNotFound { .. } => Some("model"),
+            LockstepError::ContextLengthExceeded { .. } => Some("messages"),
+            _ => None,
+        }
+    }
+
+    /// The pair this error belongs to, when one was dispatched.
+    pub fn pair_id(&self) -> Option<PairId> {
+        match self {
+            LockstepError::PrefillRejected { pair_id, .. }
+            | LockstepError::DecodeFailed { pair_id, .. }
+            | LockstepError::IntegrityViolation { pair_id, .. }
+            | LockstepError::Timeout { pair_id, .. } => Some(*pair_id),
+            _ => None,
+        }
+    }
+
+    /// The OpenAI error body: `{"error":{"message","type","code","param"}}`, plus `pair_id`
+    /// (a string: ids exceed 2^53) when a pair was dispatched.
+    pub fn body(&self) -> serde_json::Value {
+        let mut error = json!({
+            "message": self.to_string(),
+            "type": self.kind(),
+            "code": self.code(),
+            "param": self.param(),
+        });
+        if let Some(id) = self.pair_id() {
+            error["pair_id"] = json!(id.to_string());
+        }
+        json!({ "error": error })
+    }
+}
+
+impl IntoResponse for LockstepError {
+    fn into_response(self) -> Response {
+        (self.status(), axum::Json(self.body())).into_response()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_code_has_one_status_and_a_complete_body() {
+        let id = PairId::from_raw(1u64 << 60);
+        let all = [
+            (LockstepError::InvalidJson { message: "x".into() }, 400),
+            (LockstepError::InvalidRequest { message: "x".into(), param: Some("max_tokens".into()) }, 400),
+            (LockstepError::BodyTooLarge { limit: 10 }, 413),
+            (LockstepError::ModelNotFound { model: "m".into() }, 404),
+            (
+                LockstepError::ContextLengthExceeded {
+                    prompt_tokens: 10,
+                    max_tokens: 5,
+                    limit: 12,
+                    context_window: 12,
+                    kv_capacity: 100,
+                },
+                400,
+            ),
+            (LockstepError::Unsupported { message: "n".into(), param: Some("n".into()) }, 400),
+            (LockstepError::PrefillRejected { pair_id: id, message: "x".into() }, 502),
+            (LockstepError::DecodeFailed { pair_id: id, message: "x".into() }, 502),
+            (LockstepError::IntegrityViolation { pair_id: id, message: "x".into() }, 502),
+            (LockstepError::Timeout { pair_id: id, phase: Phase::Prefill }, 504),
+            (LockstepError::NoHealthyWorker { model: "m".into(), side: "decode" }, 503),
+            (LockstepError::RouteNotFound { method: "GET".into(), path: "/x".into() }, 404),
+            (LockstepError::Unavailable { message: "draining".into() }, 503),
+        ];
+        let mut codes = std::collections::HashSet::new();
+        for (err, status) in all {
+            assert_eq!(err.status().as_u16(), status, "{err:?}");
+            assert!(codes.insert(err.code()), "duplicate code {}", err.code());
+            let body = err.body();
+            assert_eq!(body["error"]["code"], err.code());
+            assert!(body["error"]["message"].as_str().is_some_and(|m| !m.is_empty()));
+            assert!(body["error"]["type"].is_string());
+            assert!(body["error"].get("param").is_some());
+            if let Some(pid) = err.pair_id() {
+                assert_eq!(body["error"]["pair_id"], pid.to_string());
+            }
+        }
+    }
+
+    #[test]
+    fn context_error_names_counts_and_limit() {
+        let e = LockstepError::ContextLengthExceeded {
+            prompt_tokens: 700,
+            max_tokens: 400,
+            limit: 1000,
+            context_window: 1000,
+            kv_capacity: 2000,
+        };
+        let m = e.to_string();
+        for n in ["700", "400", "1100", "1000", "2000"] {
+            assert!(m.contains(n), "{m} lacks {n}");
+        }
+    }
+}

@@ -1,0 +1,124 @@
+//! The HTTP front end: OpenAI-compatible and SGLang-native routes, health and readiness.
+
+mod generate;
+mod openai;
+mod respond;
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use bytes::Bytes;
+use http::{HeaderMap, Method, Uri};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use serde::de::DeserializeOwned;
+use serde_json::json;
+
+use crate::app::{AppState, ModelRuntime};
+use crate::error::LockstepError;
+
+/// The router of all HTTP routes.
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/completions", post(openai::completions))
+        .route("/v1/models", get(models))
+        .route("/generate", post(generate::generate))
+        .route("/health", get(health))
+        .route("/ready", get(ready))
+        .fallback(not_found)
+        .with_state(state)
+}
+
+async fn not_found(method: Method, uri: Uri) -> Response {
+    LockstepError::RouteNotFound { method: method.to_string(), path: uri.path().to_string() }.into_response()
+}
+
+async fn health() -> Response {
+    axum::Json(json!({ "status": "ok" })).into_response()
+}
+
+/// Ready when not draining and every model has a healthy prefill and a healthy decode worker.
+async fn ready(State(state): State<Arc<AppState>>) -> Response {
+    let mut not_ready = Vec::new();
+    if state.draining.load(Ordering::Acquire) {
+        not_ready.push("draining".to_string());
+    }
+    for m in state.models.values() {
+        for (side, pool) in [("prefill", &m.pairs.prefill), ("decode", &m.pairs.decode)] {
+            if !pool.any_healthy() {
+                not_ready.push(format!("model `{}` has no healthy {side} worker", m.name));
+            }
+        }
+    }
+    if not_ready.is_empty() {
+        axum::Json(json!({ "status": "ready" })).into_response()
+    } else {
+        (http::StatusCode::SERVICE_UNAVAILABLE, axum::Json(json!({ "status": "not_ready", "reasons": not_ready }))).into_response()
+    }
+}
+
+async fn models(State(state): State<Arc<AppState>>) -> Response {
+    let data: Vec<_> = state
+        .models
+        .values()
+        .map(|m| {
+            json!({
+                "id": &*m.name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "lockstep",
+                "max_model_len": m.cfg.context_window,
+            })
+        })
+        .collect();
+    axum::Json(json!({ "object": "list", "data": data })).into_response()
+}
+
+/// Reads the body within the configured limit and parses it as `T`, mapping every failure to a
+/// stable error code: 413 `body_too_large`, 400 `invalid_json` or 400 `invalid_request` (with the
+/// offending field as `param`).
+pub(crate) async fn read_json<T: DeserializeOwned>(state: &AppState, headers: &HeaderMap, body: Body) -> Result<T, LockstepError> {
+    let limit = state.max_body_bytes;
+    let declared = headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(LockstepError::BodyTooLarge { limit });
+    }
+    let bytes: Bytes = match Limited::new(body, limit).collect().await {
+        Ok(c) => c.to_bytes(),
+        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => return Err(LockstepError::BodyTooLarge { limit }),
+        Err(e) => return Err(LockstepError::InvalidJson { message: format!("cannot read body: {e}") }),
+    };
+    if std::str::from_utf8(&bytes).is_err() {
+        return Err(LockstepError::InvalidJson { message: "body is not valid UTF-8".into() });
+    }
+    let de = &mut serde_json::Deserializer::from_slice(&bytes);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        if inner.is_data() {
+            LockstepError::InvalidRequest {
+                message: format!("`{path}`: {inner}"),
+                param: (path != ".").then_some(path),
+            }
+        } else {
+            LockstepError::InvalidJson { message: inner.to_string() }
+        }
+    })
+}
+
+/// Finds a model by name; `None` picks the only model when exactly one is configured.
+pub(crate) fn find_model(state: &AppState, name: Option<&str>) -> Result<Arc<ModelRuntime>, LockstepError> {
+    match name {
+        Some(n) => state.models.get(n).cloned().ok_or_else(|| LockstepError::ModelNotFound { model: n.to_string() }),
+        None if state.models.len() == 1 => state.models.values().next().cloned().ok_or(LockstepError::ModelNotFound { model: String::new() }),
+        None => Err(LockstepError::InvalidRequest { message: "`model` is required when several models are served".into(), param: Some("model".into()) }),
+    }
+}

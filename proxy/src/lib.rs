@@ -1,0 +1,14 @@
+//! lockstep: a sidecar proxy and router for disaggregated LLM inference.
+//!
+//! It pairs the prefill and decode halves of every request ([`pair`]), keeps them in one
+//! lifecycle, aborts both together on any failure, and releases decode output only after the
+//! commit barrier has verified the prefill. See `../shared/docs/architecture.md`.
+
+pub mod admission;
+pub mod app;
+pub mod backend;
+pub mod config;
+pub mod error;
+pub mod http;
+pub mod pair;
+pub mod pool;

@@ -1,0 +1,129 @@
+//! The `lockstep` command line.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use lockstep::app::{Lockstep, check_deployment};
+use lockstep::backend::UpstreamClient;
+use lockstep::config::Config;
+
+/// lockstep: a router for disaggregated LLM inference that pairs prefill and decode, aborts both
+/// halves together, and never returns an answer it cannot prove belongs to the caller.
+#[derive(Parser, Debug)]
+#[command(name = "lockstep", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Serve the models of a configuration file.
+    Serve {
+        /// Configuration file (TOML).
+        #[arg(short, long, env = "LOCKSTEP_CONFIG")]
+        config: PathBuf,
+        /// Override `server.http_listen`.
+        #[arg(long)]
+        http_listen: Option<SocketAddr>,
+        /// Override `server.log_level` (e.g. `debug`, `lockstep=debug,info`).
+        #[arg(long)]
+        log_level: Option<String>,
+    },
+    /// Validate a configuration file, list every problem, exit non-zero if there is one.
+    Check {
+        /// Configuration file (TOML).
+        #[arg(short, long)]
+        config: PathBuf,
+        /// Do not ask workers for their KV capacity; check the configured numbers only.
+        #[arg(long)]
+        offline: bool,
+    },
+}
+
+fn init_logs(level: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_new(level).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_target(false).try_init();
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Check { config, offline } => {
+            init_logs("warn");
+            let cfg = match Config::load(&config) {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("{e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            if !offline {
+                let client = UpstreamClient::new(std::time::Duration::from_millis(cfg.server.connect_timeout_ms));
+                let mut failed = false;
+                for m in &cfg.models {
+                    if let Err(e) = check_deployment(&client, m).await {
+                        eprintln!("{}: {e}", config.display());
+                        failed = true;
+                    }
+                }
+                if failed {
+                    return ExitCode::FAILURE;
+                }
+            }
+            println!("{}: OK ({} model(s))", config.display(), cfg.models.len());
+            ExitCode::SUCCESS
+        }
+        Command::Serve { config, http_listen, log_level } => {
+            let mut cfg = match Config::load(&config) {
+                Ok(c) => c,
+                Err(e) => {
+                    init_logs("info");
+                    eprintln!("{e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            if let Some(a) = http_listen {
+                cfg.server.http_listen = a;
+            }
+            if let Some(l) = log_level {
+                cfg.server.log_level = l;
+            }
+            init_logs(&cfg.server.log_level);
+            let running = match Lockstep::start(cfg).await {
+                Ok(r) => r,
+                Err(e) => {
+                    eprintln!("{}: refusing to start:\n{e}", config.display());
+                    return ExitCode::FAILURE;
+                }
+            };
+            wait_for_signal().await;
+            tracing::info!("shutting down");
+            running.shutdown().await;
+            ExitCode::SUCCESS
+        }
+    }
+}
+
+async fn wait_for_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(_) => {
+                let _ = ctrl_c.await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}

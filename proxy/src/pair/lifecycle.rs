@@ -1,0 +1,329 @@
+//! The pair lifecycle: dispatch both halves, hold decode output behind the commit barrier,
+//! abort both halves on any failure, retry only when safe. One task owns each pair.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use tokio::sync::mpsc;
+use tokio::time::{Instant as TokioInstant, sleep, sleep_until};
+
+use super::{PairId, PairInfo, PairRegistry, PairState};
+use crate::backend::{DecodeChunk, Dispatch, HalfError, HalfFailure, PdBackend, SamplingParams, Side};
+use crate::config::{RetryConfig, TimeoutConfig};
+use crate::error::{LockstepError, Phase};
+use crate::pool::WorkerPool;
+
+/// What the front end receives from a pair's task.
+#[derive(Debug)]
+pub enum PairEvent {
+    /// The barrier passed: the prefill is verified and the decode's first chunk agrees with it.
+    /// Nothing was sent to the client before this.
+    Committed {
+        /// The pair that answers.
+        pair_id: PairId,
+        /// The verified prompt token count.
+        prompt_tokens: u64,
+    },
+    /// Decode output; the chunk with `finish` set is the last.
+    Chunk(DecodeChunk),
+    /// The pair failed; both halves have been told to abort.
+    Failed(LockstepError),
+}
+
+/// Why a pair ended aborted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AbortReason {
+    /// The prefill half failed or was rejected.
+    PrefillFailed,
+    /// The decode half failed.
+    DecodeFailed,
+    /// The halves disagree about what was computed.
+    Integrity,
+    /// A deadline expired.
+    Deadline(Phase),
+    /// The client went away.
+    ClientGone,
+    /// No healthy worker (nothing was dispatched).
+    NoWorker,
+}
+
+impl AbortReason {
+    /// Stable name for logs and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AbortReason::PrefillFailed => "prefill_failed",
+            AbortReason::DecodeFailed => "decode_failed",
+            AbortReason::Integrity => "integrity",
+            AbortReason::Deadline(Phase::Total) => "deadline_total",
+            AbortReason::Deadline(Phase::Prefill) => "deadline_prefill",
+            AbortReason::Deadline(Phase::FirstToken) => "deadline_first_token",
+            AbortReason::Deadline(Phase::Idle) => "deadline_idle",
+            AbortReason::ClientGone => "client_gone",
+            AbortReason::NoWorker => "no_worker",
+        }
+    }
+}
+
+/// The one terminal state a request's pair task ends in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Every token reached the client and the pair finished normally.
+    Completed,
+    /// The pair was aborted on both halves.
+    Aborted(AbortReason),
+}
+
+/// Counters of pair outcomes.
+#[derive(Debug, Default)]
+pub struct PairStats {
+    /// Pairs dispatched (each retry is a new pair).
+    pub dispatched: AtomicU64,
+    /// Requests that completed.
+    pub completed: AtomicU64,
+    /// Requests that ended aborted.
+    pub aborted: AtomicU64,
+    /// Abort calls sent to workers.
+    pub abort_calls: AtomicU64,
+    /// Retries taken.
+    pub retries: AtomicU64,
+}
+
+/// Everything the lifecycle of one model's pairs needs.
+pub struct PairRuntime {
+    /// Model name (for the registry and errors).
+    pub model: Arc<str>,
+    /// The backend speaking to the workers.
+    pub backend: Arc<dyn PdBackend>,
+    /// Prefill workers.
+    pub prefill: Arc<WorkerPool>,
+    /// Decode workers.
+    pub decode: Arc<WorkerPool>,
+    /// Live pairs (shared by all models).
+    pub registry: Arc<PairRegistry>,
+    /// Deadlines.
+    pub timeouts: TimeoutConfig,
+    /// Retry policy.
+    pub retry: RetryConfig,
+    /// Outcome counters.
+    pub stats: Arc<PairStats>,
+}
+
+/// A failed attempt, with what the retry decision needs.
+struct Failure {
+    error: LockstepError,
+    reason: AbortReason,
+    retry_safe: bool,
+    failed_side: Option<Side>,
+}
+
+impl Failure {
+    fn from_half(pair_id: PairId, e: HalfError) -> Failure {
+        let retry_safe = e.retry_safe();
+        let message = e.to_string();
+        let (error, reason) = match e.side {
+            Side::Prefill => (LockstepError::PrefillRejected { pair_id, message }, AbortReason::PrefillFailed),
+            Side::Decode => (LockstepError::DecodeFailed { pair_id, message }, AbortReason::DecodeFailed),
+        };
+        Failure { error, reason, retry_safe, failed_side: Some(e.side) }
+    }
+    fn plain(error: LockstepError, reason: AbortReason) -> Failure {
+        Failure { error, reason, retry_safe: false, failed_side: None }
+    }
+    fn deadline(pair_id: PairId, phase: Phase) -> Failure {
+        Failure::plain(LockstepError::Timeout { pair_id, phase }, AbortReason::Deadline(phase))
+    }
+    fn integrity(pair_id: PairId, message: String) -> Failure {
+        Failure::plain(LockstepError::IntegrityViolation { pair_id, message }, AbortReason::Integrity)
+    }
+}
+
+impl PairRuntime {
+    /// Starts a request's pair task. Events arrive on the receiver; dropping the receiver is a
+    /// client disconnect and aborts both halves. The join handle yields the terminal state.
+    pub fn start(
+        self: &Arc<Self>,
+        input_ids: Arc<[u32]>,
+        sampling: Arc<SamplingParams>,
+    ) -> (mpsc::Receiver<PairEvent>, tokio::task::JoinHandle<Outcome>) {
+        let (tx, rx) = mpsc::channel(64);
+        let me = self.clone();
+        let handle = tokio::spawn(async move { me.run(input_ids, sampling, tx).await });
+        (rx, handle)
+    }
+
+    async fn run(&self, input_ids: Arc<[u32]>, sampling: Arc<SamplingParams>, tx: mpsc::Sender<PairEvent>) -> Outcome {
+        let started = TokioInstant::now();
+        let mut attempt: u32 = 0;
+        let mut avoid: (Option<Arc<crate::pool::Worker>>, Option<Arc<crate::pool::Worker>>) = (None, None);
+        let outcome = loop {
+            let Some(pg) = self.prefill.pick(avoid.0.as_ref()) else {
+                let _ = tx.send(PairEvent::Failed(LockstepError::NoHealthyWorker { model: self.model.to_string(), side: "prefill" })).await;
+                break Outcome::Aborted(AbortReason::NoWorker);
+            };
+            let Some(dg) = self.decode.pick(avoid.1.as_ref()) else {
+                let _ = tx.send(PairEvent::Failed(LockstepError::NoHealthyWorker { model: self.model.to_string(), side: "decode" })).await;
+                break Outcome::Aborted(AbortReason::NoWorker);
+            };
+            let guard = self.registry.register(PairInfo {
+                model: self.model.clone(),
+                prefill: pg.worker().url.clone(),
+                decode: dg.worker().url.clone(),
+                started: Instant::now(),
+                state: PairState::Dispatched,
+            });
+            let d = Dispatch {
+                pair_id: guard.id(),
+                prefill: pg.worker().clone(),
+                decode: dg.worker().clone(),
+                input_ids: input_ids.clone(),
+                sampling: sampling.clone(),
+            };
+            self.stats.dispatched.fetch_add(1, Ordering::Relaxed);
+            let mut committed = false;
+            match self.attempt(&d, &tx, started, &guard, &mut committed).await {
+                Ok(()) => break Outcome::Completed,
+                Err(f) => {
+                    guard.set_state(PairState::Aborting);
+                    self.abort_both(&d);
+                    tracing::warn!(pair = %d.pair_id, model = %self.model, reason = f.reason.as_str(), error = %f.error, "pair aborted on both halves");
+                    if !committed && f.retry_safe && attempt < self.retry.max_retries && !tx.is_closed() {
+                        attempt += 1;
+                        self.stats.retries.fetch_add(1, Ordering::Relaxed);
+                        avoid = match f.failed_side {
+                            Some(Side::Prefill) => (Some(d.prefill.clone()), None),
+                            Some(Side::Decode) => (None, Some(d.decode.clone())),
+                            None => (None, None),
+                        };
+                        drop((guard, pg, dg));
+                        sleep(Duration::from_millis(self.retry.backoff_ms)).await;
+                        continue;
+                    }
+                    if f.reason != AbortReason::ClientGone {
+                        // On a committed stream this becomes one error event; before, an error status.
+                        let _ = tokio::time::timeout(Duration::from_secs(1), tx.send(PairEvent::Failed(f.error))).await;
+                    }
+                    break Outcome::Aborted(f.reason);
+                }
+            }
+        };
+        match outcome {
+            Outcome::Completed => self.stats.completed.fetch_add(1, Ordering::Relaxed),
+            Outcome::Aborted(_) => self.stats.aborted.fetch_add(1, Ordering::Relaxed),
+        };
+        outcome
+    }
+
+    /// Sends the abort to both halves in the background, each bounded by `abort_ms`, never
+    /// delaying the client's error.
+    fn abort_both(&self, d: &Dispatch) {
+        for side in [Side::Prefill, Side::Decode] {
+            let fut = self.backend.abort(d, side);
+            let bound = self.timeouts.abort();
+            let pair = d.pair_id;
+            self.stats.abort_calls.fetch_add(1, Ordering::Relaxed);
+            tokio::spawn(async move {
+                match tokio::time::timeout(bound, fut).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => tracing::warn!(pair = %pair, side = side.as_str(), error = %e, "abort call failed"),
+                    Err(_) => tracing::warn!(pair = %pair, side = side.as_str(), "abort call timed out"),
+                }
+            });
+        }
+    }
+
+    /// One attempt: barrier, then streaming. `Err` means both halves must be aborted.
+    async fn attempt(
+        &self,
+        d: &Dispatch,
+        tx: &mpsc::Sender<PairEvent>,
+        started: TokioInstant,
+        guard: &super::PairGuard,
+        committed: &mut bool,
+    ) -> Result<(), Failure> {
+        let id = d.pair_id;
+        let t = &self.timeouts;
+        let dispatched = TokioInstant::now();
+        let total_at = started + t.total();
+        let prefill_at = dispatched + t.prefill();
+        let first_at = dispatched + t.first_token();
+        let expected = d.input_ids.len() as u64;
+
+        let mut prefill = self.backend.prefill(d);
+        let mut decode = self.backend.decode(d);
+        let mut prefill_ok = false;
+        let mut first: Option<DecodeChunk> = None;
+
+        // The commit barrier: no decode byte leaves before the prefill is verified and the decode's
+        // first chunk agrees with it.
+        while !prefill_ok || first.is_none() {
+            tokio::select! {
+                biased;
+                _ = tx.closed() => return Err(Failure::plain(LockstepError::Unavailable { message: "client went away".into() }, AbortReason::ClientGone)),
+                _ = sleep_until(total_at) => return Err(Failure::deadline(id, Phase::Total)),
+                _ = sleep_until(prefill_at), if !prefill_ok => return Err(Failure::deadline(id, Phase::Prefill)),
+                _ = sleep_until(first_at), if first.is_none() => return Err(Failure::deadline(id, Phase::FirstToken)),
+                r = &mut prefill, if !prefill_ok => {
+                    let report = r.map_err(|e| Failure::from_half(id, e))?;
+                    if report.prompt_tokens != expected {
+                        return Err(Failure::integrity(id, format!(
+                            "prefill computed {} prompt tokens, lockstep sent {expected}", report.prompt_tokens)));
+                    }
+                    prefill_ok = true;
+                }
+                c = decode.next(), if first.is_none() => {
+                    let chunk = match c {
+                        Some(Ok(chunk)) => chunk,
+                        Some(Err(e)) => return Err(Failure::from_half(id, e)),
+                        None => return Err(Failure::from_half(id, HalfError { side: Side::Decode, failure: HalfFailure::Protocol("stream ended before any token".into()) })),
+                    };
+                    check_decode_count(id, &chunk, expected)?;
+                    first = Some(chunk);
+                }
+            }
+        }
+
+        guard.set_state(PairState::Committed);
+        *committed = true;
+        let gone = || Failure::plain(LockstepError::Unavailable { message: "client went away".into() }, AbortReason::ClientGone);
+        if tx.send(PairEvent::Committed { pair_id: id, prompt_tokens: expected }).await.is_err() {
+            return Err(gone());
+        }
+        let Some(mut chunk) = first else {
+            return Err(Failure::plain(LockstepError::Unavailable { message: "internal: barrier passed without a chunk".into() }, AbortReason::DecodeFailed));
+        };
+        loop {
+            let finished = chunk.finish.is_some();
+            match tokio::time::timeout_at(total_at, tx.send(PairEvent::Chunk(chunk))).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => return Err(gone()),
+                Err(_) => return Err(Failure::deadline(id, Phase::Total)),
+            }
+            if finished {
+                return Ok(());
+            }
+            tokio::select! {
+                biased;
+                _ = tx.closed() => return Err(gone()),
+                _ = sleep_until(total_at) => return Err(Failure::deadline(id, Phase::Total)),
+                _ = sleep(t.idle()) => return Err(Failure::deadline(id, Phase::Idle)),
+                c = decode.next() => match c {
+                    Some(Ok(c)) => {
+                        check_decode_count(id, &c, expected)?;
+                        chunk = c;
+                    }
+                    Some(Err(e)) => return Err(Failure::from_half(id, e)),
+                    None => return Err(Failure::from_half(id, HalfError { side: Side::Decode, failure: HalfFailure::Protocol("stream ended without a finish reason".into()) })),
+                }
+            }
+        }
+    }
+}
+
+fn check_decode_count(id: PairId, chunk: &DecodeChunk, expected: u64) -> Result<(), Failure> {
+    match chunk.prompt_tokens {
+        Some(n) if n != expected => Err(Failure::integrity(id, format!("decode read {n} prompt tokens, lockstep sent {expected}"))),
+        _ => Ok(()),
+    }
+}
