@@ -1,1 +1,8 @@
-//! lockstep-tests
+//! Test support for lockstep's end-to-end tests: a PD-faithful SGLang mock ([`sglang_mock`]), a
+//! shared word-level tokenizer ([`tokenizer`]), and a harness that starts lockstep in process in
+//! front of the mock ([`harness`]).
+
+pub mod client;
+pub mod harness;
+pub mod sglang_mock;
+pub mod tokenizer;

@@ -1,0 +1,113 @@
+//! Starts lockstep in process (through its library) in front of a [`PdMock`].
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use lockstep::app::Lockstep;
+use lockstep::config::Config;
+
+use crate::sglang_mock::{MockConfig, PdMock};
+use crate::tokenizer;
+
+/// Deadlines used by the fault tests: short, so only lockstep's abort can explain a fast error
+/// while the mock's own KV wait is 15 s.
+pub const TEST_TIMEOUTS: &str = "total_ms = 5000\nprefill_ms = 500\nfirst_token_ms = 700\nidle_ms = 500\nabort_ms = 1000";
+
+/// A mock pair and a lockstep in front of it.
+pub struct Stack {
+    /// The mock workers.
+    pub mock: PdMock,
+    /// lockstep.
+    pub lockstep: Lockstep,
+    /// lockstep's base URL.
+    pub url: String,
+    _dir: tempfile::TempDir,
+}
+
+/// The model name the stack serves.
+pub const MODEL: &str = "mock-pd";
+
+/// A config for lockstep in front of `mock` with the given extra model settings.
+pub fn config_text(mock: &PdMock, tokenizer: &std::path::Path, model_extra: &str, timeouts: &str) -> String {
+    format!(
+        r#"
+[server]
+http_listen = "127.0.0.1:0"
+max_body_bytes = 65536
+
+[[models]]
+name = "{MODEL}"
+backend = "sglang"
+context_window = 512
+kv_capacity_tokens = 1024
+default_max_tokens = 8
+tokenizer = "{tok}"
+chat_template = {{ inline = '{tmpl}' }}
+{model_extra}
+
+[models.prefill]
+workers = [{{ url = "{p}", bootstrap_port = 8998 }}]
+
+[models.decode]
+workers = [{{ url = "{d}" }}]
+
+[models.timeouts]
+{timeouts}
+
+[models.retry]
+max_retries = 1
+backoff_ms = 5
+
+[models.health]
+interval_ms = 100
+timeout_ms = 200
+failure_threshold = 2
+success_threshold = 1
+"#,
+        tok = tokenizer.display(),
+        tmpl = tokenizer::CHAT_TEMPLATE,
+        p = mock.prefill_url(),
+        d = mock.decode_url(),
+    )
+}
+
+impl Stack {
+    /// Starts a mock with default settings and lockstep with the test deadlines.
+    pub async fn start() -> Stack {
+        Stack::start_with(MockConfig::default(), "", TEST_TIMEOUTS).await
+    }
+
+    /// Starts a mock and lockstep with custom settings.
+    pub async fn start_with(mock_cfg: MockConfig, model_extra: &str, timeouts: &str) -> Stack {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let tok_path: PathBuf = dir.path().join("tokenizer.json");
+        tokenizer::write(&tok_path).expect("write tokenizer");
+        let mock = PdMock::start(mock_cfg, tokenizer::build()).await.expect("mock starts");
+        let text = config_text(&mock, &tok_path, model_extra, timeouts);
+        let cfg = Config::parse(&text).expect("test config parses");
+        let lockstep = Lockstep::start(cfg).await.expect("lockstep starts");
+        let url = format!("http://{}", lockstep.http_addr);
+        Stack { mock, lockstep, url, _dir: dir }
+    }
+
+    /// True when lockstep holds nothing: no live pair, every load counter at zero.
+    pub fn lockstep_idle(&self) -> bool {
+        let st = &self.lockstep.state;
+        st.registry.is_empty()
+            && st.models.values().all(|m| {
+                m.pairs.prefill.workers().iter().chain(m.pairs.decode.workers()).all(|w| w.in_flight() == 0)
+            })
+    }
+
+    /// Waits (bounded) until both lockstep and the mock hold nothing.
+    pub async fn wait_all_idle(&self, bound: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + bound;
+        while tokio::time::Instant::now() < deadline {
+            if self.lockstep_idle() && self.mock.is_idle() {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        false
+    }
+}

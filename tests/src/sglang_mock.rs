@@ -1,0 +1,615 @@
+//! A PD-faithful mock of an SGLang prefill/decode pair.
+//!
+//! What it models, because lockstep's guarantees depend on it:
+//! - **The rendezvous.** Prefill computes "KV" for a `bootstrap_room` into pages of a shared pool
+//!   and publishes the room; decode waits for its room (up to `kv_wait_timeout`), reads the pages
+//!   and generates from them. Work runs in tasks independent of the HTTP connection, as in
+//!   SGLang's scheduler: dropping the connection does not release a half; `/abort_request` does.
+//! - **Unscrubbed reuse.** Freed pages keep their contents and are reused last-in first-out, so a
+//!   decode that reads pages it was not given (the incident's decoy) answers with an earlier
+//!   request's tokens.
+//! - **Decode output comes from the KV:** it echoes the prompt tokens it read, so the content of a
+//!   response tells whose KV produced it.
+//! - `/abort_request {"rid"}` stops the half with that rid on that server and frees what it holds;
+//!   every call is recorded with whether it released a live half.
+//! - SGLang's answer shapes: `meta_info` with `prompt_tokens`, `completion_tokens`,
+//!   `finish_reason` (`{"type":"length"|"stop"|"abort"}`), cumulative `text` on SSE streams,
+//!   `/get_server_info` with `max_total_num_tokens`, `/health`.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use bytes::Bytes;
+use http::StatusCode;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use serde_json::{Value, json};
+use tokenizers::Tokenizer;
+use tokio::net::TcpListener;
+use tokio::sync::{Notify, mpsc, oneshot};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tower::ServiceExt;
+
+/// Which server of the pair.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// The prefill server.
+    Prefill,
+    /// The decode server.
+    Decode,
+}
+
+/// Injected faults, applied to every request until changed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// Behave like a healthy SGLang pair.
+    None,
+    /// Prefill answers this error status.
+    PrefillStatus(u16),
+    /// The incident: prefill answers 200 with `finish_reason: abort` after writing a one-token
+    /// decoy, and publishes the room as complete, so decode reads stale pages.
+    PrefillInBandAbortDecoy,
+    /// Prefill never answers (until aborted).
+    PrefillHang,
+    /// Prefill resets the connection without answering.
+    PrefillReset,
+    /// Prefill reports one prompt token more than it was sent.
+    PrefillCountMismatch,
+    /// Decode answers this error status at once.
+    DecodeStatus(u16),
+    /// Decode receives the KV and then never emits a token (until aborted).
+    DecodeHang,
+    /// Decode's stream breaks after this many events.
+    DecodeCut(usize),
+    /// Decode reports one prompt token more than it read.
+    DecodeCountMismatch,
+    /// Both halves are slow but within any sane deadline.
+    Slow {
+        /// Prefill delay in ms.
+        prefill_ms: u64,
+        /// Per-token decode delay in ms.
+        token_ms: u64,
+    },
+}
+
+/// Mock settings.
+#[derive(Debug, Clone)]
+pub struct MockConfig {
+    /// Pages in the shared pool.
+    pub total_pages: usize,
+    /// Tokens per page.
+    pub page_size: usize,
+    /// How long decode waits for its room's KV (SGLang's transfer timeout). 10 s or more in tests.
+    pub kv_wait_timeout: Duration,
+    /// Delay between decode tokens.
+    pub token_delay: Duration,
+}
+
+impl Default for MockConfig {
+    fn default() -> Self {
+        MockConfig { total_pages: 64, page_size: 16, kv_wait_timeout: Duration::from_secs(15), token_delay: Duration::from_millis(1) }
+    }
+}
+
+/// One `/abort_request` call the mock received.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AbortRecord {
+    /// Server that received it.
+    pub role: Role,
+    /// The rid it named.
+    pub rid: String,
+    /// Whether it stopped a live half (false: the half had already ended).
+    pub released_live: bool,
+}
+
+enum Room {
+    Published { pages: Vec<usize>, tokens: usize },
+    Abandoned,
+}
+
+struct Pool {
+    pages: Vec<Vec<u32>>,
+    free: Vec<usize>,
+}
+
+impl Pool {
+    fn alloc(&mut self, n: usize) -> Option<Vec<usize>> {
+        if self.free.len() < n {
+            return None;
+        }
+        Some((0..n).filter_map(|_| self.free.pop()).collect())
+    }
+    fn release(&mut self, pages: Vec<usize>) {
+        // Not scrubbed: contents stay for the next owner, as in a real KV pool.
+        self.free.extend(pages.into_iter().rev());
+    }
+}
+
+struct Inner {
+    cfg: MockConfig,
+    tokenizer: Tokenizer,
+    fault: Mutex<Fault>,
+    healthy: Mutex<(bool, bool)>,
+    pool: Mutex<Pool>,
+    rooms: Mutex<HashMap<u64, Room>>,
+    room_ready: Notify,
+    live: Mutex<HashMap<(Role, String), CancellationToken>>,
+    aborts: Mutex<Vec<AbortRecord>>,
+    requests: Mutex<Vec<(Role, Value)>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A running mock pair: a prefill server and a decode server on loopback.
+pub struct PdMock {
+    inner: Arc<Inner>,
+    /// Address of the prefill server.
+    pub prefill_addr: SocketAddr,
+    /// Address of the decode server.
+    pub decode_addr: SocketAddr,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Drop for PdMock {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+        for token in lock(&self.inner.live).values() {
+            token.cancel();
+        }
+    }
+}
+
+#[derive(Clone)]
+struct Ctx {
+    inner: Arc<Inner>,
+    role: Role,
+}
+
+impl PdMock {
+    /// Starts both servers on ephemeral loopback ports.
+    pub async fn start(cfg: MockConfig, tokenizer: Tokenizer) -> std::io::Result<PdMock> {
+        Self::start_on(cfg, tokenizer, "127.0.0.1:0".parse().expect("addr"), "127.0.0.1:0".parse().expect("addr")).await
+    }
+
+    /// Starts both servers on the given addresses.
+    pub async fn start_on(cfg: MockConfig, tokenizer: Tokenizer, prefill: SocketAddr, decode: SocketAddr) -> std::io::Result<PdMock> {
+        let pool = Pool { pages: vec![vec![0; cfg.page_size]; cfg.total_pages], free: (0..cfg.total_pages).rev().collect() };
+        let inner = Arc::new(Inner {
+            cfg,
+            tokenizer,
+            fault: Mutex::new(Fault::None),
+            healthy: Mutex::new((true, true)),
+            pool: Mutex::new(pool),
+            rooms: Mutex::new(HashMap::new()),
+            room_ready: Notify::new(),
+            live: Mutex::new(HashMap::new()),
+            aborts: Mutex::new(Vec::new()),
+            requests: Mutex::new(Vec::new()),
+        });
+        let (pl, dl) = (TcpListener::bind(prefill).await?, TcpListener::bind(decode).await?);
+        let (prefill_addr, decode_addr) = (pl.local_addr()?, dl.local_addr()?);
+        let tasks = vec![
+            tokio::spawn(serve(pl, Ctx { inner: inner.clone(), role: Role::Prefill })),
+            tokio::spawn(serve(dl, Ctx { inner: inner.clone(), role: Role::Decode })),
+        ];
+        Ok(PdMock { inner, prefill_addr, decode_addr, tasks })
+    }
+
+    /// Base URL of the prefill server.
+    pub fn prefill_url(&self) -> String {
+        format!("http://{}", self.prefill_addr)
+    }
+    /// Base URL of the decode server.
+    pub fn decode_url(&self) -> String {
+        format!("http://{}", self.decode_addr)
+    }
+    /// Sets the fault applied to following requests.
+    pub fn set_fault(&self, f: Fault) {
+        *lock(&self.inner.fault) = f;
+    }
+    /// Makes one server's `/health` fail or pass.
+    pub fn set_healthy(&self, role: Role, ok: bool) {
+        let mut h = lock(&self.inner.healthy);
+        match role {
+            Role::Prefill => h.0 = ok,
+            Role::Decode => h.1 = ok,
+        }
+    }
+    /// Halves still running (waiting, computing or streaming).
+    pub fn live_halves(&self) -> Vec<(Role, String)> {
+        lock(&self.inner.live).keys().cloned().collect()
+    }
+    /// Every abort call received so far.
+    pub fn aborts(&self) -> Vec<AbortRecord> {
+        lock(&self.inner.aborts).clone()
+    }
+    /// Every `/generate` body received so far, by server.
+    pub fn requests(&self) -> Vec<(Role, Value)> {
+        lock(&self.inner.requests).clone()
+    }
+    /// Number of `/generate` requests received.
+    pub fn request_count(&self) -> usize {
+        lock(&self.inner.requests).len()
+    }
+    /// Free pages in the pool.
+    pub fn free_pages(&self) -> usize {
+        lock(&self.inner.pool).free.len()
+    }
+    /// Pages in the pool.
+    pub fn total_pages(&self) -> usize {
+        self.inner.cfg.total_pages
+    }
+    /// Rooms whose KV was published but not consumed or freed.
+    pub fn open_rooms(&self) -> usize {
+        lock(&self.inner.rooms).values().filter(|r| matches!(r, Room::Published { .. })).count()
+    }
+    /// True when nothing is held: no live half, no open room, every page free.
+    pub fn is_idle(&self) -> bool {
+        self.live_halves().is_empty() && self.open_rooms() == 0 && self.free_pages() == self.total_pages()
+    }
+    /// Waits (bounded) until the mock is idle; returns whether it got there.
+    pub async fn wait_idle(&self, bound: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + bound;
+        while tokio::time::Instant::now() < deadline {
+            if self.is_idle() {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        self.is_idle()
+    }
+}
+
+async fn serve(listener: TcpListener, ctx: Ctx) {
+    let router = Router::new()
+        .route("/generate", post(generate))
+        .route("/abort_request", post(abort))
+        .route("/health", get(health))
+        .route("/get_server_info", get(server_info))
+        .with_state(ctx.clone());
+    loop {
+        let Ok((stream, _)) = listener.accept().await else { continue };
+        let router = router.clone();
+        let ctx = ctx.clone();
+        tokio::spawn(async move {
+            let svc = hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
+                let router = router.clone();
+                let ctx = ctx.clone();
+                async move {
+                    let reset = ctx.role == Role::Prefill && req.uri().path() == "/generate" && *lock(&ctx.inner.fault) == Fault::PrefillReset;
+                    if reset {
+                        lock(&ctx.inner.requests).push((Role::Prefill, json!({"reset": true})));
+                        // An error from the service makes hyper drop the connection unanswered.
+                        return Err::<Response, std::io::Error>(std::io::Error::other("injected connection reset"));
+                    }
+                    Ok(router.oneshot(req.map(Body::new)).await.unwrap_or_else(|e| match e {}))
+                }
+            });
+            let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new()).serve_connection(TokioIo::new(stream), svc).await;
+        });
+    }
+}
+
+async fn health(State(ctx): State<Ctx>) -> Response {
+    let h = *lock(&ctx.inner.healthy);
+    let ok = match ctx.role {
+        Role::Prefill => h.0,
+        Role::Decode => h.1,
+    };
+    if ok { StatusCode::OK.into_response() } else { StatusCode::SERVICE_UNAVAILABLE.into_response() }
+}
+
+async fn server_info(State(ctx): State<Ctx>) -> Response {
+    let cap = ctx.inner.cfg.total_pages * ctx.inner.cfg.page_size;
+    axum::Json(json!({ "max_total_num_tokens": cap, "page_size": ctx.inner.cfg.page_size, "disaggregation_mode": match ctx.role { Role::Prefill => "prefill", Role::Decode => "decode" } })).into_response()
+}
+
+async fn abort(State(ctx): State<Ctx>, body: Bytes) -> Response {
+    let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    let Some(rid) = v.get("rid").and_then(Value::as_str).map(str::to_string) else {
+        return sglang_error(StatusCode::BAD_REQUEST, "rid is required");
+    };
+    let token = lock(&ctx.inner.live).get(&(ctx.role, rid.clone())).cloned();
+    if let Some(t) = &token {
+        t.cancel();
+    }
+    lock(&ctx.inner.aborts).push(AbortRecord { role: ctx.role, rid, released_live: token.is_some() });
+    axum::Json(json!({})).into_response()
+}
+
+fn sglang_error(status: StatusCode, message: &str) -> Response {
+    (status, axum::Json(json!({ "object": "error", "message": message, "type": "BadRequestError", "code": status.as_u16() }))).into_response()
+}
+
+struct Half {
+    rid: String,
+    room: u64,
+    ids: Vec<u32>,
+    max_new: usize,
+    stream: bool,
+}
+
+fn parse_half(v: &Value) -> Result<Half, &'static str> {
+    let rid = v.get("rid").and_then(Value::as_str).ok_or("rid is required in PD mode")?.to_string();
+    let room = v.get("bootstrap_room").and_then(Value::as_u64).ok_or("bootstrap_room is required in PD mode")?;
+    if v.get("bootstrap_host").and_then(Value::as_str).is_none() {
+        return Err("bootstrap_host is required in PD mode");
+    }
+    let ids: Vec<u32> = v
+        .get("input_ids")
+        .and_then(Value::as_array)
+        .ok_or("input_ids is required")?
+        .iter()
+        .map(|x| x.as_u64().map(|n| n as u32))
+        .collect::<Option<_>>()
+        .ok_or("input_ids must be integers")?;
+    if ids.is_empty() {
+        return Err("input_ids must not be empty");
+    }
+    let max_new = v.pointer("/sampling_params/max_new_tokens").and_then(Value::as_u64).unwrap_or(16) as usize;
+    Ok(Half { rid, room, ids, max_new, stream: v.get("stream").and_then(Value::as_bool).unwrap_or(false) })
+}
+
+async fn generate(State(ctx): State<Ctx>, body: Bytes) -> Response {
+    let v: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(_) => return sglang_error(StatusCode::BAD_REQUEST, "body is not JSON"),
+    };
+    lock(&ctx.inner.requests).push((ctx.role, v.clone()));
+    let half = match parse_half(&v) {
+        Ok(h) => h,
+        Err(m) => return sglang_error(StatusCode::BAD_REQUEST, m),
+    };
+    let fault = *lock(&ctx.inner.fault);
+    match ctx.role {
+        Role::Prefill => prefill(ctx.inner, half, fault).await,
+        Role::Decode => decode(ctx.inner, half, fault).await,
+    }
+}
+
+fn register(inner: &Inner, role: Role, rid: &str) -> CancellationToken {
+    let token = CancellationToken::new();
+    lock(&inner.live).insert((role, rid.to_string()), token.clone());
+    token
+}
+
+fn unregister(inner: &Inner, role: Role, rid: &str) {
+    lock(&inner.live).remove(&(role, rid.to_string()));
+}
+
+fn meta(rid: &str, prompt_tokens: usize, completion: usize, finish: Value) -> Value {
+    json!({ "id": rid, "prompt_tokens": prompt_tokens, "completion_tokens": completion, "cached_tokens": 0, "finish_reason": finish })
+}
+
+/// Publishes a room, unless its decode was already aborted (then the pages are freed).
+fn publish(inner: &Inner, room: u64, pages: Vec<usize>, tokens: usize) {
+    let mut rooms = lock(&inner.rooms);
+    if matches!(rooms.get(&room), Some(Room::Abandoned)) {
+        rooms.remove(&room);
+        lock(&inner.pool).release(pages);
+        return;
+    }
+    rooms.insert(room, Room::Published { pages, tokens });
+    drop(rooms);
+    inner.room_ready.notify_waiters();
+}
+
+async fn prefill(inner: Arc<Inner>, h: Half, fault: Fault) -> Response {
+    if let Fault::PrefillStatus(code) = fault {
+        let status = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        return sglang_error(status, "injected prefill failure");
+    }
+    let cancel = register(&inner, Role::Prefill, &h.rid);
+    let (tx, rx) = oneshot::channel();
+    let work = inner.clone();
+    // The scheduler's work: independent of the HTTP connection.
+    tokio::spawn(async move {
+        let inner = work;
+        let aborted = |rid: &str| json!({ "text": "", "meta_info": meta(rid, 0, 0, json!({"type": "abort", "message": "Abort request"})) });
+        let delay = match fault {
+            Fault::PrefillHang => Duration::from_secs(120),
+            Fault::Slow { prefill_ms, .. } => Duration::from_millis(prefill_ms),
+            _ => Duration::ZERO,
+        };
+        if !delay.is_zero() {
+            tokio::select! {
+                _ = cancel.cancelled() => {
+                    unregister(&inner, Role::Prefill, &h.rid);
+                    let _ = tx.send((StatusCode::OK, aborted(&h.rid)));
+                    return;
+                }
+                _ = tokio::time::sleep(delay) => {}
+            }
+        }
+        if cancel.is_cancelled() {
+            unregister(&inner, Role::Prefill, &h.rid);
+            let _ = tx.send((StatusCode::OK, aborted(&h.rid)));
+            return;
+        }
+        let ps = inner.cfg.page_size;
+        let n = h.ids.len();
+        let capacity = inner.cfg.total_pages * ps;
+        let decoy = fault == Fault::PrefillInBandAbortDecoy || n > capacity;
+        let want = n.min(capacity).div_ceil(ps);
+        let Some(pages) = lock(&inner.pool).alloc(want) else {
+            unregister(&inner, Role::Prefill, &h.rid);
+            let _ = tx.send((StatusCode::SERVICE_UNAVAILABLE, json!({"object": "error", "message": "KV pool exhausted", "code": 503})));
+            return;
+        };
+        {
+            let mut pool = lock(&inner.pool);
+            if decoy {
+                // The engine bug: only a one-token decoy is written; the rest of the pages keep
+                // whatever an earlier request left there.
+                pool.pages[pages[0]][0] = h.ids[0];
+            } else {
+                for (i, t) in h.ids.iter().enumerate() {
+                    pool.pages[pages[i / ps]][i % ps] = *t;
+                }
+            }
+        }
+        let tokens = n.min(pages.len() * ps);
+        publish(&inner, h.room, pages, tokens);
+        unregister(&inner, Role::Prefill, &h.rid);
+        let first = inner.tokenizer.decode(&h.ids[..1], false).unwrap_or_default();
+        let body = if decoy {
+            json!({ "text": "", "meta_info": meta(&h.rid, n, 0, json!({"type": "abort", "message": format!("Input length ({n} tokens) exceeds the maximum allowed length ({capacity} tokens)")})) })
+        } else {
+            let reported = if fault == Fault::PrefillCountMismatch { n + 1 } else { n };
+            json!({ "text": first, "output_ids": [h.ids[0]], "meta_info": meta(&h.rid, reported, 1, json!({"type": "length", "length": 1})) })
+        };
+        let _ = tx.send((StatusCode::OK, body));
+    });
+    match rx.await {
+        Ok((status, body)) => (status, axum::Json(body)).into_response(),
+        Err(_) => sglang_error(StatusCode::INTERNAL_SERVER_ERROR, "prefill task lost"),
+    }
+}
+
+enum DecodeMsg {
+    Event(Value),
+    Cut,
+    Fail(StatusCode, String),
+}
+
+async fn decode(inner: Arc<Inner>, h: Half, fault: Fault) -> Response {
+    if let Fault::DecodeStatus(code) = fault {
+        let status = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        return sglang_error(status, "injected decode failure");
+    }
+    let cancel = register(&inner, Role::Decode, &h.rid);
+    let (tx, mut rx) = mpsc::unbounded_channel::<DecodeMsg>();
+    let work = inner.clone();
+    let (rid, stream) = (h.rid.clone(), h.stream);
+    tokio::spawn(async move {
+        decode_work(work.clone(), h, fault, cancel, tx).await;
+        unregister(&work, Role::Decode, &rid);
+    });
+    if stream {
+        let body = futures_util::stream::unfold((rx, 0usize), move |(mut rx, sent)| async move {
+            match rx.recv().await {
+                Some(DecodeMsg::Event(v)) => Some((Ok::<Bytes, std::io::Error>(Bytes::from(format!("data: {v}\n\n"))), (rx, sent + 1))),
+                Some(DecodeMsg::Cut) => Some((Err(std::io::Error::other("injected stream cut")), (rx, sent))),
+                Some(DecodeMsg::Fail(_, m)) => Some((Ok(Bytes::from(format!("data: {}\n\n", json!({"error": {"message": m}})))), (rx, sent))),
+                None => {
+                    if sent == usize::MAX {
+                        return None;
+                    }
+                    Some((Ok(Bytes::from_static(b"data: [DONE]\n\n")), (rx, usize::MAX)))
+                }
+            }
+        });
+        return Response::builder()
+            .header(http::header::CONTENT_TYPE, "text/event-stream")
+            .body(Body::from_stream(body))
+            .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response());
+    }
+    let mut last = None;
+    while let Some(m) = rx.recv().await {
+        match m {
+            DecodeMsg::Event(v) => last = Some(v),
+            DecodeMsg::Cut => return sglang_error(StatusCode::INTERNAL_SERVER_ERROR, "injected stream cut"),
+            DecodeMsg::Fail(s, m) => return sglang_error(s, &m),
+        }
+    }
+    match last {
+        Some(v) => axum::Json(v).into_response(),
+        None => sglang_error(StatusCode::INTERNAL_SERVER_ERROR, "no output"),
+    }
+}
+
+async fn decode_work(inner: Arc<Inner>, h: Half, fault: Fault, cancel: CancellationToken, tx: mpsc::UnboundedSender<DecodeMsg>) {
+    let aborted = |rid: &str| DecodeMsg::Event(json!({ "text": "", "meta_info": meta(rid, 0, 0, json!({"type": "abort", "message": "Abort request"})) }));
+    // Wait for the room's KV.
+    let deadline = tokio::time::Instant::now() + inner.cfg.kv_wait_timeout;
+    let (pages, tokens) = loop {
+        let notified = inner.room_ready.notified();
+        {
+            let mut rooms = lock(&inner.rooms);
+            if matches!(rooms.get(&h.room), Some(Room::Published { .. }))
+                && let Some(Room::Published { pages, tokens }) = rooms.remove(&h.room)
+            {
+                break (pages, tokens);
+            }
+        }
+        tokio::select! {
+            _ = notified => {}
+            _ = cancel.cancelled() => {
+                abandon(&inner, h.room);
+                let _ = tx.send(aborted(&h.rid));
+                return;
+            }
+            _ = tokio::time::sleep_until(deadline) => {
+                abandon(&inner, h.room);
+                let _ = tx.send(DecodeMsg::Fail(StatusCode::INTERNAL_SERVER_ERROR, "KV transfer timed out waiting for prefill".into()));
+                return;
+            }
+        }
+    };
+    let ps = inner.cfg.page_size;
+    let kv: Vec<u32> = {
+        let pool = lock(&inner.pool);
+        (0..tokens).map(|i| pool.pages[pages[i / ps]][i % ps]).collect()
+    };
+    let release = |pages: Vec<usize>| lock(&inner.pool).release(pages);
+    if fault == Fault::DecodeHang {
+        tokio::select! {
+            _ = cancel.cancelled() => { let _ = tx.send(aborted(&h.rid)); }
+            _ = tokio::time::sleep(Duration::from_secs(120)) => {}
+        }
+        release(pages);
+        return;
+    }
+    let token_delay = match fault {
+        Fault::Slow { token_ms, .. } => Duration::from_millis(token_ms),
+        _ => inner.cfg.token_delay,
+    };
+    let reported = if fault == Fault::DecodeCountMismatch { tokens + 1 } else { tokens };
+    let mut out = Vec::with_capacity(h.max_new);
+    for i in 0..h.max_new {
+        tokio::select! {
+            _ = cancel.cancelled() => {
+                let _ = tx.send(aborted(&h.rid));
+                release(pages);
+                return;
+            }
+            _ = tokio::time::sleep(token_delay) => {}
+        }
+        if let Fault::DecodeCut(after) = fault
+            && i == after
+        {
+            let _ = tx.send(DecodeMsg::Cut);
+            release(pages);
+            return;
+        }
+        // Output is read from the KV: the prompt echoed back.
+        out.push(kv[i % kv.len().max(1)]);
+        let last = i + 1 == h.max_new;
+        let finish = if last { json!({"type": "length", "length": h.max_new}) } else { Value::Null };
+        let text = inner.tokenizer.decode(&out, false).unwrap_or_default();
+        let ev = json!({ "text": text, "output_ids": out, "meta_info": meta(&h.rid, reported, out.len(), finish) });
+        let _ = tx.send(DecodeMsg::Event(ev));
+    }
+    release(pages);
+}
+
+fn abandon(inner: &Inner, room: u64) {
+    let mut rooms = lock(&inner.rooms);
+    match rooms.remove(&room) {
+        Some(Room::Published { pages, .. }) => lock(&inner.pool).release(pages),
+        _ => {
+            rooms.insert(room, Room::Abandoned);
+        }
+    }
+}

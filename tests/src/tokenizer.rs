@@ -1,0 +1,64 @@
+//! A small word-level tokenizer built in code with the `tokenizers` crate, shared by lockstep
+//! (as its `tokenizer.json`) and the mock workers, so token counts are exact on both sides.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use tokenizers::models::wordlevel::WordLevel;
+use tokenizers::pre_tokenizers::whitespace::Whitespace;
+use tokenizers::{AddedToken, Tokenizer};
+
+/// Special tokens of the mock chat format.
+pub const SPECIALS: [&str; 4] = ["[UNK]", "<|im_start|>", "<|im_end|>", "<|endoftext|>"];
+
+/// The mock chat template (ChatML-like, whitespace-separated so the word-level model splits it).
+pub const CHAT_TEMPLATE: &str = "{% for m in messages %}<|im_start|> {{ m.role }} {{ m.content }} <|im_end|> {% endfor %}{% if add_generation_prompt %}<|im_start|> assistant{% endif %}";
+
+const WORDS: &str = "system user assistant tool \
+alpha bravo charlie delta echo foxtrot golf hotel india juliett kilo lima mike november oscar papa \
+quebec romeo sierra tango uniform victor whiskey xray yankee zulu \
+0 1 2 3 4 5 6 7 8 9 . , ? ! : ; ' \" ( ) - / \
+the a an and or but if then else of to in on at by for with from as is are was were be been \
+it this that these those i you he she we they me him her us them my your his its our their \
+what which who whom whose when where why how all any both each few more most other some such \
+no nor not only own same so than too very can will just should now hello hi world say tell \
+write read story poem code answer question please thanks yes okay good bad new old big small \
+one two three four five six seven eight nine ten hundred thousand number count list name \
+secret password account billing card customer tenant prompt token model cache page memory \
+red green blue black white cat dog bird fish tree house car road city sun moon star sky sea \
+day night time year week today tomorrow morning evening happy sad fast slow hot cold up down";
+
+/// The vocabulary: specials first, then the words, each with its index as id.
+pub fn vocab() -> HashMap<String, u32> {
+    SPECIALS
+        .iter()
+        .copied()
+        .chain(WORDS.split_whitespace())
+        .enumerate()
+        .map(|(i, w)| (w.to_string(), i as u32))
+        .collect()
+}
+
+/// Builds the tokenizer.
+pub fn build() -> Tokenizer {
+    let model = WordLevel::builder()
+        .vocab(vocab().into_iter().collect())
+        .unk_token("[UNK]".to_string())
+        .build()
+        .expect("static word-level vocabulary is valid");
+    let mut tok = Tokenizer::new(model);
+    tok.with_pre_tokenizer(Some(Whitespace {}));
+    let specials: Vec<AddedToken> = SPECIALS.iter().map(|s| AddedToken::from(*s, true)).collect();
+    tok.add_special_tokens(&specials);
+    tok
+}
+
+/// Writes the tokenizer as `tokenizer.json` text.
+pub fn to_json() -> String {
+    build().to_string(true).expect("tokenizer serialises")
+}
+
+/// Writes the tokenizer to `path`.
+pub fn write(path: &Path) -> std::io::Result<()> {
+    std::fs::write(path, to_json())
+}
