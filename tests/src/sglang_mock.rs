@@ -105,7 +105,7 @@ pub struct AbortRecord {
     pub role: Role,
     /// The rid it named.
     pub rid: String,
-    /// Whether it stopped a live half (false: the half had already ended).
+    /// Whether it released something: a live half, or KV still waiting for its transfer.
     pub released_live: bool,
 }
 
@@ -141,6 +141,7 @@ struct Inner {
     rooms: Mutex<HashMap<u64, Room>>,
     room_ready: Notify,
     live: Mutex<HashMap<(Role, String), CancellationToken>>,
+    rid_rooms: Mutex<HashMap<String, u64>>,
     aborts: Mutex<Vec<AbortRecord>>,
     requests: Mutex<Vec<(Role, Value)>>,
 }
@@ -194,6 +195,7 @@ impl PdMock {
             rooms: Mutex::new(HashMap::new()),
             room_ready: Notify::new(),
             live: Mutex::new(HashMap::new()),
+            rid_rooms: Mutex::new(HashMap::new()),
             aborts: Mutex::new(Vec::new()),
             requests: Mutex::new(Vec::new()),
         });
@@ -321,10 +323,24 @@ async fn abort(State(ctx): State<Ctx>, body: Bytes) -> Response {
         return sglang_error(StatusCode::BAD_REQUEST, "rid is required");
     };
     let token = lock(&ctx.inner.live).get(&(ctx.role, rid.clone())).cloned();
+    let mut released = token.is_some();
     if let Some(t) = &token {
         t.cancel();
+    } else if let Some(room) = lock(&ctx.inner.rid_rooms).get(&rid).copied() {
+        // The half already ended, but KV it produced may still wait for a transfer that will
+        // never happen: the abort frees it (or makes a later publish free it).
+        let mut rooms = lock(&ctx.inner.rooms);
+        match rooms.remove(&room) {
+            Some(Room::Published { pages, .. }) => {
+                lock(&ctx.inner.pool).release(pages);
+                released = true;
+            }
+            _ => {
+                rooms.insert(room, Room::Abandoned);
+            }
+        }
     }
-    lock(&ctx.inner.aborts).push(AbortRecord { role: ctx.role, rid, released_live: token.is_some() });
+    lock(&ctx.inner.aborts).push(AbortRecord { role: ctx.role, rid, released_live: released });
     axum::Json(json!({})).into_response()
 }
 
@@ -371,6 +387,7 @@ async fn generate(State(ctx): State<Ctx>, body: Bytes) -> Response {
         Ok(h) => h,
         Err(m) => return sglang_error(StatusCode::BAD_REQUEST, m),
     };
+    lock(&ctx.inner.rid_rooms).insert(half.rid.clone(), half.room);
     let fault = *lock(&ctx.inner.fault);
     match ctx.role {
         Role::Prefill => prefill(ctx.inner, half, fault).await,
