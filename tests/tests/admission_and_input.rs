@@ -1,0 +1,104 @@
+//! Malformed input and admission: each case gets a 4xx with a stable code and nothing is
+//! dispatched (the mock workers receive no request).
+
+use std::time::Duration;
+
+use lockstep_tests::client::TestClient;
+use lockstep_tests::harness::{MODEL, Stack};
+use serde_json::json;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_input_table() {
+    let stack = Stack::start().await;
+    let c = TestClient::default();
+    let big = "x".repeat(70_000);
+    let long_prompt = "red ".repeat(600);
+    let chat = "/v1/chat/completions";
+    let cmpl = "/v1/completions";
+    let cases: Vec<(&str, &str, Vec<u8>, u16, &str)> = vec![
+        ("bad json", chat, b"{not json".to_vec(), 400, "invalid_json"),
+        ("empty body", chat, Vec::new(), 400, "invalid_json"),
+        ("invalid utf-8", chat, b"{\"model\":\"\xff\xfe\"}".to_vec(), 400, "invalid_json"),
+        ("missing messages", chat, json!({"model": MODEL}).to_string().into_bytes(), 400, "invalid_request"),
+        ("missing model", chat, json!({"messages": [{"role": "user", "content": "hi"}]}).to_string().into_bytes(), 400, "invalid_request"),
+        ("messages wrong type", chat, json!({"model": MODEL, "messages": "hi"}).to_string().into_bytes(), 400, "invalid_request"),
+        ("empty messages", chat, json!({"model": MODEL, "messages": []}).to_string().into_bytes(), 400, "invalid_request"),
+        ("unknown role", chat, json!({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}).to_string().into_bytes(), 400, "invalid_request"),
+        ("negative max_tokens", chat, json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -5}).to_string().into_bytes(), 400, "invalid_request"),
+        ("zero max_tokens", cmpl, json!({"model": MODEL, "prompt": "hi", "max_tokens": 0}).to_string().into_bytes(), 400, "invalid_request"),
+        ("max_tokens wrong type", cmpl, json!({"model": MODEL, "prompt": "hi", "max_tokens": "ten"}).to_string().into_bytes(), 400, "invalid_request"),
+        ("huge max_tokens", chat, json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1_000_000_000u64}).to_string().into_bytes(), 400, "context_length_exceeded"),
+        ("temperature out of range", chat, json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 7}).to_string().into_bytes(), 400, "invalid_request"),
+        ("top_p out of range", cmpl, json!({"model": MODEL, "prompt": "hi", "top_p": 0}).to_string().into_bytes(), 400, "invalid_request"),
+        ("unknown model", chat, json!({"model": "nope", "messages": [{"role": "user", "content": "hi"}]}).to_string().into_bytes(), 404, "model_not_found"),
+        ("body over limit", chat, json!({"model": MODEL, "messages": [{"role": "user", "content": big}]}).to_string().into_bytes(), 413, "body_too_large"),
+        ("over-long prompt", cmpl, json!({"model": MODEL, "prompt": long_prompt}).to_string().into_bytes(), 400, "context_length_exceeded"),
+        ("n > 1", chat, json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}).to_string().into_bytes(), 400, "unsupported"),
+        ("batched completion", cmpl, json!({"model": MODEL, "prompt": ["a", "b"]}).to_string().into_bytes(), 400, "unsupported"),
+        ("batched generate", "/generate", json!({"text": ["a", "b"]}).to_string().into_bytes(), 400, "unsupported"),
+        ("generate without prompt", "/generate", json!({"sampling_params": {}}).to_string().into_bytes(), 400, "invalid_request"),
+        ("token id outside vocab", cmpl, json!({"model": MODEL, "prompt": [1, 2, 999999]}).to_string().into_bytes(), 400, "invalid_request"),
+        ("empty prompt", cmpl, json!({"model": MODEL, "prompt": ""}).to_string().into_bytes(), 400, "invalid_request"),
+        ("image content part", chat, json!({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}).to_string().into_bytes(), 400, "unsupported"),
+    ];
+    for (name, path, body, status, code) in cases {
+        let a = c.send_raw("POST", &format!("{}{path}", stack.url), body, Duration::from_secs(5)).await;
+        assert_eq!(a.status, status, "{name}: {}", a.body);
+        let v = a.json();
+        assert_eq!(v.pointer("/error/code").and_then(|c| c.as_str()), Some(code), "{name}: {}", a.body);
+        assert!(v.pointer("/error/message").and_then(|m| m.as_str()).is_some_and(|m| !m.is_empty()), "{name}");
+        assert!(v.pointer("/error/type").is_some() && v.pointer("/error/param").is_some(), "{name}: {}", a.body);
+    }
+    let unknown = c.get(&format!("{}/v2/nothing", stack.url), Duration::from_secs(5)).await;
+    assert_eq!((unknown.status, unknown.error_code().as_deref()), (404, Some("not_found")));
+    assert_eq!(stack.mock.request_count(), 0, "nothing may be dispatched: {:?}", stack.mock.requests());
+    assert!(stack.lockstep_idle());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn context_error_names_counts_and_nothing_is_dispatched() {
+    let stack = Stack::start().await;
+    // 506 prompt tokens + 8 default completion tokens > 512 context window.
+    let prompt = "red ".repeat(506);
+    let a = TestClient::default()
+        .post(&format!("{}/v1/completions", stack.url), &json!({"model": MODEL, "prompt": prompt}), Duration::from_secs(5))
+        .await;
+    assert_eq!(a.status, 400, "{}", a.body);
+    let msg = a.json().pointer("/error/message").and_then(|m| m.as_str()).unwrap_or_default().to_string();
+    for n in ["506", "8", "514", "512"] {
+        assert!(msg.contains(n), "message lacks {n}: {msg}");
+    }
+    assert_eq!(stack.mock.request_count(), 0, "refused before dispatch");
+    // Exactly at the limit passes.
+    let prompt = "red ".repeat(504);
+    let a = TestClient::default()
+        .post(&format!("{}/v1/completions", stack.url), &json!({"model": MODEL, "prompt": prompt}), Duration::from_secs(5))
+        .await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(a.json().pointer("/usage/prompt_tokens"), Some(&json!(504)));
+}
+
+/// lockstep tokenizes and sends `input_ids` itself, and sets `rid` and `bootstrap_*` whatever the
+/// client sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routing_fields_are_lockstep_s_own() {
+    let stack = Stack::start().await;
+    let body = json!({"text": "hello world", "rid": "evil", "bootstrap_room": 1, "bootstrap_host": "10.6.6.6", "bootstrap_port": 1, "sampling_params": {"max_new_tokens": 2}});
+    let a = TestClient::default().post(&format!("{}/generate", stack.url), &body, Duration::from_secs(5)).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    let v = a.json();
+    let pair_id = v.pointer("/meta_info/id").and_then(|x| x.as_str()).expect("pair id string").to_string();
+    assert_eq!(v.pointer("/meta_info/prompt_tokens"), Some(&json!(2)));
+    let reqs = stack.mock.requests();
+    assert_eq!(reqs.len(), 2);
+    let tok = lockstep_tests::tokenizer::build();
+    let ids = tok.encode("hello world", false).expect("encode").get_ids().to_vec();
+    for (_, r) in reqs {
+        assert_eq!(r["rid"], json!(pair_id));
+        assert_eq!(r["bootstrap_room"].as_u64().map(|n| n.to_string()), Some(pair_id.clone()));
+        assert_eq!(r["bootstrap_host"], json!("127.0.0.1"));
+        assert_eq!(r["bootstrap_port"], json!(8998));
+        assert_eq!(r["input_ids"], json!(ids));
+        assert!(r.get("text").is_none());
+    }
+}
