@@ -40,3 +40,6 @@ impl Serialize for PairId {
         s.collect_str(self)
     }
 }
+
+#[cfg(test)]
+mod proptests;
