@@ -36,12 +36,18 @@ impl std::fmt::Debug for Admission {
 impl Admission {
     /// Loads the tokenizer file and compiles the chat template of a model.
     pub fn load(model: &ModelConfig) -> Result<Arc<Admission>, String> {
-        let tokenizer = Tokenizer::from_file(&model.tokenizer)
-            .map_err(|e| format!("model `{}`: tokenizer {}: {e}", model.name, model.tokenizer.display()))?;
+        let tokenizer = Tokenizer::from_file(&model.tokenizer).map_err(|e| {
+            format!(
+                "model `{}`: tokenizer {}: {e}",
+                model.name,
+                model.tokenizer.display()
+            )
+        })?;
         let source = match &model.chat_template {
             ChatTemplateConfig::Inline(s) => s.clone(),
-            ChatTemplateConfig::Path(p) => std::fs::read_to_string(p)
-                .map_err(|e| format!("model `{}`: chat template {}: {e}", model.name, p.display()))?,
+            ChatTemplateConfig::Path(p) => std::fs::read_to_string(p).map_err(|e| {
+                format!("model `{}`: chat template {}: {e}", model.name, p.display())
+            })?,
         };
         let mut env = Environment::new();
         env.add_template_owned("chat", source)
@@ -56,7 +62,10 @@ impl Admission {
 
     /// Renders the chat template with `add_generation_prompt = true`.
     pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, LockstepError> {
-        let tmpl = self.env.get_template("chat").map_err(|e| internal_template(&e))?;
+        let tmpl = self
+            .env
+            .get_template("chat")
+            .map_err(|e| internal_template(&e))?;
         tmpl.render(minijinja::context! {
             messages => messages,
             add_generation_prompt => true,
@@ -72,10 +81,13 @@ impl Admission {
     /// Tokenizes text exactly as the workers would (special tokens written in the text are parsed
     /// as special tokens; no extra BOS is added: the template carries it).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, LockstepError> {
-        let enc = self.tokenizer.encode(text, false).map_err(|e| LockstepError::InvalidRequest {
-            message: format!("cannot tokenize the prompt: {e}"),
-            param: Some("prompt".into()),
-        })?;
+        let enc =
+            self.tokenizer
+                .encode(text, false)
+                .map_err(|e| LockstepError::InvalidRequest {
+                    message: format!("cannot tokenize the prompt: {e}"),
+                    param: Some("prompt".into()),
+                })?;
         Ok(enc.get_ids().to_vec())
     }
 
@@ -91,15 +103,28 @@ impl Admission {
 }
 
 fn internal_template(e: &minijinja::Error) -> LockstepError {
-    LockstepError::Unavailable { message: format!("chat template unavailable: {e}") }
+    LockstepError::Unavailable {
+        message: format!("chat template unavailable: {e}"),
+    }
 }
 
 /// Refuses a request whose prompt plus completion exceeds the smaller of the context window and
 /// the KV capacity.
-pub fn check_fits(prompt_tokens: u64, max_tokens: u64, context_window: u64, kv_capacity: u64) -> Result<(), LockstepError> {
+pub fn check_fits(
+    prompt_tokens: u64,
+    max_tokens: u64,
+    context_window: u64,
+    kv_capacity: u64,
+) -> Result<(), LockstepError> {
     let limit = context_window.min(kv_capacity);
     if prompt_tokens.saturating_add(max_tokens) > limit {
-        return Err(LockstepError::ContextLengthExceeded { prompt_tokens, max_tokens, limit, context_window, kv_capacity });
+        return Err(LockstepError::ContextLengthExceeded {
+            prompt_tokens,
+            max_tokens,
+            limit,
+            context_window,
+            kv_capacity,
+        });
     }
     Ok(())
 }

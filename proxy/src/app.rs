@@ -33,7 +33,9 @@ pub struct ModelRuntime {
 
 impl std::fmt::Debug for PairRuntime {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PairRuntime").field("model", &self.model).finish_non_exhaustive()
+        f.debug_struct("PairRuntime")
+            .field("model", &self.model)
+            .finish_non_exhaustive()
     }
 }
 
@@ -62,7 +64,10 @@ pub struct AppState {
 /// The capacity a worker reports (SGLang `/get_server_info` → `max_total_num_tokens`).
 pub async fn probe_capacity(client: &UpstreamClient, base: &str) -> Option<u64> {
     let url = format!("{base}/get_server_info");
-    let (status, body) = tokio::time::timeout(Duration::from_secs(2), client.get_collect(&url)).await.ok()?.ok()?;
+    let (status, body) = tokio::time::timeout(Duration::from_secs(2), client.get_collect(&url))
+        .await
+        .ok()?
+        .ok()?;
     if !(200..300).contains(&status) {
         return None;
     }
@@ -84,7 +89,9 @@ pub async fn check_deployment(client: &UpstreamClient, m: &ModelConfig) -> Resul
                 source = format!("reported by worker {}", w.url);
             }
             Some(_) => {}
-            None => tracing::warn!(model = %m.name, worker = %w.url, "worker did not report a KV capacity; using the configured one"),
+            None => {
+                tracing::warn!(model = %m.name, worker = %w.url, "worker did not report a KV capacity; using the configured one")
+            }
         }
     }
     deployment_check(&m.name, m.context_window, m.headroom, capacity, &source)?;
@@ -136,8 +143,17 @@ impl Lockstep {
             };
             let prefill = Arc::new(WorkerPool::new(&m.prefill));
             let decode = Arc::new(WorkerPool::new(&m.decode));
-            let workers = prefill.workers().iter().chain(decode.workers()).cloned().collect();
-            tasks.push(tokio::spawn(health_loop(client.clone(), workers, m.health.clone())));
+            let workers = prefill
+                .workers()
+                .iter()
+                .chain(decode.workers())
+                .cloned()
+                .collect();
+            tasks.push(tokio::spawn(health_loop(
+                client.clone(),
+                workers,
+                m.health.clone(),
+            )));
             let name: Arc<str> = m.name.as_str().into();
             let pairs = Arc::new(PairRuntime {
                 model: name.clone(),
@@ -150,7 +166,16 @@ impl Lockstep {
                 stats: stats.clone(),
             });
             tracing::info!(model = %name, context_window = m.context_window, kv_capacity = capacity, "model ready");
-            models.insert(m.name.clone(), Arc::new(ModelRuntime { name, cfg: m.clone(), admission, pairs, kv_capacity: AtomicU64::new(capacity) }));
+            models.insert(
+                m.name.clone(),
+                Arc::new(ModelRuntime {
+                    name,
+                    cfg: m.clone(),
+                    admission,
+                    pairs,
+                    kv_capacity: AtomicU64::new(capacity),
+                }),
+            );
         }
         if !errors.is_empty() {
             for t in &tasks {
@@ -180,7 +205,12 @@ impl Lockstep {
             }
         }));
         tracing::info!(%http_addr, "lockstep listening (HTTP/1.1 and h2c)");
-        Ok(Lockstep { state, http_addr, tasks, shutdown: Some(tx) })
+        Ok(Lockstep {
+            state,
+            http_addr,
+            tasks,
+            shutdown: Some(tx),
+        })
     }
 
     /// Stops accepting, lets in-flight responses end, stops background tasks.

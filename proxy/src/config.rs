@@ -213,7 +213,10 @@ pub struct RetryConfig {
 
 impl Default for RetryConfig {
     fn default() -> Self {
-        RetryConfig { max_retries: 1, backoff_ms: 20 }
+        RetryConfig {
+            max_retries: 1,
+            backoff_ms: 20,
+        }
     }
 }
 
@@ -233,7 +236,12 @@ pub struct HealthConfig {
 
 impl Default for HealthConfig {
     fn default() -> Self {
-        HealthConfig { interval_ms: 5_000, timeout_ms: 1_000, failure_threshold: 3, success_threshold: 2 }
+        HealthConfig {
+            interval_ms: 5_000,
+            timeout_ms: 1_000,
+            failure_threshold: 3,
+            success_threshold: 2,
+        }
     }
 }
 
@@ -269,21 +277,30 @@ pub enum ConfigError {
 impl Config {
     /// Reads, parses and validates a configuration file.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
-        let mut cfg = Config::parse(&text).map_err(|message| ConfigError::Parse { path: path.to_path_buf(), message })?;
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let mut cfg = Config::parse(&text).map_err(|message| ConfigError::Parse {
+            path: path.to_path_buf(),
+            message,
+        })?;
         cfg.resolve_paths(path.parent().unwrap_or(Path::new(".")));
         let problems = cfg.problems();
         if problems.is_empty() {
             Ok(cfg)
         } else {
-            Err(ConfigError::Invalid { path: path.to_path_buf(), problems })
+            Err(ConfigError::Invalid {
+                path: path.to_path_buf(),
+                problems,
+            })
         }
     }
 
     /// Parses TOML text; the error names the key path and what was expected.
     pub fn parse(text: &str) -> Result<Config, String> {
-        let de = toml::Deserializer::parse(text).map_err(|e| e.to_string().trim_end().to_string())?;
+        let de =
+            toml::Deserializer::parse(text).map_err(|e| e.to_string().trim_end().to_string())?;
         serde_path_to_error::deserialize(de).map_err(|e| {
             let path = e.path().to_string();
             let inner = e.into_inner().to_string();
@@ -333,34 +350,56 @@ impl Config {
                 out.push(format!("{at}.kv_capacity_tokens: must be greater than 0"));
             }
             if !(m.headroom >= 1.0 && m.headroom.is_finite()) {
-                out.push(format!("{at}.headroom: must be a number >= 1.0, got {}", m.headroom));
+                out.push(format!(
+                    "{at}.headroom: must be a number >= 1.0, got {}",
+                    m.headroom
+                ));
             }
             if m.default_max_tokens == 0 {
                 out.push(format!("{at}.default_max_tokens: must be greater than 0"));
             }
-            if let Err(p) = deployment_check(&m.name, m.context_window, m.headroom, m.kv_capacity_tokens, "configured") {
+            if let Err(p) = deployment_check(
+                &m.name,
+                m.context_window,
+                m.headroom,
+                m.kv_capacity_tokens,
+                "configured",
+            ) {
                 out.push(format!("{at}: {p}"));
             }
             if !m.tokenizer.is_file() {
-                out.push(format!("{at}.tokenizer: file not found: {}", m.tokenizer.display()));
+                out.push(format!(
+                    "{at}.tokenizer: file not found: {}",
+                    m.tokenizer.display()
+                ));
             }
             if let ChatTemplateConfig::Path(p) = &m.chat_template
                 && !p.is_file()
             {
-                out.push(format!("{at}.chat_template.path: file not found: {}", p.display()));
+                out.push(format!(
+                    "{at}.chat_template.path: file not found: {}",
+                    p.display()
+                ));
             }
             for (side, pool) in [("prefill", &m.prefill), ("decode", &m.decode)] {
                 if pool.workers.is_empty() {
-                    out.push(format!("{at}.{side}.workers: at least one worker is required"));
+                    out.push(format!(
+                        "{at}.{side}.workers: at least one worker is required"
+                    ));
                 }
                 for (j, w) in pool.workers.iter().enumerate() {
-                    if let Err(e) = w.url.parse::<http::Uri>().map_err(|e| e.to_string()).and_then(|u| {
-                        if u.scheme_str() == Some("http") && u.host().is_some() {
-                            Ok(())
-                        } else {
-                            Err("expected an http://host:port URL".to_string())
-                        }
-                    }) {
+                    if let Err(e) = w
+                        .url
+                        .parse::<http::Uri>()
+                        .map_err(|e| e.to_string())
+                        .and_then(|u| {
+                            if u.scheme_str() == Some("http") && u.host().is_some() {
+                                Ok(())
+                            } else {
+                                Err("expected an http://host:port URL".to_string())
+                            }
+                        })
+                    {
                         out.push(format!("{at}.{side}.workers[{j}].url: `{}`: {e}", w.url));
                     }
                 }
@@ -387,7 +426,11 @@ impl Config {
                 }
             }
             let h = &m.health;
-            if h.interval_ms == 0 || h.timeout_ms == 0 || h.failure_threshold == 0 || h.success_threshold == 0 {
+            if h.interval_ms == 0
+                || h.timeout_ms == 0
+                || h.failure_threshold == 0
+                || h.success_threshold == 0
+            {
                 out.push(format!("{at}.health: interval_ms, timeout_ms and both thresholds must be greater than 0"));
             }
         }
@@ -398,7 +441,13 @@ impl Config {
 /// Invariant 6: refuse a deployment whose context window (times headroom) exceeds the KV capacity.
 ///
 /// `source` says where the capacity came from (`configured`, or the worker that reported it).
-pub fn deployment_check(model: &str, context_window: u64, headroom: f64, kv_capacity: u64, source: &str) -> Result<(), String> {
+pub fn deployment_check(
+    model: &str,
+    context_window: u64,
+    headroom: f64,
+    kv_capacity: u64,
+    source: &str,
+) -> Result<(), String> {
     let needed = context_window as f64 * headroom;
     if needed > kv_capacity as f64 {
         Err(format!(
@@ -430,7 +479,10 @@ workers = [{ url = "http://127.0.0.1:2" }]
 
     #[test]
     fn unknown_key_names_the_key_path() {
-        let text = BASE.replace("context_window = 1000", "context_window = 1000\ncontext_windwo = 5");
+        let text = BASE.replace(
+            "context_window = 1000",
+            "context_window = 1000\ncontext_windwo = 5",
+        );
         let err = Config::parse(&text).unwrap_err();
         assert!(err.contains("context_windwo"), "{err}");
         assert!(err.contains("models"), "{err}");
@@ -452,7 +504,10 @@ workers = [{ url = "http://127.0.0.1:2" }]
             .replace("http://127.0.0.1:2", "ftp://x");
         let cfg = Config::parse(&text).expect("parses");
         let p = cfg.problems().join("\n");
-        assert!(p.contains("5000") && p.contains("2000") && p.contains("`m`"), "{p}");
+        assert!(
+            p.contains("5000") && p.contains("2000") && p.contains("`m`"),
+            "{p}"
+        );
         assert!(p.contains("bootstrap_port"), "{p}");
         assert!(p.contains("decode.workers[0].url"), "{p}");
         assert!(p.contains("tokenizer"), "{p}");
@@ -462,7 +517,10 @@ workers = [{ url = "http://127.0.0.1:2" }]
     fn deployment_check_uses_headroom() {
         assert!(deployment_check("m", 1000, 1.0, 1000, "configured").is_ok());
         let e = deployment_check("m", 1000, 1.5, 1200, "configured").unwrap_err();
-        assert!(e.contains("1000") && e.contains("1200") && e.contains("`m`"), "{e}");
+        assert!(
+            e.contains("1000") && e.contains("1200") && e.contains("`m`"),
+            "{e}"
+        );
         // The incident's numbers.
         let e = deployment_check("glm", 1_048_576, 1.0, 681_280, "worker").unwrap_err();
         assert!(e.contains("1048576") && e.contains("681280"), "{e}");

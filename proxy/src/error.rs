@@ -199,9 +199,8 @@ impl LockstepError {
     /// The OpenAI `param` field.
     pub fn param(&self) -> Option<&str> {
         match self {
-            LockstepError::InvalidRequest { param, .. } | LockstepError::Unsupported { param, .. } => {
-                param.as_deref()
-            }
+            LockstepError::InvalidRequest { param, .. }
+            | LockstepError::Unsupported { param, .. } => param.as_deref(),
             LockstepError::ModelNotFound { .. } => Some("model"),
             LockstepError::ContextLengthExceeded { .. } => Some("messages"),
             _ => None,
@@ -249,8 +248,19 @@ mod tests {
     fn every_code_has_one_status_and_a_complete_body() {
         let id = PairId::from_raw(1u64 << 60);
         let all = [
-            (LockstepError::InvalidJson { message: "x".into() }, 400),
-            (LockstepError::InvalidRequest { message: "x".into(), param: Some("max_tokens".into()) }, 400),
+            (
+                LockstepError::InvalidJson {
+                    message: "x".into(),
+                },
+                400,
+            ),
+            (
+                LockstepError::InvalidRequest {
+                    message: "x".into(),
+                    param: Some("max_tokens".into()),
+                },
+                400,
+            ),
             (LockstepError::BodyTooLarge { limit: 10 }, 413),
             (LockstepError::ModelNotFound { model: "m".into() }, 404),
             (
@@ -263,14 +273,61 @@ mod tests {
                 },
                 400,
             ),
-            (LockstepError::Unsupported { message: "n".into(), param: Some("n".into()) }, 400),
-            (LockstepError::PrefillRejected { pair_id: id, message: "x".into() }, 502),
-            (LockstepError::DecodeFailed { pair_id: id, message: "x".into() }, 502),
-            (LockstepError::IntegrityViolation { pair_id: id, message: "x".into() }, 502),
-            (LockstepError::Timeout { pair_id: id, phase: Phase::Prefill }, 504),
-            (LockstepError::NoHealthyWorker { model: "m".into(), side: "decode" }, 503),
-            (LockstepError::RouteNotFound { method: "GET".into(), path: "/x".into() }, 404),
-            (LockstepError::Unavailable { message: "draining".into() }, 503),
+            (
+                LockstepError::Unsupported {
+                    message: "n".into(),
+                    param: Some("n".into()),
+                },
+                400,
+            ),
+            (
+                LockstepError::PrefillRejected {
+                    pair_id: id,
+                    message: "x".into(),
+                },
+                502,
+            ),
+            (
+                LockstepError::DecodeFailed {
+                    pair_id: id,
+                    message: "x".into(),
+                },
+                502,
+            ),
+            (
+                LockstepError::IntegrityViolation {
+                    pair_id: id,
+                    message: "x".into(),
+                },
+                502,
+            ),
+            (
+                LockstepError::Timeout {
+                    pair_id: id,
+                    phase: Phase::Prefill,
+                },
+                504,
+            ),
+            (
+                LockstepError::NoHealthyWorker {
+                    model: "m".into(),
+                    side: "decode",
+                },
+                503,
+            ),
+            (
+                LockstepError::RouteNotFound {
+                    method: "GET".into(),
+                    path: "/x".into(),
+                },
+                404,
+            ),
+            (
+                LockstepError::Unavailable {
+                    message: "draining".into(),
+                },
+                503,
+            ),
         ];
         let mut codes = std::collections::HashSet::new();
         for (err, status) in all {
@@ -278,7 +335,11 @@ mod tests {
             assert!(codes.insert(err.code()), "duplicate code {}", err.code());
             let body = err.body();
             assert_eq!(body["error"]["code"], err.code());
-            assert!(body["error"]["message"].as_str().is_some_and(|m| !m.is_empty()));
+            assert!(
+                body["error"]["message"]
+                    .as_str()
+                    .is_some_and(|m| !m.is_empty())
+            );
             assert!(body["error"]["type"].is_string());
             assert!(body["error"].get("param").is_some());
             if let Some(pid) = err.pair_id() {

@@ -44,8 +44,12 @@ enum Command {
 }
 
 fn init_logs(level: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_new(level).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_target(false).try_init();
+    let filter = tracing_subscriber::EnvFilter::try_new(level)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_target(false)
+        .try_init();
 }
 
 #[tokio::main]
@@ -62,7 +66,9 @@ async fn main() -> ExitCode {
                 }
             };
             if !offline {
-                let client = UpstreamClient::new(std::time::Duration::from_millis(cfg.server.connect_timeout_ms));
+                let client = UpstreamClient::new(std::time::Duration::from_millis(
+                    cfg.server.connect_timeout_ms,
+                ));
                 let mut failed = false;
                 for m in &cfg.models {
                     if let Err(e) = check_deployment(&client, m).await {
@@ -77,7 +83,11 @@ async fn main() -> ExitCode {
             println!("{}: OK ({} model(s))", config.display(), cfg.models.len());
             ExitCode::SUCCESS
         }
-        Command::Serve { config, http_listen, log_level } => {
+        Command::Serve {
+            config,
+            http_listen,
+            log_level,
+        } => {
             let mut cfg = match Config::load(&config) {
                 Ok(c) => c,
                 Err(e) => {
@@ -112,13 +122,14 @@ async fn wait_for_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(s) => s,
-            Err(_) => {
-                let _ = ctrl_c.await;
-                return;
-            }
-        };
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
         tokio::select! {
             _ = ctrl_c => {}
             _ = term.recv() => {}

@@ -110,7 +110,11 @@ impl WorkerPool {
     /// A pool from configuration.
     pub fn new(cfg: &PoolConfig) -> WorkerPool {
         WorkerPool {
-            workers: cfg.workers.iter().map(|w| Arc::new(Worker::new(w))).collect(),
+            workers: cfg
+                .workers
+                .iter()
+                .map(|w| Arc::new(Worker::new(w)))
+                .collect(),
             policy: cfg.policy,
             next: AtomicUsize::new(0),
         }
@@ -130,7 +134,11 @@ impl WorkerPool {
     pub fn pick(&self, avoid: Option<&Arc<Worker>>) -> Option<LoadGuard> {
         let healthy: Vec<&Arc<Worker>> = self.workers.iter().filter(|w| w.is_healthy()).collect();
         let candidates: Vec<&Arc<Worker>> = match avoid {
-            Some(a) if healthy.len() > 1 => healthy.iter().copied().filter(|w| !Arc::ptr_eq(w, a)).collect(),
+            Some(a) if healthy.len() > 1 => healthy
+                .iter()
+                .copied()
+                .filter(|w| !Arc::ptr_eq(w, a))
+                .collect(),
             _ => healthy,
         };
         let chosen = match candidates.len() {
@@ -146,7 +154,11 @@ impl WorkerPool {
                         b += 1;
                     }
                     let (wa, wb) = (candidates[a], candidates[b]);
-                    if wb.in_flight() < wa.in_flight() { wb } else { wa }
+                    if wb.in_flight() < wa.in_flight() {
+                        wb
+                    } else {
+                        wa
+                    }
                 }
             },
         };
@@ -155,7 +167,11 @@ impl WorkerPool {
 }
 
 /// Runs health checks for `workers` forever (the caller aborts the task on shutdown).
-pub async fn health_loop(client: crate::backend::UpstreamClient, workers: Vec<Arc<Worker>>, cfg: HealthConfig) {
+pub async fn health_loop(
+    client: crate::backend::UpstreamClient,
+    workers: Vec<Arc<Worker>>,
+    cfg: HealthConfig,
+) {
     let mut tick = tokio::time::interval(Duration::from_millis(cfg.interval_ms));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -164,7 +180,9 @@ pub async fn health_loop(client: crate::backend::UpstreamClient, workers: Vec<Ar
             let client = client.clone();
             let cfg = &cfg;
             async move {
-                let ok = client.health(&w.url, Duration::from_millis(cfg.timeout_ms)).await;
+                let ok = client
+                    .health(&w.url, Duration::from_millis(cfg.timeout_ms))
+                    .await;
                 w.record_health(ok, cfg);
             }
         });
@@ -180,7 +198,11 @@ mod tests {
         WorkerPool::new(&PoolConfig {
             policy,
             workers: (0..n)
-                .map(|i| WorkerConfig { url: format!("http://127.0.0.1:{}", 1000 + i), bootstrap_port: None, bootstrap_host: None })
+                .map(|i| WorkerConfig {
+                    url: format!("http://127.0.0.1:{}", 1000 + i),
+                    bootstrap_port: None,
+                    bootstrap_host: None,
+                })
                 .collect(),
         })
     }
@@ -200,7 +222,9 @@ mod tests {
     #[test]
     fn least_load_prefers_idle_worker() {
         let p = pool(2, PolicyKind::LeastLoad);
-        let busy: Vec<_> = (0..5).map(|_| LoadGuard::new(p.workers()[0].clone())).collect();
+        let busy: Vec<_> = (0..5)
+            .map(|_| LoadGuard::new(p.workers()[0].clone()))
+            .collect();
         for _ in 0..20 {
             let g = p.pick(None).expect("worker");
             assert_eq!(g.worker().url, p.workers()[1].url);
@@ -211,14 +235,22 @@ mod tests {
     #[test]
     fn unhealthy_after_threshold_and_back() {
         let p = pool(2, PolicyKind::RoundRobin);
-        let cfg = HealthConfig { interval_ms: 1, timeout_ms: 1, failure_threshold: 2, success_threshold: 2 };
+        let cfg = HealthConfig {
+            interval_ms: 1,
+            timeout_ms: 1,
+            failure_threshold: 2,
+            success_threshold: 2,
+        };
         let w = &p.workers()[0];
         w.record_health(false, &cfg);
         assert!(w.is_healthy());
         w.record_health(false, &cfg);
         assert!(!w.is_healthy());
         for _ in 0..10 {
-            assert_eq!(p.pick(None).expect("worker").worker().url, p.workers()[1].url);
+            assert_eq!(
+                p.pick(None).expect("worker").worker().url,
+                p.workers()[1].url
+            );
         }
         w.record_health(true, &cfg);
         assert!(!w.is_healthy());
@@ -236,7 +268,10 @@ mod tests {
         let p = pool(2, PolicyKind::RoundRobin);
         let bad = p.workers()[0].clone();
         for _ in 0..6 {
-            assert_eq!(p.pick(Some(&bad)).expect("worker").worker().url, p.workers()[1].url);
+            assert_eq!(
+                p.pick(Some(&bad)).expect("worker").worker().url,
+                p.workers()[1].url
+            );
         }
         let one = pool(1, PolicyKind::RoundRobin);
         let only = one.workers()[0].clone();

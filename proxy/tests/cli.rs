@@ -13,7 +13,14 @@ fn tokenizer() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/mock-tokenizer.json")
 }
 
-fn config(dir: &Path, window: u64, capacity: u64, prefill: &str, decode: &str, extra: &str) -> PathBuf {
+fn config(
+    dir: &Path,
+    window: u64,
+    capacity: u64,
+    prefill: &str,
+    decode: &str,
+    extra: &str,
+) -> PathBuf {
     let text = format!(
         r#"{extra}
 [[models]]
@@ -37,15 +44,29 @@ workers = [{{ url = "{decode}" }}]
 
 fn run(args: &[&str]) -> (bool, String) {
     let out = Command::new(BIN).args(args).output().expect("run lockstep");
-    (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+    (
+        out.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
 }
 
 /// A worker that reports `max_total_num_tokens` like SGLang's `/get_server_info`.
 async fn worker(capacity: u64) -> (String, tokio::task::JoinHandle<()>) {
     let app = Router::new()
-        .route("/get_server_info", get(move || async move { axum::Json(serde_json::json!({ "max_total_num_tokens": capacity })) }))
+        .route(
+            "/get_server_info",
+            get(move || async move {
+                axum::Json(serde_json::json!({ "max_total_num_tokens": capacity }))
+            }),
+        )
         .route("/health", get(|| async { "ok" }));
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
     let addr = l.local_addr().expect("addr");
     let h = tokio::spawn(async move {
         let _ = axum::serve(l, app).await;
@@ -56,9 +77,17 @@ async fn worker(capacity: u64) -> (String, tokio::task::JoinHandle<()>) {
 #[test]
 fn help_on_every_subcommand() {
     let (ok, out) = run(&["--help"]);
-    assert!(ok && out.contains("serve") && out.contains("check"), "{out}");
+    assert!(
+        ok && out.contains("serve") && out.contains("check"),
+        "{out}"
+    );
     let (ok, out) = run(&["serve", "--help"]);
-    assert!(ok && out.contains("--config") && out.contains("--http-listen") && out.contains("--log-level"), "{out}");
+    assert!(
+        ok && out.contains("--config")
+            && out.contains("--http-listen")
+            && out.contains("--log-level"),
+        "{out}"
+    );
     let (ok, out) = run(&["check", "--help"]);
     assert!(ok && out.contains("--offline"), "{out}");
 }
@@ -66,19 +95,49 @@ fn help_on_every_subcommand() {
 #[test]
 fn check_names_file_and_key_of_unknown_keys() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let path = config(dir.path(), 100, 200, "http://127.0.0.1:1", "http://127.0.0.1:2", "[server]\nhttp_lisen = \"127.0.0.1:1\"");
-    let (ok, out) = run(&["check", "--offline", "--config", path.to_str().expect("utf8")]);
+    let path = config(
+        dir.path(),
+        100,
+        200,
+        "http://127.0.0.1:1",
+        "http://127.0.0.1:2",
+        "[server]\nhttp_lisen = \"127.0.0.1:1\"",
+    );
+    let (ok, out) = run(&[
+        "check",
+        "--offline",
+        "--config",
+        path.to_str().expect("utf8"),
+    ]);
     assert!(!ok);
-    assert!(out.contains("lockstep.toml") && out.contains("http_lisen"), "{out}");
+    assert!(
+        out.contains("lockstep.toml") && out.contains("http_lisen"),
+        "{out}"
+    );
 }
 
 #[test]
 fn check_lists_every_problem() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let path = config(dir.path(), 5000, 2000, "http://127.0.0.1:1", "ftp://nope", "");
-    let (ok, out) = run(&["check", "--offline", "--config", path.to_str().expect("utf8")]);
+    let path = config(
+        dir.path(),
+        5000,
+        2000,
+        "http://127.0.0.1:1",
+        "ftp://nope",
+        "",
+    );
+    let (ok, out) = run(&[
+        "check",
+        "--offline",
+        "--config",
+        path.to_str().expect("utf8"),
+    ]);
     assert!(!ok);
-    assert!(out.contains("5000") && out.contains("2000"), "deployment check names both numbers: {out}");
+    assert!(
+        out.contains("5000") && out.contains("2000"),
+        "deployment check names both numbers: {out}"
+    );
     assert!(out.contains("decode.workers[0].url"), "{out}");
     assert!(out.contains("2 problem"), "{out}");
 }
@@ -89,7 +148,14 @@ async fn deployment_check_uses_the_capacity_workers_report() {
     let (large, h2) = worker(1 << 20).await;
     let dir = tempfile::tempdir().expect("tempdir");
     // Configured capacity 4096 would pass, but the decode worker reports 1500 < 2000.
-    let path = config(dir.path(), 2000, 4096, &large, &small, "[server]\nhttp_listen = \"127.0.0.1:0\"");
+    let path = config(
+        dir.path(),
+        2000,
+        4096,
+        &large,
+        &small,
+        "[server]\nhttp_listen = \"127.0.0.1:0\"",
+    );
     let p = path.to_str().expect("utf8").to_string();
     let (ok, out) = tokio::task::spawn_blocking({
         let p = p.clone();
@@ -98,21 +164,34 @@ async fn deployment_check_uses_the_capacity_workers_report() {
     .await
     .expect("join");
     assert!(!ok, "{out}");
-    assert!(out.contains("2000") && out.contains("1500") && out.contains("`m`") && out.contains(&small), "{out}");
+    assert!(
+        out.contains("2000") && out.contains("1500") && out.contains("`m`") && out.contains(&small),
+        "{out}"
+    );
     let (ok_offline, out_offline) = tokio::task::spawn_blocking({
         let p = p.clone();
         move || run(&["check", "--offline", "--config", &p])
     })
     .await
     .expect("join");
-    assert!(ok_offline, "the configured numbers alone pass: {out_offline}");
-    let (ok, out) = tokio::task::spawn_blocking(move || run(&["serve", "--config", &p])).await.expect("join");
+    assert!(
+        ok_offline,
+        "the configured numbers alone pass: {out_offline}"
+    );
+    let (ok, out) = tokio::task::spawn_blocking(move || run(&["serve", "--config", &p]))
+        .await
+        .expect("join");
     assert!(!ok, "serve must refuse to start: {out}");
-    assert!(out.contains("refusing to start") && out.contains("1500"), "{out}");
+    assert!(
+        out.contains("refusing to start") && out.contains("1500"),
+        "{out}"
+    );
     // Enough reported capacity: check passes.
     let path = config(dir.path(), 2000, 4096, &large, &large, "");
     let p = path.to_str().expect("utf8").to_string();
-    let (ok, out) = tokio::task::spawn_blocking(move || run(&["check", "--config", &p])).await.expect("join");
+    let (ok, out) = tokio::task::spawn_blocking(move || run(&["check", "--config", &p]))
+        .await
+        .expect("join");
     assert!(ok, "{out}");
     h1.abort();
     h2.abort();

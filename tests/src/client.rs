@@ -30,7 +30,10 @@ impl Answer {
     }
     /// The `data:` payloads of an SSE body.
     pub fn sse_events(&self) -> Vec<String> {
-        self.body.split("\n\n").filter_map(|e| e.trim().strip_prefix("data:").map(|d| d.trim().to_string())).collect()
+        self.body
+            .split("\n\n")
+            .filter_map(|e| e.trim().strip_prefix("data:").map(|d| d.trim().to_string()))
+            .collect()
     }
     /// The error code of an error answer, or of the error event of a stream.
     pub fn error_code(&self) -> Option<String> {
@@ -40,7 +43,11 @@ impl Answer {
         self.sse_events()
             .iter()
             .filter_map(|e| serde_json::from_str::<Value>(e).ok())
-            .find_map(|v| v.pointer("/error/code").and_then(Value::as_str).map(str::to_string))
+            .find_map(|v| {
+                v.pointer("/error/code")
+                    .and_then(Value::as_str)
+                    .map(str::to_string)
+            })
     }
 }
 
@@ -52,13 +59,21 @@ pub struct TestClient {
 
 impl Default for TestClient {
     fn default() -> Self {
-        TestClient { inner: Client::builder(TokioExecutor::new()).build(HttpConnector::new()) }
+        TestClient {
+            inner: Client::builder(TokioExecutor::new()).build(HttpConnector::new()),
+        }
     }
 }
 
 impl TestClient {
     /// Sends a request with a raw body and collects the answer (bounded by `bound`).
-    pub async fn send_raw(&self, method: &str, url: &str, body: impl Into<Bytes>, bound: Duration) -> Answer {
+    pub async fn send_raw(
+        &self,
+        method: &str,
+        url: &str,
+        body: impl Into<Bytes>,
+        bound: Duration,
+    ) -> Answer {
         let req = Request::builder()
             .method(method)
             .uri(url)
@@ -85,9 +100,16 @@ impl TestClient {
                     }
                 }
             }
-            Answer { status, headers, body: String::from_utf8_lossy(&buf).into_owned(), body_error }
+            Answer {
+                status,
+                headers,
+                body: String::from_utf8_lossy(&buf).into_owned(),
+                body_error,
+            }
         };
-        tokio::time::timeout(bound, fut).await.expect("answer within the bound")
+        tokio::time::timeout(bound, fut)
+            .await
+            .expect("answer within the bound")
     }
 
     /// POSTs JSON.

@@ -11,7 +11,8 @@ use crate::tokenizer;
 
 /// Deadlines used by the fault tests: short, so only lockstep's abort can explain a fast error
 /// while the mock's own KV wait is 15 s.
-pub const TEST_TIMEOUTS: &str = "total_ms = 5000\nprefill_ms = 500\nfirst_token_ms = 700\nidle_ms = 500\nabort_ms = 1000";
+pub const TEST_TIMEOUTS: &str =
+    "total_ms = 5000\nprefill_ms = 500\nfirst_token_ms = 700\nidle_ms = 500\nabort_ms = 1000";
 
 /// A mock pair and a lockstep in front of it.
 pub struct Stack {
@@ -28,7 +29,12 @@ pub struct Stack {
 pub const MODEL: &str = "mock-pd";
 
 /// A config for lockstep in front of `mock` with the given extra model settings.
-pub fn config_text(mock: &PdMock, tokenizer: &std::path::Path, model_extra: &str, timeouts: &str) -> String {
+pub fn config_text(
+    mock: &PdMock,
+    tokenizer: &std::path::Path,
+    model_extra: &str,
+    timeouts: &str,
+) -> String {
     format!(
         r#"
 [server]
@@ -82,12 +88,19 @@ impl Stack {
         let dir = tempfile::tempdir().expect("tempdir");
         let tok_path: PathBuf = dir.path().join("tokenizer.json");
         tokenizer::write(&tok_path).expect("write tokenizer");
-        let mock = PdMock::start(mock_cfg, tokenizer::build()).await.expect("mock starts");
+        let mock = PdMock::start(mock_cfg, tokenizer::build())
+            .await
+            .expect("mock starts");
         let text = config_text(&mock, &tok_path, model_extra, timeouts);
         let cfg = Config::parse(&text).expect("test config parses");
         let lockstep = Lockstep::start(cfg).await.expect("lockstep starts");
         let url = format!("http://{}", lockstep.http_addr);
-        Stack { mock, lockstep, url, _dir: dir }
+        Stack {
+            mock,
+            lockstep,
+            url,
+            _dir: dir,
+        }
     }
 
     /// True when lockstep holds nothing: no live pair, every load counter at zero.
@@ -95,7 +108,12 @@ impl Stack {
         let st = &self.lockstep.state;
         st.registry.is_empty()
             && st.models.values().all(|m| {
-                m.pairs.prefill.workers().iter().chain(m.pairs.decode.workers()).all(|w| w.in_flight() == 0)
+                m.pairs
+                    .prefill
+                    .workers()
+                    .iter()
+                    .chain(m.pairs.decode.workers())
+                    .all(|w| w.in_flight() == 0)
             })
     }
 

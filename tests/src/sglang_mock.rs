@@ -94,7 +94,12 @@ pub struct MockConfig {
 
 impl Default for MockConfig {
     fn default() -> Self {
-        MockConfig { total_pages: 64, page_size: 16, kv_wait_timeout: Duration::from_secs(15), token_delay: Duration::from_millis(1) }
+        MockConfig {
+            total_pages: 64,
+            page_size: 16,
+            kv_wait_timeout: Duration::from_secs(15),
+            token_delay: Duration::from_millis(1),
+        }
     }
 }
 
@@ -180,12 +185,26 @@ struct Ctx {
 impl PdMock {
     /// Starts both servers on ephemeral loopback ports.
     pub async fn start(cfg: MockConfig, tokenizer: Tokenizer) -> std::io::Result<PdMock> {
-        Self::start_on(cfg, tokenizer, "127.0.0.1:0".parse().expect("addr"), "127.0.0.1:0".parse().expect("addr")).await
+        Self::start_on(
+            cfg,
+            tokenizer,
+            "127.0.0.1:0".parse().expect("addr"),
+            "127.0.0.1:0".parse().expect("addr"),
+        )
+        .await
     }
 
     /// Starts both servers on the given addresses.
-    pub async fn start_on(cfg: MockConfig, tokenizer: Tokenizer, prefill: SocketAddr, decode: SocketAddr) -> std::io::Result<PdMock> {
-        let pool = Pool { pages: vec![vec![0; cfg.page_size]; cfg.total_pages], free: (0..cfg.total_pages).rev().collect() };
+    pub async fn start_on(
+        cfg: MockConfig,
+        tokenizer: Tokenizer,
+        prefill: SocketAddr,
+        decode: SocketAddr,
+    ) -> std::io::Result<PdMock> {
+        let pool = Pool {
+            pages: vec![vec![0; cfg.page_size]; cfg.total_pages],
+            free: (0..cfg.total_pages).rev().collect(),
+        };
         let inner = Arc::new(Inner {
             cfg,
             tokenizer,
@@ -199,13 +218,33 @@ impl PdMock {
             aborts: Mutex::new(Vec::new()),
             requests: Mutex::new(Vec::new()),
         });
-        let (pl, dl) = (TcpListener::bind(prefill).await?, TcpListener::bind(decode).await?);
+        let (pl, dl) = (
+            TcpListener::bind(prefill).await?,
+            TcpListener::bind(decode).await?,
+        );
         let (prefill_addr, decode_addr) = (pl.local_addr()?, dl.local_addr()?);
         let tasks = vec![
-            tokio::spawn(serve(pl, Ctx { inner: inner.clone(), role: Role::Prefill })),
-            tokio::spawn(serve(dl, Ctx { inner: inner.clone(), role: Role::Decode })),
+            tokio::spawn(serve(
+                pl,
+                Ctx {
+                    inner: inner.clone(),
+                    role: Role::Prefill,
+                },
+            )),
+            tokio::spawn(serve(
+                dl,
+                Ctx {
+                    inner: inner.clone(),
+                    role: Role::Decode,
+                },
+            )),
         ];
-        Ok(PdMock { inner, prefill_addr, decode_addr, tasks })
+        Ok(PdMock {
+            inner,
+            prefill_addr,
+            decode_addr,
+            tasks,
+        })
     }
 
     /// Base URL of the prefill server.
@@ -254,11 +293,16 @@ impl PdMock {
     }
     /// Rooms whose KV was published but not consumed or freed.
     pub fn open_rooms(&self) -> usize {
-        lock(&self.inner.rooms).values().filter(|r| matches!(r, Room::Published { .. })).count()
+        lock(&self.inner.rooms)
+            .values()
+            .filter(|r| matches!(r, Room::Published { .. }))
+            .count()
     }
     /// True when nothing is held: no live half, no open room, every page free.
     pub fn is_idle(&self) -> bool {
-        self.live_halves().is_empty() && self.open_rooms() == 0 && self.free_pages() == self.total_pages()
+        self.live_halves().is_empty()
+            && self.open_rooms() == 0
+            && self.free_pages() == self.total_pages()
     }
     /// Waits (bounded) until the mock is idle; returns whether it got there.
     pub async fn wait_idle(&self, bound: Duration) -> bool {
@@ -281,24 +325,36 @@ async fn serve(listener: TcpListener, ctx: Ctx) {
         .route("/get_server_info", get(server_info))
         .with_state(ctx.clone());
     loop {
-        let Ok((stream, _)) = listener.accept().await else { continue };
+        let Ok((stream, _)) = listener.accept().await else {
+            continue;
+        };
         let router = router.clone();
         let ctx = ctx.clone();
         tokio::spawn(async move {
-            let svc = hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
-                let router = router.clone();
-                let ctx = ctx.clone();
-                async move {
-                    let reset = ctx.role == Role::Prefill && req.uri().path() == "/generate" && *lock(&ctx.inner.fault) == Fault::PrefillReset;
-                    if reset {
-                        lock(&ctx.inner.requests).push((Role::Prefill, json!({"reset": true})));
-                        // An error from the service makes hyper drop the connection unanswered.
-                        return Err::<Response, std::io::Error>(std::io::Error::other("injected connection reset"));
+            let svc =
+                hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
+                    let router = router.clone();
+                    let ctx = ctx.clone();
+                    async move {
+                        let reset = ctx.role == Role::Prefill
+                            && req.uri().path() == "/generate"
+                            && *lock(&ctx.inner.fault) == Fault::PrefillReset;
+                        if reset {
+                            lock(&ctx.inner.requests).push((Role::Prefill, json!({"reset": true})));
+                            // An error from the service makes hyper drop the connection unanswered.
+                            return Err::<Response, std::io::Error>(std::io::Error::other(
+                                "injected connection reset",
+                            ));
+                        }
+                        Ok(router
+                            .oneshot(req.map(Body::new))
+                            .await
+                            .unwrap_or_else(|e| match e {}))
                     }
-                    Ok(router.oneshot(req.map(Body::new)).await.unwrap_or_else(|e| match e {}))
-                }
-            });
-            let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new()).serve_connection(TokioIo::new(stream), svc).await;
+                });
+            let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                .serve_connection(TokioIo::new(stream), svc)
+                .await;
         });
     }
 }
@@ -309,7 +365,11 @@ async fn health(State(ctx): State<Ctx>) -> Response {
         Role::Prefill => h.0,
         Role::Decode => h.1,
     };
-    if ok { StatusCode::OK.into_response() } else { StatusCode::SERVICE_UNAVAILABLE.into_response() }
+    if ok {
+        StatusCode::OK.into_response()
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE.into_response()
+    }
 }
 
 async fn server_info(State(ctx): State<Ctx>) -> Response {
@@ -340,7 +400,11 @@ async fn abort(State(ctx): State<Ctx>, body: Bytes) -> Response {
             }
         }
     }
-    lock(&ctx.inner.aborts).push(AbortRecord { role: ctx.role, rid, released_live: released });
+    lock(&ctx.inner.aborts).push(AbortRecord {
+        role: ctx.role,
+        rid,
+        released_live: released,
+    });
     axum::Json(json!({})).into_response()
 }
 
@@ -357,8 +421,15 @@ struct Half {
 }
 
 fn parse_half(v: &Value) -> Result<Half, &'static str> {
-    let rid = v.get("rid").and_then(Value::as_str).ok_or("rid is required in PD mode")?.to_string();
-    let room = v.get("bootstrap_room").and_then(Value::as_u64).ok_or("bootstrap_room is required in PD mode")?;
+    let rid = v
+        .get("rid")
+        .and_then(Value::as_str)
+        .ok_or("rid is required in PD mode")?
+        .to_string();
+    let room = v
+        .get("bootstrap_room")
+        .and_then(Value::as_u64)
+        .ok_or("bootstrap_room is required in PD mode")?;
     if v.get("bootstrap_host").and_then(Value::as_str).is_none() {
         return Err("bootstrap_host is required in PD mode");
     }
@@ -373,8 +444,17 @@ fn parse_half(v: &Value) -> Result<Half, &'static str> {
     if ids.is_empty() {
         return Err("input_ids must not be empty");
     }
-    let max_new = v.pointer("/sampling_params/max_new_tokens").and_then(Value::as_u64).unwrap_or(16) as usize;
-    Ok(Half { rid, room, ids, max_new, stream: v.get("stream").and_then(Value::as_bool).unwrap_or(false) })
+    let max_new = v
+        .pointer("/sampling_params/max_new_tokens")
+        .and_then(Value::as_u64)
+        .unwrap_or(16) as usize;
+    Ok(Half {
+        rid,
+        room,
+        ids,
+        max_new,
+        stream: v.get("stream").and_then(Value::as_bool).unwrap_or(false),
+    })
 }
 
 async fn generate(State(ctx): State<Ctx>, body: Bytes) -> Response {
@@ -461,7 +541,10 @@ async fn prefill(inner: Arc<Inner>, h: Half, fault: Fault) -> Response {
         let want = n.min(capacity).div_ceil(ps);
         let Some(pages) = lock(&inner.pool).alloc(want) else {
             unregister(&inner, Role::Prefill, &h.rid);
-            let _ = tx.send((StatusCode::SERVICE_UNAVAILABLE, json!({"object": "error", "message": "KV pool exhausted", "code": 503})));
+            let _ = tx.send((
+                StatusCode::SERVICE_UNAVAILABLE,
+                json!({"object": "error", "message": "KV pool exhausted", "code": 503}),
+            ));
             return;
         };
         {
@@ -479,11 +562,18 @@ async fn prefill(inner: Arc<Inner>, h: Half, fault: Fault) -> Response {
         let tokens = n.min(pages.len() * ps);
         publish(&inner, h.room, pages, tokens);
         unregister(&inner, Role::Prefill, &h.rid);
-        let first = inner.tokenizer.decode(&h.ids[..1], false).unwrap_or_default();
+        let first = inner
+            .tokenizer
+            .decode(&h.ids[..1], false)
+            .unwrap_or_default();
         let body = if decoy {
             json!({ "text": "", "meta_info": meta(&h.rid, n, 0, json!({"type": "abort", "message": format!("Input length ({n} tokens) exceeds the maximum allowed length ({capacity} tokens)")})) })
         } else {
-            let reported = if fault == Fault::PrefillCountMismatch { n + 1 } else { n };
+            let reported = if fault == Fault::PrefillCountMismatch {
+                n + 1
+            } else {
+                n
+            };
             json!({ "text": first, "output_ids": [h.ids[0]], "meta_info": meta(&h.rid, reported, 1, json!({"type": "length", "length": 1})) })
         };
         let _ = tx.send((StatusCode::OK, body));
@@ -516,14 +606,29 @@ async fn decode(inner: Arc<Inner>, h: Half, fault: Fault) -> Response {
     if stream {
         let body = futures_util::stream::unfold((rx, 0usize), move |(mut rx, sent)| async move {
             match rx.recv().await {
-                Some(DecodeMsg::Event(v)) => Some((Ok::<Bytes, std::io::Error>(Bytes::from(format!("data: {v}\n\n"))), (rx, sent + 1))),
-                Some(DecodeMsg::Cut) => Some((Err(std::io::Error::other("injected stream cut")), (rx, sent))),
-                Some(DecodeMsg::Fail(_, m)) => Some((Ok(Bytes::from(format!("data: {}\n\n", json!({"error": {"message": m}})))), (rx, sent))),
+                Some(DecodeMsg::Event(v)) => Some((
+                    Ok::<Bytes, std::io::Error>(Bytes::from(format!("data: {v}\n\n"))),
+                    (rx, sent + 1),
+                )),
+                Some(DecodeMsg::Cut) => Some((
+                    Err(std::io::Error::other("injected stream cut")),
+                    (rx, sent),
+                )),
+                Some(DecodeMsg::Fail(_, m)) => Some((
+                    Ok(Bytes::from(format!(
+                        "data: {}\n\n",
+                        json!({"error": {"message": m}})
+                    ))),
+                    (rx, sent),
+                )),
                 None => {
                     if sent == usize::MAX {
                         return None;
                     }
-                    Some((Ok(Bytes::from_static(b"data: [DONE]\n\n")), (rx, usize::MAX)))
+                    Some((
+                        Ok(Bytes::from_static(b"data: [DONE]\n\n")),
+                        (rx, usize::MAX),
+                    ))
                 }
             }
         });
@@ -536,7 +641,9 @@ async fn decode(inner: Arc<Inner>, h: Half, fault: Fault) -> Response {
     while let Some(m) = rx.recv().await {
         match m {
             DecodeMsg::Event(v) => last = Some(v),
-            DecodeMsg::Cut => return sglang_error(StatusCode::INTERNAL_SERVER_ERROR, "injected stream cut"),
+            DecodeMsg::Cut => {
+                return sglang_error(StatusCode::INTERNAL_SERVER_ERROR, "injected stream cut");
+            }
             DecodeMsg::Fail(s, m) => return sglang_error(s, &m),
         }
     }
@@ -546,8 +653,18 @@ async fn decode(inner: Arc<Inner>, h: Half, fault: Fault) -> Response {
     }
 }
 
-async fn decode_work(inner: Arc<Inner>, h: Half, fault: Fault, cancel: CancellationToken, tx: mpsc::UnboundedSender<DecodeMsg>) {
-    let aborted = |rid: &str| DecodeMsg::Event(json!({ "text": "", "meta_info": meta(rid, 0, 0, json!({"type": "abort", "message": "Abort request"})) }));
+async fn decode_work(
+    inner: Arc<Inner>,
+    h: Half,
+    fault: Fault,
+    cancel: CancellationToken,
+    tx: mpsc::UnboundedSender<DecodeMsg>,
+) {
+    let aborted = |rid: &str| {
+        DecodeMsg::Event(
+            json!({ "text": "", "meta_info": meta(rid, 0, 0, json!({"type": "abort", "message": "Abort request"})) }),
+        )
+    };
     // Wait for the room's KV.
     let deadline = tokio::time::Instant::now() + inner.cfg.kv_wait_timeout;
     let (pages, tokens) = loop {
@@ -577,7 +694,9 @@ async fn decode_work(inner: Arc<Inner>, h: Half, fault: Fault, cancel: Cancellat
     let ps = inner.cfg.page_size;
     let kv: Vec<u32> = {
         let pool = lock(&inner.pool);
-        (0..tokens).map(|i| pool.pages[pages[i / ps]][i % ps]).collect()
+        (0..tokens)
+            .map(|i| pool.pages[pages[i / ps]][i % ps])
+            .collect()
     };
     let release = |pages: Vec<usize>| lock(&inner.pool).release(pages);
     if fault == Fault::DecodeHang {
@@ -592,7 +711,11 @@ async fn decode_work(inner: Arc<Inner>, h: Half, fault: Fault, cancel: Cancellat
         Fault::Slow { token_ms, .. } => Duration::from_millis(token_ms),
         _ => inner.cfg.token_delay,
     };
-    let reported = if fault == Fault::DecodeCountMismatch { tokens + 1 } else { tokens };
+    let reported = if fault == Fault::DecodeCountMismatch {
+        tokens + 1
+    } else {
+        tokens
+    };
     let mut out = Vec::with_capacity(h.max_new);
     for i in 0..h.max_new {
         tokio::select! {
@@ -613,7 +736,11 @@ async fn decode_work(inner: Arc<Inner>, h: Half, fault: Fault, cancel: Cancellat
         // Output is read from the KV: the prompt echoed back.
         out.push(kv[i % kv.len().max(1)]);
         let last = i + 1 == h.max_new;
-        let finish = if last { json!({"type": "length", "length": h.max_new}) } else { Value::Null };
+        let finish = if last {
+            json!({"type": "length", "length": h.max_new})
+        } else {
+            Value::Null
+        };
         let text = inner.tokenizer.decode(&out, false).unwrap_or_default();
         let ev = json!({ "text": text, "output_ids": out, "meta_info": meta(&h.rid, reported, out.len(), finish) });
         let _ = tx.send(DecodeMsg::Event(ev));

@@ -48,7 +48,10 @@ pub fn build() -> Tokenizer {
         .expect("static word-level vocabulary is valid");
     let mut tok = Tokenizer::new(model);
     tok.with_pre_tokenizer(Some(Whitespace {}));
-    let specials: Vec<AddedToken> = SPECIALS.iter().map(|s| AddedToken::from(*s, true)).collect();
+    let specials: Vec<AddedToken> = SPECIALS
+        .iter()
+        .map(|s| AddedToken::from(*s, true))
+        .collect();
     tok.add_special_tokens(&specials);
     tok
 }

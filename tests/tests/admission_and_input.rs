@@ -42,16 +42,47 @@ async fn malformed_input_table() {
         ("image content part", chat, json!({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}).to_string().into_bytes(), 400, "unsupported"),
     ];
     for (name, path, body, status, code) in cases {
-        let a = c.send_raw("POST", &format!("{}{path}", stack.url), body, Duration::from_secs(5)).await;
+        let a = c
+            .send_raw(
+                "POST",
+                &format!("{}{path}", stack.url),
+                body,
+                Duration::from_secs(5),
+            )
+            .await;
         assert_eq!(a.status, status, "{name}: {}", a.body);
         let v = a.json();
-        assert_eq!(v.pointer("/error/code").and_then(|c| c.as_str()), Some(code), "{name}: {}", a.body);
-        assert!(v.pointer("/error/message").and_then(|m| m.as_str()).is_some_and(|m| !m.is_empty()), "{name}");
-        assert!(v.pointer("/error/type").is_some() && v.pointer("/error/param").is_some(), "{name}: {}", a.body);
+        assert_eq!(
+            v.pointer("/error/code").and_then(|c| c.as_str()),
+            Some(code),
+            "{name}: {}",
+            a.body
+        );
+        assert!(
+            v.pointer("/error/message")
+                .and_then(|m| m.as_str())
+                .is_some_and(|m| !m.is_empty()),
+            "{name}"
+        );
+        assert!(
+            v.pointer("/error/type").is_some() && v.pointer("/error/param").is_some(),
+            "{name}: {}",
+            a.body
+        );
     }
-    let unknown = c.get(&format!("{}/v2/nothing", stack.url), Duration::from_secs(5)).await;
-    assert_eq!((unknown.status, unknown.error_code().as_deref()), (404, Some("not_found")));
-    assert_eq!(stack.mock.request_count(), 0, "nothing may be dispatched: {:?}", stack.mock.requests());
+    let unknown = c
+        .get(&format!("{}/v2/nothing", stack.url), Duration::from_secs(5))
+        .await;
+    assert_eq!(
+        (unknown.status, unknown.error_code().as_deref()),
+        (404, Some("not_found"))
+    );
+    assert_eq!(
+        stack.mock.request_count(),
+        0,
+        "nothing may be dispatched: {:?}",
+        stack.mock.requests()
+    );
     assert!(stack.lockstep_idle());
 }
 
@@ -61,10 +92,19 @@ async fn context_error_names_counts_and_nothing_is_dispatched() {
     // 506 prompt tokens + 8 default completion tokens > 512 context window.
     let prompt = "red ".repeat(506);
     let a = TestClient::default()
-        .post(&format!("{}/v1/completions", stack.url), &json!({"model": MODEL, "prompt": prompt}), Duration::from_secs(5))
+        .post(
+            &format!("{}/v1/completions", stack.url),
+            &json!({"model": MODEL, "prompt": prompt}),
+            Duration::from_secs(5),
+        )
         .await;
     assert_eq!(a.status, 400, "{}", a.body);
-    let msg = a.json().pointer("/error/message").and_then(|m| m.as_str()).unwrap_or_default().to_string();
+    let msg = a
+        .json()
+        .pointer("/error/message")
+        .and_then(|m| m.as_str())
+        .unwrap_or_default()
+        .to_string();
     for n in ["506", "8", "514", "512"] {
         assert!(msg.contains(n), "message lacks {n}: {msg}");
     }
@@ -72,7 +112,11 @@ async fn context_error_names_counts_and_nothing_is_dispatched() {
     // Exactly at the limit passes.
     let prompt = "red ".repeat(504);
     let a = TestClient::default()
-        .post(&format!("{}/v1/completions", stack.url), &json!({"model": MODEL, "prompt": prompt}), Duration::from_secs(5))
+        .post(
+            &format!("{}/v1/completions", stack.url),
+            &json!({"model": MODEL, "prompt": prompt}),
+            Duration::from_secs(5),
+        )
         .await;
     assert_eq!(a.status, 200, "{}", a.body);
     assert_eq!(a.json().pointer("/usage/prompt_tokens"), Some(&json!(504)));
@@ -84,18 +128,35 @@ async fn context_error_names_counts_and_nothing_is_dispatched() {
 async fn routing_fields_are_lockstep_s_own() {
     let stack = Stack::start().await;
     let body = json!({"text": "hello world", "rid": "evil", "bootstrap_room": 1, "bootstrap_host": "10.6.6.6", "bootstrap_port": 1, "sampling_params": {"max_new_tokens": 2}});
-    let a = TestClient::default().post(&format!("{}/generate", stack.url), &body, Duration::from_secs(5)).await;
+    let a = TestClient::default()
+        .post(
+            &format!("{}/generate", stack.url),
+            &body,
+            Duration::from_secs(5),
+        )
+        .await;
     assert_eq!(a.status, 200, "{}", a.body);
     let v = a.json();
-    let pair_id = v.pointer("/meta_info/id").and_then(|x| x.as_str()).expect("pair id string").to_string();
+    let pair_id = v
+        .pointer("/meta_info/id")
+        .and_then(|x| x.as_str())
+        .expect("pair id string")
+        .to_string();
     assert_eq!(v.pointer("/meta_info/prompt_tokens"), Some(&json!(2)));
     let reqs = stack.mock.requests();
     assert_eq!(reqs.len(), 2);
     let tok = lockstep_tests::tokenizer::build();
-    let ids = tok.encode("hello world", false).expect("encode").get_ids().to_vec();
+    let ids = tok
+        .encode("hello world", false)
+        .expect("encode")
+        .get_ids()
+        .to_vec();
     for (_, r) in reqs {
         assert_eq!(r["rid"], json!(pair_id));
-        assert_eq!(r["bootstrap_room"].as_u64().map(|n| n.to_string()), Some(pair_id.clone()));
+        assert_eq!(
+            r["bootstrap_room"].as_u64().map(|n| n.to_string()),
+            Some(pair_id.clone())
+        );
         assert_eq!(r["bootstrap_host"], json!("127.0.0.1"));
         assert_eq!(r["bootstrap_port"], json!(8998));
         assert_eq!(r["input_ids"], json!(ids));

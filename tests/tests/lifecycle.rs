@@ -27,9 +27,19 @@ async fn wait_for(bound: Duration, mut f: impl FnMut() -> bool) -> bool {
 }
 
 fn both_aborted(stack: &Stack) -> bool {
-    let rids: Vec<String> = stack.mock.requests().iter().filter_map(|(_, v)| v["rid"].as_str().map(str::to_string)).collect();
+    let rids: Vec<String> = stack
+        .mock
+        .requests()
+        .iter()
+        .filter_map(|(_, v)| v["rid"].as_str().map(str::to_string))
+        .collect();
     let aborts = stack.mock.aborts();
-    !rids.is_empty() && rids.iter().all(|rid| [Role::Prefill, Role::Decode].iter().all(|r| aborts.iter().any(|a| &a.rid == rid && a.role == *r)))
+    !rids.is_empty()
+        && rids.iter().all(|rid| {
+            [Role::Prefill, Role::Decode]
+                .iter()
+                .all(|r| aborts.iter().any(|a| &a.rid == rid && a.role == *r))
+        })
 }
 
 /// A client that leaves mid-stream makes lockstep abort both halves at once (long before the
@@ -37,8 +47,12 @@ fn both_aborted(stack: &Stack) -> bool {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_disconnect_mid_stream_aborts_both() {
     let stack = Stack::start_with(MockConfig::default(), "", LONG_TIMEOUTS).await;
-    stack.mock.set_fault(Fault::Slow { prefill_ms: 0, token_ms: 100 });
-    let client: Client<HttpConnector, Full<Bytes>> = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+    stack.mock.set_fault(Fault::Slow {
+        prefill_ms: 0,
+        token_ms: 100,
+    });
+    let client: Client<HttpConnector, Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).build(HttpConnector::new());
     let body = json!({"model": MODEL, "prompt": "red green", "stream": true, "max_tokens": 100});
     let req = http::Request::post(format!("{}/v1/completions", stack.url))
         .header("content-type", "application/json")
@@ -52,10 +66,29 @@ async fn client_disconnect_mid_stream_aborts_both() {
     let left_at = Instant::now();
     drop(body);
     drop(client);
-    assert!(wait_for(Duration::from_secs(2), || both_aborted(&stack)).await, "aborts: {:?}", stack.mock.aborts());
-    assert!(stack.wait_all_idle(Duration::from_secs(2)).await, "live: {:?}", stack.mock.live_halves());
-    assert!(left_at.elapsed() < Duration::from_secs(3), "released long before the 10 s the decode needed");
-    assert_eq!(stack.lockstep.state.stats.completed.load(std::sync::atomic::Ordering::Relaxed), 0);
+    assert!(
+        wait_for(Duration::from_secs(2), || both_aborted(&stack)).await,
+        "aborts: {:?}",
+        stack.mock.aborts()
+    );
+    assert!(
+        stack.wait_all_idle(Duration::from_secs(2)).await,
+        "live: {:?}",
+        stack.mock.live_halves()
+    );
+    assert!(
+        left_at.elapsed() < Duration::from_secs(3),
+        "released long before the 10 s the decode needed"
+    );
+    assert_eq!(
+        stack
+            .lockstep
+            .state
+            .stats
+            .completed
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
 }
 
 /// A client that leaves while the pair waits at the barrier (prefill still computing) aborts both.
@@ -66,11 +99,26 @@ async fn client_disconnect_before_commit_aborts_both() {
     let c = TestClient::default();
     let url = format!("{}/v1/chat/completions", stack.url);
     let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "hello"}]});
-    let gave_up = tokio::time::timeout(Duration::from_millis(300), c.post(&url, &body, Duration::from_secs(30))).await;
-    assert!(gave_up.is_err(), "the prefill hangs, so the client gives up first");
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(300),
+        c.post(&url, &body, Duration::from_secs(30)),
+    )
+    .await;
+    assert!(
+        gave_up.is_err(),
+        "the prefill hangs, so the client gives up first"
+    );
     drop(c);
-    assert!(wait_for(Duration::from_secs(2), || both_aborted(&stack)).await, "aborts: {:?}", stack.mock.aborts());
-    assert!(stack.wait_all_idle(Duration::from_secs(2)).await, "live: {:?}", stack.mock.live_halves());
+    assert!(
+        wait_for(Duration::from_secs(2), || both_aborted(&stack)).await,
+        "aborts: {:?}",
+        stack.mock.aborts()
+    );
+    assert!(
+        stack.wait_all_idle(Duration::from_secs(2)).await,
+        "live: {:?}",
+        stack.mock.live_halves()
+    );
 }
 
 /// A 503 before work began is retried on a new pair; both halves of the failed pair are aborted
@@ -80,34 +128,79 @@ async fn retry_uses_a_new_pair_and_aborts_the_old_one() {
     let stack = Stack::start().await;
     stack.mock.set_fault(Fault::PrefillStatus(503));
     let a = TestClient::default()
-        .post(&format!("{}/v1/completions", stack.url), &json!({"model": MODEL, "prompt": "red"}), Duration::from_secs(5))
+        .post(
+            &format!("{}/v1/completions", stack.url),
+            &json!({"model": MODEL, "prompt": "red"}),
+            Duration::from_secs(5),
+        )
         .await;
     assert_eq!(a.status, 502, "{}", a.body);
     assert_eq!(a.error_code().as_deref(), Some("prefill_rejected"));
-    let prefill_rids: Vec<String> = stack.mock.requests().iter().filter(|(r, _)| *r == Role::Prefill).filter_map(|(_, v)| v["rid"].as_str().map(str::to_string)).collect();
-    assert_eq!(prefill_rids.len(), 2, "one attempt and one retry (max_retries = 1)");
-    assert_ne!(prefill_rids[0], prefill_rids[1], "the retry is a new pair with a new id");
-    assert!(wait_for(Duration::from_secs(2), || both_aborted(&stack)).await, "aborts: {:?}", stack.mock.aborts());
+    let prefill_rids: Vec<String> = stack
+        .mock
+        .requests()
+        .iter()
+        .filter(|(r, _)| *r == Role::Prefill)
+        .filter_map(|(_, v)| v["rid"].as_str().map(str::to_string))
+        .collect();
+    assert_eq!(
+        prefill_rids.len(),
+        2,
+        "one attempt and one retry (max_retries = 1)"
+    );
+    assert_ne!(
+        prefill_rids[0], prefill_rids[1],
+        "the retry is a new pair with a new id"
+    );
+    assert!(
+        wait_for(Duration::from_secs(2), || both_aborted(&stack)).await,
+        "aborts: {:?}",
+        stack.mock.aborts()
+    );
     assert!(stack.wait_all_idle(Duration::from_secs(2)).await);
-    assert_eq!(stack.lockstep.state.stats.retries.load(std::sync::atomic::Ordering::Relaxed), 1);
+    assert_eq!(
+        stack
+            .lockstep
+            .state
+            .stats
+            .retries
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
 
     // A 4xx is not safe to retry.
     stack.mock.set_fault(Fault::PrefillStatus(400));
     let before = stack.mock.request_count();
     let a = TestClient::default()
-        .post(&format!("{}/v1/completions", stack.url), &json!({"model": MODEL, "prompt": "red"}), Duration::from_secs(5))
+        .post(
+            &format!("{}/v1/completions", stack.url),
+            &json!({"model": MODEL, "prompt": "red"}),
+            Duration::from_secs(5),
+        )
         .await;
     assert_eq!(a.status, 502);
     let after: Vec<(Role, Value)> = stack.mock.requests()[before..].to_vec();
-    assert_eq!(after.iter().filter(|(r, _)| *r == Role::Prefill).count(), 1, "no retry after a 400");
+    assert_eq!(
+        after.iter().filter(|(r, _)| *r == Role::Prefill).count(),
+        1,
+        "no retry after a 400"
+    );
 }
 
 /// A prefill worker that refuses connections is skipped by the retry, which picks the other one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connect_failure_retries_on_another_worker() {
     // Reserve a port and close it so nothing listens there.
-    let dead = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr");
-    let stack = Stack::start_with(MockConfig::default(), "", lockstep_tests::harness::TEST_TIMEOUTS).await;
+    let dead = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr");
+    let stack = Stack::start_with(
+        MockConfig::default(),
+        "",
+        lockstep_tests::harness::TEST_TIMEOUTS,
+    )
+    .await;
     let text = lockstep_tests::harness::config_text(&stack.mock, &std::env::temp_dir().join("unused.json"), "", lockstep_tests::harness::TEST_TIMEOUTS)
         .replace(
             &format!("workers = [{{ url = \"{}\", bootstrap_port = 8998 }}]", stack.mock.prefill_url()),
@@ -116,16 +209,35 @@ async fn connect_failure_retries_on_another_worker() {
     let dir = tempfile::tempdir().expect("tempdir");
     let tok = dir.path().join("tokenizer.json");
     lockstep_tests::tokenizer::write(&tok).expect("tokenizer");
-    let text = text.replace(&std::env::temp_dir().join("unused.json").display().to_string(), &tok.display().to_string());
+    let text = text.replace(
+        &std::env::temp_dir()
+            .join("unused.json")
+            .display()
+            .to_string(),
+        &tok.display().to_string(),
+    );
     let cfg = lockstep::config::Config::parse(&text).expect("config");
     assert_eq!(cfg.models[0].prefill.workers.len(), 2);
     let ls = lockstep::app::Lockstep::start(cfg).await.expect("start");
     let url = format!("http://{}/v1/completions", ls.http_addr);
     for _ in 0..4 {
-        let a = TestClient::default().post(&url, &json!({"model": MODEL, "prompt": "red green", "max_tokens": 2}), Duration::from_secs(5)).await;
+        let a = TestClient::default()
+            .post(
+                &url,
+                &json!({"model": MODEL, "prompt": "red green", "max_tokens": 2}),
+                Duration::from_secs(5),
+            )
+            .await;
         assert_eq!(a.status, 200, "{}", a.body);
     }
-    assert!(ls.state.stats.retries.load(std::sync::atomic::Ordering::Relaxed) >= 1, "round robin hit the dead worker at least once");
+    assert!(
+        ls.state
+            .stats
+            .retries
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= 1,
+        "round robin hit the dead worker at least once"
+    );
 }
 
 /// Health checks take an unhealthy worker out (no new pairs, /ready fails) and bring it back.
@@ -133,7 +245,12 @@ async fn connect_failure_retries_on_another_worker() {
 async fn health_checks_gate_readiness_and_routing() {
     let stack = Stack::start().await;
     let c = TestClient::default();
-    assert_eq!(c.get(&format!("{}/ready", stack.url), Duration::from_secs(2)).await.status, 200);
+    assert_eq!(
+        c.get(&format!("{}/ready", stack.url), Duration::from_secs(2))
+            .await
+            .status,
+        200
+    );
     stack.mock.set_healthy(Role::Decode, false);
     let url = format!("{}/ready", stack.url);
     let mut last = 0;
@@ -146,10 +263,29 @@ async fn health_checks_gate_readiness_and_routing() {
     }
     assert_eq!(last, 503, "decode unhealthy after 2 failed checks");
     let before = stack.mock.request_count();
-    let a = c.post(&format!("{}/v1/completions", stack.url), &json!({"model": MODEL, "prompt": "red"}), Duration::from_secs(2)).await;
-    assert_eq!((a.status, a.error_code().as_deref()), (503, Some("no_healthy_worker")));
-    assert_eq!(stack.mock.request_count(), before, "nothing dispatched without a healthy pair");
-    assert_eq!(c.get(&format!("{}/health", stack.url), Duration::from_secs(2)).await.status, 200, "alive regardless");
+    let a = c
+        .post(
+            &format!("{}/v1/completions", stack.url),
+            &json!({"model": MODEL, "prompt": "red"}),
+            Duration::from_secs(2),
+        )
+        .await;
+    assert_eq!(
+        (a.status, a.error_code().as_deref()),
+        (503, Some("no_healthy_worker"))
+    );
+    assert_eq!(
+        stack.mock.request_count(),
+        before,
+        "nothing dispatched without a healthy pair"
+    );
+    assert_eq!(
+        c.get(&format!("{}/health", stack.url), Duration::from_secs(2))
+            .await
+            .status,
+        200,
+        "alive regardless"
+    );
     stack.mock.set_healthy(Role::Decode, true);
     for _ in 0..40 {
         last = c.get(&url, Duration::from_secs(2)).await.status;
@@ -165,7 +301,9 @@ async fn health_checks_gate_readiness_and_routing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn h2c_on_the_same_listener() {
     let stack = Stack::start().await;
-    let client: Client<HttpConnector, Full<Bytes>> = Client::builder(TokioExecutor::new()).http2_only(true).build(HttpConnector::new());
+    let client: Client<HttpConnector, Full<Bytes>> = Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build(HttpConnector::new());
     let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "alpha"}], "max_tokens": 4});
     let req = http::Request::post(format!("{}/v1/chat/completions", stack.url))
         .header("content-type", "application/json")
@@ -176,5 +314,9 @@ async fn h2c_on_the_same_listener() {
     assert_eq!(resp.status(), 200);
     let bytes = resp.into_body().collect().await.expect("body").to_bytes();
     let v: Value = serde_json::from_slice(&bytes).expect("json");
-    assert!(v.pointer("/choices/0/message/content").and_then(Value::as_str).is_some_and(|s| s.contains("alpha")));
+    assert!(
+        v.pointer("/choices/0/message/content")
+            .and_then(Value::as_str)
+            .is_some_and(|s| s.contains("alpha"))
+    );
 }

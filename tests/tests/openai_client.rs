@@ -21,13 +21,19 @@ async fn official_openai_client() {
         .kill_on_drop(true)
         .spawn()
         .expect("python3 runs");
-    let out = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output()).await.expect("script ends").expect("output");
+    let out = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output())
+        .await
+        .expect("script ends")
+        .expect("output");
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         out.status.success(),
         "openai client checks failed (pip install -r tests/python/requirements.txt?)\nstdout:\n{stdout}\nstderr:\n{stderr}"
     );
-    assert!(stdout.contains("all openai client checks passed"), "{stdout}");
+    assert!(
+        stdout.contains("all openai client checks passed"),
+        "{stdout}"
+    );
     assert!(stack.wait_all_idle(Duration::from_secs(3)).await);
 }

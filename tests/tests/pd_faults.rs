@@ -30,16 +30,37 @@ const ENDPOINTS: [Endpoint; 3] = [Endpoint::Generate, Endpoint::Completions, End
 
 fn request(ep: Endpoint, prompt: &str, stream: bool, max_tokens: u64) -> (&'static str, Value) {
     match ep {
-        Endpoint::Generate => ("/generate", json!({ "text": prompt, "stream": stream, "sampling_params": { "max_new_tokens": max_tokens } })),
-        Endpoint::Completions => ("/v1/completions", json!({ "model": MODEL, "prompt": prompt, "stream": stream, "max_tokens": max_tokens })),
-        Endpoint::Chat => ("/v1/chat/completions", json!({ "model": MODEL, "messages": [{ "role": "user", "content": prompt }], "stream": stream, "max_tokens": max_tokens })),
+        Endpoint::Generate => (
+            "/generate",
+            json!({ "text": prompt, "stream": stream, "sampling_params": { "max_new_tokens": max_tokens } }),
+        ),
+        Endpoint::Completions => (
+            "/v1/completions",
+            json!({ "model": MODEL, "prompt": prompt, "stream": stream, "max_tokens": max_tokens }),
+        ),
+        Endpoint::Chat => (
+            "/v1/chat/completions",
+            json!({ "model": MODEL, "messages": [{ "role": "user", "content": prompt }], "stream": stream, "max_tokens": max_tokens }),
+        ),
     }
 }
 
-async fn call(stack: &Stack, ep: Endpoint, prompt: &str, stream: bool, max_tokens: u64) -> (Answer, Duration) {
+async fn call(
+    stack: &Stack,
+    ep: Endpoint,
+    prompt: &str,
+    stream: bool,
+    max_tokens: u64,
+) -> (Answer, Duration) {
     let (path, body) = request(ep, prompt, stream, max_tokens);
     let t = Instant::now();
-    let a = TestClient::default().post(&format!("{}{path}", stack.url), &body, Duration::from_secs(20)).await;
+    let a = TestClient::default()
+        .post(
+            &format!("{}{path}", stack.url),
+            &body,
+            Duration::from_secs(20),
+        )
+        .await;
     (a, t.elapsed())
 }
 
@@ -48,7 +69,11 @@ async fn seed_secret(stack: &Stack) {
     stack.mock.set_fault(Fault::None);
     let (a, _) = call(stack, Endpoint::Completions, SECRET, false, 4).await;
     assert_eq!(a.status, 200, "{}", a.body);
-    assert!(a.body.contains("secret"), "the seed echoes its own prompt: {}", a.body);
+    assert!(
+        a.body.contains("secret"),
+        "the seed echoes its own prompt: {}",
+        a.body
+    );
     assert!(stack.wait_all_idle(Duration::from_secs(3)).await);
 }
 
@@ -65,21 +90,43 @@ async fn assert_fault(fault: Fault, expected_codes: &[&str]) {
             let code = a.error_code();
             if a.status == 200 {
                 assert!(stream, "{case}: non-stream answered 200: {}", a.body);
-                assert!(code.is_some(), "{case}: committed stream without an error event: {}", a.body);
-                assert!(!a.body.contains("[DONE]"), "{case}: failed stream ended with [DONE]");
+                assert!(
+                    code.is_some(),
+                    "{case}: committed stream without an error event: {}",
+                    a.body
+                );
+                assert!(
+                    !a.body.contains("[DONE]"),
+                    "{case}: failed stream ended with [DONE]"
+                );
             } else {
                 assert!(a.status >= 400, "{case}: status {}", a.status);
             }
             let code = code.unwrap_or_default();
-            assert!(expected_codes.contains(&code.as_str()), "{case}: code `{code}` not in {expected_codes:?}: {}", a.body);
+            assert!(
+                expected_codes.contains(&code.as_str()),
+                "{case}: code `{code}` not in {expected_codes:?}: {}",
+                a.body
+            );
             assert!(took < Duration::from_secs(1), "{case}: error took {took:?}");
             for w in SECRET_WORDS {
-                assert!(!a.body.contains(w), "{case}: another tenant's content `{w}` leaked: {}", a.body);
+                assert!(
+                    !a.body.contains(w),
+                    "{case}: another tenant's content `{w}` leaked: {}",
+                    a.body
+                );
             }
             // Both halves of every pair this request dispatched were aborted, and released.
             stack.mock.set_fault(Fault::None);
-            assert!(stack.wait_all_idle(Duration::from_secs(3)).await, "{case}: left behind: live {:?}, open rooms {}, free pages {}/{}, lockstep idle {}",
-                stack.mock.live_halves(), stack.mock.open_rooms(), stack.mock.free_pages(), stack.mock.total_pages(), stack.lockstep_idle());
+            assert!(
+                stack.wait_all_idle(Duration::from_secs(3)).await,
+                "{case}: left behind: live {:?}, open rooms {}, free pages {}/{}, lockstep idle {}",
+                stack.mock.live_halves(),
+                stack.mock.open_rooms(),
+                stack.mock.free_pages(),
+                stack.mock.total_pages(),
+                stack.lockstep_idle()
+            );
             let reqs = stack.mock.requests();
             let rids: std::collections::BTreeSet<String> = reqs[before..]
                 .iter()
@@ -91,13 +138,21 @@ async fn assert_fault(fault: Fault, expected_codes: &[&str]) {
             // Abort calls run in the background (they never delay the client): wait for them, bounded.
             let all_aborted = || {
                 let aborts = stack.mock.aborts();
-                rids.iter().all(|rid| [Role::Prefill, Role::Decode].iter().all(|role| aborts.iter().any(|r| &r.rid == rid && r.role == *role)))
+                rids.iter().all(|rid| {
+                    [Role::Prefill, Role::Decode]
+                        .iter()
+                        .all(|role| aborts.iter().any(|r| &r.rid == rid && r.role == *role))
+                })
             };
             let deadline = Instant::now() + Duration::from_secs(3);
             while !all_aborted() && Instant::now() < deadline {
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
-            assert!(all_aborted(), "{case}: not every half of {rids:?} was aborted: {:?}", stack.mock.aborts());
+            assert!(
+                all_aborted(),
+                "{case}: not every half of {rids:?} was aborted: {:?}",
+                stack.mock.aborts()
+            );
         }
     }
 }
@@ -159,19 +214,33 @@ async fn slow_halves_succeed_with_own_content() {
     for ep in ENDPOINTS {
         for stream in [false, true] {
             seed_secret(&stack).await;
-            stack.mock.set_fault(Fault::Slow { prefill_ms: 150, token_ms: 30 });
+            stack.mock.set_fault(Fault::Slow {
+                prefill_ms: 150,
+                token_ms: 30,
+            });
             let (a, _) = call(&stack, ep, PROMPT, stream, 6).await;
             let case = format!("{ep:?} stream={stream}");
             assert_eq!(a.status, 200, "{case}: {}", a.body);
             assert!(a.error_code().is_none(), "{case}: {}", a.body);
-            assert!(a.body.contains("green"), "{case}: own content missing: {}", a.body);
+            assert!(
+                a.body.contains("green"),
+                "{case}: own content missing: {}",
+                a.body
+            );
             for w in SECRET_WORDS {
                 assert!(!a.body.contains(w), "{case}: leaked `{w}`");
             }
             if stream {
-                assert!(a.body.trim_end().ends_with("data: [DONE]"), "{case}: {}", a.body);
+                assert!(
+                    a.body.trim_end().ends_with("data: [DONE]"),
+                    "{case}: {}",
+                    a.body
+                );
             }
-            assert!(stack.wait_all_idle(Duration::from_secs(3)).await, "{case}: not idle");
+            assert!(
+                stack.wait_all_idle(Duration::from_secs(3)).await,
+                "{case}: not idle"
+            );
         }
     }
 }
@@ -185,13 +254,31 @@ async fn mock_reproduces_the_incident_without_lockstep() {
     seed_secret(&stack).await;
     stack.mock.set_fault(Fault::PrefillInBandAbortDecoy);
     let tok = lockstep_tests::tokenizer::build();
-    let ids = tok.encode(PROMPT, false).expect("encode").get_ids().to_vec();
+    let ids = tok
+        .encode(PROMPT, false)
+        .expect("encode")
+        .get_ids()
+        .to_vec();
     let body = |stream: bool| json!({ "input_ids": ids, "rid": "naive-1", "bootstrap_host": "127.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 4242u64, "stream": stream, "sampling_params": { "max_new_tokens": 6 } });
     let c = TestClient::default();
-    let (pu, du, b) = (format!("{}/generate", stack.mock.prefill_url()), format!("{}/generate", stack.mock.decode_url()), body(false));
-    let (p, d) = tokio::join!(c.post(&pu, &b, Duration::from_secs(5)), c.post(&du, &b, Duration::from_secs(5)));
+    let (pu, du, b) = (
+        format!("{}/generate", stack.mock.prefill_url()),
+        format!("{}/generate", stack.mock.decode_url()),
+        body(false),
+    );
+    let (p, d) = tokio::join!(
+        c.post(&pu, &b, Duration::from_secs(5)),
+        c.post(&du, &b, Duration::from_secs(5))
+    );
     assert_eq!(p.status, 200, "the in-band abort hides inside a 200");
-    assert_eq!(p.json().pointer("/meta_info/finish_reason/type"), Some(&json!("abort")));
+    assert_eq!(
+        p.json().pointer("/meta_info/finish_reason/type"),
+        Some(&json!("abort"))
+    );
     assert_eq!(d.status, 200, "{}", d.body);
-    assert!(SECRET_WORDS.iter().any(|w| d.body.contains(w)), "decode answered from stale pages: {}", d.body);
+    assert!(
+        SECRET_WORDS.iter().any(|w| d.body.contains(w)),
+        "decode answered from stale pages: {}",
+        d.body
+    );
 }

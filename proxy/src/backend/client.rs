@@ -39,7 +39,12 @@ impl UpstreamClient {
     }
 
     /// Sends a request and returns the response head (the body streams).
-    pub async fn send(&self, method: Method, url: &str, body: Bytes) -> Result<Response<Incoming>, CallError> {
+    pub async fn send(
+        &self,
+        method: Method,
+        url: &str,
+        body: Bytes,
+    ) -> Result<Response<Incoming>, CallError> {
         let req = Request::builder()
             .method(method)
             .uri(url)
@@ -48,7 +53,11 @@ impl UpstreamClient {
             .map_err(|e| CallError::Connect(format!("bad request for {url}: {e}")))?;
         self.inner.request(req).await.map_err(|e| {
             let msg = format!("{url}: {}", error_chain(&e));
-            if e.is_connect() { CallError::Connect(msg) } else { CallError::Transport(msg) }
+            if e.is_connect() {
+                CallError::Connect(msg)
+            } else {
+                CallError::Transport(msg)
+            }
         })
     }
 

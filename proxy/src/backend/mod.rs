@@ -153,7 +153,10 @@ pub struct HalfError {
 impl HalfError {
     /// Whether retrying on a new pair is safe: the worker did no work for this request.
     pub fn retry_safe(&self) -> bool {
-        matches!(self.failure, HalfFailure::Connect(_) | HalfFailure::Status { status: 503, .. })
+        matches!(
+            self.failure,
+            HalfFailure::Connect(_) | HalfFailure::Status { status: 503, .. }
+        )
     }
 }
 
@@ -162,8 +165,13 @@ impl std::fmt::Display for HalfError {
         let side = self.side.as_str();
         match &self.failure {
             HalfFailure::Connect(m) => write!(f, "{side} worker unreachable: {m}"),
-            HalfFailure::Status { status, message } => write!(f, "{side} worker answered {status}: {message}"),
-            HalfFailure::InBandAbort(m) => write!(f, "{side} worker aborted the request inside a success response: {m}"),
+            HalfFailure::Status { status, message } => {
+                write!(f, "{side} worker answered {status}: {message}")
+            }
+            HalfFailure::InBandAbort(m) => write!(
+                f,
+                "{side} worker aborted the request inside a success response: {m}"
+            ),
             HalfFailure::Protocol(m) => write!(f, "{side} worker sent an unreadable answer: {m}"),
             HalfFailure::Transport(m) => write!(f, "{side} connection broke: {m}"),
         }

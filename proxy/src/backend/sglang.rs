@@ -10,7 +10,10 @@ use hyper::body::Incoming;
 use serde_json::{Value, json};
 
 use super::client::{CallError, UpstreamClient, error_chain};
-use super::{DecodeChunk, DecodeStream, Dispatch, FinishReason, HalfError, HalfFailure, PdBackend, PrefillReport, Side};
+use super::{
+    DecodeChunk, DecodeStream, Dispatch, FinishReason, HalfError, HalfFailure, PdBackend,
+    PrefillReport, Side,
+};
 
 /// Talks to SGLang prefill and decode workers.
 #[derive(Debug, Clone)]
@@ -53,36 +56,64 @@ fn half_err(side: Side, e: CallError) -> HalfError {
 fn error_message(body: &[u8]) -> String {
     let v: Option<Value> = serde_json::from_slice(body).ok();
     v.as_ref()
-        .and_then(|v| v.pointer("/error/message").or_else(|| v.get("message")).or_else(|| v.get("error")))
-        .map(|m| m.as_str().map(str::to_string).unwrap_or_else(|| m.to_string()))
+        .and_then(|v| {
+            v.pointer("/error/message")
+                .or_else(|| v.get("message"))
+                .or_else(|| v.get("error"))
+        })
+        .map(|m| {
+            m.as_str()
+                .map(str::to_string)
+                .unwrap_or_else(|| m.to_string())
+        })
         .unwrap_or_else(|| String::from_utf8_lossy(&body[..body.len().min(256)]).into_owned())
 }
 
 /// Checks one `/generate` JSON object for an in-band failure; returns its finish reason.
 fn inspect(side: Side, v: &Value) -> Result<Option<FinishReason>, HalfError> {
-    let fail = |m: String| HalfError { side, failure: HalfFailure::InBandAbort(m) };
+    let fail = |m: String| HalfError {
+        side,
+        failure: HalfFailure::InBandAbort(m),
+    };
     if let Some(err) = v.get("error").filter(|e| !e.is_null()) {
         return Err(fail(err.to_string()));
     }
     let Some(meta) = v.get("meta_info") else {
-        return Err(HalfError { side, failure: HalfFailure::Protocol("no meta_info".into()) });
+        return Err(HalfError {
+            side,
+            failure: HalfFailure::Protocol("no meta_info".into()),
+        });
     };
     match meta.get("finish_reason") {
         None | Some(Value::Null) => Ok(None),
         Some(fr) => {
-            let kind = fr.get("type").and_then(Value::as_str).or_else(|| fr.as_str()).unwrap_or("");
+            let kind = fr
+                .get("type")
+                .and_then(Value::as_str)
+                .or_else(|| fr.as_str())
+                .unwrap_or("");
             match kind {
                 "stop" => Ok(Some(FinishReason::Stop)),
                 "length" => Ok(Some(FinishReason::Length)),
-                "abort" => Err(fail(fr.get("message").and_then(Value::as_str).unwrap_or("finish_reason abort").to_string())),
-                other => Err(HalfError { side, failure: HalfFailure::Protocol(format!("unknown finish_reason `{other}`")) }),
+                "abort" => Err(fail(
+                    fr.get("message")
+                        .and_then(Value::as_str)
+                        .unwrap_or("finish_reason abort")
+                        .to_string(),
+                )),
+                other => Err(HalfError {
+                    side,
+                    failure: HalfFailure::Protocol(format!("unknown finish_reason `{other}`")),
+                }),
             }
         }
     }
 }
 
 fn meta_u64(v: &Value, key: &str) -> Option<u64> {
-    v.get("meta_info").and_then(|m| m.get(key)).and_then(Value::as_u64)
+    v.get("meta_info")
+        .and_then(|m| m.get(key))
+        .and_then(Value::as_u64)
 }
 
 impl PdBackend for SglangBackend {
@@ -92,15 +123,28 @@ impl PdBackend for SglangBackend {
         let body = Self::generate_body(d, false);
         Box::pin(async move {
             let side = Side::Prefill;
-            let (status, body) = client.post_collect(&url, body).await.map_err(|e| half_err(side, e))?;
+            let (status, body) = client
+                .post_collect(&url, body)
+                .await
+                .map_err(|e| half_err(side, e))?;
             if !(200..300).contains(&status) {
-                return Err(HalfError { side, failure: HalfFailure::Status { status, message: error_message(&body) } });
+                return Err(HalfError {
+                    side,
+                    failure: HalfFailure::Status {
+                        status,
+                        message: error_message(&body),
+                    },
+                });
             }
-            let v: Value = serde_json::from_slice(&body)
-                .map_err(|e| HalfError { side, failure: HalfFailure::Protocol(format!("not JSON: {e}")) })?;
+            let v: Value = serde_json::from_slice(&body).map_err(|e| HalfError {
+                side,
+                failure: HalfFailure::Protocol(format!("not JSON: {e}")),
+            })?;
             inspect(side, &v)?;
-            let prompt_tokens = meta_u64(&v, "prompt_tokens")
-                .ok_or(HalfError { side, failure: HalfFailure::Protocol("no meta_info.prompt_tokens".into()) })?;
+            let prompt_tokens = meta_u64(&v, "prompt_tokens").ok_or(HalfError {
+                side,
+                failure: HalfFailure::Protocol("no meta_info.prompt_tokens".into()),
+            })?;
             Ok(PrefillReport { prompt_tokens })
         })
     }
@@ -111,13 +155,32 @@ impl PdBackend for SglangBackend {
         let body = Self::generate_body(d, true);
         let start = async move {
             let side = Side::Decode;
-            let resp = client.send(Method::POST, &url, body).await.map_err(|e| half_err(side, e))?;
+            let resp = client
+                .send(Method::POST, &url, body)
+                .await
+                .map_err(|e| half_err(side, e))?;
             let status = resp.status().as_u16();
             if !(200..300).contains(&status) {
-                let body = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
-                return Err(HalfError { side, failure: HalfFailure::Status { status, message: error_message(&body) } });
+                let body = resp
+                    .into_body()
+                    .collect()
+                    .await
+                    .map(|c| c.to_bytes())
+                    .unwrap_or_default();
+                return Err(HalfError {
+                    side,
+                    failure: HalfFailure::Status {
+                        status,
+                        message: error_message(&body),
+                    },
+                });
             }
-            Ok(SseDecoder { body: resp.into_body(), buf: BytesMut::new(), text_len: 0, done: false })
+            Ok(SseDecoder {
+                body: resp.into_body(),
+                buf: BytesMut::new(),
+                text_len: 0,
+                done: false,
+            })
         };
         futures_util::stream::once(start)
             .flat_map(|r| match r {
@@ -136,11 +199,20 @@ impl PdBackend for SglangBackend {
         let url = format!("{}/abort_request", worker.url);
         let body = Bytes::from(json!({ "rid": d.pair_id.to_string() }).to_string());
         Box::pin(async move {
-            let (status, body) = client.post_collect(&url, body).await.map_err(|e| half_err(side, e))?;
+            let (status, body) = client
+                .post_collect(&url, body)
+                .await
+                .map_err(|e| half_err(side, e))?;
             if (200..300).contains(&status) {
                 Ok(())
             } else {
-                Err(HalfError { side, failure: HalfFailure::Status { status, message: error_message(&body) } })
+                Err(HalfError {
+                    side,
+                    failure: HalfFailure::Status {
+                        status,
+                        message: error_message(&body),
+                    },
+                })
             }
         })
     }
@@ -186,15 +258,20 @@ impl SseDecoder {
                     self.done = true;
                     return Ok(None);
                 }
-                let v: Value = serde_json::from_str(data)
-                    .map_err(|e| HalfError { side, failure: HalfFailure::Protocol(format!("bad SSE event: {e}")) })?;
+                let v: Value = serde_json::from_str(data).map_err(|e| HalfError {
+                    side,
+                    failure: HalfFailure::Protocol(format!("bad SSE event: {e}")),
+                })?;
                 let finish = inspect(side, &v)?;
                 let text = v.get("text").and_then(Value::as_str).unwrap_or("");
                 // SGLang streams cumulative text; lockstep forwards only the new part.
                 let delta = if text.len() >= self.text_len && text.is_char_boundary(self.text_len) {
                     text[self.text_len..].to_string()
                 } else {
-                    return Err(HalfError { side, failure: HalfFailure::Protocol("streamed text is not cumulative".into()) });
+                    return Err(HalfError {
+                        side,
+                        failure: HalfFailure::Protocol("streamed text is not cumulative".into()),
+                    });
                 };
                 self.text_len = text.len();
                 return Ok(Some(DecodeChunk {
@@ -210,13 +287,21 @@ impl SseDecoder {
                         self.buf.extend_from_slice(&data);
                     }
                 }
-                Some(Err(e)) => return Err(HalfError { side, failure: HalfFailure::Transport(error_chain(&e)) }),
+                Some(Err(e)) => {
+                    return Err(HalfError {
+                        side,
+                        failure: HalfFailure::Transport(error_chain(&e)),
+                    });
+                }
                 None => {
                     self.done = true;
                     if self.buf.iter().all(u8::is_ascii_whitespace) {
                         return Ok(None);
                     }
-                    return Err(HalfError { side, failure: HalfFailure::Transport("stream ended mid-event".into()) });
+                    return Err(HalfError {
+                        side,
+                        failure: HalfFailure::Transport("stream ended mid-event".into()),
+                    });
                 }
             }
         }

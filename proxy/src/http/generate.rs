@@ -42,44 +42,77 @@ struct GenerateRequest {
 }
 
 fn bad(param: &str, message: String) -> LockstepError {
-    LockstepError::InvalidRequest { message, param: Some(param.to_string()) }
+    LockstepError::InvalidRequest {
+        message,
+        param: Some(param.to_string()),
+    }
 }
 
 /// `POST /generate`.
-pub(crate) async fn generate(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+pub(crate) async fn generate(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
     let result = async {
         let req: GenerateRequest = read_json(&state, &headers, body).await?;
         let model = find_model(&state, req.model.as_deref())?;
         let prompt = match (req.text, req.input_ids) {
             (Some(t), None) => match t {
-                Prompt::Ids(_) | Prompt::Batches(_) => return Err(bad("text", "`text` must be a string".into())),
+                Prompt::Ids(_) | Prompt::Batches(_) => {
+                    return Err(bad("text", "`text` must be a string".into()));
+                }
                 t => t,
             },
             (None, Some(ids)) => match ids {
                 Prompt::Ids(_) | Prompt::Batches(_) => ids,
-                _ => return Err(bad("input_ids", "`input_ids` must be a list of token ids".into())),
+                _ => {
+                    return Err(bad(
+                        "input_ids",
+                        "`input_ids` must be a list of token ids".into(),
+                    ));
+                }
             },
-            (Some(_), Some(_)) => return Err(bad("text", "send either `text` or `input_ids`, not both".into())),
+            (Some(_), Some(_)) => {
+                return Err(bad(
+                    "text",
+                    "send either `text` or `input_ids`, not both".into(),
+                ));
+            }
             (None, None) => return Err(bad("text", "`text` or `input_ids` is required".into())),
         };
         let s = req.sampling_params;
         if s.n.is_some_and(|n| n != 1) {
-            return Err(LockstepError::Unsupported { message: "n > 1 is not supported yet".into(), param: Some("sampling_params.n".into()) });
+            return Err(LockstepError::Unsupported {
+                message: "n > 1 is not supported yet".into(),
+                param: Some("sampling_params.n".into()),
+            });
         }
         let max_new_tokens = match s.max_new_tokens {
             None => model.cfg.default_max_tokens,
-            Some(v) if v < 1 => return Err(bad("sampling_params.max_new_tokens", format!("must be at least 1, got {v}"))),
+            Some(v) if v < 1 => {
+                return Err(bad(
+                    "sampling_params.max_new_tokens",
+                    format!("must be at least 1, got {v}"),
+                ));
+            }
             Some(v) => v as u64,
         };
         if let Some(t) = s.temperature
             && !(t >= 0.0 && t.is_finite())
         {
-            return Err(bad("sampling_params.temperature", format!("must be >= 0, got {t}")));
+            return Err(bad(
+                "sampling_params.temperature",
+                format!("must be >= 0, got {t}"),
+            ));
         }
         if let Some(p) = s.top_p
             && !(p > 0.0 && p <= 1.0)
         {
-            return Err(bad("sampling_params.top_p", format!("must be in (0, 1], got {p}")));
+            return Err(bad(
+                "sampling_params.top_p",
+                format!("must be in (0, 1], got {p}"),
+            ));
         }
         let ids = prompt_ids(&model, prompt)?;
         let sampling = SamplingParams {

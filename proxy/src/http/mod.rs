@@ -35,7 +35,11 @@ pub fn router(state: Arc<AppState>) -> Router {
 }
 
 async fn not_found(method: Method, uri: Uri) -> Response {
-    LockstepError::RouteNotFound { method: method.to_string(), path: uri.path().to_string() }.into_response()
+    LockstepError::RouteNotFound {
+        method: method.to_string(),
+        path: uri.path().to_string(),
+    }
+    .into_response()
 }
 
 async fn health() -> Response {
@@ -58,7 +62,11 @@ async fn ready(State(state): State<Arc<AppState>>) -> Response {
     if not_ready.is_empty() {
         axum::Json(json!({ "status": "ready" })).into_response()
     } else {
-        (http::StatusCode::SERVICE_UNAVAILABLE, axum::Json(json!({ "status": "not_ready", "reasons": not_ready }))).into_response()
+        (
+            http::StatusCode::SERVICE_UNAVAILABLE,
+            axum::Json(json!({ "status": "not_ready", "reasons": not_ready })),
+        )
+            .into_response()
     }
 }
 
@@ -82,7 +90,11 @@ async fn models(State(state): State<Arc<AppState>>) -> Response {
 /// Reads the body within the configured limit and parses it as `T`, mapping every failure to a
 /// stable error code: 413 `body_too_large`, 400 `invalid_json` or 400 `invalid_request` (with the
 /// offending field as `param`).
-pub(crate) async fn read_json<T: DeserializeOwned>(state: &AppState, headers: &HeaderMap, body: Body) -> Result<T, LockstepError> {
+pub(crate) async fn read_json<T: DeserializeOwned>(
+    state: &AppState,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<T, LockstepError> {
     let limit = state.max_body_bytes;
     let declared = headers
         .get(http::header::CONTENT_LENGTH)
@@ -93,11 +105,19 @@ pub(crate) async fn read_json<T: DeserializeOwned>(state: &AppState, headers: &H
     }
     let bytes: Bytes = match Limited::new(body, limit).collect().await {
         Ok(c) => c.to_bytes(),
-        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => return Err(LockstepError::BodyTooLarge { limit }),
-        Err(e) => return Err(LockstepError::InvalidJson { message: format!("cannot read body: {e}") }),
+        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
+            return Err(LockstepError::BodyTooLarge { limit });
+        }
+        Err(e) => {
+            return Err(LockstepError::InvalidJson {
+                message: format!("cannot read body: {e}"),
+            });
+        }
     };
     if std::str::from_utf8(&bytes).is_err() {
-        return Err(LockstepError::InvalidJson { message: "body is not valid UTF-8".into() });
+        return Err(LockstepError::InvalidJson {
+            message: "body is not valid UTF-8".into(),
+        });
     }
     let de = &mut serde_json::Deserializer::from_slice(&bytes);
     serde_path_to_error::deserialize(de).map_err(|e| {
@@ -109,16 +129,39 @@ pub(crate) async fn read_json<T: DeserializeOwned>(state: &AppState, headers: &H
                 param: (path != ".").then_some(path),
             }
         } else {
-            LockstepError::InvalidJson { message: inner.to_string() }
+            LockstepError::InvalidJson {
+                message: inner.to_string(),
+            }
         }
     })
 }
 
 /// Finds a model by name; `None` picks the only model when exactly one is configured.
-pub(crate) fn find_model(state: &AppState, name: Option<&str>) -> Result<Arc<ModelRuntime>, LockstepError> {
+pub(crate) fn find_model(
+    state: &AppState,
+    name: Option<&str>,
+) -> Result<Arc<ModelRuntime>, LockstepError> {
     match name {
-        Some(n) => state.models.get(n).cloned().ok_or_else(|| LockstepError::ModelNotFound { model: n.to_string() }),
-        None if state.models.len() == 1 => state.models.values().next().cloned().ok_or(LockstepError::ModelNotFound { model: String::new() }),
-        None => Err(LockstepError::InvalidRequest { message: "`model` is required when several models are served".into(), param: Some("model".into()) }),
+        Some(n) => state
+            .models
+            .get(n)
+            .cloned()
+            .ok_or_else(|| LockstepError::ModelNotFound {
+                model: n.to_string(),
+            }),
+        None if state.models.len() == 1 => {
+            state
+                .models
+                .values()
+                .next()
+                .cloned()
+                .ok_or(LockstepError::ModelNotFound {
+                    model: String::new(),
+                })
+        }
+        None => Err(LockstepError::InvalidRequest {
+            message: "`model` is required when several models are served".into(),
+            param: Some("model".into()),
+        }),
     }
 }

@@ -59,17 +59,26 @@ pub(crate) struct CommonParams {
 }
 
 fn bad(param: &str, message: String) -> LockstepError {
-    LockstepError::InvalidRequest { message, param: Some(param.to_string()) }
+    LockstepError::InvalidRequest {
+        message,
+        param: Some(param.to_string()),
+    }
 }
 
 impl CommonParams {
     /// Validates ranges and builds SGLang sampling parameters.
     fn sampling(self, model: &ModelRuntime) -> Result<(SamplingParams, bool, bool), LockstepError> {
         if self.n.is_some_and(|n| n != 1) {
-            return Err(LockstepError::Unsupported { message: "n > 1 is not supported yet; send one request per choice".into(), param: Some("n".into()) });
+            return Err(LockstepError::Unsupported {
+                message: "n > 1 is not supported yet; send one request per choice".into(),
+                param: Some("n".into()),
+            });
         }
         if self.best_of.is_some_and(|n| n != 1) {
-            return Err(LockstepError::Unsupported { message: "best_of is not supported".into(), param: Some("best_of".into()) });
+            return Err(LockstepError::Unsupported {
+                message: "best_of is not supported".into(),
+                param: Some("best_of".into()),
+            });
         }
         let (key, requested) = match (self.max_completion_tokens, self.max_tokens) {
             (Some(v), _) => ("max_completion_tokens", Some(v)),
@@ -77,13 +86,18 @@ impl CommonParams {
         };
         let max_new_tokens = match requested {
             None => model.cfg.default_max_tokens,
-            Some(v) if v < 1 => return Err(bad(key, format!("`{key}` must be at least 1, got {v}"))),
+            Some(v) if v < 1 => {
+                return Err(bad(key, format!("`{key}` must be at least 1, got {v}")));
+            }
             Some(v) => v as u64,
         };
         if let Some(t) = self.temperature
             && !(0.0..=2.0).contains(&t)
         {
-            return Err(bad("temperature", format!("`temperature` must be between 0 and 2, got {t}")));
+            return Err(bad(
+                "temperature",
+                format!("`temperature` must be between 0 and 2, got {t}"),
+            ));
         }
         if let Some(p) = self.top_p
             && !(p > 0.0 && p <= 1.0)
@@ -93,13 +107,22 @@ impl CommonParams {
         if let Some(k) = self.top_k
             && k < -1
         {
-            return Err(bad("top_k", format!("`top_k` must be -1 or positive, got {k}")));
+            return Err(bad(
+                "top_k",
+                format!("`top_k` must be -1 or positive, got {k}"),
+            ));
         }
-        for (name, v) in [("frequency_penalty", self.frequency_penalty), ("presence_penalty", self.presence_penalty)] {
+        for (name, v) in [
+            ("frequency_penalty", self.frequency_penalty),
+            ("presence_penalty", self.presence_penalty),
+        ] {
             if let Some(v) = v
                 && !(-2.0..=2.0).contains(&v)
             {
-                return Err(bad(name, format!("`{name}` must be between -2 and 2, got {v}")));
+                return Err(bad(
+                    name,
+                    format!("`{name}` must be between -2 and 2, got {v}"),
+                ));
             }
         }
         let stop = self.stop.map(Stop::into_vec).unwrap_or_default();
@@ -162,8 +185,14 @@ fn to_messages(messages: Vec<MessageIn>) -> Result<Vec<ChatMessage>, LockstepErr
         .into_iter()
         .enumerate()
         .map(|(i, m)| {
-            if !matches!(m.role.as_str(), "system" | "developer" | "user" | "assistant" | "tool") {
-                return Err(bad(&format!("messages[{i}].role"), format!("unknown role `{}`", m.role)));
+            if !matches!(
+                m.role.as_str(),
+                "system" | "developer" | "user" | "assistant" | "tool"
+            ) {
+                return Err(bad(
+                    &format!("messages[{i}].role"),
+                    format!("unknown role `{}`", m.role),
+                ));
             }
             let content = match m.content {
                 None => String::new(),
@@ -175,7 +204,9 @@ fn to_messages(messages: Vec<MessageIn>) -> Result<Vec<ChatMessage>, LockstepErr
                             ("text", Some(t)) => s.push_str(&t),
                             (kind, _) => {
                                 return Err(LockstepError::Unsupported {
-                                    message: format!("content part type `{kind}` is not supported (text only)"),
+                                    message: format!(
+                                        "content part type `{kind}` is not supported (text only)"
+                                    ),
                                     param: Some(format!("messages[{i}].content[{j}]")),
                                 });
                             }
@@ -184,13 +215,24 @@ fn to_messages(messages: Vec<MessageIn>) -> Result<Vec<ChatMessage>, LockstepErr
                     s
                 }
             };
-            Ok(ChatMessage { role: if m.role == "developer" { "system".into() } else { m.role }, content })
+            Ok(ChatMessage {
+                role: if m.role == "developer" {
+                    "system".into()
+                } else {
+                    m.role
+                },
+                content,
+            })
         })
         .collect()
 }
 
 /// `POST /v1/chat/completions`.
-pub(crate) async fn chat_completions(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+pub(crate) async fn chat_completions(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
     let result = async {
         let req: ChatRequest = read_json(&state, &headers, body).await?;
         let model = find_model(&state, Some(&req.model))?;
@@ -236,13 +278,22 @@ pub(crate) fn prompt_ids(model: &ModelRuntime, prompt: Prompt) -> Result<Vec<u32
         Prompt::Ids(ids) => {
             let vocab = model.admission.vocab_size();
             if let Some(bad_id) = ids.iter().find(|&&t| t as usize >= vocab) {
-                return Err(bad("prompt", format!("token id {bad_id} is outside the vocabulary of {vocab} tokens")));
+                return Err(bad(
+                    "prompt",
+                    format!("token id {bad_id} is outside the vocabulary of {vocab} tokens"),
+                ));
             }
             ids
         }
-        Prompt::Batches(v) if v.len() == 1 => return prompt_ids(model, Prompt::Ids(v.into_iter().next().unwrap_or_default())),
+        Prompt::Batches(v) if v.len() == 1 => {
+            return prompt_ids(model, Prompt::Ids(v.into_iter().next().unwrap_or_default()));
+        }
         Prompt::Texts(_) | Prompt::Batches(_) => {
-            return Err(LockstepError::Unsupported { message: "batched prompts are not supported yet; send one prompt per request".into(), param: Some("prompt".into()) });
+            return Err(LockstepError::Unsupported {
+                message: "batched prompts are not supported yet; send one prompt per request"
+                    .into(),
+                param: Some("prompt".into()),
+            });
         }
     };
     if ids.is_empty() {
@@ -252,16 +303,31 @@ pub(crate) fn prompt_ids(model: &ModelRuntime, prompt: Prompt) -> Result<Vec<u32
 }
 
 /// `POST /v1/completions`.
-pub(crate) async fn completions(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+pub(crate) async fn completions(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
     let result = async {
         let req: CompletionRequest = read_json(&state, &headers, body).await?;
         let model = find_model(&state, Some(&req.model))?;
-        if req.echo == Some(true) || req.suffix.is_some() || req.logprobs.as_ref().is_some_and(|v| !v.is_null()) {
-            return Err(LockstepError::Unsupported { message: "echo, suffix and logprobs are not supported yet".into(), param: None });
+        if req.echo == Some(true)
+            || req.suffix.is_some()
+            || req.logprobs.as_ref().is_some_and(|v| !v.is_null())
+        {
+            return Err(LockstepError::Unsupported {
+                message: "echo, suffix and logprobs are not supported yet".into(),
+                param: None,
+            });
         }
         let (sampling, stream, include_usage) = req.params.sampling(&model)?;
         let ids = prompt_ids(&model, req.prompt)?;
-        Ok::<_, LockstepError>((model, ids, sampling, Shape::completion(stream, include_usage)))
+        Ok::<_, LockstepError>((
+            model,
+            ids,
+            sampling,
+            Shape::completion(stream, include_usage),
+        ))
     }
     .await;
     match result {

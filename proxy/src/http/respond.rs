@@ -32,55 +32,101 @@ pub(crate) struct Shape {
 
 impl Shape {
     pub(crate) fn chat(stream: bool, include_usage: bool) -> Shape {
-        Shape { api: Api::Chat, stream, include_usage }
+        Shape {
+            api: Api::Chat,
+            stream,
+            include_usage,
+        }
     }
     pub(crate) fn completion(stream: bool, include_usage: bool) -> Shape {
-        Shape { api: Api::Completion, stream, include_usage }
+        Shape {
+            api: Api::Completion,
+            stream,
+            include_usage,
+        }
     }
     pub(crate) fn generate(stream: bool) -> Shape {
-        Shape { api: Api::Generate, stream, include_usage: false }
+        Shape {
+            api: Api::Generate,
+            stream,
+            include_usage: false,
+        }
     }
 }
 
 /// Admits, starts the pair, waits for the commit barrier, then answers in the client's shape.
-pub(crate) async fn serve_pair(model: &ModelRuntime, ids: Vec<u32>, sampling: SamplingParams, shape: Shape) -> Response {
-    if let Err(e) = check_fits(ids.len() as u64, sampling.max_new_tokens, model.cfg.context_window, model.kv_capacity()) {
+pub(crate) async fn serve_pair(
+    model: &ModelRuntime,
+    ids: Vec<u32>,
+    sampling: SamplingParams,
+    shape: Shape,
+) -> Response {
+    if let Err(e) = check_fits(
+        ids.len() as u64,
+        sampling.max_new_tokens,
+        model.cfg.context_window,
+        model.kv_capacity(),
+    ) {
         return e.into_response();
     }
     let (mut rx, _task) = model.pairs.start(ids.into(), sampling.into());
     let (pair_id, prompt_tokens) = match rx.recv().await {
-        Some(PairEvent::Committed { pair_id, prompt_tokens }) => (pair_id, prompt_tokens),
+        Some(PairEvent::Committed {
+            pair_id,
+            prompt_tokens,
+        }) => (pair_id, prompt_tokens),
         Some(PairEvent::Failed(e)) => return e.into_response(),
         Some(PairEvent::Chunk(_)) | None => {
-            return LockstepError::Unavailable { message: "pair ended without an outcome".into() }.into_response();
+            return LockstepError::Unavailable {
+                message: "pair ended without an outcome".into(),
+            }
+            .into_response();
         }
     };
-    let mut w = Writer { shape, model: model.name.to_string(), pair_id, prompt_tokens, created: now(), text: String::new(), completion_tokens: 0, started: false };
+    let mut w = Writer {
+        shape,
+        model: model.name.to_string(),
+        pair_id,
+        prompt_tokens,
+        created: now(),
+        text: String::new(),
+        completion_tokens: 0,
+        started: false,
+    };
     if shape.stream {
-        let body = futures_util::stream::unfold((rx, w, false), |(mut rx, mut w, done)| async move {
-            if done {
-                return None;
-            }
-            match rx.recv().await {
-                Some(PairEvent::Chunk(c)) => {
-                    let last = c.finish.is_some();
-                    let out = w.stream_chunk(&c);
-                    Some((Ok::<_, Infallible>(out), (rx, w, last)))
+        let body =
+            futures_util::stream::unfold((rx, w, false), |(mut rx, mut w, done)| async move {
+                if done {
+                    return None;
                 }
-                Some(PairEvent::Failed(e)) => Some((Ok(sse(&e.body())), (rx, w, true))),
-                // The task ended without a finish or an error: fail closed, never `[DONE]`.
-                Some(PairEvent::Committed { .. }) | None => {
-                    let e = LockstepError::DecodeFailed { pair_id: w.pair_id, message: "pair ended without finishing".into() };
-                    Some((Ok(sse(&e.body())), (rx, w, true)))
+                match rx.recv().await {
+                    Some(PairEvent::Chunk(c)) => {
+                        let last = c.finish.is_some();
+                        let out = w.stream_chunk(&c);
+                        Some((Ok::<_, Infallible>(out), (rx, w, last)))
+                    }
+                    Some(PairEvent::Failed(e)) => Some((Ok(sse(&e.body())), (rx, w, true))),
+                    // The task ended without a finish or an error: fail closed, never `[DONE]`.
+                    Some(PairEvent::Committed { .. }) | None => {
+                        let e = LockstepError::DecodeFailed {
+                            pair_id: w.pair_id,
+                            message: "pair ended without finishing".into(),
+                        };
+                        Some((Ok(sse(&e.body())), (rx, w, true)))
+                    }
                 }
-            }
-        });
+            });
         return Response::builder()
             .header(http::header::CONTENT_TYPE, "text/event-stream")
             .header(http::header::CACHE_CONTROL, "no-cache")
             .header("x-lockstep-pair-id", pair_id.to_string())
             .body(Body::from_stream(body))
-            .unwrap_or_else(|_| LockstepError::Unavailable { message: "response build failed".into() }.into_response());
+            .unwrap_or_else(|_| {
+                LockstepError::Unavailable {
+                    message: "response build failed".into(),
+                }
+                .into_response()
+            });
     }
     loop {
         match rx.recv().await {
@@ -96,14 +142,21 @@ pub(crate) async fn serve_pair(model: &ModelRuntime, ids: Vec<u32>, sampling: Sa
             }
             Some(PairEvent::Failed(e)) => return e.into_response(),
             Some(PairEvent::Committed { .. }) | None => {
-                return LockstepError::DecodeFailed { pair_id, message: "pair ended without finishing".into() }.into_response();
+                return LockstepError::DecodeFailed {
+                    pair_id,
+                    message: "pair ended without finishing".into(),
+                }
+                .into_response();
             }
         }
     }
 }
 
 fn now() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 fn sse(v: &Value) -> Bytes {
@@ -169,7 +222,9 @@ impl Writer {
                 "choices": [{ "index": 0, "text": self.text, "logprobs": null, "finish_reason": finish.as_str() }],
                 "usage": self.usage(),
             }),
-            Api::Generate => json!({ "text": self.text, "meta_info": self.native_meta(Some(finish)) }),
+            Api::Generate => {
+                json!({ "text": self.text, "meta_info": self.native_meta(Some(finish)) })
+            }
         }
     }
 
@@ -201,18 +256,28 @@ impl Writer {
             }
             Api::Completion => {
                 if !c.delta.is_empty() || finish.is_some() {
-                    push(json!({ "id": self.id(), "object": "text_completion", "created": self.created, "model": self.model,
-                                 "choices": [{ "index": 0, "text": c.delta, "logprobs": null, "finish_reason": finish }] }));
+                    push(
+                        json!({ "id": self.id(), "object": "text_completion", "created": self.created, "model": self.model,
+                                 "choices": [{ "index": 0, "text": c.delta, "logprobs": null, "finish_reason": finish }] }),
+                    );
                 }
             }
-            Api::Generate => push(json!({ "text": self.text, "meta_info": self.native_meta(c.finish) })),
+            Api::Generate => {
+                push(json!({ "text": self.text, "meta_info": self.native_meta(c.finish) }))
+            }
         }
         self.started = true;
         if finish.is_some() {
             if self.shape.include_usage {
-                let object = if self.shape.api == Api::Chat { "chat.completion.chunk" } else { "text_completion" };
-                push(json!({ "id": self.id(), "object": object, "created": self.created, "model": self.model,
-                             "choices": [], "usage": self.usage() }));
+                let object = if self.shape.api == Api::Chat {
+                    "chat.completion.chunk"
+                } else {
+                    "text_completion"
+                };
+                push(
+                    json!({ "id": self.id(), "object": object, "created": self.created, "model": self.model,
+                             "choices": [], "usage": self.usage() }),
+                );
             }
             out.push_str("data: [DONE]\n\n");
         }

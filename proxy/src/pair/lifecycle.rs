@@ -10,7 +10,9 @@ use tokio::sync::mpsc;
 use tokio::time::{Instant as TokioInstant, sleep, sleep_until};
 
 use super::{PairId, PairInfo, PairRegistry, PairState};
-use crate::backend::{DecodeChunk, Dispatch, HalfError, HalfFailure, PdBackend, SamplingParams, Side};
+use crate::backend::{
+    DecodeChunk, Dispatch, HalfError, HalfFailure, PdBackend, SamplingParams, Side,
+};
 use crate::config::{RetryConfig, TimeoutConfig};
 use crate::error::{LockstepError, Phase};
 use crate::pool::WorkerPool;
@@ -123,19 +125,41 @@ impl Failure {
         let retry_safe = e.retry_safe();
         let message = e.to_string();
         let (error, reason) = match e.side {
-            Side::Prefill => (LockstepError::PrefillRejected { pair_id, message }, AbortReason::PrefillFailed),
-            Side::Decode => (LockstepError::DecodeFailed { pair_id, message }, AbortReason::DecodeFailed),
+            Side::Prefill => (
+                LockstepError::PrefillRejected { pair_id, message },
+                AbortReason::PrefillFailed,
+            ),
+            Side::Decode => (
+                LockstepError::DecodeFailed { pair_id, message },
+                AbortReason::DecodeFailed,
+            ),
         };
-        Failure { error, reason, retry_safe, failed_side: Some(e.side) }
+        Failure {
+            error,
+            reason,
+            retry_safe,
+            failed_side: Some(e.side),
+        }
     }
     fn plain(error: LockstepError, reason: AbortReason) -> Failure {
-        Failure { error, reason, retry_safe: false, failed_side: None }
+        Failure {
+            error,
+            reason,
+            retry_safe: false,
+            failed_side: None,
+        }
     }
     fn deadline(pair_id: PairId, phase: Phase) -> Failure {
-        Failure::plain(LockstepError::Timeout { pair_id, phase }, AbortReason::Deadline(phase))
+        Failure::plain(
+            LockstepError::Timeout { pair_id, phase },
+            AbortReason::Deadline(phase),
+        )
     }
     fn integrity(pair_id: PairId, message: String) -> Failure {
-        Failure::plain(LockstepError::IntegrityViolation { pair_id, message }, AbortReason::Integrity)
+        Failure::plain(
+            LockstepError::IntegrityViolation { pair_id, message },
+            AbortReason::Integrity,
+        )
     }
 }
 
@@ -153,17 +177,35 @@ impl PairRuntime {
         (rx, handle)
     }
 
-    async fn run(&self, input_ids: Arc<[u32]>, sampling: Arc<SamplingParams>, tx: mpsc::Sender<PairEvent>) -> Outcome {
+    async fn run(
+        &self,
+        input_ids: Arc<[u32]>,
+        sampling: Arc<SamplingParams>,
+        tx: mpsc::Sender<PairEvent>,
+    ) -> Outcome {
         let started = TokioInstant::now();
         let mut attempt: u32 = 0;
-        let mut avoid: (Option<Arc<crate::pool::Worker>>, Option<Arc<crate::pool::Worker>>) = (None, None);
+        let mut avoid: (
+            Option<Arc<crate::pool::Worker>>,
+            Option<Arc<crate::pool::Worker>>,
+        ) = (None, None);
         let outcome = loop {
             let Some(pg) = self.prefill.pick(avoid.0.as_ref()) else {
-                let _ = tx.send(PairEvent::Failed(LockstepError::NoHealthyWorker { model: self.model.to_string(), side: "prefill" })).await;
+                let _ = tx
+                    .send(PairEvent::Failed(LockstepError::NoHealthyWorker {
+                        model: self.model.to_string(),
+                        side: "prefill",
+                    }))
+                    .await;
                 break Outcome::Aborted(AbortReason::NoWorker);
             };
             let Some(dg) = self.decode.pick(avoid.1.as_ref()) else {
-                let _ = tx.send(PairEvent::Failed(LockstepError::NoHealthyWorker { model: self.model.to_string(), side: "decode" })).await;
+                let _ = tx
+                    .send(PairEvent::Failed(LockstepError::NoHealthyWorker {
+                        model: self.model.to_string(),
+                        side: "decode",
+                    }))
+                    .await;
                 break Outcome::Aborted(AbortReason::NoWorker);
             };
             let guard = self.registry.register(PairInfo {
@@ -188,7 +230,11 @@ impl PairRuntime {
                     guard.set_state(PairState::Aborting);
                     self.abort_both(&d);
                     tracing::warn!(pair = %d.pair_id, model = %self.model, reason = f.reason.as_str(), error = %f.error, "pair aborted on both halves");
-                    if !committed && f.retry_safe && attempt < self.retry.max_retries && !tx.is_closed() {
+                    if !committed
+                        && f.retry_safe
+                        && attempt < self.retry.max_retries
+                        && !tx.is_closed()
+                    {
                         attempt += 1;
                         self.stats.retries.fetch_add(1, Ordering::Relaxed);
                         avoid = match f.failed_side {
@@ -202,7 +248,11 @@ impl PairRuntime {
                     }
                     if f.reason != AbortReason::ClientGone {
                         // On a committed stream this becomes one error event; before, an error status.
-                        let _ = tokio::time::timeout(Duration::from_secs(1), tx.send(PairEvent::Failed(f.error))).await;
+                        let _ = tokio::time::timeout(
+                            Duration::from_secs(1),
+                            tx.send(PairEvent::Failed(f.error)),
+                        )
+                        .await;
                     }
                     break Outcome::Aborted(f.reason);
                 }
@@ -226,8 +276,12 @@ impl PairRuntime {
             tokio::spawn(async move {
                 match tokio::time::timeout(bound, fut).await {
                     Ok(Ok(())) => {}
-                    Ok(Err(e)) => tracing::warn!(pair = %pair, side = side.as_str(), error = %e, "abort call failed"),
-                    Err(_) => tracing::warn!(pair = %pair, side = side.as_str(), "abort call timed out"),
+                    Ok(Err(e)) => {
+                        tracing::warn!(pair = %pair, side = side.as_str(), error = %e, "abort call failed")
+                    }
+                    Err(_) => {
+                        tracing::warn!(pair = %pair, side = side.as_str(), "abort call timed out")
+                    }
                 }
             });
         }
@@ -286,12 +340,31 @@ impl PairRuntime {
 
         guard.set_state(PairState::Committed);
         *committed = true;
-        let gone = || Failure::plain(LockstepError::Unavailable { message: "client went away".into() }, AbortReason::ClientGone);
-        if tx.send(PairEvent::Committed { pair_id: id, prompt_tokens: expected }).await.is_err() {
+        let gone = || {
+            Failure::plain(
+                LockstepError::Unavailable {
+                    message: "client went away".into(),
+                },
+                AbortReason::ClientGone,
+            )
+        };
+        if tx
+            .send(PairEvent::Committed {
+                pair_id: id,
+                prompt_tokens: expected,
+            })
+            .await
+            .is_err()
+        {
             return Err(gone());
         }
         let Some(mut chunk) = first else {
-            return Err(Failure::plain(LockstepError::Unavailable { message: "internal: barrier passed without a chunk".into() }, AbortReason::DecodeFailed));
+            return Err(Failure::plain(
+                LockstepError::Unavailable {
+                    message: "internal: barrier passed without a chunk".into(),
+                },
+                AbortReason::DecodeFailed,
+            ));
         };
         loop {
             let finished = chunk.finish.is_some();
@@ -323,7 +396,10 @@ impl PairRuntime {
 
 fn check_decode_count(id: PairId, chunk: &DecodeChunk, expected: u64) -> Result<(), Failure> {
     match chunk.prompt_tokens {
-        Some(n) if n != expected => Err(Failure::integrity(id, format!("decode read {n} prompt tokens, lockstep sent {expected}"))),
+        Some(n) if n != expected => Err(Failure::integrity(
+            id,
+            format!("decode read {n} prompt tokens, lockstep sent {expected}"),
+        )),
         _ => Ok(()),
     }
 }

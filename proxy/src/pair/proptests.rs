@@ -10,7 +10,10 @@ use futures_util::future::BoxFuture;
 use proptest::prelude::*;
 
 use super::{Outcome, PairEvent, PairId, PairRegistry, PairRuntime, PairStats};
-use crate::backend::{DecodeChunk, DecodeStream, Dispatch, FinishReason, HalfError, HalfFailure, PdBackend, PrefillReport, SamplingParams, Side};
+use crate::backend::{
+    DecodeChunk, DecodeStream, Dispatch, FinishReason, HalfError, HalfFailure, PdBackend,
+    PrefillReport, SamplingParams, Side,
+};
 use crate::config::{PolicyKind, PoolConfig, RetryConfig, TimeoutConfig, WorkerConfig};
 use crate::pool::WorkerPool;
 
@@ -52,13 +55,21 @@ impl PdBackend for Fake {
         let n = self.n;
         Box::pin(async move {
             match s {
-                PrefillScript::Ok { delay_ms, count_off } => {
+                PrefillScript::Ok {
+                    delay_ms,
+                    count_off,
+                } => {
                     tokio::time::sleep(Duration::from_millis(delay_ms)).await;
-                    Ok(PrefillReport { prompt_tokens: if count_off { n + 1 } else { n } })
+                    Ok(PrefillReport {
+                        prompt_tokens: if count_off { n + 1 } else { n },
+                    })
                 }
                 PrefillScript::Fail { delay_ms, failure } => {
                     tokio::time::sleep(Duration::from_millis(delay_ms)).await;
-                    Err(HalfError { side: Side::Prefill, failure })
+                    Err(HalfError {
+                        side: Side::Prefill,
+                        failure,
+                    })
                 }
             }
         })
@@ -73,7 +84,16 @@ impl PdBackend for Fake {
                 if i == 0 {
                     tokio::time::sleep(Duration::from_millis(s.start_delay_ms)).await;
                     if s.start_fails {
-                        return Some((Err(HalfError { side: Side::Decode, failure: HalfFailure::Status { status: 500, message: "x".into() } }), usize::MAX));
+                        return Some((
+                            Err(HalfError {
+                                side: Side::Decode,
+                                failure: HalfFailure::Status {
+                                    status: 500,
+                                    message: "x".into(),
+                                },
+                            }),
+                            usize::MAX,
+                        ));
                     }
                 } else {
                     tokio::time::sleep(Duration::from_millis(s.chunk_delay_ms)).await;
@@ -82,7 +102,13 @@ impl PdBackend for Fake {
                     return None;
                 }
                 if s.cut_at == Some(i) {
-                    return Some((Err(HalfError { side: Side::Decode, failure: HalfFailure::Transport("cut".into()) }), usize::MAX));
+                    return Some((
+                        Err(HalfError {
+                            side: Side::Decode,
+                            failure: HalfFailure::Transport("cut".into()),
+                        }),
+                        usize::MAX,
+                    ));
                 }
                 let chunk = DecodeChunk {
                     delta: format!("t{i} "),
@@ -114,8 +140,14 @@ impl PdBackend for Fake {
 fn failure() -> impl Strategy<Value = HalfFailure> {
     prop_oneof![
         Just(HalfFailure::Connect("refused".into())),
-        Just(HalfFailure::Status { status: 503, message: "busy".into() }),
-        Just(HalfFailure::Status { status: 400, message: "bad".into() }),
+        Just(HalfFailure::Status {
+            status: 503,
+            message: "busy".into()
+        }),
+        Just(HalfFailure::Status {
+            status: 400,
+            message: "bad".into()
+        }),
         Just(HalfFailure::InBandAbort("abort".into())),
         Just(HalfFailure::Transport("reset".into())),
     ]
@@ -126,23 +158,60 @@ fn script() -> impl Strategy<Value = Script> {
         3 => (0u64..400, proptest::bool::weighted(0.15)).prop_map(|(delay_ms, count_off)| PrefillScript::Ok { delay_ms, count_off }),
         1 => (0u64..400, failure()).prop_map(|(delay_ms, failure)| PrefillScript::Fail { delay_ms, failure }),
     ];
-    let decode = (0u64..400, proptest::bool::weighted(0.1), 1usize..6, 0u64..150, proptest::option::weighted(0.15, 0usize..6), proptest::option::weighted(0.1, 0usize..6))
-        .prop_map(|(start_delay_ms, start_fails, chunks, chunk_delay_ms, cut_at, count_off_at)| DecodeScript { start_delay_ms, start_fails, chunks, chunk_delay_ms, cut_at, count_off_at });
-    (prefill, decode, proptest::option::weighted(0.2, 0usize..5)).prop_map(|(prefill, decode, client_leaves_after)| Script { prefill, decode, client_leaves_after })
+    let decode = (
+        0u64..400,
+        proptest::bool::weighted(0.1),
+        1usize..6,
+        0u64..150,
+        proptest::option::weighted(0.15, 0usize..6),
+        proptest::option::weighted(0.1, 0usize..6),
+    )
+        .prop_map(
+            |(start_delay_ms, start_fails, chunks, chunk_delay_ms, cut_at, count_off_at)| {
+                DecodeScript {
+                    start_delay_ms,
+                    start_fails,
+                    chunks,
+                    chunk_delay_ms,
+                    cut_at,
+                    count_off_at,
+                }
+            },
+        );
+    (prefill, decode, proptest::option::weighted(0.2, 0usize..5)).prop_map(
+        |(prefill, decode, client_leaves_after)| Script {
+            prefill,
+            decode,
+            client_leaves_after,
+        },
+    )
 }
 
 fn pool() -> Arc<WorkerPool> {
     Arc::new(WorkerPool::new(&PoolConfig {
         policy: PolicyKind::RoundRobin,
-        workers: vec![WorkerConfig { url: "http://127.0.0.1:9".into(), bootstrap_port: Some(1), bootstrap_host: None }],
+        workers: vec![WorkerConfig {
+            url: "http://127.0.0.1:9".into(),
+            bootstrap_port: Some(1),
+            bootstrap_host: None,
+        }],
     }))
 }
 
 fn run_case(script: Script) -> Result<(), TestCaseError> {
-    let rt = tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build().expect("runtime");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .expect("runtime");
     rt.block_on(async move {
         let n = 7u64;
-        let fake = Arc::new(Fake { script: script.clone(), n, aborts: Mutex::new(Vec::new()), dispatched: Mutex::new(Vec::new()) });
+        let fake = Arc::new(Fake {
+            script: script.clone(),
+            n,
+            aborts: Mutex::new(Vec::new()),
+            dispatched: Mutex::new(Vec::new()),
+        });
         let registry = Arc::new(PairRegistry::default());
         let (prefill, decode) = (pool(), pool());
         let rt = Arc::new(PairRuntime {
@@ -151,11 +220,26 @@ fn run_case(script: Script) -> Result<(), TestCaseError> {
             prefill: prefill.clone(),
             decode: decode.clone(),
             registry: registry.clone(),
-            timeouts: TimeoutConfig { total_ms: 2000, prefill_ms: 300, first_token_ms: 350, idle_ms: 120, abort_ms: 50 },
-            retry: RetryConfig { max_retries: 1, backoff_ms: 5 },
+            timeouts: TimeoutConfig {
+                total_ms: 2000,
+                prefill_ms: 300,
+                first_token_ms: 350,
+                idle_ms: 120,
+                abort_ms: 50,
+            },
+            retry: RetryConfig {
+                max_retries: 1,
+                backoff_ms: 5,
+            },
             stats: Arc::new(PairStats::default()),
         });
-        let (mut rx, handle) = rt.start(vec![1u32; n as usize].into(), Arc::new(SamplingParams { max_new_tokens: 8, ..Default::default() }));
+        let (mut rx, handle) = rt.start(
+            vec![1u32; n as usize].into(),
+            Arc::new(SamplingParams {
+                max_new_tokens: 8,
+                ..Default::default()
+            }),
+        );
         let mut events = Vec::new();
         loop {
             if script.client_leaves_after == Some(events.len()) {
@@ -173,14 +257,28 @@ fn run_case(script: Script) -> Result<(), TestCaseError> {
 
         let dispatched = fake.dispatched.lock().expect("lock").clone();
         let aborts = fake.aborts.lock().expect("lock").clone();
-        let committed_at = events.iter().position(|e| matches!(e, PairEvent::Committed { .. }));
+        let committed_at = events
+            .iter()
+            .position(|e| matches!(e, PairEvent::Committed { .. }));
         // Nothing before the barrier: no chunk precedes Committed.
         let first_chunk = events.iter().position(|e| matches!(e, PairEvent::Chunk(_)));
         if let Some(fc) = first_chunk {
-            prop_assert!(committed_at.is_some_and(|c| c < fc), "chunk before commit: {events:?}");
+            prop_assert!(
+                committed_at.is_some_and(|c| c < fc),
+                "chunk before commit: {events:?}"
+            );
         }
         if committed_at.is_some() {
-            prop_assert!(matches!(script.prefill, PrefillScript::Ok { count_off: false, .. }), "committed although the prefill failed");
+            prop_assert!(
+                matches!(
+                    script.prefill,
+                    PrefillScript::Ok {
+                        count_off: false,
+                        ..
+                    }
+                ),
+                "committed although the prefill failed"
+            );
         }
         match outcome {
             Outcome::Completed => {
@@ -189,25 +287,50 @@ fn run_case(script: Script) -> Result<(), TestCaseError> {
                 // Completed means every chunk was handed to the front end; a client that leaves after
                 // that has nothing left to abort.
                 if script.client_leaves_after.is_none() {
-                    prop_assert!(matches!(events.last(), Some(PairEvent::Chunk(c)) if c.finish.is_some()), "completed without a finish: {events:?}");
+                    prop_assert!(
+                        matches!(events.last(), Some(PairEvent::Chunk(c)) if c.finish.is_some()),
+                        "completed without a finish: {events:?}"
+                    );
                 }
                 prop_assert!(!events.iter().any(|e| matches!(e, PairEvent::Failed(_))));
             }
             Outcome::Aborted(_) => {
                 for id in &dispatched {
                     for side in [Side::Prefill, Side::Decode] {
-                        prop_assert!(aborts.contains(&(*id, side)), "pair {id} side {side:?} not aborted: {aborts:?}");
+                        prop_assert!(
+                            aborts.contains(&(*id, side)),
+                            "pair {id} side {side:?} not aborted: {aborts:?}"
+                        );
                     }
                 }
-                prop_assert_eq!(aborts.len(), dispatched.len() * 2, "exactly one abort per half");
+                prop_assert_eq!(
+                    aborts.len(),
+                    dispatched.len() * 2,
+                    "exactly one abort per half"
+                );
                 if script.client_leaves_after.is_none() {
-                    prop_assert!(matches!(events.last(), Some(PairEvent::Failed(_))), "aborted without telling the client: {events:?}");
-                    prop_assert!(!events.iter().any(|e| matches!(e, PairEvent::Chunk(c) if c.finish.is_some())), "a finished stream cannot end aborted");
+                    prop_assert!(
+                        matches!(events.last(), Some(PairEvent::Failed(_))),
+                        "aborted without telling the client: {events:?}"
+                    );
+                    prop_assert!(
+                        !events
+                            .iter()
+                            .any(|e| matches!(e, PairEvent::Chunk(c) if c.finish.is_some())),
+                        "a finished stream cannot end aborted"
+                    );
                 }
             }
         }
         prop_assert!(registry.is_empty(), "registry not empty");
-        prop_assert!(prefill.workers().iter().chain(decode.workers()).all(|w| w.in_flight() == 0), "load counters not zero");
+        prop_assert!(
+            prefill
+                .workers()
+                .iter()
+                .chain(decode.workers())
+                .all(|w| w.in_flight() == 0),
+            "load counters not zero"
+        );
         Ok(())
     })
 }

@@ -47,7 +47,10 @@ impl PairRegistry {
             let id = PairId::random();
             if let Entry::Vacant(v) = self.live.entry(id) {
                 v.insert(info);
-                return PairGuard { id, registry: self.clone() };
+                return PairGuard {
+                    id,
+                    registry: self.clone(),
+                };
             }
         }
     }
@@ -57,7 +60,10 @@ impl PairRegistry {
         match self.live.entry(id) {
             Entry::Vacant(v) => {
                 v.insert(info);
-                Some(PairGuard { id, registry: self.clone() })
+                Some(PairGuard {
+                    id,
+                    registry: self.clone(),
+                })
             }
             Entry::Occupied(_) => None,
         }
@@ -115,19 +121,31 @@ mod tests {
     use super::*;
 
     fn info() -> PairInfo {
-        PairInfo { model: "m".into(), prefill: "p".into(), decode: "d".into(), started: Instant::now(), state: PairState::Dispatched }
+        PairInfo {
+            model: "m".into(),
+            prefill: "p".into(),
+            decode: "d".into(),
+            started: Instant::now(),
+            state: PairState::Dispatched,
+        }
     }
 
     #[test]
     fn ids_are_unique_while_live_and_freed_on_drop() {
         let r = Arc::new(PairRegistry::default());
         let g = r.register_as(PairId::from_raw(7), info()).expect("vacant");
-        assert!(r.register_as(PairId::from_raw(7), info()).is_none(), "collision must be refused");
+        assert!(
+            r.register_as(PairId::from_raw(7), info()).is_none(),
+            "collision must be refused"
+        );
         let many: Vec<_> = (0..1000).map(|_| r.register(info())).collect();
         assert_eq!(r.len(), 1001);
         assert!(many.iter().all(|g| g.id().raw() < (1 << 63)));
         g.set_state(PairState::Committed);
-        assert_eq!(r.get(PairId::from_raw(7)).map(|i| i.state), Some(PairState::Committed));
+        assert_eq!(
+            r.get(PairId::from_raw(7)).map(|i| i.state),
+            Some(PairState::Committed)
+        );
         drop(g);
         drop(many);
         assert!(r.is_empty());

@@ -24,9 +24,17 @@ struct Args {
 #[tokio::main]
 async fn main() -> std::io::Result<()> {
     let a = Args::parse();
-    let cfg = MockConfig { total_pages: a.pages, token_delay: std::time::Duration::from_micros(a.token_delay_us), ..MockConfig::default() };
+    let cfg = MockConfig {
+        total_pages: a.pages,
+        token_delay: std::time::Duration::from_micros(a.token_delay_us),
+        ..MockConfig::default()
+    };
     let mock = PdMock::start_on(cfg, tokenizer::build(), a.prefill, a.decode).await?;
-    println!("prefill {} decode {}", mock.prefill_url(), mock.decode_url());
+    println!(
+        "prefill {} decode {}",
+        mock.prefill_url(),
+        mock.decode_url()
+    );
     tokio::signal::ctrl_c().await?;
     Ok(())
 }
