@@ -22,9 +22,11 @@ WORK=$(mktemp -d)
 PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"; }
 trap cleanup EXIT
+[ -n "${LOCKSTEP_BENCH_KEEP:-}" ] && echo "work dir $WORK"
 
 PREFILL='{"text":"x","output_ids":[1],"meta_info":{"id":"r","prompt_tokens":2,"completion_tokens":1,"cached_tokens":0,"finish_reason":{"type":"length","length":1}}}'
 DECODE='data: {"text":"hello","output_ids":[1],"meta_info":{"id":"r","prompt_tokens":2,"completion_tokens":1,"cached_tokens":0,"finish_reason":{"type":"length","length":1}}}\n\ndata: [DONE]\n\n'
+DECODE_JSON='{"text":"hello","output_ids":[1],"meta_info":{"id":"r","prompt_tokens":2,"completion_tokens":1,"cached_tokens":0,"finish_reason":{"type":"length","length":1}}}'
 INFO='{"model_path":"mock","tokenizer_path":"mock","is_generation":true,"max_total_num_tokens":1000000}'
 mkdir -p "$WORK/logs"
 cat > "$WORK/nginx.conf" <<NGINX
@@ -39,41 +41,53 @@ http {
   client_body_temp_path $WORK/body;
   proxy_temp_path $WORK/proxy;
   upstream decode { server 127.0.0.1:31002; keepalive 64; }
+  upstream decode_answers { server 127.0.0.1:31003; keepalive 64; }
+  # The decode answers SSE when the request asks for a stream and JSON otherwise, as SGLang does.
+  map \$request_body \$want_stream { "~\"stream\": *true" 1; default 0; }
   server { listen 127.0.0.1:31001;
     location /generate { default_type application/json; return 200 '$PREFILL'; }
     location / { default_type application/json; return 200 '$INFO'; } }
   server { listen 127.0.0.1:31002;
-    location /generate { default_type text/event-stream; return 200 "$(printf "$DECODE")"; }
+    location /generate { proxy_pass http://decode_answers; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_set_header X-Stream \$want_stream; proxy_buffering off; }
     location / { default_type application/json; return 200 '$INFO'; } }
+  server { listen 127.0.0.1:31003;
+    location /generate { if (\$http_x_stream = 1) { rewrite ^ /sse last; } default_type application/json; return 200 '$DECODE_JSON'; }
+    location /sse { default_type text/event-stream; return 200 '$(printf "$DECODE")'; } }
   server { listen 127.0.0.1:31010;
     location / { proxy_pass http://decode; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_buffering off; } }
 }
 NGINX
 nginx -p "$WORK" -c "$WORK/nginx.conf" & PIDS+=($!)
 "$CACHE/venv-sglang-router/bin/smg" launch --pd-disaggregation --prefill http://127.0.0.1:31001 8998 --decode http://127.0.0.1:31002 \
-  --host 127.0.0.1 --port 31020 --log-level error >"$WORK/logs/sgl.log" 2>&1 & PIDS+=($!)
+  --host 127.0.0.1 --port 31020 --prometheus-port 31120 --log-level error >"$WORK/logs/sgl.log" 2>&1 & PIDS+=($!)
 "$CACHE/venv-smg/bin/smg" launch --pd-disaggregation --prefill http://127.0.0.1:31001 8998 --decode http://127.0.0.1:31002 \
-  --host 127.0.0.1 --port 31021 --log-level error >"$WORK/logs/smg.log" 2>&1 & PIDS+=($!)
+  --host 127.0.0.1 --port 31021 --prometheus-port 31121 --log-level error >"$WORK/logs/smg.log" 2>&1 & PIDS+=($!)
 target/release/lockstep serve --config bench/pd-bench.toml >"$WORK/logs/lockstep.log" 2>&1 & PIDS+=($!)
 
-BODY='{"text":"hello world","stream":true,"sampling_params":{"max_new_tokens":1}}'
-cat > "$WORK/post.lua" <<LUA
+BODY_S='{"text":"hello world","stream":true,"sampling_params":{"max_new_tokens":1}}'
+BODY_N='{"text":"hello world","stream":false,"sampling_params":{"max_new_tokens":1}}'
+for mode in S N; do
+  body_var=BODY_$mode
+  cat > "$WORK/post_$mode.lua" <<LUA
 wrk.method = "POST"
-wrk.body = '$BODY'
+wrk.body = '${!body_var}'
 wrk.headers["Content-Type"] = "application/json"
 LUA
-# Wait (bounded) until every target answers /generate with 200 and the decode's text.
+done
+# Wait (bounded) until every target answers /generate with 200 and the decode's text, both ways.
 for port in 31002 31010 31020 31021 31030; do
-  ok=""
-  for _ in $(seq 1 100); do
-    if curl -sf -m 2 -H 'content-type: application/json' -d "$BODY" "http://127.0.0.1:$port/generate" 2>/dev/null | grep -q hello; then ok=1; break; fi
-    sleep 0.2
+  for body in "$BODY_S" "$BODY_N"; do
+    ok=""
+    for _ in $(seq 1 100); do
+      if curl -sf -m 2 -H 'content-type: application/json' -d "$body" "http://127.0.0.1:$port/generate" 2>/dev/null | grep -q hello; then ok=1; break; fi
+      sleep 0.2
+    done
+    [ -n "$ok" ] || { echo "port $port never answered $body; logs:"; tail -n 20 "$WORK"/logs/*; exit 1; }
   done
-  [ -n "$ok" ] || { echo "port $port never answered; logs:"; tail -n 20 "$WORK"/logs/*; exit 1; }
 done
 
-run() { # name port conc -> "rps p50 p99 errors"
-  local out; out=$(wrk -t$([ "$3" = 1 ] && echo 1 || echo 2) -c"$3" -d"${DUR}s" --latency -s "$WORK/post.lua" "http://127.0.0.1:$2/generate")
+run() { # port conc mode -> "rps p50 p99 errors"
+  local out; out=$(wrk -t$([ "$2" = 1 ] && echo 1 || echo 2) -c"$2" -d"${DUR}s" --latency -s "$WORK/post_$3.lua" "http://127.0.0.1:$1/generate")
   local rps p50 p99 bad
   rps=$(awk '/Requests\/sec/ {print $2}' <<<"$out")
   p50=$(awk '$1=="50%" {print $2}' <<<"$out")
@@ -84,22 +98,27 @@ run() { # name port conc -> "rps p50 p99 errors"
 to_us() { awk -v v="$1" 'BEGIN{ if (v ~ /us$/) {sub(/us$/,"",v); print v+0} else if (v ~ /ms$/) {sub(/ms$/,"",v); print v*1000} else {sub(/s$/,"",v); print v*1000000} }'; }
 
 declare -A R
-echo "| target | c=1 req/s | c=1 p50 | c=1 p99 | c=32 req/s | c=32 p50 | c=32 p99 | non-2xx |"
-echo "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
-for t in "direct:31002" "nginx-proxy:31010" "sglang-router-0.3.2:31020" "smg-1.13.0:31021" "lockstep:31030"; do
-  name=${t%%:*}; port=${t##*:}
-  read -r r1 a1 b1 e1 < <(run "$name" "$port" 1)
-  read -r r32 a32 b32 e32 < <(run "$name" "$port" 32)
-  R[$name.r1]=$r1; R[$name.p1]=$(to_us "$a1"); R[$name.r32]=$r32
-  echo "| $name | $r1 | $a1 | $b1 | $r32 | $a32 | $b32 | $((e1 + e32)) |"
+for mode in N S; do
+  [ $mode = N ] && echo "### client asks for a JSON answer (stream=false)" || echo "### client asks for a stream (stream=true)"
+  echo
+  echo "| target | c=1 req/s | c=1 p50 | c=1 p99 | c=32 req/s | c=32 p50 | c=32 p99 | non-2xx |"
+  echo "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+  for t in "direct:31002" "nginx-proxy:31010" "sglang-router-0.3.2:31020" "smg-1.13.0:31021" "lockstep:31030"; do
+    name=${t%%:*}; port=${t##*:}
+    read -r r1 a1 b1 e1 < <(run "$port" 1 $mode)
+    read -r r32 a32 b32 e32 < <(run "$port" 32 $mode)
+    R[$mode.$name.r1]=$r1; R[$mode.$name.p1]=$(to_us "$a1"); R[$mode.$name.r32]=$r32
+    echo "| $name | $r1 | $a1 | $b1 | $r32 | $a32 | $b32 | $((e1 + e32)) |"
+  done
+  d=${R[$mode.direct.p1]}
+  best_gw_r32=$(awk -v a="${R[$mode.sglang-router-0.3.2.r32]}" -v b="${R[$mode.smg-1.13.0.r32]}" 'BEGIN{print (a>b)?a:b}')
+  best_gw_add=$(awk -v a="${R[$mode.sglang-router-0.3.2.p1]}" -v b="${R[$mode.smg-1.13.0.p1]}" -v d="$d" 'BEGIN{x=a-d; y=b-d; print (x<y)?x:y}')
+  ls_add=$(awk -v l="${R[$mode.lockstep.p1]}" -v d="$d" 'BEGIN{print l-d}')
+  ng_add=$(awk -v l="${R[$mode.nginx-proxy.p1]}" -v d="$d" 'BEGIN{print l-d}')
+  echo
+  echo "- added p50 at c=1 over direct: nginx ${ng_add} us, better gateway ${best_gw_add} us, lockstep ${ls_add} us"
+  awk -v l="${R[$mode.lockstep.r32]}" -v g="$best_gw_r32" -v n="${R[$mode.nginx-proxy.r32]}" -v la="$ls_add" -v ga="$best_gw_add" 'BEGIN{
+    printf "- lockstep c=32 throughput: %.2fx the better gateway (target >= 3x), %.0f%% of nginx as a plain single-upstream proxy\n", l/g, 100*l/n;
+    printf "- lockstep added p50 at c=1: %.2f of the better gateway'"'"'s (target <= 0.33)\n", la/ga }'
+  echo
 done
-d=${R[direct.p1]}
-best_gw_r32=$(awk -v a="${R[sglang-router-0.3.2.r32]}" -v b="${R[smg-1.13.0.r32]}" 'BEGIN{print (a>b)?a:b}')
-best_gw_add=$(awk -v a="${R[sglang-router-0.3.2.p1]}" -v b="${R[smg-1.13.0.p1]}" -v d="$d" 'BEGIN{x=a-d; y=b-d; print (x<y)?x:y}')
-ls_add=$(awk -v l="${R[lockstep.p1]}" -v d="$d" 'BEGIN{print l-d}')
-ng_add=$(awk -v l="${R[nginx-proxy.p1]}" -v d="$d" 'BEGIN{print l-d}')
-echo
-echo "added p50 at c=1 over direct: nginx ${ng_add} us, best gateway ${best_gw_add} us, lockstep ${ls_add} us"
-awk -v l="${R[lockstep.r32]}" -v g="$best_gw_r32" -v n="${R[nginx-proxy.r32]}" -v la="$ls_add" -v ga="$best_gw_add" 'BEGIN{
-  printf "lockstep c=32 throughput: %.2fx the better gateway (target >= 3x), %.0f%% of nginx plain proxy\n", l/g, 100*l/n;
-  printf "lockstep added p50 at c=1: %.2f of the better gateway (target <= 0.33)\n", la/ga }'

@@ -196,6 +196,10 @@ impl Lockstep {
         let http_addr = listener.local_addr().map_err(|e| e.to_string())?;
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let app = crate::http::router(state.clone());
+        // Small SSE frames must not wait for delayed ACKs (Nagle).
+        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
         tasks.push(tokio::spawn(async move {
             let serve = axum::serve(listener, app).with_graceful_shutdown(async {
                 let _ = rx.await;

@@ -32,6 +32,8 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     /// Bound on connecting to a worker, in milliseconds.
     pub connect_timeout_ms: u64,
+    /// Runtime worker threads; 0 means one per core.
+    pub worker_threads: usize,
 }
 
 impl Default for ServerConfig {
@@ -41,6 +43,7 @@ impl Default for ServerConfig {
             log_level: "info".into(),
             max_body_bytes: 4 * 1024 * 1024,
             connect_timeout_ms: 2_000,
+            worker_threads: 0,
         }
     }
 }

@@ -9,6 +9,10 @@ use lockstep::app::{Lockstep, check_deployment};
 use lockstep::backend::UpstreamClient;
 use lockstep::config::Config;
 
+// Many small short-lived allocations per request (JSON, frames): mimalloc measurably beats glibc.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// lockstep: a router for disaggregated LLM inference that pairs prefill and decode, aborts both
 /// halves together, and never returns an answer it cannot prove belongs to the caller.
 #[derive(Parser, Debug)]
@@ -52,9 +56,29 @@ fn init_logs(level: &str) {
         .try_init();
 }
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
     let cli = Cli::parse();
+    // The runtime's size comes from the config, so the config is read before the runtime exists.
+    let threads = match &cli.command {
+        Command::Serve { config, .. } => Config::load(config)
+            .map(|c| c.server.worker_threads)
+            .unwrap_or(0),
+        Command::Check { .. } => 1,
+    };
+    let mut rt = tokio::runtime::Builder::new_multi_thread();
+    if threads > 0 {
+        rt.worker_threads(threads);
+    }
+    match rt.enable_all().build() {
+        Ok(rt) => rt.block_on(run(cli)),
+        Err(e) => {
+            eprintln!("cannot start the async runtime: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> ExitCode {
     match cli.command {
         Command::Check { config, offline } => {
             init_logs("warn");

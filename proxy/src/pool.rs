@@ -132,6 +132,10 @@ impl WorkerPool {
 
     /// Picks a healthy worker (avoiding `avoid` when another healthy one exists) and takes a slot.
     pub fn pick(&self, avoid: Option<&Arc<Worker>>) -> Option<LoadGuard> {
+        // Fast path: one worker, no allocation.
+        if let [only] = self.workers.as_slice() {
+            return only.is_healthy().then(|| LoadGuard::new(only.clone()));
+        }
         let healthy: Vec<&Arc<Worker>> = self.workers.iter().filter(|w| w.is_healthy()).collect();
         let candidates: Vec<&Arc<Worker>> = match avoid {
             Some(a) if healthy.len() > 1 => healthy

@@ -30,17 +30,31 @@ impl SglangBackend {
     /// The `/generate` body of one half. Client-sent routing fields never reach here: lockstep
     /// builds the whole body.
     pub fn generate_body(d: &Dispatch, stream: bool) -> Bytes {
-        let body = json!({
-            "input_ids": &*d.input_ids,
-            "sampling_params": &*d.sampling,
-            "rid": d.pair_id.to_string(),
-            "bootstrap_host": d.prefill.bootstrap_host,
-            "bootstrap_port": d.prefill.bootstrap_port,
-            "bootstrap_room": d.pair_id.raw(),
-            "stream": stream,
-        });
+        let body = GenerateBody {
+            input_ids: &d.input_ids,
+            sampling_params: &d.sampling,
+            rid: d.pair_id,
+            bootstrap_host: &d.prefill.bootstrap_host,
+            bootstrap_port: d.prefill.bootstrap_port,
+            bootstrap_room: d.pair_id.raw(),
+            stream,
+        };
         Bytes::from(serde_json::to_vec(&body).unwrap_or_default())
     }
+}
+
+/// The native `/generate` body of one half.
+#[derive(serde::Serialize)]
+struct GenerateBody<'a> {
+    input_ids: &'a [u32],
+    sampling_params: &'a super::SamplingParams,
+    /// The pair id as a string (SGLang's `rid`).
+    rid: crate::pair::PairId,
+    bootstrap_host: &'a str,
+    bootstrap_port: Option<u16>,
+    /// The pair id as the integer SGLang expects.
+    bootstrap_room: u64,
+    stream: bool,
 }
 
 fn half_err(side: Side, e: CallError) -> HalfError {
