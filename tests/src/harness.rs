@@ -22,6 +22,8 @@ pub struct Stack {
     pub lockstep: Lockstep,
     /// lockstep's base URL.
     pub url: String,
+    /// The tokenizer file lockstep loads.
+    pub tokenizer: PathBuf,
     _dir: tempfile::TempDir,
 }
 
@@ -99,8 +101,14 @@ impl Stack {
             mock,
             lockstep,
             url,
+            tokenizer: tok_path,
             _dir: dir,
         }
+    }
+
+    /// The config text of this stack, for tests that start a second lockstep with changes.
+    pub fn config_text(&self, model_extra: &str, timeouts: &str) -> String {
+        config_text(&self.mock, &self.tokenizer, model_extra, timeouts)
     }
 
     /// True when lockstep holds nothing: no live pair, every load counter at zero.

@@ -195,27 +195,15 @@ async fn connect_failure_retries_on_another_worker() {
         .expect("bind")
         .local_addr()
         .expect("addr");
-    let stack = Stack::start_with(
-        MockConfig::default(),
-        "",
-        lockstep_tests::harness::TEST_TIMEOUTS,
-    )
-    .await;
-    let text = lockstep_tests::harness::config_text(&stack.mock, &std::env::temp_dir().join("unused.json"), "", lockstep_tests::harness::TEST_TIMEOUTS)
-        .replace(
-            &format!("workers = [{{ url = \"{}\", bootstrap_port = 8998 }}]", stack.mock.prefill_url()),
-            &format!("workers = [{{ url = \"http://{dead}\", bootstrap_port = 8998 }}, {{ url = \"{}\", bootstrap_port = 8998 }}]", stack.mock.prefill_url()),
-        );
-    let dir = tempfile::tempdir().expect("tempdir");
-    let tok = dir.path().join("tokenizer.json");
-    lockstep_tests::tokenizer::write(&tok).expect("tokenizer");
-    let text = text.replace(
-        &std::env::temp_dir()
-            .join("unused.json")
-            .display()
-            .to_string(),
-        &tok.display().to_string(),
+    let stack = Stack::start().await;
+    let live = format!(
+        "{{ url = \"{}\", bootstrap_port = 8998 }}",
+        stack.mock.prefill_url()
     );
+    let dead = format!("{{ url = \"http://{dead}\", bootstrap_port = 8998 }}");
+    let text = stack
+        .config_text("", lockstep_tests::harness::TEST_TIMEOUTS)
+        .replace(&format!("[{live}]"), &format!("[{dead}, {live}]"));
     let cfg = lockstep::config::Config::parse(&text).expect("config");
     assert_eq!(cfg.models[0].prefill.workers.len(), 2);
     let ls = lockstep::app::Lockstep::start(cfg).await.expect("start");
