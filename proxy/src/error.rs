@@ -115,7 +115,7 @@ pub enum LockstepError {
         message: String,
     },
     /// A pair deadline expired.
-    #[error("pair {pair_id} timed out waiting for {}", phase.as_str())]
+    #[error("pair {pair_id} exceeded its {} deadline", phase.as_str())]
     Timeout {
         /// The pair.
         pair_id: PairId,

@@ -308,3 +308,70 @@ async fn h2c_on_the_same_listener() {
             .is_some_and(|s| s.contains("alpha"))
     );
 }
+
+/// The idle deadline (gap between decode chunks) and the total deadline each abort both halves,
+/// after commit too: a stream gets one error event and no `[DONE]`, a JSON answer a 504.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_and_total_deadlines_abort_both() {
+    for (timeouts, phase_hint) in [
+        (
+            "total_ms = 20000\nprefill_ms = 5000\nfirst_token_ms = 5000\nidle_ms = 150\nabort_ms = 1000",
+            "idle",
+        ),
+        (
+            "total_ms = 600\nprefill_ms = 5000\nfirst_token_ms = 5000\nidle_ms = 5000\nabort_ms = 1000",
+            "total",
+        ),
+    ] {
+        for stream in [false, true] {
+            let stack = Stack::start_with(MockConfig::default(), "", timeouts).await;
+            // 300 ms between tokens: past the idle deadline, and 40 tokens outlast the total one.
+            stack.mock.set_fault(Fault::Slow {
+                prefill_ms: 0,
+                token_ms: 300,
+            });
+            let body =
+                json!({"model": MODEL, "prompt": "red green", "stream": stream, "max_tokens": 40});
+            let t = Instant::now();
+            let a = TestClient::default()
+                .post(
+                    &format!("{}/v1/completions", stack.url),
+                    &body,
+                    Duration::from_secs(10),
+                )
+                .await;
+            let case = format!("{phase_hint} stream={stream}");
+            assert!(
+                t.elapsed() < Duration::from_secs(3),
+                "{case}: took {:?}",
+                t.elapsed()
+            );
+            assert_eq!(
+                a.error_code().as_deref(),
+                Some("timeout"),
+                "{case}: {}",
+                a.body
+            );
+            assert!(
+                a.body.contains(phase_hint),
+                "{case}: the message names the deadline: {}",
+                a.body
+            );
+            if stream {
+                assert!(!a.body.contains("[DONE]"), "{case}");
+            } else {
+                assert_eq!(a.status, 504, "{case}");
+            }
+            assert!(
+                wait_for(Duration::from_secs(2), || both_aborted(&stack)).await,
+                "{case}: {:?}",
+                stack.mock.aborts()
+            );
+            assert!(
+                stack.wait_all_idle(Duration::from_secs(2)).await,
+                "{case}: live {:?}",
+                stack.mock.live_halves()
+            );
+        }
+    }
+}
