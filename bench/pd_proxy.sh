@@ -2,7 +2,11 @@
 # Router overhead benchmark, one run, side by side (see README "Benchmarks"):
 #   direct to the decode mock; nginx as a plain proxy (floor); SGLang's gateway from PyPI in its
 #   two current forms (sglang-router 0.3.2, smg 1.13.0); lockstep in SGLang PD mode.
-# Upstreams are nginx answering fixed SGLang /generate payloads (prefill JSON, decode SSE).
+# Upstreams are nginx answering fixed SGLang /generate payloads: the prefill a JSON answer; the
+# decode an SSE stream ("stream" mode, the decode on :31004 answers SSE to every request), or, in
+# "json" mode, JSON or SSE as the request's "stream" field asks (the decode on :31002 reads the body
+# through one internal nginx hop, a cost every target pays). lockstep always asks the decode for a
+# stream (its barrier checks the first chunk); the gateways pass the client's choice through.
 # wrk on loopback, concurrency 1 and 32. Every process started here is stopped by pid on exit.
 # Usage: bash bench/pd_proxy.sh [seconds-per-run]   (needs wrk, nginx, python3; installs the peers
 # into ~/.cache/lockstep-bench)
@@ -11,7 +15,7 @@ cd "$(dirname "$0")/.."
 DUR=${1:-8}
 CACHE=${LOCKSTEP_BENCH_CACHE:-$HOME/.cache/lockstep-bench}
 mkdir -p "$CACHE"
-for tool in wrk nginx; do command -v $tool >/dev/null || { echo "install $tool (apt-get install wrk nginx)"; exit 1; }; done
+for tool in wrk nginx curl; do command -v $tool >/dev/null || { echo "install $tool (apt-get install wrk nginx curl)"; exit 1; }; done
 for p in sglang-router==0.3.2 smg==1.13.0; do
   d="$CACHE/venv-${p%%==*}"
   [ -x "$d/bin/smg" ] || { python3 -m venv "$d" && "$d/bin/pip" install -q "$p"; }
@@ -22,11 +26,10 @@ WORK=$(mktemp -d)
 PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"; }
 trap cleanup EXIT
-[ -n "${LOCKSTEP_BENCH_KEEP:-}" ] && echo "work dir $WORK"
 
 PREFILL='{"text":"x","output_ids":[1],"meta_info":{"id":"r","prompt_tokens":2,"completion_tokens":1,"cached_tokens":0,"finish_reason":{"type":"length","length":1}}}'
-DECODE='data: {"text":"hello","output_ids":[1],"meta_info":{"id":"r","prompt_tokens":2,"completion_tokens":1,"cached_tokens":0,"finish_reason":{"type":"length","length":1}}}\n\ndata: [DONE]\n\n'
 DECODE_JSON='{"text":"hello","output_ids":[1],"meta_info":{"id":"r","prompt_tokens":2,"completion_tokens":1,"cached_tokens":0,"finish_reason":{"type":"length","length":1}}}'
+DECODE_SSE=$(printf 'data: %s\n\ndata: [DONE]\n\n' "$DECODE_JSON")
 INFO='{"model_path":"mock","tokenizer_path":"mock","is_generation":true,"max_total_num_tokens":1000000}'
 mkdir -p "$WORK/logs"
 cat > "$WORK/nginx.conf" <<NGINX
@@ -40,49 +43,66 @@ http {
   keepalive_requests 1000000;
   client_body_temp_path $WORK/body;
   proxy_temp_path $WORK/proxy;
-  upstream decode { server 127.0.0.1:31002; keepalive 64; }
+  upstream decode_sse { server 127.0.0.1:31004; keepalive 64; }
+  upstream decode_mixed { server 127.0.0.1:31002; keepalive 64; }
   upstream decode_answers { server 127.0.0.1:31003; keepalive 64; }
-  # The decode answers SSE when the request asks for a stream and JSON otherwise, as SGLang does.
   map \$request_body \$want_stream { "~\"stream\": *true" 1; default 0; }
+  # prefill
   server { listen 127.0.0.1:31001;
     location /generate { default_type application/json; return 200 '$PREFILL'; }
     location / { default_type application/json; return 200 '$INFO'; } }
+  # decode, json mode: SSE or JSON as the body asks (one internal hop reads the body)
   server { listen 127.0.0.1:31002;
     location /generate { proxy_pass http://decode_answers; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_set_header X-Stream \$want_stream; proxy_buffering off; }
     location / { default_type application/json; return 200 '$INFO'; } }
   server { listen 127.0.0.1:31003;
     location /generate { if (\$http_x_stream = 1) { rewrite ^ /sse last; } default_type application/json; return 200 '$DECODE_JSON'; }
-    location /sse { default_type text/event-stream; return 200 '$(printf "$DECODE")'; } }
-  server { listen 127.0.0.1:31010;
-    location / { proxy_pass http://decode; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_buffering off; } }
+    location /sse { default_type text/event-stream; return 200 '$DECODE_SSE'; } }
+  # decode, stream mode: SSE to every request
+  server { listen 127.0.0.1:31004;
+    location /generate { default_type text/event-stream; return 200 '$DECODE_SSE'; }
+    location / { default_type application/json; return 200 '$INFO'; } }
+  # nginx as a plain single-upstream proxy in front of each decode
+  server { listen 127.0.0.1:31010; location / { proxy_pass http://decode_mixed; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_buffering off; } }
+  server { listen 127.0.0.1:31011; location / { proxy_pass http://decode_sse; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_buffering off; } }
 }
 NGINX
 nginx -p "$WORK" -c "$WORK/nginx.conf" & PIDS+=($!)
-"$CACHE/venv-sglang-router/bin/smg" launch --pd-disaggregation --prefill http://127.0.0.1:31001 8998 --decode http://127.0.0.1:31002 \
-  --host 127.0.0.1 --port 31020 --prometheus-port 31120 --log-level error >"$WORK/logs/sgl.log" 2>&1 & PIDS+=($!)
-"$CACHE/venv-smg/bin/smg" launch --pd-disaggregation --prefill http://127.0.0.1:31001 8998 --decode http://127.0.0.1:31002 \
-  --host 127.0.0.1 --port 31021 --prometheus-port 31121 --log-level error >"$WORK/logs/smg.log" 2>&1 & PIDS+=($!)
-target/release/lockstep serve --config bench/pd-bench.toml >"$WORK/logs/lockstep.log" 2>&1 & PIDS+=($!)
 
-BODY_S='{"text":"hello world","stream":true,"sampling_params":{"max_new_tokens":1}}'
-BODY_N='{"text":"hello world","stream":false,"sampling_params":{"max_new_tokens":1}}'
-for mode in S N; do
+gateway() { # venv port decode-port prometheus-port
+  "$CACHE/$1/bin/smg" launch --pd-disaggregation --prefill http://127.0.0.1:31001 8998 --decode "http://127.0.0.1:$3" \
+    --host 127.0.0.1 --port "$2" --prometheus-port "$4" --log-level error >"$WORK/logs/$1-$2.log" 2>&1 &
+  PIDS+=($!)
+}
+gateway venv-sglang-router 31020 31002 31120
+gateway venv-smg 31021 31002 31121
+gateway venv-sglang-router 31022 31004 31122
+gateway venv-smg 31023 31004 31123
+target/release/lockstep serve --config bench/pd-bench.toml >"$WORK/logs/lockstep-json.log" 2>&1 & PIDS+=($!)
+sed -e 's/31030/31031/; s/31002/31004/' bench/pd-bench.toml > "$WORK/pd-bench-stream.toml"
+sed -i "s|\.\./config/|$PWD/config/|" "$WORK/pd-bench-stream.toml"
+target/release/lockstep serve --config "$WORK/pd-bench-stream.toml" >"$WORK/logs/lockstep-stream.log" 2>&1 & PIDS+=($!)
+
+BODY_stream='{"text":"hello world","stream":true,"sampling_params":{"max_new_tokens":1}}'
+BODY_json='{"text":"hello world","stream":false,"sampling_params":{"max_new_tokens":1}}'
+for mode in stream json; do
   body_var=BODY_$mode
-  cat > "$WORK/post_$mode.lua" <<LUA
-wrk.method = "POST"
-wrk.body = '${!body_var}'
-wrk.headers["Content-Type"] = "application/json"
-LUA
+  printf 'wrk.method = "POST"\nwrk.body = %s\nwrk.headers["Content-Type"] = "application/json"\n' "'${!body_var}'" > "$WORK/post_$mode.lua"
 done
-# Wait (bounded) until every target answers /generate with 200 and the decode's text, both ways.
-for port in 31002 31010 31020 31021 31030; do
-  for body in "$BODY_S" "$BODY_N"; do
-    ok=""
+# name:port per mode
+TARGETS_json="direct:31002 nginx-proxy:31010 sglang-router-0.3.2:31020 smg-1.13.0:31021 lockstep:31030"
+TARGETS_stream="direct:31004 nginx-proxy:31011 sglang-router-0.3.2:31022 smg-1.13.0:31023 lockstep:31031"
+
+# Wait (bounded) until every target answers /generate with 200 and the decode's text.
+for mode in json stream; do
+  body_var=BODY_$mode; targets_var=TARGETS_$mode
+  for t in ${!targets_var}; do
+    port=${t##*:}; ok=""
     for _ in $(seq 1 100); do
-      if curl -sf -m 2 -H 'content-type: application/json' -d "$body" "http://127.0.0.1:$port/generate" 2>/dev/null | grep -q hello; then ok=1; break; fi
+      if curl -sf -m 2 -H 'content-type: application/json' -d "${!body_var}" "http://127.0.0.1:$port/generate" 2>/dev/null | grep -q hello; then ok=1; break; fi
       sleep 0.2
     done
-    [ -n "$ok" ] || { echo "port $port never answered $body; logs:"; tail -n 20 "$WORK"/logs/*; exit 1; }
+    [ -n "$ok" ] || { echo "$t never answered in $mode mode; logs:"; tail -n 20 "$WORK"/logs/*; exit 1; }
   done
 done
 
@@ -98,12 +118,13 @@ run() { # port conc mode -> "rps p50 p99 errors"
 to_us() { awk -v v="$1" 'BEGIN{ if (v ~ /us$/) {sub(/us$/,"",v); print v+0} else if (v ~ /ms$/) {sub(/ms$/,"",v); print v*1000} else {sub(/s$/,"",v); print v*1000000} }'; }
 
 declare -A R
-for mode in N S; do
-  [ $mode = N ] && echo "### client asks for a JSON answer (stream=false)" || echo "### client asks for a stream (stream=true)"
+for mode in stream json; do
+  [ $mode = json ] && echo "### json mode: the client asks for a JSON answer (stream=false)" || echo "### stream mode: the client asks for a stream (stream=true)"
   echo
   echo "| target | c=1 req/s | c=1 p50 | c=1 p99 | c=32 req/s | c=32 p50 | c=32 p99 | non-2xx |"
   echo "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
-  for t in "direct:31002" "nginx-proxy:31010" "sglang-router-0.3.2:31020" "smg-1.13.0:31021" "lockstep:31030"; do
+  targets_var=TARGETS_$mode
+  for t in ${!targets_var}; do
     name=${t%%:*}; port=${t##*:}
     read -r r1 a1 b1 e1 < <(run "$port" 1 $mode)
     read -r r32 a32 b32 e32 < <(run "$port" 32 $mode)
