@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
@@ -46,11 +47,28 @@ impl ModelRuntime {
     }
 }
 
+/// One generation of served models. Reload builds a new one and swaps it in atomically; pairs in
+/// flight keep the `ModelRuntime` they started with.
+#[derive(Debug, Default)]
+pub struct Models {
+    /// Models by name.
+    pub by_name: BTreeMap<String, Arc<ModelRuntime>>,
+    health: Vec<JoinHandle<()>>,
+}
+
+impl Drop for Models {
+    fn drop(&mut self) {
+        for t in &self.health {
+            t.abort();
+        }
+    }
+}
+
 /// Shared state of the front ends.
 #[derive(Debug)]
 pub struct AppState {
-    /// Models by name.
-    pub models: BTreeMap<String, Arc<ModelRuntime>>,
+    /// The current generation of models.
+    pub models: ArcSwap<Models>,
     /// Live pairs of all models.
     pub registry: Arc<PairRegistry>,
     /// Outcome counters of all models.
@@ -59,6 +77,7 @@ pub struct AppState {
     pub max_body_bytes: usize,
     /// Set while shutting down: `/ready` fails.
     pub draining: AtomicBool,
+    client: UpstreamClient,
 }
 
 /// The capacity a worker reports (SGLang `/get_server_info` → `max_total_num_tokens`).
@@ -109,91 +128,102 @@ pub struct Lockstep {
     shutdown: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
+/// Builds every model of `cfg`: deployment check against the workers, tokenizer and template,
+/// pools, backend, health checks. Lists every problem rather than build a partial set.
+async fn build_models(
+    cfg: &Config,
+    client: &UpstreamClient,
+    registry: &Arc<PairRegistry>,
+    stats: &Arc<PairStats>,
+) -> Result<Models, String> {
+    let problems = cfg.problems();
+    if !problems.is_empty() {
+        return Err(problems.join("\n"));
+    }
+    let mut models = Models::default();
+    let mut errors = Vec::new();
+    for m in &cfg.models {
+        let capacity = match check_deployment(client, m).await {
+            Ok(c) => c,
+            Err(e) => {
+                errors.push(e);
+                continue;
+            }
+        };
+        let admission = match Admission::load(m) {
+            Ok(a) => a,
+            Err(e) => {
+                errors.push(e);
+                continue;
+            }
+        };
+        let backend: Arc<dyn PdBackend> = match m.backend {
+            BackendKind::Sglang => Arc::new(SglangBackend::new(client.clone())),
+        };
+        let prefill = Arc::new(WorkerPool::new(&m.prefill));
+        let decode = Arc::new(WorkerPool::new(&m.decode));
+        let workers = prefill
+            .workers()
+            .iter()
+            .chain(decode.workers())
+            .cloned()
+            .collect();
+        models.health.push(tokio::spawn(health_loop(
+            client.clone(),
+            workers,
+            m.health.clone(),
+        )));
+        let name: Arc<str> = m.name.as_str().into();
+        let pairs = Arc::new(PairRuntime {
+            model: name.clone(),
+            backend,
+            prefill,
+            decode,
+            registry: registry.clone(),
+            timeouts: m.timeouts.clone(),
+            retry: m.retry.clone(),
+            stats: stats.clone(),
+        });
+        tracing::info!(model = %name, context_window = m.context_window, kv_capacity = capacity, "model ready");
+        models.by_name.insert(
+            m.name.clone(),
+            Arc::new(ModelRuntime {
+                name,
+                cfg: m.clone(),
+                admission,
+                pairs,
+                kv_capacity: AtomicU64::new(capacity),
+            }),
+        );
+    }
+    if errors.is_empty() {
+        Ok(models)
+    } else {
+        Err(errors.join("\n"))
+    }
+}
+
 impl Lockstep {
     /// Builds everything from `cfg`, runs the deployment check against the workers, binds the
     /// listener and starts serving. Fails (naming every problem) rather than start unsafe.
     pub async fn start(cfg: Config) -> Result<Lockstep, String> {
-        let problems = cfg.problems();
-        if !problems.is_empty() {
-            return Err(problems.join("\n"));
-        }
         let client = UpstreamClient::new(Duration::from_millis(cfg.server.connect_timeout_ms));
         let registry = Arc::new(PairRegistry::default());
         let stats = Arc::new(PairStats::default());
-        let mut models = BTreeMap::new();
-        let mut tasks = Vec::new();
-        let mut errors = Vec::new();
-        for m in &cfg.models {
-            let capacity = match check_deployment(&client, m).await {
-                Ok(c) => c,
-                Err(e) => {
-                    errors.push(e);
-                    continue;
-                }
-            };
-            let admission = match Admission::load(m) {
-                Ok(a) => a,
-                Err(e) => {
-                    errors.push(e);
-                    continue;
-                }
-            };
-            let backend: Arc<dyn PdBackend> = match m.backend {
-                BackendKind::Sglang => Arc::new(SglangBackend::new(client.clone())),
-            };
-            let prefill = Arc::new(WorkerPool::new(&m.prefill));
-            let decode = Arc::new(WorkerPool::new(&m.decode));
-            let workers = prefill
-                .workers()
-                .iter()
-                .chain(decode.workers())
-                .cloned()
-                .collect();
-            tasks.push(tokio::spawn(health_loop(
-                client.clone(),
-                workers,
-                m.health.clone(),
-            )));
-            let name: Arc<str> = m.name.as_str().into();
-            let pairs = Arc::new(PairRuntime {
-                model: name.clone(),
-                backend,
-                prefill,
-                decode,
-                registry: registry.clone(),
-                timeouts: m.timeouts.clone(),
-                retry: m.retry.clone(),
-                stats: stats.clone(),
-            });
-            tracing::info!(model = %name, context_window = m.context_window, kv_capacity = capacity, "model ready");
-            models.insert(
-                m.name.clone(),
-                Arc::new(ModelRuntime {
-                    name,
-                    cfg: m.clone(),
-                    admission,
-                    pairs,
-                    kv_capacity: AtomicU64::new(capacity),
-                }),
-            );
-        }
-        if !errors.is_empty() {
-            for t in &tasks {
-                t.abort();
-            }
-            return Err(errors.join("\n"));
-        }
+        let models = build_models(&cfg, &client, &registry, &stats).await?;
         let state = Arc::new(AppState {
-            models,
+            models: ArcSwap::from_pointee(models),
             registry,
             stats,
             max_body_bytes: cfg.server.max_body_bytes,
             draining: AtomicBool::new(false),
+            client,
         });
         let listener = TcpListener::bind(cfg.server.http_listen)
             .await
             .map_err(|e| format!("cannot listen on {}: {e}", cfg.server.http_listen))?;
         let http_addr = listener.local_addr().map_err(|e| e.to_string())?;
+        let mut tasks = Vec::new();
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let app = crate::http::router(state.clone());
         // Small SSE frames must not wait for delayed ACKs (Nagle).
@@ -215,6 +245,19 @@ impl Lockstep {
             tasks,
             shutdown: Some(tx),
         })
+    }
+
+    /// Reloads the models from `cfg`: validate, deployment check against the workers, build, then
+    /// swap atomically. On any problem the running configuration stays and the reasons are
+    /// returned. Pairs in flight finish on the configuration they started with. `server.*`
+    /// settings (listener, body limit, threads) need a restart.
+    pub async fn reload(&self, cfg: Config) -> Result<(), String> {
+        let st = &self.state;
+        let models = build_models(&cfg, &st.client, &st.registry, &st.stats).await?;
+        let names: Vec<_> = models.by_name.keys().cloned().collect();
+        st.models.store(Arc::new(models));
+        tracing::info!(models = ?names, "configuration reloaded");
+        Ok(())
     }
 
     /// Stops accepting, lets in-flight responses end, stops background tasks.

@@ -134,7 +134,7 @@ async fn run(cli: Cli) -> ExitCode {
                     return ExitCode::FAILURE;
                 }
             };
-            wait_for_signal().await;
+            serve_until_stopped(&running, &config).await;
             tracing::info!("shutting down");
             running.shutdown().await;
             ExitCode::SUCCESS
@@ -142,23 +142,30 @@ async fn run(cli: Cli) -> ExitCode {
     }
 }
 
-async fn wait_for_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(s) => s,
-                Err(_) => {
-                    let _ = ctrl_c.await;
-                    return;
-                }
-            };
+/// Waits for SIGINT or SIGTERM; on SIGHUP reloads the configuration file (validate, deployment
+/// check, swap atomically; an invalid file is refused with its reasons and the old one kept).
+async fn serve_until_stopped(running: &Lockstep, path: &std::path::Path) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut hup)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::hangup()),
+    ) else {
+        let _ = tokio::signal::ctrl_c().await;
+        return;
+    };
+    loop {
         tokio::select! {
-            _ = ctrl_c => {}
-            _ = term.recv() => {}
+            _ = tokio::signal::ctrl_c() => return,
+            _ = term.recv() => return,
+            _ = hup.recv() => {
+                let result = match Config::load(path) {
+                    Ok(cfg) => running.reload(cfg).await,
+                    Err(e) => Err(e.to_string()),
+                };
+                if let Err(e) = result {
+                    tracing::error!(config = %path.display(), "reload refused, keeping the running configuration:\n{e}");
+                }
+            }
         }
     }
-    #[cfg(not(unix))]
-    let _ = ctrl_c.await;
 }

@@ -196,3 +196,80 @@ async fn deployment_check_uses_the_capacity_workers_report() {
     h1.abort();
     h2.abort();
 }
+
+/// SIGHUP reloads the file: a file that fails the deployment check is refused (the process keeps
+/// serving), a valid one is applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_reloads_and_refuses_unsafe_configs() {
+    use tokio::io::AsyncBufReadExt;
+    let (w, h) = worker(1500).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = config(
+        dir.path(),
+        1000,
+        4096,
+        &w,
+        &w,
+        "[server]\nhttp_listen = \"127.0.0.1:0\"\nlog_level = \"info\"",
+    );
+    let mut child = tokio::process::Command::new(BIN)
+        .args(["serve", "--config", path.to_str().expect("utf8")])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn");
+    let pid = child.id().expect("pid").to_string();
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().expect("stdout")).lines();
+    let mut wait_for = async |needle: &str| -> bool {
+        let found = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+            while let Ok(Some(l)) = lines.next_line().await {
+                if l.contains(needle) {
+                    return true;
+                }
+            }
+            false
+        });
+        found.await.unwrap_or(false)
+    };
+    assert!(wait_for("lockstep listening").await);
+    let hup = || {
+        std::process::Command::new("kill")
+            .args(["-HUP", &pid])
+            .status()
+            .expect("kill")
+    };
+    // Unsafe: the worker reports 1500 < 2000.
+    config(
+        dir.path(),
+        2000,
+        4096,
+        &w,
+        &w,
+        "[server]\nhttp_listen = \"127.0.0.1:0\"\nlog_level = \"info\"",
+    );
+    assert!(hup().success());
+    assert!(wait_for("reload refused").await, "the refusal is logged");
+    assert!(child.try_wait().expect("status").is_none(), "still serving");
+    // Safe again.
+    config(
+        dir.path(),
+        1200,
+        4096,
+        &w,
+        &w,
+        "[server]\nhttp_listen = \"127.0.0.1:0\"\nlog_level = \"info\"",
+    );
+    assert!(hup().success());
+    assert!(wait_for("configuration reloaded").await);
+    std::process::Command::new("kill")
+        .arg(&pid)
+        .status()
+        .expect("kill");
+    let status = tokio::time::timeout(std::time::Duration::from_secs(10), child.wait())
+        .await
+        .expect("exits")
+        .expect("status");
+    assert!(status.success(), "SIGTERM exits 0");
+    h.abort();
+}

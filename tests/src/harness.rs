@@ -115,7 +115,7 @@ impl Stack {
     pub fn lockstep_idle(&self) -> bool {
         let st = &self.lockstep.state;
         st.registry.is_empty()
-            && st.models.values().all(|m| {
+            && st.models.load().by_name.values().all(|m| {
                 m.pairs
                     .prefill
                     .workers()

@@ -52,7 +52,7 @@ async fn ready(State(state): State<Arc<AppState>>) -> Response {
     if state.draining.load(Ordering::Acquire) {
         not_ready.push("draining".to_string());
     }
-    for m in state.models.values() {
+    for m in state.models.load().by_name.values() {
         for (side, pool) in [("prefill", &m.pairs.prefill), ("decode", &m.pairs.decode)] {
             if !pool.any_healthy() {
                 not_ready.push(format!("model `{}` has no healthy {side} worker", m.name));
@@ -73,6 +73,8 @@ async fn ready(State(state): State<Arc<AppState>>) -> Response {
 async fn models(State(state): State<Arc<AppState>>) -> Response {
     let data: Vec<_> = state
         .models
+        .load()
+        .by_name
         .values()
         .map(|m| {
             json!({
@@ -141,17 +143,17 @@ pub(crate) fn find_model(
     state: &AppState,
     name: Option<&str>,
 ) -> Result<Arc<ModelRuntime>, LockstepError> {
+    let models = state.models.load();
+    let models = &models.by_name;
     match name {
-        Some(n) => state
-            .models
+        Some(n) => models
             .get(n)
             .cloned()
             .ok_or_else(|| LockstepError::ModelNotFound {
                 model: n.to_string(),
             }),
-        None if state.models.len() == 1 => {
-            state
-                .models
+        None if models.len() == 1 => {
+            models
                 .values()
                 .next()
                 .cloned()
