@@ -1,3 +1,11 @@
-//! lockstep-engine: the embedded paged-attention engine (page pool with ownership tags, verified
-//! KV transfer, CPU and CUDA attention). Not built yet: this crate only reserves its place in the
-//! workspace; see the engine issues.
+//! lockstep-engine: the memory core of lockstep's embedded engine.
+//!
+//! - [`pool`]: a paged KV pool whose pages carry `(owner, epoch)` tags; readers reach pages only
+//!   through page tables of tagged refs, so a reused page can never be read by a stale or foreign
+//!   table. Scrub and verify policies, all-or-nothing allocation, tenant-salted prefix sharing.
+//! - [`transfer`]: verified KV export/import with a checksummed manifest.
+//!
+//! Paged attention, the model and the CUDA backend build on these (see the engine issues).
+
+pub mod pool;
+pub mod transfer;

@@ -1,0 +1,701 @@
+//! The paged KV pool: fixed-size pages, each tagged with its owner and an allocation epoch.
+//!
+//! A reader reaches a page only through its page table of [`PageRef`]s, each holding the
+//! `(owner, epoch)` tag the page had when the reader got it. Any read or write through a ref
+//! whose tag no longer matches the page is an [`IntegrityError`]: a page freed and reused by
+//! another sequence can never be read through a stale table (no ABA: epochs only grow).
+
+use std::collections::{BTreeMap, HashMap};
+
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// Index of a page in the pool.
+pub type PageIdx = u32;
+
+/// Who owns a page: a sequence, or a shared-prefix entry (high bit set). 0 means free.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct OwnerId(u64);
+
+const PREFIX_BIT: u64 = 1 << 63;
+
+impl OwnerId {
+    /// The owner of free pages.
+    pub const FREE: OwnerId = OwnerId(0);
+    /// A sequence owner (`id` in `1..2^63`).
+    pub fn sequence(id: u64) -> OwnerId {
+        OwnerId((id & !PREFIX_BIT).max(1))
+    }
+    fn prefix(id: u64) -> OwnerId {
+        OwnerId(id | PREFIX_BIT)
+    }
+    /// Whether this owner is a shared-prefix entry.
+    pub fn is_prefix(self) -> bool {
+        self.0 & PREFIX_BIT != 0
+    }
+    /// The raw value.
+    pub fn raw(self) -> u64 {
+        self.0
+    }
+}
+
+/// A page's owner and the epoch of the allocation that gave it to that owner.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct OwnerTag {
+    /// The owner.
+    pub owner: OwnerId,
+    /// Increases on every allocation of any page.
+    pub epoch: u64,
+}
+
+/// One entry of a reader's page table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PageRef {
+    /// The page.
+    pub page: PageIdx,
+    /// The tag the page had when the reader got it.
+    pub tag: OwnerTag,
+}
+
+/// Element type of the stored K and V.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvDtype {
+    /// 32-bit float.
+    F32,
+    /// IEEE half precision.
+    F16,
+}
+
+impl KvDtype {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::F16 => 2,
+        }
+    }
+}
+
+/// When page contents are erased.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScrubPolicy {
+    /// Never (contents stay; tags alone keep readers out).
+    None,
+    /// When a page returns to the free list (or leaves the prefix cache).
+    OnFree,
+    /// When a page is handed to a new owner.
+    OnAlloc,
+}
+
+/// How attention reads check page tags.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VerifyMode {
+    /// No checks on reads.
+    Off,
+    /// Check one page in `n` per step, rotating so every page is covered over `n` steps.
+    Sampled(u32),
+    /// Check every page on every read.
+    Always,
+}
+
+/// Pool geometry and policies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolConfig {
+    /// Number of pages.
+    pub num_pages: u32,
+    /// Tokens per page (8, 16 or 32).
+    pub page_size: usize,
+    /// Transformer layers.
+    pub layers: usize,
+    /// KV heads.
+    pub kv_heads: usize,
+    /// Head dimension.
+    pub head_dim: usize,
+    /// Stored element type.
+    pub dtype: KvDtype,
+    /// Scrub policy.
+    pub scrub: ScrubPolicy,
+    /// Read verification.
+    pub verify: VerifyMode,
+}
+
+impl PoolConfig {
+    /// Elements of K (or V) for one token of one layer: `kv_heads × head_dim`.
+    pub fn token_width(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+    /// Elements in one page: layers × {K, V} × kv_heads × page_size × head_dim.
+    pub fn page_elems(&self) -> usize {
+        self.layers * 2 * self.kv_heads * self.page_size * self.head_dim
+    }
+    /// Bytes in one page.
+    pub fn page_bytes(&self) -> usize {
+        self.page_elems() * self.dtype.size()
+    }
+    /// Offset (in elements, within a page) of K for `layer`, `kv_head`, `slot`.
+    pub fn k_offset(&self, layer: usize, kv_head: usize, slot: usize) -> usize {
+        ((layer * 2) * self.kv_heads + kv_head) * self.page_size * self.head_dim
+            + slot * self.head_dim
+    }
+    /// Offset (in elements, within a page) of V for `layer`, `kv_head`, `slot`.
+    pub fn v_offset(&self, layer: usize, kv_head: usize, slot: usize) -> usize {
+        ((layer * 2 + 1) * self.kv_heads + kv_head) * self.page_size * self.head_dim
+            + slot * self.head_dim
+    }
+}
+
+/// A read or write that the tags forbid.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IntegrityError {
+    /// The page belongs to another owner now.
+    #[error("page {page}: owned by {found:?}, reader holds {expected:?}")]
+    ForeignOwner {
+        /// The page.
+        page: PageIdx,
+        /// The tag the reader holds.
+        expected: OwnerTag,
+        /// The tag the page has.
+        found: OwnerTag,
+    },
+    /// Same owner, but the page was freed and reallocated since the reader got it.
+    #[error("page {page}: stale epoch {} (page is at {})", expected.epoch, found.epoch)]
+    StaleEpoch {
+        /// The page.
+        page: PageIdx,
+        /// The tag the reader holds.
+        expected: OwnerTag,
+        /// The tag the page has.
+        found: OwnerTag,
+    },
+    /// A write through a shared (read-only) prefix page.
+    #[error("page {page} is a shared prefix page and read-only")]
+    ReadOnlyShared {
+        /// The page.
+        page: PageIdx,
+    },
+    /// A page index outside the pool.
+    #[error("page {page} does not exist")]
+    NoSuchPage {
+        /// The page.
+        page: PageIdx,
+    },
+}
+
+/// Why an allocation or configuration failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PoolError {
+    /// Not every page could be had: nothing was allocated.
+    #[error("KV capacity exceeded: need {needed} pages, {available} of {total} available")]
+    CapacityExceeded {
+        /// Pages needed.
+        needed: usize,
+        /// Pages free or evictable.
+        available: usize,
+        /// Pages in the pool.
+        total: usize,
+    },
+    /// A tag check failed.
+    #[error(transparent)]
+    Integrity(#[from] IntegrityError),
+    /// The configuration is not supported.
+    #[error("invalid pool configuration: {0}")]
+    InvalidConfig(String),
+}
+
+/// The page storage.
+#[derive(Debug, Clone)]
+pub enum KvData {
+    /// f32 elements.
+    F32(Vec<f32>),
+    /// f16 elements.
+    F16(Vec<half::f16>),
+}
+
+/// A sequence's view of its KV: its owner id, page table and length in tokens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sequence {
+    /// The owner its private pages are tagged with.
+    pub owner: OwnerId,
+    /// The page table.
+    pub pages: Vec<PageRef>,
+    /// Tokens stored.
+    pub len: usize,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct PrefixMeta {
+    hash: u64,
+    refs: u32,
+    lru: u64,
+}
+
+/// The pool.
+#[derive(Debug)]
+pub struct PagePool {
+    cfg: PoolConfig,
+    data: KvData,
+    tags: Vec<OwnerTag>,
+    free: Vec<PageIdx>,
+    next_epoch: u64,
+    prefix: Vec<Option<PrefixMeta>>,
+    by_hash: HashMap<u64, PageIdx>,
+    evictable: BTreeMap<u64, PageIdx>,
+    lru_clock: u64,
+    next_prefix_id: u64,
+    verify_step: u64,
+}
+
+impl PagePool {
+    /// A pool of `cfg.num_pages` free pages.
+    pub fn new(cfg: PoolConfig) -> Result<PagePool, PoolError> {
+        if ![8, 16, 32].contains(&cfg.page_size) {
+            return Err(PoolError::InvalidConfig(format!(
+                "page_size {} (8, 16 or 32)",
+                cfg.page_size
+            )));
+        }
+        if cfg.num_pages == 0 || cfg.layers == 0 || cfg.kv_heads == 0 || cfg.head_dim == 0 {
+            return Err(PoolError::InvalidConfig(
+                "every dimension must be positive".into(),
+            ));
+        }
+        if let VerifyMode::Sampled(0) = cfg.verify {
+            return Err(PoolError::InvalidConfig(
+                "sampled verification needs n >= 1".into(),
+            ));
+        }
+        let n = cfg.num_pages as usize * cfg.page_elems();
+        let data = match cfg.dtype {
+            KvDtype::F32 => KvData::F32(vec![0.0; n]),
+            KvDtype::F16 => KvData::F16(vec![half::f16::ZERO; n]),
+        };
+        Ok(PagePool {
+            cfg,
+            data,
+            tags: vec![
+                OwnerTag {
+                    owner: OwnerId::FREE,
+                    epoch: 0
+                };
+                cfg.num_pages as usize
+            ],
+            free: (0..cfg.num_pages).rev().collect(),
+            next_epoch: 1,
+            prefix: vec![None; cfg.num_pages as usize],
+            by_hash: HashMap::new(),
+            evictable: BTreeMap::new(),
+            lru_clock: 0,
+            next_prefix_id: 1,
+            verify_step: 0,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &PoolConfig {
+        &self.cfg
+    }
+    /// Pages in the pool.
+    pub fn total_pages(&self) -> usize {
+        self.tags.len()
+    }
+    /// Pages an allocation can get: free plus cached-but-unreferenced prefix pages.
+    pub fn available_pages(&self) -> usize {
+        self.free.len() + self.evictable.len()
+    }
+    /// Pages on the free list (not counting evictable prefix pages).
+    pub fn free_list_len(&self) -> usize {
+        self.free.len()
+    }
+    /// Prefix pages in the cache (referenced or not).
+    pub fn cached_prefix_pages(&self) -> usize {
+        self.by_hash.len()
+    }
+    /// The current tag of a page.
+    pub fn tag(&self, page: PageIdx) -> Option<OwnerTag> {
+        self.tags.get(page as usize).copied()
+    }
+    /// The raw storage (attention reads it through checked page tables).
+    pub fn data(&self) -> &KvData {
+        &self.data
+    }
+
+    fn page_range(&self, page: PageIdx) -> std::ops::Range<usize> {
+        let n = self.cfg.page_elems();
+        page as usize * n..(page as usize + 1) * n
+    }
+
+    fn scrub(&mut self, page: PageIdx) {
+        let r = self.page_range(page);
+        match &mut self.data {
+            KvData::F32(d) => d[r].fill(0.0),
+            KvData::F16(d) => d[r].fill(half::f16::ZERO),
+        }
+    }
+
+    /// Takes one page for `owner`: from the free list, else by evicting the least recently used
+    /// unreferenced prefix page. The caller has checked availability.
+    fn take_page(&mut self, owner: OwnerId) -> Option<PageRef> {
+        let page = match self.free.pop() {
+            Some(p) => p,
+            None => {
+                let (&stamp, &p) = self.evictable.iter().next()?;
+                self.evictable.remove(&stamp);
+                if let Some(meta) = self.prefix[p as usize].take() {
+                    self.by_hash.remove(&meta.hash);
+                }
+                if self.cfg.scrub == ScrubPolicy::OnFree {
+                    self.scrub(p);
+                }
+                p
+            }
+        };
+        if self.cfg.scrub == ScrubPolicy::OnAlloc {
+            self.scrub(page);
+        }
+        let tag = OwnerTag {
+            owner,
+            epoch: self.next_epoch,
+        };
+        self.next_epoch += 1;
+        self.tags[page as usize] = tag;
+        Some(PageRef { page, tag })
+    }
+
+    /// Allocates `n` pages for `owner`: all of them, or none and `CapacityExceeded`.
+    pub fn alloc(&mut self, owner: OwnerId, n: usize) -> Result<Vec<PageRef>, PoolError> {
+        let available = self.available_pages();
+        if n > available {
+            return Err(PoolError::CapacityExceeded {
+                needed: n,
+                available,
+                total: self.total_pages(),
+            });
+        }
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            match self.take_page(owner) {
+                Some(r) => out.push(r),
+                None => unreachable_capacity(),
+            }
+        }
+        Ok(out)
+    }
+
+    /// A new sequence with room for `tokens` tokens (all pages or none).
+    pub fn new_sequence(&mut self, owner: OwnerId, tokens: usize) -> Result<Sequence, PoolError> {
+        let pages = self.alloc(owner, tokens.div_ceil(self.cfg.page_size))?;
+        Ok(Sequence {
+            owner,
+            pages,
+            len: 0,
+        })
+    }
+
+    /// Checks that `r` still names the page as the reader got it.
+    pub fn check(&self, r: PageRef) -> Result<(), IntegrityError> {
+        let found = *self
+            .tags
+            .get(r.page as usize)
+            .ok_or(IntegrityError::NoSuchPage { page: r.page })?;
+        if found == r.tag {
+            Ok(())
+        } else if found.owner == r.tag.owner {
+            Err(IntegrityError::StaleEpoch {
+                page: r.page,
+                expected: r.tag,
+                found,
+            })
+        } else {
+            Err(IntegrityError::ForeignOwner {
+                page: r.page,
+                expected: r.tag,
+                found,
+            })
+        }
+    }
+
+    /// Checks a sequence's page table as the verify mode asks (one call per attention step).
+    pub fn verify_read(&mut self, seq: &Sequence) -> Result<(), IntegrityError> {
+        match self.cfg.verify {
+            VerifyMode::Off => Ok(()),
+            VerifyMode::Always => seq.pages.iter().try_for_each(|r| self.check(*r)),
+            VerifyMode::Sampled(n) => {
+                self.verify_step += 1;
+                let n = n as u64;
+                let step = self.verify_step;
+                seq.pages
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, _)| (*i as u64 + step) % n == 0)
+                    .try_for_each(|(_, r)| self.check(*r))
+            }
+        }
+    }
+
+    /// Makes room for `extra` more tokens (all pages or none); no allocation while the last
+    /// page has free slots.
+    pub fn reserve(&mut self, seq: &mut Sequence, extra: usize) -> Result<(), PoolError> {
+        let need = (seq.len + extra).div_ceil(self.cfg.page_size);
+        if need > seq.pages.len() {
+            let more = self.alloc(seq.owner, need - seq.pages.len())?;
+            seq.pages.extend(more);
+        }
+        Ok(())
+    }
+
+    /// Writes K and V (each `kv_heads × head_dim`, head-major) of one token at `pos` of `layer`.
+    /// The page must belong to the sequence (shared prefix pages are read-only).
+    pub fn write(
+        &mut self,
+        seq: &Sequence,
+        pos: usize,
+        layer: usize,
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<(), IntegrityError> {
+        let ps = self.cfg.page_size;
+        let r = *seq
+            .pages
+            .get(pos / ps)
+            .ok_or(IntegrityError::NoSuchPage { page: u32::MAX })?;
+        self.check(r)?;
+        if r.tag.owner != seq.owner {
+            return Err(IntegrityError::ReadOnlyShared { page: r.page });
+        }
+        let (hd, base) = (self.cfg.head_dim, r.page as usize * self.cfg.page_elems());
+        for h in 0..self.cfg.kv_heads {
+            let ko = base + self.cfg.k_offset(layer, h, pos % ps);
+            let vo = base + self.cfg.v_offset(layer, h, pos % ps);
+            let (ks, vs) = (&k[h * hd..(h + 1) * hd], &v[h * hd..(h + 1) * hd]);
+            match &mut self.data {
+                KvData::F32(d) => {
+                    d[ko..ko + hd].copy_from_slice(ks);
+                    d[vo..vo + hd].copy_from_slice(vs);
+                }
+                KvData::F16(d) => {
+                    for i in 0..hd {
+                        d[ko + i] = half::f16::from_f32(ks[i]);
+                        d[vo + i] = half::f16::from_f32(vs[i]);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Releases a sequence: its own pages go back to the free list, its references to shared
+    /// prefix pages are dropped (an unreferenced prefix page stays cached but evictable).
+    pub fn release(&mut self, seq: Sequence) -> Result<(), IntegrityError> {
+        // Check everything first so a bad table changes nothing.
+        for r in &seq.pages {
+            self.check(*r)?;
+        }
+        for r in seq.pages {
+            if r.tag.owner == seq.owner {
+                self.free_page(r.page);
+            } else if let Some(meta) = self.prefix[r.page as usize].as_mut() {
+                meta.refs = meta.refs.saturating_sub(1);
+                if meta.refs == 0 {
+                    self.lru_clock += 1;
+                    meta.lru = self.lru_clock;
+                    self.evictable.insert(self.lru_clock, r.page);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn free_page(&mut self, page: PageIdx) {
+        if self.cfg.scrub == ScrubPolicy::OnFree {
+            self.scrub(page);
+        }
+        let epoch = self.tags[page as usize].epoch;
+        self.tags[page as usize] = OwnerTag {
+            owner: OwnerId::FREE,
+            epoch,
+        };
+        self.free.push(page);
+    }
+
+    /// Chained hashes of the full pages of `tokens`, salted by tenant: two tenants never produce
+    /// the same key, so they never share a page.
+    pub fn prefix_hashes(&self, tokens: &[u32], tenant_salt: u64) -> Vec<u64> {
+        let mut h = tenant_salt;
+        tokens
+            .chunks_exact(self.cfg.page_size)
+            .map(|chunk| {
+                let mut bytes = Vec::with_capacity(8 + chunk.len() * 4);
+                bytes.extend_from_slice(&h.to_le_bytes());
+                for t in chunk {
+                    bytes.extend_from_slice(&t.to_le_bytes());
+                }
+                h = xxh3_64_with_seed(&bytes, tenant_salt);
+                h
+            })
+            .collect()
+    }
+
+    /// Starts a sequence for `tokens`, reusing cached full prefix pages of the same tenant and
+    /// allocating the rest (all or nothing). Returns the sequence and the number of tokens whose
+    /// KV is already there.
+    pub fn start_with_prefix(
+        &mut self,
+        owner: OwnerId,
+        tokens: &[u32],
+        tenant_salt: u64,
+    ) -> Result<(Sequence, usize), PoolError> {
+        let hashes = self.prefix_hashes(tokens, tenant_salt);
+        // Share at most up to the last token, so the sequence computes at least one token itself.
+        let max_shared = (tokens.len().saturating_sub(1)) / self.cfg.page_size;
+        let hits: Vec<PageIdx> = hashes
+            .iter()
+            .take(max_shared)
+            .map_while(|h| self.by_hash.get(h).copied())
+            .collect();
+        let need = tokens.len().div_ceil(self.cfg.page_size).max(1) - hits.len();
+        // Hit pages that are evictable stop being available once referenced.
+        let hits_evictable = hits
+            .iter()
+            .filter(|p| self.prefix[**p as usize].is_some_and(|m| m.refs == 0))
+            .count();
+        let available = self.available_pages() - hits_evictable;
+        if need > available {
+            return Err(PoolError::CapacityExceeded {
+                needed: need,
+                available,
+                total: self.total_pages(),
+            });
+        }
+        let mut pages = Vec::with_capacity(hits.len() + need);
+        for p in &hits {
+            if let Some(meta) = self.prefix[*p as usize].as_mut() {
+                if meta.refs == 0 {
+                    self.evictable.remove(&meta.lru);
+                }
+                meta.refs += 1;
+            }
+            pages.push(PageRef {
+                page: *p,
+                tag: self.tags[*p as usize],
+            });
+        }
+        pages.extend(self.alloc(owner, need)?);
+        let shared = hits.len() * self.cfg.page_size;
+        Ok((
+            Sequence {
+                owner,
+                pages,
+                len: shared,
+            },
+            shared,
+        ))
+    }
+
+    /// Offers a sequence's full, private pages to the prefix cache (after its prefill). Each
+    /// offered page changes owner to a new prefix entry (new epoch); the sequence's table is
+    /// updated and it holds one reference. Pages whose key is already cached stay private.
+    pub fn publish_prefix(
+        &mut self,
+        seq: &mut Sequence,
+        tokens: &[u32],
+        tenant_salt: u64,
+    ) -> Result<(), IntegrityError> {
+        let hashes = self.prefix_hashes(&tokens[..seq.len.min(tokens.len())], tenant_salt);
+        for (i, h) in hashes.into_iter().enumerate() {
+            let r = seq.pages[i];
+            self.check(r)?;
+            if r.tag.owner != seq.owner || self.by_hash.contains_key(&h) {
+                continue;
+            }
+            let owner = OwnerId::prefix(self.next_prefix_id);
+            self.next_prefix_id += 1;
+            let tag = OwnerTag {
+                owner,
+                epoch: self.next_epoch,
+            };
+            self.next_epoch += 1;
+            self.tags[r.page as usize] = tag;
+            self.prefix[r.page as usize] = Some(PrefixMeta {
+                hash: h,
+                refs: 1,
+                lru: 0,
+            });
+            self.by_hash.insert(h, r.page);
+            seq.pages[i] = PageRef { page: r.page, tag };
+        }
+        Ok(())
+    }
+
+    /// Reads one token's K and V of `layer` into f32 buffers (`kv_heads × head_dim` each),
+    /// checking the page's tag.
+    pub fn read(
+        &self,
+        seq: &Sequence,
+        pos: usize,
+        layer: usize,
+        k: &mut [f32],
+        v: &mut [f32],
+    ) -> Result<(), IntegrityError> {
+        let ps = self.cfg.page_size;
+        let r = *seq
+            .pages
+            .get(pos / ps)
+            .ok_or(IntegrityError::NoSuchPage { page: u32::MAX })?;
+        self.check(r)?;
+        let (hd, base) = (self.cfg.head_dim, r.page as usize * self.cfg.page_elems());
+        for h in 0..self.cfg.kv_heads {
+            let ko = base + self.cfg.k_offset(layer, h, pos % ps);
+            let vo = base + self.cfg.v_offset(layer, h, pos % ps);
+            for i in 0..hd {
+                let (kk, vv) = match &self.data {
+                    KvData::F32(d) => (d[ko + i], d[vo + i]),
+                    KvData::F16(d) => (d[ko + i].to_f32(), d[vo + i].to_f32()),
+                };
+                k[h * hd + i] = kk;
+                v[h * hd + i] = vv;
+            }
+        }
+        Ok(())
+    }
+
+    /// The bytes of one page (little-endian elements), for checksums and transfers.
+    pub fn page_bytes(&self, page: PageIdx) -> Vec<u8> {
+        let r = self.page_range(page);
+        match &self.data {
+            KvData::F32(d) => d[r].iter().flat_map(|x| x.to_le_bytes()).collect(),
+            KvData::F16(d) => d[r].iter().flat_map(|x| x.to_le_bytes()).collect(),
+        }
+    }
+
+    /// Overwrites one page from bytes (little-endian elements). Used by import after verification.
+    pub(crate) fn set_page_bytes(&mut self, page: PageIdx, bytes: &[u8]) {
+        let r = self.page_range(page);
+        match &mut self.data {
+            KvData::F32(d) => {
+                for (x, b) in d[r].iter_mut().zip(bytes.chunks_exact(4)) {
+                    *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                }
+            }
+            KvData::F16(d) => {
+                for (x, b) in d[r].iter_mut().zip(bytes.chunks_exact(2)) {
+                    *x = half::f16::from_le_bytes([b[0], b[1]]);
+                }
+            }
+        }
+    }
+
+    /// Raw element access for tests of scrubbing: the first element of a page as f32.
+    pub fn first_elem(&self, page: PageIdx) -> f32 {
+        let i = self.page_range(page).start;
+        match &self.data {
+            KvData::F32(d) => d[i],
+            KvData::F16(d) => d[i].to_f32(),
+        }
+    }
+}
+
+#[cold]
+fn unreachable_capacity() {
+    // `alloc` checked availability first; a failure here means the accounting is broken, which
+    // must never turn into a partial allocation: stop.
+    panic!("page pool accounting broken: available pages disappeared during allocation");
+}
