@@ -425,7 +425,7 @@ impl PagePool {
                 seq.pages
                     .iter()
                     .enumerate()
-                    .filter(|(i, _)| (*i as u64 + step) % n == 0)
+                    .filter(|(i, _)| (*i as u64 + step).is_multiple_of(n))
                     .try_for_each(|(_, r)| self.check(*r))
             }
         }
