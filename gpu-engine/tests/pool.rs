@@ -89,7 +89,7 @@ fn stale_and_foreign_tables_are_integrity_errors() {
         Err(IntegrityError::ForeignOwner { .. })
     ));
     assert!(matches!(
-        pool.verify_read(&mut stale.clone()),
+        pool.verify_read(&stale),
         Err(IntegrityError::ForeignOwner { .. })
     ));
     pool.release(b).expect("release b");
@@ -219,6 +219,14 @@ fn prefix_pages_are_shared_within_a_tenant_only_and_read_only() {
     assert_eq!(pool.available_pages(), 16);
 }
 
+/// A corrupted set, what the importer expects, and the error it must give.
+type Case = (
+    &'static str,
+    KvTransfer,
+    ImportExpectation,
+    fn(&TransferError) -> bool,
+);
+
 fn expect_of(t: &KvTransfer) -> ImportExpectation {
     ImportExpectation {
         pair_id: t.manifest.pair_id,
@@ -282,12 +290,7 @@ fn every_corruption_is_detected_distinctly_and_leaves_the_pool_unchanged() {
     let before = snapshot(&dst);
     let exp = expect_of(&good);
 
-    let mut cases: Vec<(
-        &str,
-        KvTransfer,
-        ImportExpectation,
-        fn(&TransferError) -> bool,
-    )> = Vec::new();
+    let mut cases: Vec<Case> = Vec::new();
     let mut short = good.clone();
     short.pages.pop();
     cases.push(("short set", short, exp, |e| {
