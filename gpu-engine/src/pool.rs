@@ -305,6 +305,10 @@ impl PagePool {
     pub fn free_list_len(&self) -> usize {
         self.free.len()
     }
+    /// The free list itself (for invariant checks).
+    pub fn free_list(&self) -> &[PageIdx] {
+        &self.free
+    }
     /// Prefix pages in the cache (referenced or not).
     pub fn cached_prefix_pages(&self) -> usize {
         self.by_hash.len()
