@@ -7,5 +7,6 @@
 //!
 //! Paged attention, the model and the CUDA backend build on these (see the engine issues).
 
+pub mod attention;
 pub mod pool;
 pub mod transfer;

@@ -241,7 +241,7 @@ pub struct PagePool {
     evictable: BTreeMap<u64, PageIdx>,
     lru_clock: u64,
     next_prefix_id: u64,
-    verify_step: u64,
+    verify_step: std::sync::atomic::AtomicU64,
 }
 
 impl PagePool {
@@ -285,7 +285,7 @@ impl PagePool {
             evictable: BTreeMap::new(),
             lru_clock: 0,
             next_prefix_id: 1,
-            verify_step: 0,
+            verify_step: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -418,14 +418,16 @@ impl PagePool {
     }
 
     /// Checks a sequence's page table as the verify mode asks (one call per attention step).
-    pub fn verify_read(&mut self, seq: &Sequence) -> Result<(), IntegrityError> {
+    pub fn verify_read(&self, seq: &Sequence) -> Result<(), IntegrityError> {
         match self.cfg.verify {
             VerifyMode::Off => Ok(()),
             VerifyMode::Always => seq.pages.iter().try_for_each(|r| self.check(*r)),
             VerifyMode::Sampled(n) => {
-                self.verify_step += 1;
+                let step = self
+                    .verify_step
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                    + 1;
                 let n = n as u64;
-                let step = self.verify_step;
                 seq.pages
                     .iter()
                     .enumerate()
