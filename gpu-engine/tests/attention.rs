@@ -120,14 +120,14 @@ fn decode_matches_dense_f64() {
                 let mut out = vec![0.0f32; q.len()];
                 let refs: Vec<&Sequence> = case.seqs.iter().collect();
                 decode_attention(&case.pool, &refs, layer, heads, &q, &mut out).expect("attention");
-                for b in 0..lens.len() {
+                for (b, &len) in lens.iter().enumerate() {
                     for h in 0..heads {
                         let o = (b * heads + h) * hd;
                         let want = reference(
                             &case.kv[b],
                             h / (heads / kv_heads),
                             hd,
-                            lens[b],
+                            len,
                             &q[o..o + hd],
                         );
                         let err = max_rel_err(&out[o..o + hd], &want);
