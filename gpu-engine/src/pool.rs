@@ -663,28 +663,28 @@ impl PagePool {
         Ok(())
     }
 
-    /// The bytes of one page (little-endian elements), for checksums and transfers.
-    pub fn page_bytes(&self, page: PageIdx) -> Vec<u8> {
+    /// The bytes of one page, a view without copying (native little-endian element layout; the
+    /// wire format is defined for little-endian hosts, which is every target we build for).
+    pub fn page_view(&self, page: PageIdx) -> &[u8] {
         let r = self.page_range(page);
         match &self.data {
-            KvData::F32(d) => d[r].iter().flat_map(|x| x.to_le_bytes()).collect(),
-            KvData::F16(d) => d[r].iter().flat_map(|x| x.to_le_bytes()).collect(),
+            KvData::F32(d) => bytemuck::cast_slice(&d[r]),
+            KvData::F16(d) => bytemuck::cast_slice(&d[r]),
         }
     }
 
-    /// Overwrites one page from bytes (little-endian elements). Used by import after verification.
+    /// A copy of one page's bytes.
+    pub fn page_bytes(&self, page: PageIdx) -> Vec<u8> {
+        self.page_view(page).to_vec()
+    }
+
+    /// Overwrites one page from bytes. Used by import after verification.
     pub(crate) fn set_page_bytes(&mut self, page: PageIdx, bytes: &[u8]) {
         let r = self.page_range(page);
         match &mut self.data {
-            KvData::F32(d) => {
-                for (x, b) in d[r].iter_mut().zip(bytes.chunks_exact(4)) {
-                    *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-                }
-            }
+            KvData::F32(d) => bytemuck::cast_slice_mut::<f32, u8>(&mut d[r]).copy_from_slice(bytes),
             KvData::F16(d) => {
-                for (x, b) in d[r].iter_mut().zip(bytes.chunks_exact(2)) {
-                    *x = half::f16::from_le_bytes([b[0], b[1]]);
-                }
+                bytemuck::cast_slice_mut::<half::f16, u8>(&mut d[r]).copy_from_slice(bytes)
             }
         }
     }

@@ -181,6 +181,19 @@ pub struct ImportExpectation {
     pub tokens: u64,
 }
 
+/// Copies `src` and computes its xxh3-64 in one pass: each block is hashed right after it is
+/// copied, while it is still in cache, so the checksum costs little over the copy itself.
+pub fn copy_and_checksum(src: &[u8]) -> (Vec<u8>, u64) {
+    const BLOCK: usize = 16 * 1024;
+    let mut out = Vec::with_capacity(src.len());
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    for block in src.chunks(BLOCK) {
+        out.extend_from_slice(block);
+        h.update(block);
+    }
+    (out, h.digest())
+}
+
 impl PagePool {
     /// Exports a sequence's first `seq.len` tokens of KV with its manifest. Tags are checked.
     pub fn export(

@@ -123,13 +123,8 @@ fn decode_matches_dense_f64() {
                 for (b, &len) in lens.iter().enumerate() {
                     for h in 0..heads {
                         let o = (b * heads + h) * hd;
-                        let want = reference(
-                            &case.kv[b],
-                            h / (heads / kv_heads),
-                            hd,
-                            len,
-                            &q[o..o + hd],
-                        );
+                        let want =
+                            reference(&case.kv[b], h / (heads / kv_heads), hd, len, &q[o..o + hd]);
                         let err = max_rel_err(&out[o..o + hd], &want);
                         assert!(
                             err < threshold(dtype),
