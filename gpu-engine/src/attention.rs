@@ -4,44 +4,52 @@
 //! says before any page is read.
 
 use half::f16;
+use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
 use crate::pool::{IntegrityError, KvData, PagePool, PoolConfig, Sequence};
 
-/// An element of stored KV.
+/// An element of stored KV, readable as f32 a block at a time.
 trait Elem: Copy + Send + Sync {
-    fn get(self) -> f32;
+    /// The block as f32: itself for f32 storage, converted into `scratch` (in bulk, SIMD where the
+    /// CPU has it) for f16.
+    fn as_f32<'a>(src: &'a [Self], scratch: &'a mut [f32]) -> &'a [f32];
 }
 impl Elem for f32 {
     #[inline(always)]
-    fn get(self) -> f32 {
-        self
+    fn as_f32<'a>(src: &'a [f32], _: &'a mut [f32]) -> &'a [f32] {
+        src
     }
 }
 impl Elem for f16 {
     #[inline(always)]
-    fn get(self) -> f32 {
-        self.to_f32()
+    fn as_f32<'a>(src: &'a [f16], scratch: &'a mut [f32]) -> &'a [f32] {
+        let dst = &mut scratch[..src.len()];
+        src.convert_to_f32_slice(dst);
+        dst
     }
 }
 
 #[inline(always)]
-fn dot<E: Elem>(q: &[f32], k: &[E]) -> f32 {
+fn dot(q: &[f32], k: &[f32]) -> f32 {
     // Eight independent accumulators so the compiler vectorises the loop.
     let mut acc = [0.0f32; 8];
     let (qc, kc) = (q.chunks_exact(8), k.chunks_exact(8));
     let (qr, kr) = (qc.remainder(), kc.remainder());
     for (a, b) in qc.zip(kc) {
         for i in 0..8 {
-            acc[i] += a[i] * b[i].get();
+            acc[i] += a[i] * b[i];
         }
     }
     let mut s: f32 = acc.iter().sum();
     for (a, b) in qr.iter().zip(kr) {
-        s += a * b.get();
+        s += a * b;
     }
     s
 }
+
+/// Largest page block of one head: 32 tokens × 128 dims.
+const MAX_BLOCK: usize = 32 * 128;
 
 /// One layer of the pool's storage, as attention reads it.
 struct LayerView<'a, E> {
@@ -50,12 +58,17 @@ struct LayerView<'a, E> {
     layer: usize,
 }
 
-/// Computes one (query token, head) output; called in parallel.
-type HeadFn<'a> = dyn Fn(usize, usize, &[f32], &mut [f32]) + Sync + 'a;
+/// Computes the outputs of one (sequence or query token, KV head) group; called in parallel.
+type GroupFn<'a> = dyn Fn(usize, usize, &[f32], &mut [f32]) + Sync + 'a;
 
-/// Attention of one query vector (one head) over the first `len` positions of `seq`.
+/// Most query heads sharing one KV head (GQA group) that one task handles.
+const MAX_GROUP: usize = 32;
+
+/// Attention of the `group` query heads that share `kv_head` over the first `len` positions of
+/// `seq`. Each K/V block is read and converted once for the whole group. `q` and `out` are
+/// `group × head_dim`.
 #[inline]
-fn attend_one<E: Elem>(
+fn attend_group<E: Elem>(
     view: &LayerView<'_, E>,
     seq: &Sequence,
     kv_head: usize,
@@ -65,11 +78,14 @@ fn attend_one<E: Elem>(
 ) {
     let (data, cfg, layer) = (view.data, view.cfg, view.layer);
     let (ps, hd) = (cfg.page_size, cfg.head_dim);
+    let group = q.len() / hd;
     let scale = 1.0 / (hd as f32).sqrt();
     let page_elems = cfg.page_elems();
-    let (mut m, mut l) = (f32::NEG_INFINITY, 0.0f32);
+    let mut m = [f32::NEG_INFINITY; MAX_GROUP];
+    let mut l = [0.0f32; MAX_GROUP];
     out.fill(0.0);
     let mut scores = [0.0f32; 32];
+    let (mut k_scratch, mut v_scratch) = ([0.0f32; MAX_BLOCK], [0.0f32; MAX_BLOCK]);
     for (pi, r) in seq.pages.iter().enumerate() {
         let start = pi * ps;
         if start >= len {
@@ -77,40 +93,52 @@ fn attend_one<E: Elem>(
         }
         let n = ps.min(len - start);
         let base = r.page as usize * page_elems;
-        let k = &data[base + cfg.k_offset(layer, kv_head, 0)..][..ps * hd];
-        let v = &data[base + cfg.v_offset(layer, kv_head, 0)..][..ps * hd];
-        let mut page_max = f32::NEG_INFINITY;
-        for (s, score) in scores.iter_mut().enumerate().take(n) {
-            *score = dot(q, &k[s * hd..(s + 1) * hd]) * scale;
-            page_max = page_max.max(*score);
-        }
-        // Online softmax: rescale what was accumulated when the running max grows.
-        let new_m = m.max(page_max);
-        let correction = (m - new_m).exp();
-        l *= correction;
-        for o in out.iter_mut() {
-            *o *= correction;
-        }
-        for (s, score) in scores.iter().enumerate().take(n) {
-            let p = (score - new_m).exp();
-            l += p;
-            for (o, x) in out.iter_mut().zip(&v[s * hd..(s + 1) * hd]) {
-                *o += p * x.get();
+        let k = E::as_f32(
+            &data[base + cfg.k_offset(layer, kv_head, 0)..][..n * hd],
+            &mut k_scratch,
+        );
+        let v = E::as_f32(
+            &data[base + cfg.v_offset(layer, kv_head, 0)..][..n * hd],
+            &mut v_scratch,
+        );
+        for g in 0..group {
+            let qg = &q[g * hd..(g + 1) * hd];
+            let og = &mut out[g * hd..(g + 1) * hd];
+            let mut page_max = f32::NEG_INFINITY;
+            for (s, score) in scores.iter_mut().enumerate().take(n) {
+                *score = dot(qg, &k[s * hd..(s + 1) * hd]) * scale;
+                page_max = page_max.max(*score);
             }
+            // Online softmax: rescale what was accumulated when the running max grows.
+            let new_m = m[g].max(page_max);
+            let correction = (m[g] - new_m).exp();
+            l[g] *= correction;
+            for o in og.iter_mut() {
+                *o *= correction;
+            }
+            for (s, score) in scores.iter().enumerate().take(n) {
+                let p = (score - new_m).exp();
+                l[g] += p;
+                for (o, x) in og.iter_mut().zip(&v[s * hd..(s + 1) * hd]) {
+                    *o += p * x;
+                }
+            }
+            m[g] = new_m;
         }
-        m = new_m;
     }
-    if l > 0.0 {
-        let inv = 1.0 / l;
-        for o in out.iter_mut() {
-            *o *= inv;
+    for g in 0..group {
+        if l[g] > 0.0 {
+            let inv = 1.0 / l[g];
+            for o in &mut out[g * hd..(g + 1) * hd] {
+                *o *= inv;
+            }
         }
     }
 }
 
 fn check_shape(cfg: &PoolConfig, heads: usize) {
     assert!(
-        heads.is_multiple_of(cfg.kv_heads),
+        heads.is_multiple_of(cfg.kv_heads) && heads / cfg.kv_heads <= MAX_GROUP,
         "heads ({heads}) must be a multiple of kv_heads ({})",
         cfg.kv_heads
     );
@@ -131,38 +159,38 @@ pub fn decode_attention(
     for s in seqs {
         pool.verify_read(s)?;
     }
-    let hd = cfg.head_dim;
-    let group = heads / cfg.kv_heads;
-    let mut run = |data: &HeadFn<'_>| {
-        out.par_chunks_mut(hd)
-            .zip(q.par_chunks(hd))
+    let width = heads / cfg.kv_heads * cfg.head_dim;
+    let kvh = cfg.kv_heads;
+    let mut run = |f: &GroupFn<'_>| {
+        out.par_chunks_mut(width)
+            .zip(q.par_chunks(width))
             .enumerate()
-            .for_each(|(i, (o, qv))| data(i / heads, i % heads, qv, o));
+            .for_each(|(i, (o, qv))| f(i / kvh, i % kvh, qv, o));
     };
     match pool.data() {
-        KvData::F32(d) => run(&|b, h, qv, o| {
-            attend_one(
+        KvData::F32(d) => run(&|b, kv, qv, o| {
+            attend_group(
                 &LayerView {
                     data: d,
                     cfg: &cfg,
                     layer,
                 },
                 seqs[b],
-                h / group,
+                kv,
                 seqs[b].len,
                 qv,
                 o,
             )
         }),
-        KvData::F16(d) => run(&|b, h, qv, o| {
-            attend_one(
+        KvData::F16(d) => run(&|b, kv, qv, o| {
+            attend_group(
                 &LayerView {
                     data: d,
                     cfg: &cfg,
                     layer,
                 },
                 seqs[b],
-                h / group,
+                kv,
                 seqs[b].len,
                 qv,
                 o,
@@ -186,38 +214,38 @@ pub fn prefill_attention(
     let cfg = *pool.config();
     check_shape(&cfg, heads);
     pool.verify_read(seq)?;
-    let hd = cfg.head_dim;
-    let group = heads / cfg.kv_heads;
-    let mut run = |f: &HeadFn<'_>| {
-        out.par_chunks_mut(hd)
-            .zip(q.par_chunks(hd))
+    let width = heads / cfg.kv_heads * cfg.head_dim;
+    let kvh = cfg.kv_heads;
+    let mut run = |f: &GroupFn<'_>| {
+        out.par_chunks_mut(width)
+            .zip(q.par_chunks(width))
             .enumerate()
-            .for_each(|(i, (o, qv))| f(i / heads, i % heads, qv, o));
+            .for_each(|(i, (o, qv))| f(i / kvh, i % kvh, qv, o));
     };
     match pool.data() {
-        KvData::F32(d) => run(&|t, h, qv, o| {
-            attend_one(
+        KvData::F32(d) => run(&|t, kv, qv, o| {
+            attend_group(
                 &LayerView {
                     data: d,
                     cfg: &cfg,
                     layer,
                 },
                 seq,
-                h / group,
+                kv,
                 start + t + 1,
                 qv,
                 o,
             )
         }),
-        KvData::F16(d) => run(&|t, h, qv, o| {
-            attend_one(
+        KvData::F16(d) => run(&|t, kv, qv, o| {
+            attend_group(
                 &LayerView {
                     data: d,
                     cfg: &cfg,
                     layer,
                 },
                 seq,
-                h / group,
+                kv,
                 start + t + 1,
                 qv,
                 o,

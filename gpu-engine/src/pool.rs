@@ -253,6 +253,12 @@ impl PagePool {
                 cfg.page_size
             )));
         }
+        if cfg.head_dim > 128 {
+            return Err(PoolError::InvalidConfig(format!(
+                "head_dim {} (at most 128)",
+                cfg.head_dim
+            )));
+        }
         if cfg.num_pages == 0 || cfg.layers == 0 || cfg.kv_heads == 0 || cfg.head_dim == 0 {
             return Err(PoolError::InvalidConfig(
                 "every dimension must be positive".into(),
