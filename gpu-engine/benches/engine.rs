@@ -108,6 +108,32 @@ fn filled(
     (pool, out)
 }
 
+/// Exporting a whole sequence from a pool larger than the caches (the real case: KV is cold),
+/// fused copy+checksum against a plain copy of the same page bytes.
+fn export(c: &mut Criterion) {
+    let cfg = pool_cfg(256, 30, 3, 64, VerifyMode::Off, ScrubPolicy::None);
+    let mut pool = PagePool::new(cfg).expect("pool");
+    let mut seq = pool
+        .new_sequence(OwnerId::sequence(1), 256 * 16)
+        .expect("room");
+    seq.len = 256 * 16;
+    let model = lockstep_engine::transfer::ModelFingerprint(1);
+    let mut g = c.benchmark_group("export_256_pages_94MB");
+    g.throughput(Throughput::Bytes((256 * cfg.page_bytes()) as u64));
+    g.bench_function("plain_copy", |b| {
+        b.iter(|| {
+            seq.pages
+                .iter()
+                .map(|r| pool.page_view(r.page).to_vec())
+                .collect::<Vec<_>>()
+        })
+    });
+    g.bench_function("export_fused_xxh3", |b| {
+        b.iter(|| pool.export(black_box(&seq), 7, model).expect("export"))
+    });
+    g.finish();
+}
+
 fn attention(c: &mut Criterion) {
     let mut g = c.benchmark_group("decode_attention");
     for (name, heads, kv_heads, hd, _) in SHAPES {
@@ -205,5 +231,5 @@ fn config() -> Criterion {
         .measurement_time(Duration::from_secs(1))
 }
 
-criterion_group! { name = benches; config = config(); targets = alloc_free, checksums, attention, verify_and_scrub }
+criterion_group! { name = benches; config = config(); targets = alloc_free, checksums, export, attention, verify_and_scrub }
 criterion_main!(benches);
