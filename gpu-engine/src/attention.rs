@@ -9,24 +9,18 @@ use rayon::prelude::*;
 
 use crate::pool::{IntegrityError, KvData, PagePool, PoolConfig, Sequence};
 
-/// An element of stored KV, readable as f32 a block at a time.
-trait Elem: Copy + Send + Sync {
-    /// The block as f32: itself for f32 storage, converted into `scratch` (in bulk, SIMD where the
-    /// CPU has it) for f16.
-    fn as_f32<'a>(src: &'a [Self], scratch: &'a mut [f32]) -> &'a [f32];
-}
-impl Elem for f32 {
-    #[inline(always)]
-    fn as_f32<'a>(src: &'a [f32], _: &'a mut [f32]) -> &'a [f32] {
-        src
-    }
-}
-impl Elem for f16 {
-    #[inline(always)]
-    fn as_f32<'a>(src: &'a [f16], scratch: &'a mut [f32]) -> &'a [f32] {
-        let dst = &mut scratch[..src.len()];
-        src.convert_to_f32_slice(dst);
-        dst
+/// A block of stored KV as f32: the storage itself for f32, converted into `scratch` (in bulk,
+/// with F16C) for f16.
+#[inline(always)]
+fn block<'a>(data: &'a KvData, range: std::ops::Range<usize>, scratch: &'a mut [f32]) -> &'a [f32] {
+    match data {
+        KvData::F32(d) => &d[range],
+        KvData::F16(d) => {
+            let src: &[f16] = &d[range];
+            let dst = &mut scratch[..src.len()];
+            src.convert_to_f32_slice(dst);
+            dst
+        }
     }
 }
 
@@ -51,16 +45,6 @@ fn dot(q: &[f32], k: &[f32]) -> f32 {
 /// Largest page block of one head: 32 tokens × 128 dims.
 const MAX_BLOCK: usize = 32 * 128;
 
-/// One layer of the pool's storage, as attention reads it.
-struct LayerView<'a, E> {
-    data: &'a [E],
-    cfg: &'a PoolConfig,
-    layer: usize,
-}
-
-/// Computes the outputs of one (sequence or query token, KV head) group; called in parallel.
-type GroupFn<'a> = dyn Fn(usize, usize, &[f32], &mut [f32]) + Sync + 'a;
-
 /// Most query heads sharing one KV head (GQA group) that one task handles.
 const MAX_GROUP: usize = 32;
 
@@ -68,15 +52,16 @@ const MAX_GROUP: usize = 32;
 /// `seq`. Each K/V block is read and converted once for the whole group. `q` and `out` are
 /// `group × head_dim`.
 #[inline]
-fn attend_group<E: Elem>(
-    view: &LayerView<'_, E>,
+fn attend_group(
+    pool: &PagePool,
+    layer: usize,
     seq: &Sequence,
     kv_head: usize,
     len: usize,
     q: &[f32],
     out: &mut [f32],
 ) {
-    let (data, cfg, layer) = (view.data, view.cfg, view.layer);
+    let (data, cfg) = (pool.data(), pool.config());
     let (ps, hd) = (cfg.page_size, cfg.head_dim);
     let group = q.len() / hd;
     let scale = 1.0 / (hd as f32).sqrt();
@@ -93,14 +78,10 @@ fn attend_group<E: Elem>(
         }
         let n = ps.min(len - start);
         let base = r.page as usize * page_elems;
-        let k = E::as_f32(
-            &data[base + cfg.k_offset(layer, kv_head, 0)..][..n * hd],
-            &mut k_scratch,
-        );
-        let v = E::as_f32(
-            &data[base + cfg.v_offset(layer, kv_head, 0)..][..n * hd],
-            &mut v_scratch,
-        );
+        let ko = base + cfg.k_offset(layer, kv_head, 0);
+        let vo = base + cfg.v_offset(layer, kv_head, 0);
+        let k = block(data, ko..ko + n * hd, &mut k_scratch);
+        let v = block(data, vo..vo + n * hd, &mut v_scratch);
         for g in 0..group {
             let qg = &q[g * hd..(g + 1) * hd];
             let og = &mut out[g * hd..(g + 1) * hd];
@@ -139,9 +120,31 @@ fn attend_group<E: Elem>(
 fn check_shape(cfg: &PoolConfig, heads: usize) {
     assert!(
         heads.is_multiple_of(cfg.kv_heads) && heads / cfg.kv_heads <= MAX_GROUP,
-        "heads ({heads}) must be a multiple of kv_heads ({})",
+        "heads ({heads}) must be a multiple of kv_heads ({}), at most {MAX_GROUP} per KV head",
         cfg.kv_heads
     );
+}
+
+/// Runs [`attend_group`] in parallel over every (row, KV head), where a row is a sequence
+/// (decode) or a query token (prefill); `target(row)` names the sequence and context length.
+fn run_groups<'s>(
+    pool: &PagePool,
+    layer: usize,
+    heads: usize,
+    q: &[f32],
+    out: &mut [f32],
+    target: impl Fn(usize) -> (&'s Sequence, usize) + Sync,
+) {
+    let cfg = pool.config();
+    let width = heads / cfg.kv_heads * cfg.head_dim;
+    let kvh = cfg.kv_heads;
+    out.par_chunks_mut(width)
+        .zip(q.par_chunks(width))
+        .enumerate()
+        .for_each(|(i, (o, qv))| {
+            let (seq, len) = target(i / kvh);
+            attend_group(pool, layer, seq, i % kvh, len, qv, o);
+        });
 }
 
 /// Decode attention: one query per sequence. `q` and `out` are `batch × heads × head_dim`;
@@ -154,49 +157,11 @@ pub fn decode_attention(
     q: &[f32],
     out: &mut [f32],
 ) -> Result<(), IntegrityError> {
-    let cfg = *pool.config();
-    check_shape(&cfg, heads);
+    check_shape(pool.config(), heads);
     for s in seqs {
         pool.verify_read(s)?;
     }
-    let width = heads / cfg.kv_heads * cfg.head_dim;
-    let kvh = cfg.kv_heads;
-    let mut run = |f: &GroupFn<'_>| {
-        out.par_chunks_mut(width)
-            .zip(q.par_chunks(width))
-            .enumerate()
-            .for_each(|(i, (o, qv))| f(i / kvh, i % kvh, qv, o));
-    };
-    match pool.data() {
-        KvData::F32(d) => run(&|b, kv, qv, o| {
-            attend_group(
-                &LayerView {
-                    data: d,
-                    cfg: &cfg,
-                    layer,
-                },
-                seqs[b],
-                kv,
-                seqs[b].len,
-                qv,
-                o,
-            )
-        }),
-        KvData::F16(d) => run(&|b, kv, qv, o| {
-            attend_group(
-                &LayerView {
-                    data: d,
-                    cfg: &cfg,
-                    layer,
-                },
-                seqs[b],
-                kv,
-                seqs[b].len,
-                qv,
-                o,
-            )
-        }),
-    }
+    run_groups(pool, layer, heads, q, out, |b| (seqs[b], seqs[b].len));
     Ok(())
 }
 
@@ -211,46 +176,8 @@ pub fn prefill_attention(
     q: &[f32],
     out: &mut [f32],
 ) -> Result<(), IntegrityError> {
-    let cfg = *pool.config();
-    check_shape(&cfg, heads);
+    check_shape(pool.config(), heads);
     pool.verify_read(seq)?;
-    let width = heads / cfg.kv_heads * cfg.head_dim;
-    let kvh = cfg.kv_heads;
-    let mut run = |f: &GroupFn<'_>| {
-        out.par_chunks_mut(width)
-            .zip(q.par_chunks(width))
-            .enumerate()
-            .for_each(|(i, (o, qv))| f(i / kvh, i % kvh, qv, o));
-    };
-    match pool.data() {
-        KvData::F32(d) => run(&|t, kv, qv, o| {
-            attend_group(
-                &LayerView {
-                    data: d,
-                    cfg: &cfg,
-                    layer,
-                },
-                seq,
-                kv,
-                start + t + 1,
-                qv,
-                o,
-            )
-        }),
-        KvData::F16(d) => run(&|t, kv, qv, o| {
-            attend_group(
-                &LayerView {
-                    data: d,
-                    cfg: &cfg,
-                    layer,
-                },
-                seq,
-                kv,
-                start + t + 1,
-                qv,
-                o,
-            )
-        }),
-    }
+    run_groups(pool, layer, heads, q, out, |t| (seq, start + t + 1));
     Ok(())
 }
