@@ -7,6 +7,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use half::slice::HalfFloatSliceExt;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 /// Index of a page in the pool.
@@ -171,6 +172,14 @@ pub enum IntegrityError {
     ReadOnlyShared {
         /// The page.
         page: PageIdx,
+    },
+    /// A position beyond the sequence's page table.
+    #[error("position {pos} is beyond the page table ({capacity} tokens)")]
+    PositionOutOfRange {
+        /// The position.
+        pos: usize,
+        /// Tokens the table holds.
+        capacity: usize,
     },
     /// A page index outside the pool.
     #[error("page {page} does not exist")]
@@ -464,19 +473,14 @@ impl PagePool {
         k: &[f32],
         v: &[f32],
     ) -> Result<(), IntegrityError> {
-        let ps = self.cfg.page_size;
-        let r = *seq
-            .pages
-            .get(pos / ps)
-            .ok_or(IntegrityError::NoSuchPage { page: u32::MAX })?;
-        self.check(r)?;
+        let (r, base, slot) = self.locate(seq, pos)?;
         if r.tag.owner != seq.owner {
             return Err(IntegrityError::ReadOnlyShared { page: r.page });
         }
-        let (hd, base) = (self.cfg.head_dim, r.page as usize * self.cfg.page_elems());
+        let hd = self.cfg.head_dim;
         for h in 0..self.cfg.kv_heads {
-            let ko = base + self.cfg.k_offset(layer, h, pos % ps);
-            let vo = base + self.cfg.v_offset(layer, h, pos % ps);
+            let ko = base + self.cfg.k_offset(layer, h, slot);
+            let vo = base + self.cfg.v_offset(layer, h, slot);
             let (ks, vs) = (&k[h * hd..(h + 1) * hd], &v[h * hd..(h + 1) * hd]);
             match &mut self.data {
                 KvData::F32(d) => {
@@ -484,14 +488,30 @@ impl PagePool {
                     d[vo..vo + hd].copy_from_slice(vs);
                 }
                 KvData::F16(d) => {
-                    for i in 0..hd {
-                        d[ko + i] = half::f16::from_f32(ks[i]);
-                        d[vo + i] = half::f16::from_f32(vs[i]);
-                    }
+                    d[ko..ko + hd].convert_from_f32_slice(ks);
+                    d[vo..vo + hd].convert_from_f32_slice(vs);
                 }
             }
         }
         Ok(())
+    }
+
+    /// The checked page ref, page base offset and slot of position `pos` of `seq`.
+    fn locate(
+        &self,
+        seq: &Sequence,
+        pos: usize,
+    ) -> Result<(PageRef, usize, usize), IntegrityError> {
+        let ps = self.cfg.page_size;
+        let r = *seq
+            .pages
+            .get(pos / ps)
+            .ok_or(IntegrityError::PositionOutOfRange {
+                pos,
+                capacity: seq.pages.len() * ps,
+            })?;
+        self.check(r)?;
+        Ok((r, r.page as usize * self.cfg.page_elems(), pos % ps))
     }
 
     /// Releases a sequence: its own pages go back to the free list, its references to shared
@@ -647,23 +667,21 @@ impl PagePool {
         k: &mut [f32],
         v: &mut [f32],
     ) -> Result<(), IntegrityError> {
-        let ps = self.cfg.page_size;
-        let r = *seq
-            .pages
-            .get(pos / ps)
-            .ok_or(IntegrityError::NoSuchPage { page: u32::MAX })?;
-        self.check(r)?;
-        let (hd, base) = (self.cfg.head_dim, r.page as usize * self.cfg.page_elems());
+        let (_, base, slot) = self.locate(seq, pos)?;
+        let hd = self.cfg.head_dim;
         for h in 0..self.cfg.kv_heads {
-            let ko = base + self.cfg.k_offset(layer, h, pos % ps);
-            let vo = base + self.cfg.v_offset(layer, h, pos % ps);
-            for i in 0..hd {
-                let (kk, vv) = match &self.data {
-                    KvData::F32(d) => (d[ko + i], d[vo + i]),
-                    KvData::F16(d) => (d[ko + i].to_f32(), d[vo + i].to_f32()),
-                };
-                k[h * hd + i] = kk;
-                v[h * hd + i] = vv;
+            let ko = base + self.cfg.k_offset(layer, h, slot);
+            let vo = base + self.cfg.v_offset(layer, h, slot);
+            let (kd, vd) = (&mut k[h * hd..(h + 1) * hd], &mut v[h * hd..(h + 1) * hd]);
+            match &self.data {
+                KvData::F32(d) => {
+                    kd.copy_from_slice(&d[ko..ko + hd]);
+                    vd.copy_from_slice(&d[vo..vo + hd]);
+                }
+                KvData::F16(d) => {
+                    d[ko..ko + hd].convert_to_f32_slice(kd);
+                    d[vo..vo + hd].convert_to_f32_slice(vd);
+                }
             }
         }
         Ok(())
