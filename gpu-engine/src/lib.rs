@@ -8,10 +8,15 @@
 //! - [`attention`]: CPU paged attention (decode batch and causal prefill, GQA, rayon), behind the
 //!   [`backend::AttentionBackend`] interface the CUDA backend will implement too.
 //!
+//! - [`gguf`] and [`quant`]: the GGUF reader (v2/v3, memory-mapped) and dequantisation
+//!   (F32, F16, BF16, Q4_0, Q4_1, Q8_0) the model loader builds on.
+//!
 //! Prefix sharing shares only full pages, so no sequence ever extends a shared page: the
 //! copy-before-extend case cannot arise.
 
 pub mod attention;
 pub mod backend;
+pub mod gguf;
 pub mod pool;
+pub mod quant;
 pub mod transfer;
