@@ -19,4 +19,5 @@ pub mod backend;
 pub mod gguf;
 pub mod pool;
 pub mod quant;
+pub mod tokenizer;
 pub mod transfer;
