@@ -163,3 +163,33 @@ async fn routing_fields_are_lockstep_s_own() {
         assert!(r.get("text").is_none());
     }
 }
+
+/// A body over the limit gets its 413 even while the client is still writing it: lockstep reads
+/// and discards the rest (bounded) before answering, instead of resetting the connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_bodies_get_413_not_a_broken_pipe() {
+    let stack = Stack::start().await;
+    let c = TestClient::default();
+    for size in [70_000usize, 1_000_000, 4_000_000] {
+        for _ in 0..5 {
+            let body = format!(
+                "{{\"model\":\"{MODEL}\",\"prompt\":\"{}\"}}",
+                "x".repeat(size)
+            );
+            let a = c
+                .send_raw(
+                    "POST",
+                    &format!("{}/v1/completions", stack.url),
+                    body,
+                    Duration::from_secs(10),
+                )
+                .await;
+            assert_eq!(
+                (a.status, a.error_code().as_deref()),
+                (413, Some("body_too_large")),
+                "size {size}"
+            );
+        }
+    }
+    assert_eq!(stack.mock.request_count(), 0);
+}

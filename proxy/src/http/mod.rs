@@ -14,7 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bytes::Bytes;
 use http::{HeaderMap, Method, Uri};
-use http_body_util::{BodyExt, LengthLimitError, Limited};
+use http_body_util::{BodyExt, Limited};
 use serde::de::DeserializeOwned;
 use serde_json::json;
 
@@ -103,19 +103,24 @@ pub(crate) async fn read_json<T: DeserializeOwned>(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > limit as u64) {
+        linger(body).await;
         return Err(LockstepError::BodyTooLarge { limit });
     }
-    let bytes: Bytes = match Limited::new(body, limit).collect().await {
-        Ok(c) => c.to_bytes(),
-        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
-            return Err(LockstepError::BodyTooLarge { limit });
+    let mut body = body;
+    let mut buf = bytes::BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| LockstepError::InvalidJson {
+            message: format!("cannot read body: {e}"),
+        })?;
+        if let Ok(data) = frame.into_data() {
+            if buf.len() + data.len() > limit {
+                linger(body).await;
+                return Err(LockstepError::BodyTooLarge { limit });
+            }
+            buf.extend_from_slice(&data);
         }
-        Err(e) => {
-            return Err(LockstepError::InvalidJson {
-                message: format!("cannot read body: {e}"),
-            });
-        }
-    };
+    }
+    let bytes: Bytes = buf.freeze();
     if std::str::from_utf8(&bytes).is_err() {
         return Err(LockstepError::InvalidJson {
             message: "body is not valid UTF-8".into(),
@@ -136,6 +141,18 @@ pub(crate) async fn read_json<T: DeserializeOwned>(
             }
         }
     })
+}
+
+/// Reads and discards what is left of a refused body (bounded in bytes and time) before the error
+/// is sent, so the client, still writing, gets the 413 instead of a broken pipe (nginx calls
+/// this a lingering close).
+async fn linger(body: Body) {
+    const DRAIN_BYTES: usize = 16 * 1024 * 1024;
+    let _ = tokio::time::timeout(
+        std::time::Duration::from_secs(2),
+        Limited::new(body, DRAIN_BYTES).collect(),
+    )
+    .await;
 }
 
 /// Finds a model by name; `None` picks the only model when exactly one is configured.
