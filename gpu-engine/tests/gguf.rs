@@ -2,6 +2,8 @@
 //! tensor type), hand-computed dequantisation blocks, mutation fuzzing (never a panic), and the
 //! real SmolLM2 test model when it has been fetched (`scripts/fetch-model.sh`).
 
+mod common;
+
 use lockstep_engine::gguf::{Gguf, GgufError, Value};
 use lockstep_engine::quant::{TensorType, dequantize};
 use proptest::prelude::*;
@@ -231,17 +233,7 @@ proptest! {
 /// The real test model, when fetched: every tensor type is known and readable.
 #[test]
 fn smollm2_test_model_reads_when_present() {
-    let Some(path) = std::env::var_os("LOCKSTEP_MODEL")
-        .map(std::path::PathBuf::from)
-        .or_else(|| {
-            let p = std::path::PathBuf::from(std::env::var_os("HOME")?)
-                .join(".cache/lockstep/models/SmolLM2-135M-Instruct.Q4_1.gguf");
-            p.exists().then_some(p)
-        })
-    else {
-        eprintln!(
-            "test model not fetched (scripts/fetch-model.sh); synthetic files cover the reader"
-        );
+    let Some(path) = common::model_path() else {
         return;
     };
     let g = lockstep_engine::gguf::open(&path).expect("opens");

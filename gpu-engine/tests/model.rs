@@ -5,31 +5,17 @@
 //! or its batched evaluation (the two differ by up to ~0.25 themselves). Reference:
 //! `gpu-engine/tests/fixtures/smollm2_greedy.json` (`scripts/gen-model-fixtures.py`).
 
+mod common;
+
 use lockstep_engine::model::{Llama, argmax};
 use lockstep_engine::pool::*;
 use serde_json::Value;
 
-fn model_path() -> Option<std::path::PathBuf> {
-    let p = std::env::var_os("LOCKSTEP_MODEL")
-        .map(std::path::PathBuf::from)
-        .or_else(|| {
-            let p = std::path::PathBuf::from(std::env::var_os("HOME")?)
-                .join(".cache/lockstep/models/SmolLM2-135M-Instruct.Q4_1.gguf");
-            p.exists().then_some(p)
-        });
-    if p.is_none() {
-        assert!(
-            std::env::var_os("LOCKSTEP_REQUIRE_MODEL").is_none(),
-            "LOCKSTEP_REQUIRE_MODEL is set but the model is missing: run scripts/fetch-model.sh"
-        );
-        eprintln!("test model not fetched (scripts/fetch-model.sh)");
-    }
-    p
-}
-
 #[test]
 fn greedy_steps_match_llama_cpp() {
-    let Some(path) = model_path() else { return };
+    let Some(path) = common::model_path() else {
+        return;
+    };
     let g = lockstep_engine::gguf::open(&path).expect("opens");
     let model = Llama::load(&g).expect("loads");
     let c = model.cfg;
