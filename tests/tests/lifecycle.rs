@@ -42,6 +42,20 @@ fn both_aborted(stack: &Stack) -> bool {
         })
 }
 
+/// Every dispatched half was aborted, and then nothing is left in the mock or in lockstep.
+async fn assert_released(stack: &Stack, case: &str) {
+    assert!(
+        wait_for(Duration::from_secs(2), || both_aborted(stack)).await,
+        "{case}: aborts: {:?}",
+        stack.mock.aborts()
+    );
+    assert!(
+        stack.wait_all_idle(Duration::from_secs(2)).await,
+        "{case}: live: {:?}",
+        stack.mock.live_halves()
+    );
+}
+
 /// A client that leaves mid-stream makes lockstep abort both halves at once (long before the
 /// decode would have finished, and with deadlines far away).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -66,16 +80,7 @@ async fn client_disconnect_mid_stream_aborts_both() {
     let left_at = Instant::now();
     drop(body);
     drop(client);
-    assert!(
-        wait_for(Duration::from_secs(2), || both_aborted(&stack)).await,
-        "aborts: {:?}",
-        stack.mock.aborts()
-    );
-    assert!(
-        stack.wait_all_idle(Duration::from_secs(2)).await,
-        "live: {:?}",
-        stack.mock.live_halves()
-    );
+    assert_released(&stack, "").await;
     assert!(
         left_at.elapsed() < Duration::from_secs(3),
         "released long before the 10 s the decode needed"
@@ -109,16 +114,7 @@ async fn client_disconnect_before_commit_aborts_both() {
         "the prefill hangs, so the client gives up first"
     );
     drop(c);
-    assert!(
-        wait_for(Duration::from_secs(2), || both_aborted(&stack)).await,
-        "aborts: {:?}",
-        stack.mock.aborts()
-    );
-    assert!(
-        stack.wait_all_idle(Duration::from_secs(2)).await,
-        "live: {:?}",
-        stack.mock.live_halves()
-    );
+    assert_released(&stack, "").await;
 }
 
 /// A 503 before work began is retried on a new pair; both halves of the failed pair are aborted
@@ -362,16 +358,7 @@ async fn idle_and_total_deadlines_abort_both() {
             } else {
                 assert_eq!(a.status, 504, "{case}");
             }
-            assert!(
-                wait_for(Duration::from_secs(2), || both_aborted(&stack)).await,
-                "{case}: {:?}",
-                stack.mock.aborts()
-            );
-            assert!(
-                stack.wait_all_idle(Duration::from_secs(2)).await,
-                "{case}: live {:?}",
-                stack.mock.live_halves()
-            );
+            assert_released(&stack, &case).await;
         }
     }
 }

@@ -9,7 +9,7 @@ use axum::response::{IntoResponse, Response};
 use http::HeaderMap;
 use serde::Deserialize;
 
-use super::openai::{Prompt, prompt_ids};
+use super::openai::{Prompt, bad, prompt_ids};
 use super::respond::{Shape, serve_pair};
 use super::{find_model, read_json};
 use crate::app::AppState;
@@ -39,13 +39,6 @@ struct GenerateRequest {
     sampling_params: NativeSampling,
     #[serde(default)]
     stream: bool,
-}
-
-fn bad(param: &str, message: String) -> LockstepError {
-    LockstepError::InvalidRequest {
-        message,
-        param: Some(param.to_string()),
-    }
 }
 
 /// `POST /generate`.
@@ -120,11 +113,10 @@ pub(crate) async fn generate(
             temperature: s.temperature,
             top_p: s.top_p,
             top_k: s.top_k,
-            stop: match s.stop {
-                Some(super::openai::Stop::One(x)) => vec![x],
-                Some(super::openai::Stop::Many(v)) => v,
-                None => Vec::new(),
-            },
+            stop: s
+                .stop
+                .map(super::openai::Stop::into_vec)
+                .unwrap_or_default(),
             ignore_eos: s.ignore_eos,
             frequency_penalty: s.frequency_penalty,
             presence_penalty: s.presence_penalty,

@@ -24,7 +24,7 @@ pub(crate) enum Stop {
 }
 
 impl Stop {
-    fn into_vec(self) -> Vec<String> {
+    pub(crate) fn into_vec(self) -> Vec<String> {
         match self {
             Stop::One(s) => vec![s],
             Stop::Many(v) => v,
@@ -58,7 +58,8 @@ pub(crate) struct CommonParams {
     best_of: Option<i64>,
 }
 
-fn bad(param: &str, message: String) -> LockstepError {
+/// A 400 `invalid_request` naming `param`.
+pub(crate) fn bad(param: &str, message: String) -> LockstepError {
     LockstepError::InvalidRequest {
         message,
         param: Some(param.to_string()),
