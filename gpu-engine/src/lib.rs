@@ -17,6 +17,7 @@
 pub mod attention;
 pub mod backend;
 pub mod gguf;
+mod matmul;
 pub mod model;
 pub mod pool;
 pub mod quant;

@@ -5,10 +5,9 @@
 //! which makes the logits track llama.cpp's closely (near-ties included), and run over rows with
 //! rayon.
 
-use rayon::prelude::*;
-
 use crate::attention::prefill_attention;
 use crate::gguf::{Gguf, Value};
+use crate::matmul::{QActs, QMatrix};
 use crate::pool::{IntegrityError, PagePool, PoolError, Sequence};
 use crate::quant::{TensorType, dequantize};
 
@@ -49,14 +48,6 @@ pub enum ModelError {
     /// A page tag check failed.
     #[error(transparent)]
     Integrity(#[from] IntegrityError),
-}
-
-/// A weight matrix kept in its file type; products quantise the activations the way llama.cpp's
-/// CPU kernels do (Q8_1 for Q4_1 weights, Q8_0 for Q4_0/Q8_0), so results track the reference.
-struct QMatrix {
-    ty: TensorType,
-    cols: usize,
-    data: Vec<u8>,
 }
 
 struct Layer {
@@ -137,149 +128,10 @@ fn matrix(
     }
     Ok(QMatrix {
         ty: t.ty,
+        rows,
         cols,
         data: g.tensor_data(t).to_vec(),
     })
-}
-
-impl QMatrix {
-    /// Row `r` dequantised.
-    fn row(&self, r: usize, out: &mut [f32]) {
-        let bytes = self.ty.bytes_for(self.cols as u64).unwrap_or(0) as usize;
-        let _ = dequantize(self.ty, &self.data[r * bytes..(r + 1) * bytes], out);
-    }
-
-    /// `out = W x`.
-    fn matvec(&self, x: &[f32], out: &mut [f32]) {
-        let n = self.cols;
-        let bytes = self.ty.bytes_for(n as u64).unwrap_or(0) as usize;
-        match self.ty {
-            TensorType::F32 => {
-                let w: &[f32] = bytemuck::cast_slice(&self.data);
-                out.par_iter_mut()
-                    .enumerate()
-                    .with_min_len(64)
-                    .for_each(|(r, o)| *o = dot_f32(&w[r * n..(r + 1) * n], x));
-            }
-            TensorType::Q4_1 => {
-                let xq = quantize_q8(x, true);
-                out.par_iter_mut()
-                    .enumerate()
-                    .with_min_len(64)
-                    .for_each(|(r, o)| {
-                        *o = dot_q4_1_q8_1(&self.data[r * bytes..(r + 1) * bytes], &xq)
-                    });
-            }
-            TensorType::Q4_0 | TensorType::Q8_0 => {
-                let xq = quantize_q8(x, false);
-                let ty = self.ty;
-                out.par_iter_mut()
-                    .enumerate()
-                    .with_min_len(64)
-                    .for_each(|(r, o)| {
-                        *o = dot_q_q8_0(ty, &self.data[r * bytes..(r + 1) * bytes], &xq)
-                    });
-            }
-            _ => out.fill(f32::NAN),
-        }
-    }
-}
-
-/// Activations quantised per block of 32 to 8 bits: (scale, sum term, values), scale and sum
-/// rounded through f16 as ggml stores them.
-struct Q8 {
-    d: Vec<f32>,
-    s: Vec<f32>,
-    q: Vec<i8>,
-}
-
-fn f16r(x: f32) -> f32 {
-    half::f16::from_f32(x).to_f32()
-}
-
-fn quantize_q8(x: &[f32], with_sum: bool) -> Q8 {
-    let blocks = x.len() / 32;
-    let mut out = Q8 {
-        d: Vec::with_capacity(blocks),
-        s: Vec::with_capacity(blocks),
-        q: Vec::with_capacity(x.len()),
-    };
-    for b in x.chunks_exact(32) {
-        let amax = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        let d = amax / 127.0;
-        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-        let mut sum = 0i32;
-        for v in b {
-            let q = (v * id).round() as i32;
-            sum += q;
-            out.q.push(q as i8);
-        }
-        out.d.push(f16r(d));
-        out.s
-            .push(if with_sum { f16r(d * sum as f32) } else { 0.0 });
-    }
-    out
-}
-
-fn dot_q4_1_q8_1(w: &[u8], x: &Q8) -> f32 {
-    let mut acc = 0.0f32;
-    for (bi, blk) in w.chunks_exact(20).enumerate() {
-        let (d, m) = (f16_le(blk, 0), f16_le(blk, 2));
-        let q = &x.q[bi * 32..bi * 32 + 32];
-        let mut isum = 0i32;
-        for j in 0..16 {
-            let b = blk[4 + j];
-            isum += (b & 0x0f) as i32 * q[j] as i32 + (b >> 4) as i32 * q[j + 16] as i32;
-        }
-        acc += d * x.d[bi] * isum as f32 + m * x.s[bi];
-    }
-    acc
-}
-
-fn dot_q_q8_0(ty: TensorType, w: &[u8], x: &Q8) -> f32 {
-    let mut acc = 0.0f32;
-    let (_, bb) = ty.block();
-    for (bi, blk) in w.chunks_exact(bb as usize).enumerate() {
-        let d = f16_le(blk, 0);
-        let q = &x.q[bi * 32..bi * 32 + 32];
-        let mut isum = 0i32;
-        if ty == TensorType::Q8_0 {
-            for j in 0..32 {
-                isum += blk[2 + j] as i8 as i32 * q[j] as i32;
-            }
-        } else {
-            for j in 0..16 {
-                let b = blk[2 + j];
-                isum += ((b & 0x0f) as i32 - 8) * q[j] as i32
-                    + ((b >> 4) as i32 - 8) * q[j + 16] as i32;
-            }
-        }
-        acc += d * x.d[bi] * isum as f32;
-    }
-    acc
-}
-
-fn f16_le(b: &[u8], i: usize) -> f32 {
-    half::f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
-}
-
-fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 8];
-    for (x, y) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
-        for i in 0..8 {
-            acc[i] += x[i] * y[i];
-        }
-    }
-    let mut s: f32 = acc.iter().sum();
-    for (x, y) in a
-        .chunks_exact(8)
-        .remainder()
-        .iter()
-        .zip(b.chunks_exact(8).remainder())
-    {
-        s += x * y;
-    }
-    s
 }
 
 impl Llama {
@@ -350,79 +202,151 @@ impl Llama {
         seq: &mut Sequence,
         tokens: &[u32],
     ) -> Result<Vec<f32>, ModelError> {
+        let mut items = [Step {
+            seq,
+            tokens,
+            logits: true,
+        }];
+        let mut out = self.forward_batch(pool, &mut items)?;
+        Ok(out.pop().unwrap_or_default())
+    }
+
+    /// One engine step over a ragged batch: each item's tokens run at positions `seq.len..`
+    /// (prefill chunks and single decode tokens together), their K/V written into `pool`, every
+    /// matrix product shared by all the batch's tokens. Returns the last token's logits of each
+    /// item that asks for them, in order. On error no item's `len` has advanced.
+    pub fn forward_batch(
+        &self,
+        pool: &mut PagePool,
+        items: &mut [Step<'_>],
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
         let c = &self.cfg;
-        let (d, hd, n) = (c.dim, c.head_dim, tokens.len());
+        let (d, hd) = (c.dim, c.head_dim);
         let kvd = c.kv_heads * hd;
-        let start = seq.len;
-        pool.reserve(seq, n)?;
-        let mut x: Vec<f32> = Vec::with_capacity(n * d);
-        for &t in tokens {
-            let t = t as usize;
-            if t >= c.vocab {
-                return Err(ModelError::Format(format!(
-                    "token id {t} outside the vocabulary"
-                )));
+        let n: usize = items.iter().map(|i| i.tokens.len()).sum();
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        // (item, position) of every token in the batch.
+        let mut where_ = Vec::with_capacity(n);
+        for (ii, it) in items.iter_mut().enumerate() {
+            pool.reserve(it.seq, it.tokens.len())?;
+            for (j, &t) in it.tokens.iter().enumerate() {
+                if t as usize >= c.vocab {
+                    return Err(ModelError::Format(format!(
+                        "token id {t} outside the vocabulary"
+                    )));
+                }
+                where_.push((ii, it.seq.len + j));
             }
-            let mut row = vec![0.0f32; d];
-            self.embed.row(t, &mut row);
-            x.extend_from_slice(&row);
+        }
+        let mut x = vec![0.0f32; n * d];
+        for (row, t) in x
+            .chunks_exact_mut(d)
+            .zip(items.iter().flat_map(|i| i.tokens.iter()))
+        {
+            self.embed.row(*t as usize, row);
         }
         let mut h = vec![0.0f32; n * d];
         let mut q = vec![0.0f32; n * d];
+        let mut k = vec![0.0f32; n * kvd];
+        let mut v = vec![0.0f32; n * kvd];
         let mut att = vec![0.0f32; n * d];
-        let (mut k, mut v) = (vec![0.0f32; kvd], vec![0.0f32; kvd]);
+        let mut o = vec![0.0f32; n * d];
+        let mut g = vec![0.0f32; n * c.ffn];
+        let mut u = vec![0.0f32; n * c.ffn];
         for (li, l) in self.layers.iter().enumerate() {
-            for t in 0..n {
-                rms_norm(
-                    &x[t * d..(t + 1) * d],
-                    &l.attn_norm,
-                    c.eps,
-                    &mut h[t * d..(t + 1) * d],
-                );
-                let ht = &h[t * d..(t + 1) * d];
-                l.wq.matvec(ht, &mut q[t * d..(t + 1) * d]);
-                l.wk.matvec(ht, &mut k);
-                l.wv.matvec(ht, &mut v);
-                let pos = start + t;
-                rope(&mut q[t * d..(t + 1) * d], hd, pos, c.rope_base);
-                rope(&mut k, hd, pos, c.rope_base);
-                pool.write(seq, pos, li, &k, &v)?;
+            for (xr, hr) in x.chunks_exact(d).zip(h.chunks_exact_mut(d)) {
+                rms_norm(xr, &l.attn_norm, c.eps, hr);
             }
-            seq.len = start + n;
-            prefill_attention(pool, seq, li, c.heads, start, &q, &mut att)?;
-            seq.len = start;
-            for t in 0..n {
-                let mut o = vec![0.0f32; d];
-                l.wo.matvec(&att[t * d..(t + 1) * d], &mut o);
-                let xt = &mut x[t * d..(t + 1) * d];
-                for (a, b) in xt.iter_mut().zip(&o) {
-                    *a += b;
-                }
-                let mut hn = vec![0.0f32; d];
-                rms_norm(xt, &l.ffn_norm, c.eps, &mut hn);
-                let (mut g, mut u) = (vec![0.0f32; c.ffn], vec![0.0f32; c.ffn]);
-                l.gate.matvec(&hn, &mut g);
-                l.up.matvec(&hn, &mut u);
-                for (gi, ui) in g.iter_mut().zip(&u) {
-                    *gi = *gi / (1.0 + (-*gi).exp()) * ui;
-                }
-                l.down.matvec(&g, &mut o);
-                for (a, b) in xt.iter_mut().zip(&o) {
-                    *a += b;
-                }
+            let ha = QActs::new(&h, d, l.wq.wants_sum());
+            l.wq.matmul(&ha, &mut q);
+            l.wk.matmul(&ha, &mut k);
+            l.wv.matmul(&ha, &mut v);
+            for (ti, &(ii, pos)) in where_.iter().enumerate() {
+                rope(&mut q[ti * d..(ti + 1) * d], hd, pos, c.rope_base);
+                rope(&mut k[ti * kvd..(ti + 1) * kvd], hd, pos, c.rope_base);
+                pool.write(
+                    items[ii].seq,
+                    pos,
+                    li,
+                    &k[ti * kvd..(ti + 1) * kvd],
+                    &v[ti * kvd..(ti + 1) * kvd],
+                )?;
+            }
+            let mut t0 = 0;
+            for it in items.iter_mut() {
+                let (start, m) = (it.seq.len, it.tokens.len());
+                it.seq.len = start + m;
+                let r = prefill_attention(
+                    pool,
+                    it.seq,
+                    li,
+                    c.heads,
+                    start,
+                    &q[t0 * d..(t0 + m) * d],
+                    &mut att[t0 * d..(t0 + m) * d],
+                );
+                it.seq.len = start;
+                r?;
+                t0 += m;
+            }
+            l.wo.matmul(&QActs::new(&att, d, l.wo.wants_sum()), &mut o);
+            for (a, b) in x.iter_mut().zip(&o) {
+                *a += b;
+            }
+            for (xr, hr) in x.chunks_exact(d).zip(h.chunks_exact_mut(d)) {
+                rms_norm(xr, &l.ffn_norm, c.eps, hr);
+            }
+            let ha = QActs::new(&h, d, l.gate.wants_sum());
+            l.gate.matmul(&ha, &mut g);
+            l.up.matmul(&ha, &mut u);
+            for (gi, ui) in g.iter_mut().zip(&u) {
+                *gi = *gi / (1.0 + (-*gi).exp()) * ui;
+            }
+            l.down
+                .matmul(&QActs::new(&g, c.ffn, l.down.wants_sum()), &mut o);
+            for (a, b) in x.iter_mut().zip(&o) {
+                *a += b;
             }
         }
-        seq.len = start + n;
-        let last = &x[(n - 1) * d..n * d];
-        let mut hn = vec![0.0f32; d];
-        rms_norm(last, &self.out_norm, c.eps, &mut hn);
-        let mut logits = vec![0.0f32; c.vocab];
-        self.output
-            .as_ref()
-            .unwrap_or(&self.embed)
-            .matvec(&hn, &mut logits);
-        Ok(logits)
+        // Final norm and output head for the last token of each item that wants logits.
+        let mut last = Vec::new();
+        let mut t_end = 0;
+        for it in items.iter_mut() {
+            t_end += it.tokens.len();
+            it.seq.len += it.tokens.len();
+            if it.logits {
+                let mut hn = vec![0.0f32; d];
+                rms_norm(
+                    &x[(t_end - 1) * d..t_end * d],
+                    &self.out_norm,
+                    c.eps,
+                    &mut hn,
+                );
+                last.extend_from_slice(&hn);
+            }
+        }
+        let rows = last.len() / d;
+        if rows == 0 {
+            return Ok(Vec::new());
+        }
+        let head = self.output.as_ref().unwrap_or(&self.embed);
+        let mut logits = vec![0.0f32; rows * c.vocab];
+        head.matmul(&QActs::new(&last, d, head.wants_sum()), &mut logits);
+        Ok(logits.chunks_exact(c.vocab).map(<[f32]>::to_vec).collect())
     }
+}
+
+/// One item of a [`Llama::forward_batch`] step.
+#[derive(Debug)]
+pub struct Step<'a> {
+    /// The sequence the tokens extend.
+    pub seq: &'a mut Sequence,
+    /// Tokens to run at positions `seq.len..`.
+    pub tokens: &'a [u32],
+    /// Whether to return the last token's logits.
+    pub logits: bool,
 }
 
 fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {

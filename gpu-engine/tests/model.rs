@@ -7,7 +7,7 @@
 
 mod common;
 
-use lockstep_engine::model::{Llama, argmax};
+use lockstep_engine::model::{Llama, Step, argmax};
 use lockstep_engine::pool::*;
 use serde_json::Value;
 
@@ -80,4 +80,87 @@ fn greedy_steps_match_llama_cpp() {
         report.push(format!("{name}: ours {got:?} llama.cpp {want:?}"));
     }
     eprintln!("{}", report.join("\n"));
+}
+
+/// A ragged batch (a prefill chunk beside single decode tokens of other sequences) gives every
+/// sequence exactly the logits it gets when run alone: batching shares the matrix products, never
+/// the state.
+#[test]
+fn ragged_batch_equals_sequences_run_alone() {
+    let Some(path) = common::model_path() else {
+        return;
+    };
+    let g = lockstep_engine::gguf::open(&path).expect("opens");
+    let model = Llama::load(&g).expect("loads");
+    let c = model.cfg;
+    let cfg = PoolConfig {
+        num_pages: 64,
+        page_size: 16,
+        layers: c.layers,
+        kv_heads: c.kv_heads,
+        head_dim: c.head_dim,
+        dtype: KvDtype::F16,
+        scrub: ScrubPolicy::None,
+        verify: VerifyMode::Always,
+    };
+    let prompts: [&[u32]; 3] = [
+        &[504, 3575, 282, 4649, 314],
+        &[1, 2, 3],
+        &[9, 8, 7, 6, 5, 4, 3],
+    ];
+    let next: [&[u32]; 3] = [&[7042], &[30, 31, 32, 33, 34, 35], &[198]];
+    // Alone.
+    let mut alone = Vec::new();
+    for (p, n) in prompts.iter().zip(&next) {
+        let mut pool = PagePool::new(cfg).expect("pool");
+        let mut s = pool.new_sequence(OwnerId::sequence(1), 32).expect("room");
+        model.forward(&mut pool, &mut s, p).expect("prefill");
+        alone.push(model.forward(&mut pool, &mut s, n).expect("step"));
+    }
+    // Together: prefill all three in one batch, then one ragged step.
+    let mut pool = PagePool::new(cfg).expect("pool");
+    let mut seqs: Vec<Sequence> = (0..3)
+        .map(|i| {
+            pool.new_sequence(OwnerId::sequence(10 + i), 32)
+                .expect("room")
+        })
+        .collect();
+    let mut batch: Vec<Step<'_>> = seqs
+        .iter_mut()
+        .zip(prompts)
+        .map(|(seq, tokens)| Step {
+            seq,
+            tokens,
+            logits: false,
+        })
+        .collect();
+    assert!(
+        model
+            .forward_batch(&mut pool, &mut batch)
+            .expect("prefill")
+            .is_empty()
+    );
+    let mut batch: Vec<Step<'_>> = seqs
+        .iter_mut()
+        .zip(next)
+        .map(|(seq, tokens)| Step {
+            seq,
+            tokens,
+            logits: true,
+        })
+        .collect();
+    let together = model.forward_batch(&mut pool, &mut batch).expect("step");
+    assert_eq!(together.len(), 3);
+    for (i, (a, b)) in alone.iter().zip(&together).enumerate() {
+        assert_eq!(argmax(a), argmax(b), "sequence {i}");
+        let worst = a
+            .iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0f32, f32::max);
+        assert!(worst < 1e-4, "sequence {i}: logits differ by {worst}");
+    }
+    for (s, (p, n)) in seqs.iter().zip(prompts.iter().zip(&next)) {
+        assert_eq!(s.len, p.len() + n.len());
+    }
 }
