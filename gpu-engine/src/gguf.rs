@@ -361,6 +361,11 @@ impl<B: AsRef<[u8]>> Gguf<B> {
         &self.bytes.as_ref()[start..start + t.size as usize]
     }
 
+    /// The whole file.
+    pub fn bytes(&self) -> &[u8] {
+        self.bytes.as_ref()
+    }
+
     /// A metadata value by key.
     pub fn get(&self, key: &str) -> Option<&Value> {
         self.metadata.get(key)

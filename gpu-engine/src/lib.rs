@@ -16,10 +16,13 @@
 
 pub mod attention;
 pub mod backend;
+pub mod engine;
 pub mod gguf;
 mod matmul;
 pub mod model;
+pub mod pd;
 pub mod pool;
 pub mod quant;
+pub mod sample;
 pub mod tokenizer;
 pub mod transfer;

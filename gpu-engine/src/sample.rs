@@ -1,0 +1,337 @@
+//! Choosing the next token and deciding when to stop: greedy, temperature, top-k, top-p, seeded
+//! sampling; stop tokens, stop strings (held back while they might still match), max tokens and
+//! `ignore_eos`, with incremental detokenisation that never splits a UTF-8 character.
+
+use rand::{Rng, SeedableRng, rngs::StdRng};
+
+use crate::tokenizer::ModelTokenizer;
+
+/// Per-request sampling and stopping parameters (OpenAI / vLLM / SGLang semantics).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingConfig {
+    /// Tokens to generate at most.
+    pub max_tokens: usize,
+    /// 0 means greedy.
+    pub temperature: f32,
+    /// Keep the `k` most likely tokens (0: all).
+    pub top_k: usize,
+    /// Keep the smallest set whose probability reaches `p` (1: all).
+    pub top_p: f32,
+    /// Same seed, same output. `None`: a fresh random seed per request.
+    pub seed: Option<u64>,
+    /// Stop strings: generation ends before the first occurrence, which is not returned.
+    pub stop: Vec<String>,
+    /// Extra token ids that end generation (not returned).
+    pub stop_token_ids: Vec<u32>,
+    /// Keep generating past the end-of-generation tokens.
+    pub ignore_eos: bool,
+}
+
+impl Default for SamplingConfig {
+    fn default() -> Self {
+        SamplingConfig {
+            max_tokens: 16,
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: None,
+            stop: Vec::new(),
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+        }
+    }
+}
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    /// An end-of-generation token, a stop token or a stop string.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+}
+
+/// Draws tokens for one request. Step `i`'s draw depends only on (seed, i) and the logits, so a
+/// request gives the same output whichever engine (unified, or split prefill/decode) runs it.
+#[derive(Debug, Clone)]
+pub struct Sampler {
+    cfg: SamplingConfig,
+    seed: u64,
+}
+
+impl Sampler {
+    /// A sampler; draws a random seed when the request has none.
+    pub fn new(cfg: SamplingConfig) -> Sampler {
+        let seed = cfg.seed.unwrap_or_else(|| rand::rng().random());
+        Sampler { cfg, seed }
+    }
+
+    /// The parameters.
+    pub fn config(&self) -> &SamplingConfig {
+        &self.cfg
+    }
+
+    /// The token for generation step `step`.
+    pub fn sample(&self, logits: &[f32], step: usize) -> u32 {
+        let c = &self.cfg;
+        if c.temperature <= 0.0 || c.top_k == 1 {
+            return crate::model::argmax(logits);
+        }
+        let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+        let by_logit = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]);
+        if c.top_k > 0 && c.top_k < idx.len() {
+            idx.select_nth_unstable_by(c.top_k - 1, by_logit);
+            idx.truncate(c.top_k);
+        }
+        idx.sort_unstable_by(by_logit);
+        let max = logits[idx[0] as usize];
+        let mut probs: Vec<f32> = idx
+            .iter()
+            .map(|i| ((logits[*i as usize] - max) / c.temperature).exp())
+            .collect();
+        let total: f32 = probs.iter().sum();
+        probs.iter_mut().for_each(|p| *p /= total);
+        if c.top_p < 1.0 {
+            let mut cum = 0.0;
+            let keep = probs
+                .iter()
+                .position(|p| {
+                    cum += p;
+                    cum >= c.top_p
+                })
+                .map_or(probs.len(), |i| i + 1);
+            probs.truncate(keep);
+        }
+        let total: f32 = probs.iter().sum();
+        let mut rng =
+            StdRng::seed_from_u64(self.seed ^ (step as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let mut u = rng.random::<f32>() * total;
+        for (i, p) in probs.iter().enumerate() {
+            if u < *p {
+                return idx[i];
+            }
+            u -= p;
+        }
+        idx[probs.len() - 1]
+    }
+}
+
+/// Turns generated token ids into text deltas and applies the stop conditions.
+#[derive(Debug)]
+pub struct TextStream {
+    ids: Vec<u32>,
+    /// Text of `ids[..read]` has been produced.
+    read: usize,
+    /// Decoding restarts from here (a little context keeps byte-level merges right).
+    prefix: usize,
+    /// Produced but held back: it might be the start of a stop string.
+    held: String,
+    stop: Vec<String>,
+    /// The model's end-of-generation tokens (ignored with `ignore_eos`).
+    eog: Vec<u32>,
+    /// The request's stop tokens (always honoured).
+    stop_ids: Vec<u32>,
+    max_tokens: usize,
+    ignore_eos: bool,
+}
+
+/// What one token did to the output.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Emit {
+    /// Text to send now (may be empty).
+    pub text: String,
+    /// Set when generation is over.
+    pub finish: Option<Finish>,
+}
+
+impl TextStream {
+    /// A stream for one request; `eog` are the model's end-of-generation tokens.
+    pub fn new(cfg: &SamplingConfig, eog: &[u32]) -> TextStream {
+        TextStream {
+            ids: Vec::new(),
+            read: 0,
+            prefix: 0,
+            held: String::new(),
+            stop: cfg.stop.iter().filter(|s| !s.is_empty()).cloned().collect(),
+            eog: eog.to_vec(),
+            stop_ids: cfg.stop_token_ids.clone(),
+            max_tokens: cfg.max_tokens.max(1),
+            ignore_eos: cfg.ignore_eos,
+        }
+    }
+
+    /// Tokens generated so far (a final stop token included).
+    pub fn generated(&self) -> usize {
+        self.ids.len()
+    }
+
+    /// Accepts the next sampled token.
+    pub fn push(&mut self, tok: &ModelTokenizer, id: u32) -> Emit {
+        let ends = self.ends_generation(id);
+        self.ids.push(id);
+        if ends {
+            let text = std::mem::take(&mut self.held);
+            return Emit {
+                text,
+                finish: Some(Finish::Stop),
+            };
+        }
+        // Incremental decode: text of ids[prefix..] minus text of ids[prefix..read]; special
+        // tokens are not part of the output text.
+        let decode = |ids: &[u32]| tok.inner.decode(ids, true).unwrap_or_default();
+        let before = decode(&self.ids[self.prefix..self.read]);
+        let now = decode(&self.ids[self.prefix..]);
+        if !now.ends_with('\u{FFFD}') && now.len() >= before.len() && now.starts_with(&before) {
+            self.held.push_str(&now[before.len()..]);
+            self.prefix = self.read;
+            self.read = self.ids.len();
+        }
+        if let Some(at) = self
+            .stop
+            .iter()
+            .filter_map(|s| self.held.find(s.as_str()))
+            .min()
+        {
+            self.held.truncate(at);
+            return Emit {
+                text: std::mem::take(&mut self.held),
+                finish: Some(Finish::Stop),
+            };
+        }
+        let finish = (self.ids.len() >= self.max_tokens).then_some(Finish::Length);
+        if finish.is_some() && self.read < self.ids.len() {
+            // An incomplete character at the very end: emit what the bytes give.
+            let before = decode(&self.ids[self.prefix..self.read]);
+            let now = decode(&self.ids[self.prefix..]);
+            self.held
+                .push_str(now.get(before.len()..).unwrap_or_default());
+        }
+        // Hold back the longest tail that could still grow into a stop string.
+        let keep = if finish.is_some() {
+            0
+        } else {
+            self.stop
+                .iter()
+                .map(|s| longest_prefix_suffix(&self.held, s))
+                .max()
+                .unwrap_or(0)
+        };
+        let cut = self.held.len() - keep;
+        let text = self.held[..cut].to_string();
+        self.held.drain(..cut);
+        Emit { text, finish }
+    }
+
+    fn ends_generation(&self, id: u32) -> bool {
+        self.stop_ids.contains(&id) || (self.eog.contains(&id) && !self.ignore_eos)
+    }
+}
+
+/// Length of the longest suffix of `text` that is a proper prefix of `stop`, on char boundaries.
+fn longest_prefix_suffix(text: &str, stop: &str) -> usize {
+    (1..stop.len().min(text.len() + 1))
+        .rev()
+        .find(|&n| {
+            stop.is_char_boundary(n)
+                && text.is_char_boundary(text.len() - n)
+                && text.ends_with(&stop[..n])
+        })
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sampler(cfg: SamplingConfig) -> Sampler {
+        Sampler::new(cfg)
+    }
+
+    #[test]
+    fn greedy_and_top_k_one_take_the_argmax() {
+        let logits = [0.1, 2.0, -1.0, 1.9];
+        for cfg in [
+            SamplingConfig::default(),
+            SamplingConfig {
+                temperature: 1.0,
+                top_k: 1,
+                ..Default::default()
+            },
+        ] {
+            let s = sampler(cfg);
+            assert!((0..50).all(|i| s.sample(&logits, i) == 1));
+        }
+    }
+
+    #[test]
+    fn temperature_sampling_follows_the_softmax() {
+        // p(1) = 3 / (1 + 3) at temperature 1.
+        let logits = [0.0, 3f32.ln()];
+        let s = sampler(SamplingConfig {
+            temperature: 1.0,
+            seed: Some(7),
+            ..Default::default()
+        });
+        let ones = (0..4000).filter(|i| s.sample(&logits, *i) == 1).count();
+        let p = ones as f64 / 4000.0;
+        assert!((p - 0.75).abs() < 0.03, "p(1) = {p}");
+        // A low temperature sharpens it.
+        let cold = sampler(SamplingConfig {
+            temperature: 0.25,
+            seed: Some(7),
+            ..Default::default()
+        });
+        let ones = (0..4000).filter(|i| cold.sample(&logits, *i) == 1).count();
+        assert!(ones as f64 / 4000.0 > 0.95);
+    }
+
+    #[test]
+    fn top_k_and_top_p_cut_the_tail() {
+        // Probabilities 0.6, 0.3, 0.1 at temperature 1.
+        let logits = [0.6f32.ln(), 0.3f32.ln(), 0.1f32.ln()];
+        let k2 = sampler(SamplingConfig {
+            temperature: 1.0,
+            top_k: 2,
+            seed: Some(1),
+            ..Default::default()
+        });
+        assert!((0..3000).all(|i| k2.sample(&logits, i) != 2));
+        let p5 = sampler(SamplingConfig {
+            temperature: 1.0,
+            top_p: 0.5,
+            seed: Some(1),
+            ..Default::default()
+        });
+        assert!((0..3000).all(|i| p5.sample(&logits, i) == 0));
+        let p85 = sampler(SamplingConfig {
+            temperature: 1.0,
+            top_p: 0.85,
+            seed: Some(1),
+            ..Default::default()
+        });
+        let picks: Vec<u32> = (0..3000).map(|i| p85.sample(&logits, i)).collect();
+        assert!(picks.contains(&1) && !picks.contains(&2));
+    }
+
+    #[test]
+    fn same_seed_same_draws_other_seed_other_draws() {
+        let logits: Vec<f32> = (0..100).map(|i| (i % 7) as f32 * 0.3).collect();
+        let cfg = |seed| SamplingConfig {
+            temperature: 1.0,
+            seed: Some(seed),
+            ..Default::default()
+        };
+        let run = |s: &Sampler| (0..64).map(|i| s.sample(&logits, i)).collect::<Vec<_>>();
+        assert_eq!(run(&sampler(cfg(42))), run(&sampler(cfg(42))));
+        assert_ne!(run(&sampler(cfg(42))), run(&sampler(cfg(43))));
+    }
+
+    #[test]
+    fn held_back_tail_is_a_stop_prefix_on_char_boundaries() {
+        assert_eq!(longest_prefix_suffix("hello wor", "world"), 3);
+        assert_eq!(longest_prefix_suffix("hello", "world"), 0);
+        assert_eq!(longest_prefix_suffix("ab", "abc"), 2);
+        assert_eq!(longest_prefix_suffix("xé", "éa"), 2);
+        assert_eq!(longest_prefix_suffix("", "abc"), 0);
+    }
+}

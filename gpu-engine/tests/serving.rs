@@ -1,0 +1,557 @@
+//! The serving engine on the real SmolLM2 model: unified and split (prefill → verified transfer →
+//! decode) give the same greedy output as the bare forward pass; sampling and stop conditions;
+//! capacity (wait, refuse, too large: never truncated); aborts and dropped receivers free pages;
+//! every injected transfer fault is caught by the decode engine's verification.
+
+mod common;
+
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use lockstep_engine::engine::{
+    Engine, EngineConfig, EngineError, Event, Generate, ModelBundle, WhenFull,
+};
+use lockstep_engine::model::argmax;
+use lockstep_engine::pd::{Fault, FaultPlan, Half, Pd};
+use lockstep_engine::pool::{KvDtype, OwnerId, PagePool, PoolConfig, ScrubPolicy, VerifyMode};
+use lockstep_engine::sample::{Finish, SamplingConfig};
+use lockstep_engine::transfer::TransferError;
+use tokio::sync::mpsc::UnboundedReceiver;
+
+fn bundle() -> Option<Arc<ModelBundle>> {
+    static B: OnceLock<Option<Arc<ModelBundle>>> = OnceLock::new();
+    B.get_or_init(|| {
+        let p = common::model_path()?;
+        Some(Arc::new(ModelBundle::open(&p).expect("model loads")))
+    })
+    .clone()
+}
+
+fn small(pages: u32) -> EngineConfig {
+    EngineConfig {
+        pages,
+        page_size: 16,
+        max_batch_tokens: 64,
+        ..EngineConfig::default()
+    }
+}
+
+/// Everything a request produced.
+#[derive(Debug, Default)]
+struct Output {
+    started: Option<(u64, Option<u64>)>,
+    ids: Vec<u32>,
+    text: String,
+    finish: Option<Finish>,
+    error: Option<EngineError>,
+}
+
+async fn collect(mut rx: UnboundedReceiver<Event>) -> Output {
+    let mut out = Output::default();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while let Ok(Some(ev)) = tokio::time::timeout_at(deadline, rx.recv()).await {
+        match ev {
+            Event::Started {
+                prompt_tokens,
+                kv_digest,
+            } => out.started = Some((prompt_tokens, kv_digest)),
+            Event::Token { id, text, finish } => {
+                out.ids.push(id);
+                out.text.push_str(&text);
+                if finish.is_some() {
+                    out.finish = finish;
+                    break;
+                }
+            }
+            Event::Failed(e) => {
+                out.error = Some(e);
+                break;
+            }
+        }
+    }
+    out
+}
+
+async fn run_pd(
+    pd: &Pd,
+    id: u64,
+    prompt: &[u32],
+    s: SamplingConfig,
+) -> (Result<u64, EngineError>, Output) {
+    let prompt: Arc<[u32]> = prompt.into();
+    let pre = pd.prefill(id, prompt.clone());
+    let dec = pd.decode(id, prompt, s);
+    let (p, rx) = tokio::join!(pre, dec);
+    let out = collect(rx).await;
+    (p.map(|d| d.kv_digest.unwrap_or(0)), out)
+}
+
+async fn wait_free(pd: &Pd) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (free, total) = pd.pages();
+        if free == total {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "pages not freed: {free} of {total} free"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+fn greedy(max_tokens: usize) -> SamplingConfig {
+    SamplingConfig {
+        max_tokens,
+        ..Default::default()
+    }
+}
+
+const PLAIN: &[u32] = &[504, 3575, 282, 4649, 314]; // "The capital of France is"
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unified_and_split_match_the_forward_pass() {
+    let Some(b) = bundle() else { return };
+    // The bare forward pass, greedy.
+    let want = {
+        let c = b.model.cfg;
+        let mut pool = PagePool::new(PoolConfig {
+            num_pages: 8,
+            page_size: 16,
+            layers: c.layers,
+            kv_heads: c.kv_heads,
+            head_dim: c.head_dim,
+            dtype: KvDtype::F16,
+            scrub: ScrubPolicy::None,
+            verify: VerifyMode::Always,
+        })
+        .expect("pool");
+        let mut seq = pool.new_sequence(OwnerId::sequence(1), 16).expect("room");
+        let mut logits = b
+            .model
+            .forward(&mut pool, &mut seq, PLAIN)
+            .expect("prefill");
+        let mut ids = Vec::new();
+        for _ in 0..8 {
+            ids.push(argmax(&logits));
+            logits = b
+                .model
+                .forward(&mut pool, &mut seq, &ids[ids.len() - 1..])
+                .expect("step");
+        }
+        ids
+    };
+    // llama.cpp agrees up to its first near-tie (step 5 of this prompt, margin 0.017).
+    assert_eq!(want[..5], [7042, 30, 198, 198, 504]);
+    let unified = Pd::unified(b.clone(), small(32)).expect("engine");
+    let split = Pd::split(b.clone(), small(32), small(32), None).expect("engines");
+    let (p, u) = run_pd(
+        &unified,
+        1,
+        PLAIN,
+        SamplingConfig {
+            ignore_eos: true,
+            ..greedy(8)
+        },
+    )
+    .await;
+    assert!(p.is_ok() && u.error.is_none(), "{u:?}");
+    assert_eq!(u.ids, want, "unified");
+    assert_eq!(u.finish, Some(Finish::Length));
+    assert_eq!(u.started, Some((5, None)));
+    let (p, s) = run_pd(
+        &split,
+        2,
+        PLAIN,
+        SamplingConfig {
+            ignore_eos: true,
+            ..greedy(8)
+        },
+    )
+    .await;
+    let digest = p.expect("prefill");
+    assert_eq!(s.ids, want, "split");
+    assert_eq!(s.text, u.text);
+    // The decode engine reports the digest of what it imported: the prefill's.
+    assert_eq!(s.started, Some((5, Some(digest))));
+    assert!(u.text.contains("Paris"), "{}", u.text);
+    wait_free(&unified).await;
+    wait_free(&split).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_batch_and_each_gets_its_own_answer() {
+    let Some(b) = bundle() else { return };
+    let pd = Arc::new(Pd::split(b.clone(), small(64), small(64), None).expect("engines"));
+    let prompts: Vec<Vec<u32>> = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Water boils at",
+    ]
+    .iter()
+    .map(|t| b.tokenizer.encode(t).expect("encodes"))
+    .collect();
+    // Alone first.
+    let mut alone = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        alone.push(run_pd(&pd, 100 + i as u64, p, greedy(12)).await.1.ids);
+    }
+    // Then all at once, twice over.
+    let mut tasks = Vec::new();
+    for round in 0..2u64 {
+        for (i, p) in prompts.iter().enumerate() {
+            let (pd, p) = (pd.clone(), p.clone());
+            tasks.push(tokio::spawn(async move {
+                (
+                    i,
+                    run_pd(&pd, 200 + round * 10 + i as u64, &p, greedy(12))
+                        .await
+                        .1,
+                )
+            }));
+        }
+    }
+    for t in tasks {
+        let (i, out) = t.await.expect("task");
+        assert!(out.error.is_none(), "{out:?}");
+        assert_eq!(out.ids, alone[i], "prompt {i} under batching");
+    }
+    wait_free(&pd).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sampling_seeds_stops_and_limits() {
+    let Some(b) = bundle() else { return };
+    let pd = Pd::split(b.clone(), small(32), small(32), None).expect("engines");
+    let sampled = |seed| SamplingConfig {
+        temperature: 0.9,
+        top_p: 0.95,
+        top_k: 40,
+        seed: Some(seed),
+        ignore_eos: true,
+        ..greedy(16)
+    };
+    let a = run_pd(&pd, 1, PLAIN, sampled(5)).await.1;
+    let a2 = run_pd(&pd, 2, PLAIN, sampled(5)).await.1;
+    assert_eq!(a.ids, a2.ids, "same seed, same output");
+    let mut differ = false;
+    for seed in 6..10 {
+        differ |= run_pd(&pd, 10 + seed, PLAIN, sampled(seed)).await.1.ids != a.ids;
+    }
+    assert!(differ, "other seeds give other outputs");
+
+    // max tokens.
+    let o = run_pd(
+        &pd,
+        20,
+        PLAIN,
+        SamplingConfig {
+            ignore_eos: true,
+            ..greedy(3)
+        },
+    )
+    .await
+    .1;
+    assert_eq!((o.ids.len(), o.finish), (3, Some(Finish::Length)));
+
+    // A stop string ends generation before it; the text never contains it.
+    let full = run_pd(
+        &pd,
+        21,
+        PLAIN,
+        SamplingConfig {
+            ignore_eos: true,
+            ..greedy(12)
+        },
+    )
+    .await
+    .1;
+    let cut = full.text.find('.').expect("a full stop in the greedy text");
+    let o = run_pd(
+        &pd,
+        22,
+        PLAIN,
+        SamplingConfig {
+            stop: vec![".".into()],
+            ..greedy(12)
+        },
+    )
+    .await
+    .1;
+    assert_eq!(o.finish, Some(Finish::Stop));
+    assert_eq!(o.text, full.text[..cut]);
+    // A multi-character stop string spanning tokens.
+    let stop = full.text[cut - 3..cut + 1].to_string();
+    let o = run_pd(
+        &pd,
+        23,
+        PLAIN,
+        SamplingConfig {
+            stop: vec![stop.clone()],
+            ..greedy(12)
+        },
+    )
+    .await
+    .1;
+    assert_eq!(o.text, full.text[..cut - 3], "stop {stop:?}");
+
+    // A stop token id: the third greedy token ends it and is not part of the text.
+    let o = run_pd(
+        &pd,
+        24,
+        PLAIN,
+        SamplingConfig {
+            stop_token_ids: vec![full.ids[2]],
+            ..greedy(12)
+        },
+    )
+    .await
+    .1;
+    assert_eq!((o.ids.len(), o.finish), (3, Some(Finish::Stop)));
+    assert_eq!(o.ids[..], full.ids[..3]);
+
+    // A chat answer ends at <|im_end|>; ignore_eos runs on to max tokens.
+    let chat = b
+        .tokenizer
+        .encode(
+            &b.tokenizer
+                .render_chat(&[("user".into(), "Say hi.".into())])
+                .expect("template"),
+        )
+        .expect("encodes");
+    let o = run_pd(&pd, 25, &chat, greedy(64)).await.1;
+    assert_eq!(o.finish, Some(Finish::Stop), "{o:?}");
+    assert!(o.ids.len() < 64 && b.eog.contains(o.ids.last().expect("a token")));
+    assert!(!o.text.contains("<|im_end|>"));
+    let o2 = run_pd(
+        &pd,
+        26,
+        &chat,
+        SamplingConfig {
+            ignore_eos: true,
+            ..greedy(o.ids.len() + 4)
+        },
+    )
+    .await
+    .1;
+    assert_eq!(
+        (o2.ids.len(), o2.finish),
+        (o.ids.len() + 4, Some(Finish::Length))
+    );
+    wait_free(&pd).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn capacity_waits_or_refuses_never_truncates() {
+    let Some(b) = bundle() else { return };
+    // 8 pages × 16 = 128 tokens; each request needs 5 + 100 = 105 tokens = 7 pages.
+    let long = SamplingConfig {
+        ignore_eos: true,
+        ..greedy(100)
+    };
+    for (policy, expect_refusal) in [(WhenFull::Wait, false), (WhenFull::Refuse, true)] {
+        let cfg = EngineConfig {
+            when_full: policy,
+            ..small(8)
+        };
+        let pd = Arc::new(Pd::unified(b.clone(), cfg).expect("engine"));
+        let (p1, p2) = (pd.clone(), pd.clone());
+        let first = tokio::spawn(async move {
+            run_pd(
+                &p1,
+                1,
+                PLAIN,
+                SamplingConfig {
+                    ignore_eos: true,
+                    ..greedy(100)
+                },
+            )
+            .await
+            .1
+        });
+        // Let the first one be admitted.
+        let t0 = Instant::now();
+        while pd.pages().0 == pd.pages().1 && t0.elapsed() < Duration::from_secs(10) {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let second = run_pd(&p2, 2, PLAIN, long.clone()).await.1;
+        let first = first.await.expect("task");
+        assert_eq!(first.ids.len(), 100, "first ran to its limit");
+        if expect_refusal {
+            assert!(
+                matches!(second.error, Some(EngineError::Full { need: 7, free: 1 })),
+                "{second:?}"
+            );
+        } else {
+            assert_eq!(
+                second.ids.len(),
+                100,
+                "second waited, then ran in full: {second:?}"
+            );
+        }
+        // Larger than the pool: refused at once under either policy.
+        let o = run_pd(
+            &pd,
+            3,
+            PLAIN,
+            SamplingConfig {
+                ignore_eos: true,
+                ..greedy(200)
+            },
+        )
+        .await
+        .1;
+        assert!(
+            matches!(
+                o.error,
+                Some(EngineError::TooLarge {
+                    need: 13,
+                    total: 8,
+                    ..
+                })
+            ),
+            "{o:?}"
+        );
+        wait_free(&pd).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aborts_and_dropped_receivers_free_pages_at_once() {
+    let Some(b) = bundle() else { return };
+    let pd = Pd::split(b.clone(), small(32), small(32), None).expect("engines");
+    let long = SamplingConfig {
+        ignore_eos: true,
+        ..greedy(300)
+    };
+    // Abort the decode half mid-generation.
+    let prompt: Arc<[u32]> = PLAIN.into();
+    let pre = pd.prefill(1, prompt.clone());
+    let mut rx = pd.decode(1, prompt.clone(), long.clone()).await;
+    pre.await.expect("prefill");
+    let mut tokens = 0;
+    while tokens < 3 {
+        match rx.recv().await {
+            Some(Event::Token { .. }) => tokens += 1,
+            Some(_) => {}
+            None => panic!("stream ended early"),
+        }
+    }
+    assert!(pd.pages().0 < pd.pages().1);
+    pd.abort(1, Half::Decode);
+    wait_free(&pd).await;
+    // Drop the receiver mid-generation.
+    let pre = pd.prefill(2, prompt.clone());
+    let mut rx = pd.decode(2, prompt.clone(), long.clone()).await;
+    pre.await.expect("prefill");
+    assert!(matches!(rx.recv().await, Some(Event::Started { .. })));
+    drop(rx);
+    wait_free(&pd).await;
+    // Abort before the prefill ran: the room closes, the decode never starts.
+    let pre = pd.prefill(3, prompt.clone());
+    pd.abort(3, Half::Prefill);
+    let rx = pd.decode(3, prompt.clone(), long).await;
+    let out = collect(rx).await;
+    assert_eq!(out.error, Some(EngineError::Stopped));
+    let _ = pre.await;
+    wait_free(&pd).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn injected_transfer_faults_are_caught_by_the_decode_engine() {
+    let Some(b) = bundle() else { return };
+    let prompt: Vec<u32> = b
+        .tokenizer
+        .encode(&"A long prompt that spans several pages of the pool. ".repeat(4))
+        .expect("encodes");
+    assert!(prompt.len() > 33, "at least three pages");
+    for fault in [
+        Fault::CorruptPage,
+        Fault::DropPage,
+        Fault::SwapPages,
+        Fault::RejectWithDecoy,
+    ] {
+        let plan = FaultPlan { fault, every: 1 };
+        let pd = Pd::split(b.clone(), small(32), small(32), Some(plan)).expect("engines");
+        for id in 1..=2u64 {
+            let (p, out) = run_pd(&pd, id, &prompt, greedy(4)).await;
+            match fault {
+                Fault::CorruptPage => assert!(
+                    matches!(
+                        out.error,
+                        Some(EngineError::Transfer(TransferError::PageCorrupt {
+                            index: 0
+                        }))
+                    ),
+                    "{out:?}"
+                ),
+                Fault::DropPage => assert!(
+                    matches!(
+                        out.error,
+                        Some(EngineError::Transfer(TransferError::ShortSet { .. }))
+                    ),
+                    "{out:?}"
+                ),
+                // The first pair loses its page; the second gets the first pair's.
+                Fault::SwapPages if id == 1 => assert!(
+                    matches!(
+                        out.error,
+                        Some(EngineError::Transfer(TransferError::ShortSet { .. }))
+                    ),
+                    "{out:?}"
+                ),
+                Fault::SwapPages => assert!(
+                    matches!(
+                        out.error,
+                        Some(EngineError::Transfer(TransferError::ForeignPage {
+                            found: 1,
+                            expected: 2,
+                            ..
+                        }))
+                    ),
+                    "{out:?}"
+                ),
+                // The decoy: the decode half runs happily; only the prefill's report says no. The
+                // router's barrier is what stops it (tested in the router's suite).
+                Fault::RejectWithDecoy => {
+                    assert!(p.is_err());
+                    assert!(out.error.is_none() && !out.ids.is_empty());
+                }
+            }
+            assert!(out.ids.is_empty() || fault == Fault::RejectWithDecoy);
+        }
+        wait_free(&pd).await;
+    }
+}
+
+#[test]
+fn an_engine_stops_cleanly_with_work_queued() {
+    let Some(b) = bundle() else { return };
+    let e = Engine::start("t", b, small(8)).expect("engine");
+    let mut rx = e.generate(Generate {
+        id: 9,
+        prompt: PLAIN.into(),
+        sampling: SamplingConfig {
+            ignore_eos: true,
+            ..greedy(100)
+        },
+        kv: None,
+    });
+    drop(e);
+    let mut last = None;
+    while let Some(ev) = rx.blocking_recv() {
+        last = Some(ev);
+    }
+    assert!(
+        matches!(
+            last,
+            Some(Event::Failed(EngineError::Stopped))
+                | Some(Event::Token {
+                    finish: Some(_),
+                    ..
+                })
+        ),
+        "{last:?}"
+    );
+}
