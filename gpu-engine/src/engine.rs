@@ -821,7 +821,7 @@ impl Worker {
                 sampled,
             } = &mut a.role
             {
-                let id = sampler.sample(&l, *sampled);
+                let id = sampler.sample(&l, *sampled, text.ids());
                 *sampled += 1;
                 next[0] = id;
                 let emit = text.push(&self.bundle.tokenizer, id);

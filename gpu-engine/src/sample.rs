@@ -25,6 +25,10 @@ pub struct SamplingConfig {
     pub stop_token_ids: Vec<u32>,
     /// Keep generating past the end-of-generation tokens.
     pub ignore_eos: bool,
+    /// Subtracted once from the logit of every token already generated (OpenAI semantics).
+    pub presence_penalty: f32,
+    /// Subtracted per occurrence from the logit of every token already generated.
+    pub frequency_penalty: f32,
 }
 
 impl Default for SamplingConfig {
@@ -38,6 +42,8 @@ impl Default for SamplingConfig {
             stop: Vec::new(),
             stop_token_ids: Vec::new(),
             ignore_eos: false,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
         }
     }
 }
@@ -71,9 +77,27 @@ impl Sampler {
         &self.cfg
     }
 
-    /// The token for generation step `step`.
-    pub fn sample(&self, logits: &[f32], step: usize) -> u32 {
+    /// The token for generation step `step`, after the tokens of `history` were generated.
+    pub fn sample(&self, logits: &[f32], step: usize, history: &[u32]) -> u32 {
         let c = &self.cfg;
+        let penalised;
+        let logits =
+            if (c.presence_penalty != 0.0 || c.frequency_penalty != 0.0) && !history.is_empty() {
+                let mut counts = std::collections::HashMap::<u32, u32>::new();
+                for t in history {
+                    *counts.entry(*t).or_default() += 1;
+                }
+                let mut l = logits.to_vec();
+                for (t, n) in counts {
+                    if let Some(v) = l.get_mut(t as usize) {
+                        *v -= c.presence_penalty + c.frequency_penalty * n as f32;
+                    }
+                }
+                penalised = l;
+                &penalised[..]
+            } else {
+                logits
+            };
         if c.temperature <= 0.0 || c.top_k == 1 {
             return crate::model::argmax(logits);
         }
@@ -161,8 +185,8 @@ impl TextStream {
     }
 
     /// Tokens generated so far (a final stop token included).
-    pub fn generated(&self) -> usize {
-        self.ids.len()
+    pub fn ids(&self) -> &[u32] {
+        &self.ids
     }
 
     /// Accepts the next sampled token.
@@ -259,7 +283,7 @@ mod tests {
             },
         ] {
             let s = sampler(cfg);
-            assert!((0..50).all(|i| s.sample(&logits, i) == 1));
+            assert!((0..50).all(|i| s.sample(&logits, i, &[]) == 1));
         }
     }
 
@@ -272,7 +296,9 @@ mod tests {
             seed: Some(7),
             ..Default::default()
         });
-        let ones = (0..4000).filter(|i| s.sample(&logits, *i) == 1).count();
+        let ones = (0..4000)
+            .filter(|i| s.sample(&logits, *i, &[]) == 1)
+            .count();
         let p = ones as f64 / 4000.0;
         assert!((p - 0.75).abs() < 0.03, "p(1) = {p}");
         // A low temperature sharpens it.
@@ -281,7 +307,9 @@ mod tests {
             seed: Some(7),
             ..Default::default()
         });
-        let ones = (0..4000).filter(|i| cold.sample(&logits, *i) == 1).count();
+        let ones = (0..4000)
+            .filter(|i| cold.sample(&logits, *i, &[]) == 1)
+            .count();
         assert!(ones as f64 / 4000.0 > 0.95);
     }
 
@@ -295,21 +323,21 @@ mod tests {
             seed: Some(1),
             ..Default::default()
         });
-        assert!((0..3000).all(|i| k2.sample(&logits, i) != 2));
+        assert!((0..3000).all(|i| k2.sample(&logits, i, &[]) != 2));
         let p5 = sampler(SamplingConfig {
             temperature: 1.0,
             top_p: 0.5,
             seed: Some(1),
             ..Default::default()
         });
-        assert!((0..3000).all(|i| p5.sample(&logits, i) == 0));
+        assert!((0..3000).all(|i| p5.sample(&logits, i, &[]) == 0));
         let p85 = sampler(SamplingConfig {
             temperature: 1.0,
             top_p: 0.85,
             seed: Some(1),
             ..Default::default()
         });
-        let picks: Vec<u32> = (0..3000).map(|i| p85.sample(&logits, i)).collect();
+        let picks: Vec<u32> = (0..3000).map(|i| p85.sample(&logits, i, &[])).collect();
         assert!(picks.contains(&1) && !picks.contains(&2));
     }
 
@@ -321,9 +349,31 @@ mod tests {
             seed: Some(seed),
             ..Default::default()
         };
-        let run = |s: &Sampler| (0..64).map(|i| s.sample(&logits, i)).collect::<Vec<_>>();
+        let run = |s: &Sampler| {
+            (0..64)
+                .map(|i| s.sample(&logits, i, &[]))
+                .collect::<Vec<_>>()
+        };
         assert_eq!(run(&sampler(cfg(42))), run(&sampler(cfg(42))));
         assert_ne!(run(&sampler(cfg(42))), run(&sampler(cfg(43))));
+    }
+
+    #[test]
+    fn penalties_push_down_what_was_generated() {
+        let logits = [1.0, 0.9, 0.0];
+        let greedy = |presence, frequency| {
+            sampler(SamplingConfig {
+                presence_penalty: presence,
+                frequency_penalty: frequency,
+                ..Default::default()
+            })
+        };
+        assert_eq!(greedy(0.0, 0.0).sample(&logits, 0, &[0, 0]), 0);
+        assert_eq!(greedy(0.2, 0.0).sample(&logits, 0, &[0]), 1);
+        assert_eq!(greedy(0.0, 0.06).sample(&logits, 0, &[0]), 0);
+        assert_eq!(greedy(0.0, 0.06).sample(&logits, 0, &[0, 0]), 1);
+        // A negative presence penalty encourages repetition.
+        assert_eq!(greedy(-2.0, 0.0).sample(&logits, 0, &[2]), 2);
     }
 
     #[test]

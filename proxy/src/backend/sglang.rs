@@ -159,7 +159,10 @@ impl PdBackend for SglangBackend {
                 side,
                 failure: HalfFailure::Protocol("no meta_info.prompt_tokens".into()),
             })?;
-            Ok(PrefillReport { prompt_tokens })
+            Ok(PrefillReport {
+                prompt_tokens,
+                kv_digest: None,
+            })
         })
     }
 
@@ -289,6 +292,7 @@ impl SseDecoder {
                 };
                 self.text_len = text.len();
                 return Ok(Some(DecodeChunk {
+                    kv_digest: None,
                     delta,
                     prompt_tokens: meta_u64(&v, "prompt_tokens"),
                     completion_tokens: meta_u64(&v, "completion_tokens").unwrap_or(0),

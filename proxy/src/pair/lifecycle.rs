@@ -124,6 +124,12 @@ impl Failure {
     fn from_half(pair_id: PairId, e: HalfError) -> Failure {
         let retry_safe = e.retry_safe();
         let message = e.to_string();
+        if matches!(e.failure, HalfFailure::Integrity(_)) {
+            return Failure {
+                failed_side: Some(e.side),
+                ..Failure::integrity(pair_id, message)
+            };
+        }
         let (error, reason) = match e.side {
             Side::Prefill => (
                 LockstepError::PrefillRejected { pair_id, message },
@@ -307,6 +313,7 @@ impl PairRuntime {
         let mut prefill = self.backend.prefill(d);
         let mut decode = self.backend.decode(d);
         let mut prefill_ok = false;
+        let mut prefill_digest = None;
         let mut first: Option<DecodeChunk> = None;
 
         // The commit barrier: no decode byte leaves before the prefill is verified and the decode's
@@ -325,6 +332,7 @@ impl PairRuntime {
                             "prefill computed {} prompt tokens, lockstep sent {expected}", report.prompt_tokens)));
                     }
                     prefill_ok = true;
+                    prefill_digest = report.kv_digest;
                 }
                 c = decode.next(), if first.is_none() => {
                     let chunk = match c {
@@ -338,6 +346,19 @@ impl PairRuntime {
             }
         }
 
+        // Verified KV: the digest the decode imported must be the one the prefill sent; neither
+        // side is trusted alone.
+        let decode_digest = first.as_ref().and_then(|c| c.kv_digest);
+        if prefill_digest != decode_digest {
+            return Err(Failure::integrity(
+                id,
+                format!(
+                    "KV digest mismatch: prefill sent {}, decode imported {}",
+                    digest_text(prefill_digest),
+                    digest_text(decode_digest)
+                ),
+            ));
+        }
         guard.set_state(PairState::Committed);
         *committed = true;
         let gone = || {
@@ -392,6 +413,10 @@ impl PairRuntime {
             }
         }
     }
+}
+
+fn digest_text(d: Option<u64>) -> String {
+    d.map_or_else(|| "none".into(), |d| format!("{d:016x}"))
 }
 
 fn check_decode_count(id: PairId, chunk: &DecodeChunk, expected: u64) -> Result<(), Failure> {

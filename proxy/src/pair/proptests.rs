@@ -61,6 +61,7 @@ impl PdBackend for Fake {
                 } => {
                     tokio::time::sleep(Duration::from_millis(delay_ms)).await;
                     Ok(PrefillReport {
+                        kv_digest: None,
                         prompt_tokens: if count_off { n + 1 } else { n },
                     })
                 }
@@ -111,6 +112,7 @@ impl PdBackend for Fake {
                     ));
                 }
                 let chunk = DecodeChunk {
+                    kv_digest: None,
                     delta: format!("t{i} "),
                     prompt_tokens: Some(if s.count_off_at == Some(i) { n + 2 } else { n }),
                     completion_tokens: i as u64 + 1,
