@@ -74,7 +74,7 @@ async fn seed_secret(stack: &Stack) {
         "the seed echoes its own prompt: {}",
         a.body
     );
-    assert!(stack.wait_all_idle(Duration::from_secs(3)).await);
+    assert!(stack.wait_all_idle(Duration::from_secs(10)).await);
 }
 
 async fn assert_fault(fault: Fault, expected_codes: &[&str]) {
@@ -119,7 +119,7 @@ async fn assert_fault(fault: Fault, expected_codes: &[&str]) {
             // Both halves of every pair this request dispatched were aborted, and released.
             stack.mock.set_fault(Fault::None);
             assert!(
-                stack.wait_all_idle(Duration::from_secs(3)).await,
+                stack.wait_all_idle(Duration::from_secs(10)).await,
                 "{case}: left behind: live {:?}, open rooms {}, free pages {}/{}, lockstep idle {}",
                 stack.mock.live_halves(),
                 stack.mock.open_rooms(),
@@ -238,7 +238,7 @@ async fn slow_halves_succeed_with_own_content() {
                 );
             }
             assert!(
-                stack.wait_all_idle(Duration::from_secs(3)).await,
+                stack.wait_all_idle(Duration::from_secs(10)).await,
                 "{case}: not idle"
             );
         }
