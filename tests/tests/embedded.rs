@@ -1,0 +1,355 @@
+//! lockstep on its embedded engine, serving the real SmolLM2 model through HTTP: every endpoint,
+//! streamed and not; split and unified modes agree; every injected KV transfer fault ends in an
+//! error with both halves aborted and no page leaked; and the leak test: concurrent clients with
+//! unique secrets, prompts near and over capacity, faults on and off.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use lockstep::app::Lockstep;
+use lockstep::config::{Config, EngineSection, expand_home};
+use lockstep_tests::client::{Answer, TestClient};
+use serde_json::{Value, json};
+
+const MODEL: &str = "smollm2";
+
+/// The model file, or `None` (the test returns) when it was not fetched; with
+/// `LOCKSTEP_REQUIRE_MODEL` set (CI) a missing model fails.
+fn model_path() -> Option<std::path::PathBuf> {
+    let p = std::env::var_os("LOCKSTEP_MODEL")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| expand_home(&EngineSection::default().gguf));
+    if p.is_file() {
+        return Some(p);
+    }
+    assert!(
+        std::env::var_os("LOCKSTEP_REQUIRE_MODEL").is_none(),
+        "LOCKSTEP_REQUIRE_MODEL is set but the model is missing: run scripts/fetch-model.sh"
+    );
+    eprintln!("test model not fetched (scripts/fetch-model.sh)");
+    None
+}
+
+struct Embedded {
+    lockstep: Lockstep,
+    url: String,
+}
+
+async fn start(engine_extra: &str) -> Option<Embedded> {
+    let path = model_path()?;
+    let text = format!(
+        r#"
+[server]
+http_listen = "127.0.0.1:0"
+
+[[models]]
+name = "{MODEL}"
+backend = "embedded"
+context_window = 512
+kv_capacity_tokens = 768
+default_max_tokens = 16
+
+[models.engine]
+gguf = "{path}"
+fetch_pip = ""
+kv_pages = 48
+page_size = 16
+max_batch_tokens = 128
+{engine_extra}
+
+[models.timeouts]
+total_ms = 60000
+prefill_ms = 30000
+first_token_ms = 40000
+idle_ms = 20000
+"#,
+        path = path.display()
+    );
+    let cfg = Config::parse(&text).expect("config parses");
+    assert!(cfg.problems().is_empty(), "{:?}", cfg.problems());
+    let lockstep = Lockstep::start(cfg).await.expect("lockstep starts");
+    let url = format!("http://{}", lockstep.http_addr);
+    Some(Embedded { lockstep, url })
+}
+
+impl Embedded {
+    fn engine_pages(&self) -> (usize, usize) {
+        let models = self.lockstep.state.models.load();
+        models.by_name[MODEL]
+            .engine
+            .as_ref()
+            .expect("embedded")
+            .pages()
+    }
+
+    /// Waits (bounded) until no pair is live and every page of both pools is free.
+    async fn wait_released(&self) {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            let (free, total) = self.engine_pages();
+            if free == total && self.lockstep.state.registry.is_empty() {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "not released: {free} of {total} pages free, {} live pairs",
+                self.lockstep.state.registry.len()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    async fn post(&self, path: &str, body: Value) -> Answer {
+        TestClient::default()
+            .post(
+                &format!("{}{path}", self.url),
+                &body,
+                Duration::from_secs(60),
+            )
+            .await
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Endpoint {
+    Generate,
+    Completions,
+    Chat,
+}
+
+const ENDPOINTS: [Endpoint; 3] = [Endpoint::Generate, Endpoint::Completions, Endpoint::Chat];
+
+fn request(ep: Endpoint, prompt: &str, stream: bool, max_tokens: u64) -> (&'static str, Value) {
+    match ep {
+        Endpoint::Generate => (
+            "/generate",
+            json!({ "text": prompt, "stream": stream, "sampling_params": { "max_new_tokens": max_tokens, "temperature": 0 } }),
+        ),
+        Endpoint::Completions => (
+            "/v1/completions",
+            json!({ "model": MODEL, "prompt": prompt, "stream": stream, "max_tokens": max_tokens, "temperature": 0 }),
+        ),
+        Endpoint::Chat => (
+            "/v1/chat/completions",
+            json!({ "model": MODEL, "messages": [{ "role": "user", "content": prompt }], "stream": stream, "max_tokens": max_tokens, "temperature": 0 }),
+        ),
+    }
+}
+
+/// The generated text of an answer, streamed or not, from any endpoint.
+fn text_of(a: &Answer) -> String {
+    let pick = |v: &Value| -> Option<String> {
+        v.pointer("/choices/0/text")
+            .or_else(|| v.pointer("/choices/0/message/content"))
+            .or_else(|| v.pointer("/choices/0/delta/content"))
+            .or_else(|| v.get("text"))
+            .and_then(Value::as_str)
+            .map(str::to_string)
+    };
+    if a.headers
+        .get("content-type")
+        .is_some_and(|c| c.to_str().unwrap_or("").starts_with("text/event-stream"))
+    {
+        let events: Vec<Value> = a
+            .sse_events()
+            .iter()
+            .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+            .collect();
+        // SGLang's /generate streams the cumulative text; OpenAI endpoints stream deltas.
+        if events.iter().any(|v| v.get("meta_info").is_some()) {
+            return events
+                .iter()
+                .rev()
+                .find_map(|v| pick(v))
+                .unwrap_or_default();
+        }
+        events.iter().filter_map(|v| pick(v)).collect()
+    } else {
+        pick(&a.json()).unwrap_or_default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serves_every_endpoint_streamed_and_not_split_and_unified_agree() {
+    let Some(split) = start("").await else { return };
+    let models = TestClient::default()
+        .get(&format!("{}/v1/models", split.url), Duration::from_secs(5))
+        .await;
+    assert_eq!(models.json()["data"][0]["id"], MODEL, "{}", models.body);
+
+    let mut texts = Vec::new();
+    for ep in ENDPOINTS {
+        for stream in [false, true] {
+            let (path, body) = request(ep, "The capital of France is", stream, 8);
+            let a = split.post(path, body).await;
+            assert_eq!(a.status, 200, "{ep:?} stream={stream}: {}", a.body);
+            assert!(a.error_code().is_none(), "{}", a.body);
+            if stream && !matches!(ep, Endpoint::Generate) {
+                assert!(a.body.contains("[DONE]"), "{}", a.body);
+            }
+            texts.push(((ep as u8, stream), text_of(&a)));
+        }
+    }
+    // Streamed and not give the same text; the completion is about Paris.
+    for pair in texts.chunks(2) {
+        assert_eq!(pair[0].1, pair[1].1, "stream and non-stream differ");
+        assert!(!pair[0].1.is_empty());
+    }
+    assert!(texts[2].1.contains("Paris"), "{}", texts[2].1);
+    let (path, body) = request(Endpoint::Completions, "The capital of France is", false, 8);
+    let a = split.post(path, body.clone()).await;
+    assert_eq!(a.json()["usage"]["prompt_tokens"], 5, "{}", a.body);
+    assert_eq!(a.json()["usage"]["completion_tokens"], 8, "{}", a.body);
+    split.wait_released().await;
+
+    let Some(unified) = start("mode = \"unified\"").await else {
+        return;
+    };
+    let b = unified.post(path, body).await;
+    assert_eq!(text_of(&a), text_of(&b), "split and unified agree (greedy)");
+    unified.wait_released().await;
+}
+
+/// The official `openai` Python package against the embedded model.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn official_openai_client_gets_coherent_answers() {
+    let Some(s) = start("").await else { return };
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("python/openai_embedded.py");
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    let child = tokio::process::Command::new(&python)
+        .arg(&script)
+        .env("LOCKSTEP_URL", &s.url)
+        .env("LOCKSTEP_MODEL", MODEL)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("python3 runs");
+    let out = tokio::time::timeout(Duration::from_secs(180), child.wait_with_output())
+        .await
+        .expect("script ends")
+        .expect("output");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && stdout.contains("all embedded openai checks passed"),
+        "openai client checks failed\nstdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    s.wait_released().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transfer_faults_end_in_errors_and_free_every_page() {
+    let prompt = "A prompt long enough to fill several pages of the pool, so that a page can be lost, \
+                  corrupted or swapped on its way from the prefill engine to the decode engine.";
+    for (fault, code) in [
+        ("corrupt_page", "integrity_violation"),
+        ("drop_page", "integrity_violation"),
+        ("swap_pages", "integrity_violation"),
+        ("reject_with_decoy", "prefill_rejected"),
+    ] {
+        let Some(s) = start(&format!("fault = \"{fault}\"")).await else {
+            return;
+        };
+        for ep in ENDPOINTS {
+            for stream in [false, true] {
+                let (path, body) = request(ep, prompt, stream, 8);
+                let a = s.post(path, body).await;
+                let case = format!("{fault} {ep:?} stream={stream}");
+                // Nothing was committed: the error comes as a status, never as a 200.
+                assert!(a.status >= 400, "{case}: {} {}", a.status, a.body);
+                assert_eq!(a.error_code().as_deref(), Some(code), "{case}: {}", a.body);
+                assert!(text_of(&a).is_empty(), "{case}: content leaked: {}", a.body);
+                s.wait_released().await;
+            }
+        }
+        let st = &s.lockstep.state.stats;
+        assert_eq!(
+            st.completed.load(std::sync::atomic::Ordering::Relaxed),
+            0,
+            "{fault}"
+        );
+    }
+}
+
+/// Concurrent clients, each with a unique secret in its prompt, some prompts near and some over
+/// the capacity, with transfer faults off and then on (every other pair): no answer ever holds
+/// another client's secret, every over-limit request gets `context_length_exceeded`, and every
+/// page comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leak_test_concurrent_secrets_near_and_over_capacity() {
+    for extra in ["", "fault = \"corrupt_page\"\nfault_every = 2"] {
+        let Some(s) = start(extra).await else { return };
+        let s = Arc::new(s);
+        let secrets: Vec<String> = (0..8)
+            .map(|i| format!("ZQX{:05}", 12345 + i * 1111))
+            .collect();
+        let mut tasks = Vec::new();
+        for (i, secret) in secrets.iter().enumerate() {
+            let (s, secret) = (s.clone(), secret.clone());
+            tasks.push(tokio::spawn(async move {
+                // Repetition makes the model echo its own secret, so a cross-wired answer would show.
+                let base = format!("{secret} {secret} {secret} {secret} {secret}");
+                let (prompt, over) = match i % 4 {
+                    // Near the 512-token window: long filler, then the secret.
+                    1 => (
+                        format!("{} {base}", "filler words to pad the prompt ".repeat(65)),
+                        false,
+                    ),
+                    // Over it.
+                    3 => (
+                        format!("{} {base}", "filler words to pad the prompt ".repeat(120)),
+                        true,
+                    ),
+                    _ => (base, false),
+                };
+                let ep = ENDPOINTS[i % 3];
+                let (path, body) = request(ep, &prompt, i % 2 == 0, 12);
+                (i, over, s.post(path, body).await)
+            }));
+        }
+        let mut echoed = 0;
+        let mut answered = HashSet::new();
+        for t in tasks {
+            let (i, over, a) = t.await.expect("task");
+            let text = text_of(&a);
+            for (j, other) in secrets.iter().enumerate() {
+                if j != i {
+                    assert!(
+                        !a.body.contains(other.as_str()),
+                        "client {i} got client {j}'s secret: {}",
+                        a.body
+                    );
+                }
+            }
+            if over {
+                assert_eq!(a.status, 400, "{}", a.body);
+                assert_eq!(a.error_code().as_deref(), Some("context_length_exceeded"));
+            } else if a.error_code().is_none() {
+                answered.insert(i);
+                echoed += usize::from(text.contains(&secrets[i][..5]));
+            } else {
+                // Only injected faults may fail a request that fits.
+                assert!(
+                    !extra.is_empty(),
+                    "client {i} failed without faults: {}",
+                    a.body
+                );
+                assert_eq!(
+                    a.error_code().as_deref(),
+                    Some("integrity_violation"),
+                    "{}",
+                    a.body
+                );
+            }
+        }
+        assert!(!answered.is_empty());
+        if extra.is_empty() {
+            assert_eq!(answered.len(), 6, "every request that fits is answered");
+            // The detector works: answers do carry their own secret.
+            assert!(echoed > 0, "no answer echoed its own secret");
+        }
+        s.wait_released().await;
+    }
+}
