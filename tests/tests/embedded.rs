@@ -158,13 +158,9 @@ fn text_of(a: &Answer) -> String {
             .collect();
         // SGLang's /generate streams the cumulative text; OpenAI endpoints stream deltas.
         if events.iter().any(|v| v.get("meta_info").is_some()) {
-            return events
-                .iter()
-                .rev()
-                .find_map(|v| pick(v))
-                .unwrap_or_default();
+            return events.iter().rev().find_map(&pick).unwrap_or_default();
         }
-        events.iter().filter_map(|v| pick(v)).collect()
+        events.iter().filter_map(&pick).collect()
     } else {
         pick(&a.json()).unwrap_or_default()
     }
