@@ -1,0 +1,65 @@
+"""llama.cpp (llama-cpp-python) throughput on a GGUF model, the same measurements as
+gpu-engine/examples/bench_model.rs: prefill tokens/s on a 512-token prompt, decode tokens/s at
+batch 1 and batch 8 (each sequence after a 512-token prompt). Prints one JSON line.
+
+    python bench/llamacpp_engine.py MODEL.gguf THREADS
+"""
+import ctypes
+import json
+import sys
+import time
+
+import llama_cpp
+
+path, threads = sys.argv[1], int(sys.argv[2])
+reps = 3
+llm = llama_cpp.Llama(model_path=path, n_ctx=1024, n_threads=threads, verbose=False)
+prompt = llm.tokenize(b"The quick brown fox jumps over the lazy dog. " * 60, add_bos=False)[:512]
+# A context of our own: eight sequences of 640 positions each.
+params = llama_cpp.llama_context_default_params()
+params.n_ctx = 8 * 640
+params.n_batch = 512
+params.n_ubatch = 512
+params.n_seq_max = 8
+params.n_threads = threads
+params.n_threads_batch = threads
+ctx = llama_cpp.llama_init_from_model(llm._model.model, params)
+batch = llama_cpp.llama_batch_init(512, 0, 8)
+
+
+def decode(tokens, seq, start, logits_last=True):
+    batch.n_tokens = len(tokens)
+    for i, (t, s, p) in enumerate(zip(tokens, seq, start)):
+        batch.token[i] = t
+        batch.pos[i] = p
+        batch.n_seq_id[i] = 1
+        batch.seq_id[i][0] = s
+        batch.logits[i] = logits_last and (i == len(tokens) - 1 or len(set(seq)) > 1)
+    if llama_cpp.llama_decode(ctx, batch) != 0:
+        raise SystemExit(f"llama_decode failed: {len(tokens)} tokens, seqs {sorted(set(seq))}, pos {start[0]}")
+
+
+def clear():
+    mem = llama_cpp.llama_get_memory(ctx)
+    llama_cpp.llama_memory_clear(mem, True)
+
+
+pre, d1, d8 = [], [], []
+for _ in range(reps):
+    clear()
+    t = time.perf_counter()
+    decode(prompt, [0] * 512, range(512))
+    pre.append(512 / (time.perf_counter() - t))
+    t = time.perf_counter()
+    for i in range(64):
+        decode([prompt[i]], [0], [512 + i])
+    d1.append(64 / (time.perf_counter() - t))
+    clear()
+    for s in range(8):
+        decode(prompt, [s] * 512, range(512))
+    t = time.perf_counter()
+    for i in range(32):
+        decode([prompt[i]] * 8, list(range(8)), [512 + i] * 8)
+    d8.append(8 * 32 / (time.perf_counter() - t))
+print(json.dumps({"prefill512_tok_s": round(max(pre), 1), "decode_b1_tok_s": round(max(d1), 1),
+                  "decode_b8_tok_s": round(max(d8), 1), "llama_cpp_python": llama_cpp.__version__}))
