@@ -64,8 +64,8 @@ fn main() -> Result<(), String> {
             seqs.push(q);
         }
         let t = Instant::now();
-        for i in 0..32 {
-            let tok = [prompt[i]];
+        for &t in &prompt[..32] {
+            let tok = [t];
             let mut items: Vec<Step<'_>> = seqs
                 .iter_mut()
                 .map(|seq| Step {
