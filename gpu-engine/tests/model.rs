@@ -164,3 +164,80 @@ fn ragged_batch_equals_sequences_run_alone() {
         assert_eq!(s.len, p.len() + n.len());
     }
 }
+
+/// Teacher forcing over 256 positions of a fixed text against llama.cpp's logits
+/// (`fixtures/smollm2_teacher.json`, `scripts/gen-teacher-fixture.py`): top-1 agreement of at
+/// least 95%, and the mean absolute difference of the logits of llama.cpp's top 8 tokens per
+/// position stays small (printed; the figure in the README comes from this test).
+#[test]
+fn teacher_forced_256_positions_agree_with_llama_cpp() {
+    let Some(path) = common::model_path() else {
+        return;
+    };
+    let g = lockstep_engine::gguf::open(&path).expect("opens");
+    let model = Llama::load(&g).expect("loads");
+    let c = model.cfg;
+    let fixture: Value =
+        serde_json::from_str(include_str!("fixtures/smollm2_teacher.json")).expect("fixture");
+    let tokens: Vec<u32> = serde_json::from_value(fixture["tokens"].clone()).expect("tokens");
+    let batched: Vec<Vec<(u32, f32)>> =
+        serde_json::from_value(fixture["top"].clone()).expect("top");
+    let sequential: Vec<Vec<(u32, f32)>> =
+        serde_json::from_value(fixture["top_sequential"].clone()).expect("top_sequential");
+    assert_eq!(
+        (tokens.len(), batched.len(), sequential.len()),
+        (257, 256, 256)
+    );
+    let mut pool = PagePool::new(PoolConfig {
+        num_pages: 20,
+        page_size: 16,
+        layers: c.layers,
+        kv_heads: c.kv_heads,
+        head_dim: c.head_dim,
+        dtype: KvDtype::F16,
+        scrub: ScrubPolicy::None,
+        verify: VerifyMode::Always,
+    })
+    .expect("pool");
+    let mut seq = pool
+        .new_sequence(OwnerId::sequence(1), tokens.len())
+        .expect("room");
+    let mut ours = Vec::new();
+    for i in 0..256 {
+        ours.push(
+            model
+                .forward(&mut pool, &mut seq, &tokens[i..i + 1])
+                .expect("step"),
+        );
+    }
+    // llama.cpp's two paths against each other: the noise floor of the comparison.
+    let self_agree = batched
+        .iter()
+        .zip(&sequential)
+        .filter(|(a, b)| a[0].0 == b[0].0)
+        .count();
+    for (name, top) in [("batched", &batched), ("one-token", &sequential)] {
+        let (mut agree, mut diff, mut n, mut worst) = (0usize, 0.0f64, 0usize, 0.0f32);
+        for (logits, want) in ours.iter().zip(top.iter()) {
+            agree += usize::from(argmax(logits) == want[0].0);
+            for (id, l) in want {
+                let d = (logits[*id as usize] - l).abs();
+                worst = worst.max(d);
+                diff += d as f64;
+                n += 1;
+            }
+        }
+        let rate = agree as f64 / 256.0;
+        let mean = diff / n as f64;
+        eprintln!(
+            "teacher forcing vs llama.cpp {name} path, 256 positions: top-1 agreement {:.1}%, mean |logit diff| over its top 8 {mean:.4} (max {worst:.3}); llama.cpp's two paths agree at {:.1}%",
+            rate * 100.0,
+            self_agree as f64 / 2.56
+        );
+        assert!(rate >= 0.95, "{name}: top-1 agreement {rate:.3} < 0.95");
+        assert!(
+            mean < 0.25,
+            "{name}: mean absolute logit difference {mean:.4}"
+        );
+    }
+}
