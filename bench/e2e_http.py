@@ -1,0 +1,52 @@
+"""lockstep end to end through HTTP (stdlib client): time to first token for a 512-token prompt,
+decode tokens/s of one streamed request, and aggregate tokens/s of 8 concurrent requests.
+Prints one JSON line.
+
+    python3 bench/e2e_http.py http://127.0.0.1:8080 MODEL
+"""
+import json
+import sys
+import threading
+import time
+import urllib.request
+
+BASE, MODEL = sys.argv[1], sys.argv[2]
+PROMPT_512 = " ".join(["fox"] * 511)  # 511 words + the template-free completion prompt ≈ 512 tokens
+
+
+def stream(prompt, max_tokens):
+    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()
+    req = urllib.request.Request(BASE + "/v1/completions", body, {"content-type": "application/json"})
+    t0 = time.perf_counter()
+    first = None
+    usage = None
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for line in r:
+            line = line.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            ev = json.loads(line[5:])
+            if ev.get("choices") and first is None:
+                first = time.perf_counter()
+            if ev.get("usage"):
+                usage = ev["usage"]
+    return t0, first, time.perf_counter(), usage
+
+
+t0, first, end, usage = stream(PROMPT_512, 1)
+ttft = first - t0
+prompt_tokens = usage["prompt_tokens"]
+t0, first, end, usage = stream("Once upon a time", 128)
+decode_b1 = (usage["completion_tokens"] - 1) / (end - first)
+results = []
+threads = [threading.Thread(target=lambda: results.append(stream("Once upon a time", 64))) for _ in range(8)]
+t = time.perf_counter()
+for th in threads:
+    th.start()
+for th in threads:
+    th.join()
+total = sum(r[3]["completion_tokens"] for r in results)
+print(json.dumps({"ttft_512_s": round(ttft, 3), "prompt_tokens": prompt_tokens,
+                  "prefill_e2e_tok_s": round(prompt_tokens / ttft, 1), "decode_b1_tok_s": round(decode_b1, 1),
+                  "concurrent8_tok_s": round(total / (time.perf_counter() - t), 1)}))

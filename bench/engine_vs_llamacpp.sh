@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The embedded engine against llama.cpp (llama-cpp-python 0.3.36) on the same GGUF, on this
+# machine, with the same thread count, in one run: prefill tokens/s on a 512-token prompt, decode
+# tokens/s at batch 1 and batch 8; then lockstep end to end through HTTP. Prints a table with the
+# ratios. A benchmark, not a test: run it by hand.
+#
+#   bash bench/engine_vs_llamacpp.sh            # THREADS=2 by default
+set -euo pipefail
+cd "$(dirname "$0")/.."
+THREADS=${THREADS:-2}
+MODEL=$(bash scripts/fetch-model.sh)
+VENV=${LLAMA_VENV:-$HOME/.cache/lockstep-bench/venv-llama}
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import llama_cpp" 2>/dev/null; then
+  echo "building llama-cpp-python 0.3.36 from source into $VENV (about 10 minutes)" >&2
+  python3 -m venv "$VENV"
+  "$VENV/bin/pip" install --quiet llama-cpp-python==0.3.36 numpy
+fi
+cargo build --release --quiet -p lockstep-engine --example bench_model
+cargo build --release --quiet -p lockstep --bin lockstep
+OURS=$(RAYON_NUM_THREADS=$THREADS target/release/examples/bench_model "$MODEL")
+THEIRS=$("$VENV/bin/python" bench/llamacpp_engine.py "$MODEL" "$THREADS" 2>/dev/null)
+
+PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+RAYON_NUM_THREADS=$THREADS target/release/lockstep serve --http-listen "127.0.0.1:$PORT" --log-level warn &
+PID=$!
+trap 'kill "$PID" 2>/dev/null || true; wait "$PID" 2>/dev/null || true' EXIT
+for _ in $(seq 1 300); do
+  curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null 2>&1 && break
+  python3 -c "import urllib.request,sys; urllib.request.urlopen('http://127.0.0.1:$PORT/ready', timeout=1)" 2>/dev/null && break
+  sleep 0.2
+done
+E2E=$(python3 bench/e2e_http.py "http://127.0.0.1:$PORT" SmolLM2-135M-Instruct)
+
+python3 - "$OURS" "$THEIRS" "$E2E" "$THREADS" <<'PY'
+import json, sys
+ours, theirs, e2e, threads = json.loads(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]
+print(f"SmolLM2-135M-Instruct Q4_1, {threads} threads, {theirs.pop('llama_cpp_python', '?')} llama-cpp-python")
+print(f"{'measure':<28}{'lockstep':>12}{'llama.cpp':>12}{'ratio':>8}")
+for k, name in [("prefill512_tok_s", "prefill 512 tokens, tok/s"), ("decode_b1_tok_s", "decode batch 1, tok/s"),
+                ("decode_b8_tok_s", "decode batch 8, tok/s")]:
+    print(f"{name:<28}{ours[k]:>12.1f}{theirs[k]:>12.1f}{ours[k] / theirs[k]:>7.2f}x")
+print("lockstep end to end (HTTP, split prefill/decode engines):", json.dumps(e2e))
+PY
