@@ -39,6 +39,8 @@ struct Script {
     decode: DecodeScript,
     /// The client stops reading after this many events.
     client_leaves_after: Option<usize>,
+    /// The decode reports a KV digest other than the prefill's.
+    digest_off: bool,
 }
 
 struct Fake {
@@ -61,7 +63,7 @@ impl PdBackend for Fake {
                 } => {
                     tokio::time::sleep(Duration::from_millis(delay_ms)).await;
                     Ok(PrefillReport {
-                        kv_digest: None,
+                        kv_digest: Some(42),
                         prompt_tokens: if count_off { n + 1 } else { n },
                     })
                 }
@@ -79,6 +81,7 @@ impl PdBackend for Fake {
     fn decode(&self, _d: &Dispatch) -> DecodeStream {
         let s = self.script.decode.clone();
         let n = self.n;
+        let digest = Some(if self.script.digest_off { 43 } else { 42 });
         futures_util::stream::unfold(0usize, move |i| {
             let s = s.clone();
             async move {
@@ -112,7 +115,7 @@ impl PdBackend for Fake {
                     ));
                 }
                 let chunk = DecodeChunk {
-                    kv_digest: None,
+                    kv_digest: digest,
                     delta: format!("t{i} "),
                     prompt_tokens: Some(if s.count_off_at == Some(i) { n + 2 } else { n }),
                     completion_tokens: i as u64 + 1,
@@ -180,13 +183,20 @@ fn script() -> impl Strategy<Value = Script> {
                 }
             },
         );
-    (prefill, decode, proptest::option::weighted(0.2, 0usize..5)).prop_map(
-        |(prefill, decode, client_leaves_after)| Script {
-            prefill,
-            decode,
-            client_leaves_after,
-        },
+    (
+        prefill,
+        decode,
+        proptest::option::weighted(0.2, 0usize..5),
+        proptest::bool::weighted(0.15),
     )
+        .prop_map(
+            |(prefill, decode, client_leaves_after, digest_off)| Script {
+                prefill,
+                decode,
+                client_leaves_after,
+                digest_off,
+            },
+        )
 }
 
 fn pool() -> Arc<WorkerPool> {
@@ -280,6 +290,10 @@ fn run_case(script: Script) -> Result<(), TestCaseError> {
                     }
                 ),
                 "committed although the prefill failed"
+            );
+            prop_assert!(
+                !script.digest_off,
+                "committed although the KV digests differ"
             );
         }
         match outcome {
