@@ -48,69 +48,85 @@ const MAX_BLOCK: usize = 32 * 128;
 /// Most query heads sharing one KV head (GQA group) that one task handles.
 const MAX_GROUP: usize = 32;
 
-/// Attention of the `group` query heads that share `kv_head` over the first `len` positions of
-/// `seq`. Each K/V block is read and converted once for the whole group. `q` and `out` are
-/// `group × head_dim`.
+/// Query tokens one prefill task handles: each K/V page is converted once for all of them.
+const QUERY_TILE: usize = 16;
+
+/// Attention of the `group` query heads that share `kv_head`, for `lens.len()` query tokens of
+/// `seq` (query `i` attends over the first `lens[i]` positions). Each K/V block is read and
+/// converted once for every head and query of the tile. `q` and `out` are
+/// `queries × group × head_dim`.
 #[inline]
 fn attend_group(
     pool: &PagePool,
     layer: usize,
     seq: &Sequence,
     kv_head: usize,
-    len: usize,
+    lens: &[usize],
     q: &[f32],
     out: &mut [f32],
 ) {
     let (data, cfg) = (pool.data(), pool.config());
     let (ps, hd) = (cfg.page_size, cfg.head_dim);
-    let group = q.len() / hd;
+    let nq = lens.len();
+    let group = q.len() / hd / nq.max(1);
     let scale = 1.0 / (hd as f32).sqrt();
     let page_elems = cfg.page_elems();
-    let mut m = [f32::NEG_INFINITY; MAX_GROUP];
-    let mut l = [0.0f32; MAX_GROUP];
+    let mut m = [f32::NEG_INFINITY; QUERY_TILE * MAX_GROUP];
+    let mut l = [0.0f32; QUERY_TILE * MAX_GROUP];
     out.fill(0.0);
     let mut scores = [0.0f32; 32];
     let (mut k_scratch, mut v_scratch) = ([0.0f32; MAX_BLOCK], [0.0f32; MAX_BLOCK]);
+    let longest = lens.iter().copied().max().unwrap_or(0);
     for (pi, r) in seq.pages.iter().enumerate() {
         let start = pi * ps;
-        if start >= len {
+        if start >= longest {
             break;
         }
-        let n = ps.min(len - start);
+        let n = ps.min(longest - start);
         let base = r.page as usize * page_elems;
         let ko = base + cfg.k_offset(layer, kv_head, 0);
         let vo = base + cfg.v_offset(layer, kv_head, 0);
         let k = block(data, ko..ko + n * hd, &mut k_scratch);
         let v = block(data, vo..vo + n * hd, &mut v_scratch);
-        for g in 0..group {
-            let qg = &q[g * hd..(g + 1) * hd];
-            let og = &mut out[g * hd..(g + 1) * hd];
-            let mut page_max = f32::NEG_INFINITY;
-            for (s, score) in scores.iter_mut().enumerate().take(n) {
-                *score = dot(qg, &k[s * hd..(s + 1) * hd]) * scale;
-                page_max = page_max.max(*score);
+        for (qi, &len) in lens.iter().enumerate() {
+            if start >= len {
+                continue;
             }
-            // Online softmax: rescale what was accumulated when the running max grows.
-            let new_m = m[g].max(page_max);
-            let correction = (m[g] - new_m).exp();
-            l[g] *= correction;
-            for o in og.iter_mut() {
-                *o *= correction;
-            }
-            for (s, score) in scores.iter().enumerate().take(n) {
-                let p = (score - new_m).exp();
-                l[g] += p;
-                for (o, x) in og.iter_mut().zip(&v[s * hd..(s + 1) * hd]) {
-                    *o += p * x;
+            let n = n.min(len - start);
+            for g in 0..group {
+                let row = qi * group + g;
+                let qg = &q[row * hd..(row + 1) * hd];
+                let og = &mut out[row * hd..(row + 1) * hd];
+                let mut page_max = f32::NEG_INFINITY;
+                for (s, score) in scores.iter_mut().enumerate().take(n) {
+                    *score = dot(qg, &k[s * hd..(s + 1) * hd]) * scale;
+                    page_max = page_max.max(*score);
                 }
+                // Online softmax: rescale what was accumulated when the running max grows.
+                let new_m = m[row].max(page_max);
+                let correction = (m[row] - new_m).exp();
+                l[row] *= correction;
+                for o in og.iter_mut() {
+                    *o *= correction;
+                }
+                let mut probs = [0.0f32; 32];
+                for (p, score) in probs.iter_mut().zip(&scores).take(n) {
+                    *p = (score - new_m).exp();
+                }
+                for (s, p) in probs.iter().enumerate().take(n) {
+                    l[row] += p;
+                    for (o, x) in og.iter_mut().zip(&v[s * hd..(s + 1) * hd]) {
+                        *o += p * x;
+                    }
+                }
+                m[row] = new_m;
             }
-            m[g] = new_m;
         }
     }
-    for g in 0..group {
-        if l[g] > 0.0 {
-            let inv = 1.0 / l[g];
-            for o in &mut out[g * hd..(g + 1) * hd] {
+    for row in 0..nq * group {
+        if l[row] > 0.0 {
+            let inv = 1.0 / l[row];
+            for o in &mut out[row * hd..(row + 1) * hd] {
                 *o *= inv;
             }
         }
@@ -125,8 +141,8 @@ fn check_shape(cfg: &PoolConfig, heads: usize) {
     );
 }
 
-/// Runs [`attend_group`] in parallel over every (row, KV head), where a row is a sequence
-/// (decode) or a query token (prefill); `target(row)` names the sequence and context length.
+/// Runs [`attend_group`] in parallel over every (sequence, KV head) of a decode batch;
+/// `target(row)` names the sequence and context length.
 fn run_groups<'s>(
     pool: &PagePool,
     layer: usize,
@@ -143,7 +159,7 @@ fn run_groups<'s>(
         .enumerate()
         .for_each(|(i, (o, qv))| {
             let (seq, len) = target(i / kvh);
-            attend_group(pool, layer, seq, i % kvh, len, qv, o);
+            attend_group(pool, layer, seq, i % kvh, &[len], qv, o);
         });
 }
 
@@ -178,6 +194,35 @@ pub fn prefill_attention(
 ) -> Result<(), IntegrityError> {
     check_shape(pool.config(), heads);
     pool.verify_read(seq)?;
-    run_groups(pool, layer, heads, q, out, |t| (seq, start + t + 1));
+    let cfg = pool.config();
+    let (kvh, hd) = (cfg.kv_heads, cfg.head_dim);
+    let width = heads / kvh * hd;
+    let n = q.len() / (heads * hd);
+    let tiles = n.div_ceil(QUERY_TILE);
+    // One task per (tile of query tokens, KV head): gather the tile's queries of that group,
+    // attend, scatter back.
+    let results: Vec<(usize, usize, Vec<f32>)> = (0..tiles * kvh)
+        .into_par_iter()
+        .map(|i| {
+            let (tile, h) = (i / kvh, i % kvh);
+            let t0 = tile * QUERY_TILE;
+            let nq = QUERY_TILE.min(n - t0);
+            let mut qt = Vec::with_capacity(nq * width);
+            for t in t0..t0 + nq {
+                let at = t * heads * hd + h * width;
+                qt.extend_from_slice(&q[at..at + width]);
+            }
+            let lens: Vec<usize> = (t0..t0 + nq).map(|t| start + t + 1).collect();
+            let mut o = vec![0.0f32; nq * width];
+            attend_group(pool, layer, seq, h, &lens, &qt, &mut o);
+            (t0, h, o)
+        })
+        .collect();
+    for (t0, h, o) in results {
+        for (j, chunk) in o.chunks_exact(width).enumerate() {
+            let at = (t0 + j) * heads * hd + h * width;
+            out[at..at + width].copy_from_slice(chunk);
+        }
+    }
     Ok(())
 }

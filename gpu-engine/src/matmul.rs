@@ -12,6 +12,8 @@ use crate::quant::TensorType;
 
 /// Rows per rayon task.
 const ROWS_PER_TASK: usize = 16;
+/// Tokens per pass over a task's rows (a multiple of the kernel's 4-token tile).
+const TOKEN_TILE: usize = 8;
 
 /// A weight matrix (`rows × cols`, row-major as GGUF stores it) kept in its file type.
 pub(crate) struct QMatrix {
@@ -117,8 +119,15 @@ impl QMatrix {
             .enumerate()
             .for_each(|(ci, chunk)| {
                 let r0 = ci * ROWS_PER_TASK;
-                for (i, row_out) in chunk.chunks_exact_mut(t_n).enumerate() {
-                    self.row_tokens(x, r0 + i, 0, row_out);
+                let rows = chunk.len() / t_n;
+                // Token tiles outer, rows inner: a tile's activations stay in L1 while the task's
+                // rows pass over them, instead of every row sweeping all tokens through L2.
+                for t in (0..t_n).step_by(TOKEN_TILE) {
+                    let nt = TOKEN_TILE.min(t_n - t);
+                    for i in 0..rows {
+                        let at = i * t_n + t;
+                        self.row_tokens(x, r0 + i, t, &mut chunk[at..at + nt]);
+                    }
                 }
             });
         for (r, row) in tmp.chunks_exact(t_n).enumerate() {
@@ -197,25 +206,28 @@ mod kernel {
         half::f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
     }
 
-    /// 32 weights as signed or unsigned bytes, per the type's block layout.
+    /// Block layouts, as const-generic tags so every type gets its own branch-free loop.
+    const Q4_1: u8 = 0;
+    const Q4_0: u8 = 1;
+    const Q8_0: u8 = 2;
+
+    /// 32 weights as signed (Q4_0, Q8_0) or unsigned (Q4_1) bytes.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    fn weights(ty: TensorType, blk: &[u8]) -> __m256i {
-        match ty {
-            TensorType::Q4_1 | TensorType::Q4_0 => {
-                let off = if ty == TensorType::Q4_1 { 4 } else { 2 };
-                let raw: __m128i = bytemuck::pod_read_unaligned(&blk[off..off + 16]);
-                let mask = _mm_set1_epi8(0x0f);
-                let lo = _mm_and_si128(raw, mask);
-                let hi = _mm_and_si128(_mm_srli_epi16::<4>(raw), mask);
-                let w = _mm256_set_m128i(hi, lo);
-                if ty == TensorType::Q4_0 {
-                    _mm256_sub_epi8(w, _mm256_set1_epi8(8))
-                } else {
-                    w
-                }
-            }
-            _ => bytemuck::pod_read_unaligned(&blk[2..34]),
+    fn weights<const K: u8>(blk: &[u8]) -> __m256i {
+        if K == Q8_0 {
+            return bytemuck::pod_read_unaligned(&blk[2..34]);
+        }
+        let off = if K == Q4_1 { 4 } else { 2 };
+        let raw: __m128i = bytemuck::pod_read_unaligned(&blk[off..off + 16]);
+        let mask = _mm_set1_epi8(0x0f);
+        let lo = _mm_and_si128(raw, mask);
+        let hi = _mm_and_si128(_mm_srli_epi16::<4>(raw), mask);
+        let w = _mm256_set_m128i(hi, lo);
+        if K == Q4_0 {
+            _mm256_sub_epi8(w, _mm256_set1_epi8(8))
+        } else {
+            w
         }
     }
 
@@ -229,32 +241,38 @@ mod kernel {
     ) -> [f32; N] {
         // SAFETY: this module is compiled only when the build enables AVX2 and FMA for every
         // function (`.cargo/config.toml` targets x86-64-v3), so the CPU running it has them.
-        unsafe { row_dot_avx2(ty, row, x) }
+        unsafe {
+            match ty {
+                TensorType::Q4_1 => row_dot_avx2::<N, Q4_1>(row, x),
+                TensorType::Q4_0 => row_dot_avx2::<N, Q4_0>(row, x),
+                _ => row_dot_avx2::<N, Q8_0>(row, x),
+            }
+        }
     }
 
     /// Each weight block is unpacked once for the `N` tokens; eight lanes of f32 per token are
     /// accumulated with FMA and reduced once per row.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    fn row_dot_avx2<const N: usize>(ty: TensorType, row: &[u8], x: [Acts<'_>; N]) -> [f32; N] {
-        let (_, bb) = ty.block();
+    fn row_dot_avx2<const N: usize, const K: u8>(row: &[u8], x: [Acts<'_>; N]) -> [f32; N] {
+        let bb = match K {
+            Q4_1 => 20,
+            Q4_0 => 18,
+            _ => 34,
+        };
         let ones = _mm256_set1_epi16(1);
         let mut acc = [_mm256_setzero_ps(); N];
         let mut msum = [0.0f32; N];
-        for (b, blk) in row.chunks_exact(bb as usize).enumerate() {
-            let w = weights(ty, blk);
+        for (b, blk) in row.chunks_exact(bb).enumerate() {
+            let w = weights::<K>(blk);
             let dw = f16_le(blk, 0);
             // maddubs multiplies unsigned by signed bytes: Q4_1 nibbles are unsigned already;
             // signed weights move their sign onto the activations.
-            let aw = if ty == TensorType::Q4_1 {
-                w
-            } else {
-                _mm256_sign_epi8(w, w)
-            };
+            let aw = if K == Q4_1 { w } else { _mm256_sign_epi8(w, w) };
             for i in 0..N {
                 let (d, _, q) = x[i];
                 let xv: __m256i = bytemuck::cast(q[b]);
-                let xv = if ty == TensorType::Q4_1 {
+                let xv = if K == Q4_1 {
                     xv
                 } else {
                     _mm256_sign_epi8(xv, w)
@@ -262,7 +280,7 @@ mod kernel {
                 let p = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones));
                 acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * d[b]), p, acc[i]);
             }
-            if ty == TensorType::Q4_1 {
+            if K == Q4_1 {
                 let m = f16_le(blk, 2);
                 for i in 0..N {
                     msum[i] += m * x[i].1[b];

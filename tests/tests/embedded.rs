@@ -197,6 +197,16 @@ async fn serves_every_endpoint_streamed_and_not_split_and_unified_agree() {
     let a = split.post(path, body.clone()).await;
     assert_eq!(a.json()["usage"]["prompt_tokens"], 5, "{}", a.body);
     assert_eq!(a.json()["usage"]["completion_tokens"], 8, "{}", a.body);
+    // Special tokens written in a completion prompt are special tokens (5 ids, as llama.cpp
+    // tokenizes it with special=True; as plain text it would be 17).
+    let (path2, body2) = request(
+        Endpoint::Completions,
+        "<|im_start|>user\nHi<|im_end|>",
+        false,
+        1,
+    );
+    let sp = split.post(path2, body2).await;
+    assert_eq!(sp.json()["usage"]["prompt_tokens"], 5, "{}", sp.body);
     split.wait_released().await;
 
     let Some(unified) = start("mode = \"unified\"").await else {
