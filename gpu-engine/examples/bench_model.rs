@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use lockstep_engine::engine::ModelBundle;
 use lockstep_engine::model::Step;
-use lockstep_engine::pool::{KvDtype, OwnerId, PagePool, PoolConfig, ScrubPolicy, VerifyMode};
+use lockstep_engine::pool::{OwnerId, PagePool};
 
 fn main() -> Result<(), String> {
     let path = std::env::args()
@@ -23,17 +23,7 @@ fn main() -> Result<(), String> {
     let (m, c) = (&b.model, b.model.cfg);
     let text = "The quick brown fox jumps over the lazy dog. ".repeat(60);
     let prompt: Vec<u32> = b.tokenizer.encode(&text).map_err(|e| e.to_string())?[..512].to_vec();
-    let mut pool = PagePool::new(PoolConfig {
-        num_pages: 8 * 40,
-        page_size: 16,
-        layers: c.layers,
-        kv_heads: c.kv_heads,
-        head_dim: c.head_dim,
-        dtype: KvDtype::F16,
-        scrub: ScrubPolicy::None,
-        verify: VerifyMode::Always,
-    })
-    .map_err(|e| e.to_string())?;
+    let mut pool = PagePool::new(c.kv_pool(8 * 40, 16)).map_err(|e| e.to_string())?;
     let best = |xs: &mut Vec<f64>| xs.iter().cloned().fold(0.0, f64::max);
     let (mut pre, mut d1, mut d8) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..reps {

@@ -265,14 +265,10 @@ impl Engine {
     ) -> Result<Engine, EngineError> {
         let c = bundle.model.cfg;
         let pool = PagePool::new(PoolConfig {
-            num_pages: cfg.pages,
-            page_size: cfg.page_size,
-            layers: c.layers,
-            kv_heads: c.kv_heads,
-            head_dim: c.head_dim,
-            dtype: cfg.dtype,
             scrub: cfg.scrub,
             verify: cfg.verify,
+            dtype: cfg.dtype,
+            ..c.kv_pool(cfg.pages, cfg.page_size)
         })?;
         let stats = Arc::new(EngineStats::default());
         stats

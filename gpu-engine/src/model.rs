@@ -8,7 +8,9 @@
 use crate::attention::prefill_attention;
 use crate::gguf::{Gguf, Value};
 use crate::matmul::{QActs, QMatrix};
-use crate::pool::{IntegrityError, PagePool, PoolError, Sequence};
+use crate::pool::{
+    IntegrityError, KvDtype, PagePool, PoolConfig, PoolError, ScrubPolicy, Sequence, VerifyMode,
+};
 use crate::quant::{TensorType, dequantize};
 
 /// Model hyper-parameters from the GGUF metadata.
@@ -34,6 +36,23 @@ pub struct LlamaConfig {
     pub eps: f32,
     /// Trained context length.
     pub context: usize,
+}
+
+impl LlamaConfig {
+    /// A KV pool shaped for this model: f16 storage, tags verified on every read, no scrubbing
+    /// (set `scrub`/`verify` on the result to change that).
+    pub fn kv_pool(&self, num_pages: u32, page_size: usize) -> PoolConfig {
+        PoolConfig {
+            num_pages,
+            page_size,
+            layers: self.layers,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            dtype: KvDtype::F16,
+            scrub: ScrubPolicy::None,
+            verify: VerifyMode::Always,
+        }
+    }
 }
 
 /// Why a model could not be loaded or run.

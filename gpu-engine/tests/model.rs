@@ -42,16 +42,7 @@ fn greedy_steps_match_llama_cpp() {
             .zip(&batched)
             .map(|(a, b)| a.min(*b))
             .collect();
-        let cfg = PoolConfig {
-            num_pages: 64,
-            page_size: 16,
-            layers: c.layers,
-            kv_heads: c.kv_heads,
-            head_dim: c.head_dim,
-            dtype: KvDtype::F16,
-            scrub: ScrubPolicy::None,
-            verify: VerifyMode::Always,
-        };
+        let cfg = c.kv_pool(64, 16);
         let mut pool = PagePool::new(cfg).expect("pool");
         let mut seq = pool
             .new_sequence(OwnerId::sequence(1), prompt.len() + want.len())
@@ -93,16 +84,7 @@ fn ragged_batch_equals_sequences_run_alone() {
     let g = lockstep_engine::gguf::open(&path).expect("opens");
     let model = Llama::load(&g).expect("loads");
     let c = model.cfg;
-    let cfg = PoolConfig {
-        num_pages: 64,
-        page_size: 16,
-        layers: c.layers,
-        kv_heads: c.kv_heads,
-        head_dim: c.head_dim,
-        dtype: KvDtype::F16,
-        scrub: ScrubPolicy::None,
-        verify: VerifyMode::Always,
-    };
+    let cfg = c.kv_pool(64, 16);
     let prompts: [&[u32]; 3] = [
         &[504, 3575, 282, 4649, 314],
         &[1, 2, 3],
@@ -188,17 +170,7 @@ fn teacher_forced_256_positions_agree_with_llama_cpp() {
         (tokens.len(), batched.len(), sequential.len()),
         (257, 256, 256)
     );
-    let mut pool = PagePool::new(PoolConfig {
-        num_pages: 20,
-        page_size: 16,
-        layers: c.layers,
-        kv_heads: c.kv_heads,
-        head_dim: c.head_dim,
-        dtype: KvDtype::F16,
-        scrub: ScrubPolicy::None,
-        verify: VerifyMode::Always,
-    })
-    .expect("pool");
+    let mut pool = PagePool::new(c.kv_pool(20, 16)).expect("pool");
     let mut seq = pool
         .new_sequence(OwnerId::sequence(1), tokens.len())
         .expect("room");

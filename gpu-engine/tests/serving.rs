@@ -13,7 +13,7 @@ use lockstep_engine::engine::{
 };
 use lockstep_engine::model::argmax;
 use lockstep_engine::pd::{Fault, FaultPlan, Half, Pd};
-use lockstep_engine::pool::{KvDtype, OwnerId, PagePool, PoolConfig, ScrubPolicy, VerifyMode};
+use lockstep_engine::pool::{OwnerId, PagePool};
 use lockstep_engine::sample::{Finish, SamplingConfig};
 use lockstep_engine::transfer::TransferError;
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -116,17 +116,7 @@ async fn unified_and_split_match_the_forward_pass() {
     // The bare forward pass, greedy.
     let want = {
         let c = b.model.cfg;
-        let mut pool = PagePool::new(PoolConfig {
-            num_pages: 8,
-            page_size: 16,
-            layers: c.layers,
-            kv_heads: c.kv_heads,
-            head_dim: c.head_dim,
-            dtype: KvDtype::F16,
-            scrub: ScrubPolicy::None,
-            verify: VerifyMode::Always,
-        })
-        .expect("pool");
+        let mut pool = PagePool::new(c.kv_pool(8, 16)).expect("pool");
         let mut seq = pool.new_sequence(OwnerId::sequence(1), 16).expect("room");
         let mut logits = b
             .model

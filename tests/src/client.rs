@@ -122,3 +122,80 @@ impl TestClient {
         self.send_raw("GET", url, Bytes::new(), bound).await
     }
 }
+
+/// The three generation endpoints lockstep serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    /// SGLang-native `/generate`.
+    Generate,
+    /// OpenAI `/v1/completions`.
+    Completions,
+    /// OpenAI `/v1/chat/completions`.
+    Chat,
+}
+
+/// Every endpoint, for test matrices.
+pub const ENDPOINTS: [Endpoint; 3] = [Endpoint::Generate, Endpoint::Completions, Endpoint::Chat];
+
+/// Path and body of a request for `prompt` to `ep` (`sampling` goes where the endpoint keeps
+/// sampling parameters: `sampling_params` for `/generate`, top level otherwise).
+pub fn request(
+    ep: Endpoint,
+    model: &str,
+    prompt: &str,
+    stream: bool,
+    max_tokens: u64,
+    sampling: &[(&str, Value)],
+) -> (&'static str, Value) {
+    let (path, mut body) = match ep {
+        Endpoint::Generate => (
+            "/generate",
+            serde_json::json!({ "text": prompt, "stream": stream, "sampling_params": { "max_new_tokens": max_tokens } }),
+        ),
+        Endpoint::Completions => (
+            "/v1/completions",
+            serde_json::json!({ "model": model, "prompt": prompt, "stream": stream, "max_tokens": max_tokens }),
+        ),
+        Endpoint::Chat => (
+            "/v1/chat/completions",
+            serde_json::json!({ "model": model, "messages": [{ "role": "user", "content": prompt }], "stream": stream, "max_tokens": max_tokens }),
+        ),
+    };
+    let target = match ep {
+        Endpoint::Generate => &mut body["sampling_params"],
+        _ => &mut body,
+    };
+    for (k, v) in sampling {
+        target[*k] = v.clone();
+    }
+    (path, body)
+}
+
+/// Runs a Python script from `tests/python/` with `LOCKSTEP_URL` and `LOCKSTEP_MODEL` set
+/// (`$PYTHON` or `python3`; killed if it outlives `bound`) and fails the test unless it exits 0
+/// and prints `done`.
+pub async fn run_python_checks(script: &str, url: &str, model: &str, bound: Duration, done: &str) {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("python")
+        .join(script);
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    let child = tokio::process::Command::new(&python)
+        .arg(&path)
+        .env("LOCKSTEP_URL", url)
+        .env("LOCKSTEP_MODEL", model)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("python3 runs");
+    let out = tokio::time::timeout(bound, child.wait_with_output())
+        .await
+        .expect("script ends in time")
+        .expect("output");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && stdout.contains(done),
+        "{script} failed (pip install -r tests/python/requirements.txt?)\nstdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+}

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use lockstep::app::Lockstep;
 use lockstep::config::{Config, EngineSection, expand_home};
-use lockstep_tests::client::{Answer, TestClient};
+use lockstep_tests::client::{self, Answer, ENDPOINTS, Endpoint, TestClient};
 use serde_json::{Value, json};
 
 const MODEL: &str = "smollm2";
@@ -111,30 +111,16 @@ impl Embedded {
     }
 }
 
-#[derive(Debug, Clone, Copy)]
-enum Endpoint {
-    Generate,
-    Completions,
-    Chat,
-}
-
-const ENDPOINTS: [Endpoint; 3] = [Endpoint::Generate, Endpoint::Completions, Endpoint::Chat];
-
+/// Greedy requests: the answers are comparable across modes and runs.
 fn request(ep: Endpoint, prompt: &str, stream: bool, max_tokens: u64) -> (&'static str, Value) {
-    match ep {
-        Endpoint::Generate => (
-            "/generate",
-            json!({ "text": prompt, "stream": stream, "sampling_params": { "max_new_tokens": max_tokens, "temperature": 0 } }),
-        ),
-        Endpoint::Completions => (
-            "/v1/completions",
-            json!({ "model": MODEL, "prompt": prompt, "stream": stream, "max_tokens": max_tokens, "temperature": 0 }),
-        ),
-        Endpoint::Chat => (
-            "/v1/chat/completions",
-            json!({ "model": MODEL, "messages": [{ "role": "user", "content": prompt }], "stream": stream, "max_tokens": max_tokens, "temperature": 0 }),
-        ),
-    }
+    client::request(
+        ep,
+        MODEL,
+        prompt,
+        stream,
+        max_tokens,
+        &[("temperature", json!(0))],
+    )
 }
 
 /// The generated text of an answer, streamed or not, from any endpoint.
@@ -221,27 +207,14 @@ async fn serves_every_endpoint_streamed_and_not_split_and_unified_agree() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn official_openai_client_gets_coherent_answers() {
     let Some(s) = start("").await else { return };
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("python/openai_embedded.py");
-    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
-    let child = tokio::process::Command::new(&python)
-        .arg(&script)
-        .env("LOCKSTEP_URL", &s.url)
-        .env("LOCKSTEP_MODEL", MODEL)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("python3 runs");
-    let out = tokio::time::timeout(Duration::from_secs(180), child.wait_with_output())
-        .await
-        .expect("script ends")
-        .expect("output");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success() && stdout.contains("all embedded openai checks passed"),
-        "openai client checks failed\nstdout:\n{stdout}\nstderr:\n{stderr}"
-    );
+    client::run_python_checks(
+        "openai_embedded.py",
+        &s.url,
+        MODEL,
+        Duration::from_secs(180),
+        "all embedded openai checks passed",
+    )
+    .await;
     s.wait_released().await;
 }
 

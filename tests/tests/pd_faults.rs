@@ -8,7 +8,7 @@
 
 use std::time::{Duration, Instant};
 
-use lockstep_tests::client::{Answer, TestClient};
+use lockstep_tests::client::{self, Answer, ENDPOINTS, Endpoint, TestClient};
 use lockstep_tests::harness::{MODEL, Stack};
 use lockstep_tests::sglang_mock::{Fault, Role};
 use serde_json::{Value, json};
@@ -19,30 +19,8 @@ const SECRET_WORDS: [&str; 4] = ["secret", "password", "billing", "customer"];
 /// The faulty request's own prompt.
 const PROMPT: &str = "red green blue";
 
-#[derive(Debug, Clone, Copy)]
-enum Endpoint {
-    Generate,
-    Completions,
-    Chat,
-}
-
-const ENDPOINTS: [Endpoint; 3] = [Endpoint::Generate, Endpoint::Completions, Endpoint::Chat];
-
 fn request(ep: Endpoint, prompt: &str, stream: bool, max_tokens: u64) -> (&'static str, Value) {
-    match ep {
-        Endpoint::Generate => (
-            "/generate",
-            json!({ "text": prompt, "stream": stream, "sampling_params": { "max_new_tokens": max_tokens } }),
-        ),
-        Endpoint::Completions => (
-            "/v1/completions",
-            json!({ "model": MODEL, "prompt": prompt, "stream": stream, "max_tokens": max_tokens }),
-        ),
-        Endpoint::Chat => (
-            "/v1/chat/completions",
-            json!({ "model": MODEL, "messages": [{ "role": "user", "content": prompt }], "stream": stream, "max_tokens": max_tokens }),
-        ),
-    }
+    client::request(ep, MODEL, prompt, stream, max_tokens, &[])
 }
 
 async fn call(
