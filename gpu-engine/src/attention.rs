@@ -24,6 +24,12 @@ fn block<'a>(data: &'a KvData, range: std::ops::Range<usize>, scratch: &'a mut [
     }
 }
 
+/// Largest page block of one head: 32 tokens × 128 dims.
+const MAX_BLOCK: usize = 32 * 128;
+
+/// Most query heads sharing one KV head (GQA group) that one task handles.
+const MAX_GROUP: usize = 32;
+
 #[inline(always)]
 fn dot(q: &[f32], k: &[f32]) -> f32 {
     // Eight independent accumulators so the compiler vectorises the loop.
@@ -42,11 +48,28 @@ fn dot(q: &[f32], k: &[f32]) -> f32 {
     s
 }
 
-/// Largest page block of one head: 32 tokens × 128 dims.
-const MAX_BLOCK: usize = 32 * 128;
+/// `scores[s] = q · k_s` for the `W` slots of a transposed K block (`head_dim × W`).
+#[inline(always)]
+fn scores_t<const W: usize>(q: &[f32], kt: &[f32], scores: &mut [f32; 32]) {
+    let mut acc = [0.0f32; W];
+    for (d, qd) in q.iter().enumerate() {
+        let col = &kt[d * W..(d + 1) * W];
+        for s in 0..W {
+            acc[s] += qd * col[s];
+        }
+    }
+    scores[..W].copy_from_slice(&acc);
+}
 
-/// Most query heads sharing one KV head (GQA group) that one task handles.
-const MAX_GROUP: usize = 32;
+/// Rounds every value to the nearest f16 (in bulk, F16C).
+fn round_f16(x: &mut [f32]) {
+    let mut h = [f16::ZERO; 128];
+    for c in x.chunks_mut(128) {
+        let h = &mut h[..c.len()];
+        h.convert_from_f32_slice(c);
+        h.convert_to_f32_slice(c);
+    }
+}
 
 /// Query tokens one prefill task handles: each K/V page is converted once for all of them.
 const QUERY_TILE: usize = 16;
@@ -76,6 +99,16 @@ fn attend_group(
     out.fill(0.0);
     let mut scores = [0.0f32; 32];
     let (mut k_scratch, mut v_scratch) = ([0.0f32; MAX_BLOCK], [0.0f32; MAX_BLOCK]);
+    let mut kt = [0.0f32; MAX_BLOCK];
+    // Over an f16 cache, queries and probabilities enter the products at f16 precision, as in
+    // llama.cpp (ggml converts the f32 operand of an f16 matmul to f16): logits stay close to it.
+    let half = matches!(data, KvData::F16(_));
+    let mut qh = q.to_vec();
+    if half {
+        round_f16(&mut qh);
+    }
+    let width = if ps <= 16 { 16 } else { 32 };
+    let transposed = nq * group >= 8;
     let longest = lens.iter().copied().max().unwrap_or(0);
     for (pi, r) in seq.pages.iter().enumerate() {
         let start = pi * ps;
@@ -88,6 +121,16 @@ fn attend_group(
         let vo = base + cfg.v_offset(layer, kv_head, 0);
         let k = block(data, ko..ko + n * hd, &mut k_scratch);
         let v = block(data, vo..vo + n * hd, &mut v_scratch);
+        // With many query rows per page (prefill tiles), K transposed (head_dim × slots): a
+        // page's scores come from one broadcast-FMA pass over the head dimension, with no
+        // horizontal sums. A decode step's few rows do not repay the transpose.
+        if transposed {
+            for s in 0..n {
+                for d in 0..hd {
+                    kt[d * width + s] = k[s * hd + d];
+                }
+            }
+        }
         for (qi, &len) in lens.iter().enumerate() {
             if start >= len {
                 continue;
@@ -95,11 +138,20 @@ fn attend_group(
             let n = n.min(len - start);
             for g in 0..group {
                 let row = qi * group + g;
-                let qg = &q[row * hd..(row + 1) * hd];
+                let qg = &qh[row * hd..(row + 1) * hd];
                 let og = &mut out[row * hd..(row + 1) * hd];
+                if !transposed {
+                    for (s, score) in scores.iter_mut().enumerate().take(n) {
+                        *score = dot(qg, &k[s * hd..(s + 1) * hd]);
+                    }
+                } else if width == 16 {
+                    scores_t::<16>(qg, &kt, &mut scores);
+                } else {
+                    scores_t::<32>(qg, &kt, &mut scores);
+                }
                 let mut page_max = f32::NEG_INFINITY;
-                for (s, score) in scores.iter_mut().enumerate().take(n) {
-                    *score = dot(qg, &k[s * hd..(s + 1) * hd]) * scale;
+                for score in scores.iter_mut().take(n) {
+                    *score *= scale;
                     page_max = page_max.max(*score);
                 }
                 // Online softmax: rescale what was accumulated when the running max grows.
@@ -113,8 +165,13 @@ fn attend_group(
                 for (p, score) in probs.iter_mut().zip(&scores).take(n) {
                     *p = (score - new_m).exp();
                 }
-                for (s, p) in probs.iter().enumerate().take(n) {
+                for p in probs.iter().take(n) {
                     l[row] += p;
+                }
+                if half {
+                    round_f16(&mut probs[..n]);
+                }
+                for (s, p) in probs.iter().enumerate().take(n) {
                     for (o, x) in og.iter_mut().zip(&v[s * hd..(s + 1) * hd]) {
                         *o += p * x;
                     }

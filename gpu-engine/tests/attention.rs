@@ -88,8 +88,9 @@ fn max_rel_err(got: &[f32], want: &[f64]) -> f64 {
 fn threshold(dtype: KvDtype) -> f64 {
     match dtype {
         KvDtype::F32 => 1e-4,
-        // Storage is rounded to f16 in both; the difference is f32 vs f64 math only.
-        KvDtype::F16 => 1e-4,
+        // Storage is rounded to f16 in both; over an f16 cache the engine also rounds queries and
+        // probabilities to f16 as llama.cpp does (2^-11 relative each), the reference does not.
+        KvDtype::F16 => 1e-3,
     }
 }
 
