@@ -306,11 +306,7 @@ async fn build_embedded(m: &ModelConfig) -> Result<Built, String> {
     })
     .await
     .map_err(|err| format!("model `{}`: engine start panicked: {err}", m.name))??;
-    let e = m
-        .engine
-        .as_ref()
-        .map_or(0, |e| e.kv_pages as u64 * e.page_size as u64);
-    let capacity = m.kv_capacity_tokens.min(e);
+    let capacity = m.configured_capacity();
     deployment_check(
         &m.name,
         m.context_window,

@@ -111,6 +111,19 @@ pub struct ModelConfig {
     pub health: HealthConfig,
 }
 
+impl ModelConfig {
+    /// The KV capacity the configuration itself allows: `kv_capacity_tokens`, and for the
+    /// embedded engine no more than one pool (`kv_pages × page_size`).
+    pub fn configured_capacity(&self) -> u64 {
+        match (&self.engine, self.backend) {
+            (Some(e), BackendKind::Embedded) => self
+                .kv_capacity_tokens
+                .min(e.kv_pages as u64 * e.page_size as u64),
+            _ => self.kv_capacity_tokens,
+        }
+    }
+}
+
 fn default_headroom() -> f64 {
     1.0
 }
@@ -495,7 +508,7 @@ impl Config {
                 &m.name,
                 m.context_window,
                 m.headroom,
-                m.kv_capacity_tokens,
+                m.configured_capacity(),
                 "configured",
             ) {
                 out.push(format!("{at}: {p}"));

@@ -354,6 +354,28 @@ kv_pages = 0
         "{out}"
     );
     assert!(out.contains("kv_pages"), "{out}");
+    // The engine's pool bounds the capacity: a window the pool cannot hold is refused.
+    std::fs::write(
+        &path,
+        r#"
+[[models]]
+name = "m"
+backend = "embedded"
+context_window = 4096
+kv_capacity_tokens = 100000
+[models.engine]
+kv_pages = 100
+page_size = 16
+"#,
+    )
+    .expect("write");
+    let (ok, out) = run(&[
+        "check",
+        "--offline",
+        "--config",
+        path.to_str().expect("utf8"),
+    ]);
+    assert!(!ok && out.contains("4096") && out.contains("1600"), "{out}");
 }
 
 /// The README's first command on a fresh machine: `lockstep serve` with no config and no model
