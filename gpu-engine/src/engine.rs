@@ -6,8 +6,9 @@
 //! finish frees the request's pages at the next step boundary.
 //!
 //! Roles: a *unified* engine runs whole requests; in split mode a prefill engine computes the
-//! prompt's KV ([`Engine::prefill`], returning a verified [`KvTransfer`]) and a decode engine
-//! imports it ([`Generate::kv`]) and generates (see [`crate::pd`]).
+//! prompt's KV ([`Engine::prefill`]: it exports a checksummed [`KvTransfer`] into a sink and
+//! reports its digest) and a decode engine verifies and imports it ([`Generate::kv`]) and
+//! generates (see [`crate::pd`]).
 
 use std::collections::VecDeque;
 use std::path::Path;

@@ -1,4 +1,4 @@
-//! lockstep-engine: the memory core of lockstep's embedded engine.
+//! lockstep-engine: lockstep's embedded inference engine.
 //!
 //! - [`pool`]: a paged KV pool whose pages carry `(owner, epoch)` tags; readers reach pages only
 //!   through page tables of tagged refs, so a reused page can never be read by a stale or foreign
@@ -9,7 +9,11 @@
 //!   [`backend::AttentionBackend`] interface the CUDA backend will implement too.
 //!
 //! - [`gguf`] and [`quant`]: the GGUF reader (v2/v3, memory-mapped) and dequantisation
-//!   (F32, F16, BF16, Q4_0, Q4_1, Q8_0) the model loader builds on.
+//!   (F32, F16, BF16, Q4_0, Q4_1, Q8_0) the model loader builds on; [`tokenizer`]: the model
+//!   file's tokenizer and chat template.
+//! - [`model`]: the llama forward pass over a ragged batch, with quantised AVX2 matmuls.
+//! - [`sample`]: sampling and stop conditions; [`engine`]: the continuous-batching engine;
+//!   [`pd`]: prefill and decode engines in one process with a verified transfer between them.
 //!
 //! Prefix sharing shares only full pages, so no sequence ever extends a shared page: the
 //! copy-before-extend case cannot arise.
