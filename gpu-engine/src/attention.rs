@@ -7,6 +7,7 @@ use half::f16;
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
+use crate::matmul::dot_f32;
 use crate::pool::{IntegrityError, KvData, PagePool, PoolConfig, Sequence};
 
 /// A block of stored KV as f32: the storage itself for f32, converted into `scratch` (in bulk,
@@ -29,24 +30,6 @@ const MAX_BLOCK: usize = 32 * 128;
 
 /// Most query heads sharing one KV head (GQA group) that one task handles.
 const MAX_GROUP: usize = 32;
-
-#[inline(always)]
-fn dot(q: &[f32], k: &[f32]) -> f32 {
-    // Eight independent accumulators so the compiler vectorises the loop.
-    let mut acc = [0.0f32; 8];
-    let (qc, kc) = (q.chunks_exact(8), k.chunks_exact(8));
-    let (qr, kr) = (qc.remainder(), kc.remainder());
-    for (a, b) in qc.zip(kc) {
-        for i in 0..8 {
-            acc[i] += a[i] * b[i];
-        }
-    }
-    let mut s: f32 = acc.iter().sum();
-    for (a, b) in qr.iter().zip(kr) {
-        s += a * b;
-    }
-    s
-}
 
 /// `scores[s] = q · k_s` for the `W` slots of a transposed K block (`head_dim × W`).
 #[inline(always)]
@@ -142,7 +125,7 @@ fn attend_group(
                 let og = &mut out[row * hd..(row + 1) * hd];
                 if !transposed {
                     for (s, score) in scores.iter_mut().enumerate().take(n) {
-                        *score = dot(qg, &k[s * hd..(s + 1) * hd]);
+                        *score = dot_f32(qg, &k[s * hd..(s + 1) * hd]);
                     }
                 } else if width == 16 {
                     scores_t::<16>(qg, &kt, &mut scores);

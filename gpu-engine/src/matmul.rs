@@ -72,8 +72,9 @@ impl QActs {
     }
 }
 
+/// `a · b` in f32 with eight independent accumulators, so the compiler vectorises it.
 #[inline(always)]
-fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+pub(crate) fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];
     let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
     let (ar, br) = (ac.remainder(), bc.remainder());
@@ -187,6 +188,12 @@ impl QMatrix {
     }
 }
 
+/// A little-endian f16 at byte `i` of a block.
+#[inline(always)]
+fn f16_le(b: &[u8], i: usize) -> f32 {
+    half::f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
+}
+
 /// One token's quantised activations: per block scale, sum term and values.
 type Acts<'a> = (&'a [f32], &'a [f32], &'a [[i8; 32]]);
 
@@ -199,12 +206,8 @@ type Acts<'a> = (&'a [f32], &'a [f32], &'a [[i8; 32]]);
 mod kernel {
     use std::arch::x86_64::*;
 
-    use super::Acts;
+    use super::{Acts, f16_le};
     use crate::quant::TensorType;
-
-    fn f16_le(b: &[u8], i: usize) -> f32 {
-        half::f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
-    }
 
     /// Block layouts, as const-generic tags so every type gets its own branch-free loop.
     const Q4_1: u8 = 0;
@@ -303,12 +306,8 @@ mod kernel {
     target_feature = "fma"
 )))]
 mod kernel {
-    use super::Acts;
+    use super::{Acts, f16_le};
     use crate::quant::TensorType;
-
-    fn f16_le(b: &[u8], i: usize) -> f32 {
-        half::f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
-    }
 
     pub(super) fn row_dot<const N: usize>(
         ty: TensorType,
