@@ -197,14 +197,9 @@ pub struct Generate {
     pub kv: Option<KvTransfer>,
 }
 
+#[allow(clippy::large_enum_variant)] // One per request, moved straight into the queue.
 enum Cmd {
-    Generate(Generate, tmpsc::UnboundedSender<Event>),
-    Prefill {
-        id: u64,
-        tokens: Arc<[u32]>,
-        sink: KvSink,
-        reply: oneshot::Sender<Result<KvReport, EngineError>>,
-    },
+    Submit(Job),
     Abort(u64),
     Stop,
 }
@@ -333,8 +328,9 @@ impl EngineHandle {
     /// Queues a generation request; events arrive on the receiver. Dropping the receiver aborts.
     pub fn generate(&self, req: Generate) -> tmpsc::UnboundedReceiver<Event> {
         let (tx, rx) = tmpsc::unbounded_channel();
-        if let Err(mpsc::SendError(Cmd::Generate(_, tx))) = self.tx.send(Cmd::Generate(req, tx)) {
-            let _ = tx.send(Event::Failed(EngineError::Stopped));
+        if let Err(mpsc::SendError(Cmd::Submit(job))) = self.tx.send(Cmd::Submit(Job::Gen(req, tx)))
+        {
+            job.fail(EngineError::Stopped);
         }
         rx
     }
@@ -349,12 +345,12 @@ impl EngineHandle {
         sink: KvSink,
     ) -> oneshot::Receiver<Result<KvReport, EngineError>> {
         let (reply, rx) = oneshot::channel();
-        let _ = self.tx.send(Cmd::Prefill {
+        let _ = self.tx.send(Cmd::Submit(Job::Prefill {
             id,
             tokens,
             sink,
             reply,
-        });
+        }));
         rx
     }
 
@@ -476,18 +472,7 @@ impl Worker {
                 .chain(std::iter::from_fn(|| rx.try_recv().ok()))
             {
                 match cmd {
-                    Cmd::Generate(g, events) => self.waiting.push_back(Job::Gen(g, events)),
-                    Cmd::Prefill {
-                        id,
-                        tokens,
-                        sink,
-                        reply,
-                    } => self.waiting.push_back(Job::Prefill {
-                        id,
-                        tokens,
-                        sink,
-                        reply,
-                    }),
+                    Cmd::Submit(job) => self.waiting.push_back(job),
                     Cmd::Abort(id) => self.abort(id),
                     Cmd::Stop => {
                         self.shutdown();

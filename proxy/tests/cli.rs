@@ -296,13 +296,24 @@ async fn http(port: u16, method: &str, path: &str, body: &str) -> String {
     out
 }
 
+/// `lockstep check --offline` on a config file holding `text`.
+fn check_text(path: &Path, text: &str) -> (bool, String) {
+    std::fs::write(path, text).expect("write");
+    run(&[
+        "check",
+        "--offline",
+        "--config",
+        path.to_str().expect("utf8"),
+    ])
+}
+
 #[test]
 fn check_accepts_the_built_in_config_and_flags_fault_injection() {
     let (ok, out) = run(&["check", "--offline"]);
     assert!(ok && out.contains("built-in configuration: OK"), "{out}");
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("f.toml");
-    std::fs::write(
+    let (ok, out) = check_text(
         &path,
         r#"
 [[models]]
@@ -314,21 +325,14 @@ kv_capacity_tokens = 512
 gguf = "/nonexistent/model.gguf"
 fault = "corrupt_page"
 "#,
-    )
-    .expect("write");
-    let (ok, out) = run(&[
-        "check",
-        "--offline",
-        "--config",
-        path.to_str().expect("utf8"),
-    ]);
+    );
     assert!(ok, "valid, only unsafe: {out}");
     assert!(
         out.contains("UNSAFE") && out.contains("CorruptPage"),
         "{out}"
     );
     // Settings of another backend are refused, not ignored.
-    std::fs::write(
+    let (ok, out) = check_text(
         &path,
         r#"
 [[models]]
@@ -340,14 +344,7 @@ tokenizer = "x.json"
 [models.engine]
 kv_pages = 0
 "#,
-    )
-    .expect("write");
-    let (ok, out) = run(&[
-        "check",
-        "--offline",
-        "--config",
-        path.to_str().expect("utf8"),
-    ]);
+    );
     assert!(!ok, "{out}");
     assert!(
         out.contains("tokenizer: not used by the embedded backend"),
@@ -355,7 +352,7 @@ kv_pages = 0
     );
     assert!(out.contains("kv_pages"), "{out}");
     // The engine's pool bounds the capacity: a window the pool cannot hold is refused.
-    std::fs::write(
+    let (ok, out) = check_text(
         &path,
         r#"
 [[models]]
@@ -367,14 +364,7 @@ kv_capacity_tokens = 100000
 kv_pages = 100
 page_size = 16
 "#,
-    )
-    .expect("write");
-    let (ok, out) = run(&[
-        "check",
-        "--offline",
-        "--config",
-        path.to_str().expect("utf8"),
-    ]);
+    );
     assert!(!ok && out.contains("4096") && out.contains("1600"), "{out}");
 }
 
