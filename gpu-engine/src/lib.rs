@@ -6,7 +6,9 @@
 //! - [`transfer`]: verified KV export/import with a checksummed manifest (xxh3-64 per page, fused
 //!   with the copy).
 //! - [`attention`]: CPU paged attention (decode batch and causal prefill, GQA, rayon), behind the
-//!   [`backend::AttentionBackend`] interface the CUDA backend will implement too.
+//!   [`backend::AttentionBackend`] interface.
+//! - [`cuda`]: the CUDA backend (cudarc, NVRTC kernels, cuBLAS): device page pool with tags on
+//!   the device, the forward pass on the GPU, device checksums; `auto | cpu | cuda:N`.
 //!
 //! - [`gguf`] and [`quant`]: the GGUF reader (v2/v3, memory-mapped) and dequantisation
 //!   (F32, F16, BF16, Q4_0, Q4_1, Q8_0) the model loader builds on; [`tokenizer`]: the model
@@ -20,6 +22,7 @@
 
 pub mod attention;
 pub mod backend;
+pub mod cuda;
 pub mod engine;
 pub mod gguf;
 mod matmul;

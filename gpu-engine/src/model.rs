@@ -67,6 +67,9 @@ pub enum ModelError {
     /// A page tag check failed.
     #[error(transparent)]
     Integrity(#[from] IntegrityError),
+    /// The GPU failed (a driver, cuBLAS or allocation error).
+    #[error("device: {0}")]
+    Device(String),
 }
 
 struct Layer {
@@ -105,7 +108,12 @@ fn meta(g: &Gguf<impl AsRef<[u8]>>, key: &str) -> Result<f64, ModelError> {
         .ok_or_else(|| ModelError::Format(format!("missing metadata `{key}`")))
 }
 
-fn tensor(g: &Gguf<impl AsRef<[u8]>>, name: &str, dims: &[usize]) -> Result<Vec<f32>, ModelError> {
+/// A tensor dequantised to f32, checked against its expected GGUF shape.
+pub(crate) fn tensor(
+    g: &Gguf<impl AsRef<[u8]>>,
+    name: &str,
+    dims: &[usize],
+) -> Result<Vec<f32>, ModelError> {
     let t = g
         .tensor(name)
         .ok_or_else(|| ModelError::Format(format!("missing tensor `{name}`")))?;
@@ -153,36 +161,41 @@ fn matrix(
     })
 }
 
+/// Hyper-parameters of a llama-architecture GGUF.
+pub(crate) fn config_of(g: &Gguf<impl AsRef<[u8]>>) -> Result<LlamaConfig, ModelError> {
+    let arch = g
+        .get("general.architecture")
+        .and_then(Value::as_str)
+        .unwrap_or("");
+    if arch != "llama" {
+        return Err(ModelError::Format(format!(
+            "architecture `{arch}` (llama is supported)"
+        )));
+    }
+    let heads = meta(g, "llama.attention.head_count")? as usize;
+    let dim = meta(g, "llama.embedding_length")? as usize;
+    Ok(LlamaConfig {
+        layers: meta(g, "llama.block_count")? as usize,
+        dim,
+        heads,
+        kv_heads: meta(g, "llama.attention.head_count_kv")? as usize,
+        head_dim: dim / heads.max(1),
+        ffn: meta(g, "llama.feed_forward_length")? as usize,
+        vocab: g
+            .tensor("token_embd.weight")
+            .and_then(|t| t.dims.get(1))
+            .map(|v| *v as usize)
+            .ok_or_else(|| ModelError::Format("token_embd.weight".into()))?,
+        rope_base: meta(g, "llama.rope.freq_base").unwrap_or(10000.0) as f32,
+        eps: meta(g, "llama.attention.layer_norm_rms_epsilon")? as f32,
+        context: meta(g, "llama.context_length")? as usize,
+    })
+}
+
 impl Llama {
     /// Loads a llama-architecture model from a GGUF file.
     pub fn load(g: &Gguf<impl AsRef<[u8]>>) -> Result<Llama, ModelError> {
-        let arch = g
-            .get("general.architecture")
-            .and_then(Value::as_str)
-            .unwrap_or("");
-        if arch != "llama" {
-            return Err(ModelError::Format(format!(
-                "architecture `{arch}` (llama is supported)"
-            )));
-        }
-        let heads = meta(g, "llama.attention.head_count")? as usize;
-        let dim = meta(g, "llama.embedding_length")? as usize;
-        let cfg = LlamaConfig {
-            layers: meta(g, "llama.block_count")? as usize,
-            dim,
-            heads,
-            kv_heads: meta(g, "llama.attention.head_count_kv")? as usize,
-            head_dim: dim / heads.max(1),
-            ffn: meta(g, "llama.feed_forward_length")? as usize,
-            vocab: g
-                .tensor("token_embd.weight")
-                .and_then(|t| t.dims.get(1))
-                .map(|v| *v as usize)
-                .ok_or_else(|| ModelError::Format("token_embd.weight".into()))?,
-            rope_base: meta(g, "llama.rope.freq_base").unwrap_or(10000.0) as f32,
-            eps: meta(g, "llama.attention.layer_norm_rms_epsilon")? as f32,
-            context: meta(g, "llama.context_length")? as usize,
-        };
+        let cfg = config_of(g)?;
         let (d, kvd, f) = (cfg.dim, cfg.kv_heads * cfg.head_dim, cfg.ffn);
         let layers = (0..cfg.layers)
             .map(|i| {

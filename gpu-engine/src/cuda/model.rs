@@ -1,0 +1,582 @@
+//! The llama forward pass on the device, step for step the CPU pass of [`crate::model`]: same
+//! ragged batch interface, same page layout, same RoPE, same GQA attention over tagged pages.
+//! Matrix products run through cuBLAS with f16 weights and activations and f32 accumulation
+//! (the residual add is fused into the output projections as `beta = 1`).
+
+use std::sync::Arc;
+
+use cudarc::cublas::sys::{
+    cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
+};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
+use half::f16;
+
+use super::kv::DeviceFlag;
+use super::{CudaError, DeviceKv, Gpu};
+use crate::gguf::Gguf;
+use crate::model::{LlamaConfig, ModelError, Step, config_of, tensor};
+use crate::pool::{IntegrityError, PagePool};
+
+struct Layer {
+    attn_norm: CudaSlice<f32>,
+    /// Q, K and V stacked: (dim + 2·kv_dim) × dim.
+    wqkv: CudaSlice<f16>,
+    wo: CudaSlice<f16>,
+    ffn_norm: CudaSlice<f32>,
+    /// Gate and up stacked: 2·ffn × dim.
+    wgu: CudaSlice<f16>,
+    down: CudaSlice<f16>,
+}
+
+/// A llama model resident on a GPU.
+pub struct CudaLlama {
+    /// Hyper-parameters.
+    pub cfg: LlamaConfig,
+    gpu: Arc<Gpu>,
+    embed: CudaSlice<f16>,
+    layers: Vec<Layer>,
+    out_norm: CudaSlice<f32>,
+    output: Option<CudaSlice<f16>>,
+}
+
+impl std::fmt::Debug for CudaLlama {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaLlama")
+            .field("cfg", &self.cfg)
+            .field("gpu", &self.gpu.label())
+            .finish_non_exhaustive()
+    }
+}
+
+fn dev(e: CudaError) -> ModelError {
+    ModelError::Device(e.to_string())
+}
+
+/// Positions of one attention split.
+const CHUNK_MAX: usize = 256;
+const CHUNK_MIN: usize = 64;
+const MAXG: usize = 4;
+const WARPS: usize = 4;
+
+/// The per-step index arrays, built on the host and uploaded once per step.
+#[derive(Debug, Default, Clone)]
+pub struct StepBuffers {
+    /// Token ids.
+    pub tokens: Vec<i32>,
+    /// Position of each token.
+    pub pos: Vec<i32>,
+    /// Item of each token.
+    pub item: Vec<i32>,
+    /// First table entry of each item.
+    pub tbl_off: Vec<i32>,
+    /// Table entries: page.
+    pub tbl_page: Vec<i32>,
+    /// Table entries: the owner the reader holds.
+    pub tbl_owner: Vec<u64>,
+    /// Table entries: the epoch the reader holds.
+    pub tbl_epoch: Vec<u64>,
+}
+
+impl StepBuffers {
+    /// Index arrays for `items` (tokens at positions `seq.len..`).
+    pub fn build(items: &[Step<'_>]) -> StepBuffers {
+        let mut b = StepBuffers::default();
+        for (ii, it) in items.iter().enumerate() {
+            b.tbl_off.push(b.tbl_page.len() as i32);
+            for r in &it.seq.pages {
+                b.tbl_page.push(r.page as i32);
+                b.tbl_owner.push(r.tag.owner.raw());
+                b.tbl_epoch.push(r.tag.epoch);
+            }
+            for (j, &t) in it.tokens.iter().enumerate() {
+                b.tokens.push(t as i32);
+                b.pos.push((it.seq.len + j) as i32);
+                b.item.push(ii as i32);
+            }
+        }
+        b
+    }
+}
+
+/// Device copies of a step's index arrays.
+pub(crate) struct DeviceStep {
+    pub tokens: CudaSlice<i32>,
+    pub pos: CudaSlice<i32>,
+    pub item: CudaSlice<i32>,
+    pub tbl_off: CudaSlice<i32>,
+    pub tbl_page: CudaSlice<i32>,
+    pub tbl_owner: CudaSlice<u64>,
+    pub tbl_epoch: CudaSlice<u64>,
+    pub n: usize,
+    pub max_ctx: usize,
+}
+
+impl DeviceStep {
+    pub(crate) fn upload(gpu: &Gpu, b: &StepBuffers) -> Result<DeviceStep, CudaError> {
+        let s = &gpu.stream;
+        // Empty tables still get a one-element buffer (a null pointer is not a valid argument).
+        fn nz<T: Clone + Default>(v: &[T]) -> Vec<T> {
+            if v.is_empty() {
+                vec![T::default()]
+            } else {
+                v.to_vec()
+            }
+        }
+        Ok(DeviceStep {
+            tokens: s.clone_htod(&nz(&b.tokens))?,
+            pos: s.clone_htod(&nz(&b.pos))?,
+            item: s.clone_htod(&nz(&b.item))?,
+            tbl_off: s.clone_htod(&nz(&b.tbl_off))?,
+            tbl_page: s.clone_htod(&nz(&b.tbl_page))?,
+            tbl_owner: s.clone_htod(&nz(&b.tbl_owner))?,
+            tbl_epoch: s.clone_htod(&nz(&b.tbl_epoch))?,
+            n: b.tokens.len(),
+            max_ctx: b.pos.iter().map(|p| *p as usize + 1).max().unwrap_or(0),
+        })
+    }
+}
+
+impl CudaLlama {
+    /// Loads a llama-architecture GGUF onto the GPU (weights dequantised to f16).
+    pub fn load(gpu: Arc<Gpu>, g: &Gguf<impl AsRef<[u8]>>) -> Result<CudaLlama, ModelError> {
+        let cfg = config_of(g)?;
+        let s = gpu.stream.clone();
+        let h16 = |v: Vec<f32>| -> Result<CudaSlice<f16>, ModelError> {
+            let h: Vec<f16> = v.into_iter().map(f16::from_f32).collect();
+            s.clone_htod(&h).map_err(|e| dev(e.into()))
+        };
+        let f32s = |v: Vec<f32>| -> Result<CudaSlice<f32>, ModelError> {
+            s.clone_htod(&v).map_err(|e| dev(e.into()))
+        };
+        let (d, kvd, f) = (cfg.dim, cfg.kv_heads * cfg.head_dim, cfg.ffn);
+        let mut layers = Vec::with_capacity(cfg.layers);
+        for i in 0..cfg.layers {
+            let n = |s: &str| format!("blk.{i}.{s}");
+            let mut qkv = tensor(g, &n("attn_q.weight"), &[d, d])?;
+            qkv.extend(tensor(g, &n("attn_k.weight"), &[d, kvd])?);
+            qkv.extend(tensor(g, &n("attn_v.weight"), &[d, kvd])?);
+            let mut gu = tensor(g, &n("ffn_gate.weight"), &[d, f])?;
+            gu.extend(tensor(g, &n("ffn_up.weight"), &[d, f])?);
+            layers.push(Layer {
+                attn_norm: f32s(tensor(g, &n("attn_norm.weight"), &[d])?)?,
+                wqkv: h16(qkv)?,
+                wo: h16(tensor(g, &n("attn_output.weight"), &[d, d])?)?,
+                ffn_norm: f32s(tensor(g, &n("ffn_norm.weight"), &[d])?)?,
+                wgu: h16(gu)?,
+                down: h16(tensor(g, &n("ffn_down.weight"), &[f, d])?)?,
+            });
+        }
+        let output = match g.tensor("output.weight") {
+            Some(_) => Some(h16(tensor(g, "output.weight", &[d, cfg.vocab])?)?),
+            None => None,
+        };
+        let m = CudaLlama {
+            embed: h16(tensor(g, "token_embd.weight", &[d, cfg.vocab])?)?,
+            out_norm: f32s(tensor(g, "output_norm.weight", &[d])?)?,
+            layers,
+            output,
+            cfg,
+            gpu,
+        };
+        if m.cfg.head_dim != 64 && m.cfg.head_dim != 128 {
+            return Err(ModelError::Format(format!(
+                "head dimension {} (the CUDA kernels take 64 or 128)",
+                m.cfg.head_dim
+            )));
+        }
+        m.gpu.synchronize().map_err(dev)?;
+        Ok(m)
+    }
+
+    /// The device.
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
+    /// `y (n × out) = x (n × in) · Wᵀ + beta · y` with W `out × in` row-major, f16 inputs, f32
+    /// output and accumulation.
+    fn gemm(
+        &self,
+        w: &CudaSlice<f16>,
+        out_f: usize,
+        in_f: usize,
+        x: &CudaSlice<f16>,
+        n: usize,
+        y: &mut CudaSlice<f32>,
+        beta: f32,
+    ) -> Result<(), CudaError> {
+        assert!(w.len() >= out_f * in_f && x.len() >= n * in_f && y.len() >= n * out_f);
+        let s = &self.gpu.stream;
+        let alpha = 1.0f32;
+        let (wp, _w) = w.device_ptr(s);
+        let (xp, _x) = x.device_ptr(s);
+        let (yp, _y) = y.device_ptr_mut(s);
+        // SAFETY: column-major view: Y(out × n) = Wᵀ(out × in) · X(in × n); the sizes were
+        // asserted above, the pointers stay valid while the guards live, and the handle runs on
+        // the same stream as every other kernel.
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *self.gpu.blas.handle(),
+                cublasOperation_t::CUBLAS_OP_T,
+                cublasOperation_t::CUBLAS_OP_N,
+                out_f as i32,
+                n as i32,
+                in_f as i32,
+                (&alpha) as *const f32 as *const _,
+                wp as *const _,
+                cudaDataType_t::CUDA_R_16F,
+                in_f as i32,
+                xp as *const _,
+                cudaDataType_t::CUDA_R_16F,
+                in_f as i32,
+                (&beta) as *const f32 as *const _,
+                yp as *mut _,
+                cudaDataType_t::CUDA_R_32F,
+                out_f as i32,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// RMSNorm of rows `rows` of `x` into `out` (f16).
+    pub(crate) fn rms_norm(
+        &self,
+        x: &CudaSlice<f32>,
+        rows: &CudaSlice<i32>,
+        nrows: usize,
+        w: &CudaSlice<f32>,
+        out: &mut CudaSlice<f16>,
+    ) -> Result<(), CudaError> {
+        let d = self.cfg.dim as i32;
+        let eps = self.cfg.eps;
+        assert!(rows.len() >= nrows && out.len() >= nrows * self.cfg.dim);
+        let cfg = LaunchConfig {
+            grid_dim: (nrows as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // One block per output row; rows[] index rows of x (all < x.len() / dim by construction).
+        launch!(
+            self.gpu,
+            self.gpu.f.rms_norm,
+            cfg,
+            x,
+            rows,
+            w,
+            out,
+            &d,
+            &eps
+        )
+    }
+
+    /// Paged attention for every row of the step: `qkv` holds the rotated queries; `out` gets
+    /// `n × heads × head_dim` f16.
+    pub(crate) fn attention(
+        &self,
+        kv: &mut DeviceKv,
+        st: &DeviceStep,
+        layer: usize,
+        qkv: &CudaSlice<f32>,
+        out: &mut CudaSlice<f16>,
+    ) -> Result<(), CudaError> {
+        let c = &self.cfg;
+        attention(
+            &self.gpu,
+            (c.heads, c.kv_heads, c.head_dim),
+            kv,
+            st,
+            layer,
+            qkv,
+            out,
+        )
+    }
+
+    /// One engine step over a ragged batch, as [`crate::model::Llama::forward_batch`]: K/V go into
+    /// the device pool, every page read or written is tag-checked on the device, and the last
+    /// token's logits of each item that asks come back to the host. On error no item's `len` has
+    /// advanced.
+    pub fn forward_batch(
+        &self,
+        pool: &mut PagePool,
+        kv: &mut DeviceKv,
+        items: &mut [Step<'_>],
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        let c = self.cfg;
+        let n: usize = items.iter().map(|i| i.tokens.len()).sum();
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        for it in items.iter_mut() {
+            pool.reserve(it.seq, it.tokens.len())?;
+            if let Some(t) = it.tokens.iter().find(|t| **t as usize >= c.vocab) {
+                return Err(ModelError::Format(format!(
+                    "token id {t} outside the vocabulary"
+                )));
+            }
+        }
+        kv.sync_tags(pool).map_err(dev)?;
+        kv.clear_flag().map_err(dev)?;
+        let b = StepBuffers::build(items);
+        let logits = self.run(kv, &b, items).map_err(dev)?;
+        if let Some(flag) = kv.read_flag().map_err(dev)? {
+            return Err(integrity_error(pool, items, flag).into());
+        }
+        for it in items.iter_mut() {
+            it.seq.len += it.tokens.len();
+        }
+        Ok(logits)
+    }
+
+    fn run(
+        &self,
+        kv: &mut DeviceKv,
+        b: &StepBuffers,
+        items: &[Step<'_>],
+    ) -> Result<Vec<Vec<f32>>, CudaError> {
+        let c = &self.cfg;
+        let (d, hd) = (c.dim, c.head_dim);
+        let kvd = c.kv_heads * hd;
+        let qkv_w = d + 2 * kvd;
+        let gpu = &self.gpu;
+        let s = &gpu.stream;
+        let st = DeviceStep::upload(gpu, b)?;
+        let n = st.n;
+        let identity: Vec<i32> = (0..n as i32).collect();
+        let rows = s.clone_htod(&identity)?;
+        // SAFETY (of the uninitialised allocations below): each is fully written by the kernel or
+        // GEMM (beta = 0) that produces it before anything reads it.
+        let mut x = unsafe { s.alloc::<f32>(n * d) }?;
+        let mut h = unsafe { s.alloc::<f16>(n * d) }?;
+        let mut qkv = unsafe { s.alloc::<f32>(n * qkv_w) }?;
+        let mut att = unsafe { s.alloc::<f16>(n * d) }?;
+        let mut gu = unsafe { s.alloc::<f32>(n * 2 * c.ffn) }?;
+        let mut g16 = unsafe { s.alloc::<f16>(n * c.ffn) }?;
+        let d_i = d as i32;
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // Token ids were checked against the vocabulary; x has n rows.
+        launch!(
+            gpu,
+            gpu.f.embed_gather,
+            cfg,
+            &self.embed,
+            &st.tokens,
+            &mut x,
+            &d_i
+        )?;
+        let (heads_i, kvh_i, hd_i) = (c.heads as i32, c.kv_heads as i32, hd as i32);
+        let ps = kv.config().page_size as i32;
+        let page_elems = kv.config().page_elems() as i64;
+        let f_i = c.ffn as i32;
+        let total = (n * c.ffn) as i64;
+        let rope_base = c.rope_base;
+        for (li, l) in self.layers.iter().enumerate() {
+            self.rms_norm(&x, &rows, n, &l.attn_norm, &mut h)?;
+            self.gemm(&l.wqkv, qkv_w, d, &h, n, &mut qkv, 0.0)?;
+            let layer = li as i32;
+            let cfg = LaunchConfig {
+                grid_dim: (n as u32, 1, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // One block per token; its table entry for pos / page_size exists (reserve ran), and
+            // the write happens only if the page's tag matches that entry.
+            launch!(
+                gpu,
+                gpu.f.rope_kv_write,
+                cfg,
+                &mut qkv,
+                &st.pos,
+                &st.item,
+                &st.tbl_off,
+                &st.tbl_page,
+                &st.tbl_owner,
+                &st.tbl_epoch,
+                &kv.tag_owner,
+                &kv.tag_epoch,
+                &mut kv.flag,
+                &mut kv.data,
+                &layer,
+                &heads_i,
+                &kvh_i,
+                &hd_i,
+                &ps,
+                &page_elems,
+                &rope_base
+            )?;
+            self.attention(kv, &st, li, &qkv, &mut att)?;
+            self.gemm(&l.wo, d, d, &att, n, &mut x, 1.0)?;
+            self.rms_norm(&x, &rows, n, &l.ffn_norm, &mut h)?;
+            self.gemm(&l.wgu, 2 * c.ffn, d, &h, n, &mut gu, 0.0)?;
+            let cfg = LaunchConfig {
+                grid_dim: ((n * c.ffn).div_ceil(256) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // n × ffn outputs, one thread each.
+            launch!(gpu, gpu.f.silu_mul, cfg, &gu, &mut g16, &f_i, &total)?;
+            self.gemm(&l.down, d, c.ffn, &g16, n, &mut x, 1.0)?;
+        }
+        // Final norm and output head for the last token of each item that wants logits.
+        let mut last = Vec::new();
+        let mut t_end = 0;
+        for it in items {
+            t_end += it.tokens.len();
+            if it.logits {
+                last.push((t_end - 1) as i32);
+            }
+        }
+        if last.is_empty() {
+            gpu.synchronize()?;
+            return Ok(Vec::new());
+        }
+        let r = last.len();
+        let d_last = s.clone_htod(&last)?;
+        let mut hn = unsafe { s.alloc::<f16>(r * d) }?;
+        self.rms_norm(&x, &d_last, r, &self.out_norm, &mut hn)?;
+        let head = self.output.as_ref().unwrap_or(&self.embed);
+        let mut logits = unsafe { s.alloc::<f32>(r * c.vocab) }?;
+        self.gemm(head, c.vocab, d, &hn, r, &mut logits, 0.0)?;
+        let host = s.clone_dtoh(&logits)?;
+        s.synchronize()?;
+        Ok(host.chunks_exact(c.vocab).map(<[f32]>::to_vec).collect())
+    }
+
+    /// Row-wise argmax on the device (first index on ties), `rows × n` values.
+    pub fn argmax(&self, values: &[f32], n: usize) -> Result<Vec<u32>, CudaError> {
+        let rows = values.len() / n.max(1);
+        if rows == 0 {
+            return Ok(Vec::new());
+        }
+        let s = &self.gpu.stream;
+        let d = s.clone_htod(values)?;
+        let mut out = s.alloc_zeros::<i32>(rows)?;
+        let n_i = n as i32;
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (1024, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // One block per row of n values.
+        launch!(self.gpu, self.gpu.f.argmax_rows, cfg, &d, &n_i, &mut out)?;
+        let v = s.clone_dtoh(&out)?;
+        s.synchronize()?;
+        Ok(v.into_iter().map(|i| i as u32).collect())
+    }
+}
+
+/// The precise error for a raised device flag, from the host's view of the same tables.
+fn integrity_error(pool: &PagePool, items: &[Step<'_>], flag: DeviceFlag) -> IntegrityError {
+    for it in items {
+        for r in it.seq.pages.iter().filter(|r| r.page == flag.page) {
+            if let Err(e) = pool.check(*r) {
+                return e;
+            }
+        }
+    }
+    // The host sees no mismatch for that page (it cannot disagree with the mirrored tags unless
+    // the mirror is broken): report it as a foreign page all the same.
+    let found = pool.tag(flag.page).unwrap_or(crate::pool::OwnerTag {
+        owner: crate::pool::OwnerId::FREE,
+        epoch: 0,
+    });
+    IntegrityError::ForeignOwner {
+        page: flag.page,
+        expected: found,
+        found,
+    }
+}
+
+/// Paged attention for every row of a step (split over the context, then combined): `qkv` holds
+/// the rotated queries (`n × (heads + 2·kv_heads) × head_dim`); `out` gets `n × heads × head_dim`
+/// f16. Every page read is tag-checked into `kv`'s flag.
+pub(crate) fn attention(
+    gpu: &Gpu,
+    (heads, kvh, hd): (usize, usize, usize),
+    kv: &mut DeviceKv,
+    st: &DeviceStep,
+    layer: usize,
+    qkv: &CudaSlice<f32>,
+    out: &mut CudaSlice<f16>,
+) -> Result<(), CudaError> {
+    let group = heads / kvh;
+    let gblocks = group.div_ceil(MAXG);
+    let rows = st.n;
+    let page_size = kv.config().page_size;
+    // Split the context so the grid fills the device, in chunks that are whole pages.
+    let target = 2 * gpu.sms as usize;
+    let mut chunk = CHUNK_MAX;
+    while chunk > CHUNK_MIN && rows * kvh * gblocks * st.max_ctx.div_ceil(chunk) < target {
+        chunk /= 2;
+    }
+    let chunk = chunk.max(page_size);
+    let splits = st.max_ctx.div_ceil(chunk).max(1);
+    let s = &gpu.stream;
+    // SAFETY (of the uninitialised allocations): every partial is written by its block
+    // (empty splits write m = -inf, l = 0) before attn_reduce reads it.
+    let mut part_o = unsafe { s.alloc::<f32>(rows * heads * splits * hd) }?;
+    let mut part_ml = unsafe { s.alloc::<f32>(rows * heads * splits * 2) }?;
+    let smem = ((MAXG * chunk + WARPS * MAXG * hd) * 4) as u32;
+    let cfg = LaunchConfig {
+        grid_dim: (rows as u32, (kvh * gblocks) as u32, splits as u32),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: smem,
+    };
+    let func = if hd == 64 {
+        &gpu.f.attn64
+    } else {
+        &gpu.f.attn128
+    };
+    let (layer, heads_i, kvh_i, ps) = (layer as i32, heads as i32, kvh as i32, page_size as i32);
+    let page_elems = kv.config().page_elems() as i64;
+    let (chunk_i, splits_i) = (chunk as i32, splits as i32);
+    // Grid rows = tokens of the step; each row's table entries exist up to its position
+    // (reserve ran before the step), and the partial buffers are sized rows × heads × splits.
+    launch!(
+        gpu,
+        *func,
+        cfg,
+        qkv,
+        &st.item,
+        &st.pos,
+        &st.tbl_off,
+        &st.tbl_page,
+        &st.tbl_owner,
+        &st.tbl_epoch,
+        &kv.tag_owner,
+        &kv.tag_epoch,
+        &mut kv.flag,
+        &kv.data,
+        &layer,
+        &heads_i,
+        &kvh_i,
+        &ps,
+        &page_elems,
+        &chunk_i,
+        &splits_i,
+        &mut part_o,
+        &mut part_ml
+    )?;
+    let hd_i = hd as i32;
+    let cfg = LaunchConfig {
+        grid_dim: (rows as u32, heads as u32, 1),
+        block_dim: (hd as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    launch!(
+        gpu,
+        gpu.f.attn_reduce,
+        cfg,
+        &part_o,
+        &part_ml,
+        &heads_i,
+        &hd_i,
+        &splits_i,
+        out
+    )
+}
