@@ -31,5 +31,6 @@ pub mod pd;
 pub mod pool;
 pub mod quant;
 pub mod sample;
+pub mod synthetic;
 pub mod tokenizer;
 pub mod transfer;

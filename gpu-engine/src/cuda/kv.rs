@@ -206,13 +206,13 @@ impl DeviceKv {
     }
 
     /// Clears the integrity flag (at the start of a step).
-    pub(crate) fn clear_flag(&mut self) -> Result<(), CudaError> {
+    pub fn clear_flag(&mut self) -> Result<(), CudaError> {
         self.gpu.stream.memset_zeros(&mut self.flag)?;
         Ok(())
     }
 
     /// Reads the integrity flag back (once per step).
-    pub(crate) fn read_flag(&self) -> Result<Option<DeviceFlag>, CudaError> {
+    pub fn read_flag(&self) -> Result<Option<DeviceFlag>, CudaError> {
         let f = self.gpu.stream.clone_dtoh(&self.flag)?;
         self.gpu.stream.synchronize()?;
         Ok((f[0] != 0).then_some(DeviceFlag {

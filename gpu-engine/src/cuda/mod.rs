@@ -319,8 +319,11 @@ macro_rules! launch {
     }};
 }
 
+mod harness;
 mod kv;
 mod model;
+mod ops;
 
-pub use kv::DeviceKv;
+pub use harness::Harness;
+pub use kv::{DeviceFlag, DeviceKv};
 pub use model::{CudaLlama, StepBuffers};

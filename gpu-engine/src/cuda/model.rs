@@ -5,14 +5,11 @@
 
 use std::sync::Arc;
 
-use cudarc::cublas::sys::{
-    cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
-};
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
+use cudarc::driver::CudaSlice;
 use half::f16;
 
 use super::kv::DeviceFlag;
-use super::{CudaError, DeviceKv, Gpu};
+use super::{CudaError, DeviceKv, Gpu, ops};
 use crate::gguf::Gguf;
 use crate::model::{LlamaConfig, ModelError, Step, config_of, tensor};
 use crate::pool::{IntegrityError, PagePool};
@@ -51,12 +48,6 @@ impl std::fmt::Debug for CudaLlama {
 fn dev(e: CudaError) -> ModelError {
     ModelError::Device(e.to_string())
 }
-
-/// Positions of one attention split.
-const CHUNK_MAX: usize = 256;
-const CHUNK_MIN: usize = 64;
-const MAXG: usize = 4;
-const WARPS: usize = 4;
 
 /// The per-step index arrays, built on the host and uploaded once per step.
 #[derive(Debug, Default, Clone)]
@@ -193,106 +184,6 @@ impl CudaLlama {
         &self.gpu
     }
 
-    /// `y (n × out) = x (n × in) · Wᵀ + beta · y` with W `out × in` row-major, f16 inputs, f32
-    /// output and accumulation.
-    fn gemm(
-        &self,
-        w: &CudaSlice<f16>,
-        out_f: usize,
-        in_f: usize,
-        x: &CudaSlice<f16>,
-        n: usize,
-        y: &mut CudaSlice<f32>,
-        beta: f32,
-    ) -> Result<(), CudaError> {
-        assert!(w.len() >= out_f * in_f && x.len() >= n * in_f && y.len() >= n * out_f);
-        let s = &self.gpu.stream;
-        let alpha = 1.0f32;
-        let (wp, _w) = w.device_ptr(s);
-        let (xp, _x) = x.device_ptr(s);
-        let (yp, _y) = y.device_ptr_mut(s);
-        // SAFETY: column-major view: Y(out × n) = Wᵀ(out × in) · X(in × n); the sizes were
-        // asserted above, the pointers stay valid while the guards live, and the handle runs on
-        // the same stream as every other kernel.
-        unsafe {
-            cudarc::cublas::result::gemm_ex(
-                *self.gpu.blas.handle(),
-                cublasOperation_t::CUBLAS_OP_T,
-                cublasOperation_t::CUBLAS_OP_N,
-                out_f as i32,
-                n as i32,
-                in_f as i32,
-                (&alpha) as *const f32 as *const _,
-                wp as *const _,
-                cudaDataType_t::CUDA_R_16F,
-                in_f as i32,
-                xp as *const _,
-                cudaDataType_t::CUDA_R_16F,
-                in_f as i32,
-                (&beta) as *const f32 as *const _,
-                yp as *mut _,
-                cudaDataType_t::CUDA_R_32F,
-                out_f as i32,
-                cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )?;
-        }
-        Ok(())
-    }
-
-    /// RMSNorm of rows `rows` of `x` into `out` (f16).
-    pub(crate) fn rms_norm(
-        &self,
-        x: &CudaSlice<f32>,
-        rows: &CudaSlice<i32>,
-        nrows: usize,
-        w: &CudaSlice<f32>,
-        out: &mut CudaSlice<f16>,
-    ) -> Result<(), CudaError> {
-        let d = self.cfg.dim as i32;
-        let eps = self.cfg.eps;
-        assert!(rows.len() >= nrows && out.len() >= nrows * self.cfg.dim);
-        let cfg = LaunchConfig {
-            grid_dim: (nrows as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // One block per output row; rows[] index rows of x (all < x.len() / dim by construction).
-        launch!(
-            self.gpu,
-            self.gpu.f.rms_norm,
-            cfg,
-            x,
-            rows,
-            w,
-            out,
-            &d,
-            &eps
-        )
-    }
-
-    /// Paged attention for every row of the step: `qkv` holds the rotated queries; `out` gets
-    /// `n × heads × head_dim` f16.
-    pub(crate) fn attention(
-        &self,
-        kv: &mut DeviceKv,
-        st: &DeviceStep,
-        layer: usize,
-        qkv: &CudaSlice<f32>,
-        out: &mut CudaSlice<f16>,
-    ) -> Result<(), CudaError> {
-        let c = &self.cfg;
-        attention(
-            &self.gpu,
-            (c.heads, c.kv_heads, c.head_dim),
-            kv,
-            st,
-            layer,
-            qkv,
-            out,
-        )
-    }
-
     /// One engine step over a ragged batch, as [`crate::model::Llama::forward_batch`]: K/V go into
     /// the device pool, every page read or written is tag-checked on the device, and the last
     /// token's logits of each item that asks come back to the host. On error no item's `len` has
@@ -353,74 +244,19 @@ impl CudaLlama {
         let mut att = unsafe { s.alloc::<f16>(n * d) }?;
         let mut gu = unsafe { s.alloc::<f32>(n * 2 * c.ffn) }?;
         let mut g16 = unsafe { s.alloc::<f16>(n * c.ffn) }?;
-        let d_i = d as i32;
-        let cfg = LaunchConfig {
-            grid_dim: (n as u32, 1, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // Token ids were checked against the vocabulary; x has n rows.
-        launch!(
-            gpu,
-            gpu.f.embed_gather,
-            cfg,
-            &self.embed,
-            &st.tokens,
-            &mut x,
-            &d_i
-        )?;
-        let (heads_i, kvh_i, hd_i) = (c.heads as i32, c.kv_heads as i32, hd as i32);
-        let ps = kv.config().page_size as i32;
-        let page_elems = kv.config().page_elems() as i64;
-        let f_i = c.ffn as i32;
-        let total = (n * c.ffn) as i64;
-        let rope_base = c.rope_base;
+        // Token ids were checked against the vocabulary.
+        ops::embed_gather(gpu, &self.embed, &st.tokens, n, d, &mut x)?;
+        let shape = (c.heads, c.kv_heads, hd);
         for (li, l) in self.layers.iter().enumerate() {
-            self.rms_norm(&x, &rows, n, &l.attn_norm, &mut h)?;
-            self.gemm(&l.wqkv, qkv_w, d, &h, n, &mut qkv, 0.0)?;
-            let layer = li as i32;
-            let cfg = LaunchConfig {
-                grid_dim: (n as u32, 1, 1),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // One block per token; its table entry for pos / page_size exists (reserve ran), and
-            // the write happens only if the page's tag matches that entry.
-            launch!(
-                gpu,
-                gpu.f.rope_kv_write,
-                cfg,
-                &mut qkv,
-                &st.pos,
-                &st.item,
-                &st.tbl_off,
-                &st.tbl_page,
-                &st.tbl_owner,
-                &st.tbl_epoch,
-                &kv.tag_owner,
-                &kv.tag_epoch,
-                &mut kv.flag,
-                &mut kv.data,
-                &layer,
-                &heads_i,
-                &kvh_i,
-                &hd_i,
-                &ps,
-                &page_elems,
-                &rope_base
-            )?;
-            self.attention(kv, &st, li, &qkv, &mut att)?;
-            self.gemm(&l.wo, d, d, &att, n, &mut x, 1.0)?;
-            self.rms_norm(&x, &rows, n, &l.ffn_norm, &mut h)?;
-            self.gemm(&l.wgu, 2 * c.ffn, d, &h, n, &mut gu, 0.0)?;
-            let cfg = LaunchConfig {
-                grid_dim: ((n * c.ffn).div_ceil(256) as u32, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // n × ffn outputs, one thread each.
-            launch!(gpu, gpu.f.silu_mul, cfg, &gu, &mut g16, &f_i, &total)?;
-            self.gemm(&l.down, d, c.ffn, &g16, n, &mut x, 1.0)?;
+            ops::rms_norm(gpu, &x, &rows, n, d, &l.attn_norm, c.eps, &mut h)?;
+            ops::gemm(gpu, &l.wqkv, qkv_w, d, &h, n, &mut qkv, 0.0)?;
+            ops::rope_kv_write(gpu, shape, c.rope_base, kv, &st, li, &mut qkv)?;
+            ops::attention(gpu, shape, kv, &st, li, &qkv, &mut att)?;
+            ops::gemm(gpu, &l.wo, d, d, &att, n, &mut x, 1.0)?;
+            ops::rms_norm(gpu, &x, &rows, n, d, &l.ffn_norm, c.eps, &mut h)?;
+            ops::gemm(gpu, &l.wgu, 2 * c.ffn, d, &h, n, &mut gu, 0.0)?;
+            ops::silu_mul(gpu, &gu, n, c.ffn, &mut g16)?;
+            ops::gemm(gpu, &l.down, d, c.ffn, &g16, n, &mut x, 1.0)?;
         }
         // Final norm and output head for the last token of each item that wants logits.
         let mut last = Vec::new();
@@ -438,35 +274,13 @@ impl CudaLlama {
         let r = last.len();
         let d_last = s.clone_htod(&last)?;
         let mut hn = unsafe { s.alloc::<f16>(r * d) }?;
-        self.rms_norm(&x, &d_last, r, &self.out_norm, &mut hn)?;
+        ops::rms_norm(gpu, &x, &d_last, r, d, &self.out_norm, c.eps, &mut hn)?;
         let head = self.output.as_ref().unwrap_or(&self.embed);
         let mut logits = unsafe { s.alloc::<f32>(r * c.vocab) }?;
-        self.gemm(head, c.vocab, d, &hn, r, &mut logits, 0.0)?;
+        ops::gemm(gpu, head, c.vocab, d, &hn, r, &mut logits, 0.0)?;
         let host = s.clone_dtoh(&logits)?;
         s.synchronize()?;
         Ok(host.chunks_exact(c.vocab).map(<[f32]>::to_vec).collect())
-    }
-
-    /// Row-wise argmax on the device (first index on ties), `rows × n` values.
-    pub fn argmax(&self, values: &[f32], n: usize) -> Result<Vec<u32>, CudaError> {
-        let rows = values.len() / n.max(1);
-        if rows == 0 {
-            return Ok(Vec::new());
-        }
-        let s = &self.gpu.stream;
-        let d = s.clone_htod(values)?;
-        let mut out = s.alloc_zeros::<i32>(rows)?;
-        let n_i = n as i32;
-        let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (1024, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // One block per row of n values.
-        launch!(self.gpu, self.gpu.f.argmax_rows, cfg, &d, &n_i, &mut out)?;
-        let v = s.clone_dtoh(&out)?;
-        s.synchronize()?;
-        Ok(v.into_iter().map(|i| i as u32).collect())
     }
 }
 
@@ -490,93 +304,4 @@ fn integrity_error(pool: &PagePool, items: &[Step<'_>], flag: DeviceFlag) -> Int
         expected: found,
         found,
     }
-}
-
-/// Paged attention for every row of a step (split over the context, then combined): `qkv` holds
-/// the rotated queries (`n × (heads + 2·kv_heads) × head_dim`); `out` gets `n × heads × head_dim`
-/// f16. Every page read is tag-checked into `kv`'s flag.
-pub(crate) fn attention(
-    gpu: &Gpu,
-    (heads, kvh, hd): (usize, usize, usize),
-    kv: &mut DeviceKv,
-    st: &DeviceStep,
-    layer: usize,
-    qkv: &CudaSlice<f32>,
-    out: &mut CudaSlice<f16>,
-) -> Result<(), CudaError> {
-    let group = heads / kvh;
-    let gblocks = group.div_ceil(MAXG);
-    let rows = st.n;
-    let page_size = kv.config().page_size;
-    // Split the context so the grid fills the device, in chunks that are whole pages.
-    let target = 2 * gpu.sms as usize;
-    let mut chunk = CHUNK_MAX;
-    while chunk > CHUNK_MIN && rows * kvh * gblocks * st.max_ctx.div_ceil(chunk) < target {
-        chunk /= 2;
-    }
-    let chunk = chunk.max(page_size);
-    let splits = st.max_ctx.div_ceil(chunk).max(1);
-    let s = &gpu.stream;
-    // SAFETY (of the uninitialised allocations): every partial is written by its block
-    // (empty splits write m = -inf, l = 0) before attn_reduce reads it.
-    let mut part_o = unsafe { s.alloc::<f32>(rows * heads * splits * hd) }?;
-    let mut part_ml = unsafe { s.alloc::<f32>(rows * heads * splits * 2) }?;
-    let smem = ((MAXG * chunk + WARPS * MAXG * hd) * 4) as u32;
-    let cfg = LaunchConfig {
-        grid_dim: (rows as u32, (kvh * gblocks) as u32, splits as u32),
-        block_dim: (128, 1, 1),
-        shared_mem_bytes: smem,
-    };
-    let func = if hd == 64 {
-        &gpu.f.attn64
-    } else {
-        &gpu.f.attn128
-    };
-    let (layer, heads_i, kvh_i, ps) = (layer as i32, heads as i32, kvh as i32, page_size as i32);
-    let page_elems = kv.config().page_elems() as i64;
-    let (chunk_i, splits_i) = (chunk as i32, splits as i32);
-    // Grid rows = tokens of the step; each row's table entries exist up to its position
-    // (reserve ran before the step), and the partial buffers are sized rows × heads × splits.
-    launch!(
-        gpu,
-        *func,
-        cfg,
-        qkv,
-        &st.item,
-        &st.pos,
-        &st.tbl_off,
-        &st.tbl_page,
-        &st.tbl_owner,
-        &st.tbl_epoch,
-        &kv.tag_owner,
-        &kv.tag_epoch,
-        &mut kv.flag,
-        &kv.data,
-        &layer,
-        &heads_i,
-        &kvh_i,
-        &ps,
-        &page_elems,
-        &chunk_i,
-        &splits_i,
-        &mut part_o,
-        &mut part_ml
-    )?;
-    let hd_i = hd as i32;
-    let cfg = LaunchConfig {
-        grid_dim: (rows as u32, heads as u32, 1),
-        block_dim: (hd as u32, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    launch!(
-        gpu,
-        gpu.f.attn_reduce,
-        cfg,
-        &part_o,
-        &part_ml,
-        &heads_i,
-        &hd_i,
-        &splits_i,
-        out
-    )
 }
