@@ -18,6 +18,7 @@ use std::sync::mpsc;
 
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
+use crate::cuda::{CudaLlama, DeviceChoice, DeviceKv};
 use crate::model::{Llama, ModelError, Step};
 use crate::pool::{
     IntegrityError, KvDtype, OwnerId, PagePool, PoolConfig, PoolError, ScrubPolicy, Sequence,
@@ -29,8 +30,10 @@ use crate::transfer::{ImportExpectation, KvTransfer, ModelFingerprint, TransferE
 
 /// A model with its tokenizer, loaded once and shared by the engines that serve it.
 pub struct ModelBundle {
-    /// The network.
+    /// The network (CPU).
     pub model: Llama,
+    /// The same network on a GPU, when the engine runs there.
+    pub gpu: Option<CudaLlama>,
     /// Tokenizer and chat template from the same file.
     pub tokenizer: ModelTokenizer,
     /// Identifies the weights in KV manifests.
@@ -43,16 +46,30 @@ impl std::fmt::Debug for ModelBundle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ModelBundle")
             .field("model", &self.model)
+            .field("device", &self.device())
             .field("fingerprint", &self.fingerprint)
             .finish_non_exhaustive()
     }
 }
 
 impl ModelBundle {
-    /// Loads a GGUF file.
+    /// Loads a GGUF file to run on the CPU.
     pub fn open(path: &Path) -> Result<ModelBundle, ModelError> {
+        ModelBundle::open_on(path, DeviceChoice::Cpu)
+    }
+
+    /// Loads a GGUF file to run where `device` says: `auto` takes CUDA when the driver, NVRTC,
+    /// cuBLAS and a device are all there and otherwise the CPU (logging which was missing);
+    /// an explicit `cuda:N` that cannot be used is an error.
+    pub fn open_on(path: &Path, device: DeviceChoice) -> Result<ModelBundle, ModelError> {
+        // The device first: an explicit device that cannot be used fails before any loading.
+        let dev = crate::cuda::select(device).map_err(|e| ModelError::Device(e.to_string()))?;
         let g = crate::gguf::open(path).map_err(|e| ModelError::Format(e.to_string()))?;
         let model = Llama::load(&g)?;
+        let gpu = match dev {
+            Some(dev) => Some(CudaLlama::load(dev, &g)?),
+            None => None,
+        };
         let tokenizer =
             ModelTokenizer::from_gguf(&g).map_err(|e| ModelError::Format(e.to_string()))?;
         let weights = xxhash_rust::xxh3::xxh3_64(g.bytes());
@@ -68,10 +85,21 @@ impl ModelBundle {
         }
         Ok(ModelBundle {
             model,
+            gpu,
             tokenizer,
             fingerprint,
             eog,
         })
+    }
+}
+
+impl ModelBundle {
+    /// Where the engines of this bundle compute: `cpu` or `cuda:N (name)`.
+    pub fn device(&self) -> String {
+        match &self.gpu {
+            Some(g) => g.gpu().label(),
+            None => "cpu".into(),
+        }
     }
 }
 
@@ -273,11 +301,19 @@ impl Engine {
         stats
             .free_pages
             .store(pool.available_pages(), Ordering::Relaxed);
+        let dev = match &bundle.gpu {
+            Some(g) => Some(
+                DeviceKv::new(g.gpu().clone(), pool.config())
+                    .map_err(|e| EngineError::Model(ModelError::Device(e.to_string())))?,
+            ),
+            None => None,
+        };
         let (tx, rx) = mpsc::channel();
         let mut worker = Worker {
             bundle,
             cfg,
             pool,
+            dev,
             stats: stats.clone(),
             waiting: VecDeque::new(),
             active: Vec::new(),
@@ -450,7 +486,10 @@ impl Active {
 struct Worker {
     bundle: Arc<ModelBundle>,
     cfg: EngineConfig,
+    /// Page bookkeeping (and, on a GPU, the host staging copy of pages in transfer).
     pool: PagePool,
+    /// The pages themselves when the engine runs on a GPU.
+    dev: Option<DeviceKv>,
     stats: Arc<EngineStats>,
     waiting: VecDeque<Job>,
     active: Vec<Active>,
@@ -501,6 +540,13 @@ impl Worker {
     fn release(&mut self, a: Active) {
         if let Err(e) = self.pool.release(a.seq) {
             tracing::error!(request = a.id, error = %e, "pages not released");
+        }
+        // On a GPU, mirror the freed tags now so a scrub policy zeroes the pages at once.
+        if let Some(kv) = self.dev.as_mut()
+            && self.cfg.scrub != ScrubPolicy::None
+            && let Err(e) = kv.sync_tags(&self.pool)
+        {
+            tracing::error!(request = a.id, error = %e, "device pages not scrubbed");
         }
     }
 
@@ -635,19 +681,28 @@ impl Worker {
                             model: self.bundle.fingerprint,
                             tokens: g.prompt.len() as u64 - 1,
                         };
-                        let imported = self.pool.import(owner, expect, &t).and_then(|mut s| {
-                            let extra = tokens - s.len;
-                            match self.pool.reserve(&mut s, extra) {
-                                Ok(()) => Ok(s),
-                                Err(e) => {
-                                    let _ = self.pool.release(s);
-                                    Err(e.into())
+                        let imported = self
+                            .pool
+                            .import(owner, expect, &t)
+                            .map_err(EngineError::from)
+                            .and_then(|mut s| {
+                                let extra = tokens - s.len;
+                                let r = self
+                                    .pool
+                                    .reserve(&mut s, extra)
+                                    .map_err(EngineError::from)
+                                    .and_then(|()| self.upload(&s, &t.manifest.page_checksums));
+                                match r {
+                                    Ok(()) => Ok(s),
+                                    Err(e) => {
+                                        let _ = self.pool.release(s);
+                                        Err(e)
+                                    }
                                 }
-                            }
-                        });
+                            });
                         match imported {
                             Ok(s) => (s, Some(t.manifest.compute_checksum())),
-                            Err(e) => return Err((Job::Gen(g, events), e.into())),
+                            Err(e) => return Err((Job::Gen(g, events), e)),
                         }
                     }
                 };
@@ -690,14 +745,32 @@ impl Worker {
     }
 
     fn finish_prefill(&mut self, mut a: Active) {
-        let exported = self.pool.export(&a.seq, a.id, self.bundle.fingerprint);
+        let exported = match self.download(&a.seq) {
+            Ok(sums) => self
+                .pool
+                .export(&a.seq, a.id, self.bundle.fingerprint)
+                .map_err(EngineError::from)
+                .and_then(|t| match sums {
+                    // The device's checksums of the pages must equal the host copy's.
+                    Some(sums) if sums != t.manifest.page_checksums => {
+                        let index = sums
+                            .iter()
+                            .zip(&t.manifest.page_checksums)
+                            .position(|(a, b)| a != b)
+                            .unwrap_or(0) as u32;
+                        Err(TransferError::PageCorrupt { index }.into())
+                    }
+                    _ => Ok(t),
+                }),
+            Err(e) => Err(e),
+        };
         let (sink, reply) = match &mut a.role {
             Role::Prefill { sink, reply } => (sink.take(), reply.take()),
             Role::Gen { .. } => (None, None),
         };
         // The set is a copy: the pages are free before it leaves.
         self.release(a);
-        let r = exported.map_err(EngineError::from).map(|t| {
+        let r = exported.map(|t| {
             let report = KvReport {
                 tokens: t.manifest.tokens,
                 digest: t.manifest.manifest_checksum,
@@ -710,6 +783,38 @@ impl Worker {
         if let Some(reply) = reply {
             let _ = reply.send(r);
         }
+    }
+
+    /// On a GPU: copies an imported sequence's pages (verified on the host) to the device and
+    /// checks the device's checksums of them against the manifest's.
+    fn upload(&mut self, seq: &Sequence, sums: &[u64]) -> Result<(), EngineError> {
+        let Some(kv) = self.dev.as_mut() else {
+            return Ok(());
+        };
+        let pages: Vec<_> = seq.pages.iter().take(sums.len()).map(|r| r.page).collect();
+        let dev = |e: crate::cuda::CudaError| EngineError::Model(ModelError::Device(e.to_string()));
+        kv.upload_pages(&self.pool, &pages).map_err(dev)?;
+        let got = kv.checksums(&pages).map_err(dev)?;
+        match got.iter().zip(sums).position(|(a, b)| a != b) {
+            Some(index) => Err(TransferError::PageCorrupt {
+                index: index as u32,
+            }
+            .into()),
+            None => Ok(()),
+        }
+    }
+
+    /// On a GPU: copies a finished prefill's pages into the host pool for export and returns
+    /// the device's checksums of them (CPU: nothing to do).
+    fn download(&mut self, seq: &Sequence) -> Result<Option<Vec<u64>>, EngineError> {
+        let Some(kv) = self.dev.as_ref() else {
+            return Ok(None);
+        };
+        let used = seq.len.div_ceil(self.cfg.page_size);
+        let pages: Vec<_> = seq.pages.iter().take(used).map(|r| r.page).collect();
+        let dev = |e: crate::cuda::CudaError| EngineError::Model(ModelError::Device(e.to_string()));
+        kv.download_pages(&mut self.pool, &pages).map_err(dev)?;
+        Ok(Some(kv.checksums(&pages).map_err(dev)?))
     }
 
     /// One forward step over the batch.
@@ -763,7 +868,10 @@ impl Worker {
                     logits,
                 });
             }
-            self.bundle.model.forward_batch(&mut self.pool, &mut items)
+            match (&self.bundle.gpu, self.dev.as_mut()) {
+                (Some(g), Some(kv)) => g.forward_batch(&mut self.pool, kv, &mut items),
+                _ => self.bundle.model.forward_batch(&mut self.pool, &mut items),
+            }
         };
         let logits = match result {
             Ok(l) => l,

@@ -545,3 +545,27 @@ fn an_engine_stops_cleanly_with_work_queued() {
         "{last:?}"
     );
 }
+
+/// Device selection when loading: `cpu` runs on the CPU; without a CUDA driver `auto` falls back
+/// to the CPU and an explicit `cuda:N` is refused with the reason (never a panic).
+#[test]
+fn device_selection_falls_back_or_refuses_without_cuda() {
+    use lockstep_engine::cuda::{self, DeviceChoice};
+    use lockstep_engine::model::ModelError;
+    let Some(p) = common::model_path() else {
+        return;
+    };
+    let b = ModelBundle::open_on(&p, DeviceChoice::Cpu).expect("cpu");
+    assert_eq!(b.device(), "cpu");
+    assert!(b.gpu.is_none());
+    if cuda::libraries().driver {
+        eprintln!("a CUDA driver is present: the GPU check script covers this machine");
+        return;
+    }
+    let b = ModelBundle::open_on(&p, DeviceChoice::Auto).expect("auto falls back");
+    assert_eq!(b.device(), "cpu");
+    match ModelBundle::open_on(&p, DeviceChoice::Cuda(0)) {
+        Err(ModelError::Device(why)) => assert!(why.contains("libcuda"), "{why}"),
+        other => panic!("expected a device error, got {other:?}"),
+    }
+}

@@ -268,9 +268,14 @@ async fn build_embedded(m: &ModelConfig) -> Result<Built, String> {
     let name = m.name.clone();
     let (pd, admission) = tokio::task::spawn_blocking(move || {
         let path = crate::fetch::ensure_model(&e).map_err(|err| format!("model `{name}`: {err}"))?;
+        let device = e
+            .device
+            .parse::<lockstep_engine::cuda::DeviceChoice>()
+            .map_err(|err| format!("model `{name}`: engine.{err}"))?;
         let bundle = Arc::new(
-            ModelBundle::open(&path).map_err(|err| format!("model `{name}`: {err}"))?,
+            ModelBundle::open_on(&path, device).map_err(|err| format!("model `{name}`: {err}"))?,
         );
+        tracing::info!(model = %name, device = %bundle.device(), "embedded engine device");
         let t = &bundle.tokenizer;
         let template = t
             .chat_template

@@ -195,6 +195,10 @@ pub struct EngineSection {
     pub fault: Option<FaultKind>,
     /// With `fault`: hit every n-th pair.
     pub fault_every: u64,
+    /// Where the engines compute: `auto` (CUDA when the driver, NVRTC, cuBLAS and a GPU are
+    /// all present, else CPU, with one log line saying which), `cpu`, or `cuda:N` (an error at
+    /// start if that device cannot be used).
+    pub device: String,
 }
 
 impl Default for EngineSection {
@@ -212,6 +216,7 @@ impl Default for EngineSection {
             scrub: ScrubKind::OnFree,
             fault: None,
             fault_every: 1,
+            device: "auto".into(),
         }
     }
 }
@@ -526,6 +531,9 @@ impl Config {
                             out.push(format!(
                                 "{at}.engine: max_batch_tokens, max_running and fault_every must be greater than 0"
                             ));
+                        }
+                        if let Err(err) = e.device.parse::<lockstep_engine::cuda::DeviceChoice>() {
+                            out.push(format!("{at}.engine.{err}"));
                         }
                         if !e.gguf.is_file() && e.fetch_pip.is_empty() {
                             out.push(format!(

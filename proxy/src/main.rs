@@ -163,6 +163,9 @@ async fn run(cli: Cli) -> ExitCode {
                 cfg.server.log_level = l;
             }
             init_logs(&cfg.server.log_level);
+            // Signal handlers go in before the listener opens: a SIGHUP or SIGTERM that arrives
+            // right after "listening" must reach them, not the default action (terminate).
+            let signals = Signals::install();
             let running = match Lockstep::start(cfg).await {
                 Ok(r) => r,
                 Err(e) => {
@@ -170,7 +173,7 @@ async fn run(cli: Cli) -> ExitCode {
                     return ExitCode::FAILURE;
                 }
             };
-            serve_until_stopped(&running, config.as_ref()).await;
+            serve_until_stopped(&running, config.as_ref(), signals).await;
             tracing::info!("shutting down");
             running.shutdown().await;
             ExitCode::SUCCESS
@@ -178,14 +181,26 @@ async fn run(cli: Cli) -> ExitCode {
     }
 }
 
+/// SIGTERM and SIGHUP streams (`None` where they cannot be installed: then only Ctrl-C stops).
+struct Signals(Option<(tokio::signal::unix::Signal, tokio::signal::unix::Signal)>);
+
+impl Signals {
+    fn install() -> Signals {
+        use tokio::signal::unix::{SignalKind, signal};
+        match (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::hangup()),
+        ) {
+            (Ok(t), Ok(h)) => Signals(Some((t, h))),
+            _ => Signals(None),
+        }
+    }
+}
+
 /// Waits for SIGINT or SIGTERM; on SIGHUP reloads the configuration file (validate, deployment
 /// check, swap atomically; an invalid file is refused with its reasons and the old one kept).
-async fn serve_until_stopped(running: &Lockstep, path: Option<&PathBuf>) {
-    use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut hup)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::hangup()),
-    ) else {
+async fn serve_until_stopped(running: &Lockstep, path: Option<&PathBuf>, signals: Signals) {
+    let Some((mut term, mut hup)) = signals.0 else {
         let _ = tokio::signal::ctrl_c().await;
         return;
     };

