@@ -21,6 +21,14 @@ typedef unsigned short f16;
 
 #define NEG_INF __int_as_float(0xff800000)
 
+// Query heads per attention block: larger GQA groups use several blocks per KV head.
+#define MAXG 4
+
+// The shared-memory buffer sized at launch. (tests/emu, which runs these kernels on the CPU
+// to check their logic without a GPU, defines LOCKSTEP_EMU and supplies both of these.)
+#ifndef LOCKSTEP_EMU
+#define DYNAMIC_SHARED(T, name) extern __shared__ T name[]
+
 __device__ __forceinline__ float h2f(f16 h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
@@ -32,9 +40,7 @@ __device__ __forceinline__ f16 f2h(float f) {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
 }
-
-// Query heads per attention block: larger GQA groups use several blocks per KV head.
-#define MAXG 4
+#endif
 
 __device__ __forceinline__ bool tag_ok(const u64* __restrict__ tag_owner,
                                        const u64* __restrict__ tag_epoch, int page, u64 owner,
@@ -184,7 +190,7 @@ __device__ void paged_attention_split(
     constexpr int TPW = 32 / LPT;     // tokens per warp pass
     constexpr int NW = 4;             // warps
     constexpr int TPB = TPW * NW;     // tokens per block pass
-    extern __shared__ float smem[];   // scores[MAXG][chunk], then red[NW][MAXG][HD]
+    DYNAMIC_SHARED(float, smem);  // scores[MAXG][chunk], then red[NW][MAXG][HD]
     __shared__ float s32[32];
     float* scores = smem;
     float* red = smem + MAXG * chunk;

@@ -327,3 +327,4 @@ mod ops;
 pub use harness::Harness;
 pub use kv::{DeviceFlag, DeviceKv};
 pub use model::{CudaLlama, StepBuffers};
+pub use ops::AttentionPlan;

@@ -17,6 +17,47 @@ const CHUNK_MIN: usize = 64;
 const MAXG: usize = 4;
 const WARPS: usize = 4;
 
+/// The launch shape of paged attention for a step: the context is split into chunks of whole
+/// pages, halved from 256 down to 64 positions until the grid gives every multiprocessor two
+/// blocks (so short contexts at small batch still spread over the device).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionPlan {
+    /// Positions per split.
+    pub chunk: usize,
+    /// Splits (grid z).
+    pub splits: usize,
+    /// Grid: (rows, kv_heads · ceil(group / 4), splits).
+    pub grid: (u32, u32, u32),
+    /// Dynamic shared memory per block: scores (4 × chunk) and the warps' partial sums.
+    pub smem: u32,
+}
+
+impl AttentionPlan {
+    /// The plan for `rows` query rows whose longest context is `max_ctx`.
+    pub fn new(
+        rows: usize,
+        max_ctx: usize,
+        (heads, kvh, hd): (usize, usize, usize),
+        page_size: usize,
+        sms: u32,
+    ) -> AttentionPlan {
+        let gblocks = (heads / kvh).div_ceil(MAXG);
+        let target = 2 * sms as usize;
+        let mut chunk = CHUNK_MAX;
+        while chunk > CHUNK_MIN && rows * kvh * gblocks * max_ctx.div_ceil(chunk) < target {
+            chunk /= 2;
+        }
+        let chunk = chunk.max(page_size);
+        let splits = max_ctx.div_ceil(chunk).max(1);
+        AttentionPlan {
+            chunk,
+            splits,
+            grid: (rows as u32, (kvh * gblocks) as u32, splits as u32),
+            smem: ((MAXG * chunk + WARPS * MAXG * hd) * 4) as u32,
+        }
+    }
+}
+
 fn grid(x: usize, block: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (x as u32, 1, 1),
@@ -214,28 +255,19 @@ pub(crate) fn attention(
     qkv: &CudaSlice<f32>,
     out: &mut CudaSlice<f16>,
 ) -> Result<(), CudaError> {
-    let group = heads / kvh;
-    let gblocks = group.div_ceil(MAXG);
     let rows = st.n;
     let page_size = kv.config().page_size;
-    // Split the context so the grid fills the device, in chunks that are whole pages.
-    let target = 2 * gpu.sms as usize;
-    let mut chunk = CHUNK_MAX;
-    while chunk > CHUNK_MIN && rows * kvh * gblocks * st.max_ctx.div_ceil(chunk) < target {
-        chunk /= 2;
-    }
-    let chunk = chunk.max(page_size);
-    let splits = st.max_ctx.div_ceil(chunk).max(1);
+    let plan = AttentionPlan::new(rows, st.max_ctx, (heads, kvh, hd), page_size, gpu.sms);
+    let (chunk, splits) = (plan.chunk, plan.splits);
     let s = &gpu.stream;
     // SAFETY (of the uninitialised allocations): every partial is written by its block
     // (empty splits write m = -inf, l = 0) before attn_reduce reads it.
     let mut part_o = unsafe { s.alloc::<f32>(rows * heads * splits * hd) }?;
     let mut part_ml = unsafe { s.alloc::<f32>(rows * heads * splits * 2) }?;
-    let smem = ((MAXG * chunk + WARPS * MAXG * hd) * 4) as u32;
     let cfg = LaunchConfig {
-        grid_dim: (rows as u32, (kvh * gblocks) as u32, splits as u32),
+        grid_dim: plan.grid,
         block_dim: (128, 1, 1),
-        shared_mem_bytes: smem,
+        shared_mem_bytes: plan.smem,
     };
     let func = if hd == 64 {
         &gpu.f.attn64
