@@ -70,7 +70,6 @@ enum Arg {
     I32(i32),
     I64(i64),
     F32(f32),
-    U64(u64),
 }
 
 fn from_bytes<T: bytemuck::Pod>(b: &[u8]) -> Vec<T> {
@@ -123,10 +122,6 @@ fn launch(e: &Emu, name: &str, grid: (u32, u32, u32), block: u32, smem: u32, arg
             }
             Arg::F32(v) => {
                 t.push(3);
-                t.extend(v.to_le_bytes());
-            }
-            Arg::U64(v) => {
-                t.push(4);
                 t.extend(v.to_le_bytes());
             }
         }
