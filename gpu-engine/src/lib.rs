@@ -14,6 +14,8 @@
 //!   (F32, F16, BF16, Q4_0, Q4_1, Q8_0) the model loader builds on; [`tokenizer`]: the model
 //!   file's tokenizer and chat template.
 //! - [`model`]: the llama forward pass over a ragged batch, with quantised AVX2 matmuls.
+//! - [`synthetic`]: a GGUF writer and seeded random llama models of any shape (for checks where
+//!   the real model file cannot travel).
 //! - [`sample`]: sampling and stop conditions; [`engine`]: the continuous-batching engine;
 //!   [`pd`]: prefill and decode engines in one process with a verified transfer between them.
 //!
