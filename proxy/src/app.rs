@@ -15,6 +15,7 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
 use crate::admission::Admission;
+use crate::audit::Audit;
 use crate::backend::embedded::EmbeddedBackend;
 use crate::backend::sglang::SglangBackend;
 use crate::backend::{PdBackend, UpstreamClient};
@@ -22,6 +23,7 @@ use crate::config::{
     BackendKind, Config, EngineMode, EngineSection, FaultKind, ModelConfig, PoolConfig, ScrubKind,
     WhenFullKind, WorkerConfig, deployment_check,
 };
+use crate::metrics::Metrics;
 use crate::pair::{PairRegistry, PairRuntime, PairStats};
 use crate::pool::{WorkerPool, health_loop};
 
@@ -82,6 +84,10 @@ pub struct AppState {
     pub registry: Arc<PairRegistry>,
     /// Outcome counters of all models.
     pub stats: Arc<PairStats>,
+    /// Prometheus metrics.
+    pub metrics: Arc<Metrics>,
+    /// The audit log (`server.audit_log`; a reload keeps the one opened at start).
+    pub audit: Arc<Audit>,
     /// Largest accepted body.
     pub max_body_bytes: usize,
     /// Set while shutting down: `/ready` fails.
@@ -135,6 +141,7 @@ pub struct Lockstep {
     pub http_addr: SocketAddr,
     tasks: Vec<JoinHandle<()>>,
     shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    drain_grace: Duration,
 }
 
 /// Builds every model of `cfg`: deployment check against the workers, tokenizer and template,
@@ -144,6 +151,8 @@ async fn build_models(
     client: &UpstreamClient,
     registry: &Arc<PairRegistry>,
     stats: &Arc<PairStats>,
+    metrics: &Arc<Metrics>,
+    audit: &Arc<Audit>,
 ) -> Result<Models, String> {
     let problems = cfg.problems();
     if !problems.is_empty() {
@@ -193,6 +202,8 @@ async fn build_models(
             timeouts: m.timeouts.clone(),
             retry: m.retry.clone(),
             stats: stats.clone(),
+            metrics: metrics.clone(),
+            audit: audit.clone(),
         });
         tracing::info!(model = %name, context_window = m.context_window, kv_capacity = capacity, "model ready");
         models.by_name.insert(
@@ -346,11 +357,15 @@ impl Lockstep {
         let client = UpstreamClient::new(Duration::from_millis(cfg.server.connect_timeout_ms));
         let registry = Arc::new(PairRegistry::default());
         let stats = Arc::new(PairStats::default());
-        let models = build_models(&cfg, &client, &registry, &stats).await?;
+        let metrics = Arc::new(Metrics::new());
+        let audit = Arc::new(Audit::open(&cfg.server.audit_log)?);
+        let models = build_models(&cfg, &client, &registry, &stats, &metrics, &audit).await?;
         let state = Arc::new(AppState {
             models: ArcSwap::from_pointee(models),
             registry,
             stats,
+            metrics,
+            audit,
             max_body_bytes: cfg.server.max_body_bytes,
             draining: AtomicBool::new(false),
             client,
@@ -380,6 +395,7 @@ impl Lockstep {
             http_addr,
             tasks,
             shutdown: Some(tx),
+            drain_grace: Duration::from_millis(cfg.server.drain_grace_ms),
         })
     }
 
@@ -389,16 +405,63 @@ impl Lockstep {
     /// settings (listener, body limit, threads) need a restart.
     pub async fn reload(&self, cfg: Config) -> Result<(), String> {
         let st = &self.state;
-        let models = build_models(&cfg, &st.client, &st.registry, &st.stats).await?;
+        let models = build_models(
+            &cfg,
+            &st.client,
+            &st.registry,
+            &st.stats,
+            &st.metrics,
+            &st.audit,
+        )
+        .await?;
         let names: Vec<_> = models.by_name.keys().cloned().collect();
         st.models.store(Arc::new(models));
         tracing::info!(models = ?names, "configuration reloaded");
         Ok(())
     }
 
-    /// Stops accepting, lets in-flight responses end, stops background tasks.
+    /// Drains: `/ready` fails and new requests get 503 at once; every pair that has not
+    /// committed is aborted on both halves now (its client gets an error); committed streams may
+    /// finish within `grace`; whatever is still live then is aborted on both halves too. Returns
+    /// when no pair is live (bounded: grace + 5 s for the aborts to land).
+    pub async fn drain(&self, grace: Duration) {
+        use crate::pair::{CancelReason, PairState};
+        let st = &self.state;
+        st.draining.store(true, Ordering::Release);
+        let live = st.registry.len();
+        tracing::info!(
+            live_pairs = live,
+            grace_ms = grace.as_millis() as u64,
+            "draining: committed streams may finish, the rest are aborted"
+        );
+        let start = tokio::time::Instant::now();
+        // Uncommitted pairs are aborted at once; repeated, so a pair registered by a request that
+        // raced the flag is caught too.
+        while !st.registry.is_empty() && start.elapsed() < grace {
+            st.registry
+                .cancel_where(|s| s != PairState::Committed, CancelReason::Shutdown);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let late = st.registry.cancel_where(|_| true, CancelReason::Shutdown);
+        if late > 0 {
+            tracing::warn!(pairs = late, "drain grace over: aborting committed streams");
+        }
+        let bound = tokio::time::Instant::now() + Duration::from_secs(5);
+        while !st.registry.is_empty() && tokio::time::Instant::now() < bound {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        if !st.registry.is_empty() {
+            tracing::error!(
+                pairs = st.registry.len(),
+                "pairs still live after the drain"
+            );
+        }
+    }
+
+    /// Drains (see [`Lockstep::drain`]) within `server.drain_grace_ms`, then stops accepting, lets
+    /// the last responses end and stops background tasks.
     pub async fn shutdown(mut self) {
-        self.state.draining.store(true, Ordering::Release);
+        self.drain(self.drain_grace).await;
         if let Some(tx) = self.shutdown.take() {
             let _ = tx.send(());
         }

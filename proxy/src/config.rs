@@ -34,6 +34,11 @@ pub struct ServerConfig {
     pub connect_timeout_ms: u64,
     /// Runtime worker threads; 0 means one per core.
     pub worker_threads: usize,
+    /// Audit log of aborted pairs and integrity events (JSON lines): a file path (appended),
+    /// `-` for stdout, empty for off. Opened at start; a reload does not move it.
+    pub audit_log: String,
+    /// On SIGTERM: how long committed streams may run on before they are aborted, ms.
+    pub drain_grace_ms: u64,
 }
 
 impl Default for ServerConfig {
@@ -44,6 +49,8 @@ impl Default for ServerConfig {
             max_body_bytes: 4 * 1024 * 1024,
             connect_timeout_ms: 2_000,
             worker_threads: 0,
+            audit_log: String::new(),
+            drain_grace_ms: 30_000,
         }
     }
 }

@@ -6,10 +6,12 @@
 
 pub mod admission;
 pub mod app;
+pub mod audit;
 pub mod backend;
 pub mod config;
 pub mod error;
 pub mod fetch;
 pub mod http;
+pub mod metrics;
 pub mod pair;
 pub mod pool;

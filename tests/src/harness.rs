@@ -37,11 +37,23 @@ pub fn config_text(
     model_extra: &str,
     timeouts: &str,
 ) -> String {
+    config_text_with(mock, tokenizer, "", model_extra, timeouts)
+}
+
+/// [`config_text`] with extra `[server]` settings.
+pub fn config_text_with(
+    mock: &PdMock,
+    tokenizer: &std::path::Path,
+    server_extra: &str,
+    model_extra: &str,
+    timeouts: &str,
+) -> String {
     format!(
         r#"
 [server]
 http_listen = "127.0.0.1:0"
 max_body_bytes = 65536
+{server_extra}
 
 [[models]]
 name = "{MODEL}"
@@ -87,13 +99,23 @@ impl Stack {
 
     /// Starts a mock and lockstep with custom settings.
     pub async fn start_with(mock_cfg: MockConfig, model_extra: &str, timeouts: &str) -> Stack {
+        Stack::start_full(mock_cfg, "", model_extra, timeouts).await
+    }
+
+    /// Starts a mock and lockstep with custom server and model settings.
+    pub async fn start_full(
+        mock_cfg: MockConfig,
+        server_extra: &str,
+        model_extra: &str,
+        timeouts: &str,
+    ) -> Stack {
         let dir = tempfile::tempdir().expect("tempdir");
         let tok_path: PathBuf = dir.path().join("tokenizer.json");
         tokenizer::write(&tok_path).expect("write tokenizer");
         let mock = PdMock::start(mock_cfg, tokenizer::build())
             .await
             .expect("mock starts");
-        let text = config_text(&mock, &tok_path, model_extra, timeouts);
+        let text = config_text_with(&mock, &tok_path, server_extra, model_extra, timeouts);
         let cfg = Config::parse(&text).expect("test config parses");
         let lockstep = Lockstep::start(cfg).await.expect("lockstep starts");
         let url = format!("http://{}", lockstep.http_addr);

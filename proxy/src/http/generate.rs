@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use axum::body::Body;
 use axum::extract::State;
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use http::HeaderMap;
 use serde::Deserialize;
 
@@ -126,7 +126,7 @@ pub(crate) async fn generate(
     }
     .await;
     match result {
-        Ok((model, ids, sampling, shape)) => serve_pair(&model, ids, sampling, shape).await,
-        Err(e) => e.into_response(),
+        Ok((model, ids, sampling, shape)) => serve_pair(&state, &model, ids, sampling, shape).await,
+        Err(e) => super::refused(&state, "", e),
     }
 }

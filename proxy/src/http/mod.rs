@@ -30,8 +30,20 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/generate", post(generate::generate))
         .route("/health", get(health))
         .route("/ready", get(ready))
+        .route("/metrics", get(metrics))
         .fallback(not_found)
         .with_state(state)
+}
+
+/// A request refused before any pair was dispatched: counted by model (empty when the request
+/// named no known model yet) and error code, then answered.
+pub(crate) fn refused(state: &AppState, model: &str, e: LockstepError) -> Response {
+    state
+        .metrics
+        .admission_refusals
+        .with_label_values(&[model, e.code()])
+        .inc();
+    e.into_response()
 }
 
 async fn not_found(method: Method, uri: Uri) -> Response {
@@ -68,6 +80,53 @@ async fn ready(State(state): State<Arc<AppState>>) -> Response {
         )
             .into_response()
     }
+}
+
+/// Prometheus text exposition. The per-worker and per-pool gauges are read from the live models
+/// now (workers and pools of a reloaded-away configuration disappear).
+async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    let m = &state.metrics;
+    m.worker_inflight.reset();
+    m.worker_healthy.reset();
+    m.kv_pages.reset();
+    for model in state.models.load().by_name.values() {
+        let name = &*model.name;
+        if let Some(pd) = &model.engine {
+            for (engine, e) in pd.engines() {
+                let s = e.stats();
+                let total = s.total_pages.load(Ordering::Relaxed) as i64;
+                let free = s.free_pages.load(Ordering::Relaxed) as i64;
+                m.kv_pages
+                    .with_label_values(&[name, engine, "free"])
+                    .set(free);
+                m.kv_pages
+                    .with_label_values(&[name, engine, "used"])
+                    .set(total - free);
+            }
+        }
+        for (side, pool) in [
+            ("prefill", &model.pairs.prefill),
+            ("decode", &model.pairs.decode),
+        ] {
+            for w in pool.workers() {
+                let labels = [name, side, w.url.as_str()];
+                m.worker_inflight
+                    .with_label_values(&labels)
+                    .set(w.in_flight() as i64);
+                m.worker_healthy
+                    .with_label_values(&labels)
+                    .set(i64::from(w.is_healthy()));
+            }
+        }
+    }
+    (
+        [(
+            http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        m.render(),
+    )
+        .into_response()
 }
 
 async fn models(State(state): State<Arc<AppState>>) -> Response {

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use axum::body::Body;
 use axum::extract::State;
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use http::HeaderMap;
 use serde::Deserialize;
 
@@ -245,8 +245,8 @@ pub(crate) async fn chat_completions(
     }
     .await;
     match result {
-        Ok((model, ids, sampling, shape)) => serve_pair(&model, ids, sampling, shape).await,
-        Err(e) => e.into_response(),
+        Ok((model, ids, sampling, shape)) => serve_pair(&state, &model, ids, sampling, shape).await,
+        Err(e) => super::refused(&state, "", e),
     }
 }
 
@@ -332,7 +332,7 @@ pub(crate) async fn completions(
     }
     .await;
     match result {
-        Ok((model, ids, sampling, shape)) => serve_pair(&model, ids, sampling, shape).await,
-        Err(e) => e.into_response(),
+        Ok((model, ids, sampling, shape)) => serve_pair(&state, &model, ids, sampling, shape).await,
+        Err(e) => super::refused(&state, "", e),
     }
 }

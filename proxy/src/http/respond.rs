@@ -10,7 +10,7 @@ use bytes::Bytes;
 use serde_json::{Value, json};
 
 use crate::admission::check_fits;
-use crate::app::ModelRuntime;
+use crate::app::{AppState, ModelRuntime};
 use crate::backend::{DecodeChunk, FinishReason, SamplingParams};
 use crate::error::LockstepError;
 use crate::pair::{PairEvent, PairId};
@@ -56,17 +56,30 @@ impl Shape {
 
 /// Admits, starts the pair, waits for the commit barrier, then answers in the client's shape.
 pub(crate) async fn serve_pair(
+    state: &AppState,
     model: &ModelRuntime,
     ids: Vec<u32>,
     sampling: SamplingParams,
     shape: Shape,
 ) -> Response {
+    if state.draining.load(std::sync::atomic::Ordering::Acquire) {
+        let e = LockstepError::Unavailable {
+            message: "lockstep is draining: not accepting new requests".into(),
+        };
+        return super::refused(state, &model.name, e);
+    }
     if let Err(e) = check_fits(
         ids.len() as u64,
         sampling.max_new_tokens,
         model.cfg.context_window,
         model.kv_capacity(),
     ) {
+        model
+            .pairs
+            .metrics
+            .admission_refusals
+            .with_label_values(&[&*model.name, e.code()])
+            .inc();
         return e.into_response();
     }
     let (mut rx, _task) = model.pairs.start(ids.into(), sampling.into());

@@ -9,12 +9,14 @@ use futures_util::StreamExt;
 use tokio::sync::mpsc;
 use tokio::time::{Instant as TokioInstant, sleep, sleep_until};
 
-use super::{PairId, PairInfo, PairRegistry, PairState};
+use super::{CancelReason, PairId, PairInfo, PairRegistry, PairState};
+use crate::audit::{Audit, AuditEvent, AuditKind, AuditTimings, now_ms};
 use crate::backend::{
     DecodeChunk, Dispatch, HalfError, HalfFailure, PdBackend, SamplingParams, Side,
 };
 use crate::config::{RetryConfig, TimeoutConfig};
 use crate::error::{LockstepError, Phase};
+use crate::metrics::Metrics;
 use crate::pool::WorkerPool;
 
 /// What the front end receives from a pair's task.
@@ -49,6 +51,10 @@ pub enum AbortReason {
     ClientGone,
     /// No healthy worker (nothing was dispatched).
     NoWorker,
+    /// lockstep is shutting down: uncommitted pairs at once, committed ones after the grace.
+    Shutdown,
+    /// An operator aborted the pair.
+    Operator,
 }
 
 impl AbortReason {
@@ -64,6 +70,8 @@ impl AbortReason {
             AbortReason::Deadline(Phase::Idle) => "deadline_idle",
             AbortReason::ClientGone => "client_gone",
             AbortReason::NoWorker => "no_worker",
+            AbortReason::Shutdown => "shutdown",
+            AbortReason::Operator => "operator",
         }
     }
 }
@@ -110,6 +118,10 @@ pub struct PairRuntime {
     pub retry: RetryConfig,
     /// Outcome counters.
     pub stats: Arc<PairStats>,
+    /// Prometheus metrics (shared by all models).
+    pub metrics: Arc<Metrics>,
+    /// The audit log (shared by all models).
+    pub audit: Arc<Audit>,
 }
 
 /// A failed attempt, with what the retry decision needs.
@@ -118,6 +130,8 @@ struct Failure {
     reason: AbortReason,
     retry_safe: bool,
     failed_side: Option<Side>,
+    /// For integrity failures: which check failed (a metric label and audit field).
+    integrity: Option<&'static str>,
 }
 
 impl Failure {
@@ -127,7 +141,7 @@ impl Failure {
         if matches!(e.failure, HalfFailure::Integrity(_)) {
             return Failure {
                 failed_side: Some(e.side),
-                ..Failure::integrity(pair_id, message)
+                ..Failure::integrity(pair_id, "kv_transfer", message)
             };
         }
         let (error, reason) = match e.side {
@@ -145,6 +159,7 @@ impl Failure {
             reason,
             retry_safe,
             failed_side: Some(e.side),
+            integrity: None,
         }
     }
     fn plain(error: LockstepError, reason: AbortReason) -> Failure {
@@ -153,6 +168,7 @@ impl Failure {
             reason,
             retry_safe: false,
             failed_side: None,
+            integrity: None,
         }
     }
     fn deadline(pair_id: PairId, phase: Phase) -> Failure {
@@ -161,11 +177,26 @@ impl Failure {
             AbortReason::Deadline(phase),
         )
     }
-    fn integrity(pair_id: PairId, message: String) -> Failure {
+    fn cancelled(pair_id: PairId, why: CancelReason) -> Failure {
+        let (message, reason) = match why {
+            CancelReason::Shutdown => ("lockstep is shutting down", AbortReason::Shutdown),
+            CancelReason::Operator => ("aborted by an operator", AbortReason::Operator),
+        };
         Failure::plain(
-            LockstepError::IntegrityViolation { pair_id, message },
-            AbortReason::Integrity,
+            LockstepError::Unavailable {
+                message: format!("pair {pair_id} {message}"),
+            },
+            reason,
         )
+    }
+    fn integrity(pair_id: PairId, kind: &'static str, message: String) -> Failure {
+        Failure {
+            integrity: Some(kind),
+            ..Failure::plain(
+                LockstepError::IntegrityViolation { pair_id, message },
+                AbortReason::Integrity,
+            )
+        }
     }
 }
 
@@ -197,6 +228,7 @@ impl PairRuntime {
         ) = (None, None);
         let outcome = loop {
             let Some(pg) = self.prefill.pick(avoid.0.as_ref()) else {
+                self.refused("no_healthy_worker");
                 let _ = tx
                     .send(PairEvent::Failed(LockstepError::NoHealthyWorker {
                         model: self.model.to_string(),
@@ -206,6 +238,7 @@ impl PairRuntime {
                 break Outcome::Aborted(AbortReason::NoWorker);
             };
             let Some(dg) = self.decode.pick(avoid.1.as_ref()) else {
+                self.refused("no_healthy_worker");
                 let _ = tx
                     .send(PairEvent::Failed(LockstepError::NoHealthyWorker {
                         model: self.model.to_string(),
@@ -229,13 +262,27 @@ impl PairRuntime {
                 sampling: sampling.clone(),
             };
             self.stats.dispatched.fetch_add(1, Ordering::Relaxed);
+            let model = &*self.model;
+            self.metrics.pairs_started.with_label_values(&[model]).inc();
             let mut committed = false;
-            match self.attempt(&d, &tx, started, &guard, &mut committed).await {
-                Ok(()) => break Outcome::Completed,
+            let mut barrier = None;
+            let dispatched = TokioInstant::now();
+            match self
+                .attempt(&d, &tx, started, &guard, &mut committed, &mut barrier)
+                .await
+            {
+                Ok(()) => {
+                    self.metrics
+                        .pairs_completed
+                        .with_label_values(&[model])
+                        .inc();
+                    break Outcome::Completed;
+                }
                 Err(f) => {
                     guard.set_state(PairState::Aborting);
-                    self.abort_both(&d);
+                    self.abort_both(&d, TokioInstant::now());
                     tracing::warn!(pair = %d.pair_id, model = %self.model, reason = f.reason.as_str(), error = %f.error, "pair aborted on both halves");
+                    self.record_abort(&d, &f, attempt, committed, started, dispatched, barrier);
                     if !committed
                         && f.retry_safe
                         && attempt < self.retry.max_retries
@@ -272,14 +319,15 @@ impl PairRuntime {
     }
 
     /// Sends the abort to both halves in the background, each bounded by `abort_ms`, never
-    /// delaying the client's error.
-    fn abort_both(&self, d: &Dispatch) {
-        for side in [Side::Prefill, Side::Decode] {
+    /// delaying the client's error; the time from `failed_at` to both answered (or timed out) is
+    /// the abort-both latency.
+    fn abort_both(&self, d: &Dispatch, failed_at: TokioInstant) {
+        let bound = self.timeouts.abort();
+        let pair = d.pair_id;
+        let call = |side: Side| {
             let fut = self.backend.abort(d, side);
-            let bound = self.timeouts.abort();
-            let pair = d.pair_id;
             self.stats.abort_calls.fetch_add(1, Ordering::Relaxed);
-            tokio::spawn(async move {
+            async move {
                 match tokio::time::timeout(bound, fut).await {
                     Ok(Ok(())) => {}
                     Ok(Err(e)) => {
@@ -289,8 +337,80 @@ impl PairRuntime {
                         tracing::warn!(pair = %pair, side = side.as_str(), "abort call timed out")
                     }
                 }
-            });
+            }
+        };
+        let (p, dd) = (call(Side::Prefill), call(Side::Decode));
+        let latency = self
+            .metrics
+            .abort_both_seconds
+            .with_label_values(&[&*self.model]);
+        tokio::spawn(async move {
+            tokio::join!(p, dd);
+            latency.observe(failed_at.elapsed().as_secs_f64());
+        });
+    }
+
+    /// A request refused before any pair was dispatched.
+    fn refused(&self, code: &str) {
+        self.metrics
+            .admission_refusals
+            .with_label_values(&[&*self.model, code])
+            .inc();
+    }
+
+    /// Metrics and audit lines of an aborted pair.
+    #[allow(clippy::too_many_arguments)]
+    fn record_abort(
+        &self,
+        d: &Dispatch,
+        f: &Failure,
+        attempt: u32,
+        committed: bool,
+        started: TokioInstant,
+        dispatched: TokioInstant,
+        barrier: Option<Duration>,
+    ) {
+        let model = &*self.model;
+        let side = f.failed_side.map_or("none", Side::as_str);
+        self.metrics
+            .pairs_aborted
+            .with_label_values(&[model, f.reason.as_str(), side])
+            .inc();
+        if let Some(kind) = f.integrity {
+            self.metrics
+                .integrity_violations
+                .with_label_values(&[model, kind])
+                .inc();
         }
+        if !self.audit.enabled() {
+            return;
+        }
+        let mut ev = AuditEvent {
+            ts_ms: now_ms(),
+            event: AuditKind::PairAborted,
+            pair_id: d.pair_id.to_string(),
+            tenant: None,
+            model,
+            reason: f.reason.as_str(),
+            integrity_kind: f.integrity,
+            side,
+            error_code: f.error.code(),
+            prefill_worker: &d.prefill.url,
+            decode_worker: &d.decode.url,
+            attempt,
+            committed,
+            timings: AuditTimings {
+                since_request_ms: started.elapsed().as_millis() as u64,
+                since_dispatch_ms: dispatched.elapsed().as_millis() as u64,
+                barrier_ms: barrier.map(|b| b.as_millis() as u64),
+            },
+        };
+        if f.integrity.is_some() {
+            ev.event = AuditKind::IntegrityViolation;
+            self.audit.record(&ev);
+            ev.event = AuditKind::PairAborted;
+        }
+        self.audit.record(&ev);
     }
 
     /// One attempt: barrier, then streaming. `Err` means both halves must be aborted.
@@ -301,6 +421,7 @@ impl PairRuntime {
         started: TokioInstant,
         guard: &super::PairGuard,
         committed: &mut bool,
+        barrier: &mut Option<Duration>,
     ) -> Result<(), Failure> {
         let id = d.pair_id;
         let t = &self.timeouts;
@@ -321,6 +442,7 @@ impl PairRuntime {
         while !prefill_ok || first.is_none() {
             tokio::select! {
                 biased;
+                why = guard.cancelled() => return Err(Failure::cancelled(id, why)),
                 _ = tx.closed() => return Err(Failure::plain(LockstepError::Unavailable { message: "client went away".into() }, AbortReason::ClientGone)),
                 _ = sleep_until(total_at) => return Err(Failure::deadline(id, Phase::Total)),
                 _ = sleep_until(prefill_at), if !prefill_ok => return Err(Failure::deadline(id, Phase::Prefill)),
@@ -328,7 +450,7 @@ impl PairRuntime {
                 r = &mut prefill, if !prefill_ok => {
                     let report = r.map_err(|e| Failure::from_half(id, e))?;
                     if report.prompt_tokens != expected {
-                        return Err(Failure::integrity(id, format!(
+                        return Err(Failure::integrity(id, "prefill_prompt_count", format!(
                             "prefill computed {} prompt tokens, lockstep sent {expected}", report.prompt_tokens)));
                     }
                     prefill_ok = true;
@@ -352,6 +474,7 @@ impl PairRuntime {
         if prefill_digest != decode_digest {
             return Err(Failure::integrity(
                 id,
+                "kv_digest_mismatch",
                 format!(
                     "KV digest mismatch: prefill sent {}, decode imported {}",
                     digest_text(prefill_digest),
@@ -361,6 +484,16 @@ impl PairRuntime {
         }
         guard.set_state(PairState::Committed);
         *committed = true;
+        let model = &*self.model;
+        let waited = dispatched.elapsed();
+        *barrier = Some(waited);
+        self.metrics
+            .barrier_wait_seconds
+            .with_label_values(&[model])
+            .observe(waited.as_secs_f64());
+        let ttft = self.metrics.ttft_seconds.with_label_values(&[model]);
+        let itl = self.metrics.itl_seconds.with_label_values(&[model]);
+        let mut last_sent: Option<TokioInstant> = None;
         let gone = || {
             Failure::plain(
                 LockstepError::Unavailable {
@@ -390,7 +523,14 @@ impl PairRuntime {
         loop {
             let finished = chunk.finish.is_some();
             match tokio::time::timeout_at(total_at, tx.send(PairEvent::Chunk(chunk))).await {
-                Ok(Ok(())) => {}
+                Ok(Ok(())) => {
+                    let now = TokioInstant::now();
+                    match last_sent {
+                        None => ttft.observe((now - started).as_secs_f64()),
+                        Some(t) => itl.observe((now - t).as_secs_f64()),
+                    }
+                    last_sent = Some(now);
+                }
                 Ok(Err(_)) => return Err(gone()),
                 Err(_) => return Err(Failure::deadline(id, Phase::Total)),
             }
@@ -399,6 +539,7 @@ impl PairRuntime {
             }
             tokio::select! {
                 biased;
+                why = guard.cancelled() => return Err(Failure::cancelled(id, why)),
                 _ = tx.closed() => return Err(gone()),
                 _ = sleep_until(total_at) => return Err(Failure::deadline(id, Phase::Total)),
                 _ = sleep(t.idle()) => return Err(Failure::deadline(id, Phase::Idle)),
@@ -423,6 +564,7 @@ fn check_decode_count(id: PairId, chunk: &DecodeChunk, expected: u64) -> Result<
     match chunk.prompt_tokens {
         Some(n) if n != expected => Err(Failure::integrity(
             id,
+            "decode_prompt_count",
             format!("decode read {n} prompt tokens, lockstep sent {expected}"),
         )),
         _ => Ok(()),

@@ -4,7 +4,7 @@ mod lifecycle;
 mod registry;
 
 pub use lifecycle::{AbortReason, Outcome, PairEvent, PairRuntime, PairStats};
-pub use registry::{PairGuard, PairInfo, PairRegistry, PairState};
+pub use registry::{CancelReason, PairGuard, PairInfo, PairRegistry, PairState};
 
 use serde::{Serialize, Serializer};
 

@@ -244,6 +244,8 @@ fn run_case(script: Script) -> Result<(), TestCaseError> {
                 backoff_ms: 5,
             },
             stats: Arc::new(PairStats::default()),
+            metrics: Arc::new(crate::metrics::Metrics::new()),
+            audit: Arc::new(crate::audit::Audit::default()),
         });
         let (mut rx, handle) = rt.start(
             vec![1u32; n as usize].into(),

@@ -3,8 +3,11 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use std::sync::atomic::{AtomicU8, Ordering};
+
 use dashmap::DashMap;
 use dashmap::mapref::entry::Entry;
+use tokio_util::sync::CancellationToken;
 
 use super::PairId;
 
@@ -34,10 +37,26 @@ pub struct PairInfo {
     pub state: PairState,
 }
 
+/// Why a live pair was told to stop from outside its task.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CancelReason {
+    /// lockstep is shutting down (drain).
+    Shutdown,
+    /// An operator aborted it (admin API).
+    Operator,
+}
+
+#[derive(Debug)]
+struct Live {
+    info: PairInfo,
+    cancel: CancellationToken,
+    reason: Arc<AtomicU8>,
+}
+
 /// All live pairs, keyed by id.
 #[derive(Debug, Default)]
 pub struct PairRegistry {
-    live: DashMap<PairId, PairInfo>,
+    live: DashMap<PairId, Live>,
 }
 
 impl PairRegistry {
@@ -46,11 +65,7 @@ impl PairRegistry {
         loop {
             let id = PairId::random();
             if let Entry::Vacant(v) = self.live.entry(id) {
-                v.insert(info);
-                return PairGuard {
-                    id,
-                    registry: self.clone(),
-                };
+                return self.guard(id, v, info);
             }
         }
     }
@@ -58,15 +73,72 @@ impl PairRegistry {
     /// Registers under a chosen id; `None` when that id is live (collision check, tests).
     pub fn register_as(self: &Arc<Self>, id: PairId, info: PairInfo) -> Option<PairGuard> {
         match self.live.entry(id) {
-            Entry::Vacant(v) => {
-                v.insert(info);
-                Some(PairGuard {
-                    id,
-                    registry: self.clone(),
-                })
-            }
+            Entry::Vacant(v) => Some(self.guard(id, v, info)),
             Entry::Occupied(_) => None,
         }
+    }
+
+    fn guard(
+        self: &Arc<Self>,
+        id: PairId,
+        slot: dashmap::mapref::entry::VacantEntry<'_, PairId, Live>,
+        info: PairInfo,
+    ) -> PairGuard {
+        let cancel = CancellationToken::new();
+        let reason = Arc::new(AtomicU8::new(0));
+        slot.insert(Live {
+            info,
+            cancel: cancel.clone(),
+            reason: reason.clone(),
+        });
+        PairGuard {
+            id,
+            registry: self.clone(),
+            cancel,
+            reason,
+        }
+    }
+
+    /// Tells one live pair to abort (both halves, by its own task). False when not live.
+    pub fn cancel(&self, id: PairId, why: CancelReason) -> bool {
+        match self.live.get(&id) {
+            Some(e) => {
+                Self::fire(&e, why);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Tells every live pair in a state `which` accepts to abort; returns how many.
+    pub fn cancel_where(&self, which: impl Fn(PairState) -> bool, why: CancelReason) -> usize {
+        let mut n = 0;
+        for e in self.live.iter() {
+            if which(e.info.state) && !e.cancel.is_cancelled() {
+                Self::fire(&e, why);
+                n += 1;
+            }
+        }
+        n
+    }
+
+    fn fire(e: &Live, why: CancelReason) {
+        let code = match why {
+            CancelReason::Shutdown => 1,
+            CancelReason::Operator => 2,
+        };
+        let _ = e
+            .reason
+            .compare_exchange(0, code, Ordering::AcqRel, Ordering::Acquire);
+        e.cancel.cancel();
+    }
+
+    /// Snapshots of every live pair.
+    pub fn snapshot(&self) -> Vec<(PairId, PairInfo)> {
+        self.live
+            .iter()
+            .map(|e| (*e.key(), e.info.clone()))
+            .collect()
     }
 
     /// Number of live pairs.
@@ -81,7 +153,7 @@ impl PairRegistry {
 
     /// A snapshot of one live pair.
     pub fn get(&self, id: PairId) -> Option<PairInfo> {
-        self.live.get(&id).map(|e| e.clone())
+        self.live.get(&id).map(|e| e.info.clone())
     }
 
     /// Ids of all live pairs.
@@ -95,6 +167,8 @@ impl PairRegistry {
 pub struct PairGuard {
     id: PairId,
     registry: Arc<PairRegistry>,
+    cancel: CancellationToken,
+    reason: Arc<AtomicU8>,
 }
 
 impl PairGuard {
@@ -105,7 +179,15 @@ impl PairGuard {
     /// Moves the pair to `state`.
     pub fn set_state(&self, state: PairState) {
         if let Some(mut e) = self.registry.live.get_mut(&self.id) {
-            e.state = state;
+            e.info.state = state;
+        }
+    }
+    /// Resolves when the pair is told to abort from outside; gives the reason.
+    pub async fn cancelled(&self) -> CancelReason {
+        self.cancel.cancelled().await;
+        match self.reason.load(Ordering::Acquire) {
+            2 => CancelReason::Operator,
+            _ => CancelReason::Shutdown,
         }
     }
 }

@@ -1,0 +1,179 @@
+//! Prometheus metrics (`GET /metrics`, text exposition format): pair outcomes, the abort-both
+//! latency, the commit-barrier wait, time to first token and inter-token latency, admission
+//! refusals, integrity violations, per-worker in-flight pairs and health, and the embedded
+//! engines' KV pages. Counters and histograms are updated where things happen; the per-worker and
+//! per-pool gauges are read from the live models at each scrape.
+
+use prometheus::{
+    Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder,
+};
+
+/// Latency buckets, seconds: 1 ms to 5 min.
+const LATENCY: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+];
+/// Inter-token buckets, seconds: 0.5 ms to 10 s.
+const ITL: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
+];
+
+/// All of lockstep's metrics.
+#[derive(Debug, Clone)]
+pub struct Metrics {
+    registry: Registry,
+    /// Pairs dispatched (each retry is a new pair), by model.
+    pub pairs_started: IntCounterVec,
+    /// Requests whose pair finished normally, by model.
+    pub pairs_completed: IntCounterVec,
+    /// Requests whose pair ended aborted on both halves, by model, reason and the side that
+    /// failed (`prefill`, `decode`, or `none` when neither half did: a deadline, the client).
+    pub pairs_aborted: IntCounterVec,
+    /// First failure seen → both halves' aborts acknowledged (or timed out), by model.
+    pub abort_both_seconds: HistogramVec,
+    /// Dispatch → commit barrier passed, by model.
+    pub barrier_wait_seconds: HistogramVec,
+    /// Request start → first token released to the client, by model.
+    pub ttft_seconds: HistogramVec,
+    /// Between consecutive chunks released to the client, by model.
+    pub itl_seconds: HistogramVec,
+    /// Requests refused before dispatch, by model and error code.
+    pub admission_refusals: IntCounterVec,
+    /// Integrity violations, by model and kind.
+    pub integrity_violations: IntCounterVec,
+    /// In-flight pairs per worker (read at scrape).
+    pub worker_inflight: IntGaugeVec,
+    /// 1 if the worker is healthy (read at scrape).
+    pub worker_healthy: IntGaugeVec,
+    /// Embedded engines' KV pages by state `used` / `free` (read at scrape).
+    pub kv_pages: IntGaugeVec,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+fn counter(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
+    r.register(Box::new(c.clone())).expect("unique metric");
+    c
+}
+
+fn gauge(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
+    let g = IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
+    r.register(Box::new(g.clone())).expect("unique metric");
+    g
+}
+
+fn histogram(
+    r: &Registry,
+    name: &str,
+    help: &str,
+    labels: &[&str],
+    buckets: &[f64],
+) -> HistogramVec {
+    let h = HistogramVec::new(
+        HistogramOpts::new(name, help).buckets(buckets.to_vec()),
+        labels,
+    )
+    .expect("valid metric");
+    r.register(Box::new(h.clone())).expect("unique metric");
+    h
+}
+
+impl Metrics {
+    /// A fresh registry with every metric registered.
+    pub fn new() -> Metrics {
+        let r = Registry::new();
+        Metrics {
+            pairs_started: counter(
+                &r,
+                "lockstep_pairs_started_total",
+                "Pairs dispatched to a prefill and a decode worker (each retry is a new pair).",
+                &["model"],
+            ),
+            pairs_completed: counter(
+                &r,
+                "lockstep_pairs_completed_total",
+                "Requests whose pair finished normally.",
+                &["model"],
+            ),
+            pairs_aborted: counter(
+                &r,
+                "lockstep_pairs_aborted_total",
+                "Requests whose pair ended aborted on both halves, by reason and failing side.",
+                &["model", "reason", "side"],
+            ),
+            abort_both_seconds: histogram(
+                &r,
+                "lockstep_abort_both_seconds",
+                "From the first failure seen to both halves' aborts acknowledged or timed out.",
+                &["model"],
+                LATENCY,
+            ),
+            barrier_wait_seconds: histogram(
+                &r,
+                "lockstep_commit_barrier_wait_seconds",
+                "From dispatch to the commit barrier passing (prefill verified, decode agrees).",
+                &["model"],
+                LATENCY,
+            ),
+            ttft_seconds: histogram(
+                &r,
+                "lockstep_time_to_first_token_seconds",
+                "From the request's start to its first token released to the client.",
+                &["model"],
+                LATENCY,
+            ),
+            itl_seconds: histogram(
+                &r,
+                "lockstep_inter_token_seconds",
+                "Between consecutive chunks released to the client.",
+                &["model"],
+                ITL,
+            ),
+            admission_refusals: counter(
+                &r,
+                "lockstep_admission_refusals_total",
+                "Requests refused before any worker was involved, by error code.",
+                &["model", "code"],
+            ),
+            integrity_violations: counter(
+                &r,
+                "lockstep_integrity_violations_total",
+                "Pairs ended because the halves disagreed or a KV transfer failed verification.",
+                &["model", "kind"],
+            ),
+            worker_inflight: gauge(
+                &r,
+                "lockstep_worker_inflight_pairs",
+                "Pairs in flight on a worker.",
+                &["model", "side", "worker"],
+            ),
+            worker_healthy: gauge(
+                &r,
+                "lockstep_worker_healthy",
+                "1 when the worker passes its health checks, else 0.",
+                &["model", "side", "worker"],
+            ),
+            kv_pages: gauge(
+                &r,
+                "lockstep_kv_pages",
+                "KV pages of an embedded engine's pool, by state (used, free).",
+                &["model", "engine", "state"],
+            ),
+            registry: r,
+        }
+    }
+
+    /// The text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        let families = self.registry.gather();
+        if TextEncoder::new().encode(&families, &mut buf).is_err() {
+            return String::new();
+        }
+        String::from_utf8(buf).unwrap_or_default()
+    }
+}

@@ -1,0 +1,178 @@
+//! Draining (what SIGTERM does): `/ready` fails and new requests get 503 at once; a pair that has
+//! not committed is aborted on both halves and its client gets an error; a committed stream
+//! finishes within the grace period, or is aborted on both halves when the grace runs out;
+//! afterwards nothing is left half-done: no live pair in lockstep, no live half in the workers.
+
+use std::time::{Duration, Instant};
+
+use lockstep::pair::PairState;
+use lockstep_tests::client::{self, Answer, Endpoint, TestClient};
+use lockstep_tests::harness::{MODEL, Stack, TEST_TIMEOUTS};
+use lockstep_tests::sglang_mock::{Fault, MockConfig, Role};
+
+fn post(
+    stack: &Stack,
+    prompt: &str,
+    stream: bool,
+    max_tokens: u64,
+) -> tokio::task::JoinHandle<Answer> {
+    let (path, body) = client::request(
+        Endpoint::Completions,
+        MODEL,
+        prompt,
+        stream,
+        max_tokens,
+        &[],
+    );
+    let url = format!("{}{path}", stack.url);
+    tokio::spawn(async move {
+        TestClient::default()
+            .post(&url, &body, Duration::from_secs(20))
+            .await
+    })
+}
+
+/// Waits (bounded) until lockstep has `n` live pairs of which `committed` have committed.
+async fn wait_pairs(stack: &Stack, n: usize, committed: usize) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let snap = stack.lockstep.state.registry.snapshot();
+        let c = snap
+            .iter()
+            .filter(|(_, i)| i.state == PairState::Committed)
+            .count();
+        if snap.len() == n && c == committed {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "expected {n} live pairs ({committed} committed), have {snap:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// A committed slow stream (20 tokens, 100 ms apart) and an uncommitted pair (prefill hangs).
+async fn two_pairs(
+    stack: &Stack,
+) -> (
+    tokio::task::JoinHandle<Answer>,
+    tokio::task::JoinHandle<Answer>,
+) {
+    stack.mock.set_fault(Fault::Slow {
+        prefill_ms: 0,
+        token_ms: 100,
+    });
+    let committed = post(stack, "red green blue", true, 20);
+    wait_pairs(stack, 1, 1).await;
+    stack.mock.set_fault(Fault::PrefillHang);
+    let waiting = post(stack, "one two three", false, 4);
+    wait_pairs(stack, 2, 1).await;
+    (committed, waiting)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_lets_committed_streams_finish_and_aborts_the_rest() {
+    let stack = Stack::start_full(
+        MockConfig::default(),
+        "",
+        "",
+        &TEST_TIMEOUTS
+            .replace("idle_ms = 500", "idle_ms = 2000")
+            .replace("total_ms = 5000", "total_ms = 15000"),
+    )
+    .await;
+    let (committed, waiting) = two_pairs(&stack).await;
+    let t = Instant::now();
+    let drain = {
+        let ready_url = format!("{}/ready", stack.url);
+        let lockstep = &stack.lockstep;
+        let during = async {
+            // The uncommitted pair's client gets its error at once.
+            let w = waiting.await.expect("task");
+            let waited = t.elapsed();
+            // While draining: not ready, and a new request is refused with 503.
+            let r = TestClient::default()
+                .get(&ready_url, Duration::from_secs(5))
+                .await;
+            let (path, body) = client::request(Endpoint::Completions, MODEL, "late", false, 2, &[]);
+            let late = TestClient::default()
+                .post(
+                    &format!("{}{path}", stack.url),
+                    &body,
+                    Duration::from_secs(5),
+                )
+                .await;
+            (w, waited, r, late)
+        };
+        let ((w, waited, ready, late), ()) =
+            tokio::join!(during, lockstep.drain(Duration::from_secs(10)));
+        (w, waited, ready, late)
+    };
+    let (w, waited, ready, late) = drain;
+    assert_eq!(w.status, 503, "{}", w.body);
+    assert_eq!(w.error_code().as_deref(), Some("unavailable"), "{}", w.body);
+    assert!(
+        waited < Duration::from_secs(1),
+        "aborted at once, took {waited:?}"
+    );
+    assert_eq!(ready.status, 503);
+    assert!(ready.body.contains("draining"), "{}", ready.body);
+    assert_eq!(late.status, 503, "{}", late.body);
+    assert!(late.body.contains("draining"), "{}", late.body);
+    // The committed stream ran to its end.
+    let a = committed.await.expect("task");
+    assert_eq!(a.status, 200);
+    let events = a.sse_events();
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{}",
+        a.body
+    );
+    assert!(!a.body.contains("\"error\""), "{}", a.body);
+    // Nothing half-done: no live pair, both halves of the aborted pair released in the mock.
+    assert!(stack.lockstep_idle());
+    assert!(stack.mock.wait_idle(Duration::from_secs(5)).await);
+    let aborted: Vec<Role> = stack.mock.aborts().iter().map(|r| r.role).collect();
+    assert!(
+        aborted.contains(&Role::Prefill) && aborted.contains(&Role::Decode),
+        "{aborted:?}"
+    );
+    let m = stack.lockstep.state.metrics.render();
+    assert!(
+        m.contains(&format!(
+            "lockstep_pairs_aborted_total{{model=\"{MODEL}\",reason=\"shutdown\",side=\"none\"}} 1"
+        )),
+        "{m}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_aborts_committed_streams_when_the_grace_runs_out() {
+    let stack = Stack::start_full(
+        MockConfig::default(),
+        "",
+        "",
+        &TEST_TIMEOUTS
+            .replace("idle_ms = 500", "idle_ms = 2000")
+            .replace("total_ms = 5000", "total_ms = 15000"),
+    )
+    .await;
+    let (committed, waiting) = two_pairs(&stack).await;
+    let t = Instant::now();
+    stack.lockstep.drain(Duration::from_millis(300)).await;
+    let took = t.elapsed();
+    assert!(
+        took < Duration::from_secs(2),
+        "drain bounded by its grace, took {took:?}"
+    );
+    assert_eq!(waiting.await.expect("task").status, 503);
+    // The cut stream ends with an error event, never [DONE].
+    let a = committed.await.expect("task");
+    assert_eq!(a.status, 200);
+    assert!(a.body.contains("\"error\""), "{}", a.body);
+    assert!(!a.body.contains("[DONE]"), "{}", a.body);
+    assert!(stack.lockstep_idle());
+    assert!(stack.mock.wait_idle(Duration::from_secs(5)).await);
+}
