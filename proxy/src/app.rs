@@ -26,6 +26,7 @@ use crate::config::{
 use crate::metrics::Metrics;
 use crate::pair::{PairRegistry, PairRuntime, PairStats};
 use crate::pool::{WorkerPool, health_loop};
+use crate::tenant::Tenants;
 
 /// One served model.
 #[derive(Debug)]
@@ -92,6 +93,8 @@ pub struct AppState {
     pub max_body_bytes: usize,
     /// Set while shutting down: `/ready` fails.
     pub draining: AtomicBool,
+    /// Tenants and their keys and limits (swapped on reload).
+    pub tenants: ArcSwap<Tenants>,
     client: UpstreamClient,
 }
 
@@ -368,6 +371,7 @@ impl Lockstep {
             audit,
             max_body_bytes: cfg.server.max_body_bytes,
             draining: AtomicBool::new(false),
+            tenants: ArcSwap::from_pointee(Tenants::new(&cfg.tenants)),
             client,
         });
         let listener = TcpListener::bind(cfg.server.http_listen)
@@ -416,6 +420,7 @@ impl Lockstep {
         .await?;
         let names: Vec<_> = models.by_name.keys().cloned().collect();
         st.models.store(Arc::new(models));
+        st.tenants.store(Arc::new(Tenants::new(&cfg.tenants)));
         tracing::info!(models = ?names, "configuration reloaded");
         Ok(())
     }

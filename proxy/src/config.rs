@@ -18,6 +18,41 @@ pub struct Config {
     pub server: ServerConfig,
     /// The models lockstep serves, each with its backend and workers.
     pub models: Vec<ModelConfig>,
+    /// Tenants and their API keys and limits. None: lockstep is open (no key needed).
+    #[serde(default)]
+    pub tenants: Vec<TenantConfig>,
+}
+
+/// One tenant: who holds which keys, and what they may do.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TenantConfig {
+    /// The tenant's name (audit log, errors).
+    pub name: String,
+    /// sha256 (lowercase hex) of each API key the tenant uses; keys are never stored.
+    /// `lockstep hash-key KEY` prints one.
+    pub api_keys_sha256: Vec<String>,
+    /// Models the tenant may use (`["*"]`: all).
+    pub models: Vec<String>,
+    /// Sustained requests per second (0: unlimited).
+    pub requests_per_second: u32,
+    /// Requests that may arrive at once above the rate (0: the rate).
+    pub burst: u32,
+    /// Requests in flight at once (0: unlimited).
+    pub max_concurrent_pairs: u32,
+}
+
+impl Default for TenantConfig {
+    fn default() -> Self {
+        TenantConfig {
+            name: String::new(),
+            api_keys_sha256: Vec::new(),
+            models: vec!["*".into()],
+            requests_per_second: 0,
+            burst: 0,
+            max_concurrent_pairs: 0,
+        }
+    }
 }
 
 /// Listeners and process-wide limits.
@@ -491,6 +526,46 @@ impl Config {
         }
         if self.server.max_body_bytes == 0 {
             out.push("server.max_body_bytes: must be greater than 0".into());
+        }
+        let model_names: std::collections::HashSet<&str> =
+            self.models.iter().map(|m| m.name.as_str()).collect();
+        let mut tenant_names = std::collections::HashSet::new();
+        let mut keys = std::collections::HashSet::new();
+        for (i, t) in self.tenants.iter().enumerate() {
+            let at = format!("tenants[{i}]");
+            if t.name.is_empty() {
+                out.push(format!("{at}.name: required"));
+            } else if !tenant_names.insert(t.name.as_str()) {
+                out.push(format!("{at}.name: `{}` is used twice", t.name));
+            }
+            if t.api_keys_sha256.is_empty() {
+                out.push(format!(
+                    "{at}.api_keys_sha256: at least one key hash is required"
+                ));
+            }
+            for (j, h) in t.api_keys_sha256.iter().enumerate() {
+                if h.len() != 64
+                    || !h
+                        .bytes()
+                        .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+                {
+                    out.push(format!(
+                        "{at}.api_keys_sha256[{j}]: expected 64 lowercase hex digits (the sha256 of the key, not the key)"
+                    ));
+                } else if !keys.insert(h.as_str()) {
+                    out.push(format!(
+                        "{at}.api_keys_sha256[{j}]: the same key is configured twice"
+                    ));
+                }
+            }
+            for m in &t.models {
+                if m != "*" && !model_names.contains(m.as_str()) {
+                    out.push(format!("{at}.models: no model named `{m}`"));
+                }
+            }
+            if t.burst > 0 && t.requests_per_second == 0 {
+                out.push(format!("{at}.burst: needs requests_per_second"));
+            }
         }
         let mut names = std::collections::HashSet::new();
         for (i, m) in self.models.iter().enumerate() {

@@ -144,6 +144,26 @@ pub enum LockstepError {
         /// Why.
         message: String,
     },
+    /// No API key, or an unknown one.
+    #[error("{message}")]
+    Unauthorized {
+        /// Why.
+        message: String,
+    },
+    /// The tenant may not use this model.
+    #[error("this API key may not use model `{model}`")]
+    ModelNotAllowed {
+        /// The model.
+        model: String,
+    },
+    /// A tenant's rate or concurrency limit.
+    #[error("{message}")]
+    RateLimited {
+        /// Which limit.
+        message: String,
+        /// When to retry, seconds (the `Retry-After` header).
+        retry_after_s: u64,
+    },
 }
 
 impl LockstepError {
@@ -163,6 +183,9 @@ impl LockstepError {
             LockstepError::NoHealthyWorker { .. } => "no_healthy_worker",
             LockstepError::RouteNotFound { .. } => "not_found",
             LockstepError::Unavailable { .. } => "unavailable",
+            LockstepError::Unauthorized { .. } => "invalid_api_key",
+            LockstepError::ModelNotAllowed { .. } => "model_not_allowed",
+            LockstepError::RateLimited { .. } => "rate_limit_exceeded",
         }
     }
 
@@ -184,6 +207,9 @@ impl LockstepError {
             LockstepError::NoHealthyWorker { .. } | LockstepError::Unavailable { .. } => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
+            LockstepError::Unauthorized { .. } => StatusCode::UNAUTHORIZED,
+            LockstepError::ModelNotAllowed { .. } => StatusCode::FORBIDDEN,
+            LockstepError::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
         }
     }
 
@@ -201,7 +227,9 @@ impl LockstepError {
         match self {
             LockstepError::InvalidRequest { param, .. }
             | LockstepError::Unsupported { param, .. } => param.as_deref(),
-            LockstepError::ModelNotFound { .. } => Some("model"),
+            LockstepError::ModelNotFound { .. } | LockstepError::ModelNotAllowed { .. } => {
+                Some("model")
+            }
             LockstepError::ContextLengthExceeded { .. } => Some("messages"),
             _ => None,
         }
@@ -236,7 +264,23 @@ impl LockstepError {
 
 impl IntoResponse for LockstepError {
     fn into_response(self) -> Response {
-        (self.status(), axum::Json(self.body())).into_response()
+        let mut r = (self.status(), axum::Json(self.body())).into_response();
+        match &self {
+            LockstepError::RateLimited { retry_after_s, .. } => {
+                r.headers_mut().insert(
+                    http::header::RETRY_AFTER,
+                    http::HeaderValue::from(*retry_after_s),
+                );
+            }
+            LockstepError::Unauthorized { .. } => {
+                r.headers_mut().insert(
+                    http::header::WWW_AUTHENTICATE,
+                    http::HeaderValue::from_static("Bearer"),
+                );
+            }
+            _ => {}
+        }
+        r
     }
 }
 
@@ -327,6 +371,20 @@ mod tests {
                     message: "draining".into(),
                 },
                 503,
+            ),
+            (
+                LockstepError::Unauthorized {
+                    message: "invalid API key".into(),
+                },
+                401,
+            ),
+            (LockstepError::ModelNotAllowed { model: "m".into() }, 403),
+            (
+                LockstepError::RateLimited {
+                    message: "slow down".into(),
+                    retry_after_s: 2,
+                },
+                429,
             ),
         ];
         let mut codes = std::collections::HashSet::new();

@@ -15,3 +15,4 @@ pub mod http;
 pub mod metrics;
 pub mod pair;
 pub mod pool;
+pub mod tenant;

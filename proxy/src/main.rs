@@ -46,6 +46,9 @@ enum Command {
         #[arg(long)]
         offline: bool,
     },
+    /// Print the sha256 to put in `tenants[].api_keys_sha256` for an API key read from stdin
+    /// (one line; from stdin so the key stays out of shell history and process lists).
+    HashKey,
 }
 
 /// The built-in configuration: SmolLM2 on the embedded engine.
@@ -92,7 +95,7 @@ fn main() -> ExitCode {
         Command::Serve { config, .. } => load(config.as_ref())
             .map(|c| c.server.worker_threads)
             .unwrap_or(0),
-        Command::Check { .. } => 1,
+        Command::Check { .. } | Command::HashKey => 1,
     };
     let mut rt = tokio::runtime::Builder::new_multi_thread();
     if threads > 0 {
@@ -140,6 +143,20 @@ async fn run(cli: Cli) -> ExitCode {
                 "{}: OK ({} model(s))",
                 shown(config.as_ref()),
                 cfg.models.len()
+            );
+            ExitCode::SUCCESS
+        }
+        Command::HashKey => {
+            let mut key = String::new();
+            if std::io::stdin().read_line(&mut key).is_err() || key.trim().is_empty() {
+                eprintln!(
+                    "give the API key on stdin, e.g. `printf %s \"$KEY\" | lockstep hash-key`"
+                );
+                return ExitCode::FAILURE;
+            }
+            println!(
+                "{}",
+                lockstep::tenant::key_hash_hex(key.trim_end_matches(['\r', '\n']))
             );
             ExitCode::SUCCESS
         }

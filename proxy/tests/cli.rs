@@ -386,6 +386,43 @@ device = "gpu0"
         out.contains("engine.device `gpu0`: expected auto, cpu or cuda:N"),
         "{out}"
     );
+    // Tenants: every problem named, keys must be hashes, models must exist.
+    let (ok, out) = check_text(
+        &path,
+        &format!(
+            r#"
+[[models]]
+name = "m"
+backend = "embedded"
+context_window = 256
+kv_capacity_tokens = 512
+[models.engine]
+gguf = "/nonexistent/model.gguf"
+fetch_pip = "x==1"
+
+[[tenants]]
+name = "a"
+api_keys_sha256 = ["my-plain-key", "{h}"]
+models = ["m", "ghost"]
+
+[[tenants]]
+name = "a"
+api_keys_sha256 = ["{h}"]
+burst = 5
+"#,
+            h = lockstep::tenant::key_hash_hex("k")
+        ),
+    );
+    assert!(!ok, "{out}");
+    for want in [
+        "tenants[0].api_keys_sha256[0]: expected 64 lowercase hex digits",
+        "tenants[0].models: no model named `ghost`",
+        "tenants[1].name: `a` is used twice",
+        "tenants[1].api_keys_sha256[0]: the same key is configured twice",
+        "tenants[1].burst: needs requests_per_second",
+    ] {
+        assert!(out.contains(want), "missing `{want}` in:\n{out}");
+    }
 }
 
 /// `device = "cuda:N"` names a device that must be usable: where it is not (here: no driver, or

@@ -247,7 +247,9 @@ async fn metrics_and_audit_log_account_for_every_pair() {
         assert_eq!(l["prefill_worker"], stack.mock.prefill_url());
         assert_eq!(l["decode_worker"], stack.mock.decode_url());
         assert!(
-            l["pair_id"].as_str().is_some_and(|p| p.parse::<u64>().is_ok()),
+            l["pair_id"]
+                .as_str()
+                .is_some_and(|p| p.parse::<u64>().is_ok()),
             "{l}"
         );
         assert!(l["ts_ms"].as_u64().is_some_and(|t| t > 1_700_000_000_000));

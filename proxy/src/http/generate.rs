@@ -47,9 +47,19 @@ pub(crate) async fn generate(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
+    let tenant = match state.tenants.load().authenticate(&headers) {
+        Ok(t) => t,
+        Err(e) => {
+            super::linger(body).await;
+            return super::refused(&state, "", e);
+        }
+    };
     let result = async {
         let req: GenerateRequest = read_json(&state, &headers, body).await?;
         let model = find_model(&state, req.model.as_deref())?;
+        if let Some(t) = &tenant {
+            t.check_model(&model.name)?;
+        }
         let prompt = match (req.text, req.input_ids) {
             (Some(t), None) => match t {
                 Prompt::Ids(_) | Prompt::Batches(_) => {
@@ -126,7 +136,9 @@ pub(crate) async fn generate(
     }
     .await;
     match result {
-        Ok((model, ids, sampling, shape)) => serve_pair(&state, &model, ids, sampling, shape).await,
+        Ok((model, ids, sampling, shape)) => {
+            serve_pair(&state, &model, tenant, ids, sampling, shape).await
+        }
         Err(e) => super::refused(&state, "", e),
     }
 }

@@ -129,12 +129,17 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         .into_response()
 }
 
-async fn models(State(state): State<Arc<AppState>>) -> Response {
+async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    let tenant = match state.tenants.load().authenticate(&headers) {
+        Ok(t) => t,
+        Err(e) => return refused(&state, "", e),
+    };
     let data: Vec<_> = state
         .models
         .load()
         .by_name
         .values()
+        .filter(|m| tenant.as_ref().is_none_or(|t| t.allows(&m.name)))
         .map(|m| {
             json!({
                 "id": &*m.name,
@@ -205,7 +210,7 @@ pub(crate) async fn read_json<T: DeserializeOwned>(
 /// Reads and discards what is left of a refused body (bounded in bytes and time) before the error
 /// is sent, so the client, still writing, gets the 413 instead of a broken pipe (nginx calls
 /// this a lingering close).
-async fn linger(body: Body) {
+pub(crate) async fn linger(body: Body) {
     const DRAIN_BYTES: usize = 16 * 1024 * 1024;
     let _ = tokio::time::timeout(
         std::time::Duration::from_secs(2),

@@ -234,9 +234,19 @@ pub(crate) async fn chat_completions(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
+    let tenant = match state.tenants.load().authenticate(&headers) {
+        Ok(t) => t,
+        Err(e) => {
+            super::linger(body).await;
+            return super::refused(&state, "", e);
+        }
+    };
     let result = async {
         let req: ChatRequest = read_json(&state, &headers, body).await?;
         let model = find_model(&state, Some(&req.model))?;
+        if let Some(t) = &tenant {
+            t.check_model(&model.name)?;
+        }
         let (sampling, stream, include_usage) = req.params.sampling(&model)?;
         let messages = to_messages(req.messages)?;
         let prompt = model.admission.render_chat(&messages)?;
@@ -245,7 +255,9 @@ pub(crate) async fn chat_completions(
     }
     .await;
     match result {
-        Ok((model, ids, sampling, shape)) => serve_pair(&state, &model, ids, sampling, shape).await,
+        Ok((model, ids, sampling, shape)) => {
+            serve_pair(&state, &model, tenant, ids, sampling, shape).await
+        }
         Err(e) => super::refused(&state, "", e),
     }
 }
@@ -309,9 +321,19 @@ pub(crate) async fn completions(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
+    let tenant = match state.tenants.load().authenticate(&headers) {
+        Ok(t) => t,
+        Err(e) => {
+            super::linger(body).await;
+            return super::refused(&state, "", e);
+        }
+    };
     let result = async {
         let req: CompletionRequest = read_json(&state, &headers, body).await?;
         let model = find_model(&state, Some(&req.model))?;
+        if let Some(t) = &tenant {
+            t.check_model(&model.name)?;
+        }
         if req.echo == Some(true)
             || req.suffix.is_some()
             || req.logprobs.as_ref().is_some_and(|v| !v.is_null())
@@ -332,7 +354,9 @@ pub(crate) async fn completions(
     }
     .await;
     match result {
-        Ok((model, ids, sampling, shape)) => serve_pair(&state, &model, ids, sampling, shape).await,
+        Ok((model, ids, sampling, shape)) => {
+            serve_pair(&state, &model, tenant, ids, sampling, shape).await
+        }
         Err(e) => super::refused(&state, "", e),
     }
 }

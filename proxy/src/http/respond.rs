@@ -10,10 +10,13 @@ use bytes::Bytes;
 use serde_json::{Value, json};
 
 use crate::admission::check_fits;
+use std::sync::Arc;
+
 use crate::app::{AppState, ModelRuntime};
 use crate::backend::{DecodeChunk, FinishReason, SamplingParams};
 use crate::error::LockstepError;
 use crate::pair::{PairEvent, PairId};
+use crate::tenant::Tenant;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Api {
@@ -58,6 +61,7 @@ impl Shape {
 pub(crate) async fn serve_pair(
     state: &AppState,
     model: &ModelRuntime,
+    tenant: Option<Arc<Tenant>>,
     ids: Vec<u32>,
     sampling: SamplingParams,
     shape: Shape,
@@ -82,7 +86,15 @@ pub(crate) async fn serve_pair(
             .inc();
         return e.into_response();
     }
-    let (mut rx, _task) = model.pairs.start(ids.into(), sampling.into());
+    // The tenant's rate and concurrency limits; the permit lives as long as the response.
+    let permit = match tenant.as_ref().map(|t| t.admit()).transpose() {
+        Ok(p) => p.flatten(),
+        Err(e) => return super::refused(state, &model.name, e),
+    };
+    let (mut rx, _task) =
+        model
+            .pairs
+            .start(ids.into(), sampling.into(), tenant.map(|t| t.name.clone()));
     let (pair_id, prompt_tokens) = match rx.recv().await {
         Some(PairEvent::Committed {
             pair_id,
@@ -108,7 +120,8 @@ pub(crate) async fn serve_pair(
     };
     if shape.stream {
         let body =
-            futures_util::stream::unfold((rx, w, false), |(mut rx, mut w, done)| async move {
+            // The tenant's permit travels with the stream: released when the stream ends.
+            futures_util::stream::unfold((rx, w, false, permit), |(mut rx, mut w, done, permit)| async move {
                 if done {
                     return None;
                 }
@@ -116,16 +129,16 @@ pub(crate) async fn serve_pair(
                     Some(PairEvent::Chunk(c)) => {
                         let last = c.finish.is_some();
                         let out = w.stream_chunk(&c);
-                        Some((Ok::<_, Infallible>(out), (rx, w, last)))
+                        Some((Ok::<_, Infallible>(out), (rx, w, last, permit)))
                     }
-                    Some(PairEvent::Failed(e)) => Some((Ok(sse(&e.body())), (rx, w, true))),
+                    Some(PairEvent::Failed(e)) => Some((Ok(sse(&e.body())), (rx, w, true, permit))),
                     // The task ended without a finish or an error: fail closed, never `[DONE]`.
                     Some(PairEvent::Committed { .. }) | None => {
                         let e = LockstepError::DecodeFailed {
                             pair_id: w.pair_id,
                             message: "pair ended without finishing".into(),
                         };
-                        Some((Ok(sse(&e.body())), (rx, w, true)))
+                        Some((Ok(sse(&e.body())), (rx, w, true, permit)))
                     }
                 }
             });

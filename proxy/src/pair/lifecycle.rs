@@ -124,6 +124,16 @@ pub struct PairRuntime {
     pub audit: Arc<Audit>,
 }
 
+/// Where an aborted pair stood, for its metrics and audit line.
+struct AbortContext<'a> {
+    tenant: Option<&'a str>,
+    attempt: u32,
+    committed: bool,
+    started: TokioInstant,
+    dispatched: TokioInstant,
+    barrier: Option<Duration>,
+}
+
 /// A failed attempt, with what the retry decision needs.
 struct Failure {
     error: LockstepError,
@@ -207,10 +217,11 @@ impl PairRuntime {
         self: &Arc<Self>,
         input_ids: Arc<[u32]>,
         sampling: Arc<SamplingParams>,
+        tenant: Option<Arc<str>>,
     ) -> (mpsc::Receiver<PairEvent>, tokio::task::JoinHandle<Outcome>) {
         let (tx, rx) = mpsc::channel(64);
         let me = self.clone();
-        let handle = tokio::spawn(async move { me.run(input_ids, sampling, tx).await });
+        let handle = tokio::spawn(async move { me.run(input_ids, sampling, tenant, tx).await });
         (rx, handle)
     }
 
@@ -218,6 +229,7 @@ impl PairRuntime {
         &self,
         input_ids: Arc<[u32]>,
         sampling: Arc<SamplingParams>,
+        tenant: Option<Arc<str>>,
         tx: mpsc::Sender<PairEvent>,
     ) -> Outcome {
         let started = TokioInstant::now();
@@ -282,7 +294,15 @@ impl PairRuntime {
                     guard.set_state(PairState::Aborting);
                     self.abort_both(&d, TokioInstant::now());
                     tracing::warn!(pair = %d.pair_id, model = %self.model, reason = f.reason.as_str(), error = %f.error, "pair aborted on both halves");
-                    self.record_abort(&d, &f, attempt, committed, started, dispatched, barrier);
+                    let at = AbortContext {
+                        tenant: tenant.as_deref(),
+                        attempt,
+                        committed,
+                        started,
+                        dispatched,
+                        barrier,
+                    };
+                    self.record_abort(&d, &f, &at);
                     if !committed
                         && f.retry_safe
                         && attempt < self.retry.max_retries
@@ -359,17 +379,7 @@ impl PairRuntime {
     }
 
     /// Metrics and audit lines of an aborted pair.
-    #[allow(clippy::too_many_arguments)]
-    fn record_abort(
-        &self,
-        d: &Dispatch,
-        f: &Failure,
-        attempt: u32,
-        committed: bool,
-        started: TokioInstant,
-        dispatched: TokioInstant,
-        barrier: Option<Duration>,
-    ) {
+    fn record_abort(&self, d: &Dispatch, f: &Failure, at: &AbortContext<'_>) {
         let model = &*self.model;
         let side = f.failed_side.map_or("none", Side::as_str);
         self.metrics
@@ -389,7 +399,7 @@ impl PairRuntime {
             ts_ms: now_ms(),
             event: AuditKind::PairAborted,
             pair_id: d.pair_id.to_string(),
-            tenant: None,
+            tenant: at.tenant,
             model,
             reason: f.reason.as_str(),
             integrity_kind: f.integrity,
@@ -397,12 +407,12 @@ impl PairRuntime {
             error_code: f.error.code(),
             prefill_worker: &d.prefill.url,
             decode_worker: &d.decode.url,
-            attempt,
-            committed,
+            attempt: at.attempt,
+            committed: at.committed,
             timings: AuditTimings {
-                since_request_ms: started.elapsed().as_millis() as u64,
-                since_dispatch_ms: dispatched.elapsed().as_millis() as u64,
-                barrier_ms: barrier.map(|b| b.as_millis() as u64),
+                since_request_ms: at.started.elapsed().as_millis() as u64,
+                since_dispatch_ms: at.dispatched.elapsed().as_millis() as u64,
+                barrier_ms: at.barrier.map(|b| b.as_millis() as u64),
             },
         };
         if f.integrity.is_some() {

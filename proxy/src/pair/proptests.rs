@@ -253,6 +253,7 @@ fn run_case(script: Script) -> Result<(), TestCaseError> {
                 max_new_tokens: 8,
                 ..Default::default()
             }),
+            None,
         );
         let mut events = Vec::new();
         loop {

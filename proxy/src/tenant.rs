@@ -1,0 +1,255 @@
+//! Tenants: API keys (stored as sha256 in the config) map to tenants; each tenant may be limited
+//! in models, requests per second (token bucket, `governor`) and concurrent pairs. With no tenant
+//! configured lockstep is open (no key needed); with any, every generation request and
+//! `/v1/models` needs a known key (`Authorization: Bearer KEY` or `x-api-key: KEY`).
+
+use std::collections::{HashMap, HashSet};
+use std::num::NonZeroU32;
+use std::sync::Arc;
+
+use governor::clock::{Clock, DefaultClock};
+use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
+use http::HeaderMap;
+use sha2::{Digest, Sha256};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use crate::config::TenantConfig;
+use crate::error::LockstepError;
+
+/// One tenant and its limits.
+pub struct Tenant {
+    /// The tenant's name (audit log, errors).
+    pub name: Arc<str>,
+    models: Option<HashSet<String>>,
+    limiter: Option<DefaultDirectRateLimiter>,
+    concurrency: Option<(Arc<Semaphore>, u32)>,
+}
+
+impl std::fmt::Debug for Tenant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tenant")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The configured tenants by key hash.
+#[derive(Debug, Default)]
+pub struct Tenants {
+    by_key: HashMap<[u8; 32], Arc<Tenant>>,
+}
+
+/// A key's sha256 as configured (lowercase hex).
+pub fn key_hash_hex(key: &str) -> String {
+    Sha256::digest(key.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+fn parse_hash(hex: &str) -> Option<[u8; 32]> {
+    if hex.len() != 64 {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(out)
+}
+
+impl Tenants {
+    /// Builds the tenants of a validated configuration (invalid hashes were refused by `check`).
+    pub fn new(cfg: &[TenantConfig]) -> Tenants {
+        let mut by_key = HashMap::new();
+        for t in cfg {
+            let tenant = Arc::new(Tenant {
+                name: t.name.as_str().into(),
+                models: (!t.models.iter().any(|m| m == "*"))
+                    .then(|| t.models.iter().cloned().collect()),
+                limiter: NonZeroU32::new(t.requests_per_second).map(|rps| {
+                    let burst = NonZeroU32::new(t.burst).unwrap_or(rps);
+                    RateLimiter::direct(Quota::per_second(rps).allow_burst(burst))
+                }),
+                concurrency: (t.max_concurrent_pairs > 0).then(|| {
+                    (
+                        Arc::new(Semaphore::new(t.max_concurrent_pairs as usize)),
+                        t.max_concurrent_pairs,
+                    )
+                }),
+            });
+            for h in &t.api_keys_sha256 {
+                if let Some(k) = parse_hash(h) {
+                    by_key.insert(k, tenant.clone());
+                }
+            }
+        }
+        Tenants { by_key }
+    }
+
+    /// Whether keys are required (any tenant configured).
+    pub fn required(&self) -> bool {
+        !self.by_key.is_empty()
+    }
+
+    /// The request's tenant: `None` when lockstep is open; 401 for a missing or unknown key.
+    pub fn authenticate(&self, headers: &HeaderMap) -> Result<Option<Arc<Tenant>>, LockstepError> {
+        if !self.required() {
+            return Ok(None);
+        }
+        let key = headers
+            .get(http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| {
+                v.strip_prefix("Bearer ")
+                    .or_else(|| v.strip_prefix("bearer "))
+            })
+            .or_else(|| headers.get("x-api-key").and_then(|v| v.to_str().ok()))
+            .map(str::trim)
+            .filter(|k| !k.is_empty());
+        let Some(key) = key else {
+            return Err(LockstepError::Unauthorized {
+                message: "an API key is required (Authorization: Bearer KEY)".into(),
+            });
+        };
+        let hash: [u8; 32] = Sha256::digest(key.as_bytes()).into();
+        self.by_key
+            .get(&hash)
+            .cloned()
+            .map(Some)
+            .ok_or_else(|| LockstepError::Unauthorized {
+                message: "invalid API key".into(),
+            })
+    }
+}
+
+impl Tenant {
+    /// Whether this tenant may use `model`.
+    pub fn allows(&self, model: &str) -> bool {
+        self.models.as_ref().is_none_or(|m| m.contains(model))
+    }
+
+    /// 403 unless this tenant may use `model`.
+    pub fn check_model(&self, model: &str) -> Result<(), LockstepError> {
+        if self.allows(model) {
+            Ok(())
+        } else {
+            Err(LockstepError::ModelNotAllowed {
+                model: model.to_string(),
+            })
+        }
+    }
+
+    /// Takes one request from the rate budget and one concurrent-pair slot (held by the returned
+    /// permit until the response ends), or 429 with when to retry.
+    pub fn admit(&self) -> Result<Option<OwnedSemaphorePermit>, LockstepError> {
+        if let Some(l) = &self.limiter
+            && let Err(not_until) = l.check()
+        {
+            let wait = not_until.wait_time_from(DefaultClock::default().now());
+            return Err(LockstepError::RateLimited {
+                message: format!("tenant `{}`: request rate limit reached", self.name),
+                retry_after_s: wait.as_secs() + u64::from(wait.subsec_nanos() > 0),
+            });
+        }
+        match &self.concurrency {
+            None => Ok(None),
+            Some((sem, max)) => {
+                sem.clone()
+                    .try_acquire_owned()
+                    .map(Some)
+                    .map_err(|_| LockstepError::RateLimited {
+                        message: format!(
+                            "tenant `{}`: {max} concurrent requests already running",
+                            self.name
+                        ),
+                        retry_after_s: 1,
+                    })
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(name: &str, key: &str) -> TenantConfig {
+        TenantConfig {
+            name: name.into(),
+            api_keys_sha256: vec![key_hash_hex(key)],
+            ..TenantConfig::default()
+        }
+    }
+
+    fn bearer(k: &str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(
+            http::header::AUTHORIZATION,
+            format!("Bearer {k}").parse().expect("header"),
+        );
+        h
+    }
+
+    #[test]
+    fn keys_map_to_tenants_and_unknown_or_missing_keys_are_refused() {
+        assert!(
+            Tenants::new(&[])
+                .authenticate(&HeaderMap::new())
+                .expect("open")
+                .is_none()
+        );
+        let t = Tenants::new(&[cfg("a", "ka"), cfg("b", "kb")]);
+        assert_eq!(
+            &*t.authenticate(&bearer("kb"))
+                .expect("ok")
+                .expect("tenant")
+                .name,
+            "b"
+        );
+        let mut x = HeaderMap::new();
+        x.insert("x-api-key", "ka".parse().expect("header"));
+        assert_eq!(&*t.authenticate(&x).expect("ok").expect("tenant").name, "a");
+        for h in [HeaderMap::new(), bearer("kc"), bearer("")] {
+            let e = t.authenticate(&h).expect_err("refused");
+            assert_eq!((e.status().as_u16(), e.code()), (401, "invalid_api_key"));
+        }
+    }
+
+    #[test]
+    fn rate_and_concurrency_limits_refuse_with_a_retry_hint() {
+        let t = Tenants::new(&[TenantConfig {
+            requests_per_second: 1,
+            burst: 2,
+            max_concurrent_pairs: 1,
+            models: vec!["m".into()],
+            ..cfg("a", "k")
+        }]);
+        let a = t.authenticate(&bearer("k")).expect("ok").expect("tenant");
+        assert!(a.check_model("m").is_ok());
+        assert_eq!(
+            a.check_model("other").expect_err("403").status().as_u16(),
+            403
+        );
+        let first = a.admit().expect("first").expect("permit");
+        // Second: rate allows (burst 2) but the one concurrent slot is taken.
+        let e = a.admit().expect_err("concurrency");
+        assert_eq!(
+            (e.status().as_u16(), e.code()),
+            (429, "rate_limit_exceeded")
+        );
+        drop(first);
+        // Third: the burst is spent.
+        let e = a.admit().expect_err("rate");
+        assert!(
+            matches!(
+                e,
+                LockstepError::RateLimited {
+                    retry_after_s: 1,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+    }
+}
