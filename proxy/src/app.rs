@@ -95,6 +95,10 @@ pub struct AppState {
     pub draining: AtomicBool,
     /// Tenants and their keys and limits (swapped on reload).
     pub tenants: ArcSwap<Tenants>,
+    /// The configuration file (admin reload re-reads it); `None` for the built-in one.
+    pub config_path: Option<std::path::PathBuf>,
+    /// Worker URLs an operator is draining (re-applied to the workers of a reloaded config).
+    pub drained: dashmap::DashSet<String>,
     client: UpstreamClient,
 }
 
@@ -135,6 +139,38 @@ pub async fn check_deployment(client: &UpstreamClient, m: &ModelConfig) -> Resul
     Ok(capacity)
 }
 
+/// Reloads the models and tenants of `st` from `cfg`: validate, deployment check against the
+/// workers, build, then swap atomically (SIGHUP and the admin API). On any problem the running
+/// configuration stays and the reasons are returned. Pairs in flight finish on the configuration
+/// they started with; workers an operator drains stay drained.
+pub async fn reload_state(st: &AppState, cfg: Config) -> Result<(), String> {
+    let models = build_models(
+        &cfg,
+        &st.client,
+        &st.registry,
+        &st.stats,
+        &st.metrics,
+        &st.audit,
+    )
+    .await?;
+    for m in models.by_name.values() {
+        for w in m
+            .pairs
+            .prefill
+            .workers()
+            .iter()
+            .chain(m.pairs.decode.workers())
+        {
+            w.set_draining(st.drained.contains(&w.url));
+        }
+    }
+    let names: Vec<_> = models.by_name.keys().cloned().collect();
+    st.models.store(Arc::new(models));
+    st.tenants.store(Arc::new(Tenants::new(&cfg.tenants)));
+    tracing::info!(models = ?names, "configuration reloaded");
+    Ok(())
+}
+
 /// A running lockstep: its state, address and background tasks.
 #[derive(Debug)]
 pub struct Lockstep {
@@ -142,8 +178,11 @@ pub struct Lockstep {
     pub state: Arc<AppState>,
     /// Where the HTTP listener is bound.
     pub http_addr: SocketAddr,
+    /// Where the admin listener is bound, when configured.
+    pub admin_addr: Option<SocketAddr>,
     tasks: Vec<JoinHandle<()>>,
     shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    admin_shutdown: Option<tokio::sync::oneshot::Sender<()>>,
     drain_grace: Duration,
 }
 
@@ -372,6 +411,8 @@ impl Lockstep {
             max_body_bytes: cfg.server.max_body_bytes,
             draining: AtomicBool::new(false),
             tenants: ArcSwap::from_pointee(Tenants::new(&cfg.tenants)),
+            config_path: cfg.source.clone(),
+            drained: dashmap::DashSet::new(),
             client,
         });
         let listener = TcpListener::bind(cfg.server.http_listen)
@@ -393,12 +434,45 @@ impl Lockstep {
                 tracing::error!(error = %e, "HTTP server failed");
             }
         }));
+        let (admin_tx, admin_rx) = tokio::sync::oneshot::channel::<()>();
+        let admin_addr = match cfg.server.admin_listen {
+            None => None,
+            Some(addr) => {
+                let key = crate::tenant::parse_sha256_hex(&cfg.server.admin_key_sha256)
+                    .ok_or("server.admin_key_sha256: 64 lowercase hex digits required")?;
+                let l = TcpListener::bind(addr)
+                    .await
+                    .map_err(|e| format!("cannot listen on {addr} (admin): {e}"))?;
+                let bound = l.local_addr().map_err(|e| e.to_string())?;
+                let router = crate::admin::router(crate::admin::AdminState {
+                    app: state.clone(),
+                    key_sha256: key,
+                });
+                // The admin server is spawned first so the main server stays the last task
+                // (shutdown awaits that one).
+                tasks.insert(
+                    0,
+                    tokio::spawn(async move {
+                        let serve = axum::serve(l, router).with_graceful_shutdown(async {
+                            let _ = admin_rx.await;
+                        });
+                        if let Err(e) = serve.await {
+                            tracing::error!(error = %e, "admin server failed");
+                        }
+                    }),
+                );
+                tracing::info!(%bound, "admin API listening");
+                Some(bound)
+            }
+        };
         tracing::info!(%http_addr, "lockstep listening (HTTP/1.1 and h2c)");
         Ok(Lockstep {
             state,
             http_addr,
+            admin_addr,
             tasks,
             shutdown: Some(tx),
+            admin_shutdown: Some(admin_tx),
             drain_grace: Duration::from_millis(cfg.server.drain_grace_ms),
         })
     }
@@ -408,21 +482,7 @@ impl Lockstep {
     /// returned. Pairs in flight finish on the configuration they started with. `server.*`
     /// settings (listener, body limit, threads) need a restart.
     pub async fn reload(&self, cfg: Config) -> Result<(), String> {
-        let st = &self.state;
-        let models = build_models(
-            &cfg,
-            &st.client,
-            &st.registry,
-            &st.stats,
-            &st.metrics,
-            &st.audit,
-        )
-        .await?;
-        let names: Vec<_> = models.by_name.keys().cloned().collect();
-        st.models.store(Arc::new(models));
-        st.tenants.store(Arc::new(Tenants::new(&cfg.tenants)));
-        tracing::info!(models = ?names, "configuration reloaded");
-        Ok(())
+        reload_state(&self.state, cfg).await
     }
 
     /// Drains: `/ready` fails and new requests get 503 at once; every pair that has not
@@ -467,6 +527,9 @@ impl Lockstep {
     /// the last responses end and stops background tasks.
     pub async fn shutdown(mut self) {
         self.drain(self.drain_grace).await;
+        if let Some(tx) = self.admin_shutdown.take() {
+            let _ = tx.send(());
+        }
         if let Some(tx) = self.shutdown.take() {
             let _ = tx.send(());
         }

@@ -21,6 +21,9 @@ pub struct Config {
     /// Tenants and their API keys and limits. None: lockstep is open (no key needed).
     #[serde(default)]
     pub tenants: Vec<TenantConfig>,
+    /// The file this configuration was read from (admin reload re-reads it).
+    #[serde(skip)]
+    pub source: Option<PathBuf>,
 }
 
 /// One tenant: who holds which keys, and what they may do.
@@ -74,6 +77,10 @@ pub struct ServerConfig {
     pub audit_log: String,
     /// On SIGTERM: how long committed streams may run on before they are aborted, ms.
     pub drain_grace_ms: u64,
+    /// The admin API's listener (off when absent). Bind it to a private address.
+    pub admin_listen: Option<SocketAddr>,
+    /// sha256 (hex) of the admin API's key; required with `admin_listen`.
+    pub admin_key_sha256: String,
 }
 
 impl Default for ServerConfig {
@@ -86,6 +93,8 @@ impl Default for ServerConfig {
             worker_threads: 0,
             audit_log: String::new(),
             drain_grace_ms: 30_000,
+            admin_listen: None,
+            admin_key_sha256: String::new(),
         }
     }
 }
@@ -457,6 +466,7 @@ impl Config {
             message,
         })?;
         cfg.resolve_paths(path.parent().unwrap_or(Path::new(".")));
+        cfg.source = Some(path.to_path_buf());
         let problems = cfg.problems();
         if problems.is_empty() {
             Ok(cfg)
@@ -526,6 +536,9 @@ impl Config {
         }
         if self.server.max_body_bytes == 0 {
             out.push("server.max_body_bytes: must be greater than 0".into());
+        }
+        if self.server.admin_listen.is_some() && !is_sha256_hex(&self.server.admin_key_sha256) {
+            out.push("server.admin_key_sha256: required with admin_listen: 64 lowercase hex digits (the sha256 of the admin key; `lockstep hash-key`)".into());
         }
         let model_names: std::collections::HashSet<&str> =
             self.models.iter().map(|m| m.name.as_str()).collect();
@@ -712,6 +725,13 @@ impl Config {
         }
         out
     }
+}
+
+/// 64 lowercase hex digits.
+pub fn is_sha256_hex(h: &str) -> bool {
+    h.len() == 64
+        && h.bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
 /// `~/x` → `$HOME/x`.

@@ -4,6 +4,7 @@
 //! lifecycle, aborts both together on any failure, and releases decode output only after the
 //! commit barrier has verified the prefill. See `../shared/docs/architecture.md`.
 
+pub mod admin;
 pub mod admission;
 pub mod app;
 pub mod audit;

@@ -21,6 +21,7 @@ pub struct Worker {
     pub bootstrap_host: String,
     in_flight: AtomicUsize,
     healthy: AtomicBool,
+    draining: AtomicBool,
     fails: AtomicU32,
     oks: AtomicU32,
 }
@@ -41,6 +42,7 @@ impl Worker {
             bootstrap_port: cfg.bootstrap_port,
             in_flight: AtomicUsize::new(0),
             healthy: AtomicBool::new(true),
+            draining: AtomicBool::new(false),
             fails: AtomicU32::new(0),
             oks: AtomicU32::new(0),
         }
@@ -51,9 +53,24 @@ impl Worker {
         self.in_flight.load(Ordering::Acquire)
     }
 
-    /// Whether the worker gets new pairs.
+    /// Whether the worker passes its health checks.
     pub fn is_healthy(&self) -> bool {
         self.healthy.load(Ordering::Acquire)
+    }
+
+    /// Whether an operator is draining it (no new pairs; running ones finish).
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Acquire)
+    }
+
+    /// Starts or ends a drain.
+    pub fn set_draining(&self, on: bool) {
+        self.draining.store(on, Ordering::Release);
+    }
+
+    /// Whether the worker gets new pairs: healthy and not draining.
+    pub fn accepts_pairs(&self) -> bool {
+        self.is_healthy() && !self.is_draining()
     }
 
     /// Records one health-check result, applying the consecutive thresholds.
@@ -125,18 +142,19 @@ impl WorkerPool {
         &self.workers
     }
 
-    /// Whether at least one worker is healthy.
+    /// Whether at least one worker takes new pairs (healthy, not draining).
     pub fn any_healthy(&self) -> bool {
-        self.workers.iter().any(|w| w.is_healthy())
+        self.workers.iter().any(|w| w.accepts_pairs())
     }
 
     /// Picks a healthy worker (avoiding `avoid` when another healthy one exists) and takes a slot.
     pub fn pick(&self, avoid: Option<&Arc<Worker>>) -> Option<LoadGuard> {
         // Fast path: one worker, no allocation.
         if let [only] = self.workers.as_slice() {
-            return only.is_healthy().then(|| LoadGuard::new(only.clone()));
+            return only.accepts_pairs().then(|| LoadGuard::new(only.clone()));
         }
-        let healthy: Vec<&Arc<Worker>> = self.workers.iter().filter(|w| w.is_healthy()).collect();
+        let healthy: Vec<&Arc<Worker>> =
+            self.workers.iter().filter(|w| w.accepts_pairs()).collect();
         let candidates: Vec<&Arc<Worker>> = match avoid {
             Some(a) if healthy.len() > 1 => healthy
                 .iter()

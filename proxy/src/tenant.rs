@@ -47,7 +47,8 @@ pub fn key_hash_hex(key: &str) -> String {
         .collect()
 }
 
-fn parse_hash(hex: &str) -> Option<[u8; 32]> {
+/// 64 hex digits → 32 bytes.
+pub fn parse_sha256_hex(hex: &str) -> Option<[u8; 32]> {
     if hex.len() != 64 {
         return None;
     }
@@ -79,7 +80,7 @@ impl Tenants {
                 }),
             });
             for h in &t.api_keys_sha256 {
-                if let Some(k) = parse_hash(h) {
+                if let Some(k) = parse_sha256_hex(h) {
                     by_key.insert(k, tenant.clone());
                 }
             }

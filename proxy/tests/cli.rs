@@ -391,6 +391,9 @@ device = "gpu0"
         &path,
         &format!(
             r#"
+[server]
+admin_listen = "127.0.0.1:0"
+
 [[models]]
 name = "m"
 backend = "embedded"
@@ -420,6 +423,7 @@ burst = 5
         "tenants[1].name: `a` is used twice",
         "tenants[1].api_keys_sha256[0]: the same key is configured twice",
         "tenants[1].burst: needs requests_per_second",
+        "server.admin_key_sha256: required with admin_listen",
     ] {
         assert!(out.contains(want), "missing `{want}` in:\n{out}");
     }

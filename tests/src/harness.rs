@@ -24,6 +24,8 @@ pub struct Stack {
     pub url: String,
     /// The tokenizer file lockstep loads.
     pub tokenizer: PathBuf,
+    /// The configuration file lockstep was started from.
+    pub config_path: PathBuf,
     _dir: tempfile::TempDir,
 }
 
@@ -116,7 +118,10 @@ impl Stack {
             .await
             .expect("mock starts");
         let text = config_text_with(&mock, &tok_path, server_extra, model_extra, timeouts);
-        let cfg = Config::parse(&text).expect("test config parses");
+        // From a file, as in production: the admin API's reload re-reads it.
+        let config_path = dir.path().join("lockstep.toml");
+        std::fs::write(&config_path, &text).expect("write config");
+        let cfg = Config::load(&config_path).expect("test config loads");
         let lockstep = Lockstep::start(cfg).await.expect("lockstep starts");
         let url = format!("http://{}", lockstep.http_addr);
         Stack {
@@ -124,6 +129,7 @@ impl Stack {
             lockstep,
             url,
             tokenizer: tok_path,
+            config_path,
             _dir: dir,
         }
     }
