@@ -380,6 +380,7 @@ async fn build_embedded(m: &ModelConfig) -> Result<Built, String> {
                 bootstrap_port: None,
                 bootstrap_host: None,
             }],
+            max_pairs_per_worker: 0,
         }))
     };
     Ok(Built {

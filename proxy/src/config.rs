@@ -160,6 +160,12 @@ pub struct ModelConfig {
     /// Background health checks of the workers.
     #[serde(default)]
     pub health: HealthConfig,
+    /// Longest prompt accepted, tokens (0: only the context window limits it).
+    #[serde(default)]
+    pub max_prompt_tokens: u64,
+    /// Largest `max_tokens` a request may ask for (0: only the context window limits it).
+    #[serde(default)]
+    pub max_tokens_limit: u64,
 }
 
 impl ModelConfig {
@@ -213,6 +219,9 @@ pub struct PoolConfig {
     /// The workers.
     #[serde(default)]
     pub workers: Vec<WorkerConfig>,
+    /// Pairs one worker of this side may hold at once (0: no limit); over it, 503 `workers_busy`.
+    #[serde(default)]
+    pub max_pairs_per_worker: usize,
 }
 
 /// The embedded engine of one model.

@@ -156,6 +156,14 @@ pub enum LockstepError {
         /// The model.
         model: String,
     },
+    /// Every worker of a side is at its `max_pairs_per_worker`.
+    #[error("every {side} worker of model `{model}` is at its pair limit; retry shortly")]
+    WorkersBusy {
+        /// The model.
+        model: String,
+        /// `prefill` or `decode`.
+        side: &'static str,
+    },
     /// A tenant's rate or concurrency limit.
     #[error("{message}")]
     RateLimited {
@@ -186,6 +194,7 @@ impl LockstepError {
             LockstepError::Unauthorized { .. } => "invalid_api_key",
             LockstepError::ModelNotAllowed { .. } => "model_not_allowed",
             LockstepError::RateLimited { .. } => "rate_limit_exceeded",
+            LockstepError::WorkersBusy { .. } => "workers_busy",
         }
     }
 
@@ -204,9 +213,9 @@ impl LockstepError {
             | LockstepError::DecodeFailed { .. }
             | LockstepError::IntegrityViolation { .. } => StatusCode::BAD_GATEWAY,
             LockstepError::Timeout { .. } => StatusCode::GATEWAY_TIMEOUT,
-            LockstepError::NoHealthyWorker { .. } | LockstepError::Unavailable { .. } => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            LockstepError::NoHealthyWorker { .. }
+            | LockstepError::Unavailable { .. }
+            | LockstepError::WorkersBusy { .. } => StatusCode::SERVICE_UNAVAILABLE,
             LockstepError::Unauthorized { .. } => StatusCode::UNAUTHORIZED,
             LockstepError::ModelNotAllowed { .. } => StatusCode::FORBIDDEN,
             LockstepError::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
@@ -271,6 +280,10 @@ impl IntoResponse for LockstepError {
                     http::header::RETRY_AFTER,
                     http::HeaderValue::from(*retry_after_s),
                 );
+            }
+            LockstepError::WorkersBusy { .. } => {
+                r.headers_mut()
+                    .insert(http::header::RETRY_AFTER, http::HeaderValue::from(1u64));
             }
             LockstepError::Unauthorized { .. } => {
                 r.headers_mut().insert(
@@ -385,6 +398,13 @@ mod tests {
                     retry_after_s: 2,
                 },
                 429,
+            ),
+            (
+                LockstepError::WorkersBusy {
+                    model: "m".into(),
+                    side: "decode",
+                },
+                503,
             ),
         ];
         let mut codes = std::collections::HashSet::new();

@@ -109,6 +109,23 @@ impl LoadGuard {
     }
 }
 
+impl LoadGuard {
+    /// Takes a slot only while the worker has fewer than `max` pairs (0: no limit); atomic, so
+    /// concurrent picks never exceed it.
+    pub fn try_new(worker: Arc<Worker>, max: usize) -> Option<LoadGuard> {
+        if max == 0 {
+            return Some(LoadGuard::new(worker));
+        }
+        worker
+            .in_flight
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| LoadGuard(worker))
+    }
+}
+
 impl Drop for LoadGuard {
     fn drop(&mut self) {
         self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
@@ -120,6 +137,7 @@ impl Drop for LoadGuard {
 pub struct WorkerPool {
     workers: Vec<Arc<Worker>>,
     policy: PolicyKind,
+    max_pairs: usize,
     next: AtomicUsize,
 }
 
@@ -133,6 +151,7 @@ impl WorkerPool {
                 .map(|w| Arc::new(Worker::new(w)))
                 .collect(),
             policy: cfg.policy,
+            max_pairs: cfg.max_pairs_per_worker,
             next: AtomicUsize::new(0),
         }
     }
@@ -147,14 +166,31 @@ impl WorkerPool {
         self.workers.iter().any(|w| w.accepts_pairs())
     }
 
-    /// Picks a healthy worker (avoiding `avoid` when another healthy one exists) and takes a slot.
+    /// Whether workers would take pairs but every one is at `max_pairs_per_worker`.
+    pub fn all_busy(&self) -> bool {
+        self.max_pairs > 0
+            && self.workers.iter().any(|w| w.accepts_pairs())
+            && self
+                .workers
+                .iter()
+                .filter(|w| w.accepts_pairs())
+                .all(|w| w.in_flight() >= self.max_pairs)
+    }
+
+    /// Picks a healthy worker with a free slot (avoiding `avoid` when another one exists) and
+    /// takes the slot.
     pub fn pick(&self, avoid: Option<&Arc<Worker>>) -> Option<LoadGuard> {
+        let max = self.max_pairs;
+        let open = |w: &Arc<Worker>| w.accepts_pairs() && (max == 0 || w.in_flight() < max);
         // Fast path: one worker, no allocation.
         if let [only] = self.workers.as_slice() {
-            return only.accepts_pairs().then(|| LoadGuard::new(only.clone()));
+            return if only.accepts_pairs() {
+                LoadGuard::try_new(only.clone(), max)
+            } else {
+                None
+            };
         }
-        let healthy: Vec<&Arc<Worker>> =
-            self.workers.iter().filter(|w| w.accepts_pairs()).collect();
+        let healthy: Vec<&Arc<Worker>> = self.workers.iter().filter(|w| open(w)).collect();
         let candidates: Vec<&Arc<Worker>> = match avoid {
             Some(a) if healthy.len() > 1 => healthy
                 .iter()
@@ -184,7 +220,7 @@ impl WorkerPool {
                 }
             },
         };
-        Some(LoadGuard::new(chosen.clone()))
+        LoadGuard::try_new(chosen.clone(), max)
     }
 }
 
@@ -216,6 +252,38 @@ pub async fn health_loop(
 mod tests {
     use super::*;
 
+    #[test]
+    fn a_pair_limit_per_worker_is_never_exceeded() {
+        let p = WorkerPool::new(&PoolConfig {
+            max_pairs_per_worker: 2,
+            ..PoolConfig {
+                policy: PolicyKind::LeastLoad,
+                workers: (0..2)
+                    .map(|i| WorkerConfig {
+                        url: format!("http://127.0.0.1:{}", 2000 + i),
+                        bootstrap_port: None,
+                        bootstrap_host: None,
+                    })
+                    .collect(),
+                max_pairs_per_worker: 0,
+            }
+        });
+        let held: Vec<LoadGuard> = (0..4).map(|_| p.pick(None).expect("a slot")).collect();
+        assert!(p.workers().iter().all(|w| w.in_flight() == 2));
+        assert!(p.pick(None).is_none() && p.all_busy());
+        drop(held);
+        assert!(!p.all_busy() && p.pick(None).is_some());
+        // Concurrent takers never exceed the limit.
+        let w = p.workers()[0].clone();
+        let got: Vec<Option<LoadGuard>> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..16)
+                .map(|_| s.spawn(|| LoadGuard::try_new(w.clone(), 3)))
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("thread")).collect()
+        });
+        assert_eq!(got.iter().filter(|g| g.is_some()).count(), 3);
+    }
+
     fn pool(n: usize, policy: PolicyKind) -> WorkerPool {
         WorkerPool::new(&PoolConfig {
             policy,
@@ -226,6 +294,7 @@ mod tests {
                     bootstrap_host: None,
                 })
                 .collect(),
+            max_pairs_per_worker: 0,
         })
     }
 

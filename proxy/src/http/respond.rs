@@ -72,6 +72,28 @@ pub(crate) async fn serve_pair(
         };
         return super::refused(state, &model.name, e);
     }
+    let limits = &model.cfg;
+    if limits.max_prompt_tokens > 0 && ids.len() as u64 > limits.max_prompt_tokens {
+        let e = LockstepError::InvalidRequest {
+            message: format!(
+                "the prompt has {} tokens; this deployment accepts at most {}",
+                ids.len(),
+                limits.max_prompt_tokens
+            ),
+            param: Some("prompt".into()),
+        };
+        return super::refused(state, &model.name, e);
+    }
+    if limits.max_tokens_limit > 0 && sampling.max_new_tokens > limits.max_tokens_limit {
+        let e = LockstepError::InvalidRequest {
+            message: format!(
+                "max_tokens {} is over this deployment's limit of {}",
+                sampling.max_new_tokens, limits.max_tokens_limit
+            ),
+            param: Some("max_tokens".into()),
+        };
+        return super::refused(state, &model.name, e);
+    }
     if let Err(e) = check_fits(
         ids.len() as u64,
         sampling.max_new_tokens,

@@ -240,23 +240,13 @@ impl PairRuntime {
         ) = (None, None);
         let outcome = loop {
             let Some(pg) = self.prefill.pick(avoid.0.as_ref()) else {
-                self.refused("no_healthy_worker");
-                let _ = tx
-                    .send(PairEvent::Failed(LockstepError::NoHealthyWorker {
-                        model: self.model.to_string(),
-                        side: "prefill",
-                    }))
-                    .await;
+                let e = self.no_worker(&self.prefill, "prefill");
+                let _ = tx.send(PairEvent::Failed(e)).await;
                 break Outcome::Aborted(AbortReason::NoWorker);
             };
             let Some(dg) = self.decode.pick(avoid.1.as_ref()) else {
-                self.refused("no_healthy_worker");
-                let _ = tx
-                    .send(PairEvent::Failed(LockstepError::NoHealthyWorker {
-                        model: self.model.to_string(),
-                        side: "decode",
-                    }))
-                    .await;
+                let e = self.no_worker(&self.decode, "decode");
+                let _ = tx.send(PairEvent::Failed(e)).await;
                 break Outcome::Aborted(AbortReason::NoWorker);
             };
             let guard = self.registry.register(PairInfo {
@@ -370,12 +360,20 @@ impl PairRuntime {
         });
     }
 
-    /// A request refused before any pair was dispatched.
-    fn refused(&self, code: &str) {
+    /// The refusal when a side has no worker to take the pair: all at their pair limit, or
+    /// none healthy (counted as an admission refusal: nothing was dispatched).
+    fn no_worker(&self, pool: &WorkerPool, side: &'static str) -> LockstepError {
+        let model = self.model.to_string();
+        let e = if pool.all_busy() {
+            LockstepError::WorkersBusy { model, side }
+        } else {
+            LockstepError::NoHealthyWorker { model, side }
+        };
         self.metrics
             .admission_refusals
-            .with_label_values(&[&*self.model, code])
+            .with_label_values(&[&*self.model, e.code()])
             .inc();
+        e
     }
 
     /// Metrics and audit lines of an aborted pair.

@@ -207,6 +207,7 @@ fn pool() -> Arc<WorkerPool> {
             bootstrap_port: Some(1),
             bootstrap_host: None,
         }],
+        max_pairs_per_worker: 0,
     }))
 }
 

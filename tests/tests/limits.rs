@@ -1,0 +1,89 @@
+//! Deployment limits: the longest prompt and the largest `max_tokens` a model accepts (400 naming
+//! the parameter, nothing dispatched), and pairs per worker (503 `workers_busy` with
+//! `Retry-After` while every worker of a side is at its limit).
+
+use std::time::Duration;
+
+use lockstep::config::Config;
+use lockstep_tests::client::{self, Answer, Endpoint, TestClient};
+use lockstep_tests::harness::{MODEL, Stack, TEST_TIMEOUTS};
+use lockstep_tests::sglang_mock::{Fault, MockConfig};
+
+async fn complete(stack: &Stack, prompt: &str, max_tokens: u64) -> Answer {
+    let (path, body) =
+        client::request(Endpoint::Completions, MODEL, prompt, false, max_tokens, &[]);
+    TestClient::default()
+        .post(
+            &format!("{}{path}", stack.url),
+            &body,
+            Duration::from_secs(10),
+        )
+        .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompt_max_tokens_and_per_worker_limits_are_enforced() {
+    let stack = Stack::start_full(
+        MockConfig::default(),
+        "",
+        "max_prompt_tokens = 10\nmax_tokens_limit = 5",
+        TEST_TIMEOUTS,
+    )
+    .await;
+    let long = complete(&stack, &"red ".repeat(20), 2).await;
+    assert_eq!(long.status, 400, "{}", long.body);
+    assert_eq!(long.json()["error"]["param"], "prompt");
+    assert!(long.body.contains("at most 10"), "{}", long.body);
+    let greedy = complete(&stack, "red green", 6).await;
+    assert_eq!(greedy.status, 400, "{}", greedy.body);
+    assert_eq!(greedy.json()["error"]["param"], "max_tokens");
+    assert_eq!(stack.mock.request_count(), 0, "nothing dispatched");
+    assert_eq!(complete(&stack, "red green", 5).await.status, 200);
+
+    // One pair per decode worker: a second request while a slow one runs is refused.
+    let text = std::fs::read_to_string(&stack.config_path).expect("config");
+    let decode = format!("workers = [{{ url = \"{}\" }}]", stack.mock.decode_url());
+    assert!(text.contains(&decode));
+    std::fs::write(
+        &stack.config_path,
+        text.replace(&decode, &format!("{decode}\nmax_pairs_per_worker = 1")),
+    )
+    .expect("write");
+    stack
+        .lockstep
+        .reload(Config::load(&stack.config_path).expect("loads"))
+        .await
+        .expect("reloads");
+    stack.mock.set_fault(Fault::Slow {
+        prefill_ms: 0,
+        token_ms: 60,
+    });
+    let slow = {
+        let (path, body) = client::request(Endpoint::Completions, MODEL, "red", false, 5, &[]);
+        let url = format!("{}{path}", stack.url);
+        tokio::spawn(async move {
+            TestClient::default()
+                .post(&url, &body, Duration::from_secs(10))
+                .await
+        })
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while stack.lockstep.state.registry.is_empty() {
+        assert!(tokio::time::Instant::now() < deadline);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let busy = complete(&stack, "green", 2).await;
+    assert_eq!(busy.status, 503, "{}", busy.body);
+    assert_eq!(busy.error_code().as_deref(), Some("workers_busy"));
+    assert_eq!(
+        busy.headers.get("retry-after").map(|v| v.as_bytes()),
+        Some(&b"1"[..])
+    );
+    assert_eq!(slow.await.expect("task").status, 200);
+    assert_eq!(
+        complete(&stack, "green", 2).await.status,
+        200,
+        "the slot is back"
+    );
+    assert!(stack.wait_all_idle(Duration::from_secs(5)).await);
+}
