@@ -21,9 +21,34 @@ pub struct Config {
     /// Tenants and their API keys and limits. None: lockstep is open (no key needed).
     #[serde(default)]
     pub tenants: Vec<TenantConfig>,
+    /// Trace export (needs a restart to change).
+    #[serde(default)]
+    pub telemetry: TelemetryConfig,
     /// The file this configuration was read from (admin reload re-reads it).
     #[serde(skip)]
     pub source: Option<PathBuf>,
+}
+
+/// OpenTelemetry trace export over OTLP/gRPC.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TelemetryConfig {
+    /// The collector, e.g. `http://127.0.0.1:4317`. Empty: no export (the default).
+    pub otlp_endpoint: String,
+    /// Share of new traces recorded (0 to 1); a client's sampled `traceparent` is followed.
+    pub sampling_ratio: f64,
+    /// `service.name` of the exported spans.
+    pub service_name: String,
+}
+
+impl Default for TelemetryConfig {
+    fn default() -> Self {
+        TelemetryConfig {
+            otlp_endpoint: String::new(),
+            sampling_ratio: 1.0,
+            service_name: "lockstep".into(),
+        }
+    }
 }
 
 /// One tenant: who holds which keys, and what they may do.
@@ -545,6 +570,19 @@ impl Config {
         }
         if self.server.max_body_bytes == 0 {
             out.push("server.max_body_bytes: must be greater than 0".into());
+        }
+        let t = &self.telemetry;
+        if !(0.0..=1.0).contains(&t.sampling_ratio) {
+            out.push(format!(
+                "telemetry.sampling_ratio: {} is not between 0 and 1",
+                t.sampling_ratio
+            ));
+        }
+        if !t.otlp_endpoint.is_empty() && t.otlp_endpoint.parse::<http::Uri>().is_err() {
+            out.push(format!(
+                "telemetry.otlp_endpoint: `{}` is not a URL",
+                t.otlp_endpoint
+            ));
         }
         if self.server.admin_listen.is_some() && !is_sha256_hex(&self.server.admin_key_sha256) {
             out.push("server.admin_key_sha256: required with admin_listen: 64 lowercase hex digits (the sha256 of the admin key; `lockstep hash-key`)".into());

@@ -16,4 +16,5 @@ pub mod http;
 pub mod metrics;
 pub mod pair;
 pub mod pool;
+pub mod telemetry;
 pub mod tenant;

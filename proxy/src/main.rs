@@ -179,7 +179,14 @@ async fn run(cli: Cli) -> ExitCode {
             if let Some(l) = log_level {
                 cfg.server.log_level = l;
             }
-            init_logs(&cfg.server.log_level);
+            let telemetry = match lockstep::telemetry::init(&cfg.server.log_level, &cfg.telemetry) {
+                Ok(t) => t,
+                Err(e) => {
+                    init_logs("info");
+                    eprintln!("{}: {e}", shown(config.as_ref()));
+                    return ExitCode::FAILURE;
+                }
+            };
             // Signal handlers go in before the listener opens: a SIGHUP or SIGTERM that arrives
             // right after "listening" must reach them, not the default action (terminate).
             let signals = Signals::install();
@@ -193,6 +200,7 @@ async fn run(cli: Cli) -> ExitCode {
             serve_until_stopped(&running, config.as_ref(), signals).await;
             tracing::info!("shutting down");
             running.shutdown().await;
+            telemetry.shutdown();
             ExitCode::SUCCESS
         }
     }

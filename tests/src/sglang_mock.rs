@@ -149,6 +149,7 @@ struct Inner {
     rid_rooms: Mutex<HashMap<String, u64>>,
     aborts: Mutex<Vec<AbortRecord>>,
     requests: Mutex<Vec<(Role, Value)>>,
+    traceparents: Mutex<Vec<(Role, String)>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -217,6 +218,7 @@ impl PdMock {
             rid_rooms: Mutex::new(HashMap::new()),
             aborts: Mutex::new(Vec::new()),
             requests: Mutex::new(Vec::new()),
+            traceparents: Mutex::new(Vec::new()),
         });
         let (pl, dl) = (
             TcpListener::bind(prefill).await?,
@@ -278,6 +280,10 @@ impl PdMock {
     /// Every `/generate` body received so far, by server.
     pub fn requests(&self) -> Vec<(Role, Value)> {
         lock(&self.inner.requests).clone()
+    }
+    /// The W3C `traceparent` header of each `/generate` request that carried one.
+    pub fn traceparents(&self) -> Vec<(Role, String)> {
+        lock(&self.inner.traceparents).clone()
     }
     /// Number of `/generate` requests received.
     pub fn request_count(&self) -> usize {
@@ -457,7 +463,10 @@ fn parse_half(v: &Value) -> Result<Half, &'static str> {
     })
 }
 
-async fn generate(State(ctx): State<Ctx>, body: Bytes) -> Response {
+async fn generate(State(ctx): State<Ctx>, headers: axum::http::HeaderMap, body: Bytes) -> Response {
+    if let Some(tp) = headers.get("traceparent").and_then(|v| v.to_str().ok()) {
+        lock(&ctx.inner.traceparents).push((ctx.role, tp.to_string()));
+    }
     let v: Value = match serde_json::from_slice(&body) {
         Ok(v) => v,
         Err(_) => return sglang_error(StatusCode::BAD_REQUEST, "body is not JSON"),

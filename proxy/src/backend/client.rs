@@ -45,10 +45,25 @@ impl UpstreamClient {
         url: &str,
         body: Bytes,
     ) -> Result<Response<Incoming>, CallError> {
-        let req = Request::builder()
+        self.send_with(method, url, body, &[]).await
+    }
+
+    /// [`UpstreamClient::send`] with extra headers (the trace context of the pair's half).
+    pub async fn send_with(
+        &self,
+        method: Method,
+        url: &str,
+        body: Bytes,
+        extra: &[(http::HeaderName, http::HeaderValue)],
+    ) -> Result<Response<Incoming>, CallError> {
+        let mut req = Request::builder()
             .method(method)
             .uri(url)
-            .header(http::header::CONTENT_TYPE, "application/json")
+            .header(http::header::CONTENT_TYPE, "application/json");
+        for (k, v) in extra {
+            req = req.header(k, v);
+        }
+        let req = req
             .body(Full::new(body))
             .map_err(|e| CallError::Connect(format!("bad request for {url}: {e}")))?;
         self.inner.request(req).await.map_err(|e| {
@@ -63,7 +78,17 @@ impl UpstreamClient {
 
     /// POSTs JSON and collects the whole answer (status, body).
     pub async fn post_collect(&self, url: &str, body: Bytes) -> Result<(u16, Bytes), CallError> {
-        let resp = self.send(Method::POST, url, body).await?;
+        self.post_collect_with(url, body, &[]).await
+    }
+
+    /// [`UpstreamClient::post_collect`] with extra headers.
+    pub async fn post_collect_with(
+        &self,
+        url: &str,
+        body: Bytes,
+        extra: &[(http::HeaderName, http::HeaderValue)],
+    ) -> Result<(u16, Bytes), CallError> {
+        let resp = self.send_with(Method::POST, url, body, extra).await?;
         let status = resp.status().as_u16();
         let body = resp
             .into_body()

@@ -135,10 +135,11 @@ impl PdBackend for SglangBackend {
         let client = self.client.clone();
         let url = format!("{}/generate", d.prefill.url);
         let body = Self::generate_body(d, false);
+        let trace = crate::telemetry::trace_headers();
         Box::pin(async move {
             let side = Side::Prefill;
             let (status, body) = client
-                .post_collect(&url, body)
+                .post_collect_with(&url, body, &trace)
                 .await
                 .map_err(|e| half_err(side, e))?;
             if !(200..300).contains(&status) {
@@ -170,10 +171,11 @@ impl PdBackend for SglangBackend {
         let client = self.client.clone();
         let url = format!("{}/generate", d.decode.url);
         let body = Self::generate_body(d, true);
+        let trace = crate::telemetry::trace_headers();
         let start = async move {
             let side = Side::Decode;
             let resp = client
-                .send(Method::POST, &url, body)
+                .send_with(Method::POST, &url, body, &trace)
                 .await
                 .map_err(|e| half_err(side, e))?;
             let status = resp.status().as_u16();

@@ -8,6 +8,7 @@ use axum::extract::State;
 use axum::response::Response;
 use http::HeaderMap;
 use serde::Deserialize;
+use tracing::Instrument;
 
 use super::openai::{Prompt, bad, prompt_ids};
 use super::respond::{Shape, serve_pair};
@@ -134,6 +135,7 @@ pub(crate) async fn generate(
         };
         Ok::<_, LockstepError>((model, ids, sampling, Shape::generate(req.stream)))
     }
+    .instrument(tracing::info_span!("admission"))
     .await;
     match result {
         Ok((model, ids, sampling, shape)) => {

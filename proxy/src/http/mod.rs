@@ -32,7 +32,21 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/ready", get(ready))
         .route("/metrics", get(metrics))
         .fallback(not_found)
+        .layer(axum::middleware::from_fn(trace_request))
         .with_state(state)
+}
+
+/// One `request` span per HTTP request, child of the client's `traceparent` when it sent one.
+async fn trace_request(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    use tracing::Instrument;
+    let span = tracing::info_span!(
+        "request",
+        otel.name = %format!("{} {}", req.method(), req.uri().path()),
+        http.method = %req.method(),
+        http.route = %req.uri().path(),
+    );
+    crate::telemetry::adopt_parent(&span, req.headers());
+    next.run(req).instrument(span).await
 }
 
 /// A request refused before any pair was dispatched: counted by model (empty when the request

@@ -7,6 +7,7 @@ use axum::extract::State;
 use axum::response::Response;
 use http::HeaderMap;
 use serde::Deserialize;
+use tracing::Instrument;
 
 use super::respond::{Shape, serve_pair};
 use super::{find_model, read_json};
@@ -253,6 +254,7 @@ pub(crate) async fn chat_completions(
         let ids = model.admission.encode(&prompt)?;
         Ok::<_, LockstepError>((model, ids, sampling, Shape::chat(stream, include_usage)))
     }
+    .instrument(tracing::info_span!("admission"))
     .await;
     match result {
         Ok((model, ids, sampling, shape)) => {
@@ -352,6 +354,7 @@ pub(crate) async fn completions(
             Shape::completion(stream, include_usage),
         ))
     }
+    .instrument(tracing::info_span!("admission"))
     .await;
     match result {
         Ok((model, ids, sampling, shape)) => {

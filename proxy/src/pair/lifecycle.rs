@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use futures_util::StreamExt;
 use tokio::sync::mpsc;
 use tokio::time::{Instant as TokioInstant, sleep, sleep_until};
+use tracing::Instrument;
 
 use super::{CancelReason, PairId, PairInfo, PairRegistry, PairState};
 use crate::audit::{Audit, AuditEvent, AuditKind, AuditTimings, now_ms};
@@ -221,7 +222,12 @@ impl PairRuntime {
     ) -> (mpsc::Receiver<PairEvent>, tokio::task::JoinHandle<Outcome>) {
         let (tx, rx) = mpsc::channel(64);
         let me = self.clone();
-        let handle = tokio::spawn(async move { me.run(input_ids, sampling, tenant, tx).await });
+        // The request's span (current here) parents every pair this request dispatches.
+        let request_span = tracing::Span::current();
+        let handle =
+            tokio::spawn(
+                async move { me.run(input_ids, sampling, tenant, tx, request_span).await },
+            );
         (rx, handle)
     }
 
@@ -231,6 +237,7 @@ impl PairRuntime {
         sampling: Arc<SamplingParams>,
         tenant: Option<Arc<str>>,
         tx: mpsc::Sender<PairEvent>,
+        request_span: tracing::Span,
     ) -> Outcome {
         let started = TokioInstant::now();
         let mut attempt: u32 = 0;
@@ -269,8 +276,18 @@ impl PairRuntime {
             let mut committed = false;
             let mut barrier = None;
             let dispatched = TokioInstant::now();
+            let pair_span = tracing::info_span!(
+                parent: &request_span,
+                "pair",
+                pair_id = %d.pair_id,
+                model = %self.model,
+                prefill = %d.prefill.url,
+                decode = %d.decode.url,
+                attempt,
+            );
             match self
                 .attempt(&d, &tx, started, &guard, &mut committed, &mut barrier)
+                .instrument(pair_span.clone())
                 .await
             {
                 Ok(()) => {
@@ -283,7 +300,7 @@ impl PairRuntime {
                 Err(f) => {
                     guard.set_state(PairState::Aborting);
                     self.abort_both(&d, TokioInstant::now());
-                    tracing::warn!(pair = %d.pair_id, model = %self.model, reason = f.reason.as_str(), error = %f.error, "pair aborted on both halves");
+                    tracing::warn!(parent: &pair_span, pair = %d.pair_id, model = %self.model, reason = f.reason.as_str(), side = f.failed_side.map_or("none", Side::as_str), error = %f.error, "pair aborted on both halves");
                     let at = AbortContext {
                         tenant: tenant.as_deref(),
                         attempt,
@@ -439,8 +456,15 @@ impl PairRuntime {
         let first_at = dispatched + t.first_token();
         let expected = d.input_ids.len() as u64;
 
-        let mut prefill = self.backend.prefill(d);
-        let mut decode = self.backend.decode(d);
+        // Each half's span lives as long as that half does; the backends take the trace context
+        // for their upstream requests from the span current when they are created.
+        let prefill_span = tracing::info_span!("prefill", worker = %d.prefill.url);
+        let decode_span = tracing::info_span!("decode", worker = %d.decode.url);
+        let mut prefill = prefill_span.in_scope(|| self.backend.prefill(d));
+        let mut prefill_span = Some(prefill_span);
+        let mut decode = decode_span.in_scope(|| self.backend.decode(d));
+        let barrier_span = tracing::info_span!("commit_barrier");
+        let mut kv_transfer: Option<tracing::Span> = None;
         let mut prefill_ok = false;
         let mut prefill_digest = None;
         let mut first: Option<DecodeChunk> = None;
@@ -456,6 +480,7 @@ impl PairRuntime {
                 _ = sleep_until(prefill_at), if !prefill_ok => return Err(Failure::deadline(id, Phase::Prefill)),
                 _ = sleep_until(first_at), if first.is_none() => return Err(Failure::deadline(id, Phase::FirstToken)),
                 r = &mut prefill, if !prefill_ok => {
+                    prefill_span = None;
                     let report = r.map_err(|e| Failure::from_half(id, e))?;
                     if report.prompt_tokens != expected {
                         return Err(Failure::integrity(id, "prefill_prompt_count", format!(
@@ -463,6 +488,11 @@ impl PairRuntime {
                     }
                     prefill_ok = true;
                     prefill_digest = report.kv_digest;
+                    // Prefill done: from here until the decode's first chunk, the KV moves to the
+                    // decode worker and its first step runs.
+                    if first.is_none() {
+                        kv_transfer = Some(tracing::info_span!(parent: &barrier_span, "kv_transfer"));
+                    }
                 }
                 c = decode.next(), if first.is_none() => {
                     let chunk = match c {
@@ -472,9 +502,11 @@ impl PairRuntime {
                     };
                     check_decode_count(id, &chunk, expected)?;
                     first = Some(chunk);
+                    kv_transfer = None;
                 }
             }
         }
+        drop((kv_transfer, prefill_span, barrier_span));
 
         // Verified KV: the digest the decode imported must be the one the prefill sent; neither
         // side is trusted alone.
