@@ -171,6 +171,50 @@ pub async fn reload_state(st: &AppState, cfg: Config) -> Result<(), String> {
     Ok(())
 }
 
+/// Serves `app` on `listener` (HTTP/1.1 and h2c on one port) until `stop` fires, then lets open
+/// connections finish (bounded: 10 s). A client that has not sent its request headers within
+/// `header_timeout` is disconnected (slow-header attacks), and small SSE frames are not held back
+/// by Nagle's algorithm.
+async fn serve_http(
+    listener: TcpListener,
+    app: axum::Router,
+    header_timeout: Duration,
+    stop: tokio::sync::oneshot::Receiver<()>,
+) {
+    use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(header_timeout);
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    tokio::pin!(stop);
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let stream = match accepted {
+                    Ok((s, _)) => s,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                        continue;
+                    }
+                };
+                let _ = stream.set_nodelay(true);
+                let svc = hyper_util::service::TowerToHyperService::new(app.clone());
+                let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
+                let conn = graceful.watch(conn.into_owned());
+                tokio::spawn(async move {
+                    let _ = conn.await;
+                });
+            }
+            _ = &mut stop => break,
+        }
+    }
+    drop(listener);
+    let _ = tokio::time::timeout(Duration::from_secs(10), graceful.shutdown()).await;
+}
+
 /// A running lockstep: its state, address and background tasks.
 #[derive(Debug)]
 pub struct Lockstep {
@@ -423,18 +467,8 @@ impl Lockstep {
         let mut tasks = Vec::new();
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let app = crate::http::router(state.clone());
-        // Small SSE frames must not wait for delayed ACKs (Nagle).
-        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
-            let _ = tcp.set_nodelay(true);
-        });
-        tasks.push(tokio::spawn(async move {
-            let serve = axum::serve(listener, app).with_graceful_shutdown(async {
-                let _ = rx.await;
-            });
-            if let Err(e) = serve.await {
-                tracing::error!(error = %e, "HTTP server failed");
-            }
-        }));
+        let header_timeout = Duration::from_millis(cfg.server.header_timeout_ms);
+        tasks.push(tokio::spawn(serve_http(listener, app, header_timeout, rx)));
         let (admin_tx, admin_rx) = tokio::sync::oneshot::channel::<()>();
         let admin_addr = match cfg.server.admin_listen {
             None => None,

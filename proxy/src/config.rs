@@ -102,6 +102,8 @@ pub struct ServerConfig {
     pub audit_log: String,
     /// On SIGTERM: how long committed streams may run on before they are aborted, ms.
     pub drain_grace_ms: u64,
+    /// A connection that has not sent its request headers within this many ms is closed.
+    pub header_timeout_ms: u64,
     /// The admin API's listener (off when absent). Bind it to a private address.
     pub admin_listen: Option<SocketAddr>,
     /// sha256 (hex) of the admin API's key; required with `admin_listen`.
@@ -118,6 +120,7 @@ impl Default for ServerConfig {
             worker_threads: 0,
             audit_log: String::new(),
             drain_grace_ms: 30_000,
+            header_timeout_ms: 10_000,
             admin_listen: None,
             admin_key_sha256: String::new(),
         }
@@ -567,6 +570,9 @@ impl Config {
         }
         if self.server.connect_timeout_ms == 0 {
             out.push("server.connect_timeout_ms: must be greater than 0".into());
+        }
+        if self.server.header_timeout_ms == 0 {
+            out.push("server.header_timeout_ms: must be greater than 0".into());
         }
         if self.server.max_body_bytes == 0 {
             out.push("server.max_body_bytes: must be greater than 0".into());

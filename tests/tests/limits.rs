@@ -87,3 +87,48 @@ async fn prompt_max_tokens_and_per_worker_limits_are_enforced() {
     );
     assert!(stack.wait_all_idle(Duration::from_secs(5)).await);
 }
+
+/// A client that never finishes its request headers is disconnected after
+/// `server.header_timeout_ms` (slow-header attacks hold no connection for long); a normal
+/// request on another connection is unaffected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_headers_are_cut_off() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let stack = Stack::start_full(
+        MockConfig::default(),
+        "header_timeout_ms = 300",
+        "",
+        TEST_TIMEOUTS,
+    )
+    .await;
+    let addr = stack.lockstep.http_addr;
+    let mut slow = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    slow.write_all(
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n",
+    )
+    .await
+    .expect("write");
+    let t = tokio::time::Instant::now();
+    assert_eq!(
+        complete(&stack, "red green", 2).await.status,
+        200,
+        "others are served meanwhile"
+    );
+    let mut buf = [0u8; 512];
+    let closed = tokio::time::timeout(Duration::from_secs(3), async {
+        loop {
+            match slow.read(&mut buf).await {
+                Ok(0) | Err(_) => return true,
+                Ok(_) => {} // a 408 before the close is fine
+            }
+        }
+    })
+    .await
+    .unwrap_or(false);
+    let took = t.elapsed();
+    assert!(closed, "the half-sent request's connection was not closed");
+    assert!(
+        took >= Duration::from_millis(250),
+        "closed after the timeout, not at once: {took:?}"
+    );
+}
