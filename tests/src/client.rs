@@ -74,12 +74,26 @@ impl TestClient {
         body: impl Into<Bytes>,
         bound: Duration,
     ) -> Answer {
-        let req = Request::builder()
+        self.send_with(method, url, &[], body, bound).await
+    }
+
+    /// [`TestClient::send_raw`] with extra request headers.
+    pub async fn send_with(
+        &self,
+        method: &str,
+        url: &str,
+        headers: &[(&str, &str)],
+        body: impl Into<Bytes>,
+        bound: Duration,
+    ) -> Answer {
+        let mut req = Request::builder()
             .method(method)
             .uri(url)
-            .header("content-type", "application/json")
-            .body(Full::new(body.into()))
-            .expect("request");
+            .header("content-type", "application/json");
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let req = req.body(Full::new(body.into())).expect("request");
         let fut = async {
             let resp = self.inner.request(req).await.expect("lockstep answers");
             let status = resp.status().as_u16();

@@ -19,30 +19,21 @@ async fn admin(
     body: Value,
 ) -> (u16, Value) {
     let addr = stack.lockstep.admin_addr.expect("admin listener");
-    let mut req = http::Request::builder()
-        .method(method)
-        .uri(format!("http://{addr}{path}"))
-        .header("content-type", "application/json");
-    if let Some(k) = key {
-        req = req.header("authorization", format!("Bearer {k}"));
-    }
-    let req = req
-        .body(http_body_util::Full::new(bytes::Bytes::from(
+    let auth = key.map(|k| format!("Bearer {k}"));
+    let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("authorization", a.as_str())).collect();
+    let a = TestClient::default()
+        .send_with(
+            method,
+            &format!("http://{addr}{path}"),
+            &headers,
             body.to_string(),
-        )))
-        .expect("request");
-    let c = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .build_http();
-    let r = tokio::time::timeout(Duration::from_secs(10), c.request(req))
-        .await
-        .expect("in time")
-        .expect("answer");
-    let status = r.status().as_u16();
-    let b = http_body_util::BodyExt::collect(r.into_body())
-        .await
-        .expect("body")
-        .to_bytes();
-    (status, serde_json::from_slice(&b).unwrap_or(Value::Null))
+            Duration::from_secs(10),
+        )
+        .await;
+    (
+        a.status,
+        serde_json::from_str(&a.body).unwrap_or(Value::Null),
+    )
 }
 
 const KEY: Option<&str> = Some("admin-key");

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use lockstep::tenant::key_hash_hex;
-use lockstep_tests::client::{self, Answer, Endpoint};
+use lockstep_tests::client::{self, Answer, Endpoint, TestClient};
 use lockstep_tests::harness::{MODEL, Stack, TEST_TIMEOUTS};
 use lockstep_tests::sglang_mock::{Fault, MockConfig};
 use serde_json::Value;
@@ -44,36 +44,17 @@ async fn send(stack: &Stack, key: Option<&str>, stream: bool, max_tokens: u64) -
         max_tokens,
         &[],
     );
-    let mut req = http::Request::builder()
-        .method("POST")
-        .uri(format!("{}{path}", stack.url))
-        .header("content-type", "application/json");
-    if let Some(k) = key {
-        req = req.header("authorization", format!("Bearer {k}"));
-    }
-    let req = req
-        .body(http_body_util::Full::new(bytes::Bytes::from(
+    let auth = key.map(|k| format!("Bearer {k}"));
+    let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("authorization", a.as_str())).collect();
+    TestClient::default()
+        .send_with(
+            "POST",
+            &format!("{}{path}", stack.url),
+            &headers,
             body.to_string(),
-        )))
-        .expect("request");
-    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .build_http();
-    let resp = tokio::time::timeout(Duration::from_secs(20), client.request(req))
+            Duration::from_secs(20),
+        )
         .await
-        .expect("in time")
-        .expect("answer");
-    let status = resp.status().as_u16();
-    let headers = resp.headers().clone();
-    let body = http_body_util::BodyExt::collect(resp.into_body())
-        .await
-        .expect("body")
-        .to_bytes();
-    Answer {
-        status,
-        headers,
-        body: String::from_utf8_lossy(&body).into_owned(),
-        body_error: false,
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -101,20 +82,16 @@ async fn keys_models_and_limits_are_enforced_per_tenant() {
     let models = |key: &'static str| {
         let url = format!("{}/v1/models", stack.url);
         async move {
-            let req = http::Request::get(url)
-                .header("x-api-key", key)
-                .body(http_body_util::Full::new(bytes::Bytes::new()))
-                .expect("request");
-            let c =
-                hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-                    .build_http();
-            let r = c.request(req).await.expect("answer");
-            let b = http_body_util::BodyExt::collect(r.into_body())
-                .await
-                .expect("body")
-                .to_bytes();
-            let v: Value = serde_json::from_slice(&b).expect("json");
-            v["data"].as_array().map(|d| d.len()).unwrap_or(0)
+            let a = TestClient::default()
+                .send_with(
+                    "GET",
+                    &url,
+                    &[("x-api-key", key)],
+                    "",
+                    Duration::from_secs(5),
+                )
+                .await;
+            a.json()["data"].as_array().map(|d| d.len()).unwrap_or(0)
         }
     };
     assert_eq!(
@@ -138,23 +115,16 @@ async fn keys_models_and_limits_are_enforced_per_tenant() {
             &[],
         );
         tokio::spawn(async move {
-            let req = http::Request::post(format!("{url}{path}"))
-                .header("content-type", "application/json")
-                .header("authorization", "Bearer acme-key")
-                .body(http_body_util::Full::new(bytes::Bytes::from(
+            let a = TestClient::default()
+                .send_with(
+                    "POST",
+                    &format!("{url}{path}"),
+                    &[("authorization", "Bearer acme-key")],
                     body.to_string(),
-                )))
-                .expect("request");
-            let c =
-                hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-                    .build_http();
-            let r = c.request(req).await.expect("answer");
-            let status = r.status().as_u16();
-            let b = http_body_util::BodyExt::collect(r.into_body())
-                .await
-                .expect("body")
-                .to_bytes();
-            (status, String::from_utf8_lossy(&b).into_owned())
+                    Duration::from_secs(20),
+                )
+                .await;
+            (a.status, a.body)
         })
     };
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use lockstep::config::TelemetryConfig;
-use lockstep_tests::client::{self, Endpoint};
+use lockstep_tests::client::{self, Endpoint, TestClient};
 use lockstep_tests::harness::{MODEL, Stack};
 use lockstep_tests::sglang_mock::{Fault, Role};
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
@@ -66,22 +66,16 @@ async fn send(stack: &Stack, traceparent: &str) -> u16 {
         3,
         &[],
     );
-    let req = http::Request::post(format!("{}{path}", stack.url))
-        .header("content-type", "application/json")
-        .header("traceparent", traceparent)
-        .body(http_body_util::Full::new(bytes::Bytes::from(
+    TestClient::default()
+        .send_with(
+            "POST",
+            &format!("{}{path}", stack.url),
+            &[("traceparent", traceparent)],
             body.to_string(),
-        )))
-        .expect("request");
-    let c = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .build_http();
-    let r = tokio::time::timeout(Duration::from_secs(10), c.request(req))
+            Duration::from_secs(10),
+        )
         .await
-        .expect("in time")
-        .expect("answer");
-    let status = r.status().as_u16();
-    let _ = http_body_util::BodyExt::collect(r.into_body()).await;
-    status
+        .status
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
