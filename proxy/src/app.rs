@@ -171,14 +171,15 @@ pub async fn reload_state(st: &AppState, cfg: Config) -> Result<(), String> {
     Ok(())
 }
 
-/// Serves `app` on `listener` (HTTP/1.1 and h2c on one port) until `stop` fires, then lets open
-/// connections finish (bounded: 10 s). A client that has not sent its request headers within
-/// `header_timeout` is disconnected (slow-header attacks), and small SSE frames are not held back
-/// by Nagle's algorithm.
+/// Serves `app` on `listener` (HTTP/1.1 and h2c on one port, or HTTPS with HTTP/1.1 and h2 when
+/// `tls` is set) until `stop` fires, then lets open connections finish (bounded: 10 s). A client
+/// that has not completed its TLS handshake and request headers within `header_timeout` is
+/// disconnected (slow-header attacks), and small SSE frames are not held back by Nagle.
 async fn serve_http(
     listener: TcpListener,
     app: axum::Router,
     header_timeout: Duration,
+    tls: Option<Arc<tokio_rustls::rustls::ServerConfig>>,
     stop: tokio::sync::oneshot::Receiver<()>,
 ) {
     use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -187,7 +188,12 @@ async fn serve_http(
         .http1()
         .timer(TokioTimer::new())
         .header_read_timeout(header_timeout);
+    let acceptor = tls.map(tokio_rustls::TlsAcceptor::from);
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    // TLS handshakes run in their own tasks and hand the stream back here, so every connection is
+    // watched by the one graceful-shutdown owner.
+    let (tls_tx, mut tls_rx) =
+        tokio::sync::mpsc::channel::<tokio_rustls::server::TlsStream<tokio::net::TcpStream>>(64);
     tokio::pin!(stop);
     loop {
         tokio::select! {
@@ -201,8 +207,32 @@ async fn serve_http(
                     }
                 };
                 let _ = stream.set_nodelay(true);
+                match &acceptor {
+                    None => {
+                        let svc = hyper_util::service::TowerToHyperService::new(app.clone());
+                        let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
+                        let conn = graceful.watch(conn.into_owned());
+                        tokio::spawn(async move {
+                            let _ = conn.await;
+                        });
+                    }
+                    Some(acceptor) => {
+                        let (acceptor, tx) = (acceptor.clone(), tls_tx.clone());
+                        tokio::spawn(async move {
+                            match tokio::time::timeout(header_timeout, acceptor.accept(stream)).await {
+                                Ok(Ok(t)) => {
+                                    let _ = tx.send(t).await;
+                                }
+                                Ok(Err(e)) => tracing::debug!(error = %e, "TLS handshake failed"),
+                                Err(_) => tracing::debug!("TLS handshake timed out"),
+                            }
+                        });
+                    }
+                }
+            }
+            Some(tls) = tls_rx.recv() => {
                 let svc = hyper_util::service::TowerToHyperService::new(app.clone());
-                let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
+                let conn = builder.serve_connection_with_upgrades(TokioIo::new(tls), svc);
                 let conn = graceful.watch(conn.into_owned());
                 tokio::spawn(async move {
                     let _ = conn.await;
@@ -468,7 +498,17 @@ impl Lockstep {
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let app = crate::http::router(state.clone());
         let header_timeout = Duration::from_millis(cfg.server.header_timeout_ms);
-        tasks.push(tokio::spawn(serve_http(listener, app, header_timeout, rx)));
+        let tls = match (&cfg.server.tls_cert_file, &cfg.server.tls_key_file) {
+            (Some(c), Some(k)) => Some(crate::tls::server_config(c, k)?),
+            _ => None,
+        };
+        tasks.push(tokio::spawn(serve_http(
+            listener,
+            app,
+            header_timeout,
+            tls.clone(),
+            rx,
+        )));
         let (admin_tx, admin_rx) = tokio::sync::oneshot::channel::<()>();
         let admin_addr = match cfg.server.admin_listen {
             None => None,
@@ -487,14 +527,7 @@ impl Lockstep {
                 // (shutdown awaits that one).
                 tasks.insert(
                     0,
-                    tokio::spawn(async move {
-                        let serve = axum::serve(l, router).with_graceful_shutdown(async {
-                            let _ = admin_rx.await;
-                        });
-                        if let Err(e) = serve.await {
-                            tracing::error!(error = %e, "admin server failed");
-                        }
-                    }),
+                    tokio::spawn(serve_http(l, router, header_timeout, tls.clone(), admin_rx)),
                 );
                 tracing::info!(%bound, "admin API listening");
                 Some(bound)

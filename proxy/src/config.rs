@@ -104,6 +104,10 @@ pub struct ServerConfig {
     pub drain_grace_ms: u64,
     /// A connection that has not sent its request headers within this many ms is closed.
     pub header_timeout_ms: u64,
+    /// PEM certificate chain: with `tls_key_file`, both listeners speak HTTPS.
+    pub tls_cert_file: Option<PathBuf>,
+    /// PEM private key of `tls_cert_file`.
+    pub tls_key_file: Option<PathBuf>,
     /// The admin API's listener (off when absent). Bind it to a private address.
     pub admin_listen: Option<SocketAddr>,
     /// sha256 (hex) of the admin API's key; required with `admin_listen`.
@@ -121,6 +125,8 @@ impl Default for ServerConfig {
             audit_log: String::new(),
             drain_grace_ms: 30_000,
             header_timeout_ms: 10_000,
+            tls_cert_file: None,
+            tls_key_file: None,
             admin_listen: None,
             admin_key_sha256: String::new(),
         }
@@ -528,6 +534,17 @@ impl Config {
 
     /// Makes relative tokenizer and template paths relative to the config file's folder.
     pub fn resolve_paths(&mut self, base: &Path) {
+        for p in [
+            &mut self.server.tls_cert_file,
+            &mut self.server.tls_key_file,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            if p.is_relative() {
+                *p = base.join(&*p);
+            }
+        }
         for m in &mut self.models {
             if let Some(t) = &mut m.tokenizer
                 && t.is_relative()
@@ -570,6 +587,9 @@ impl Config {
         }
         if self.server.connect_timeout_ms == 0 {
             out.push("server.connect_timeout_ms: must be greater than 0".into());
+        }
+        if self.server.tls_cert_file.is_some() != self.server.tls_key_file.is_some() {
+            out.push("server.tls_cert_file, server.tls_key_file: give both or neither".into());
         }
         if self.server.header_timeout_ms == 0 {
             out.push("server.header_timeout_ms: must be greater than 0".into());

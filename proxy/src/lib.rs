@@ -18,3 +18,4 @@ pub mod pair;
 pub mod pool;
 pub mod telemetry;
 pub mod tenant;
+pub mod tls;
