@@ -471,7 +471,10 @@ impl Lockstep {
     /// Builds everything from `cfg`, runs the deployment check against the workers, binds the
     /// listener and starts serving. Fails (naming every problem) rather than start unsafe.
     pub async fn start(cfg: Config) -> Result<Lockstep, String> {
-        let client = UpstreamClient::new(Duration::from_millis(cfg.server.connect_timeout_ms));
+        let client = UpstreamClient::with_ca(
+            Duration::from_millis(cfg.server.connect_timeout_ms),
+            cfg.server.upstream_ca_file.as_deref(),
+        )?;
         let registry = Arc::new(PairRegistry::default());
         let stats = Arc::new(PairStats::default());
         let metrics = Arc::new(Metrics::new());

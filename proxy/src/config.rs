@@ -108,6 +108,8 @@ pub struct ServerConfig {
     pub tls_cert_file: Option<PathBuf>,
     /// PEM private key of `tls_cert_file`.
     pub tls_key_file: Option<PathBuf>,
+    /// Extra CA certificates (PEM) trusted for `https://` workers, besides the webpki roots.
+    pub upstream_ca_file: Option<PathBuf>,
     /// The admin API's listener (off when absent). Bind it to a private address.
     pub admin_listen: Option<SocketAddr>,
     /// sha256 (hex) of the admin API's key; required with `admin_listen`.
@@ -127,6 +129,7 @@ impl Default for ServerConfig {
             header_timeout_ms: 10_000,
             tls_cert_file: None,
             tls_key_file: None,
+            upstream_ca_file: None,
             admin_listen: None,
             admin_key_sha256: String::new(),
         }
@@ -754,10 +757,12 @@ impl Config {
                             .parse::<http::Uri>()
                             .map_err(|e| e.to_string())
                             .and_then(|u| {
-                                if u.scheme_str() == Some("http") && u.host().is_some() {
+                                if matches!(u.scheme_str(), Some("http" | "https"))
+                                    && u.host().is_some()
+                                {
                                     Ok(())
                                 } else {
-                                    Err("expected an http://host:port URL".to_string())
+                                    Err("expected an http:// or https://host:port URL".to_string())
                                 }
                             })
                         {

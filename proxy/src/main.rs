@@ -125,9 +125,16 @@ async fn run(cli: Cli) -> ExitCode {
                 eprintln!("{}: warning: {w}", shown(config.as_ref()));
             }
             if !offline {
-                let client = UpstreamClient::new(std::time::Duration::from_millis(
-                    cfg.server.connect_timeout_ms,
-                ));
+                let client = match UpstreamClient::with_ca(
+                    std::time::Duration::from_millis(cfg.server.connect_timeout_ms),
+                    cfg.server.upstream_ca_file.as_deref(),
+                ) {
+                    Ok(c) => c,
+                    Err(e) => {
+                        eprintln!("{}: {e}", shown(config.as_ref()));
+                        return ExitCode::FAILURE;
+                    }
+                };
                 let mut failed = false;
                 for m in &cfg.models {
                     if let Err(e) = check_deployment(&client, m).await {

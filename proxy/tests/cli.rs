@@ -547,3 +547,78 @@ async fn serve_without_config_fetches_the_model_and_serves_it() {
         .expect("status");
     assert!(status.success(), "SIGTERM exits 0");
 }
+
+/// An `https://` worker: lockstep's upstream client speaks TLS, trusting `server.upstream_ca_file`
+/// besides the public roots; an untrusted certificate is a failed call, never a silent success.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn https_workers_are_reached_with_the_configured_ca() {
+    use std::sync::Arc;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio_rustls::rustls;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let key = rcgen::KeyPair::generate().expect("key");
+    let cert = rcgen::CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".into()])
+        .expect("params")
+        .self_signed(&key)
+        .expect("cert");
+    let ca = dir.path().join("ca.pem");
+    std::fs::write(&ca, cert.pem()).expect("write");
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let server_cfg = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .expect("versions")
+        .with_no_client_auth()
+        .with_single_cert(
+            vec![cert.der().clone()],
+            rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()),
+        )
+        .expect("server config");
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(server_cfg));
+    // A TLS worker that reports a small KV capacity (1500) for every request.
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = l.local_addr().expect("addr");
+    let server = tokio::spawn(async move {
+        while let Ok((tcp, _)) = l.accept().await {
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                let Ok(mut tls) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                let mut buf = vec![0u8; 4096];
+                let _ = tls.read(&mut buf).await;
+                let body = r#"{"max_total_num_tokens":1500}"#;
+                let resp = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = tls.write_all(resp.as_bytes()).await;
+                let _ = tls.shutdown().await;
+            });
+        }
+    });
+    let url = format!("https://127.0.0.1:{}", addr.port());
+    for (trust, extra) in [
+        (
+            true,
+            format!("[server]\nupstream_ca_file = \"{}\"", ca.display()),
+        ),
+        (false, String::new()),
+    ] {
+        let path = config(dir.path(), 2000, 4096, &url, &url, &extra);
+        let p = path.to_str().expect("utf8").to_string();
+        let (ok, out) = tokio::task::spawn_blocking(move || run(&["check", "--config", &p]))
+            .await
+            .expect("join");
+        if trust {
+            // The report came over TLS: 1500 < 2000 refuses the deployment.
+            assert!(!ok && out.contains("1500") && out.contains(&url), "{out}");
+        } else {
+            // Untrusted certificate: no report; the configured 4096 passes, with a warning.
+            assert!(ok, "{out}");
+            assert!(out.contains("did not report"), "{out}");
+        }
+    }
+    server.abort();
+}

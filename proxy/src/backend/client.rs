@@ -1,6 +1,13 @@
-//! The one HTTP client toward upstream workers: pooled keep-alive hyper.
+//! The one HTTP client toward upstream workers: pooled keep-alive hyper, `http://` or `https://`
+//! (rustls; trusted roots: the webpki set plus `server.upstream_ca_file`).
 
+use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
+
+use tokio_rustls::rustls;
+use tokio_rustls::rustls::pki_types::CertificateDer;
+use tokio_rustls::rustls::pki_types::pem::PemObject;
 
 use bytes::Bytes;
 use http::{Method, Request, Response};
@@ -10,10 +17,12 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
+type Connector = hyper_rustls::HttpsConnector<HttpConnector>;
+
 /// A cheap-to-clone pooled HTTP/1.1 client.
 #[derive(Clone, Debug)]
 pub struct UpstreamClient {
-    inner: Client<HttpConnector, Full<Bytes>>,
+    inner: Client<Connector, Full<Bytes>>,
 }
 
 /// Why an upstream call failed.
@@ -26,11 +35,59 @@ pub enum CallError {
 }
 
 impl UpstreamClient {
-    /// A client whose connects are bounded by `connect_timeout`.
+    /// A client whose connects are bounded by `connect_timeout`, trusting the webpki roots.
     pub fn new(connect_timeout: Duration) -> UpstreamClient {
+        Self::build(
+            connect_timeout,
+            rustls::RootCertStore {
+                roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
+            },
+        )
+    }
+
+    /// [`UpstreamClient::new`], also trusting the CA certificates of a PEM file (private PKI).
+    pub fn with_ca(connect_timeout: Duration, ca: Option<&Path>) -> Result<UpstreamClient, String> {
+        let mut roots = rustls::RootCertStore {
+            roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
+        };
+        if let Some(ca) = ca {
+            let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(ca)
+                .and_then(|it| it.collect())
+                .map_err(|e| format!("server.upstream_ca_file {}: {e}", ca.display()))?;
+            if certs.is_empty() {
+                return Err(format!(
+                    "server.upstream_ca_file {}: no certificate in it",
+                    ca.display()
+                ));
+            }
+            for c in certs {
+                roots
+                    .add(c)
+                    .map_err(|e| format!("server.upstream_ca_file {}: {e}", ca.display()))?;
+            }
+        }
+        Ok(Self::build(connect_timeout, roots))
+    }
+
+    fn build(connect_timeout: Duration, roots: rustls::RootCertStore) -> UpstreamClient {
         let mut conn = HttpConnector::new();
         conn.set_connect_timeout(Some(connect_timeout));
         conn.set_nodelay(true);
+        conn.enforce_http(false);
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let tls = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map(|b| b.with_root_certificates(roots).with_no_client_auth());
+        let tls = match tls {
+            Ok(t) => t,
+            // The ring provider supports the default versions; this cannot fail in practice.
+            Err(e) => unreachable_tls(e),
+        };
+        let conn = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(conn);
         let inner = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(90))
             .pool_max_idle_per_host(1024)
@@ -119,6 +176,11 @@ impl UpstreamClient {
             Ok(Ok((s, _))) if (200..300).contains(&s)
         )
     }
+}
+
+#[cold]
+fn unreachable_tls(e: rustls::Error) -> ! {
+    panic!("rustls rejected its own default protocol versions: {e}")
 }
 
 /// An error and its sources, on one line.
