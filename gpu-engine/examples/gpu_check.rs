@@ -76,6 +76,25 @@ fn pool_cfg(pages: u32, layers: usize, kvh: usize, hd: usize, ps: usize) -> Pool
     }
 }
 
+/// One step item per sequence: its `plan` entry's new tokens at positions `prior..` (each
+/// sequence's length is set back to its prior tokens).
+fn steps<'a>(seqs: &'a mut [Sequence], plan: &[(usize, usize)], toks: &'a [u32]) -> Vec<Step<'a>> {
+    let mut off = 0;
+    seqs.iter_mut()
+        .zip(plan)
+        .map(|(s, &(prior, m))| {
+            s.len = prior;
+            let st = Step {
+                seq: s,
+                tokens: &toks[off..off + m],
+                logits: false,
+            };
+            off += m;
+            st
+        })
+        .collect()
+}
+
 /// CPU RoPE in f64 (GGUF normal layout), the reference for the kernel's f32 version.
 fn rope_ref(x: &mut [f32], hd: usize, pos: usize, base: f32) {
     for head in x.chunks_exact_mut(hd) {
@@ -318,20 +337,7 @@ fn kernel_checks(
         let layer = 1;
         let base = 10000.0f32;
         let (rot, flag) = {
-            let mut off = 0;
-            let items: Vec<Step> = seqs
-                .iter_mut()
-                .zip(plan)
-                .map(|(s, (_, m))| {
-                    let st = Step {
-                        seq: s,
-                        tokens: &toks[off..off + m],
-                        logits: false,
-                    };
-                    off += m;
-                    st
-                })
-                .collect();
+            let items = steps(&mut seqs, &plan, &toks);
             h.rope_kv_write((heads, kvh, hd), base, &mut kv, &items, layer, &qkv)
                 .map_err(e)?
         };
@@ -372,23 +378,7 @@ fn kernel_checks(
         );
         // Attention over the same pages (layer 1), queries from the rotated rows.
         let (got, flag) = {
-            let mut off = 0;
-            for (s, (prior, _)) in seqs.iter_mut().zip(plan) {
-                s.len = prior;
-            }
-            let items: Vec<Step> = seqs
-                .iter_mut()
-                .zip(plan)
-                .map(|(s, (_, m))| {
-                    let st = Step {
-                        seq: s,
-                        tokens: &toks[off..off + m],
-                        logits: false,
-                    };
-                    off += m;
-                    st
-                })
-                .collect();
+            let items = steps(&mut seqs, &plan, &toks);
             h.attention((heads, kvh, hd), &mut kv, &items, layer, &rot)
                 .map_err(e)?
         };

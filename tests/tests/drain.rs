@@ -52,6 +52,19 @@ async fn wait_pairs(stack: &Stack, n: usize, committed: usize) {
     }
 }
 
+/// The mock and lockstep, with deadlines long enough for a 2-second slow stream.
+async fn start() -> Stack {
+    Stack::start_full(
+        MockConfig::default(),
+        "",
+        "",
+        &TEST_TIMEOUTS
+            .replace("idle_ms = 500", "idle_ms = 2000")
+            .replace("total_ms = 5000", "total_ms = 15000"),
+    )
+    .await
+}
+
 /// A committed slow stream (20 tokens, 100 ms apart) and an uncommitted pair (prefill hangs).
 async fn two_pairs(
     stack: &Stack,
@@ -73,15 +86,7 @@ async fn two_pairs(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drain_lets_committed_streams_finish_and_aborts_the_rest() {
-    let stack = Stack::start_full(
-        MockConfig::default(),
-        "",
-        "",
-        &TEST_TIMEOUTS
-            .replace("idle_ms = 500", "idle_ms = 2000")
-            .replace("total_ms = 5000", "total_ms = 15000"),
-    )
-    .await;
+    let stack = start().await;
     let (committed, waiting) = two_pairs(&stack).await;
     let t = Instant::now();
     let drain = {
@@ -150,15 +155,7 @@ async fn drain_lets_committed_streams_finish_and_aborts_the_rest() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drain_aborts_committed_streams_when_the_grace_runs_out() {
-    let stack = Stack::start_full(
-        MockConfig::default(),
-        "",
-        "",
-        &TEST_TIMEOUTS
-            .replace("idle_ms = 500", "idle_ms = 2000")
-            .replace("total_ms = 5000", "total_ms = 15000"),
-    )
-    .await;
+    let stack = start().await;
     let (committed, waiting) = two_pairs(&stack).await;
     let t = Instant::now();
     stack.lockstep.drain(Duration::from_millis(300)).await;

@@ -403,6 +403,19 @@ extern "C" __global__ void silu_mul(const float* __restrict__ gu, f16* __restric
     out[idx] = f2h(g / (1.0f + expf(-g)) * u);
 }
 
+// The warp's largest (value, index), the lower index on ties, in every lane.
+__device__ __forceinline__ void warp_argmax(float& best, int& idx) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, best, o);
+        int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+        if (ov > best || (ov == best && oi < idx)) {
+            best = ov;
+            idx = oi;
+        }
+    }
+}
+
 // Index of the largest value of each row (the first on ties). Grid: rows; block: 1024.
 extern "C" __global__ void argmax_rows(const float* __restrict__ logits, int n,
                                        int* __restrict__ out) {
@@ -418,15 +431,7 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ logits, int n,
             idx = i;
         }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        float ov = __shfl_xor_sync(0xffffffffu, best, o);
-        int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-        if (ov > best || (ov == best && oi < idx)) {
-            best = ov;
-            idx = oi;
-        }
-    }
+    warp_argmax(best, idx);
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (lane == 0) {
         bv[warp] = best;
@@ -437,15 +442,7 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ logits, int n,
         int nw = blockDim.x >> 5;
         best = lane < nw ? bv[lane] : NEG_INF;
         idx = lane < nw ? bi[lane] : 0x7fffffff;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            float ov = __shfl_xor_sync(0xffffffffu, best, o);
-            int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-            if (ov > best || (ov == best && oi < idx)) {
-                best = ov;
-                idx = oi;
-            }
-        }
+        warp_argmax(best, idx);
         if (lane == 0) out[blockIdx.x] = idx == 0x7fffffff ? 0 : idx;
     }
 }

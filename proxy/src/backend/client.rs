@@ -35,17 +35,8 @@ pub enum CallError {
 }
 
 impl UpstreamClient {
-    /// A client whose connects are bounded by `connect_timeout`, trusting the webpki roots.
-    pub fn new(connect_timeout: Duration) -> UpstreamClient {
-        Self::build(
-            connect_timeout,
-            rustls::RootCertStore {
-                roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
-            },
-        )
-    }
-
-    /// [`UpstreamClient::new`], also trusting the CA certificates of a PEM file (private PKI).
+    /// A client whose connects are bounded by `connect_timeout`, trusting the webpki roots and
+    /// the CA certificates of `ca` (a PEM file, for a private PKI).
     pub fn with_ca(connect_timeout: Duration, ca: Option<&Path>) -> Result<UpstreamClient, String> {
         let mut roots = rustls::RootCertStore {
             roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
