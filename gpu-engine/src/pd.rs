@@ -58,14 +58,36 @@ enum RoomState {
     Closed,
 }
 
-/// One pair's hand-off point.
-struct Room {
+/// One pair's hand-off point for its KV set: the prefill side puts, the decode side takes, an
+/// abort closes (a set that arrives after the close is dropped). Used in process (the pair's
+/// room) and by network workers (pushed sets waiting for their decode call).
+pub struct KvRoom {
     state: Mutex<RoomState>,
     ready: Notify,
+    created: std::time::Instant,
 }
 
-impl Room {
-    fn put(&self, t: KvTransfer) {
+impl Default for KvRoom {
+    fn default() -> Self {
+        KvRoom {
+            state: Mutex::new(RoomState::Empty),
+            ready: Notify::new(),
+            created: std::time::Instant::now(),
+        }
+    }
+}
+
+impl std::fmt::Debug for KvRoom {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvRoom")
+            .field("age", &self.created.elapsed())
+            .finish_non_exhaustive()
+    }
+}
+
+impl KvRoom {
+    /// Leaves a set for the taker (ignored unless the room is empty).
+    pub fn put(&self, t: KvTransfer) {
         if let Ok(mut s) = self.state.lock()
             && matches!(*s, RoomState::Empty)
         {
@@ -73,13 +95,15 @@ impl Room {
         }
         self.ready.notify_one();
     }
-    fn close(&self) {
+    /// Closes the room: a waiting or later `take` gets `None`, a held set is dropped.
+    pub fn close(&self) {
         if let Ok(mut s) = self.state.lock() {
             *s = RoomState::Closed;
         }
         self.ready.notify_one();
     }
-    async fn take(&self) -> Option<KvTransfer> {
+    /// Waits for the set (`None` once closed). Taking closes the room.
+    pub async fn take(&self) -> Option<KvTransfer> {
         loop {
             {
                 let mut s = self.state.lock().ok()?;
@@ -92,6 +116,16 @@ impl Room {
             self.ready.notified().await;
         }
     }
+    /// How long ago the room was opened.
+    pub fn age(&self) -> std::time::Duration {
+        self.created.elapsed()
+    }
+    /// Whether a set is waiting in the room.
+    pub fn is_ready(&self) -> bool {
+        self.state
+            .lock()
+            .is_ok_and(|s| matches!(*s, RoomState::Ready(_)))
+    }
 }
 
 enum Mode {
@@ -103,7 +137,7 @@ enum Mode {
     },
 }
 
-type Rooms = Arc<Mutex<HashMap<u64, Arc<Room>>>>;
+type Rooms = Arc<Mutex<HashMap<u64, Arc<KvRoom>>>>;
 
 /// The embedded engine as a pair of halves (or one unified engine).
 pub struct Pd {
@@ -214,10 +248,7 @@ impl Pd {
         let report = match &self.mode {
             Mode::Unified(_) => None,
             Mode::Split { prefill, rooms, .. } => {
-                let room = Arc::new(Room {
-                    state: Mutex::new(RoomState::Empty),
-                    ready: Notify::new(),
-                });
+                let room = Arc::new(KvRoom::default());
                 if let Ok(mut r) = rooms.lock() {
                     r.insert(id, room.clone());
                 }
@@ -225,7 +256,7 @@ impl Pd {
                 let swap = self.swap_stash.clone();
                 let sink = Box::new(move |mut t: KvTransfer| {
                     if let Some(f) = fault {
-                        tamper(f, &mut t, &swap);
+                        f.apply(&mut t, &swap);
                     }
                     room.put(t);
                 });
@@ -337,26 +368,29 @@ fn failed(e: EngineError) -> tmpsc::UnboundedReceiver<Event> {
     rx
 }
 
-/// Applies an injected fault to a set in flight.
-fn tamper(f: Fault, t: &mut KvTransfer, swap: &Mutex<Option<PageData>>) {
-    match f {
-        Fault::CorruptPage => {
-            if let Some(b) = t.pages.first_mut().and_then(|p| p.bytes.get_mut(7)) {
-                *b ^= 0x5a;
-            }
-        }
-        Fault::DropPage => {
-            t.pages.pop();
-        }
-        Fault::SwapPages => {
-            if let Ok(mut slot) = swap.lock() {
-                let mine = (!t.pages.is_empty()).then(|| t.pages.remove(0));
-                if let Some(theirs) = slot.take() {
-                    t.pages.insert(0, theirs);
+impl Fault {
+    /// Applies the fault to a set in flight; `SwapPages` keeps the previous pair's first page in
+    /// `swap`.
+    pub fn apply(self, t: &mut KvTransfer, swap: &Mutex<Option<PageData>>) {
+        match self {
+            Fault::CorruptPage => {
+                if let Some(b) = t.pages.first_mut().and_then(|p| p.bytes.get_mut(7)) {
+                    *b ^= 0x5a;
                 }
-                *slot = mine;
             }
+            Fault::DropPage => {
+                t.pages.pop();
+            }
+            Fault::SwapPages => {
+                if let Ok(mut slot) = swap.lock() {
+                    let mine = (!t.pages.is_empty()).then(|| t.pages.remove(0));
+                    if let Some(theirs) = slot.take() {
+                        t.pages.insert(0, theirs);
+                    }
+                    *slot = mine;
+                }
+            }
+            Fault::RejectWithDecoy => {}
         }
-        Fault::RejectWithDecoy => {}
     }
 }

@@ -121,6 +121,9 @@ pub async fn probe_capacity(client: &UpstreamClient, base: &str) -> Option<u64> 
 /// Invariant 6 against live workers: the effective capacity is the smaller of the configured one
 /// and every capacity a worker reports. Returns it, or every problem found.
 pub async fn check_deployment(client: &UpstreamClient, m: &ModelConfig) -> Result<u64, String> {
+    if m.backend == BackendKind::Lockstep {
+        return crate::backend::lockstep::check_deployment(client.connect_timeout(), m).await;
+    }
     let mut capacity = m.kv_capacity_tokens;
     let mut source = "configured kv_capacity_tokens".to_string();
     for w in m.prefill.workers.iter().chain(&m.decode.workers) {
@@ -175,7 +178,7 @@ pub async fn reload_state(st: &AppState, cfg: Config) -> Result<(), String> {
 /// `tls` is set) until `stop` fires, then lets open connections finish (bounded: 10 s). A client
 /// that has not completed its TLS handshake and request headers within `header_timeout` is
 /// disconnected (slow-header attacks), and small SSE frames are not held back by Nagle.
-async fn serve_http(
+pub(crate) async fn serve_http(
     listener: TcpListener,
     app: axum::Router,
     header_timeout: Duration,
@@ -280,6 +283,7 @@ async fn build_models(
         let built = match m.backend {
             BackendKind::Sglang => build_remote(m, client).await,
             BackendKind::Embedded => build_embedded(m).await,
+            BackendKind::Lockstep => build_lockstep(m, client).await,
         };
         let Built {
             capacity,
@@ -365,6 +369,58 @@ async fn build_remote(m: &ModelConfig, client: &UpstreamClient) -> Result<Built,
     })
 }
 
+/// A `lockstep`-worker model: deployment check through the workers' `Capacity` (KV capacity,
+/// roles, one model across all of them); tokenizer and template from files or the model file.
+async fn build_lockstep(m: &ModelConfig, client: &UpstreamClient) -> Result<Built, String> {
+    let capacity = check_deployment(client, m).await?;
+    let admission = match &m.engine {
+        None => Admission::load(m)?,
+        Some(e) => {
+            let (e, name) = (e.clone(), m.name.clone());
+            tokio::task::spawn_blocking(move || {
+                let path = crate::fetch::ensure_model(&e)
+                    .map_err(|err| format!("model `{name}`: {err}"))?;
+                let g = lockstep_engine::gguf::open(&path)
+                    .map_err(|err| format!("model `{name}`: {}: {err}", path.display()))?;
+                let t = lockstep_engine::tokenizer::ModelTokenizer::from_gguf(&g)
+                    .map_err(|err| format!("model `{name}`: {}: {err}", path.display()))?;
+                model_file_admission(&name, &t)
+            })
+            .await
+            .map_err(|err| format!("model `{}`: tokenizer load panicked: {err}", m.name))??
+        }
+    };
+    Ok(Built {
+        capacity,
+        admission,
+        backend: Arc::new(crate::backend::lockstep::LockstepBackend::new(
+            client.connect_timeout(),
+        )),
+        prefill: Arc::new(WorkerPool::new(&m.prefill)),
+        decode: Arc::new(WorkerPool::new(&m.decode)),
+        engine: None,
+    })
+}
+
+/// Admission from a model file's own tokenizer and chat template, so the router and the engine
+/// count and render alike.
+fn model_file_admission(
+    name: &str,
+    t: &lockstep_engine::tokenizer::ModelTokenizer,
+) -> Result<Arc<Admission>, String> {
+    let template = t
+        .chat_template
+        .clone()
+        .ok_or_else(|| format!("model `{name}`: the model file has no chat template"))?;
+    Admission::new(
+        name,
+        t.inner.clone(),
+        template,
+        t.decode(&[t.bos]),
+        t.decode(&[t.eos]),
+    )
+}
+
 /// The engine settings of a section.
 pub fn engine_config(e: &EngineSection) -> EngineConfig {
     EngineConfig {
@@ -403,18 +459,7 @@ async fn build_embedded(m: &ModelConfig) -> Result<Built, String> {
             ModelBundle::open_on(&path, device).map_err(|err| format!("model `{name}`: {err}"))?,
         );
         tracing::info!(model = %name, device = %bundle.device(), "embedded engine device");
-        let t = &bundle.tokenizer;
-        let template = t
-            .chat_template
-            .clone()
-            .ok_or_else(|| format!("model `{name}`: the model file has no chat template"))?;
-        let admission = Admission::new(
-            &name,
-            t.inner.clone(),
-            template,
-            t.decode(&[t.bos]),
-            t.decode(&[t.eos]),
-        )?;
+        let admission = model_file_admission(&name, &bundle.tokenizer)?;
         let cfg = engine_config(&e);
         let faults = e.fault.map(|f| FaultPlan {
             fault: match f {

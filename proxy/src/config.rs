@@ -144,6 +144,11 @@ pub enum BackendKind {
     Sglang,
     /// lockstep's embedded engine, in process (`[models.engine]`).
     Embedded,
+    /// `lockstep worker` processes over the gRPC worker service (prefill workers push verified
+    /// KV straight to decode workers). The tokenizer and chat template come from `tokenizer` and
+    /// `chat_template`, or from the model file named in `[models.engine]` (only its `gguf`,
+    /// `fetch_pip` and `sha256` are used: the router reads the tokenizer, not the weights).
+    Lockstep,
 }
 
 /// One model, its limits and its backend.
@@ -689,6 +694,25 @@ impl Config {
             ) {
                 out.push(format!("{at}: {p}"));
             }
+            let model_file = m.backend == BackendKind::Lockstep && m.engine.is_some();
+            if let (true, Some(e)) = (model_file, &m.engine) {
+                if !e.gguf.is_file() && e.fetch_pip.is_empty() {
+                    out.push(format!(
+                        "{at}.engine.gguf: file not found and no fetch_pip to get it: {}",
+                        e.gguf.display()
+                    ));
+                }
+                for (k, set) in [
+                    ("tokenizer", m.tokenizer.is_some()),
+                    ("chat_template", m.chat_template.is_some()),
+                ] {
+                    if set {
+                        out.push(format!(
+                            "{at}.{k}: give either the model file ([models.engine]) or tokenizer and chat_template, not both"
+                        ));
+                    }
+                }
+            }
             if m.backend == BackendKind::Embedded {
                 match &m.engine {
                     None => out.push(format!("{at}.engine: required for the embedded backend")),
@@ -727,10 +751,13 @@ impl Config {
                     }
                 }
             } else {
-                if m.engine.is_some() {
-                    out.push(format!("{at}.engine: only for backend = \"embedded\""));
+                if m.engine.is_some() && !model_file {
+                    out.push(format!(
+                        "{at}.engine: only for backend = \"embedded\" (or \"lockstep\", for its model file)"
+                    ));
                 }
                 match &m.tokenizer {
+                    _ if model_file => {}
                     None => out.push(format!("{at}.tokenizer: required for this backend")),
                     Some(t) if !t.is_file() => {
                         out.push(format!("{at}.tokenizer: file not found: {}", t.display()))
@@ -738,6 +765,7 @@ impl Config {
                     Some(_) => {}
                 }
                 match &m.chat_template {
+                    _ if model_file => {}
                     None => out.push(format!("{at}.chat_template: required for this backend")),
                     Some(ChatTemplateConfig::Path(p)) if !p.is_file() => out.push(format!(
                         "{at}.chat_template.path: file not found: {}",

@@ -19,3 +19,4 @@ pub mod pool;
 pub mod telemetry;
 pub mod tenant;
 pub mod tls;
+pub mod worker;

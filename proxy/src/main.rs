@@ -49,6 +49,21 @@ enum Command {
     /// Print the sha256 to put in `tenants[].api_keys_sha256` for an API key read from stdin
     /// (one line; from stdin so the key stays out of shell history and process lists).
     HashKey,
+    /// Run the embedded engine as a network worker (gRPC `lockstep.v1.Worker`) for a router whose
+    /// model has `backend = "lockstep"`: prefill workers push verified KV straight to decode
+    /// workers.
+    Worker {
+        /// prefill, decode or unified.
+        #[arg(long, value_enum)]
+        role: lockstep::worker::Role,
+        /// Worker configuration file (TOML: `[worker]` and `[engine]`). Without it, the defaults
+        /// (the default model, listening on 127.0.0.1:9100).
+        #[arg(short, long)]
+        config: Option<PathBuf>,
+        /// Override `worker.listen`.
+        #[arg(long)]
+        listen: Option<SocketAddr>,
+    },
 }
 
 /// The built-in configuration: SmolLM2 on the embedded engine.
@@ -96,6 +111,7 @@ fn main() -> ExitCode {
             .map(|c| c.server.worker_threads)
             .unwrap_or(0),
         Command::Check { .. } | Command::HashKey => 1,
+        Command::Worker { .. } => 0,
     };
     let mut rt = tokio::runtime::Builder::new_multi_thread();
     if threads > 0 {
@@ -167,6 +183,43 @@ async fn run(cli: Cli) -> ExitCode {
             );
             ExitCode::SUCCESS
         }
+        Command::Worker {
+            role,
+            config,
+            listen,
+        } => {
+            use lockstep::worker::{RunningWorker, WorkerFile};
+            let file = match &config {
+                Some(p) => WorkerFile::load(p),
+                None => Ok(WorkerFile::default()),
+            };
+            let mut file = match file {
+                Ok(f) => f,
+                Err(e) => {
+                    eprintln!("{e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            if config.is_none() {
+                file.resolve_paths(std::path::Path::new("."));
+            }
+            if let Some(a) = listen {
+                file.worker.listen = a;
+            }
+            init_logs(&file.worker.log_level);
+            let signals = Signals::install();
+            let running = match RunningWorker::start(role, file).await {
+                Ok(r) => r,
+                Err(e) => {
+                    eprintln!("{}: refusing to start:\n{e}", shown(config.as_ref()));
+                    return ExitCode::FAILURE;
+                }
+            };
+            signals.wait_for_stop().await;
+            tracing::info!("worker shutting down");
+            running.shutdown().await;
+            ExitCode::SUCCESS
+        }
         Command::Serve {
             config,
             http_listen,
@@ -225,6 +278,23 @@ impl Signals {
         ) {
             (Ok(t), Ok(h)) => Signals(Some((t, h))),
             _ => Signals(None),
+        }
+    }
+}
+
+impl Signals {
+    /// Waits for SIGINT or SIGTERM (SIGHUP is ignored).
+    async fn wait_for_stop(self) {
+        let Some((mut term, mut hup)) = self.0 else {
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        };
+        loop {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => return,
+                _ = term.recv() => return,
+                _ = hup.recv() => {}
+            }
         }
     }
 }

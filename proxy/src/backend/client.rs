@@ -23,6 +23,7 @@ type Connector = hyper_rustls::HttpsConnector<HttpConnector>;
 #[derive(Clone, Debug)]
 pub struct UpstreamClient {
     inner: Client<Connector, Full<Bytes>>,
+    connect_timeout: Duration,
 }
 
 /// Why an upstream call failed.
@@ -83,7 +84,15 @@ impl UpstreamClient {
             .pool_idle_timeout(Duration::from_secs(90))
             .pool_max_idle_per_host(1024)
             .build(conn);
-        UpstreamClient { inner }
+        UpstreamClient {
+            inner,
+            connect_timeout,
+        }
+    }
+
+    /// The bound on connecting to a worker.
+    pub fn connect_timeout(&self) -> Duration {
+        self.connect_timeout
     }
 
     /// Sends a request and returns the response head (the body streams).

@@ -105,9 +105,10 @@ impl PdBackend for EmbeddedBackend {
                                 prompt_tokens,
                                 kv_digest,
                             }) => started = Some((prompt_tokens, kv_digest)),
-                            Some(Event::Token { text, finish, .. }) => {
+                            Some(Event::Token { id, text, finish }) => {
                                 let chunk = DecodeChunk {
                                     delta: text,
+                                    token_ids: vec![id],
                                     prompt_tokens: started.map(|s| s.0),
                                     kv_digest: started.and_then(|s| s.1),
                                     completion_tokens: n + 1,

@@ -5,6 +5,7 @@
 
 mod client;
 pub mod embedded;
+pub mod lockstep;
 pub mod sglang;
 
 pub use client::UpstreamClient;
@@ -116,6 +117,8 @@ impl FinishReason {
 pub struct DecodeChunk {
     /// New text since the previous chunk.
     pub delta: String,
+    /// Token ids of `delta`, where the backend reports them (embedded engine, lockstep workers).
+    pub token_ids: Vec<u32>,
     /// The prompt token count the decode worker reports, when it does.
     pub prompt_tokens: Option<u64>,
     /// The checksum of the KV manifest the decode worker verified and imported, when the

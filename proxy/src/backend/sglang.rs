@@ -296,6 +296,7 @@ impl SseDecoder {
                 return Ok(Some(DecodeChunk {
                     kv_digest: None,
                     delta,
+                    token_ids: Vec::new(),
                     prompt_tokens: meta_u64(&v, "prompt_tokens"),
                     completion_tokens: meta_u64(&v, "completion_tokens").unwrap_or(0),
                     finish,

@@ -117,6 +117,7 @@ impl PdBackend for Fake {
                 let chunk = DecodeChunk {
                     kv_digest: digest,
                     delta: format!("t{i} "),
+                    token_ids: vec![i as u32],
                     prompt_tokens: Some(if s.count_off_at == Some(i) { n + 2 } else { n }),
                     completion_tokens: i as u64 + 1,
                     finish: (i + 1 == s.chunks).then_some(FinishReason::Length),

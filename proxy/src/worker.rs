@@ -1,0 +1,692 @@
+//! `lockstep worker`: the embedded engine behind the worker service (`lockstep.v1.Worker`), so
+//! prefill and decode run as separate processes on separate machines with lockstep's integrity
+//! guarantees across the network.
+//!
+//! A prefill worker computes a pair's KV and pushes it, with its manifest, **directly to the
+//! decode worker the router chose** (`PushKv`, a client stream: manifest, then pages); it reports
+//! the manifest digest to the router. The decode worker holds a pushed set in the pair's room
+//! until the router's `Decode` call claims it, then the engine verifies it (pair, model, token
+//! count, every page's checksum) before it touches the pool, and reports the digest of what it
+//! imported. The router compares the two digests (it trusts neither side alone).
+//!
+//! Freeing what a lost peer leaves behind: a `Decode` or `Prefill` call whose caller goes away is
+//! aborted in the engine at once (its pages freed); a pushed set nobody claims, or a `Decode`
+//! waiting for a set that never comes, is dropped after `worker.lease_ms`; an `Abort` drops both
+//! immediately.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use dashmap::DashMap;
+use futures_util::{Stream, StreamExt};
+use lockstep_engine::engine::{Engine, EngineError, Event, Generate, ModelBundle};
+use lockstep_engine::pd::{Fault, FaultPlan, KvRoom};
+use lockstep_engine::pool::KvDtype;
+use lockstep_engine::sample::{Finish, SamplingConfig};
+use lockstep_engine::transfer::{KvManifest, KvTransfer, ModelFingerprint, PageData};
+use lockstep_proto::v1 as pb;
+use lockstep_proto::v1::worker_client::WorkerClient;
+use lockstep_proto::v1::worker_server::{Worker, WorkerServer};
+use serde::Deserialize;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::config::{EngineSection, FaultKind};
+
+/// Largest gRPC message a worker accepts (one KV page of a large model is a few MiB).
+pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
+
+/// What a worker does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Role {
+    /// Computes prompts' KV and pushes it to decode workers.
+    Prefill,
+    /// Imports pushed KV and generates.
+    Decode,
+    /// Both (one engine, one pool).
+    Unified,
+}
+
+impl Role {
+    /// `prefill`, `decode` or `unified`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+            Role::Unified => "unified",
+        }
+    }
+}
+
+/// A worker's configuration file.
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerFile {
+    /// The worker process.
+    #[serde(default)]
+    pub worker: WorkerSection,
+    /// The engine (the same keys as a model's `[models.engine]`; `mode` is ignored: the role
+    /// decides).
+    #[serde(default)]
+    pub engine: EngineSection,
+}
+
+/// `[worker]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WorkerSection {
+    /// The worker service's listener (gRPC over h2c, plus `GET /health`). Bind it privately.
+    pub listen: SocketAddr,
+    /// How long pushed KV waits for its decode call, and a decode call for its KV, in ms.
+    pub lease_ms: u64,
+    /// Bound on connecting to a peer worker, in ms.
+    pub connect_timeout_ms: u64,
+    /// Log filter.
+    pub log_level: String,
+}
+
+impl Default for WorkerSection {
+    fn default() -> Self {
+        WorkerSection {
+            listen: SocketAddr::from(([127, 0, 0, 1], 9100)),
+            lease_ms: 30_000,
+            connect_timeout_ms: 2_000,
+            log_level: "info".into(),
+        }
+    }
+}
+
+impl WorkerFile {
+    /// Reads a worker configuration; relative paths are relative to the file.
+    pub fn load(path: &Path) -> Result<WorkerFile, String> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        let mut f = WorkerFile::parse(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+        f.resolve_paths(path.parent().unwrap_or(Path::new(".")));
+        Ok(f)
+    }
+
+    /// Parses TOML text; the error names the key path.
+    pub fn parse(text: &str) -> Result<WorkerFile, String> {
+        let de =
+            toml::Deserializer::parse(text).map_err(|e| e.to_string().trim_end().to_string())?;
+        let f: WorkerFile = serde_path_to_error::deserialize(de).map_err(|e| {
+            let path = e.path().to_string();
+            format!("at `{path}`: {}", e.into_inner().to_string().trim_end())
+        })?;
+        if f.worker.lease_ms == 0 {
+            return Err("worker.lease_ms must be positive".into());
+        }
+        Ok(f)
+    }
+
+    /// Makes the model path absolute (`~/` expanded, relative to `base`).
+    pub fn resolve_paths(&mut self, base: &Path) {
+        let g = crate::config::expand_home(&self.engine.gguf);
+        self.engine.gguf = if g.is_relative() { base.join(g) } else { g };
+    }
+}
+
+/// The worker service over one engine.
+pub struct WorkerService {
+    role: Role,
+    engine: Engine,
+    fingerprint: ModelFingerprint,
+    page_size: u32,
+    rooms: Arc<DashMap<u64, Arc<KvRoom>>>,
+    lease: Duration,
+    connect_timeout: Duration,
+    peers: DashMap<String, WorkerClient<Channel>>,
+    faults: Option<FaultPlan>,
+    pairs: AtomicU64,
+    swap_stash: Mutex<Option<PageData>>,
+    serving: AtomicBool,
+}
+
+impl std::fmt::Debug for WorkerService {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerService")
+            .field("role", &self.role)
+            .finish_non_exhaustive()
+    }
+}
+
+fn engine_status(e: EngineError) -> Status {
+    match e {
+        EngineError::Transfer(_) | EngineError::Integrity(_) => Status::data_loss(e.to_string()),
+        EngineError::Full { .. } => Status::resource_exhausted(e.to_string()),
+        EngineError::TooLarge { .. } | EngineError::BadRequest(_) => {
+            Status::invalid_argument(e.to_string())
+        }
+        EngineError::Stopped => Status::aborted(e.to_string()),
+        EngineError::Model(_) | EngineError::Pool(_) => Status::internal(e.to_string()),
+    }
+}
+
+/// Aborts an engine request when dropped before [`AbortOnDrop::disarm`]: a call whose caller went
+/// away frees its pages at once.
+struct AbortOnDrop<'a> {
+    engine: &'a Engine,
+    id: u64,
+    armed: bool,
+}
+
+impl AbortOnDrop<'_> {
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for AbortOnDrop<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.engine.abort(self.id);
+        }
+    }
+}
+
+/// The manifest on the wire.
+pub fn manifest_to_pb(m: &KvManifest) -> pb::KvManifest {
+    pb::KvManifest {
+        pair_id: m.pair_id,
+        model_fingerprint: m.model.0,
+        tokens: m.tokens,
+        page_size: m.page_size,
+        dtype: match m.dtype {
+            KvDtype::F32 => 0,
+            KvDtype::F16 => 1,
+        },
+        page_count: m.page_count,
+        page_checksums: m.page_checksums.clone(),
+        manifest_checksum: m.manifest_checksum,
+    }
+}
+
+/// A manifest from the wire (its checksum is verified on import, not here).
+pub fn manifest_from_pb(m: pb::KvManifest) -> Result<KvManifest, Status> {
+    Ok(KvManifest {
+        pair_id: m.pair_id,
+        model: ModelFingerprint(m.model_fingerprint),
+        tokens: m.tokens,
+        page_size: m.page_size,
+        dtype: match m.dtype {
+            0 => KvDtype::F32,
+            1 => KvDtype::F16,
+            d => return Err(Status::invalid_argument(format!("unknown KV dtype {d}"))),
+        },
+        page_count: m.page_count,
+        page_checksums: m.page_checksums,
+        manifest_checksum: m.manifest_checksum,
+    })
+}
+
+/// The messages of one KV push: the manifest, then each page.
+pub fn push_messages(t: KvTransfer) -> Vec<pb::KvPush> {
+    use pb::kv_push::Item;
+    let mut out = Vec::with_capacity(t.pages.len() + 1);
+    out.push(pb::KvPush {
+        item: Some(Item::Manifest(manifest_to_pb(&t.manifest))),
+    });
+    out.extend(t.pages.into_iter().map(|p| pb::KvPush {
+        item: Some(Item::Page(pb::KvPage {
+            index: p.index,
+            pair_id: p.pair_id,
+            data: p.bytes,
+        })),
+    }));
+    out
+}
+
+/// Connects lazily to a worker endpoint (`http://host:port`), h2 with no Nagle delay.
+pub fn worker_channel(url: &str, connect_timeout: Duration) -> Result<Channel, String> {
+    Ok(Endpoint::from_shared(url.to_string())
+        .map_err(|e| format!("bad worker endpoint `{url}`: {e}"))?
+        .connect_timeout(connect_timeout)
+        .tcp_nodelay(true)
+        .http2_adaptive_window(true)
+        .connect_lazy())
+}
+
+fn sampling_from_pb(s: Option<pb::Sampling>) -> SamplingConfig {
+    let s = s.unwrap_or_default();
+    SamplingConfig {
+        max_tokens: s.max_tokens as usize,
+        temperature: s.temperature,
+        top_k: s.top_k as usize,
+        top_p: if s.top_p > 0.0 { s.top_p } else { 1.0 },
+        seed: s.seed,
+        stop: s.stop,
+        stop_token_ids: Vec::new(),
+        ignore_eos: s.ignore_eos,
+        presence_penalty: s.presence_penalty,
+        frequency_penalty: s.frequency_penalty,
+    }
+}
+
+impl WorkerService {
+    /// Loads the model and starts the engine for `role`.
+    pub fn start(role: Role, file: &WorkerFile) -> Result<WorkerService, String> {
+        let e = &file.engine;
+        let path = crate::fetch::ensure_model(e)?;
+        let device = e
+            .device
+            .parse::<lockstep_engine::cuda::DeviceChoice>()
+            .map_err(|err| format!("engine.{err}"))?;
+        let bundle = Arc::new(ModelBundle::open_on(&path, device).map_err(|e| e.to_string())?);
+        tracing::info!(role = role.as_str(), device = %bundle.device(), file = %path.display(), "worker engine device");
+        let fingerprint = bundle.fingerprint;
+        let cfg = crate::app::engine_config(e);
+        let engine = Engine::start(role.as_str(), bundle, cfg).map_err(|e| e.to_string())?;
+        let faults = e.fault.map(|f| FaultPlan {
+            fault: match f {
+                FaultKind::CorruptPage => Fault::CorruptPage,
+                FaultKind::DropPage => Fault::DropPage,
+                FaultKind::SwapPages => Fault::SwapPages,
+                FaultKind::RejectWithDecoy => Fault::RejectWithDecoy,
+            },
+            every: e.fault_every,
+        });
+        if faults.is_some() {
+            tracing::warn!(fault = ?e.fault, "KV push FAULT INJECTION is on: unsafe, for tests only");
+        }
+        Ok(WorkerService {
+            role,
+            engine,
+            fingerprint,
+            page_size: e.page_size as u32,
+            rooms: Arc::default(),
+            lease: Duration::from_millis(file.worker.lease_ms),
+            connect_timeout: Duration::from_millis(file.worker.connect_timeout_ms),
+            peers: DashMap::new(),
+            faults,
+            pairs: AtomicU64::new(0),
+            swap_stash: Mutex::new(None),
+            serving: AtomicBool::new(true),
+        })
+    }
+
+    /// Stops taking new pairs (Health says not serving, new calls get UNAVAILABLE).
+    pub fn set_serving(&self, serving: bool) {
+        self.serving.store(serving, Ordering::Release);
+    }
+
+    fn admit(&self, allowed: &[Role], what: &str) -> Result<(), Status> {
+        if !allowed.contains(&self.role) {
+            return Err(Status::failed_precondition(format!(
+                "this is a {} worker: it does not serve {what}",
+                self.role.as_str()
+            )));
+        }
+        if !self.serving.load(Ordering::Acquire) {
+            return Err(Status::unavailable("worker is draining"));
+        }
+        Ok(())
+    }
+
+    fn room(&self, pair_id: u64) -> Arc<KvRoom> {
+        self.rooms.entry(pair_id).or_default().clone()
+    }
+
+    /// Drops rooms older than the lease (their pushed KV, or the wait for it).
+    pub fn sweep(&self) -> usize {
+        let mut n = 0;
+        self.rooms.retain(|_, r| {
+            let keep = r.age() < self.lease;
+            if !keep {
+                r.close();
+                n += 1;
+            }
+            keep
+        });
+        n
+    }
+
+    fn peer(&self, url: &str) -> Result<WorkerClient<Channel>, Status> {
+        if let Some(c) = self.peers.get(url) {
+            return Ok(c.clone());
+        }
+        let ch = worker_channel(url, self.connect_timeout).map_err(Status::invalid_argument)?;
+        let c = WorkerClient::new(ch).max_encoding_message_size(MAX_MESSAGE_BYTES);
+        self.peers.insert(url.to_string(), c.clone());
+        Ok(c)
+    }
+
+    fn injected_fault(&self) -> Option<Fault> {
+        self.faults
+            .filter(|f| {
+                self.pairs
+                    .fetch_add(1, Ordering::Relaxed)
+                    .is_multiple_of(f.every.max(1))
+            })
+            .map(|f| f.fault)
+    }
+}
+
+type EventStream = Pin<Box<dyn Stream<Item = Result<pb::DecodeEvent, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Worker for WorkerService {
+    async fn prefill(
+        &self,
+        req: Request<pb::PrefillRequest>,
+    ) -> Result<Response<pb::PrefillResponse>, Status> {
+        self.admit(&[Role::Prefill, Role::Unified], "prefill")?;
+        let r = req.into_inner();
+        if r.input_ids.is_empty() {
+            return Err(Status::invalid_argument("empty prompt"));
+        }
+        let peer = self.peer(&r.decode_endpoint)?;
+        let n = r.input_ids.len();
+        let head: Arc<[u32]> = r.input_ids[..n - 1].into();
+        let (tx, rx) = tokio::sync::oneshot::channel::<KvTransfer>();
+        let report = self.engine.prefill(
+            r.pair_id,
+            head,
+            Box::new(move |t| {
+                let _ = tx.send(t);
+            }),
+        );
+        let guard = AbortOnDrop {
+            engine: &self.engine,
+            id: r.pair_id,
+            armed: true,
+        };
+        let kv = report
+            .await
+            .map_err(|_| Status::aborted("engine stopped"))?
+            .map_err(engine_status)?;
+        guard.disarm();
+        let mut t = rx
+            .await
+            .map_err(|_| Status::internal("the engine reported a prefill but sent no KV"))?;
+        let fault = self.injected_fault();
+        if let Some(f) = fault {
+            f.apply(&mut t, &self.swap_stash);
+        }
+        let mut peer = peer;
+        let push = tokio_stream::iter(push_messages(t));
+        let mut call = Request::new(push);
+        call.set_timeout(self.lease);
+        peer.push_kv(call).await.map_err(|s| {
+            Status::unavailable(format!(
+                "KV push to {} failed: {}: {}",
+                r.decode_endpoint,
+                s.code(),
+                s.message()
+            ))
+        })?;
+        if fault == Some(Fault::RejectWithDecoy) {
+            return Err(Status::invalid_argument(
+                "prefill rejected the request (injected fault; its KV went on)",
+            ));
+        }
+        Ok(Response::new(pb::PrefillResponse {
+            prompt_tokens: n as u64,
+            kv_tokens: kv.tokens,
+            kv_digest: kv.digest,
+        }))
+    }
+
+    type DecodeStream = EventStream;
+
+    async fn decode(
+        &self,
+        req: Request<pb::DecodeRequest>,
+    ) -> Result<Response<EventStream>, Status> {
+        self.admit(&[Role::Decode, Role::Unified], "decode")?;
+        let r = req.into_inner();
+        if r.input_ids.is_empty() {
+            return Err(Status::invalid_argument("empty prompt"));
+        }
+        let kv = if r.expect_kv {
+            let room = self.room(r.pair_id);
+            let got = tokio::time::timeout(self.lease, room.take()).await;
+            self.rooms.remove(&r.pair_id);
+            match got {
+                Ok(Some(t)) => Some(t),
+                Ok(None) => return Err(Status::aborted("pair aborted before its KV arrived")),
+                Err(_) => {
+                    return Err(Status::deadline_exceeded(format!(
+                        "no KV arrived for pair {} within the lease ({} ms)",
+                        r.pair_id,
+                        self.lease.as_millis()
+                    )));
+                }
+            }
+        } else {
+            None
+        };
+        // Dropping the receiver (the caller went away) aborts the request in the engine.
+        let rx = self.engine.generate(Generate {
+            id: r.pair_id,
+            prompt: r.input_ids.into(),
+            sampling: sampling_from_pb(r.sampling),
+            kv,
+        });
+        let events = tokio_stream::wrappers::UnboundedReceiverStream::new(rx);
+        let out = events
+            .map(|ev| {
+                use pb::decode_event::Event as E;
+                match ev {
+                    Event::Started {
+                        prompt_tokens,
+                        kv_digest,
+                    } => Ok(pb::DecodeEvent {
+                        event: Some(E::Started(pb::DecodeStarted {
+                            prompt_tokens,
+                            kv_digest,
+                        })),
+                    }),
+                    Event::Token { id, text, finish } => Ok(pb::DecodeEvent {
+                        event: Some(E::Token(pb::DecodeToken {
+                            id,
+                            text,
+                            finish: match finish {
+                                None => 0,
+                                Some(Finish::Stop) => 1,
+                                Some(Finish::Length) => 2,
+                            },
+                        })),
+                    }),
+                    Event::Failed(e) => Err(engine_status(e)),
+                }
+            })
+            .boxed();
+        Ok(Response::new(out))
+    }
+
+    async fn abort(
+        &self,
+        req: Request<pb::WorkerAbortRequest>,
+    ) -> Result<Response<pb::WorkerAbortResponse>, Status> {
+        let id = req.into_inner().pair_id;
+        if let Some((_, room)) = self.rooms.remove(&id) {
+            room.close();
+        }
+        self.engine.abort(id);
+        Ok(Response::new(pb::WorkerAbortResponse {}))
+    }
+
+    async fn push_kv(
+        &self,
+        req: Request<Streaming<pb::KvPush>>,
+    ) -> Result<Response<pb::KvPushAck>, Status> {
+        use pb::kv_push::Item;
+        self.admit(&[Role::Decode, Role::Unified], "KV pushes")?;
+        let mut s = req.into_inner();
+        let manifest = match s.message().await? {
+            Some(pb::KvPush {
+                item: Some(Item::Manifest(m)),
+            }) => manifest_from_pb(m)?,
+            _ => {
+                return Err(Status::invalid_argument(
+                    "a KV push starts with its manifest",
+                ));
+            }
+        };
+        let total = self.engine.stats().total_pages.load(Ordering::Relaxed);
+        if manifest.page_count as usize > total {
+            return Err(Status::invalid_argument(format!(
+                "KV set of {} pages cannot fit this worker's {total}-page pool",
+                manifest.page_count
+            )));
+        }
+        let mut pages = Vec::with_capacity(manifest.page_count as usize);
+        let mut bytes = 0u64;
+        while let Some(m) = s.message().await? {
+            match m.item {
+                Some(Item::Page(p)) if pages.len() < manifest.page_count as usize => {
+                    bytes += p.data.len() as u64;
+                    pages.push(PageData {
+                        index: p.index,
+                        pair_id: p.pair_id,
+                        bytes: p.data,
+                    });
+                }
+                Some(Item::Page(_)) => {
+                    return Err(Status::invalid_argument(
+                        "more pages than the manifest names",
+                    ));
+                }
+                _ => return Err(Status::invalid_argument("a second manifest in one push")),
+            }
+        }
+        // Verification happens on import, against the decode call's own expectation.
+        let pair = manifest.pair_id;
+        self.room(pair).put(KvTransfer { manifest, pages });
+        Ok(Response::new(pb::KvPushAck { bytes }))
+    }
+
+    async fn capacity(
+        &self,
+        _req: Request<pb::CapacityRequest>,
+    ) -> Result<Response<pb::CapacityResponse>, Status> {
+        let s = self.engine.stats();
+        let total = s.total_pages.load(Ordering::Relaxed) as u32;
+        Ok(Response::new(pb::CapacityResponse {
+            role: self.role.as_str().into(),
+            total_pages: total,
+            free_pages: s.free_pages.load(Ordering::Relaxed) as u32,
+            page_size: self.page_size,
+            running: s.running.load(Ordering::Relaxed) as u32,
+            waiting: s.waiting.load(Ordering::Relaxed) as u32,
+            pending_kv_sets: self.rooms.iter().filter(|r| r.is_ready()).count() as u32,
+            model_fingerprint: self.fingerprint.0,
+            kv_capacity_tokens: u64::from(total) * u64::from(self.page_size),
+        }))
+    }
+
+    async fn health(
+        &self,
+        _req: Request<pb::HealthRequest>,
+    ) -> Result<Response<pb::HealthResponse>, Status> {
+        Ok(Response::new(pb::HealthResponse {
+            serving: self.serving.load(Ordering::Acquire),
+        }))
+    }
+}
+
+/// The worker's routes: the gRPC service and `GET /health` (for HTTP health checkers).
+pub fn router(svc: Arc<WorkerService>) -> axum::Router {
+    let health = svc.clone();
+    let grpc = WorkerServer::from_arc(svc)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    tonic::service::Routes::new(grpc).into_axum_router().route(
+        "/health",
+        axum::routing::get(move || {
+            let ok = health.serving.load(Ordering::Acquire);
+            async move {
+                if ok {
+                    http::StatusCode::OK
+                } else {
+                    http::StatusCode::SERVICE_UNAVAILABLE
+                }
+            }
+        }),
+    )
+}
+
+/// A running worker.
+#[derive(Debug)]
+pub struct RunningWorker {
+    /// The service.
+    pub service: Arc<WorkerService>,
+    /// Where it listens.
+    pub addr: SocketAddr,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl RunningWorker {
+    /// Loads the engine, binds the listener, serves, and sweeps expired rooms.
+    pub async fn start(role: Role, file: WorkerFile) -> Result<RunningWorker, String> {
+        let f = file.clone();
+        let service = tokio::task::spawn_blocking(move || WorkerService::start(role, &f))
+            .await
+            .map_err(|e| format!("worker start panicked: {e}"))??;
+        let service = Arc::new(service);
+        let listener = tokio::net::TcpListener::bind(file.worker.listen)
+            .await
+            .map_err(|e| format!("cannot listen on {}: {e}", file.worker.listen))?;
+        let addr = listener.local_addr().map_err(|e| e.to_string())?;
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let serve = tokio::spawn(crate::app::serve_http(
+            listener,
+            router(service.clone()),
+            Duration::from_secs(10),
+            None,
+            rx,
+        ));
+        let sweeper = {
+            let s = service.clone();
+            let every = (s.lease / 4).max(Duration::from_millis(50));
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(every);
+                loop {
+                    tick.tick().await;
+                    let n = s.sweep();
+                    if n > 0 {
+                        tracing::warn!(
+                            sets = n,
+                            "dropped KV rooms whose lease ran out (peer lost mid-pair?)"
+                        );
+                    }
+                }
+            })
+        };
+        tracing::info!(%addr, role = role.as_str(), "lockstep worker listening (gRPC, h2c)");
+        Ok(RunningWorker {
+            service,
+            addr,
+            stop: Some(tx),
+            tasks: vec![sweeper, serve],
+        })
+    }
+
+    /// Stops serving: health fails, then the listener closes and open calls finish (bounded).
+    pub async fn shutdown(mut self) {
+        self.service.set_serving(false);
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        if let Some(serve) = self.tasks.pop() {
+            let _ = tokio::time::timeout(Duration::from_secs(10), serve).await;
+        }
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+impl Drop for RunningWorker {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
