@@ -24,7 +24,7 @@ use sha2::{Digest, Sha256};
 
 use crate::app::{AppState, reload_state};
 use crate::error::LockstepError;
-use crate::pair::{CancelReason, PairId, PairState};
+use crate::pair::{CancelReason, PairId};
 
 /// What the admin handlers share.
 #[derive(Debug, Clone)]
@@ -82,14 +82,6 @@ async fn auth(
     next.run(req).await
 }
 
-fn state_name(s: PairState) -> &'static str {
-    match s {
-        PairState::Dispatched => "dispatched",
-        PairState::Committed => "committed",
-        PairState::Aborting => "aborting",
-    }
-}
-
 async fn pairs(State(st): State<AdminState>) -> Response {
     let list: Vec<_> = st
         .app
@@ -100,7 +92,7 @@ async fn pairs(State(st): State<AdminState>) -> Response {
             json!({
                 "pair_id": id.to_string(),
                 "model": &*i.model,
-                "state": state_name(i.state),
+                "state": i.state.as_str(),
                 "prefill": i.prefill,
                 "decode": i.decode,
                 "age_ms": i.started.elapsed().as_millis() as u64,

@@ -261,6 +261,7 @@ pub struct Lockstep {
     shutdown: Option<tokio::sync::oneshot::Sender<()>>,
     admin_shutdown: Option<tokio::sync::oneshot::Sender<()>>,
     drain_grace: Duration,
+    health: tonic_health::server::HealthReporter,
 }
 
 /// Builds every model of `cfg`: deployment check against the workers, tokenizer and template,
@@ -544,7 +545,10 @@ impl Lockstep {
         let http_addr = listener.local_addr().map_err(|e| e.to_string())?;
         let mut tasks = Vec::new();
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        let app = crate::http::router(state.clone());
+        // The gRPC front end shares the listener (h2c, or h2 by ALPN under TLS).
+        let (grpc, health) = crate::http::grpc::services(state.clone());
+        crate::http::grpc::set_serving(&health, true).await;
+        let app = crate::http::router(state.clone()).merge(grpc);
         let header_timeout = Duration::from_millis(cfg.server.header_timeout_ms);
         let tls = match (&cfg.server.tls_cert_file, &cfg.server.tls_key_file) {
             (Some(c), Some(k)) => Some(crate::tls::server_config(c, k)?),
@@ -590,6 +594,7 @@ impl Lockstep {
             shutdown: Some(tx),
             admin_shutdown: Some(admin_tx),
             drain_grace: Duration::from_millis(cfg.server.drain_grace_ms),
+            health,
         })
     }
 
@@ -609,6 +614,7 @@ impl Lockstep {
         use crate::pair::{CancelReason, PairState};
         let st = &self.state;
         st.draining.store(true, Ordering::Release);
+        crate::http::grpc::set_serving(&self.health, false).await;
         let live = st.registry.len();
         tracing::info!(
             live_pairs = live,

@@ -151,6 +151,17 @@ pub enum BackendKind {
     Lockstep,
 }
 
+impl BackendKind {
+    /// The configuration value: `sglang`, `embedded` or `lockstep`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BackendKind::Sglang => "sglang",
+            BackendKind::Embedded => "embedded",
+            BackendKind::Lockstep => "lockstep",
+        }
+    }
+}
+
 /// One model, its limits and its backend.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -271,6 +271,55 @@ impl LockstepError {
     }
 }
 
+impl LockstepError {
+    /// The one gRPC code for this error's code (the gRPC front end).
+    pub fn grpc_code(&self) -> tonic::Code {
+        use tonic::Code;
+        match self {
+            LockstepError::InvalidJson { .. }
+            | LockstepError::InvalidRequest { .. }
+            | LockstepError::ContextLengthExceeded { .. }
+            | LockstepError::Unsupported { .. }
+            | LockstepError::BodyTooLarge { .. } => Code::InvalidArgument,
+            LockstepError::ModelNotFound { .. } | LockstepError::RouteNotFound { .. } => {
+                Code::NotFound
+            }
+            LockstepError::PrefillRejected { .. } | LockstepError::DecodeFailed { .. } => {
+                Code::Aborted
+            }
+            LockstepError::IntegrityViolation { .. } => Code::DataLoss,
+            LockstepError::Timeout { .. } => Code::DeadlineExceeded,
+            LockstepError::NoHealthyWorker { .. } | LockstepError::Unavailable { .. } => {
+                Code::Unavailable
+            }
+            LockstepError::WorkersBusy { .. } | LockstepError::RateLimited { .. } => {
+                Code::ResourceExhausted
+            }
+            LockstepError::Unauthorized { .. } => Code::Unauthenticated,
+            LockstepError::ModelNotAllowed { .. } => Code::PermissionDenied,
+        }
+    }
+
+    /// The gRPC status: the code above, the message, and a `google.rpc.ErrorInfo` detail whose
+    /// `reason` is the stable error code (`domain` "lockstep"; `param`, `pair_id` and
+    /// `retry_after_s` in its metadata when known).
+    pub fn to_status(&self) -> tonic::Status {
+        use tonic_types::{ErrorDetails, StatusExt};
+        let mut meta = std::collections::HashMap::new();
+        if let Some(p) = self.param() {
+            meta.insert("param".to_string(), p.to_string());
+        }
+        if let Some(id) = self.pair_id() {
+            meta.insert("pair_id".to_string(), id.to_string());
+        }
+        if let LockstepError::RateLimited { retry_after_s, .. } = self {
+            meta.insert("retry_after_s".to_string(), retry_after_s.to_string());
+        }
+        let details = ErrorDetails::with_error_info(self.code(), "lockstep", meta);
+        tonic::Status::with_error_details(self.grpc_code(), self.to_string(), details)
+    }
+}
+
 impl IntoResponse for LockstepError {
     fn into_response(self) -> Response {
         let mut r = (self.status(), axum::Json(self.body())).into_response();
@@ -423,6 +472,30 @@ mod tests {
             if let Some(pid) = err.pair_id() {
                 assert_eq!(body["error"]["pair_id"], pid.to_string());
             }
+            // The gRPC status: one code per error, the same stable code in its ErrorInfo.
+            use tonic::Code;
+            use tonic_types::StatusExt;
+            let st = err.to_status();
+            assert_eq!(st.code(), err.grpc_code());
+            let expected: &[Code] = match status {
+                400 | 413 => &[Code::InvalidArgument],
+                401 => &[Code::Unauthenticated],
+                403 => &[Code::PermissionDenied],
+                404 => &[Code::NotFound],
+                429 => &[Code::ResourceExhausted],
+                502 => &[Code::Aborted, Code::DataLoss],
+                503 => &[Code::Unavailable, Code::ResourceExhausted],
+                504 => &[Code::DeadlineExceeded],
+                _ => &[],
+            };
+            assert!(expected.contains(&st.code()), "{err:?} → {:?}", st.code());
+            let info = st.get_details_error_info().expect("ErrorInfo detail");
+            assert_eq!(info.reason, err.code());
+            assert_eq!(info.domain, "lockstep");
+            assert_eq!(
+                info.metadata.get("pair_id").cloned(),
+                err.pair_id().map(|p| p.to_string())
+            );
         }
     }
 

@@ -3,6 +3,7 @@
 //! front of the mock ([`harness`]).
 
 pub mod client;
+pub mod embedded;
 pub mod harness;
 pub mod sglang_mock;
 pub mod tokenizer;

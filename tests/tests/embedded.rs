@@ -5,111 +5,12 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use lockstep::app::Lockstep;
-use lockstep::config::{Config, EngineSection, expand_home};
 use lockstep_tests::client::{self, Answer, ENDPOINTS, Endpoint, TestClient};
 use serde_json::{Value, json};
 
-const MODEL: &str = "smollm2";
-
-/// The model file, or `None` (the test returns) when it was not fetched; with
-/// `LOCKSTEP_REQUIRE_MODEL` set (CI) a missing model fails.
-fn model_path() -> Option<std::path::PathBuf> {
-    let p = std::env::var_os("LOCKSTEP_MODEL")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| expand_home(&EngineSection::default().gguf));
-    if p.is_file() {
-        return Some(p);
-    }
-    assert!(
-        std::env::var_os("LOCKSTEP_REQUIRE_MODEL").is_none(),
-        "LOCKSTEP_REQUIRE_MODEL is set but the model is missing: run scripts/fetch-model.sh"
-    );
-    eprintln!("test model not fetched (scripts/fetch-model.sh)");
-    None
-}
-
-struct Embedded {
-    lockstep: Lockstep,
-    url: String,
-}
-
-async fn start(engine_extra: &str) -> Option<Embedded> {
-    let path = model_path()?;
-    let text = format!(
-        r#"
-[server]
-http_listen = "127.0.0.1:0"
-
-[[models]]
-name = "{MODEL}"
-backend = "embedded"
-context_window = 512
-kv_capacity_tokens = 768
-default_max_tokens = 16
-
-[models.engine]
-gguf = "{path}"
-fetch_pip = ""
-kv_pages = 48
-page_size = 16
-max_batch_tokens = 128
-{engine_extra}
-
-[models.timeouts]
-total_ms = 60000
-prefill_ms = 30000
-first_token_ms = 40000
-idle_ms = 20000
-"#,
-        path = path.display()
-    );
-    let cfg = Config::parse(&text).expect("config parses");
-    assert!(cfg.problems().is_empty(), "{:?}", cfg.problems());
-    let lockstep = Lockstep::start(cfg).await.expect("lockstep starts");
-    let url = format!("http://{}", lockstep.http_addr);
-    Some(Embedded { lockstep, url })
-}
-
-impl Embedded {
-    fn engine_pages(&self) -> (usize, usize) {
-        let models = self.lockstep.state.models.load();
-        models.by_name[MODEL]
-            .engine
-            .as_ref()
-            .expect("embedded")
-            .pages()
-    }
-
-    /// Waits (bounded) until no pair is live and every page of both pools is free.
-    async fn wait_released(&self) {
-        let deadline = Instant::now() + Duration::from_secs(15);
-        loop {
-            let (free, total) = self.engine_pages();
-            if free == total && self.lockstep.state.registry.is_empty() {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "not released: {free} of {total} pages free, {} live pairs",
-                self.lockstep.state.registry.len()
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-
-    async fn post(&self, path: &str, body: Value) -> Answer {
-        TestClient::default()
-            .post(
-                &format!("{}{path}", self.url),
-                &body,
-                Duration::from_secs(60),
-            )
-            .await
-    }
-}
+use lockstep_tests::embedded::{MODEL, start};
 
 /// Greedy requests: the answers are comparable across modes and runs.
 fn request(ep: Endpoint, prompt: &str, stream: bool, max_tokens: u64) -> (&'static str, Value) {

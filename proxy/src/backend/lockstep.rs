@@ -69,10 +69,9 @@ fn traced<T>(msg: T) -> tonic::Request<T> {
 fn half_error(side: Side, s: &Status, started: bool) -> HalfError {
     let message = s.message().to_string();
     let failure = match s.code() {
-        // Transport failures before an answer: nothing ran there (safe to retry elsewhere).
-        Code::Unavailable if !started && !message.starts_with("KV push") => {
-            HalfFailure::Connect(message)
-        }
+        // Before an answer: the worker (or, for a prefill, the decode worker its KV was pushed
+        // to) could not be reached; no KV arrived anywhere, so a new pair is safe.
+        Code::Unavailable if !started => HalfFailure::Connect(message),
         Code::Unavailable | Code::Unknown | Code::Cancelled if started => {
             HalfFailure::Transport(message)
         }

@@ -42,21 +42,21 @@ pub(crate) struct StreamOptions {
 /// Sampling fields shared by both endpoints.
 #[derive(Debug, Deserialize)]
 pub(crate) struct CommonParams {
-    max_tokens: Option<i64>,
-    max_completion_tokens: Option<i64>,
-    temperature: Option<f64>,
-    top_p: Option<f64>,
-    top_k: Option<i64>,
-    n: Option<i64>,
+    pub(super) max_tokens: Option<i64>,
+    pub(super) max_completion_tokens: Option<i64>,
+    pub(super) temperature: Option<f64>,
+    pub(super) top_p: Option<f64>,
+    pub(super) top_k: Option<i64>,
+    pub(super) n: Option<i64>,
     #[serde(default)]
-    stream: bool,
-    stream_options: Option<StreamOptions>,
-    stop: Option<Stop>,
-    seed: Option<u64>,
-    frequency_penalty: Option<f64>,
-    presence_penalty: Option<f64>,
-    ignore_eos: Option<bool>,
-    best_of: Option<i64>,
+    pub(super) stream: bool,
+    pub(super) stream_options: Option<StreamOptions>,
+    pub(super) stop: Option<Stop>,
+    pub(super) seed: Option<u64>,
+    pub(super) frequency_penalty: Option<f64>,
+    pub(super) presence_penalty: Option<f64>,
+    pub(super) ignore_eos: Option<bool>,
+    pub(super) best_of: Option<i64>,
 }
 
 /// A 400 `invalid_request` naming `param`.
@@ -69,7 +69,10 @@ pub(crate) fn bad(param: &str, message: String) -> LockstepError {
 
 impl CommonParams {
     /// Validates ranges and builds SGLang sampling parameters.
-    fn sampling(self, model: &ModelRuntime) -> Result<(SamplingParams, bool, bool), LockstepError> {
+    pub(super) fn sampling(
+        self,
+        model: &ModelRuntime,
+    ) -> Result<(SamplingParams, bool, bool), LockstepError> {
         if self.n.is_some_and(|n| n != 1) {
             return Err(LockstepError::Unsupported {
                 message: "n > 1 is not supported yet; send one request per choice".into(),
@@ -167,8 +170,8 @@ pub(crate) struct ContentPart {
 
 #[derive(Debug, Deserialize)]
 pub(crate) struct MessageIn {
-    role: String,
-    content: Option<Content>,
+    pub(super) role: String,
+    pub(super) content: Option<Content>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -179,7 +182,7 @@ pub(crate) struct ChatRequest {
     params: CommonParams,
 }
 
-fn to_messages(messages: Vec<MessageIn>) -> Result<Vec<ChatMessage>, LockstepError> {
+pub(super) fn to_messages(messages: Vec<MessageIn>) -> Result<Vec<ChatMessage>, LockstepError> {
     if messages.is_empty() {
         return Err(bad("messages", "`messages` must not be empty".into()));
     }

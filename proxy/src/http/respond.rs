@@ -57,6 +57,92 @@ impl Shape {
     }
 }
 
+/// A pair that passed admission and the commit barrier: its events, id and the tenant's permit
+/// (held as long as the response lives).
+pub(crate) struct Admitted {
+    pub(crate) rx: tokio::sync::mpsc::Receiver<PairEvent>,
+    pub(crate) pair_id: PairId,
+    pub(crate) prompt_tokens: u64,
+    pub(crate) permit: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+/// Admits (draining, limits, fit, tenant rate and concurrency), starts the pair and waits for the
+/// commit barrier. Shared by every front end (HTTP shapes and gRPC); refusals are counted here.
+pub(crate) async fn admit_pair(
+    state: &AppState,
+    model: &ModelRuntime,
+    tenant: Option<Arc<Tenant>>,
+    ids: Vec<u32>,
+    sampling: SamplingParams,
+) -> Result<Admitted, LockstepError> {
+    let refuse = |e: LockstepError| {
+        state
+            .metrics
+            .admission_refusals
+            .with_label_values(&[&*model.name, e.code()])
+            .inc();
+        e
+    };
+    if state.draining.load(std::sync::atomic::Ordering::Acquire) {
+        return Err(refuse(LockstepError::Unavailable {
+            message: "lockstep is draining: not accepting new requests".into(),
+        }));
+    }
+    let limits = &model.cfg;
+    if limits.max_prompt_tokens > 0 && ids.len() as u64 > limits.max_prompt_tokens {
+        return Err(refuse(LockstepError::InvalidRequest {
+            message: format!(
+                "the prompt has {} tokens; this deployment accepts at most {}",
+                ids.len(),
+                limits.max_prompt_tokens
+            ),
+            param: Some("prompt".into()),
+        }));
+    }
+    if limits.max_tokens_limit > 0 && sampling.max_new_tokens > limits.max_tokens_limit {
+        return Err(refuse(LockstepError::InvalidRequest {
+            message: format!(
+                "max_tokens {} is over this deployment's limit of {}",
+                sampling.max_new_tokens, limits.max_tokens_limit
+            ),
+            param: Some("max_tokens".into()),
+        }));
+    }
+    check_fits(
+        ids.len() as u64,
+        sampling.max_new_tokens,
+        model.cfg.context_window,
+        model.kv_capacity(),
+    )
+    .map_err(refuse)?;
+    // The tenant's rate and concurrency limits; the permit lives as long as the response.
+    let permit = tenant
+        .as_ref()
+        .map(|t| t.admit())
+        .transpose()
+        .map_err(refuse)?
+        .flatten();
+    let (mut rx, _task) =
+        model
+            .pairs
+            .start(ids.into(), sampling.into(), tenant.map(|t| t.name.clone()));
+    match rx.recv().await {
+        Some(PairEvent::Committed {
+            pair_id,
+            prompt_tokens,
+        }) => Ok(Admitted {
+            rx,
+            pair_id,
+            prompt_tokens,
+            permit,
+        }),
+        Some(PairEvent::Failed(e)) => Err(e),
+        Some(PairEvent::Chunk(_)) | None => Err(LockstepError::Unavailable {
+            message: "pair ended without an outcome".into(),
+        }),
+    }
+}
+
 /// Admits, starts the pair, waits for the commit barrier, then answers in the client's shape.
 pub(crate) async fn serve_pair(
     state: &AppState,
@@ -66,69 +152,14 @@ pub(crate) async fn serve_pair(
     sampling: SamplingParams,
     shape: Shape,
 ) -> Response {
-    if state.draining.load(std::sync::atomic::Ordering::Acquire) {
-        let e = LockstepError::Unavailable {
-            message: "lockstep is draining: not accepting new requests".into(),
-        };
-        return super::refused(state, &model.name, e);
-    }
-    let limits = &model.cfg;
-    if limits.max_prompt_tokens > 0 && ids.len() as u64 > limits.max_prompt_tokens {
-        let e = LockstepError::InvalidRequest {
-            message: format!(
-                "the prompt has {} tokens; this deployment accepts at most {}",
-                ids.len(),
-                limits.max_prompt_tokens
-            ),
-            param: Some("prompt".into()),
-        };
-        return super::refused(state, &model.name, e);
-    }
-    if limits.max_tokens_limit > 0 && sampling.max_new_tokens > limits.max_tokens_limit {
-        let e = LockstepError::InvalidRequest {
-            message: format!(
-                "max_tokens {} is over this deployment's limit of {}",
-                sampling.max_new_tokens, limits.max_tokens_limit
-            ),
-            param: Some("max_tokens".into()),
-        };
-        return super::refused(state, &model.name, e);
-    }
-    if let Err(e) = check_fits(
-        ids.len() as u64,
-        sampling.max_new_tokens,
-        model.cfg.context_window,
-        model.kv_capacity(),
-    ) {
-        model
-            .pairs
-            .metrics
-            .admission_refusals
-            .with_label_values(&[&*model.name, e.code()])
-            .inc();
-        return e.into_response();
-    }
-    // The tenant's rate and concurrency limits; the permit lives as long as the response.
-    let permit = match tenant.as_ref().map(|t| t.admit()).transpose() {
-        Ok(p) => p.flatten(),
-        Err(e) => return super::refused(state, &model.name, e),
-    };
-    let (mut rx, _task) =
-        model
-            .pairs
-            .start(ids.into(), sampling.into(), tenant.map(|t| t.name.clone()));
-    let (pair_id, prompt_tokens) = match rx.recv().await {
-        Some(PairEvent::Committed {
-            pair_id,
-            prompt_tokens,
-        }) => (pair_id, prompt_tokens),
-        Some(PairEvent::Failed(e)) => return e.into_response(),
-        Some(PairEvent::Chunk(_)) | None => {
-            return LockstepError::Unavailable {
-                message: "pair ended without an outcome".into(),
-            }
-            .into_response();
-        }
+    let Admitted {
+        rx,
+        pair_id,
+        prompt_tokens,
+        permit,
+    } = match admit_pair(state, model, tenant, ids, sampling).await {
+        Ok(a) => a,
+        Err(e) => return e.into_response(),
     };
     let mut w = Writer {
         shape,
@@ -140,6 +171,7 @@ pub(crate) async fn serve_pair(
         completion_tokens: 0,
         started: false,
     };
+    let mut rx = rx;
     if shape.stream {
         let body =
             // The tenant's permit travels with the stream: released when the stream ends.

@@ -56,6 +56,9 @@ pub enum AbortReason {
     Shutdown,
     /// An operator aborted the pair.
     Operator,
+    /// The pair's own client aborted it (gRPC `Abort`); unlike [`AbortReason::ClientGone`] the
+    /// client is still there and gets the error.
+    ClientAbort,
 }
 
 impl AbortReason {
@@ -73,6 +76,7 @@ impl AbortReason {
             AbortReason::NoWorker => "no_worker",
             AbortReason::Shutdown => "shutdown",
             AbortReason::Operator => "operator",
+            AbortReason::ClientAbort => "client_abort",
         }
     }
 }
@@ -192,6 +196,7 @@ impl Failure {
         let (message, reason) = match why {
             CancelReason::Shutdown => ("lockstep is shutting down", AbortReason::Shutdown),
             CancelReason::Operator => ("aborted by an operator", AbortReason::Operator),
+            CancelReason::Client => ("aborted by its client", AbortReason::ClientAbort),
         };
         Failure::plain(
             LockstepError::Unavailable {
@@ -262,6 +267,7 @@ impl PairRuntime {
                 decode: dg.worker().url.clone(),
                 started: Instant::now(),
                 state: PairState::Dispatched,
+                tenant: tenant.clone(),
             });
             let d = Dispatch {
                 pair_id: guard.id(),

@@ -22,6 +22,17 @@ pub enum PairState {
     Aborting,
 }
 
+impl PairState {
+    /// `dispatched`, `committed` or `aborting`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PairState::Dispatched => "dispatched",
+            PairState::Committed => "committed",
+            PairState::Aborting => "aborting",
+        }
+    }
+}
+
 /// What the registry knows of a live pair (never content).
 #[derive(Debug, Clone)]
 pub struct PairInfo {
@@ -35,6 +46,8 @@ pub struct PairInfo {
     pub started: Instant,
     /// Current state.
     pub state: PairState,
+    /// The tenant whose request it is (`None` when lockstep runs without tenants).
+    pub tenant: Option<Arc<str>>,
 }
 
 /// Why a live pair was told to stop from outside its task.
@@ -44,6 +57,8 @@ pub enum CancelReason {
     Shutdown,
     /// An operator aborted it (admin API).
     Operator,
+    /// Its own client asked (gRPC `Abort`).
+    Client,
 }
 
 #[derive(Debug)]
@@ -126,6 +141,7 @@ impl PairRegistry {
         let code = match why {
             CancelReason::Shutdown => 1,
             CancelReason::Operator => 2,
+            CancelReason::Client => 3,
         };
         let _ = e
             .reason
@@ -187,6 +203,7 @@ impl PairGuard {
         self.cancel.cancelled().await;
         match self.reason.load(Ordering::Acquire) {
             2 => CancelReason::Operator,
+            3 => CancelReason::Client,
             _ => CancelReason::Shutdown,
         }
     }
@@ -209,6 +226,7 @@ mod tests {
             decode: "d".into(),
             started: Instant::now(),
             state: PairState::Dispatched,
+            tenant: None,
         }
     }
 
