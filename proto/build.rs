@@ -4,6 +4,8 @@
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut config = tonic_prost_build::Config::new();
     config.protoc_executable(protoc_bin_vendored::protoc_bin_path()?);
+    // KV page bytes are shared buffers: decoded without a copy, handed to the importer as is.
+    config.bytes([".lockstep.v1.KvPage.data"]);
     let out = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
     tonic_prost_build::configure()
         .file_descriptor_set_path(out.join("lockstep_descriptor.bin"))

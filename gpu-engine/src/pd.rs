@@ -374,8 +374,12 @@ impl Fault {
     pub fn apply(self, t: &mut KvTransfer, swap: &Mutex<Option<PageData>>) {
         match self {
             Fault::CorruptPage => {
-                if let Some(b) = t.pages.first_mut().and_then(|p| p.bytes.get_mut(7)) {
-                    *b ^= 0x5a;
+                if let Some(p) = t.pages.first_mut()
+                    && p.bytes.len() > 7
+                {
+                    let mut b = p.bytes.to_vec();
+                    b[7] ^= 0x5a;
+                    p.bytes = b.into();
                 }
             }
             Fault::DropPage => {

@@ -78,8 +78,9 @@ pub struct PageData {
     pub index: u32,
     /// The pair this page belongs to.
     pub pair_id: u64,
-    /// Little-endian elements of the page.
-    pub bytes: Vec<u8>,
+    /// Little-endian elements of the page (shared, so a set moves between the pool, the wire and
+    /// the importer without copies).
+    pub bytes: bytes::Bytes,
 }
 
 /// A KV set ready to send: manifest plus pages.
@@ -213,7 +214,7 @@ impl PagePool {
             pages.push(PageData {
                 index: i as u32,
                 pair_id,
-                bytes,
+                bytes: bytes.into(),
             });
         }
         let mut manifest = KvManifest {
@@ -325,82 +326,99 @@ impl PagePool {
     }
 }
 
-impl KvTransfer {
-    /// Serialises for the network: manifest fields, checksum, then each page
-    /// (index, pair, length, bytes), all little-endian.
-    pub fn to_bytes(&self) -> Vec<u8> {
-        let m = &self.manifest;
+/// Wire layout, little-endian: the head (manifest fields, manifest checksum, number of pages
+/// sent), then per page a 16-byte page head (index, pair, length) and the page's bytes.
+pub mod wire {
+    use super::{KvDtype, KvManifest, ModelFingerprint, PageData, TransferError};
+
+    /// Bytes of the head before the page checksums (pair, model, tokens, page size, dtype, count).
+    pub const HEAD_FIXED: usize = 33;
+    /// Bytes of a page head.
+    pub const PAGE_HEAD: usize = 16;
+
+    /// The head's length for a manifest of `page_count` pages.
+    pub fn head_len(page_count: u32) -> usize {
+        HEAD_FIXED + 8 * page_count as usize + 8 + 4
+    }
+
+    /// The manifest's page count, from the head's first [`HEAD_FIXED`] bytes.
+    pub fn head_page_count(fixed: &[u8]) -> Result<u32, TransferError> {
+        let b = fixed
+            .get(29..33)
+            .ok_or_else(|| TransferError::LayoutMismatch("truncated head".into()))?;
+        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+
+    /// The head of a set: manifest and the number of pages that follow.
+    pub fn head(m: &KvManifest, pages_sent: u32) -> Vec<u8> {
         let mut b = m.fields_bytes();
         b.extend_from_slice(&m.manifest_checksum.to_le_bytes());
-        b.extend_from_slice(&(self.pages.len() as u32).to_le_bytes());
-        for p in &self.pages {
-            b.extend_from_slice(&p.index.to_le_bytes());
-            b.extend_from_slice(&p.pair_id.to_le_bytes());
-            b.extend_from_slice(&(p.bytes.len() as u32).to_le_bytes());
-            b.extend_from_slice(&p.bytes);
-        }
+        b.extend_from_slice(&pages_sent.to_le_bytes());
         b
     }
 
-    /// Parses [`KvTransfer::to_bytes`] output; a truncated or malformed stream is an error, never
-    /// a panic.
-    pub fn from_bytes(mut b: &[u8]) -> Result<KvTransfer, TransferError> {
-        fn take<'a>(b: &mut &'a [u8], n: usize) -> Result<&'a [u8], TransferError> {
-            if b.len() < n {
-                return Err(TransferError::LayoutMismatch("truncated transfer".into()));
-            }
-            let (head, rest) = b.split_at(n);
-            *b = rest;
-            Ok(head)
+    /// A page's head.
+    pub fn page_head(p: &PageData) -> [u8; PAGE_HEAD] {
+        let mut h = [0u8; PAGE_HEAD];
+        h[..4].copy_from_slice(&p.index.to_le_bytes());
+        h[4..12].copy_from_slice(&p.pair_id.to_le_bytes());
+        h[12..].copy_from_slice(&(p.bytes.len() as u32).to_le_bytes());
+        h
+    }
+
+    /// Parses a page head: (index, pair, length).
+    pub fn parse_page_head(h: &[u8; PAGE_HEAD]) -> (u32, u64, usize) {
+        let u32at = |i: usize| u32::from_le_bytes([h[i], h[i + 1], h[i + 2], h[i + 3]]);
+        let mut pair = [0u8; 8];
+        pair.copy_from_slice(&h[4..12]);
+        (u32at(0), u64::from_le_bytes(pair), u32at(12) as usize)
+    }
+
+    pub(super) fn take<'a>(b: &mut &'a [u8], n: usize) -> Result<&'a [u8], TransferError> {
+        if b.len() < n {
+            return Err(TransferError::LayoutMismatch("truncated transfer".into()));
         }
-        fn u64le(b: &mut &[u8]) -> Result<u64, TransferError> {
-            let s = take(b, 8)?;
-            Ok(u64::from_le_bytes(s.try_into().map_err(|_| {
-                TransferError::LayoutMismatch("bad u64".into())
-            })?))
-        }
-        fn u32le(b: &mut &[u8]) -> Result<u32, TransferError> {
-            let s = take(b, 4)?;
-            Ok(u32::from_le_bytes(s.try_into().map_err(|_| {
-                TransferError::LayoutMismatch("bad u32".into())
-            })?))
-        }
-        let pair_id = u64le(&mut b)?;
-        let model = ModelFingerprint(u64le(&mut b)?);
-        let tokens = u64le(&mut b)?;
-        let page_size = u32le(&mut b)?;
-        let dtype = match take(&mut b, 1)?[0] {
+        let (head, rest) = b.split_at(n);
+        *b = rest;
+        Ok(head)
+    }
+    pub(super) fn u64le(b: &mut &[u8]) -> Result<u64, TransferError> {
+        let s = take(b, 8)?;
+        Ok(u64::from_le_bytes(s.try_into().map_err(|_| {
+            TransferError::LayoutMismatch("bad u64".into())
+        })?))
+    }
+    pub(super) fn u32le(b: &mut &[u8]) -> Result<u32, TransferError> {
+        let s = take(b, 4)?;
+        Ok(u32::from_le_bytes(s.try_into().map_err(|_| {
+            TransferError::LayoutMismatch("bad u32".into())
+        })?))
+    }
+
+    /// Parses a head: the manifest and the number of pages that follow. Consumes it from `b`.
+    pub fn parse_head(b: &mut &[u8]) -> Result<(KvManifest, u32), TransferError> {
+        let pair_id = u64le(b)?;
+        let model = ModelFingerprint(u64le(b)?);
+        let tokens = u64le(b)?;
+        let page_size = u32le(b)?;
+        let dtype = match take(b, 1)?[0] {
             0 => KvDtype::F32,
             1 => KvDtype::F16,
             x => return Err(TransferError::LayoutMismatch(format!("unknown dtype {x}"))),
         };
-        let page_count = u32le(&mut b)?;
+        let page_count = u32le(b)?;
         if page_count as usize > b.len() / 8 {
             return Err(TransferError::LayoutMismatch(
                 "page count exceeds the stream".into(),
             ));
         }
         let page_checksums = (0..page_count)
-            .map(|_| u64le(&mut b))
+            .map(|_| u64le(b))
             .collect::<Result<Vec<_>, _>>()?;
-        let manifest_checksum = u64le(&mut b)?;
-        let n = u32le(&mut b)?;
-        let mut pages = Vec::new();
-        for _ in 0..n {
-            let index = u32le(&mut b)?;
-            let pair = u64le(&mut b)?;
-            let len = u32le(&mut b)? as usize;
-            pages.push(PageData {
-                index,
-                pair_id: pair,
-                bytes: take(&mut b, len)?.to_vec(),
-            });
-        }
-        if !b.is_empty() {
-            return Err(TransferError::LayoutMismatch("trailing bytes".into()));
-        }
-        Ok(KvTransfer {
-            manifest: KvManifest {
+        let manifest_checksum = u64le(b)?;
+        let sent = u32le(b)?;
+        Ok((
+            KvManifest {
                 pair_id,
                 model,
                 tokens,
@@ -410,7 +428,40 @@ impl KvTransfer {
                 page_checksums,
                 manifest_checksum,
             },
-            pages,
-        })
+            sent,
+        ))
+    }
+}
+
+impl KvTransfer {
+    /// Serialises for the network ([`wire`] layout).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut b = wire::head(&self.manifest, self.pages.len() as u32);
+        for p in &self.pages {
+            b.extend_from_slice(&wire::page_head(p));
+            b.extend_from_slice(&p.bytes);
+        }
+        b
+    }
+
+    /// Parses [`KvTransfer::to_bytes`] output; a truncated or malformed stream is an error, never
+    /// a panic.
+    pub fn from_bytes(mut b: &[u8]) -> Result<KvTransfer, TransferError> {
+        let (manifest, n) = wire::parse_head(&mut b)?;
+        let mut pages = Vec::new();
+        for _ in 0..n {
+            let index = wire::u32le(&mut b)?;
+            let pair = wire::u64le(&mut b)?;
+            let len = wire::u32le(&mut b)? as usize;
+            pages.push(PageData {
+                index,
+                pair_id: pair,
+                bytes: bytes::Bytes::copy_from_slice(wire::take(&mut b, len)?),
+            });
+        }
+        if !b.is_empty() {
+            return Err(TransferError::LayoutMismatch("trailing bytes".into()));
+        }
+        Ok(KvTransfer { manifest, pages })
     }
 }

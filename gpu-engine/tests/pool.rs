@@ -320,7 +320,9 @@ fn every_corruption_is_detected_distinctly_and_leaves_the_pool_unchanged() {
         matches!(e, TransferError::ForeignPage { found: 6, .. })
     }));
     let mut flipped = good.clone();
-    flipped.pages[2].bytes[17] ^= 0x04;
+    let mut b = flipped.pages[2].bytes.to_vec();
+    b[17] ^= 0x04;
+    flipped.pages[2].bytes = b.into();
     cases.push(("flipped bit", flipped, exp, |e| {
         matches!(e, TransferError::PageCorrupt { index: 2 })
     }));

@@ -191,6 +191,14 @@ pub(crate) async fn serve_http(
         .http1()
         .timer(TokioTimer::new())
         .header_read_timeout(header_timeout);
+    // h2 (gRPC, KV pushes of many MiB): windows and frames sized for bulk streams, so a
+    // sender is never stalled waiting for window updates on a fast link.
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .initial_stream_window_size(8 << 20)
+        .initial_connection_window_size(16 << 20)
+        .max_frame_size(1 << 20);
     let acceptor = tls.map(tokio_rustls::TlsAcceptor::from);
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     // TLS handshakes run in their own tasks and hand the stream back here, so every connection is

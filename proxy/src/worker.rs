@@ -87,6 +87,23 @@ pub struct WorkerSection {
     pub connect_timeout_ms: u64,
     /// Log filter.
     pub log_level: String,
+    /// How this worker pushes KV to decode workers: `tcp` (the decode worker's KV data listener,
+    /// raw framed pages: no protobuf copies) or `grpc` (`PushKv`). `tcp` falls back to `grpc`
+    /// when the decode worker has no data listener.
+    pub kv_transport: KvTransport,
+    /// The KV data listener of a decode or unified worker (`host:0`: any free port on that
+    /// host). Absent: the `listen` address's host, any free port. Bind it privately.
+    pub kv_listen: Option<SocketAddr>,
+}
+
+/// How KV pages travel from a prefill worker to a decode worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KvTransport {
+    /// Raw framed bytes on a pooled TCP connection to the decode worker's data listener.
+    Tcp,
+    /// The `PushKv` client stream of the worker service.
+    Grpc,
 }
 
 impl Default for WorkerSection {
@@ -96,6 +113,8 @@ impl Default for WorkerSection {
             lease_ms: 30_000,
             connect_timeout_ms: 2_000,
             log_level: "info".into(),
+            kv_transport: KvTransport::Tcp,
+            kv_listen: None,
         }
     }
 }
@@ -145,6 +164,13 @@ pub struct WorkerService {
     pairs: AtomicU64,
     swap_stash: Mutex<Option<PageData>>,
     serving: AtomicBool,
+    transport: KvTransport,
+    /// The KV data listener's port (0: none).
+    data_port: std::sync::atomic::AtomicU32,
+    /// Decode workers' data addresses (from their Capacity), by endpoint.
+    data_addrs: DashMap<String, Option<SocketAddr>>,
+    /// Idle data connections, by address.
+    data_conns: DashMap<SocketAddr, Vec<tokio::net::TcpStream>>,
 }
 
 impl std::fmt::Debug for WorkerService {
@@ -306,6 +332,10 @@ impl WorkerService {
             pairs: AtomicU64::new(0),
             swap_stash: Mutex::new(None),
             serving: AtomicBool::new(true),
+            transport: file.worker.kv_transport,
+            data_port: Default::default(),
+            data_addrs: DashMap::new(),
+            data_conns: DashMap::new(),
         })
     }
 
@@ -353,6 +383,180 @@ impl WorkerService {
         let c = WorkerClient::new(ch).max_encoding_message_size(MAX_MESSAGE_BYTES);
         self.peers.insert(url.to_string(), c.clone());
         Ok(c)
+    }
+
+    /// Pushes a set to a decode worker: over its data listener when it has one and this worker
+    /// uses `tcp`, else through `PushKv`.
+    async fn push(
+        &self,
+        mut peer: WorkerClient<Channel>,
+        endpoint: &str,
+        t: KvTransfer,
+    ) -> Result<(), String> {
+        if self.transport == KvTransport::Tcp
+            && let Some(addr) = self.data_addr(&mut peer, endpoint).await
+        {
+            return self.push_tcp(addr, &t).await;
+        }
+        peer.push_kv(tokio_stream::iter(push_messages(t)))
+            .await
+            .map(|_| ())
+            .map_err(|s| format!("{}: {}", s.code(), s.message()))
+    }
+
+    /// The decode worker's data address (its gRPC host, the port its Capacity names), cached.
+    async fn data_addr(
+        &self,
+        peer: &mut WorkerClient<Channel>,
+        endpoint: &str,
+    ) -> Option<SocketAddr> {
+        if let Some(a) = self.data_addrs.get(endpoint) {
+            return *a;
+        }
+        let port = peer
+            .capacity(pb::CapacityRequest {})
+            .await
+            .ok()?
+            .into_inner()
+            .kv_data_port;
+        let addr = if port == 0 {
+            None
+        } else {
+            let uri: http::Uri = endpoint.parse().ok()?;
+            let host = uri.host()?.trim_start_matches('[').trim_end_matches(']');
+            tokio::net::lookup_host((host, port as u16))
+                .await
+                .ok()?
+                .next()
+        };
+        self.data_addrs.insert(endpoint.to_string(), addr);
+        addr
+    }
+
+    /// One set over a pooled data connection; a pooled connection that turns out dead is
+    /// replaced once by a fresh one (the receiver keeps nothing of a set it did not get whole).
+    async fn push_tcp(&self, addr: SocketAddr, t: &KvTransfer) -> Result<(), String> {
+        let pooled = self.data_conns.get_mut(&addr).and_then(|mut v| v.pop());
+        let fresh = pooled.is_none();
+        let conn = match pooled {
+            Some(c) => c,
+            None => self.data_connect(addr).await?,
+        };
+        match data_send(conn, t).await {
+            Ok(c) => {
+                self.data_conns.entry(addr).or_default().push(c);
+                Ok(())
+            }
+            Err(e) if !fresh && !e.refused => {
+                let c = data_send(self.data_connect(addr).await?, t)
+                    .await
+                    .map_err(|e| e.message)?;
+                self.data_conns.entry(addr).or_default().push(c);
+                Ok(())
+            }
+            Err(e) => Err(e.message),
+        }
+    }
+
+    async fn data_connect(&self, addr: SocketAddr) -> Result<tokio::net::TcpStream, String> {
+        let c = tokio::time::timeout(self.connect_timeout, tokio::net::TcpStream::connect(addr))
+            .await
+            .map_err(|_| format!("connecting to {addr} timed out"))?
+            .map_err(|e| format!("cannot connect to {addr}: {e}"))?;
+        let _ = c.set_nodelay(true);
+        Ok(c)
+    }
+
+    /// Receives sets on one data connection until it closes.
+    async fn data_serve(self: Arc<Self>, mut c: tokio::net::TcpStream) {
+        use tokio::io::AsyncWriteExt;
+        loop {
+            match tokio::time::timeout(self.lease, self.data_receive(&mut c)).await {
+                Ok(Ok(None)) => return,
+                Ok(Ok(Some((t, bytes)))) => {
+                    if !self.serving.load(Ordering::Acquire) {
+                        let _ = data_refuse(&mut c, "worker is draining").await;
+                        return;
+                    }
+                    let pair = t.manifest.pair_id;
+                    self.room(pair).put(t);
+                    let mut ack = [0u8; 9];
+                    ack[1..].copy_from_slice(&bytes.to_le_bytes());
+                    if c.write_all(&ack).await.is_err() {
+                        return;
+                    }
+                }
+                Ok(Err(e)) => {
+                    let _ = data_refuse(&mut c, &e).await;
+                    return;
+                }
+                // A set that stalls past the lease: drop it and the connection.
+                Err(_) => return,
+            }
+        }
+    }
+
+    /// Reads one set; `None` on a clean close before a set starts.
+    async fn data_receive(
+        &self,
+        c: &mut tokio::net::TcpStream,
+    ) -> Result<Option<(KvTransfer, u64)>, String> {
+        use lockstep_engine::transfer::wire;
+        use tokio::io::AsyncReadExt;
+        let mut fixed = [0u8; wire::HEAD_FIXED];
+        match c.read_exact(&mut fixed).await {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+            Err(e) => return Err(e.to_string()),
+        }
+        let count = wire::head_page_count(&fixed).map_err(|e| e.to_string())?;
+        let total = self.engine.stats().total_pages.load(Ordering::Relaxed);
+        if count as usize > total {
+            return Err(format!(
+                "KV set of {count} pages cannot fit this worker's {total}-page pool"
+            ));
+        }
+        let mut head = vec![0u8; wire::head_len(count)];
+        head[..wire::HEAD_FIXED].copy_from_slice(&fixed);
+        c.read_exact(&mut head[wire::HEAD_FIXED..])
+            .await
+            .map_err(|e| e.to_string())?;
+        let (manifest, sent) = wire::parse_head(&mut head.as_slice()).map_err(|e| e.to_string())?;
+        if sent > manifest.page_count {
+            return Err("more pages than the manifest names".into());
+        }
+        let mut pages = Vec::with_capacity(sent as usize);
+        let mut bytes = 0u64;
+        for _ in 0..sent {
+            let mut ph = [0u8; wire::PAGE_HEAD];
+            c.read_exact(&mut ph).await.map_err(|e| e.to_string())?;
+            let (index, pair_id, len) = wire::parse_page_head(&ph);
+            if len > MAX_MESSAGE_BYTES {
+                return Err(format!("a {len}-byte page is over the limit"));
+            }
+            let mut data = Vec::with_capacity(len);
+            let got = (&mut *c)
+                .take(len as u64)
+                .read_to_end(&mut data)
+                .await
+                .map_err(|e| e.to_string())?;
+            if got != len {
+                return Err("connection closed inside a page".into());
+            }
+            bytes += len as u64;
+            pages.push(PageData {
+                index,
+                pair_id,
+                bytes: data.into(),
+            });
+        }
+        Ok(Some((KvTransfer { manifest, pages }, bytes)))
+    }
+
+    /// Pushes a set to the decode worker at `endpoint` the way a prefill does (benchmarks).
+    pub async fn push_set(&self, endpoint: &str, t: KvTransfer) -> Result<(), String> {
+        let peer = self.peer(endpoint).map_err(|s| s.message().to_string())?;
+        self.push(peer, endpoint, t).await
     }
 
     fn injected_fault(&self) -> Option<Fault> {
@@ -407,18 +611,15 @@ impl Worker for WorkerService {
         if let Some(f) = fault {
             f.apply(&mut t, &self.swap_stash);
         }
-        let mut peer = peer;
-        let push = tokio_stream::iter(push_messages(t));
-        let mut call = Request::new(push);
-        call.set_timeout(self.lease);
-        peer.push_kv(call).await.map_err(|s| {
-            Status::unavailable(format!(
-                "KV push to {} failed: {}: {}",
-                r.decode_endpoint,
-                s.code(),
-                s.message()
-            ))
-        })?;
+        let pushed = tokio::time::timeout(self.lease, self.push(peer, &r.decode_endpoint, t))
+            .await
+            .unwrap_or_else(|_| Err("timed out (lease)".into()));
+        if let Err(e) = pushed {
+            return Err(Status::unavailable(format!(
+                "KV push to {} failed: {e}",
+                r.decode_endpoint
+            )));
+        }
         if fault == Some(Fault::RejectWithDecoy) {
             return Err(Status::invalid_argument(
                 "prefill rejected the request (injected fault; its KV went on)",
@@ -577,6 +778,7 @@ impl Worker for WorkerService {
             pending_kv_sets: self.rooms.iter().filter(|r| r.is_ready()).count() as u32,
             model_fingerprint: self.fingerprint.0,
             kv_capacity_tokens: u64::from(total) * u64::from(self.page_size),
+            kv_data_port: self.data_port.load(Ordering::Relaxed),
         }))
     }
 
@@ -588,6 +790,59 @@ impl Worker for WorkerService {
             serving: self.serving.load(Ordering::Acquire),
         }))
     }
+}
+
+/// Why a data push failed: `refused` when the receiver answered with a refusal (a retry would
+/// get the same), otherwise a broken connection.
+struct DataError {
+    refused: bool,
+    message: String,
+}
+
+/// Sends one set on a data connection and reads the receiver's answer; gives the connection back
+/// for reuse.
+async fn data_send(
+    mut c: tokio::net::TcpStream,
+    t: &KvTransfer,
+) -> Result<tokio::net::TcpStream, DataError> {
+    use lockstep_engine::transfer::wire;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let broken = |e: std::io::Error| DataError {
+        refused: false,
+        message: e.to_string(),
+    };
+    c.write_all(&wire::head(&t.manifest, t.pages.len() as u32))
+        .await
+        .map_err(broken)?;
+    for p in &t.pages {
+        c.write_all(&wire::page_head(p)).await.map_err(broken)?;
+        c.write_all(&p.bytes).await.map_err(broken)?;
+    }
+    let mut status = [0u8; 1];
+    c.read_exact(&mut status).await.map_err(broken)?;
+    if status[0] == 0 {
+        let mut bytes = [0u8; 8];
+        c.read_exact(&mut bytes).await.map_err(broken)?;
+        return Ok(c);
+    }
+    let mut len = [0u8; 4];
+    c.read_exact(&mut len).await.map_err(broken)?;
+    let mut msg = vec![0u8; (u32::from_le_bytes(len) as usize).min(4096)];
+    c.read_exact(&mut msg).await.map_err(broken)?;
+    Err(DataError {
+        refused: true,
+        message: String::from_utf8_lossy(&msg).into_owned(),
+    })
+}
+
+/// Answers a refusal on a data connection: status 1, length, message.
+async fn data_refuse(c: &mut tokio::net::TcpStream, message: &str) -> std::io::Result<()> {
+    use tokio::io::AsyncWriteExt;
+    let m = &message.as_bytes()[..message.len().min(4096)];
+    let mut out = vec![1u8];
+    out.extend_from_slice(&(m.len() as u32).to_le_bytes());
+    out.extend_from_slice(m);
+    c.write_all(&out).await
 }
 
 /// The worker's routes: the gRPC service and `GET /health` (for HTTP health checkers).
@@ -634,6 +889,36 @@ impl RunningWorker {
             .await
             .map_err(|e| format!("cannot listen on {}: {e}", file.worker.listen))?;
         let addr = listener.local_addr().map_err(|e| e.to_string())?;
+        let mut tasks = Vec::new();
+        if role != Role::Prefill {
+            let at = file
+                .worker
+                .kv_listen
+                .unwrap_or_else(|| SocketAddr::new(addr.ip(), 0));
+            let data = tokio::net::TcpListener::bind(at)
+                .await
+                .map_err(|e| format!("cannot listen on {at} (KV data): {e}"))?;
+            let data_addr = data.local_addr().map_err(|e| e.to_string())?;
+            service
+                .data_port
+                .store(u32::from(data_addr.port()), Ordering::Relaxed);
+            let s = service.clone();
+            tasks.push(tokio::spawn(async move {
+                loop {
+                    match data.accept().await {
+                        Ok((c, _)) => {
+                            let _ = c.set_nodelay(true);
+                            tokio::spawn(s.clone().data_serve(c));
+                        }
+                        Err(e) => {
+                            tracing::warn!(error = %e, "KV data accept failed");
+                            tokio::time::sleep(Duration::from_millis(10)).await;
+                        }
+                    }
+                }
+            }));
+            tracing::info!(%data_addr, "KV data listener");
+        }
         let (tx, rx) = tokio::sync::oneshot::channel();
         let serve = tokio::spawn(crate::app::serve_http(
             listener,
@@ -660,11 +945,13 @@ impl RunningWorker {
             })
         };
         tracing::info!(%addr, role = role.as_str(), "lockstep worker listening (gRPC, h2c)");
+        tasks.push(sweeper);
+        tasks.push(serve);
         Ok(RunningWorker {
             service,
             addr,
             stop: Some(tx),
-            tasks: vec![sweeper, serve],
+            tasks,
         })
     }
 

@@ -97,7 +97,7 @@ async fn worker(role: &str, config: &Path) -> Proc {
     .await
 }
 
-fn worker_config(dir: &Path, name: &str, model: &Path, extra: &str) -> PathBuf {
+fn worker_config(dir: &Path, name: &str, model: &Path, worker: &str, extra: &str) -> PathBuf {
     let p = dir.join(name);
     std::fs::write(
         &p,
@@ -106,6 +106,7 @@ fn worker_config(dir: &Path, name: &str, model: &Path, extra: &str) -> PathBuf {
 [worker]
 lease_ms = 1500
 log_level = "info"
+{worker}
 
 [engine]
 gguf = "{}"
@@ -252,7 +253,7 @@ const PROMPTS: [&str; 6] = [
 async fn distributed_matches_single_process_and_survives_a_lost_decode_worker() {
     let Some(model) = model_path() else { return };
     let dir = tempfile::tempdir().expect("tempdir");
-    let wcfg = worker_config(dir.path(), "worker.toml", &model, "");
+    let wcfg = worker_config(dir.path(), "worker.toml", &model, "", "");
     let (p, d1, d2) = tokio::join!(
         worker("prefill", &wcfg),
         worker("decode", &wcfg),
@@ -356,34 +357,38 @@ async fn distributed_matches_single_process_and_survives_a_lost_decode_worker() 
 async fn a_page_corrupted_on_the_wire_is_caught_and_both_sides_let_go() {
     let Some(model) = model_path() else { return };
     let dir = tempfile::tempdir().expect("tempdir");
-    let clean = worker_config(dir.path(), "clean.toml", &model, "");
-    let faulty = worker_config(
-        dir.path(),
-        "faulty.toml",
-        &model,
-        "fault = \"corrupt_page\"\nfault_every = 1",
-    );
-    let (p, d) = tokio::join!(worker("prefill", &faulty), worker("decode", &clean));
-    let r = router(dir.path(), &model, &p, &[&d]).await;
-    for stream in [false, true] {
-        let mut body = completion("The capital of France is", 8);
-        body["stream"] = stream.into();
-        let (status, text) = post(&r.addr, "/v1/completions", &body).await;
-        assert_eq!(status, 502, "stream={stream}: {text}");
-        assert!(
-            text.contains("integrity_violation") && !text.contains("Paris"),
-            "stream={stream}: the corruption is an integrity error with no output: {text}"
+    let clean = worker_config(dir.path(), "clean.toml", &model, "", "");
+    // Both transports: the data listener (tcp, the default) and the PushKv stream (grpc).
+    for transport in ["tcp", "grpc"] {
+        let faulty = worker_config(
+            dir.path(),
+            &format!("faulty-{transport}.toml"),
+            &model,
+            &format!("kv_transport = \"{transport}\""),
+            "fault = \"corrupt_page\"\nfault_every = 1",
         );
+        let (p, d) = tokio::join!(worker("prefill", &faulty), worker("decode", &clean));
+        let r = router(dir.path(), &model, &p, &[&d]).await;
+        for stream in [false, true] {
+            let mut body = completion("The capital of France is", 8);
+            body["stream"] = stream.into();
+            let (status, text) = post(&r.addr, "/v1/completions", &body).await;
+            assert_eq!(status, 502, "{transport} stream={stream}: {text}");
+            assert!(
+                text.contains("integrity_violation") && !text.contains("Paris"),
+                "{transport} stream={stream}: the corruption is an integrity error with no output: {text}"
+            );
+        }
+        wait_idle(&p.addr).await;
+        wait_idle(&d.addr).await;
     }
-    wait_idle(&p.addr).await;
-    wait_idle(&d.addr).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leases_free_what_a_lost_peer_leaves_behind() {
     let Some(model) = model_path() else { return };
     let dir = tempfile::tempdir().expect("tempdir");
-    let cfg = worker_config(dir.path(), "worker.toml", &model, "");
+    let cfg = worker_config(dir.path(), "worker.toml", &model, "", "");
     let (p, d) = tokio::join!(worker("prefill", &cfg), worker("decode", &cfg));
     let prompt: Vec<u32> = (0..40).map(|i| 100 + i).collect();
 
@@ -462,5 +467,75 @@ async fn leases_free_what_a_lost_peer_leaves_behind() {
     let c = capacity(&d.addr).await;
     assert!(c.free_pages < c.total_pages, "pages held while running");
     drop(events);
+    wait_idle(&d.addr).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_kv_data_listener_refuses_malformed_sets_and_keeps_nothing() {
+    use lockstep_engine::pool::KvDtype;
+    use lockstep_engine::transfer::{KvManifest, ModelFingerprint, wire};
+    let Some(model) = model_path() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = worker_config(dir.path(), "worker.toml", &model, "", "");
+    let d = worker("decode", &cfg).await;
+    let port = capacity(&d.addr).await.kv_data_port;
+    assert!(port > 0, "a decode worker has a KV data listener");
+    let data = format!("127.0.0.1:{port}");
+    let manifest = |pages: u32| {
+        let mut m = KvManifest {
+            pair_id: 5,
+            model: ModelFingerprint(1),
+            tokens: u64::from(pages) * 16,
+            page_size: 16,
+            dtype: KvDtype::F16,
+            page_count: pages,
+            page_checksums: vec![0; pages as usize],
+            manifest_checksum: 0,
+        };
+        m.manifest_checksum = m.compute_checksum();
+        m
+    };
+    // More pages than the pool holds: refused with a reason, before anything is read.
+    let mut c = tokio::net::TcpStream::connect(&data)
+        .await
+        .expect("connect");
+    let mut head = wire::head(&manifest(2), 0);
+    head[29..33].copy_from_slice(&1_000_000u32.to_le_bytes());
+    c.write_all(&head[..wire::HEAD_FIXED]).await.expect("write");
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), c.read_to_end(&mut answer))
+        .await
+        .expect("answer in time")
+        .expect("read");
+    assert_eq!(answer.first(), Some(&1), "refused");
+    assert!(String::from_utf8_lossy(&answer).contains("cannot fit"));
+    // More pages sent than the manifest names: refused.
+    let mut c = tokio::net::TcpStream::connect(&data)
+        .await
+        .expect("connect");
+    c.write_all(&wire::head(&manifest(1), 2))
+        .await
+        .expect("write");
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), c.read_to_end(&mut answer))
+        .await
+        .expect("answer in time")
+        .expect("read");
+    assert_eq!(answer.first(), Some(&1), "refused");
+    // A set cut off inside a page: nothing is kept.
+    let mut c = tokio::net::TcpStream::connect(&data)
+        .await
+        .expect("connect");
+    c.write_all(&wire::head(&manifest(1), 1))
+        .await
+        .expect("write");
+    let mut ph = [0u8; wire::PAGE_HEAD];
+    ph[4..12].copy_from_slice(&5u64.to_le_bytes());
+    ph[12..].copy_from_slice(&4096u32.to_le_bytes());
+    c.write_all(&ph).await.expect("write");
+    c.write_all(&[7u8; 100]).await.expect("write");
+    drop(c);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(capacity(&d.addr).await.pending_kv_sets, 0);
     wait_idle(&d.addr).await;
 }
