@@ -131,6 +131,9 @@ pub struct EngineConfig {
     pub max_running: usize,
     /// Wait or refuse when the pool is full.
     pub when_full: WhenFull,
+    /// Reuse the KV of full prompt pages computed for earlier requests of the same cache salt
+    /// (tenant). CPU engines only for now.
+    pub prefix_cache: bool,
 }
 
 impl Default for EngineConfig {
@@ -144,6 +147,7 @@ impl Default for EngineConfig {
             max_batch_tokens: 256,
             max_running: 16,
             when_full: WhenFull::Wait,
+            prefix_cache: true,
         }
     }
 }
@@ -223,6 +227,9 @@ pub struct Generate {
     pub sampling: SamplingConfig,
     /// KV of `prompt[..len - 1]` computed by a prefill engine; `None` computes it here.
     pub kv: Option<KvTransfer>,
+    /// The prefix-cache namespace (one per tenant): only requests with the same salt share
+    /// cached prompt pages. `None`: no prefix cache for this request.
+    pub cache_salt: Option<u64>,
 }
 
 #[allow(clippy::large_enum_variant)] // One per request, moved straight into the queue.
@@ -257,6 +264,8 @@ pub struct EngineStats {
     pub waiting: AtomicUsize,
     /// Tokens generated since start.
     pub generated: AtomicUsize,
+    /// Prompt tokens whose KV came from the prefix cache instead of being computed.
+    pub prefix_hit_tokens: AtomicUsize,
 }
 
 /// A cheap, clonable way to submit work to an engine.
@@ -344,9 +353,10 @@ impl Engine {
         &self,
         id: u64,
         tokens: Arc<[u32]>,
+        cache_salt: Option<u64>,
         sink: KvSink,
     ) -> oneshot::Receiver<Result<KvReport, EngineError>> {
-        self.handle.prefill(id, tokens, sink)
+        self.handle.prefill(id, tokens, cache_salt, sink)
     }
 
     /// Aborts request `id` ([`EngineHandle::abort`]).
@@ -373,17 +383,19 @@ impl EngineHandle {
 
     /// Queues a prefill: computes the KV of `tokens`, exports it for pair `id` into `sink` (from
     /// the engine thread, whether or not anyone awaits the report), frees its pages, then
-    /// reports. Dropping the receiver aborts.
+    /// reports. `cache_salt` as in [`Generate::cache_salt`]. Dropping the receiver aborts.
     pub fn prefill(
         &self,
         id: u64,
         tokens: Arc<[u32]>,
+        cache_salt: Option<u64>,
         sink: KvSink,
     ) -> oneshot::Receiver<Result<KvReport, EngineError>> {
         let (reply, rx) = oneshot::channel();
         let _ = self.tx.send(Cmd::Submit(Job::Prefill {
             id,
             tokens,
+            cache_salt,
             sink,
             reply,
         }));
@@ -428,6 +440,7 @@ enum Job {
     Prefill {
         id: u64,
         tokens: Arc<[u32]>,
+        cache_salt: Option<u64>,
         sink: KvSink,
         reply: oneshot::Sender<Result<KvReport, EngineError>>,
     },
@@ -471,6 +484,8 @@ struct Active {
     input: Arc<[u32]>,
     /// Input tokens whose KV is in `seq`.
     fed: usize,
+    /// The prefix-cache namespace, while the input's full pages are still to be published.
+    publish: Option<u64>,
     role: Role,
 }
 
@@ -631,26 +646,30 @@ impl Worker {
             Job::Prefill {
                 id,
                 tokens,
+                cache_salt,
                 sink,
                 reply,
             } => {
-                let seq = match self.pool.new_sequence(owner, tokens.len()) {
+                let salt = cache_salt.filter(|_| self.prefix_cache());
+                let (seq, shared) = match self.new_sequence(owner, &tokens, tokens.len(), salt) {
                     Ok(s) => s,
                     Err(e) => {
                         let job = Job::Prefill {
                             id,
                             tokens,
+                            cache_salt,
                             sink,
                             reply,
                         };
-                        return Err((job, e.into()));
+                        return Err((job, e));
                     }
                 };
                 let a = Active {
                     id,
                     seq,
                     input: tokens,
-                    fed: 0,
+                    fed: shared,
+                    publish: salt,
                     role: Role::Prefill {
                         sink: Some(sink),
                         reply: Some(reply),
@@ -670,10 +689,11 @@ impl Worker {
                         EngineError::BadRequest("empty prompt".into()),
                     ));
                 }
+                let salt = g.cache_salt.filter(|_| self.prefix_cache());
                 let (seq, digest) = match g.kv.take() {
-                    None => match self.pool.new_sequence(owner, tokens) {
-                        Ok(s) => (s, None),
-                        Err(e) => return Err((Job::Gen(g, events), e.into())),
+                    None => match self.new_sequence(owner, &g.prompt, tokens, salt) {
+                        Ok((s, _)) => (s, None),
+                        Err(e) => return Err((Job::Gen(g, events), e)),
                     },
                     Some(t) => {
                         let expect = ImportExpectation {
@@ -717,6 +737,7 @@ impl Worker {
                     seq,
                     input: g.prompt,
                     fed,
+                    publish: salt.filter(|_| digest.is_none()),
                     role: Role::Gen {
                         events,
                         sampler: Sampler::new(g.sampling),
@@ -727,6 +748,33 @@ impl Worker {
                 }))
             }
         }
+    }
+
+    fn prefix_cache(&self) -> bool {
+        self.cfg.prefix_cache && self.dev.is_none()
+    }
+
+    /// A sequence for `input` with room for `tokens` tokens; with a cache salt, full pages of the
+    /// input already cached under that salt are shared. Returns it and the tokens shared.
+    fn new_sequence(
+        &mut self,
+        owner: OwnerId,
+        input: &[u32],
+        tokens: usize,
+        salt: Option<u64>,
+    ) -> Result<(Sequence, usize), EngineError> {
+        let Some(salt) = salt else {
+            return Ok((self.pool.new_sequence(owner, tokens)?, 0));
+        };
+        let (mut seq, shared) = self.pool.start_with_prefix(owner, input, salt)?;
+        if let Err(e) = self.pool.reserve(&mut seq, tokens - shared) {
+            let _ = self.pool.release(seq);
+            return Err(e.into());
+        }
+        self.stats
+            .prefix_hit_tokens
+            .fetch_add(shared, Ordering::Relaxed);
+        Ok((seq, shared))
     }
 
     /// Ends a running request with an error and frees its pages.
@@ -893,6 +941,12 @@ impl Worker {
             let a = &mut self.active[i];
             if a.fed < a.input.len() {
                 a.fed += n;
+                if a.fed == a.input.len()
+                    && let Some(salt) = a.publish.take()
+                    && let Err(e) = self.pool.publish_prefix(&mut a.seq, &a.input, salt)
+                {
+                    tracing::error!(request = a.id, error = %e, "prefix pages not published");
+                }
             }
             if !want {
                 if a.fed == a.input.len() && matches!(a.role, Role::Prefill { .. }) {

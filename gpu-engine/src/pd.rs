@@ -228,13 +228,15 @@ impl Pd {
         })
     }
 
-    /// Runs pair `id`'s prefill half. Call before [`Pd::decode`] for the same pair: it opens the
+    /// Runs pair `id`'s prefill half (`cache_salt`: the tenant's prefix-cache namespace, see
+    /// [`Generate::cache_salt`]). Call before [`Pd::decode`] for the same pair: it opens the
     /// pair's room and queues the work at once; the engine delivers the KV to the room itself,
     /// and the returned future only carries the prefill's report.
     pub fn prefill(
         &self,
         id: u64,
         prompt: Arc<[u32]>,
+        cache_salt: Option<u64>,
     ) -> impl Future<Output = Result<PrefillDone, EngineError>> + Send + 'static {
         let n = prompt.len() as u64;
         let fault = self
@@ -260,7 +262,7 @@ impl Pd {
                     }
                     room.put(t);
                 });
-                Some(prefill.prefill(id, head, sink))
+                Some(prefill.prefill(id, head, cache_salt, sink))
             }
         };
         let rooms = match &self.mode {
@@ -309,6 +311,7 @@ impl Pd {
         id: u64,
         prompt: Arc<[u32]>,
         sampling: SamplingConfig,
+        cache_salt: Option<u64>,
     ) -> impl Future<Output = tmpsc::UnboundedReceiver<Event>> + Send + 'static {
         let (engine, rooms) = match &self.mode {
             Mode::Unified(e) => (e.handle(), None),
@@ -336,6 +339,7 @@ impl Pd {
                 prompt,
                 sampling,
                 kv,
+                cache_salt,
             })
         }
     }

@@ -5,6 +5,7 @@
 
 mod common;
 
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -78,9 +79,19 @@ async fn run_pd(
     prompt: &[u32],
     s: SamplingConfig,
 ) -> (Result<u64, EngineError>, Output) {
+    run_pd_salted(pd, id, prompt, s, None).await
+}
+
+async fn run_pd_salted(
+    pd: &Pd,
+    id: u64,
+    prompt: &[u32],
+    s: SamplingConfig,
+    salt: Option<u64>,
+) -> (Result<u64, EngineError>, Output) {
     let prompt: Arc<[u32]> = prompt.into();
-    let pre = pd.prefill(id, prompt.clone());
-    let dec = pd.decode(id, prompt, s);
+    let pre = pd.prefill(id, prompt.clone(), salt);
+    let dec = pd.decode(id, prompt, s, salt);
     let (p, rx) = tokio::join!(pre, dec);
     let out = collect(rx).await;
     (p.map(|d| d.kv_digest.unwrap_or(0)), out)
@@ -417,8 +428,8 @@ async fn aborts_and_dropped_receivers_free_pages_at_once() {
     };
     // Abort the decode half mid-generation.
     let prompt: Arc<[u32]> = PLAIN.into();
-    let pre = pd.prefill(1, prompt.clone());
-    let mut rx = pd.decode(1, prompt.clone(), long.clone()).await;
+    let pre = pd.prefill(1, prompt.clone(), None);
+    let mut rx = pd.decode(1, prompt.clone(), long.clone(), None).await;
     pre.await.expect("prefill");
     let mut tokens = 0;
     while tokens < 3 {
@@ -432,16 +443,16 @@ async fn aborts_and_dropped_receivers_free_pages_at_once() {
     pd.abort(1, Half::Decode);
     wait_free(&pd).await;
     // Drop the receiver mid-generation.
-    let pre = pd.prefill(2, prompt.clone());
-    let mut rx = pd.decode(2, prompt.clone(), long.clone()).await;
+    let pre = pd.prefill(2, prompt.clone(), None);
+    let mut rx = pd.decode(2, prompt.clone(), long.clone(), None).await;
     pre.await.expect("prefill");
     assert!(matches!(rx.recv().await, Some(Event::Started { .. })));
     drop(rx);
     wait_free(&pd).await;
     // Abort before the prefill ran: the room closes, the decode never starts.
-    let pre = pd.prefill(3, prompt.clone());
+    let pre = pd.prefill(3, prompt.clone(), None);
     pd.abort(3, Half::Prefill);
-    let rx = pd.decode(3, prompt.clone(), long).await;
+    let rx = pd.decode(3, prompt.clone(), long, None).await;
     let out = collect(rx).await;
     assert_eq!(out.error, Some(EngineError::Stopped));
     let _ = pre.await;
@@ -515,6 +526,62 @@ async fn injected_transfer_faults_are_caught_by_the_decode_engine() {
     }
 }
 
+/// Prompt tokens served from the prefix cache, summed over the engines.
+fn prefix_hits(pd: &Pd) -> usize {
+    pd.engines()
+        .iter()
+        .map(|(_, e)| e.stats().prefix_hit_tokens.load(Ordering::Relaxed))
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_prefix_cache_is_shared_within_a_tenant_only_and_changes_no_answer() {
+    let Some(b) = bundle() else { return };
+    let text = "The history of the lighthouse begins with fires lit on hilltops to guide ships \
+                home at night, long before towers of stone were built along the coasts.";
+    let mut prompt = b
+        .tokenizer
+        .encode(&format!("{text} {text}"))
+        .expect("encode");
+    prompt.truncate(53); // 3 full pages of 16, then 5 tokens.
+    assert_eq!(prompt.len(), 53, "the text is long enough");
+    for split in [false, true] {
+        let pd = if split {
+            Pd::split(b.clone(), small(32), small(32), None)
+        } else {
+            Pd::unified(b.clone(), small(32))
+        }
+        .expect("engines");
+        // Without a salt: no cache at all.
+        let (r, reference) = run_pd_salted(&pd, 1, &prompt, greedy(8), None).await;
+        assert!(r.is_ok() && reference.error.is_none(), "{reference:?}");
+        let (_, again) = run_pd_salted(&pd, 2, &prompt, greedy(8), None).await;
+        assert_eq!(prefix_hits(&pd), 0, "no salt, no sharing");
+        assert_eq!(again.ids, reference.ids);
+        // Tenant 7's first request computes and publishes; its second reuses 3 full pages.
+        let (_, a1) = run_pd_salted(&pd, 3, &prompt, greedy(8), Some(7)).await;
+        assert_eq!(prefix_hits(&pd), 0);
+        let (_, a2) = run_pd_salted(&pd, 4, &prompt, greedy(8), Some(7)).await;
+        assert_eq!(prefix_hits(&pd), 48, "split={split}: three pages reused");
+        // Tenant 8, the same prompt: nothing of tenant 7's is shared.
+        let (_, b1) = run_pd_salted(&pd, 5, &prompt, greedy(8), Some(8)).await;
+        assert_eq!(
+            prefix_hits(&pd),
+            48,
+            "split={split}: another tenant shares nothing"
+        );
+        for (name, out) in [("a1", &a1), ("a2", &a2), ("b1", &b1)] {
+            assert!(out.error.is_none(), "{name}: {out:?}");
+            assert_eq!(
+                out.ids, reference.ids,
+                "split={split} {name}: the cache changes no answer"
+            );
+        }
+        // Cached pages count as free: a full pool is still available to new requests.
+        wait_free(&pd).await;
+    }
+}
+
 #[test]
 fn an_engine_stops_cleanly_with_work_queued() {
     let Some(b) = bundle() else { return };
@@ -527,6 +594,7 @@ fn an_engine_stops_cleanly_with_work_queued() {
             ..greedy(100)
         },
         kv: None,
+        cache_salt: None,
     });
     drop(e);
     let mut last = None;

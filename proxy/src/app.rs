@@ -447,6 +447,7 @@ pub fn engine_config(e: &EngineSection) -> EngineConfig {
             WhenFullKind::Wait => WhenFull::Wait,
             WhenFullKind::Refuse => WhenFull::Refuse,
         },
+        prefix_cache: e.prefix_cache,
     }
 }
 

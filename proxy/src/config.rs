@@ -303,6 +303,9 @@ pub struct EngineSection {
     pub when_full: WhenFullKind,
     /// Zero freed pages (`on_free`) or not (`none`).
     pub scrub: ScrubKind,
+    /// Reuse the KV of full prompt pages computed for earlier requests of the same tenant
+    /// (keys salted by tenant: tenants never share KV). CPU engines only for now.
+    pub prefix_cache: bool,
     /// Test only, unsafe: tamper with the KV between the halves (`corrupt_page`, `drop_page`,
     /// `swap_pages`, `reject_with_decoy`). `lockstep check` flags it.
     pub fault: Option<FaultKind>,
@@ -327,6 +330,7 @@ impl Default for EngineSection {
             max_running: 16,
             when_full: WhenFullKind::Wait,
             scrub: ScrubKind::OnFree,
+            prefix_cache: true,
             fault: None,
             fault_every: 1,
             device: "auto".into(),
@@ -406,6 +410,9 @@ pub struct TimeoutConfig {
     pub idle_ms: u64,
     /// Bound on each `/abort_request` call (never delays the client's error).
     pub abort_ms: u64,
+    /// Longest a committed stream waits for its client to take the next chunk (a reader that
+    /// stalled, or reads too slowly to ever finish); then both halves are aborted.
+    pub client_idle_ms: u64,
 }
 
 impl Default for TimeoutConfig {
@@ -416,6 +423,7 @@ impl Default for TimeoutConfig {
             first_token_ms: 90_000,
             idle_ms: 30_000,
             abort_ms: 2_000,
+            client_idle_ms: 30_000,
         }
     }
 }
@@ -440,6 +448,10 @@ impl TimeoutConfig {
     /// `abort_ms` as a duration.
     pub fn abort(&self) -> Duration {
         Duration::from_millis(self.abort_ms)
+    }
+    /// `client_idle_ms` as a duration.
+    pub fn client_idle(&self) -> Duration {
+        Duration::from_millis(self.client_idle_ms)
     }
 }
 
@@ -826,6 +838,7 @@ impl Config {
                 ("first_token_ms", t.first_token_ms),
                 ("idle_ms", t.idle_ms),
                 ("abort_ms", t.abort_ms),
+                ("client_idle_ms", t.client_idle_ms),
             ] {
                 if v == 0 {
                     out.push(format!("{at}.timeouts.{k}: must be greater than 0"));

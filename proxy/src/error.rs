@@ -21,6 +21,8 @@ pub enum Phase {
     FirstToken,
     /// The gap between two decode tokens.
     Idle,
+    /// A committed stream's client not taking the next chunk (a stalled reader).
+    ClientIdle,
 }
 
 impl Phase {
@@ -31,6 +33,7 @@ impl Phase {
             Phase::Prefill => "prefill",
             Phase::FirstToken => "first_token",
             Phase::Idle => "idle",
+            Phase::ClientIdle => "client_idle",
         }
     }
 }

@@ -46,6 +46,9 @@ pub struct Metrics {
     pub worker_healthy: IntGaugeVec,
     /// Embedded engines' KV pages by state `used` / `free` (read at scrape).
     pub kv_pages: IntGaugeVec,
+    /// Prompt tokens an embedded engine took from its prefix cache (brought up to the engine's
+    /// count at scrape).
+    pub prefix_cache_hit_tokens: IntCounterVec,
 }
 
 impl Default for Metrics {
@@ -162,6 +165,12 @@ impl Metrics {
                 "lockstep_kv_pages",
                 "KV pages of an embedded engine's pool, by state (used, free).",
                 &["model", "engine", "state"],
+            ),
+            prefix_cache_hit_tokens: counter(
+                &r,
+                "lockstep_prefix_cache_hit_tokens_total",
+                "Prompt tokens an embedded engine reused from its prefix cache (same tenant only).",
+                &["model", "engine"],
             ),
             registry: r,
         }

@@ -16,6 +16,20 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use crate::config::TenantConfig;
 use crate::error::LockstepError;
 
+/// The prefix-cache namespace of a tenant (`None`: lockstep runs without tenants): the first 8
+/// bytes of a domain-separated sha256 of its name, so no tenant can choose another's.
+pub fn cache_salt(tenant: Option<&str>) -> u64 {
+    use sha2::Digest;
+    let mut h = sha2::Sha256::new();
+    h.update(b"lockstep prefix cache\0");
+    if let Some(t) = tenant {
+        h.update(b"tenant\0");
+        h.update(t.as_bytes());
+    }
+    let d = h.finalize();
+    u64::from_le_bytes([d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]])
+}
+
 /// One tenant and its limits.
 pub struct Tenant {
     /// The tenant's name (audit log, errors).

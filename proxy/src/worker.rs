@@ -590,6 +590,7 @@ impl Worker for WorkerService {
         let report = self.engine.prefill(
             r.pair_id,
             head,
+            r.cache_salt,
             Box::new(move |t| {
                 let _ = tx.send(t);
             }),
@@ -667,6 +668,7 @@ impl Worker for WorkerService {
             prompt: r.input_ids.into(),
             sampling: sampling_from_pb(r.sampling),
             kv,
+            cache_salt: r.cache_salt,
         });
         let events = tokio_stream::wrappers::UnboundedReceiverStream::new(rx);
         let out = events

@@ -399,6 +399,7 @@ async fn leases_free_what_a_lost_peer_leaves_behind() {
             pair_id: 7,
             input_ids: prompt.clone(),
             decode_endpoint: format!("http://{}", d.addr),
+            cache_salt: None,
         })
         .await
         .expect("prefill")
@@ -425,6 +426,7 @@ async fn leases_free_what_a_lost_peer_leaves_behind() {
                 ..Default::default()
             }),
             expect_kv: true,
+            cache_salt: None,
         })
         .await
         .expect_err("no KV, no decode");
@@ -438,6 +440,7 @@ async fn leases_free_what_a_lost_peer_leaves_behind() {
             pair_id: 9,
             input_ids: prompt.clone(),
             decode_endpoint: format!("http://{}", d.addr),
+            cache_salt: None,
         })
         .await
         .expect_err("a decode worker does not prefill");
@@ -455,6 +458,7 @@ async fn leases_free_what_a_lost_peer_leaves_behind() {
                 ..Default::default()
             }),
             expect_kv: false,
+            cache_salt: None,
         })
         .await
         .expect("decode")

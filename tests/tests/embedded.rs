@@ -233,3 +233,69 @@ async fn leak_test_concurrent_secrets_near_and_over_capacity() {
         s.wait_released().await;
     }
 }
+
+/// The prefix cache through lockstep: a tenant's repeated prompt reuses its own cached pages;
+/// another tenant's identical prompt shares nothing (the salt comes from the tenant, never from
+/// the request); answers are the same either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefix_cache_keys_are_salted_by_tenant() {
+    use lockstep::tenant::key_hash_hex;
+    let tenants = format!(
+        "\n[[tenants]]\nname = \"acme\"\napi_keys_sha256 = [\"{}\"]\n\n[[tenants]]\nname = \"globex\"\napi_keys_sha256 = [\"{}\"]\n",
+        key_hash_hex("acme-key"),
+        key_hash_hex("globex-key")
+    );
+    let Some(s) = start(&tenants).await else {
+        return;
+    };
+    let hits = || async {
+        let m = TestClient::default()
+            .get(&format!("{}/metrics", s.url), Duration::from_secs(5))
+            .await;
+        m.body
+            .lines()
+            .filter(|l| l.starts_with("lockstep_prefix_cache_hit_tokens_total{"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .sum::<u64>()
+    };
+    // 40 tokens of prompt: the prefill engine computes 39, two full pages of 16 can be shared.
+    let prompt: Vec<u32> = (0..40).map(|i| 1000 + 7 * i).collect();
+    let body = json!({ "model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0 });
+    let ask = |key: &'static str| {
+        let body = body.clone();
+        let url = format!("{}/v1/completions", s.url);
+        async move {
+            let auth = format!("Bearer {key}");
+            let a = TestClient::default()
+                .send_with(
+                    "POST",
+                    &url,
+                    &[
+                        ("authorization", &auth),
+                        ("content-type", "application/json"),
+                    ],
+                    body.to_string(),
+                    Duration::from_secs(60),
+                )
+                .await;
+            assert_eq!(a.status, 200, "{}", a.body);
+            a.json()["choices"][0]["text"]
+                .as_str()
+                .expect("text")
+                .to_string()
+        }
+    };
+    let first = ask("acme-key").await;
+    assert_eq!(hits().await, 0, "nothing cached before the first request");
+    let second = ask("acme-key").await;
+    assert_eq!(hits().await, 32, "the same tenant reuses two pages");
+    let other = ask("globex-key").await;
+    assert_eq!(hits().await, 32, "another tenant reuses nothing");
+    let other_again = ask("globex-key").await;
+    assert_eq!(hits().await, 64, "and then reuses its own");
+    assert!(
+        [&second, &other, &other_again].iter().all(|t| **t == first),
+        "the cache changes no answer: {first:?} {second:?} {other:?} {other_again:?}"
+    );
+    s.wait_released().await;
+}

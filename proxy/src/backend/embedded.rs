@@ -69,7 +69,9 @@ fn half_error(side: Side, e: EngineError) -> HalfError {
 
 impl PdBackend for EmbeddedBackend {
     fn prefill(&self, d: &Dispatch) -> BoxFuture<'static, Result<PrefillReport, HalfError>> {
-        let work = self.pd.prefill(d.pair_id.raw(), d.input_ids.clone());
+        let work = self
+            .pd
+            .prefill(d.pair_id.raw(), d.input_ids.clone(), Some(d.cache_salt()));
         async move {
             let done = work.await.map_err(|e| half_error(Side::Prefill, e))?;
             Ok(PrefillReport {
@@ -81,9 +83,12 @@ impl PdBackend for EmbeddedBackend {
     }
 
     fn decode(&self, d: &Dispatch) -> DecodeStream {
-        let rx = self
-            .pd
-            .decode(d.pair_id.raw(), d.input_ids.clone(), sampling(&d.sampling));
+        let rx = self.pd.decode(
+            d.pair_id.raw(),
+            d.input_ids.clone(),
+            sampling(&d.sampling),
+            Some(d.cache_salt()),
+        );
         // (events, prompt tokens and digest from `Started`, completion tokens, done)
         type State = (
             tokio::sync::mpsc::UnboundedReceiver<Event>,

@@ -117,6 +117,7 @@ impl PdBackend for LockstepBackend {
             pair_id: d.pair_id.raw(),
             input_ids: d.input_ids.to_vec(),
             decode_endpoint: d.decode.url.clone(),
+            cache_salt: Some(d.cache_salt()),
         };
         let req = traced(req);
         async move {
@@ -141,6 +142,7 @@ impl PdBackend for LockstepBackend {
             input_ids: d.input_ids.to_vec(),
             sampling: Some(sampling(&d.sampling)),
             expect_kv: true,
+            cache_salt: Some(d.cache_salt()),
         });
         let start = async move {
             let mut c = client.map_err(|e| unreachable(Side::Decode, e))?;

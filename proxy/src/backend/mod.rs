@@ -82,6 +82,16 @@ pub struct Dispatch {
     pub input_ids: Arc<[u32]>,
     /// Sampling parameters.
     pub sampling: Arc<SamplingParams>,
+    /// The tenant whose request it is (`None` without tenants): the prefix-cache namespace.
+    pub tenant: Option<Arc<str>>,
+}
+
+impl Dispatch {
+    /// The prefix-cache salt of the pair's tenant: requests of one tenant share cached prompt
+    /// pages, two tenants never do (requests without a tenant share one namespace).
+    pub fn cache_salt(&self) -> u64 {
+        crate::tenant::cache_salt(self.tenant.as_deref())
+    }
 }
 
 /// What the prefill half reported once it finished.

@@ -117,6 +117,13 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
                 m.kv_pages
                     .with_label_values(&[name, engine, "used"])
                     .set(total - free);
+                // The engine counts; the counter catches up (a reloaded engine restarts at 0
+                // and the counter waits until it passes the old count).
+                let hits = m.prefix_cache_hit_tokens.with_label_values(&[name, engine]);
+                let now = s.prefix_hit_tokens.load(Ordering::Relaxed) as u64;
+                if now > hits.get() {
+                    hits.inc_by(now - hits.get());
+                }
             }
         }
         for (side, pool) in [

@@ -72,6 +72,7 @@ impl AbortReason {
             AbortReason::Deadline(Phase::Prefill) => "deadline_prefill",
             AbortReason::Deadline(Phase::FirstToken) => "deadline_first_token",
             AbortReason::Deadline(Phase::Idle) => "deadline_idle",
+            AbortReason::Deadline(Phase::ClientIdle) => "deadline_client_idle",
             AbortReason::ClientGone => "client_gone",
             AbortReason::NoWorker => "no_worker",
             AbortReason::Shutdown => "shutdown",
@@ -275,6 +276,7 @@ impl PairRuntime {
                 decode: dg.worker().clone(),
                 input_ids: input_ids.clone(),
                 sampling: sampling.clone(),
+                tenant: tenant.clone(),
             };
             self.stats.dispatched.fetch_add(1, Ordering::Relaxed);
             let model = &*self.model;
@@ -568,17 +570,24 @@ impl PairRuntime {
         };
         loop {
             let finished = chunk.finish.is_some();
-            match tokio::time::timeout_at(total_at, tx.send(PairEvent::Chunk(chunk))).await {
-                Ok(Ok(())) => {
-                    let now = TokioInstant::now();
-                    match last_sent {
-                        None => ttft.observe((now - started).as_secs_f64()),
-                        Some(t) => itl.observe((now - t).as_secs_f64()),
+            // A client that stops reading fills the channel (and the socket under it): the send
+            // then waits, bounded by `client_idle_ms`, and stays abortable.
+            tokio::select! {
+                biased;
+                why = guard.cancelled() => return Err(Failure::cancelled(id, why)),
+                sent = tx.send(PairEvent::Chunk(chunk)) => match sent {
+                    Ok(()) => {
+                        let now = TokioInstant::now();
+                        match last_sent {
+                            None => ttft.observe((now - started).as_secs_f64()),
+                            Some(t) => itl.observe((now - t).as_secs_f64()),
+                        }
+                        last_sent = Some(now);
                     }
-                    last_sent = Some(now);
-                }
-                Ok(Err(_)) => return Err(gone()),
-                Err(_) => return Err(Failure::deadline(id, Phase::Total)),
+                    Err(_) => return Err(gone()),
+                },
+                _ = sleep_until(total_at) => return Err(Failure::deadline(id, Phase::Total)),
+                _ = sleep(t.client_idle()) => return Err(Failure::deadline(id, Phase::ClientIdle)),
             }
             if finished {
                 return Ok(());

@@ -212,6 +212,50 @@ fn pool() -> Arc<WorkerPool> {
     }))
 }
 
+type Setup = (
+    Arc<Fake>,
+    Arc<PairRuntime>,
+    Arc<PairRegistry>,
+    Arc<WorkerPool>,
+    Arc<WorkerPool>,
+);
+
+/// The fake backend playing `script` under a pair runtime with short deadlines.
+fn setup(script: &Script) -> Setup {
+    let n = 7u64;
+    let fake = Arc::new(Fake {
+        script: script.clone(),
+        n,
+        aborts: Mutex::new(Vec::new()),
+        dispatched: Mutex::new(Vec::new()),
+    });
+    let registry = Arc::new(PairRegistry::default());
+    let (prefill, decode) = (pool(), pool());
+    let rt = Arc::new(PairRuntime {
+        model: "m".into(),
+        backend: fake.clone(),
+        prefill: prefill.clone(),
+        decode: decode.clone(),
+        registry: registry.clone(),
+        timeouts: TimeoutConfig {
+            total_ms: 2000,
+            prefill_ms: 300,
+            first_token_ms: 350,
+            idle_ms: 120,
+            abort_ms: 50,
+            client_idle_ms: 150,
+        },
+        retry: RetryConfig {
+            max_retries: 1,
+            backoff_ms: 5,
+        },
+        stats: Arc::new(PairStats::default()),
+        metrics: Arc::new(crate::metrics::Metrics::new()),
+        audit: Arc::new(crate::audit::Audit::default()),
+    });
+    (fake, rt, registry, prefill, decode)
+}
+
 fn run_case(script: Script) -> Result<(), TestCaseError> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_time()
@@ -220,35 +264,7 @@ fn run_case(script: Script) -> Result<(), TestCaseError> {
         .expect("runtime");
     rt.block_on(async move {
         let n = 7u64;
-        let fake = Arc::new(Fake {
-            script: script.clone(),
-            n,
-            aborts: Mutex::new(Vec::new()),
-            dispatched: Mutex::new(Vec::new()),
-        });
-        let registry = Arc::new(PairRegistry::default());
-        let (prefill, decode) = (pool(), pool());
-        let rt = Arc::new(PairRuntime {
-            model: "m".into(),
-            backend: fake.clone(),
-            prefill: prefill.clone(),
-            decode: decode.clone(),
-            registry: registry.clone(),
-            timeouts: TimeoutConfig {
-                total_ms: 2000,
-                prefill_ms: 300,
-                first_token_ms: 350,
-                idle_ms: 120,
-                abort_ms: 50,
-            },
-            retry: RetryConfig {
-                max_retries: 1,
-                backoff_ms: 5,
-            },
-            stats: Arc::new(PairStats::default()),
-            metrics: Arc::new(crate::metrics::Metrics::new()),
-            audit: Arc::new(crate::audit::Audit::default()),
-        });
+        let (fake, rt, registry, prefill, decode) = setup(&script);
         let (mut rx, handle) = rt.start(
             vec![1u32; n as usize].into(),
             Arc::new(SamplingParams {
@@ -362,4 +378,61 @@ proptest! {
     fn one_terminal_state_and_abort_both_iff_failed(s in script()) {
         run_case(s)?;
     }
+}
+
+/// A client that stops reading a committed stream: the channel fills, the send waits
+/// `client_idle_ms`, then both halves are aborted and nothing is left behind.
+#[test]
+fn a_stalled_reader_aborts_both_halves_after_client_idle() {
+    let script = Script {
+        prefill: PrefillScript::Ok {
+            delay_ms: 1,
+            count_off: false,
+        },
+        decode: DecodeScript {
+            start_delay_ms: 1,
+            start_fails: false,
+            chunks: 500,
+            chunk_delay_ms: 1,
+            cut_at: None,
+            count_off_at: None,
+        },
+        client_leaves_after: None,
+        digest_off: false,
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .expect("runtime");
+    rt.block_on(async move {
+        let (fake, rt, registry, ..) = setup(&script);
+        let (mut rx, handle) = rt.start(
+            vec![1u32; 7].into(),
+            Arc::new(SamplingParams {
+                max_new_tokens: 500,
+                ..Default::default()
+            }),
+            None,
+        );
+        assert!(matches!(rx.recv().await, Some(PairEvent::Committed { .. })));
+        // Stall: hold the receiver, read nothing.
+        let started = tokio::time::Instant::now();
+        let outcome = handle.await.expect("task ends");
+        assert!(
+            matches!(
+                outcome,
+                Outcome::Aborted(super::AbortReason::Deadline(
+                    crate::error::Phase::ClientIdle
+                ))
+            ),
+            "{outcome:?}"
+        );
+        assert!(started.elapsed() >= Duration::from_millis(150));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let aborts = fake.aborts.lock().expect("lock").clone();
+        assert_eq!(aborts.len(), 2, "both halves aborted: {aborts:?}");
+        assert!(registry.is_empty());
+        drop(rx);
+    });
 }
