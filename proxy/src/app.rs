@@ -265,7 +265,7 @@ pub struct Lockstep {
     pub http_addr: SocketAddr,
     /// Where the admin listener is bound, when configured.
     pub admin_addr: Option<SocketAddr>,
-    tasks: Vec<JoinHandle<()>>,
+    tasks: ServerTasks,
     shutdown: Option<tokio::sync::oneshot::Sender<()>>,
     admin_shutdown: Option<tokio::sync::oneshot::Sender<()>>,
     drain_grace: Duration,
@@ -599,7 +599,7 @@ impl Lockstep {
             state,
             http_addr,
             admin_addr,
-            tasks,
+            tasks: ServerTasks(tasks),
             shutdown: Some(tx),
             admin_shutdown: Some(admin_tx),
             drain_grace: Duration::from_millis(cfg.server.drain_grace_ms),
@@ -664,18 +664,30 @@ impl Lockstep {
         if let Some(tx) = self.shutdown.take() {
             let _ = tx.send(());
         }
-        if let Some(server) = self.tasks.pop() {
+        self.tasks.finish().await;
+    }
+}
+
+/// A server's background tasks, the serving task last. Dropping aborts them all.
+#[derive(Debug, Default)]
+pub(crate) struct ServerTasks(pub(crate) Vec<JoinHandle<()>>);
+
+impl ServerTasks {
+    /// Once the server was told to stop: waits for the serving task (bounded: 10 s), then
+    /// aborts the others.
+    pub(crate) async fn finish(&mut self) {
+        if let Some(server) = self.0.pop() {
             let _ = tokio::time::timeout(Duration::from_secs(10), server).await;
         }
-        for t in &self.tasks {
+        for t in self.0.drain(..) {
             t.abort();
         }
     }
 }
 
-impl Drop for Lockstep {
+impl Drop for ServerTasks {
     fn drop(&mut self) {
-        for t in &self.tasks {
+        for t in &self.0 {
             t.abort();
         }
     }

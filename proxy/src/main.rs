@@ -215,7 +215,8 @@ async fn run(cli: Cli) -> ExitCode {
                     return ExitCode::FAILURE;
                 }
             };
-            signals.wait_for_stop().await;
+            // A worker has nothing to reload: SIGHUP is ignored.
+            signals.until_stop(|| async {}).await;
             tracing::info!("worker shutting down");
             running.shutdown().await;
             ExitCode::SUCCESS
@@ -283,8 +284,8 @@ impl Signals {
 }
 
 impl Signals {
-    /// Waits for SIGINT or SIGTERM (SIGHUP is ignored).
-    async fn wait_for_stop(self) {
+    /// Waits for SIGINT or SIGTERM, running `on_hup` at each SIGHUP.
+    async fn until_stop<F: Future<Output = ()>>(self, mut on_hup: impl FnMut() -> F) {
         let Some((mut term, mut hup)) = self.0 else {
             let _ = tokio::signal::ctrl_c().await;
             return;
@@ -293,7 +294,7 @@ impl Signals {
             tokio::select! {
                 _ = tokio::signal::ctrl_c() => return,
                 _ = term.recv() => return,
-                _ = hup.recv() => {}
+                _ = hup.recv() => on_hup().await,
             }
         }
     }
@@ -302,23 +303,15 @@ impl Signals {
 /// Waits for SIGINT or SIGTERM; on SIGHUP reloads the configuration file (validate, deployment
 /// check, swap atomically; an invalid file is refused with its reasons and the old one kept).
 async fn serve_until_stopped(running: &Lockstep, path: Option<&PathBuf>, signals: Signals) {
-    let Some((mut term, mut hup)) = signals.0 else {
-        let _ = tokio::signal::ctrl_c().await;
-        return;
-    };
-    loop {
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => return,
-            _ = term.recv() => return,
-            _ = hup.recv() => {
-                let result = match load(path) {
-                    Ok(cfg) => running.reload(cfg).await,
-                    Err(e) => Err(e),
-                };
-                if let Err(e) = result {
-                    tracing::error!(config = %shown(path), "reload refused, keeping the running configuration:\n{e}");
-                }
+    signals
+        .until_stop(|| async move {
+            let result = match load(path) {
+                Ok(cfg) => running.reload(cfg).await,
+                Err(e) => Err(e),
+            };
+            if let Err(e) = result {
+                tracing::error!(config = %shown(path), "reload refused, keeping the running configuration:\n{e}");
             }
-        }
-    }
+        })
+        .await;
 }

@@ -876,7 +876,7 @@ pub struct RunningWorker {
     /// Where it listens.
     pub addr: SocketAddr,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
+    tasks: crate::app::ServerTasks,
 }
 
 impl RunningWorker {
@@ -953,7 +953,7 @@ impl RunningWorker {
             service,
             addr,
             stop: Some(tx),
-            tasks,
+            tasks: crate::app::ServerTasks(tasks),
         })
     }
 
@@ -963,19 +963,6 @@ impl RunningWorker {
         if let Some(tx) = self.stop.take() {
             let _ = tx.send(());
         }
-        if let Some(serve) = self.tasks.pop() {
-            let _ = tokio::time::timeout(Duration::from_secs(10), serve).await;
-        }
-        for t in &self.tasks {
-            t.abort();
-        }
-    }
-}
-
-impl Drop for RunningWorker {
-    fn drop(&mut self) {
-        for t in &self.tasks {
-            t.abort();
-        }
+        self.tasks.finish().await;
     }
 }
