@@ -13,6 +13,26 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 /// Index of a page in the pool.
 pub type PageIdx = u32;
 
+/// Chained hashes of the full `block`-token blocks of `tokens`, salted (seeded) by tenant: block
+/// i's hash covers every token up to its end, and two salts never produce the same chain. The
+/// engine's prefix-cache keys (`block` = page size) and the router's prefix-aware routing use
+/// the same function, so the router predicts exactly what a worker will find.
+pub fn block_hashes(tokens: &[u32], block: usize, tenant_salt: u64) -> Vec<u64> {
+    let mut h = tenant_salt;
+    tokens
+        .chunks_exact(block.max(1))
+        .map(|chunk| {
+            let mut bytes = Vec::with_capacity(8 + chunk.len() * 4);
+            bytes.extend_from_slice(&h.to_le_bytes());
+            for t in chunk {
+                bytes.extend_from_slice(&t.to_le_bytes());
+            }
+            h = xxh3_64_with_seed(&bytes, tenant_salt);
+            h
+        })
+        .collect()
+}
+
 /// Who owns a page: a sequence, or a shared-prefix entry (high bit set). 0 means free.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct OwnerId(u64);
@@ -551,19 +571,7 @@ impl PagePool {
     /// Chained hashes of the full pages of `tokens`, salted by tenant: two tenants never produce
     /// the same key, so they never share a page.
     pub fn prefix_hashes(&self, tokens: &[u32], tenant_salt: u64) -> Vec<u64> {
-        let mut h = tenant_salt;
-        tokens
-            .chunks_exact(self.cfg.page_size)
-            .map(|chunk| {
-                let mut bytes = Vec::with_capacity(8 + chunk.len() * 4);
-                bytes.extend_from_slice(&h.to_le_bytes());
-                for t in chunk {
-                    bytes.extend_from_slice(&t.to_le_bytes());
-                }
-                h = xxh3_64_with_seed(&bytes, tenant_salt);
-                h
-            })
-            .collect()
+        block_hashes(tokens, self.cfg.page_size, tenant_salt)
     }
 
     /// Starts a sequence for `tokens`, reusing cached full prefix pages of the same tenant and

@@ -510,6 +510,7 @@ async fn build_embedded(m: &ModelConfig) -> Result<Built, String> {
                 bootstrap_host: None,
             }],
             max_pairs_per_worker: 0,
+            prefix: Default::default(),
         }))
     };
     Ok(Built {

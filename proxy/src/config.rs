@@ -260,6 +260,39 @@ pub enum PolicyKind {
     RoundRobin,
     /// Power of two choices on in-flight pairs.
     LeastLoad,
+    /// The worker most likely to hold the prompt's prefix (per-worker chained block hashes of
+    /// token ids, salted by tenant), unless load is out of balance; see [`PrefixRouting`].
+    PrefixAware,
+}
+
+/// Tuning of `policy = "prefix_aware"` (SGLang's cache-aware policy, on hashed token blocks).
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct PrefixRouting {
+    /// Tokens per hashed block (match the workers' page size for exact predictions).
+    pub block_tokens: usize,
+    /// Route by prefix only when the best worker is predicted to hold at least this share of
+    /// the prompt's blocks; below it, the least-loaded worker gets the request.
+    pub cache_threshold: f64,
+    /// Load is out of balance when the busiest worker has more than this many pairs over the
+    /// idlest...
+    pub balance_abs_threshold: usize,
+    /// ...and more than this factor times its pairs; then the least-loaded worker is picked.
+    pub balance_rel_threshold: f64,
+    /// Blocks remembered per worker (least recently routed forgotten first).
+    pub capacity_blocks: usize,
+}
+
+impl Default for PrefixRouting {
+    fn default() -> Self {
+        PrefixRouting {
+            block_tokens: 16,
+            cache_threshold: 0.3,
+            balance_abs_threshold: 4,
+            balance_rel_threshold: 1.5,
+            capacity_blocks: 65_536,
+        }
+    }
 }
 
 /// One side's worker pool.
@@ -275,6 +308,9 @@ pub struct PoolConfig {
     /// Pairs one worker of this side may hold at once (0: no limit); over it, 503 `workers_busy`.
     #[serde(default)]
     pub max_pairs_per_worker: usize,
+    /// Tuning of the `prefix_aware` policy.
+    #[serde(default)]
+    pub prefix: PrefixRouting,
 }
 
 /// The embedded engine of one model.
@@ -797,6 +833,17 @@ impl Config {
                     Some(_) => {}
                 }
                 for (side, pool) in [("prefill", &m.prefill), ("decode", &m.decode)] {
+                    let r = &pool.prefix;
+                    if r.block_tokens == 0
+                        || r.capacity_blocks == 0
+                        || !(0.0..=1.0).contains(&r.cache_threshold)
+                        || r.balance_rel_threshold.is_nan()
+                        || r.balance_rel_threshold < 1.0
+                    {
+                        out.push(format!(
+                            "{at}.{side}.prefix: block_tokens and capacity_blocks must be positive, cache_threshold in [0, 1], balance_rel_threshold at least 1"
+                        ));
+                    }
                     if pool.workers.is_empty() {
                         out.push(format!(
                             "{at}.{side}.workers: at least one worker is required"
@@ -945,6 +992,22 @@ workers = [{ url = "http://127.0.0.1:2" }]
         assert!(p.contains("bootstrap_port"), "{p}");
         assert!(p.contains("decode.workers[0].url"), "{p}");
         assert!(p.contains("tokenizer"), "{p}");
+    }
+
+    #[test]
+    fn prefix_routing_settings_are_checked() {
+        let text = BASE.replace(
+            "[models.decode]",
+            "policy = \"prefix_aware\"\nprefix = { block_tokens = 0, cache_threshold = 1.5 }\n[models.decode]",
+        );
+        let cfg = Config::parse(&text).expect("parses");
+        assert_eq!(cfg.models[0].prefill.policy, PolicyKind::PrefixAware);
+        let p = cfg.problems().join("\n");
+        assert!(
+            p.contains("prefill.prefix") && p.contains("block_tokens"),
+            "{p}"
+        );
+        assert!(!p.contains("decode.prefix"), "{p}");
     }
 
     #[test]

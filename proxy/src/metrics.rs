@@ -49,6 +49,10 @@ pub struct Metrics {
     /// Prompt tokens an embedded engine took from its prefix cache (brought up to the engine's
     /// count at scrape).
     pub prefix_cache_hit_tokens: IntCounterVec,
+    /// Prompt tokens routed by the prefix-aware policy (brought up to the pool's count at scrape).
+    pub prefix_routed_tokens: IntCounterVec,
+    /// Of those, tokens the policy predicted the chosen worker holds.
+    pub prefix_predicted_hit_tokens: IntCounterVec,
 }
 
 impl Default for Metrics {
@@ -171,6 +175,18 @@ impl Metrics {
                 "lockstep_prefix_cache_hit_tokens_total",
                 "Prompt tokens an embedded engine reused from its prefix cache (same tenant only).",
                 &["model", "engine"],
+            ),
+            prefix_routed_tokens: counter(
+                &r,
+                "lockstep_prefix_routed_tokens_total",
+                "Prompt tokens routed by the prefix-aware policy, by side.",
+                &["model", "side"],
+            ),
+            prefix_predicted_hit_tokens: counter(
+                &r,
+                "lockstep_prefix_predicted_hit_tokens_total",
+                "Prompt tokens the prefix-aware policy predicted cached on the chosen worker.",
+                &["model", "side"],
             ),
             registry: r,
         }

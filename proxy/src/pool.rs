@@ -1,12 +1,68 @@
 //! Worker pools: selection policies, RAII load guards and background health checks.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rand::Rng;
 
-use crate::config::{HealthConfig, PolicyKind, PoolConfig, WorkerConfig};
+use crate::config::{HealthConfig, PolicyKind, PoolConfig, PrefixRouting, WorkerConfig};
+
+/// What the prefix-aware policy routes on: the prompt's token ids and its tenant's salt.
+#[derive(Debug, Clone, Copy)]
+pub struct RouteKey<'a> {
+    /// The prompt.
+    pub tokens: &'a [u32],
+    /// The tenant's prefix-cache salt ([`crate::tenant::cache_salt`]).
+    pub salt: u64,
+}
+
+/// The blocks one worker is predicted to hold: block hash → when it was last routed there,
+/// and the reverse, for forgetting the least recently routed first.
+#[derive(Debug, Default)]
+struct Blocks {
+    by_hash: HashMap<u64, u64>,
+    by_age: BTreeMap<u64, u64>,
+}
+
+impl Blocks {
+    /// Leading blocks of `hashes` present.
+    fn matched(&self, hashes: &[u64]) -> usize {
+        hashes
+            .iter()
+            .take_while(|h| self.by_hash.contains_key(h))
+            .count()
+    }
+    fn insert(&mut self, hashes: &[u64], tick: &AtomicU64, capacity: usize) {
+        for h in hashes {
+            let t = tick.fetch_add(1, Ordering::Relaxed);
+            if let Some(old) = self.by_hash.insert(*h, t) {
+                self.by_age.remove(&old);
+            }
+            self.by_age.insert(t, *h);
+        }
+        while self.by_hash.len() > capacity.max(1) {
+            match self.by_age.pop_first() {
+                Some((_, h)) => {
+                    self.by_hash.remove(&h);
+                }
+                None => break,
+            }
+        }
+    }
+}
+
+/// The prefix-aware policy's view of the workers' caches (approximate: what was routed where).
+#[derive(Debug, Default)]
+struct PrefixIndex {
+    cfg: PrefixRouting,
+    workers: Vec<Mutex<Blocks>>,
+    tick: AtomicU64,
+    /// Prompt tokens routed with a key, and how many of them were predicted cached.
+    routed_tokens: AtomicU64,
+    predicted_hit_tokens: AtomicU64,
+}
 
 /// One upstream worker and its live state.
 #[derive(Debug)]
@@ -139,6 +195,7 @@ pub struct WorkerPool {
     policy: PolicyKind,
     max_pairs: usize,
     next: AtomicUsize,
+    prefix: PrefixIndex,
 }
 
 impl WorkerPool {
@@ -153,7 +210,73 @@ impl WorkerPool {
             policy: cfg.policy,
             max_pairs: cfg.max_pairs_per_worker,
             next: AtomicUsize::new(0),
+            prefix: PrefixIndex {
+                cfg: cfg.prefix,
+                workers: cfg.workers.iter().map(|_| Mutex::default()).collect(),
+                ..PrefixIndex::default()
+            },
         }
+    }
+
+    /// Prompt tokens routed by the prefix-aware policy, and how many of them it predicted the
+    /// chosen worker holds (the predicted hit rate is their ratio).
+    pub fn prefix_prediction(&self) -> (u64, u64) {
+        (
+            self.prefix.routed_tokens.load(Ordering::Relaxed),
+            self.prefix.predicted_hit_tokens.load(Ordering::Relaxed),
+        )
+    }
+
+    /// The prefix-aware choice among `candidates` (two or more): the worker predicted to hold the
+    /// longest prefix of the prompt (ties: the less loaded), unless load is out of balance or no
+    /// worker holds enough of it; then the least-loaded (ties: the one predicted to hold least).
+    /// Records the prompt's blocks as now held by the chosen worker.
+    fn pick_prefix<'w>(&self, candidates: &[&'w Arc<Worker>], key: &RouteKey) -> &'w Arc<Worker> {
+        let cfg = &self.prefix.cfg;
+        let hashes = lockstep_engine::pool::block_hashes(key.tokens, cfg.block_tokens, key.salt);
+        let index_of = |w: &Arc<Worker>| self.workers.iter().position(|x| Arc::ptr_eq(x, w));
+        let blocks = |w: &Arc<Worker>| index_of(w).and_then(|i| self.prefix.workers.get(i));
+        let stats: Vec<(usize, usize, usize)> = candidates
+            .iter()
+            .map(|w| {
+                let (matched, size) = blocks(w)
+                    .and_then(|b| b.lock().ok().map(|b| (b.matched(&hashes), b.by_hash.len())))
+                    .unwrap_or((0, 0));
+                (w.in_flight(), matched, size)
+            })
+            .collect();
+        let (min_load, max_load) = stats
+            .iter()
+            .fold((usize::MAX, 0), |(lo, hi), s| (lo.min(s.0), hi.max(s.0)));
+        let imbalanced = max_load - min_load > cfg.balance_abs_threshold
+            && max_load as f64 > cfg.balance_rel_threshold * min_load as f64;
+        let best = (0..stats.len())
+            .max_by_key(|&i| (stats[i].1, std::cmp::Reverse(stats[i].0)))
+            .unwrap_or(0);
+        let by_cache = !imbalanced
+            && !hashes.is_empty()
+            && stats[best].1 as f64 >= cfg.cache_threshold * hashes.len() as f64;
+        let chosen = if by_cache {
+            best
+        } else {
+            (0..stats.len())
+                .min_by_key(|&i| (stats[i].0, stats[i].2))
+                .unwrap_or(0)
+        };
+        let w = candidates[chosen];
+        if let Some(b) = blocks(w)
+            && let Ok(mut b) = b.lock()
+        {
+            b.insert(&hashes, &self.prefix.tick, cfg.capacity_blocks);
+        }
+        let block = cfg.block_tokens as u64;
+        self.prefix
+            .routed_tokens
+            .fetch_add(key.tokens.len() as u64, Ordering::Relaxed);
+        self.prefix
+            .predicted_hit_tokens
+            .fetch_add(stats[chosen].1 as u64 * block, Ordering::Relaxed);
+        w
     }
 
     /// All workers.
@@ -178,8 +301,8 @@ impl WorkerPool {
     }
 
     /// Picks a healthy worker with a free slot (avoiding `avoid` when another one exists) and
-    /// takes the slot.
-    pub fn pick(&self, avoid: Option<&Arc<Worker>>) -> Option<LoadGuard> {
+    /// takes the slot. `key` is what the prefix-aware policy routes on (other policies ignore it).
+    pub fn pick(&self, avoid: Option<&Arc<Worker>>, key: Option<&RouteKey>) -> Option<LoadGuard> {
         let max = self.max_pairs;
         let open = |w: &Arc<Worker>| w.accepts_pairs() && (max == 0 || w.in_flight() < max);
         // Fast path: one worker, no allocation.
@@ -218,6 +341,10 @@ impl WorkerPool {
                         wa
                     }
                 }
+                PolicyKind::PrefixAware => match key {
+                    Some(k) => self.pick_prefix(&candidates, k),
+                    None => candidates[self.next.fetch_add(1, Ordering::Relaxed) % n],
+                },
             },
         };
         LoadGuard::try_new(chosen.clone(), max)
@@ -266,13 +393,16 @@ mod tests {
                     })
                     .collect(),
                 max_pairs_per_worker: 0,
+                prefix: Default::default(),
             }
         });
-        let held: Vec<LoadGuard> = (0..4).map(|_| p.pick(None).expect("a slot")).collect();
+        let held: Vec<LoadGuard> = (0..4)
+            .map(|_| p.pick(None, None).expect("a slot"))
+            .collect();
         assert!(p.workers().iter().all(|w| w.in_flight() == 2));
-        assert!(p.pick(None).is_none() && p.all_busy());
+        assert!(p.pick(None, None).is_none() && p.all_busy());
         drop(held);
-        assert!(!p.all_busy() && p.pick(None).is_some());
+        assert!(!p.all_busy() && p.pick(None, None).is_some());
         // Concurrent takers never exceed the limit.
         let w = p.workers()[0].clone();
         let got: Vec<Option<LoadGuard>> = std::thread::scope(|s| {
@@ -295,13 +425,16 @@ mod tests {
                 })
                 .collect(),
             max_pairs_per_worker: 0,
+            prefix: Default::default(),
         })
     }
 
     #[test]
     fn round_robin_cycles_and_guards_count() {
         let p = pool(3, PolicyKind::RoundRobin);
-        let g: Vec<_> = (0..6).map(|_| p.pick(None).expect("worker")).collect();
+        let g: Vec<_> = (0..6)
+            .map(|_| p.pick(None, None).expect("worker"))
+            .collect();
         let urls: Vec<_> = g.iter().map(|g| g.worker().url.clone()).collect();
         assert_eq!(urls[0..3], urls[3..6]);
         assert_ne!(urls[0], urls[1]);
@@ -317,7 +450,7 @@ mod tests {
             .map(|_| LoadGuard::new(p.workers()[0].clone()))
             .collect();
         for _ in 0..20 {
-            let g = p.pick(None).expect("worker");
+            let g = p.pick(None, None).expect("worker");
             assert_eq!(g.worker().url, p.workers()[1].url);
         }
         drop(busy);
@@ -339,7 +472,7 @@ mod tests {
         assert!(!w.is_healthy());
         for _ in 0..10 {
             assert_eq!(
-                p.pick(None).expect("worker").worker().url,
+                p.pick(None, None).expect("worker").worker().url,
                 p.workers()[1].url
             );
         }
@@ -351,7 +484,7 @@ mod tests {
         p.workers()[1].record_health(false, &cfg);
         w.record_health(false, &cfg);
         w.record_health(false, &cfg);
-        assert!(p.pick(None).is_none());
+        assert!(p.pick(None, None).is_none());
     }
 
     #[test]
@@ -360,12 +493,99 @@ mod tests {
         let bad = p.workers()[0].clone();
         for _ in 0..6 {
             assert_eq!(
-                p.pick(Some(&bad)).expect("worker").worker().url,
+                p.pick(Some(&bad), None).expect("worker").worker().url,
                 p.workers()[1].url
             );
         }
         let one = pool(1, PolicyKind::RoundRobin);
         let only = one.workers()[0].clone();
-        assert!(one.pick(Some(&only)).is_some());
+        assert!(one.pick(Some(&only), None).is_some());
+    }
+
+    fn prompt(seed: u32, len: usize) -> Vec<u32> {
+        (0..len as u32).map(|i| seed * 1000 + i).collect()
+    }
+
+    fn url_of(p: &WorkerPool, tokens: &[u32], salt: u64) -> String {
+        let key = RouteKey { tokens, salt };
+        p.pick(None, Some(&key))
+            .expect("worker")
+            .worker()
+            .url
+            .clone()
+    }
+
+    #[test]
+    fn prefix_policy_keeps_a_tenants_prefix_on_one_worker() {
+        let p = pool(3, PolicyKind::PrefixAware);
+        let shared = prompt(1, 64);
+        let home = url_of(&p, &shared, 7);
+        // The same prefix with different endings, again and again: the same worker.
+        for i in 0..10u32 {
+            let mut t = shared.clone();
+            t.extend([90_000 + i, 90_100 + i, 90_200 + i]);
+            assert_eq!(url_of(&p, &t, 7), home, "request {i}");
+        }
+        let (routed, hit) = p.prefix_prediction();
+        assert_eq!(routed, 64 + 10 * 67);
+        assert_eq!(hit, 10 * 64, "every repeat predicted a 4-block hit");
+        // Unrelated prompts spread over the workers (least loaded, then least cached).
+        let spread: std::collections::HashSet<String> =
+            (2..8).map(|s| url_of(&p, &prompt(s, 64), 7)).collect();
+        assert_eq!(spread.len(), 3, "{spread:?}");
+    }
+
+    #[test]
+    fn prefix_policy_never_counts_another_tenants_prefix_as_a_hit() {
+        let p = pool(2, PolicyKind::PrefixAware);
+        let shared = prompt(1, 64);
+        let _ = url_of(&p, &shared, 7);
+        let (_, before) = p.prefix_prediction();
+        // Tenant 8 sends the identical prompt: no hit is predicted anywhere.
+        let _ = url_of(&p, &shared, 8);
+        assert_eq!(
+            p.prefix_prediction().1,
+            before,
+            "another tenant's blocks are not a hit"
+        );
+        // Tenant 8's own repeat is.
+        let _ = url_of(&p, &shared, 8);
+        assert_eq!(p.prefix_prediction().1, before + 64);
+    }
+
+    #[test]
+    fn prefix_policy_yields_to_load_when_out_of_balance() {
+        let p = pool(2, PolicyKind::PrefixAware);
+        let shared = prompt(1, 64);
+        let key = RouteKey {
+            tokens: &shared,
+            salt: 7,
+        };
+        let first = p.pick(None, Some(&key)).expect("worker");
+        let home = first.worker().url.clone();
+        // Pile load on the home worker: past the thresholds (more than 4 over, and 1.5x), the
+        // same prefix goes to the idle worker.
+        let mut held = vec![first];
+        while held.len() < 5 {
+            let g = p.pick(None, Some(&key)).expect("worker");
+            assert_eq!(g.worker().url, home, "balanced enough: stays on its prefix");
+            held.push(g);
+        }
+        let g = p.pick(None, Some(&key)).expect("worker");
+        assert_ne!(g.worker().url, home, "out of balance: the idle worker");
+    }
+
+    #[test]
+    fn prefix_index_forgets_the_least_recently_routed_blocks_first() {
+        let tick = AtomicU64::new(0);
+        let mut b = Blocks::default();
+        b.insert(&[1, 2, 3], &tick, 4);
+        b.insert(&[4, 5], &tick, 4);
+        assert_eq!(b.by_hash.len(), 4);
+        assert_eq!(b.matched(&[1, 2, 3]), 0, "block 1 was the oldest");
+        assert_eq!(b.matched(&[2, 3, 4]), 3);
+        b.insert(&[2], &tick, 4); // touched: now the newest
+        b.insert(&[6], &tick, 4);
+        assert!(b.by_hash.contains_key(&2) && !b.by_hash.contains_key(&3));
     }
 }

@@ -119,17 +119,26 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
                     .set(total - free);
                 // The engine counts; the counter catches up (a reloaded engine restarts at 0
                 // and the counter waits until it passes the old count).
-                let hits = m.prefix_cache_hit_tokens.with_label_values(&[name, engine]);
-                let now = s.prefix_hit_tokens.load(Ordering::Relaxed) as u64;
-                if now > hits.get() {
-                    hits.inc_by(now - hits.get());
-                }
+                catch_up(
+                    &m.prefix_cache_hit_tokens.with_label_values(&[name, engine]),
+                    s.prefix_hit_tokens.load(Ordering::Relaxed) as u64,
+                );
             }
         }
         for (side, pool) in [
             ("prefill", &model.pairs.prefill),
             ("decode", &model.pairs.decode),
         ] {
+            let (routed, hit) = pool.prefix_prediction();
+            catch_up(
+                &m.prefix_routed_tokens.with_label_values(&[name, side]),
+                routed,
+            );
+            catch_up(
+                &m.prefix_predicted_hit_tokens
+                    .with_label_values(&[name, side]),
+                hit,
+            );
             for w in pool.workers() {
                 let labels = [name, side, w.url.as_str()];
                 m.worker_inflight
@@ -149,6 +158,14 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         m.render(),
     )
         .into_response()
+}
+
+/// Brings a counter up to a count kept elsewhere (a component rebuilt by a reload restarts at 0:
+/// the counter waits until the new count passes it).
+fn catch_up(c: &prometheus::IntCounter, now: u64) {
+    if now > c.get() {
+        c.inc_by(now - c.get());
+    }
 }
 
 async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {

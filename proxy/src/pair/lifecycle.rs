@@ -18,7 +18,7 @@ use crate::backend::{
 use crate::config::{RetryConfig, TimeoutConfig};
 use crate::error::{LockstepError, Phase};
 use crate::metrics::Metrics;
-use crate::pool::WorkerPool;
+use crate::pool::{RouteKey, WorkerPool};
 
 /// What the front end receives from a pair's task.
 #[derive(Debug)]
@@ -252,12 +252,16 @@ impl PairRuntime {
             Option<Arc<crate::pool::Worker>>,
         ) = (None, None);
         let outcome = loop {
-            let Some(pg) = self.prefill.pick(avoid.0.as_ref()) else {
+            let key = RouteKey {
+                tokens: &input_ids,
+                salt: crate::tenant::cache_salt(tenant.as_deref()),
+            };
+            let Some(pg) = self.prefill.pick(avoid.0.as_ref(), Some(&key)) else {
                 let e = self.no_worker(&self.prefill, "prefill");
                 let _ = tx.send(PairEvent::Failed(e)).await;
                 break Outcome::Aborted(AbortReason::NoWorker);
             };
-            let Some(dg) = self.decode.pick(avoid.1.as_ref()) else {
+            let Some(dg) = self.decode.pick(avoid.1.as_ref(), Some(&key)) else {
                 let e = self.no_worker(&self.decode, "decode");
                 let _ = tx.send(PairEvent::Failed(e)).await;
                 break Outcome::Aborted(AbortReason::NoWorker);

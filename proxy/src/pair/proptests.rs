@@ -209,6 +209,7 @@ fn pool() -> Arc<WorkerPool> {
             bootstrap_host: None,
         }],
         max_pairs_per_worker: 0,
+        prefix: Default::default(),
     }))
 }
 
