@@ -290,7 +290,7 @@ async fn build_models(
     let mut errors = Vec::new();
     for m in &cfg.models {
         let built = match m.backend {
-            BackendKind::Sglang => build_remote(m, client).await,
+            BackendKind::Sglang | BackendKind::Vllm => build_remote(m, client).await,
             BackendKind::Embedded => build_embedded(m).await,
             BackendKind::Lockstep => build_lockstep(m, client).await,
         };
@@ -371,7 +371,14 @@ async fn build_remote(m: &ModelConfig, client: &UpstreamClient) -> Result<Built,
     Ok(Built {
         capacity,
         admission,
-        backend: Arc::new(SglangBackend::new(client.clone())),
+        backend: match m.backend {
+            BackendKind::Vllm => Arc::new(crate::backend::vllm::VllmBackend::new(
+                client.clone(),
+                &m.name,
+                m.vllm.clone(),
+            )),
+            _ => Arc::new(SglangBackend::new(client.clone())),
+        },
         prefill: Arc::new(WorkerPool::new(&m.prefill)),
         decode: Arc::new(WorkerPool::new(&m.decode)),
         engine: None,

@@ -144,6 +144,9 @@ pub enum BackendKind {
     Sglang,
     /// lockstep's embedded engine, in process (`[models.engine]`).
     Embedded,
+    /// vLLM disaggregated serving (NixlConnector or MooncakeConnector) over `/v1/completions`;
+    /// see `[models.vllm]`.
+    Vllm,
     /// `lockstep worker` processes over the gRPC worker service (prefill workers push verified
     /// KV straight to decode workers). The tokenizer and chat template come from `tokenizer` and
     /// `chat_template`, or from the model file named in `[models.engine]` (only its `gguf`,
@@ -158,6 +161,7 @@ impl BackendKind {
             BackendKind::Sglang => "sglang",
             BackendKind::Embedded => "embedded",
             BackendKind::Lockstep => "lockstep",
+            BackendKind::Vllm => "vllm",
         }
     }
 }
@@ -204,6 +208,9 @@ pub struct ModelConfig {
     /// The embedded engine (`backend = "embedded"`).
     #[serde(default)]
     pub engine: Option<EngineSection>,
+    /// vLLM settings (`backend = "vllm"`).
+    #[serde(default)]
+    pub vllm: VllmSection,
     /// Pair deadlines.
     #[serde(default)]
     pub timeouts: TimeoutConfig,
@@ -372,6 +379,39 @@ impl Default for EngineSection {
             device: "auto".into(),
         }
     }
+}
+
+/// `[models.vllm]`: how lockstep speaks to vLLM's disaggregated serving.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct VllmSection {
+    /// The KV connector the vLLM servers run: `nixl` or `mooncake`.
+    pub connector: VllmConnector,
+    /// The servers' KV block size in tokens (`--block-size`): the prefill's transfer params must
+    /// name a block count consistent with it.
+    pub block_size: u64,
+    /// The model name the servers serve (`--served-model-name`); default: this model's name.
+    pub served_model_name: Option<String>,
+}
+
+impl Default for VllmSection {
+    fn default() -> Self {
+        VllmSection {
+            connector: VllmConnector::Nixl,
+            block_size: 16,
+            served_model_name: None,
+        }
+    }
+}
+
+/// vLLM's KV connectors lockstep knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VllmConnector {
+    /// NixlConnector: params carry block ids, engine id, host and port.
+    Nixl,
+    /// MooncakeConnector: params carry block ids and engine id.
+    Mooncake,
 }
 
 /// Split or unified embedded engine.
@@ -867,6 +907,9 @@ impl Config {
                             out.push(format!("{at}.{side}.workers[{j}].url: `{}`: {e}", w.url));
                         }
                     }
+                }
+                if m.backend == BackendKind::Vllm && m.vllm.block_size == 0 {
+                    out.push(format!("{at}.vllm.block_size: must be greater than 0"));
                 }
                 if m.backend == BackendKind::Sglang {
                     for (j, w) in m.prefill.workers.iter().enumerate() {

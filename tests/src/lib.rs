@@ -7,3 +7,4 @@ pub mod embedded;
 pub mod harness;
 pub mod sglang_mock;
 pub mod tokenizer;
+pub mod vllm_mock;

@@ -1,0 +1,425 @@
+//! A mock of a vLLM disaggregated pair (NixlConnector), faithful where lockstep's guarantees
+//! depend on it:
+//! - **One block pool, never scrubbed.** The prefill server writes a request's prompt into blocks
+//!   of a pool the decode server reads from (NIXL reads the prefill's GPU memory); freed blocks
+//!   keep their contents and are reused last-in first-out.
+//! - **The decode reads exactly the blocks the params name** and echoes the tokens it read, so
+//!   an answer shows whose KV produced it: block ids that point at freed blocks (vLLM #52234)
+//!   return an earlier request's prompt.
+//! - **Held blocks.** After answering, the prefill holds the request's blocks until a decode
+//!   reads them (then they are freed), or until its lease runs out
+//!   (`VLLM_NIXL_ABORT_REQUEST_TIMEOUT`, 480 s in vLLM, short here).
+//! - **No abort endpoint.** A request runs as long as its connection: the decode stops and frees
+//!   what it holds when the client closes the connection.
+//! - vLLM's shapes: `/v1/completions` with token-id prompts, `kv_transfer_params` in and out,
+//!   `usage` (running usage on streams with `continuous_usage_stats`), `finish_reason`, error
+//!   bodies `{"object":"error","message","type","code"}`, `X-Request-Id`, `/health`.
+//!
+//! Faults (applied to every request until changed): the stale-reference prefill of #52234,
+//! missing or duplicated block ids, a decode error status, a decode that hangs.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use http::{HeaderMap, StatusCode};
+use serde_json::{Value, json};
+use tokenizers::Tokenizer;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+
+/// Injected faults.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VllmFault {
+    /// Healthy.
+    None,
+    /// vLLM #52234: the prefill answers 200 with `usage.prompt_tokens = 1` and block ids that
+    /// still hold an earlier request's data (it computed nothing).
+    StaleReference,
+    /// The prefill's answer has no `kv_transfer_params` (it still holds its blocks).
+    MissingParams,
+    /// The prefill's params name one block twice.
+    DuplicateBlockIds,
+    /// The decode answers this error status.
+    DecodeStatus(u16),
+    /// The decode reads its blocks and then sends nothing, until the client goes away.
+    DecodeHang,
+}
+
+/// Mock settings.
+#[derive(Debug, Clone)]
+pub struct VllmMockConfig {
+    /// Blocks in the shared pool.
+    pub blocks: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// The prefill refuses longer prompts with 400 (vLLM's `max_model_len`).
+    pub max_model_len: usize,
+    /// How long a prefill holds blocks no decode reads.
+    pub lease: Duration,
+    /// Delay between streamed tokens.
+    pub token_delay: Duration,
+}
+
+impl Default for VllmMockConfig {
+    fn default() -> Self {
+        VllmMockConfig {
+            blocks: 64,
+            block_size: 16,
+            max_model_len: 256,
+            lease: Duration::from_millis(600),
+            token_delay: Duration::from_millis(1),
+        }
+    }
+}
+
+/// Which server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VllmRole {
+    /// The prefill server (`kv_producer`).
+    Prefill,
+    /// The decode server (`kv_consumer`).
+    Decode,
+}
+
+struct Pool {
+    blocks: Vec<Vec<u32>>,
+    free: Vec<usize>,
+}
+
+struct Inner {
+    cfg: VllmMockConfig,
+    tokenizer: Tokenizer,
+    fault: Mutex<VllmFault>,
+    pool: Mutex<Pool>,
+    /// Request id → (blocks held for a remote decode, lease end).
+    held: Mutex<HashMap<String, (Vec<usize>, Instant)>>,
+    /// The blocks of the previous prefill (freed or not): what a stale reference points at.
+    last_blocks: Mutex<Vec<usize>>,
+    /// Streams and requests in progress.
+    live: AtomicUsize,
+    requests: Mutex<Vec<(VllmRole, Option<String>, Value)>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A running mock pair.
+pub struct VllmMock {
+    inner: Arc<Inner>,
+    /// The prefill server.
+    pub prefill_addr: SocketAddr,
+    /// The decode server.
+    pub decode_addr: SocketAddr,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Drop for VllmMock {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+/// Counts a request or stream in progress while alive.
+struct Live(Arc<Inner>);
+
+impl Live {
+    fn new(inner: &Arc<Inner>) -> Live {
+        inner.live.fetch_add(1, Ordering::SeqCst);
+        Live(inner.clone())
+    }
+}
+
+impl Drop for Live {
+    fn drop(&mut self) {
+        self.0.live.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl VllmMock {
+    /// Starts both servers on ephemeral loopback ports.
+    pub async fn start(cfg: VllmMockConfig, tokenizer: Tokenizer) -> std::io::Result<VllmMock> {
+        let inner = Arc::new(Inner {
+            pool: Mutex::new(Pool {
+                blocks: vec![vec![0; cfg.block_size]; cfg.blocks],
+                free: (0..cfg.blocks).rev().collect(),
+            }),
+            cfg,
+            tokenizer,
+            fault: Mutex::new(VllmFault::None),
+            held: Mutex::default(),
+            last_blocks: Mutex::default(),
+            live: AtomicUsize::new(0),
+            requests: Mutex::default(),
+        });
+        let (pl, dl) = (
+            TcpListener::bind("127.0.0.1:0").await?,
+            TcpListener::bind("127.0.0.1:0").await?,
+        );
+        let (prefill_addr, decode_addr) = (pl.local_addr()?, dl.local_addr()?);
+        let app = |role: VllmRole| {
+            Router::new()
+                .route("/v1/completions", post(completions))
+                .route("/health", get(|| async { "ok" }))
+                .with_state((inner.clone(), role))
+        };
+        let (pa, da) = (app(VllmRole::Prefill), app(VllmRole::Decode));
+        let sweeper = {
+            let inner = inner.clone();
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    let now = Instant::now();
+                    let expired: Vec<Vec<usize>> = {
+                        let mut held = lock(&inner.held);
+                        let ids: Vec<String> = held
+                            .iter()
+                            .filter(|(_, (_, end))| *end <= now)
+                            .map(|(k, _)| k.clone())
+                            .collect();
+                        ids.iter()
+                            .filter_map(|k| held.remove(k))
+                            .map(|h| h.0)
+                            .collect()
+                    };
+                    let mut pool = lock(&inner.pool);
+                    for b in expired.into_iter().flatten() {
+                        pool.free.push(b);
+                    }
+                }
+            })
+        };
+        let tasks = vec![
+            tokio::spawn(async move {
+                let _ = axum::serve(pl, pa).await;
+            }),
+            tokio::spawn(async move {
+                let _ = axum::serve(dl, da).await;
+            }),
+            sweeper,
+        ];
+        Ok(VllmMock {
+            inner,
+            prefill_addr,
+            decode_addr,
+            tasks,
+        })
+    }
+
+    /// Base URL of the prefill server.
+    pub fn prefill_url(&self) -> String {
+        format!("http://{}", self.prefill_addr)
+    }
+    /// Base URL of the decode server.
+    pub fn decode_url(&self) -> String {
+        format!("http://{}", self.decode_addr)
+    }
+    /// Sets the fault for following requests.
+    pub fn set_fault(&self, f: VllmFault) {
+        *lock(&self.inner.fault) = f;
+    }
+    /// Every request body received, with its server and `X-Request-Id`.
+    pub fn requests(&self) -> Vec<(VllmRole, Option<String>, Value)> {
+        lock(&self.inner.requests).clone()
+    }
+    /// Blocks held for remote decodes.
+    pub fn held_blocks(&self) -> usize {
+        lock(&self.inner.held).values().map(|h| h.0.len()).sum()
+    }
+    /// True when nothing is held: no request or stream in progress, every block free.
+    pub fn is_idle(&self) -> bool {
+        self.inner.live.load(Ordering::SeqCst) == 0
+            && self.held_blocks() == 0
+            && lock(&self.inner.pool).free.len() == self.inner.cfg.blocks
+    }
+    /// Waits (bounded) until idle; returns whether it got there.
+    pub async fn wait_idle(&self, bound: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + bound;
+        while tokio::time::Instant::now() < deadline {
+            if self.is_idle() {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        self.is_idle()
+    }
+}
+
+fn error(status: StatusCode, message: String) -> Response {
+    (
+        status,
+        axum::Json(
+            json!({ "object": "error", "message": message, "type": "BadRequestError",
+                           "param": null, "code": status.as_u16() }),
+        ),
+    )
+        .into_response()
+}
+
+async fn completions(
+    State((inner, role)): State<(Arc<Inner>, VllmRole)>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    let _live = Live::new(&inner);
+    let Ok(req) = serde_json::from_slice::<Value>(&body) else {
+        return error(StatusCode::BAD_REQUEST, "body is not JSON".into());
+    };
+    let rid = headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    lock(&inner.requests).push((role, rid.clone(), req.clone()));
+    let Some(prompt) = req.get("prompt").and_then(Value::as_array).map(|a| {
+        a.iter()
+            .filter_map(|t| t.as_u64().map(|t| t as u32))
+            .collect::<Vec<u32>>()
+    }) else {
+        return error(StatusCode::BAD_REQUEST, "prompt must be token ids".into());
+    };
+    let fault = *lock(&inner.fault);
+    match role {
+        VllmRole::Prefill => prefill(&inner, fault, rid.unwrap_or_default(), &prompt),
+        VllmRole::Decode => decode(inner.clone(), fault, &req, prompt.len()),
+    }
+}
+
+fn prefill(inner: &Arc<Inner>, fault: VllmFault, rid: String, prompt: &[u32]) -> Response {
+    let cfg = &inner.cfg;
+    if prompt.len() > cfg.max_model_len {
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "This model's maximum context length is {} tokens. However, you requested {} tokens in the messages.",
+                cfg.max_model_len,
+                prompt.len()
+            ),
+        );
+    }
+    let (blocks, reported) = if fault == VllmFault::StaleReference {
+        // Computes nothing and names the previous request's (freed, unscrubbed) blocks.
+        (lock(&inner.last_blocks).clone(), 1)
+    } else {
+        let need = prompt.len().div_ceil(cfg.block_size);
+        let mut pool = lock(&inner.pool);
+        if need > pool.free.len() {
+            return error(StatusCode::SERVICE_UNAVAILABLE, "no free KV blocks".into());
+        }
+        let blocks: Vec<usize> = (0..need).filter_map(|_| pool.free.pop()).collect();
+        for (i, chunk) in prompt.chunks(cfg.block_size).enumerate() {
+            pool.blocks[blocks[i]][..chunk.len()].copy_from_slice(chunk);
+        }
+        drop(pool);
+        lock(&inner.held).insert(rid.clone(), (blocks.clone(), Instant::now() + cfg.lease));
+        *lock(&inner.last_blocks) = blocks.clone();
+        (blocks, prompt.len())
+    };
+    let mut ids: Vec<Value> = blocks.iter().map(|b| json!(b)).collect();
+    if fault == VllmFault::DuplicateBlockIds
+        && let Some(first) = ids.first().cloned()
+    {
+        ids.push(first);
+    }
+    let first_token = prompt.last().copied().unwrap_or(0);
+    let mut answer = json!({
+        "id": format!("cmpl-{rid}"), "object": "text_completion", "model": "mock",
+        "choices": [{ "index": 0, "text": inner.tokenizer.decode(&[first_token], false).unwrap_or_default(),
+                      "logprobs": null, "finish_reason": "length" }],
+        "usage": { "prompt_tokens": reported, "completion_tokens": 1, "total_tokens": reported + 1 },
+    });
+    if fault != VllmFault::MissingParams {
+        answer["kv_transfer_params"] = json!({
+            "do_remote_prefill": true, "do_remote_decode": false, "remote_block_ids": ids,
+            "remote_engine_id": "mock-prefill-engine", "remote_host": "127.0.0.1", "remote_port": 5600,
+            "remote_request_id": rid, "tp_size": 1,
+        });
+    }
+    axum::Json(answer).into_response()
+}
+
+fn decode(inner: Arc<Inner>, fault: VllmFault, req: &Value, prompt_tokens: usize) -> Response {
+    if let VllmFault::DecodeStatus(s) = fault {
+        let status = StatusCode::from_u16(s).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        return error(status, "decode failed (injected)".into());
+    }
+    let Some(params) = req.get("kv_transfer_params").filter(|p| p.is_object()) else {
+        return error(StatusCode::BAD_REQUEST, "no kv_transfer_params".into());
+    };
+    let ids: Vec<usize> = params
+        .get("remote_block_ids")
+        .and_then(Value::as_array)
+        .map(|a| {
+            a.iter()
+                .filter_map(|b| b.as_u64().map(|b| b as usize))
+                .collect()
+        })
+        .unwrap_or_default();
+    // NIXL reads exactly these blocks, whoever's they are; the prefill then frees what it held.
+    let kv: Vec<u32> = {
+        let pool = lock(&inner.pool);
+        ids.iter()
+            .filter_map(|b| pool.blocks.get(*b))
+            .flat_map(|b| b.iter().copied())
+            .collect()
+    };
+    if let Some(rid) = params.get("remote_request_id").and_then(Value::as_str)
+        && let Some((blocks, _)) = lock(&inner.held).remove(rid)
+    {
+        lock(&inner.pool).free.extend(blocks);
+    }
+    let max = req.get("max_tokens").and_then(Value::as_u64).unwrap_or(16) as usize;
+    let live = Live::new(&inner);
+    let delay = inner.cfg.token_delay;
+    let hang = fault == VllmFault::DecodeHang;
+    let stream = futures_util::stream::unfold((0usize, live, false), move |(i, live, done)| {
+        let kv = kv.clone();
+        let inner = inner.clone();
+        async move {
+            if done {
+                return None;
+            }
+            if hang {
+                // Until the client goes away (dropping this stream drops `live`).
+                std::future::pending::<()>().await;
+            }
+            tokio::time::sleep(delay).await;
+            if i == max {
+                return Some((
+                    Ok::<_, std::convert::Infallible>("data: [DONE]\n\n".to_string()),
+                    (i, live, true),
+                ));
+            }
+            let token = kv.get(i % kv.len().max(1)).copied().unwrap_or(0);
+            let text = format!(
+                " {}",
+                inner.tokenizer.decode(&[token], false).unwrap_or_default()
+            );
+            let finish = if i + 1 == max {
+                json!("length")
+            } else {
+                Value::Null
+            };
+            let ev = json!({
+                "id": "cmpl-mock", "object": "text_completion", "model": "mock",
+                "choices": [{ "index": 0, "text": text, "logprobs": null, "finish_reason": finish }],
+                "usage": { "prompt_tokens": prompt_tokens, "completion_tokens": i + 1,
+                           "total_tokens": prompt_tokens + i + 1 },
+            });
+            Some((Ok(format!("data: {ev}\n\n")), (i + 1, live, false)))
+        }
+    });
+    Response::builder()
+        .header(http::header::CONTENT_TYPE, "text/event-stream")
+        .body(Body::from_stream(stream))
+        .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "response".into()))
+}

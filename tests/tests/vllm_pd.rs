@@ -1,0 +1,297 @@
+//! lockstep in front of a vLLM-faithful disaggregated pair (`tests/src/vllm_mock.rs`: one block
+//! pool never scrubbed, the decode reads exactly the blocks the params name, held blocks with a
+//! lease, no abort endpoint). Every fault × streamed or not × completions or chat: the client
+//! gets an error with a stable code, never another request's content; a refused prefill never
+//! reaches the decode; nothing is left held in the mock (for a prefill whose decode will not run,
+//! within its lease, which is how vLLM frees it). lockstep builds `kv_transfer_params` and
+//! `cache_salt` itself.
+
+use std::time::Duration;
+
+use lockstep::app::Lockstep;
+use lockstep::config::Config;
+use lockstep::tenant::{cache_salt, key_hash_hex};
+use lockstep_tests::client::{self, Answer, Endpoint, TestClient};
+use lockstep_tests::vllm_mock::{VllmFault, VllmMock, VllmMockConfig, VllmRole};
+use serde_json::{Value, json};
+
+const MODEL: &str = "vllm-pd";
+const KEY: &str = "acme-key";
+
+struct Stack {
+    mock: VllmMock,
+    url: String,
+    _lockstep: Lockstep,
+    _dir: tempfile::TempDir,
+}
+
+async fn stack() -> Stack {
+    stack_with(VllmMockConfig::default()).await
+}
+
+async fn stack_with(cfg: VllmMockConfig) -> Stack {
+    let mock = VllmMock::start(cfg, lockstep_tests::tokenizer::build())
+        .await
+        .expect("mock");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tok = dir.path().join("tokenizer.json");
+    lockstep_tests::tokenizer::write(&tok).expect("tokenizer");
+    let text = format!(
+        r#"
+[server]
+http_listen = "127.0.0.1:0"
+
+[[models]]
+name = "{MODEL}"
+backend = "vllm"
+context_window = 512
+kv_capacity_tokens = 1024
+default_max_tokens = 8
+tokenizer = "{tok}"
+chat_template = {{ inline = '{tpl}' }}
+
+[models.vllm]
+connector = "nixl"
+block_size = 16
+
+[models.prefill]
+workers = [{{ url = "{p}" }}]
+
+[models.decode]
+workers = [{{ url = "{d}" }}]
+
+[models.timeouts]
+total_ms = 10000
+prefill_ms = 3000
+first_token_ms = 1500
+idle_ms = 1500
+
+[models.retry]
+max_retries = 0
+
+[[tenants]]
+name = "acme"
+api_keys_sha256 = ["{key}"]
+"#,
+        tok = tok.display(),
+        tpl = lockstep_tests::tokenizer::CHAT_TEMPLATE,
+        p = mock.prefill_url(),
+        d = mock.decode_url(),
+        key = key_hash_hex(KEY),
+    );
+    let cfg = Config::parse(&text).expect("config parses");
+    assert!(cfg.problems().is_empty(), "{:?}", cfg.problems());
+    let lockstep = Lockstep::start(cfg).await.expect("lockstep starts");
+    let url = format!("http://{}", lockstep.http_addr);
+    Stack {
+        mock,
+        url,
+        _lockstep: lockstep,
+        _dir: dir,
+    }
+}
+
+impl Stack {
+    async fn send(&self, path: &str, body: &Value) -> Answer {
+        let auth = format!("Bearer {KEY}");
+        TestClient::default()
+            .send_with(
+                "POST",
+                &format!("{}{path}", self.url),
+                &[
+                    ("authorization", &auth),
+                    ("content-type", "application/json"),
+                ],
+                body.to_string(),
+                Duration::from_secs(20),
+            )
+            .await
+    }
+    fn decodes(&self) -> usize {
+        self.mock
+            .requests()
+            .iter()
+            .filter(|r| r.0 == VllmRole::Decode)
+            .count()
+    }
+}
+
+const SECRET: &str = "secret password account billing card customer tenant alpha bravo charlie delta echo foxtrot golf hotel india";
+const PROMPT: &str =
+    "hello world please tell me a story about the sea and the sky and the moon today";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_fault_ends_in_an_error_without_foreign_content_and_nothing_held() {
+    let s = stack().await;
+    let cases: [(&str, VllmFault, bool, &str); 6] = [
+        (
+            "stale reference",
+            VllmFault::StaleReference,
+            false,
+            "integrity_violation",
+        ),
+        (
+            "missing params",
+            VllmFault::MissingParams,
+            false,
+            "integrity_violation",
+        ),
+        (
+            "duplicate block ids",
+            VllmFault::DuplicateBlockIds,
+            false,
+            "integrity_violation",
+        ),
+        (
+            "over-long prompt",
+            VllmFault::None,
+            false,
+            "prefill_rejected",
+        ),
+        (
+            "decode error",
+            VllmFault::DecodeStatus(500),
+            true,
+            "decode_failed",
+        ),
+        ("decode hang", VllmFault::DecodeHang, true, "timeout"),
+    ];
+    for (name, fault, decode_sent, code) in cases {
+        for ep in [Endpoint::Completions, Endpoint::Chat] {
+            for stream in [false, true] {
+                let case = format!("{name} {ep:?} stream={stream}");
+                // Someone else's request first: its blocks are freed unscrubbed.
+                s.mock.set_fault(VllmFault::None);
+                let (path, body) = client::request(ep, MODEL, SECRET, false, 6, &[]);
+                let a = s.send(path, &body).await;
+                assert_eq!(a.status, 200, "{case}: control {}", a.body);
+                assert!(
+                    s.mock.wait_idle(Duration::from_secs(5)).await,
+                    "{case}: control idle"
+                );
+
+                s.mock.set_fault(fault);
+                let prompt = if name == "over-long prompt" {
+                    "hello ".repeat(300)
+                } else {
+                    PROMPT.to_string()
+                };
+                let (path, body) = client::request(ep, MODEL, &prompt, stream, 6, &[]);
+                let decodes = s.decodes();
+                let a = s.send(path, &body).await;
+                assert!(
+                    a.status >= 400,
+                    "{case}: an error status, got {} {}",
+                    a.status,
+                    a.body
+                );
+                assert_eq!(a.json()["error"]["code"], code, "{case}: {}", a.body);
+                for word in ["secret", "password", "billing"] {
+                    assert!(
+                        !a.body.contains(word),
+                        "{case}: foreign content: {}",
+                        a.body
+                    );
+                }
+                assert_eq!(
+                    s.decodes() > decodes,
+                    decode_sent,
+                    "{case}: the decode is sent only after a prefill that passed every check"
+                );
+                assert!(
+                    s.mock.wait_idle(Duration::from_secs(5)).await,
+                    "{case}: nothing left held (held blocks: {})",
+                    s.mock.held_blocks()
+                );
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn healthy_pairs_answer_and_lockstep_builds_the_transfer_fields_itself() {
+    let s = stack().await;
+    for ep in [Endpoint::Completions, Endpoint::Chat] {
+        for stream in [false, true] {
+            let (path, mut body) = client::request(ep, MODEL, PROMPT, stream, 6, &[]);
+            // A client trying to steer the transfer or the cache namespace.
+            body["kv_transfer_params"] =
+                json!({ "do_remote_prefill": true, "remote_block_ids": [0, 1, 2] });
+            body["cache_salt"] = json!("someone-elses-salt");
+            let a = s.send(path, &body).await;
+            assert_eq!(a.status, 200, "{ep:?} stream={stream}: {}", a.body);
+            if stream {
+                assert!(a.body.contains("[DONE]"));
+            }
+            // The answer echoes this request's own prompt (the mock decodes from the KV it read).
+            assert!(
+                a.body.contains("story")
+                    || a.body.contains("sea")
+                    || a.body.contains("hello")
+                    || a.body.contains("world"),
+                "{}",
+                a.body
+            );
+        }
+    }
+    assert!(s.mock.wait_idle(Duration::from_secs(5)).await);
+    let reqs = s.mock.requests();
+    let salt = format!("{:016x}", cache_salt(Some("acme")));
+    let prefills: Vec<_> = reqs.iter().filter(|r| r.0 == VllmRole::Prefill).collect();
+    let decodes: Vec<_> = reqs.iter().filter(|r| r.0 == VllmRole::Decode).collect();
+    assert_eq!((prefills.len(), decodes.len()), (4, 4));
+    for (p, d) in prefills.iter().zip(&decodes) {
+        assert_eq!(
+            p.2["cache_salt"], salt,
+            "the tenant's salt, not the client's"
+        );
+        assert_eq!(d.2["cache_salt"], salt);
+        assert_eq!(p.2["kv_transfer_params"]["do_remote_decode"], true);
+        assert!(p.2["kv_transfer_params"]["remote_block_ids"].is_null());
+        assert_eq!(
+            (p.2["max_tokens"].as_u64(), p.2["stream"].as_bool()),
+            (Some(1), Some(false))
+        );
+        assert!(
+            p.1.is_some() && p.1 == d.1,
+            "one X-Request-Id on both halves"
+        );
+        let ids = d.2["kv_transfer_params"]["remote_block_ids"]
+            .as_array()
+            .expect("the prefill's block ids");
+        assert!(!ids.is_empty() && d.2["kv_transfer_params"]["remote_request_id"] == json!(p.1));
+        assert!(p.2["prompt"].is_array(), "token ids computed by lockstep");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_goes_away_releases_the_decode() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    // 450 tokens at 50 ms would stream for over 20 s: only the disconnect can end it sooner.
+    let s = stack_with(VllmMockConfig {
+        token_delay: Duration::from_millis(50),
+        ..VllmMockConfig::default()
+    })
+    .await;
+    let (path, body) = client::request(Endpoint::Completions, MODEL, PROMPT, true, 450, &[]);
+    let body = body.to_string();
+    let mut c = tokio::net::TcpStream::connect(s.url.trim_start_matches("http://"))
+        .await
+        .expect("connect");
+    let req = format!(
+        "POST {path} HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {KEY}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    c.write_all(req.as_bytes()).await.expect("write");
+    let mut buf = [0u8; 1024];
+    let n = tokio::time::timeout(Duration::from_secs(10), c.read(&mut buf))
+        .await
+        .expect("stream starts")
+        .expect("read");
+    assert!(String::from_utf8_lossy(&buf[..n]).contains("200"));
+    drop(c);
+    assert!(
+        s.mock.wait_idle(Duration::from_secs(3)).await,
+        "the decode's connection was closed and its stream stopped"
+    );
+}
