@@ -249,6 +249,8 @@ pub struct KvReport {
     pub tokens: u64,
     /// The manifest checksum.
     pub digest: u64,
+    /// Tokens whose KV came from the prefix cache rather than being computed.
+    pub cached: u64,
 }
 
 /// Live counters, readable from any thread.
@@ -431,6 +433,8 @@ enum Role {
     Prefill {
         sink: Option<KvSink>,
         reply: Option<oneshot::Sender<Result<KvReport, EngineError>>>,
+        /// Tokens shared from the prefix cache.
+        cached: usize,
     },
 }
 
@@ -673,6 +677,7 @@ impl Worker {
                     role: Role::Prefill {
                         sink: Some(sink),
                         reply: Some(reply),
+                        cached: shared,
                     },
                 };
                 if a.input.is_empty() {
@@ -812,9 +817,13 @@ impl Worker {
                 }),
             Err(e) => Err(e),
         };
-        let (sink, reply) = match &mut a.role {
-            Role::Prefill { sink, reply } => (sink.take(), reply.take()),
-            Role::Gen { .. } => (None, None),
+        let (sink, reply, cached) = match &mut a.role {
+            Role::Prefill {
+                sink,
+                reply,
+                cached,
+            } => (sink.take(), reply.take(), *cached as u64),
+            Role::Gen { .. } => (None, None, 0),
         };
         // The set is a copy: the pages are free before it leaves.
         self.release(a);
@@ -822,6 +831,7 @@ impl Worker {
             let report = KvReport {
                 tokens: t.manifest.tokens,
                 digest: t.manifest.manifest_checksum,
+                cached,
             };
             if let Some(sink) = sink {
                 sink(t);

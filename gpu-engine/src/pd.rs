@@ -50,6 +50,8 @@ pub struct PrefillDone {
     pub kv_tokens: u64,
     /// The exported manifest's checksum (`None` in unified mode).
     pub kv_digest: Option<u64>,
+    /// Prompt tokens the prefill took from its prefix cache (`None` in unified mode).
+    pub cached_tokens: Option<u64>,
 }
 
 enum RoomState {
@@ -275,6 +277,7 @@ impl Pd {
                     prompt_tokens: n,
                     kv_tokens: 0,
                     kv_digest: None,
+                    cached_tokens: None,
                 });
             };
             let r = match rx.await {
@@ -300,6 +303,7 @@ impl Pd {
                 prompt_tokens: n,
                 kv_tokens: kv.tokens,
                 kv_digest: Some(kv.digest),
+                cached_tokens: Some(kv.cached),
             })
         }
     }

@@ -53,6 +53,8 @@ pub struct Metrics {
     pub prefix_routed_tokens: IntCounterVec,
     /// Of those, tokens the policy predicted the chosen worker holds.
     pub prefix_predicted_hit_tokens: IntCounterVec,
+    /// Prompt tokens prefill workers report they took from their prefix cache.
+    pub worker_cached_tokens: IntCounterVec,
 }
 
 impl Default for Metrics {
@@ -187,6 +189,12 @@ impl Metrics {
                 "lockstep_prefix_predicted_hit_tokens_total",
                 "Prompt tokens the prefix-aware policy predicted cached on the chosen worker.",
                 &["model", "side"],
+            ),
+            worker_cached_tokens: counter(
+                &r,
+                "lockstep_worker_cached_tokens_total",
+                "Prompt tokens prefill workers report served from their prefix cache (SGLang cached_tokens, vLLM prompt_tokens_details.cached_tokens).",
+                &["model"],
             ),
             registry: r,
         }

@@ -630,6 +630,7 @@ impl Worker for WorkerService {
             prompt_tokens: n as u64,
             kv_tokens: kv.tokens,
             kv_digest: kv.digest,
+            cached_tokens: kv.cached,
         }))
     }
 

@@ -248,15 +248,26 @@ async fn prefix_cache_keys_are_salted_by_tenant() {
     let Some(s) = start(&tenants).await else {
         return;
     };
+    let metrics_url = format!("{}/metrics", s.url);
+    let metric = |name: &'static str| {
+        let url = metrics_url.clone();
+        async move {
+            let m = TestClient::default()
+                .get(&url, Duration::from_secs(5))
+                .await;
+            m.body
+                .lines()
+                .filter(|l| l.starts_with(name))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+                .sum::<u64>()
+        }
+    };
+    // The engine's own count, and what the prefill reported to the router: always equal.
     let hits = || async {
-        let m = TestClient::default()
-            .get(&format!("{}/metrics", s.url), Duration::from_secs(5))
-            .await;
-        m.body
-            .lines()
-            .filter(|l| l.starts_with("lockstep_prefix_cache_hit_tokens_total{"))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
-            .sum::<u64>()
+        let engine = metric("lockstep_prefix_cache_hit_tokens_total{").await;
+        let reported = metric("lockstep_worker_cached_tokens_total{").await;
+        assert_eq!(engine, reported, "the prefill reports its cached tokens");
+        engine
     };
     // 40 tokens of prompt: the prefill engine computes 39, two full pages of 16 can be shared.
     let prompt: Vec<u32> = (0..40).map(|i| 1000 + 7 * i).collect();

@@ -77,6 +77,7 @@ impl PdBackend for EmbeddedBackend {
             Ok(PrefillReport {
                 prompt_tokens: done.prompt_tokens,
                 kv_digest: done.kv_digest,
+                cached_tokens: done.cached_tokens,
             })
         }
         .boxed()

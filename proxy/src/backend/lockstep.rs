@@ -130,6 +130,7 @@ impl PdBackend for LockstepBackend {
             Ok(PrefillReport {
                 prompt_tokens: r.prompt_tokens,
                 kv_digest: Some(r.kv_digest),
+                cached_tokens: Some(r.cached_tokens),
             })
         }
         .boxed()

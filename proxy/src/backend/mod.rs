@@ -102,6 +102,9 @@ pub struct PrefillReport {
     pub prompt_tokens: u64,
     /// The checksum of the KV manifest the prefill sent, when the backend transfers verified KV.
     pub kv_digest: Option<u64>,
+    /// Prompt tokens the worker took from its prefix cache, when it reports them (SGLang
+    /// `meta_info.cached_tokens`, vLLM `usage.prompt_tokens_details.cached_tokens`).
+    pub cached_tokens: Option<u64>,
 }
 
 /// Why generation ended.

@@ -163,6 +163,7 @@ impl PdBackend for SglangBackend {
             Ok(PrefillReport {
                 prompt_tokens,
                 kv_digest: None,
+                cached_tokens: meta_u64(&v, "cached_tokens"),
             })
         })
     }

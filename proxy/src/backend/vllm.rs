@@ -283,6 +283,9 @@ impl PdBackend for VllmBackend {
                 let report = PrefillReport {
                     prompt_tokens,
                     kv_digest: None,
+                    cached_tokens: v
+                        .pointer("/usage/prompt_tokens_details/cached_tokens")
+                        .and_then(Value::as_u64),
                 };
                 if prompt_tokens != expected {
                     // The lifecycle ends the pair on the count (an integrity violation); the
@@ -499,5 +502,68 @@ impl Sse {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn backend(connector: VllmConnector) -> VllmBackend {
+        let client =
+            UpstreamClient::with_ca(std::time::Duration::from_secs(1), None).expect("client");
+        VllmBackend::new(
+            client,
+            "m",
+            VllmSection {
+                connector,
+                block_size: 16,
+                served_model_name: None,
+            },
+        )
+    }
+
+    fn params(ids: Value) -> Value {
+        json!({ "do_remote_prefill": true, "remote_block_ids": ids, "remote_engine_id": "e",
+                "remote_host": "10.0.0.1", "remote_port": 5600 })
+    }
+
+    #[test]
+    fn transfer_params_are_checked_before_any_decode() {
+        let b = backend(VllmConnector::Nixl);
+        // 40 tokens at block size 16: 2 full blocks, 3 in all; both counts are consistent.
+        assert!(b.check_params(Some(&params(json!([4, 9]))), 40).is_ok());
+        assert!(b.check_params(Some(&params(json!([4, 9, 2]))), 40).is_ok());
+        for (bad, why) in [
+            (params(json!([4])), "blocks for"),
+            (params(json!([4, 9, 2, 7])), "blocks for"),
+            (params(json!([4, 4, 2])), "twice"),
+            (params(json!([4, "9", 2])), "non-integer"),
+            (params(json!(null)), "remote_block_ids"),
+            (
+                json!({ "remote_block_ids": [1, 2], "remote_host": "h", "remote_port": 1 }),
+                "engine_id",
+            ),
+            (
+                json!({ "remote_block_ids": [1, 2], "remote_engine_id": "e", "remote_port": 1 }),
+                "remote_host",
+            ),
+            (
+                json!({ "remote_block_ids": [1, 2], "remote_engine_id": "e", "remote_host": "h", "remote_port": 70000 }),
+                "remote_port",
+            ),
+            (json!("not an object"), "no kv_transfer_params"),
+        ] {
+            let e = b.check_params(Some(&bad), 40).expect_err(why);
+            assert!(e.contains(why), "{why}: {e}");
+        }
+        assert!(b.check_params(None, 40).is_err());
+        // Mooncake's params need no host and port.
+        let m = backend(VllmConnector::Mooncake);
+        let p = json!({ "remote_block_ids": [1, 2], "remote_engine_id": "e" });
+        assert!(m.check_params(Some(&p), 40).is_ok());
+        assert!(b.check_params(Some(&p), 40).is_err());
+        assert_eq!(m.prefill_params(), json!({ "do_remote_decode": true }));
+        assert_eq!(b.prefill_params()["remote_block_ids"], Value::Null);
     }
 }

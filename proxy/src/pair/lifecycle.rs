@@ -498,6 +498,9 @@ impl PairRuntime {
                         return Err(Failure::integrity(id, "prefill_prompt_count", format!(
                             "prefill computed {} prompt tokens, lockstep sent {expected}", report.prompt_tokens)));
                     }
+                    if let Some(n) = report.cached_tokens {
+                        self.metrics.worker_cached_tokens.with_label_values(&[&*self.model]).inc_by(n);
+                    }
                     prefill_ok = true;
                     prefill_digest = report.kv_digest;
                     // Prefill done: from here until the decode's first chunk, the KV moves to the

@@ -64,6 +64,7 @@ impl PdBackend for Fake {
                     tokio::time::sleep(Duration::from_millis(delay_ms)).await;
                     Ok(PrefillReport {
                         kv_digest: Some(42),
+                        cached_tokens: None,
                         prompt_tokens: if count_off { n + 1 } else { n },
                     })
                 }
