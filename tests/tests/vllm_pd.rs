@@ -273,25 +273,36 @@ async fn a_client_that_goes_away_releases_the_decode() {
         ..VllmMockConfig::default()
     })
     .await;
-    let (path, body) = client::request(Endpoint::Completions, MODEL, PROMPT, true, 450, &[]);
-    let body = body.to_string();
-    let mut c = tokio::net::TcpStream::connect(s.url.trim_start_matches("http://"))
-        .await
-        .expect("connect");
-    let req = format!(
-        "POST {path} HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {KEY}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    c.write_all(req.as_bytes()).await.expect("write");
-    let mut buf = [0u8; 1024];
-    let n = tokio::time::timeout(Duration::from_secs(10), c.read(&mut buf))
-        .await
-        .expect("stream starts")
-        .expect("read");
-    assert!(String::from_utf8_lossy(&buf[..n]).contains("200"));
-    drop(c);
-    assert!(
-        s.mock.wait_idle(Duration::from_secs(3)).await,
-        "the decode's connection was closed and its stream stopped"
-    );
+    for ep in [Endpoint::Completions, Endpoint::Chat] {
+        for stream in [false, true] {
+            let case = format!("{ep:?} stream={stream}");
+            let (path, body) = client::request(ep, MODEL, PROMPT, stream, 450, &[]);
+            let body = body.to_string();
+            let mut c = tokio::net::TcpStream::connect(s.url.trim_start_matches("http://"))
+                .await
+                .expect("connect");
+            let req = format!(
+                "POST {path} HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {KEY}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                body.len()
+            );
+            c.write_all(req.as_bytes()).await.expect("write");
+            if stream {
+                // Leave once the stream is flowing.
+                let mut buf = [0u8; 1024];
+                let n = tokio::time::timeout(Duration::from_secs(10), c.read(&mut buf))
+                    .await
+                    .expect("stream starts")
+                    .expect("read");
+                assert!(String::from_utf8_lossy(&buf[..n]).contains("200"), "{case}");
+            } else {
+                // Leave while the whole answer is still being generated.
+                tokio::time::sleep(Duration::from_millis(400)).await;
+            }
+            drop(c);
+            assert!(
+                s.mock.wait_idle(Duration::from_secs(3)).await,
+                "{case}: the decode's connection was closed and its stream stopped"
+            );
+        }
+    }
 }
