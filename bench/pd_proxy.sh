@@ -12,6 +12,7 @@
 # into ~/.cache/lockstep-bench)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source bench/lib.sh
 DUR=${1:-8}
 CACHE=${LOCKSTEP_BENCH_CACHE:-$HOME/.cache/lockstep-bench}
 mkdir -p "$CACHE"
@@ -96,25 +97,10 @@ TARGETS_stream="direct:31004 nginx-proxy:31011 sglang-router-0.3.2:31022 smg-1.1
 # Wait (bounded) until every target answers /generate with 200 and the decode's text.
 for mode in json stream; do
   body_var=BODY_$mode; targets_var=TARGETS_$mode
-  for t in ${!targets_var}; do
-    port=${t##*:}; ok=""
-    for _ in $(seq 1 100); do
-      if curl -sf -m 2 -H 'content-type: application/json' -d "${!body_var}" "http://127.0.0.1:$port/generate" 2>/dev/null | grep -q hello; then ok=1; break; fi
-      sleep 0.2
-    done
-    [ -n "$ok" ] || { echo "$t never answered in $mode mode; logs:"; tail -n 20 "$WORK"/logs/*; exit 1; }
-  done
+  wait_answers /generate "${!body_var}" hello "${!targets_var}"
 done
 
-run() { # port conc mode -> "rps p50 p99 errors"
-  local out; out=$(wrk -t$([ "$2" = 1 ] && echo 1 || echo 2) -c"$2" -d"${DUR}s" --latency -s "$WORK/post_$3.lua" "http://127.0.0.1:$1/generate")
-  local rps p50 p99 bad
-  rps=$(awk '/Requests\/sec/ {print $2}' <<<"$out")
-  p50=$(awk '$1=="50%" {print $2}' <<<"$out")
-  p99=$(awk '$1=="99%" {print $2}' <<<"$out")
-  bad=$(awk '/Non-2xx/ {print $NF}' <<<"$out"); bad=${bad:-0}
-  echo "$rps $p50 $p99 $bad"
-}
+run() { wrk_run "$1" "$2" "$3" /generate; }
 to_us() { awk -v v="$1" 'BEGIN{ if (v ~ /us$/) {sub(/us$/,"",v); print v+0} else if (v ~ /ms$/) {sub(/ms$/,"",v); print v*1000} else {sub(/s$/,"",v); print v*1000000} }'; }
 
 declare -A R

@@ -11,6 +11,7 @@
 # vllm-router into ~/.cache/lockstep-bench)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source bench/lib.sh
 DUR=${1:-8}
 CACHE=${LOCKSTEP_BENCH_CACHE:-$HOME/.cache/lockstep-bench}
 mkdir -p "$CACHE"
@@ -85,25 +86,10 @@ TARGETS_stream="direct:32004 nginx-proxy:32011 vllm-router-0.1.17:32022 lockstep
 
 for mode in json stream; do
   body_var=BODY_$mode; targets_var=TARGETS_$mode
-  for t in ${!targets_var}; do
-    port=${t##*:}; ok=""
-    for _ in $(seq 1 150); do
-      if curl -sf -m 2 -H 'content-type: application/json' -d "${!body_var}" "http://127.0.0.1:$port/v1/completions" 2>/dev/null | grep -q hello; then ok=1; break; fi
-      sleep 0.2
-    done
-    [ -n "$ok" ] || { echo "$t never answered in $mode mode; logs:"; tail -n 20 "$WORK"/logs/*; exit 1; }
-  done
+  wait_answers /v1/completions "${!body_var}" hello "${!targets_var}"
 done
 
-run() { # port conc mode -> "rps p50 p99 errors"
-  local out; out=$(wrk -t$([ "$2" = 1 ] && echo 1 || echo 2) -c"$2" -d"${DUR}s" --latency -s "$WORK/post_$3.lua" "http://127.0.0.1:$1/v1/completions")
-  local rps p50 p99 bad
-  rps=$(awk '/Requests\/sec/ {print $2}' <<<"$out")
-  p50=$(awk '$1=="50%" {print $2}' <<<"$out")
-  p99=$(awk '$1=="99%" {print $2}' <<<"$out")
-  bad=$(awk '/Non-2xx/ {print $NF}' <<<"$out"); bad=${bad:-0}
-  echo "$rps $p50 $p99 $bad"
-}
+run() { wrk_run "$1" "$2" "$3" /v1/completions; }
 
 declare -A R
 for mode in stream json; do

@@ -152,7 +152,8 @@ struct Inner {
     traceparents: Mutex<Vec<(Role, String)>>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+/// Locks, ignoring poisoning (a panicked test thread must not hide the mock's state).
+pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 

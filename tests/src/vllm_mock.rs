@@ -21,7 +21,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::Router;
@@ -34,6 +34,8 @@ use serde_json::{Value, json};
 use tokenizers::Tokenizer;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
+
+use crate::sglang_mock::lock;
 
 /// Injected faults.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -106,10 +108,6 @@ struct Inner {
     /// Streams and requests in progress.
     live: AtomicUsize,
     requests: Mutex<Vec<(VllmRole, Option<String>, Value)>>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// A running mock pair.

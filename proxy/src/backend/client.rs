@@ -26,6 +26,17 @@ pub struct UpstreamClient {
     connect_timeout: Duration,
 }
 
+impl CallError {
+    /// The failure of `side` this call error is.
+    pub(crate) fn of(self, side: super::Side) -> super::HalfError {
+        let failure = match self {
+            CallError::Connect(m) => super::HalfFailure::Connect(m),
+            CallError::Transport(m) => super::HalfFailure::Transport(m),
+        };
+        super::HalfError { side, failure }
+    }
+}
+
 /// Why an upstream call failed.
 #[derive(Debug, Clone)]
 pub enum CallError {

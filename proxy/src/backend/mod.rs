@@ -7,6 +7,7 @@ mod client;
 pub mod embedded;
 pub mod lockstep;
 pub mod sglang;
+mod sse;
 pub mod vllm;
 
 pub use client::UpstreamClient;

@@ -1,15 +1,15 @@
 //! SGLang PD backend: the native `/generate` API with `input_ids` computed by lockstep,
 //! `rid`/`bootstrap_*` set by lockstep, and `/abort_request` on both halves.
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use futures_util::StreamExt;
 use futures_util::future::BoxFuture;
 use http::Method;
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 use serde_json::{Value, json};
 
-use super::client::{CallError, UpstreamClient, error_chain};
+use super::client::UpstreamClient;
+use super::sse::SseReader;
 use super::{
     DecodeChunk, DecodeStream, Dispatch, FinishReason, HalfError, HalfFailure, PdBackend,
     PrefillReport, Side,
@@ -55,14 +55,6 @@ struct GenerateBody<'a> {
     /// The pair id as the integer SGLang expects.
     bootstrap_room: u64,
     stream: bool,
-}
-
-fn half_err(side: Side, e: CallError) -> HalfError {
-    let failure = match e {
-        CallError::Connect(m) => HalfFailure::Connect(m),
-        CallError::Transport(m) => HalfFailure::Transport(m),
-    };
-    HalfError { side, failure }
 }
 
 /// Extracts a worker's error message from an error body (SGLang: `{"error":{"message"}}` or
@@ -141,7 +133,7 @@ impl PdBackend for SglangBackend {
             let (status, body) = client
                 .post_collect_with(&url, body, &trace)
                 .await
-                .map_err(|e| half_err(side, e))?;
+                .map_err(|e| e.of(side))?;
             if !(200..300).contains(&status) {
                 return Err(HalfError {
                     side,
@@ -178,7 +170,7 @@ impl PdBackend for SglangBackend {
             let resp = client
                 .send_with(Method::POST, &url, body, &trace)
                 .await
-                .map_err(|e| half_err(side, e))?;
+                .map_err(|e| e.of(side))?;
             let status = resp.status().as_u16();
             if !(200..300).contains(&status) {
                 let body = resp
@@ -196,8 +188,7 @@ impl PdBackend for SglangBackend {
                 });
             }
             Ok(SseDecoder {
-                body: resp.into_body(),
-                buf: BytesMut::new(),
+                events: SseReader::new(resp.into_body(), side),
                 text_len: 0,
                 done: false,
             })
@@ -222,7 +213,7 @@ impl PdBackend for SglangBackend {
             let (status, body) = client
                 .post_collect(&url, body)
                 .await
-                .map_err(|e| half_err(side, e))?;
+                .map_err(|e| e.of(side))?;
             if (200..300).contains(&status) {
                 Ok(())
             } else {
@@ -241,8 +232,7 @@ impl PdBackend for SglangBackend {
 /// Turns SGLang's SSE stream (`data: {cumulative text, meta_info}` events, then `data: [DONE]`)
 /// into text deltas.
 struct SseDecoder {
-    body: Incoming,
-    buf: BytesMut,
+    events: SseReader,
     text_len: usize,
     done: bool,
 }
@@ -268,81 +258,33 @@ impl SseDecoder {
 
     async fn next_chunk(&mut self) -> Result<Option<DecodeChunk>, HalfError> {
         let side = Side::Decode;
-        loop {
-            if let Some(event) = self.take_event() {
-                let data = event.trim();
-                if data.is_empty() {
-                    continue;
-                }
-                if data == "[DONE]" {
-                    self.done = true;
-                    return Ok(None);
-                }
-                let v: Value = serde_json::from_str(data).map_err(|e| HalfError {
-                    side,
-                    failure: HalfFailure::Protocol(format!("bad SSE event: {e}")),
-                })?;
-                let finish = inspect(side, &v)?;
-                let text = v.get("text").and_then(Value::as_str).unwrap_or("");
-                // SGLang streams cumulative text; lockstep forwards only the new part.
-                let delta = if text.len() >= self.text_len && text.is_char_boundary(self.text_len) {
-                    text[self.text_len..].to_string()
-                } else {
-                    return Err(HalfError {
-                        side,
-                        failure: HalfFailure::Protocol("streamed text is not cumulative".into()),
-                    });
-                };
-                self.text_len = text.len();
-                return Ok(Some(DecodeChunk {
-                    kv_digest: None,
-                    delta,
-                    token_ids: Vec::new(),
-                    prompt_tokens: meta_u64(&v, "prompt_tokens"),
-                    completion_tokens: meta_u64(&v, "completion_tokens").unwrap_or(0),
-                    finish,
-                }));
-            }
-            match self.body.frame().await {
-                Some(Ok(frame)) => {
-                    if let Ok(data) = frame.into_data() {
-                        self.buf.extend_from_slice(&data);
-                    }
-                }
-                Some(Err(e)) => {
-                    return Err(HalfError {
-                        side,
-                        failure: HalfFailure::Transport(error_chain(&e)),
-                    });
-                }
-                None => {
-                    self.done = true;
-                    if self.buf.iter().all(u8::is_ascii_whitespace) {
-                        return Ok(None);
-                    }
-                    return Err(HalfError {
-                        side,
-                        failure: HalfFailure::Transport("stream ended mid-event".into()),
-                    });
-                }
-            }
-        }
-    }
-
-    /// Pops one complete SSE event's `data` payload from the buffer.
-    fn take_event(&mut self) -> Option<String> {
-        let pos = self.buf.windows(2).position(|w| w == b"\n\n")?;
-        let raw = self.buf.split_to(pos + 2);
-        let text = String::from_utf8_lossy(&raw);
-        let mut data = String::new();
-        for line in text.lines() {
-            if let Some(rest) = line.strip_prefix("data:") {
-                if !data.is_empty() {
-                    data.push('\n');
-                }
-                data.push_str(rest.strip_prefix(' ').unwrap_or(rest));
-            }
-        }
-        Some(data)
+        let Some(data) = self.events.next_data().await? else {
+            self.done = true;
+            return Ok(None);
+        };
+        let v: Value = serde_json::from_str(&data).map_err(|e| HalfError {
+            side,
+            failure: HalfFailure::Protocol(format!("bad SSE event: {e}")),
+        })?;
+        let finish = inspect(side, &v)?;
+        let text = v.get("text").and_then(Value::as_str).unwrap_or("");
+        // SGLang streams cumulative text; lockstep forwards only the new part.
+        let delta = if text.len() >= self.text_len && text.is_char_boundary(self.text_len) {
+            text[self.text_len..].to_string()
+        } else {
+            return Err(HalfError {
+                side,
+                failure: HalfFailure::Protocol("streamed text is not cumulative".into()),
+            });
+        };
+        self.text_len = text.len();
+        Ok(Some(DecodeChunk {
+            kv_digest: None,
+            delta,
+            token_ids: Vec::new(),
+            prompt_tokens: meta_u64(&v, "prompt_tokens"),
+            completion_tokens: meta_u64(&v, "completion_tokens").unwrap_or(0),
+            finish,
+        }))
     }
 }

@@ -17,17 +17,17 @@
 
 use std::sync::Arc;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use dashmap::DashMap;
 use futures_util::StreamExt;
 use futures_util::future::BoxFuture;
 use http::Method;
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 use serde_json::{Value, json};
 use tokio::sync::watch;
 
-use super::client::{CallError, UpstreamClient, error_chain};
+use super::client::UpstreamClient;
+use super::sse::SseReader;
 use super::{
     DecodeChunk, DecodeStream, Dispatch, FinishReason, HalfError, HalfFailure, PdBackend,
     PrefillReport, Side,
@@ -176,12 +176,13 @@ impl VllmBackend {
     }
 }
 
-fn half_err(side: Side, e: CallError) -> HalfError {
-    let failure = match e {
-        CallError::Connect(m) => HalfFailure::Connect(m),
-        CallError::Transport(m) => HalfFailure::Transport(m),
-    };
-    HalfError { side, failure }
+/// A half's extra headers: its trace context and `X-Request-Id` (the pair id, on both halves).
+fn half_headers(id: PairId) -> Vec<(http::HeaderName, http::HeaderValue)> {
+    let mut h = crate::telemetry::trace_headers();
+    if let Ok(v) = http::HeaderValue::from_str(&id.to_string()) {
+        h.push((http::HeaderName::from_static("x-request-id"), v));
+    }
+    h
 }
 
 /// vLLM's error bodies: `{"object":"error","message"}` or `{"error":{"message"}}`.
@@ -231,10 +232,7 @@ impl PdBackend for VllmBackend {
         let client = self.client.clone();
         let url = format!("{}/v1/completions", d.prefill.url);
         let body = self.body(d, true, self.prefill_params());
-        let mut headers = crate::telemetry::trace_headers();
-        if let Ok(v) = http::HeaderValue::from_str(&d.pair_id.to_string()) {
-            headers.push((http::HeaderName::from_static("x-request-id"), v));
-        }
+        let headers = half_headers(d.pair_id);
         let handoff = self.handoff(d.pair_id);
         let me = self.clone();
         let expected = d.input_ids.len() as u64;
@@ -244,7 +242,7 @@ impl PdBackend for VllmBackend {
                 let (status, body) = client
                     .post_collect_with(&url, body, &headers)
                     .await
-                    .map_err(|e| half_err(side, e))?;
+                    .map_err(|e| e.of(side))?;
                 let v: Option<Value> = serde_json::from_slice(&body).ok();
                 if !(200..300).contains(&status) {
                     let message = v
@@ -351,14 +349,11 @@ impl PdBackend for VllmBackend {
             };
             me.handoffs.remove(&d.pair_id);
             let body = me.body(&d, false, (*params).clone());
-            let mut headers = crate::telemetry::trace_headers();
-            if let Ok(v) = http::HeaderValue::from_str(&d.pair_id.to_string()) {
-                headers.push((http::HeaderName::from_static("x-request-id"), v));
-            }
+            let headers = half_headers(d.pair_id);
             let resp = client
                 .send_with(Method::POST, &url, body, &headers)
                 .await
-                .map_err(|e| half_err(side, e))?;
+                .map_err(|e| e.of(side))?;
             let status = resp.status().as_u16();
             if !(200..300).contains(&status) {
                 let body = resp
@@ -378,8 +373,7 @@ impl PdBackend for VllmBackend {
                 });
             }
             Ok(Sse {
-                body: resp.into_body(),
-                buf: BytesMut::new(),
+                events: SseReader::new(resp.into_body(), side),
                 done: false,
                 chunks: 0,
             })
@@ -405,8 +399,7 @@ impl PdBackend for VllmBackend {
 /// vLLM's OpenAI completion stream (`data: {choices:[{text, finish_reason}], usage}` events, then
 /// `data: [DONE]`) as decode chunks.
 struct Sse {
-    body: Incoming,
-    buf: BytesMut,
+    events: SseReader,
     done: bool,
     /// Choice events so far (the completion count when the server sends no running usage).
     chunks: u64,
@@ -433,74 +426,38 @@ impl Sse {
     async fn next_chunk(&mut self) -> Result<Option<DecodeChunk>, HalfError> {
         let side = Side::Decode;
         loop {
-            if let Some(pos) = self.buf.windows(2).position(|w| w == b"\n\n") {
-                let raw = self.buf.split_to(pos + 2);
-                let text = String::from_utf8_lossy(&raw);
-                let data: String = text
-                    .lines()
-                    .filter_map(|l| l.strip_prefix("data:"))
-                    .map(|l| l.strip_prefix(' ').unwrap_or(l))
-                    .collect::<Vec<_>>()
-                    .join("\n");
-                let data = data.trim();
-                if data.is_empty() {
-                    continue;
-                }
-                if data == "[DONE]" {
-                    self.done = true;
-                    return Ok(None);
-                }
-                let v: Value = serde_json::from_str(data).map_err(|e| HalfError {
+            let Some(data) = self.events.next_data().await? else {
+                self.done = true;
+                return Ok(None);
+            };
+            let v: Value = serde_json::from_str(&data).map_err(|e| HalfError {
+                side,
+                failure: HalfFailure::Protocol(format!("bad SSE event: {e}")),
+            })?;
+            if let Some(m) = error_in(&v) {
+                return Err(HalfError {
                     side,
-                    failure: HalfFailure::Protocol(format!("bad SSE event: {e}")),
-                })?;
-                if let Some(m) = error_in(&v) {
-                    return Err(HalfError {
-                        side,
-                        failure: HalfFailure::InBandAbort(m),
-                    });
-                }
-                // The final usage-only event (no choices) carries nothing new.
-                let Some(choice) = v.pointer("/choices/0") else {
-                    continue;
-                };
-                let finish = finish_of(side, choice)?;
-                self.chunks += 1;
-                return Ok(Some(DecodeChunk {
-                    delta: choice
-                        .get("text")
-                        .and_then(Value::as_str)
-                        .unwrap_or("")
-                        .to_string(),
-                    token_ids: Vec::new(),
-                    prompt_tokens: usage(&v, "prompt_tokens"),
-                    kv_digest: None,
-                    completion_tokens: usage(&v, "completion_tokens").unwrap_or(self.chunks),
-                    finish,
-                }));
+                    failure: HalfFailure::InBandAbort(m),
+                });
             }
-            match self.body.frame().await {
-                Some(Ok(frame)) => {
-                    if let Ok(data) = frame.into_data() {
-                        self.buf.extend_from_slice(&data);
-                    }
-                }
-                Some(Err(e)) => {
-                    return Err(HalfError {
-                        side,
-                        failure: HalfFailure::Transport(error_chain(&e)),
-                    });
-                }
-                None => {
-                    self.done = true;
-                    return Err(HalfError {
-                        side,
-                        failure: HalfFailure::Transport(
-                            "the stream ended before the last token".into(),
-                        ),
-                    });
-                }
-            }
+            // The final usage-only event (no choices) carries nothing new.
+            let Some(choice) = v.pointer("/choices/0") else {
+                continue;
+            };
+            let finish = finish_of(side, choice)?;
+            self.chunks += 1;
+            return Ok(Some(DecodeChunk {
+                delta: choice
+                    .get("text")
+                    .and_then(Value::as_str)
+                    .unwrap_or("")
+                    .to_string(),
+                token_ids: Vec::new(),
+                prompt_tokens: usage(&v, "prompt_tokens"),
+                kv_digest: None,
+                completion_tokens: usage(&v, "completion_tokens").unwrap_or(self.chunks),
+                finish,
+            }));
         }
     }
 }

@@ -1,0 +1,70 @@
+//! Reading an upstream's server-sent events: the `data` payload of each event, in order.
+
+use bytes::BytesMut;
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+
+use super::client::error_chain;
+use super::{HalfError, HalfFailure, Side};
+
+/// The events of one SSE response body.
+pub(crate) struct SseReader {
+    body: Incoming,
+    buf: BytesMut,
+    side: Side,
+}
+
+impl SseReader {
+    pub(crate) fn new(body: Incoming, side: Side) -> SseReader {
+        SseReader {
+            body,
+            buf: BytesMut::new(),
+            side,
+        }
+    }
+
+    /// The next event's `data` (its lines joined), skipping empty events; `None` at `[DONE]` or
+    /// at a clean end of the body. A body that breaks, or ends inside an event, is an error.
+    pub(crate) async fn next_data(&mut self) -> Result<Option<String>, HalfError> {
+        loop {
+            if let Some(pos) = self.buf.windows(2).position(|w| w == b"\n\n") {
+                let raw = self.buf.split_to(pos + 2);
+                let text = String::from_utf8_lossy(&raw);
+                let data = text
+                    .lines()
+                    .filter_map(|l| l.strip_prefix("data:"))
+                    .map(|l| l.strip_prefix(' ').unwrap_or(l))
+                    .collect::<Vec<_>>()
+                    .join("\n");
+                let data = data.trim();
+                if data.is_empty() {
+                    continue;
+                }
+                if data == "[DONE]" {
+                    return Ok(None);
+                }
+                return Ok(Some(data.to_string()));
+            }
+            match self.body.frame().await {
+                Some(Ok(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        self.buf.extend_from_slice(&data);
+                    }
+                }
+                Some(Err(e)) => {
+                    return Err(HalfError {
+                        side: self.side,
+                        failure: HalfFailure::Transport(error_chain(&e)),
+                    });
+                }
+                None if self.buf.iter().all(u8::is_ascii_whitespace) => return Ok(None),
+                None => {
+                    return Err(HalfError {
+                        side: self.side,
+                        failure: HalfFailure::Transport("stream ended mid-event".into()),
+                    });
+                }
+            }
+        }
+    }
+}
