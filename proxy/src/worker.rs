@@ -339,6 +339,11 @@ impl WorkerService {
         })
     }
 
+    /// The engine's live counters.
+    pub fn engine_stats(&self) -> &lockstep_engine::engine::EngineStats {
+        self.engine.stats()
+    }
+
     /// Stops taking new pairs (Health says not serving, new calls get UNAVAILABLE).
     pub fn set_serving(&self, serving: bool) {
         self.serving.store(serving, Ordering::Release);
