@@ -9,7 +9,7 @@ use http_body_util::BodyExt;
 use serde_json::{Value, json};
 
 use super::client::UpstreamClient;
-use super::sse::SseReader;
+use super::sse::{ChunkSource, SseReader, chunk_stream};
 use super::{
     DecodeChunk, DecodeStream, Dispatch, FinishReason, HalfError, HalfFailure, PdBackend,
     PrefillReport, Side,
@@ -190,12 +190,11 @@ impl PdBackend for SglangBackend {
             Ok(SseDecoder {
                 events: SseReader::new(resp.into_body(), side),
                 text_len: 0,
-                done: false,
             })
         };
         futures_util::stream::once(start)
             .flat_map(|r| match r {
-                Ok(dec) => dec.into_stream().boxed(),
+                Ok(dec) => chunk_stream(dec),
                 Err(e) => futures_util::stream::once(async move { Err(e) }).boxed(),
             })
             .boxed()
@@ -234,32 +233,12 @@ impl PdBackend for SglangBackend {
 struct SseDecoder {
     events: SseReader,
     text_len: usize,
-    done: bool,
 }
 
-impl SseDecoder {
-    fn into_stream(self) -> DecodeStream {
-        futures_util::stream::unfold(self, |mut dec| async move {
-            if dec.done {
-                return None;
-            }
-            let item = dec.next_chunk().await;
-            match item {
-                Ok(Some(c)) => Some((Ok(c), dec)),
-                Ok(None) => None,
-                Err(e) => {
-                    dec.done = true;
-                    Some((Err(e), dec))
-                }
-            }
-        })
-        .boxed()
-    }
-
+impl ChunkSource for SseDecoder {
     async fn next_chunk(&mut self) -> Result<Option<DecodeChunk>, HalfError> {
         let side = Side::Decode;
         let Some(data) = self.events.next_data().await? else {
-            self.done = true;
             return Ok(None);
         };
         let v: Value = serde_json::from_str(&data).map_err(|e| HalfError {

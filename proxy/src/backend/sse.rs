@@ -4,8 +4,32 @@ use bytes::BytesMut;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
+use futures_util::StreamExt;
+
 use super::client::error_chain;
-use super::{HalfError, HalfFailure, Side};
+use super::{DecodeChunk, DecodeStream, HalfError, HalfFailure, Side};
+
+/// A decoder that turns an upstream's events into chunks, one call at a time (`None`: done).
+pub(crate) trait ChunkSource: Send + 'static {
+    /// The next chunk.
+    fn next_chunk(&mut self)
+    -> impl Future<Output = Result<Option<DecodeChunk>, HalfError>> + Send;
+}
+
+/// A decoder's chunks as a stream that ends at `None` or after the first error.
+pub(crate) fn chunk_stream<S: ChunkSource>(source: S) -> DecodeStream {
+    futures_util::stream::unfold((source, false), |(mut s, failed)| async move {
+        if failed {
+            return None;
+        }
+        match s.next_chunk().await {
+            Ok(Some(c)) => Some((Ok(c), (s, false))),
+            Ok(None) => None,
+            Err(e) => Some((Err(e), (s, true))),
+        }
+    })
+    .boxed()
+}
 
 /// The events of one SSE response body.
 pub(crate) struct SseReader {

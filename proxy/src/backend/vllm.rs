@@ -27,7 +27,7 @@ use serde_json::{Value, json};
 use tokio::sync::watch;
 
 use super::client::UpstreamClient;
-use super::sse::SseReader;
+use super::sse::{ChunkSource, SseReader, chunk_stream};
 use super::{
     DecodeChunk, DecodeStream, Dispatch, FinishReason, HalfError, HalfFailure, PdBackend,
     PrefillReport, Side,
@@ -374,13 +374,12 @@ impl PdBackend for VllmBackend {
             }
             Ok(Sse {
                 events: SseReader::new(resp.into_body(), side),
-                done: false,
                 chunks: 0,
             })
         };
         futures_util::stream::once(start)
             .flat_map(|r| match r {
-                Ok(sse) => sse.into_stream(),
+                Ok(sse) => chunk_stream(sse),
                 Err(e) => futures_util::stream::once(async move { Err(e) }).boxed(),
             })
             .boxed()
@@ -400,34 +399,15 @@ impl PdBackend for VllmBackend {
 /// `data: [DONE]`) as decode chunks.
 struct Sse {
     events: SseReader,
-    done: bool,
     /// Choice events so far (the completion count when the server sends no running usage).
     chunks: u64,
 }
 
-impl Sse {
-    fn into_stream(self) -> DecodeStream {
-        futures_util::stream::unfold(self, |mut s| async move {
-            if s.done {
-                return None;
-            }
-            match s.next_chunk().await {
-                Ok(Some(c)) => Some((Ok(c), s)),
-                Ok(None) => None,
-                Err(e) => {
-                    s.done = true;
-                    Some((Err(e), s))
-                }
-            }
-        })
-        .boxed()
-    }
-
+impl ChunkSource for Sse {
     async fn next_chunk(&mut self) -> Result<Option<DecodeChunk>, HalfError> {
         let side = Side::Decode;
         loop {
             let Some(data) = self.events.next_data().await? else {
-                self.done = true;
                 return Ok(None);
             };
             let v: Value = serde_json::from_str(&data).map_err(|e| HalfError {
