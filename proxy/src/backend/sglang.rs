@@ -2,14 +2,13 @@
 //! `rid`/`bootstrap_*` set by lockstep, and `/abort_request` on both halves.
 
 use bytes::Bytes;
-use futures_util::StreamExt;
 use futures_util::future::BoxFuture;
 use http::Method;
 use http_body_util::BodyExt;
 use serde_json::{Value, json};
 
 use super::client::UpstreamClient;
-use super::sse::{ChunkSource, SseReader, chunk_stream};
+use super::sse::{ChunkSource, SseReader, decode_stream};
 use super::{
     DecodeChunk, DecodeStream, Dispatch, FinishReason, HalfError, HalfFailure, PdBackend,
     PrefillReport, Side,
@@ -192,12 +191,7 @@ impl PdBackend for SglangBackend {
                 text_len: 0,
             })
         };
-        futures_util::stream::once(start)
-            .flat_map(|r| match r {
-                Ok(dec) => chunk_stream(dec),
-                Err(e) => futures_util::stream::once(async move { Err(e) }).boxed(),
-            })
-            .boxed()
+        decode_stream(start)
     }
 
     fn abort(&self, d: &Dispatch, side: Side) -> BoxFuture<'static, Result<(), HalfError>> {

@@ -16,8 +16,21 @@ pub(crate) trait ChunkSource: Send + 'static {
     -> impl Future<Output = Result<Option<DecodeChunk>, HalfError>> + Send;
 }
 
+/// The decode stream of a request that is still starting: its failure to start as the only item,
+/// or its decoder's chunks.
+pub(crate) fn decode_stream<S: ChunkSource>(
+    start: impl Future<Output = Result<S, HalfError>> + Send + 'static,
+) -> DecodeStream {
+    futures_util::stream::once(start)
+        .flat_map(|r| match r {
+            Ok(source) => chunk_stream(source),
+            Err(e) => futures_util::stream::once(async move { Err(e) }).boxed(),
+        })
+        .boxed()
+}
+
 /// A decoder's chunks as a stream that ends at `None` or after the first error.
-pub(crate) fn chunk_stream<S: ChunkSource>(source: S) -> DecodeStream {
+fn chunk_stream<S: ChunkSource>(source: S) -> DecodeStream {
     futures_util::stream::unfold((source, false), |(mut s, failed)| async move {
         if failed {
             return None;

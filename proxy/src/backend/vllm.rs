@@ -19,7 +19,6 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use dashmap::DashMap;
-use futures_util::StreamExt;
 use futures_util::future::BoxFuture;
 use http::Method;
 use http_body_util::BodyExt;
@@ -27,7 +26,7 @@ use serde_json::{Value, json};
 use tokio::sync::watch;
 
 use super::client::UpstreamClient;
-use super::sse::{ChunkSource, SseReader, chunk_stream};
+use super::sse::{ChunkSource, SseReader, decode_stream};
 use super::{
     DecodeChunk, DecodeStream, Dispatch, FinishReason, HalfError, HalfFailure, PdBackend,
     PrefillReport, Side,
@@ -377,12 +376,7 @@ impl PdBackend for VllmBackend {
                 chunks: 0,
             })
         };
-        futures_util::stream::once(start)
-            .flat_map(|r| match r {
-                Ok(sse) => chunk_stream(sse),
-                Err(e) => futures_util::stream::once(async move { Err(e) }).boxed(),
-            })
-            .boxed()
+        decode_stream(start)
     }
 
     fn abort(&self, d: &Dispatch, _side: Side) -> BoxFuture<'static, Result<(), HalfError>> {
