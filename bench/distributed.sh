@@ -14,7 +14,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=$(bash scripts/fetch-model.sh)
-cargo build --release --quiet -p lockstep --bin lockstep --example kv_transfer_bench
+cargo build --release --quiet -p lockstep --bin lockstep
+cargo build --release --quiet -p lockstep-worker --example kv_transfer_bench
 BIN=target/release/lockstep
 DIR=$(mktemp -d)
 PIDS=()

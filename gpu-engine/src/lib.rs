@@ -5,8 +5,7 @@
 //!   table. Scrub and verify policies, all-or-nothing allocation, tenant-salted prefix sharing.
 //! - [`transfer`]: verified KV export/import with a checksummed manifest (xxh3-64 per page, fused
 //!   with the copy).
-//! - [`attention`]: CPU paged attention (decode batch and causal prefill, GQA, rayon), behind the
-//!   [`backend::AttentionBackend`] interface.
+//! - [`attention`]: CPU paged attention (decode batch and causal prefill, GQA, rayon).
 //! - [`cuda`]: the CUDA backend (cudarc, NVRTC kernels, cuBLAS): device page pool with tags on
 //!   the device, the forward pass on the GPU, device checksums; `auto | cpu | cuda:N`.
 //!
@@ -16,16 +15,21 @@
 //! - [`model`]: the llama forward pass over a ragged batch, with quantised AVX2 matmuls.
 //! - [`synthetic`]: a GGUF writer and seeded random llama models of any shape (for checks where
 //!   the real model file cannot travel).
-//! - [`sample`]: sampling and stop conditions; [`engine`]: the continuous-batching engine;
+//! - [`bundle`]: a model file loaded once (network, tokenizer, fingerprint); [`device`]: where an
+//!   engine computes (CPU or CUDA, one enum the scheduler drives).
+//! - [`sample`]: sampling and stop conditions; [`engine`]: the continuous-batching engine (its
+//!   scheduler thread in `engine/scheduler.rs`);
 //!   [`pd`]: prefill and decode engines in one process with a verified transfer between them.
 //!
 //! Prefix sharing shares only full pages, so no sequence ever extends a shared page: the
 //! copy-before-extend case cannot arise.
 
 pub mod attention;
-pub mod backend;
+pub mod bundle;
 pub mod cuda;
+pub mod device;
 pub mod engine;
+pub mod error;
 pub mod gguf;
 mod matmul;
 pub mod model;

@@ -3,8 +3,9 @@
 
 use std::time::{Duration, Instant};
 
-use lockstep::app::Lockstep;
-use lockstep::config::{Config, EngineSection, expand_home};
+use lockstep_router::app::Lockstep;
+use lockstep_router::config::{Config, EngineSection};
+use lockstep_serve::toml_file::expand_home;
 use serde_json::Value;
 
 use crate::client::{Answer, TestClient};

@@ -3,8 +3,8 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use lockstep::app::Lockstep;
-use lockstep::config::Config;
+use lockstep_router::app::Lockstep;
+use lockstep_router::config::Config;
 
 use crate::sglang_mock::{MockConfig, PdMock};
 use crate::tokenizer;

@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use lockstep::pair::PairState;
+use lockstep_router::pair::PairState;
 use lockstep_tests::client::{self, Answer, Endpoint, TestClient};
 use lockstep_tests::harness::{MODEL, Stack, TEST_TIMEOUTS};
 use lockstep_tests::sglang_mock::{Fault, MockConfig, Role};

@@ -200,9 +200,11 @@ async fn connect_failure_retries_on_another_worker() {
     let text = stack
         .config_text("", lockstep_tests::harness::TEST_TIMEOUTS)
         .replace(&format!("[{live}]"), &format!("[{dead}, {live}]"));
-    let cfg = lockstep::config::Config::parse(&text).expect("config");
+    let cfg = lockstep_router::config::Config::parse(&text).expect("config");
     assert_eq!(cfg.models[0].prefill.workers.len(), 2);
-    let ls = lockstep::app::Lockstep::start(cfg).await.expect("start");
+    let ls = lockstep_router::app::Lockstep::start(cfg)
+        .await
+        .expect("start");
     let url = format!("http://{}/v1/completions", ls.http_addr);
     for _ in 0..4 {
         let a = TestClient::default()

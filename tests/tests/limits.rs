@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use lockstep::config::Config;
+use lockstep_router::config::Config;
 use lockstep_tests::client::{self, Answer, Endpoint, TestClient};
 use lockstep_tests::harness::{MODEL, Stack, TEST_TIMEOUTS};
 use lockstep_tests::sglang_mock::{Fault, MockConfig};

@@ -6,12 +6,12 @@
 
 use std::time::Duration;
 
-use lockstep::app::Lockstep;
-use lockstep::config::Config;
-use lockstep::tenant::key_hash_hex;
-use lockstep::worker::{Role, RunningWorker, WorkerFile};
+use lockstep_router::app::Lockstep;
+use lockstep_router::config::Config;
+use lockstep_router::tenant::key_hash_hex;
 use lockstep_tests::client::TestClient;
 use lockstep_tests::embedded::model_path;
+use lockstep_worker::{Role, RunningWorker, WorkerFile};
 use serde_json::json;
 
 async fn worker(role: Role, model: &std::path::Path) -> RunningWorker {

@@ -8,9 +8,9 @@
 
 use std::time::Duration;
 
-use lockstep::app::Lockstep;
-use lockstep::config::Config;
-use lockstep::tenant::{cache_salt, key_hash_hex};
+use lockstep_router::app::Lockstep;
+use lockstep_router::config::Config;
+use lockstep_router::tenant::{cache_salt, key_hash_hex};
 use lockstep_tests::client::{self, Answer, Endpoint, TestClient};
 use lockstep_tests::vllm_mock::{VllmFault, VllmMock, VllmMockConfig, VllmRole};
 use serde_json::{Value, json};

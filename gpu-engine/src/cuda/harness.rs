@@ -7,7 +7,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaSlice;
 use half::f16;
 
-use super::model::{DeviceStep, StepBuffers};
+use super::step::{DeviceStep, StepBuffers};
 use super::{CudaError, DeviceKv, Gpu, ops};
 use crate::model::Step;
 

@@ -323,8 +323,10 @@ mod harness;
 mod kv;
 mod model;
 mod ops;
+mod step;
 
 pub use harness::Harness;
 pub use kv::{DeviceFlag, DeviceKv};
-pub use model::{CudaLlama, StepBuffers};
+pub use model::CudaLlama;
 pub use ops::AttentionPlan;
+pub use step::StepBuffers;

@@ -7,7 +7,7 @@ use cudarc::cublas::sys::{
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
 use half::f16;
 
-use super::model::DeviceStep;
+use super::step::DeviceStep;
 use super::{CudaError, DeviceKv, Gpu};
 
 /// Positions of one attention split, at most and at least.

@@ -1,0 +1,600 @@
+//! The engine thread: continuous batching over one page pool. Each step admits waiting requests
+//! whose pages are all free (never truncating), runs one forward pass over decode tokens and
+//! prompt chunks together on the engine's device, samples, streams events, and frees what
+//! finished, aborted or lost its receiver.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc;
+
+use tokio::sync::{mpsc as tmpsc, oneshot};
+
+use super::{
+    Cmd, EngineConfig, EngineError, EngineStats, Event, Generate, KvReport, KvSink, WhenFull,
+};
+use crate::bundle::ModelBundle;
+use crate::device::EngineDevice;
+use crate::model::Step;
+use crate::pool::{OwnerId, PagePool, ScrubPolicy, Sequence};
+use crate::sample::{Sampler, TextStream};
+use crate::transfer::{ImportExpectation, TransferError};
+
+/// What a request is doing.
+#[allow(clippy::large_enum_variant)] // One per running request; boxing buys nothing.
+pub(super) enum Role {
+    Gen {
+        events: tmpsc::UnboundedSender<Event>,
+        sampler: Sampler,
+        text: TextStream,
+        /// The token to feed next, once the prompt is in.
+        next: [u32; 1],
+        sampled: usize,
+    },
+    Prefill {
+        sink: Option<KvSink>,
+        reply: Option<oneshot::Sender<Result<KvReport, EngineError>>>,
+        /// Tokens shared from the prefix cache.
+        cached: usize,
+    },
+}
+
+/// A queued request.
+pub(super) enum Job {
+    Gen(Generate, tmpsc::UnboundedSender<Event>),
+    Prefill {
+        id: u64,
+        tokens: Arc<[u32]>,
+        cache_salt: Option<u64>,
+        sink: KvSink,
+        reply: oneshot::Sender<Result<KvReport, EngineError>>,
+    },
+}
+
+impl Job {
+    fn id(&self) -> u64 {
+        match self {
+            Job::Gen(g, _) => g.id,
+            Job::Prefill { id, .. } => *id,
+        }
+    }
+    fn tokens(&self) -> usize {
+        match self {
+            Job::Gen(g, _) => g.prompt.len() + g.sampling.max_tokens.max(1),
+            Job::Prefill { tokens, .. } => tokens.len(),
+        }
+    }
+    pub(super) fn fail(self, e: EngineError) {
+        match self {
+            Job::Gen(_, events) => {
+                let _ = events.send(Event::Failed(e));
+            }
+            Job::Prefill { reply, .. } => {
+                let _ = reply.send(Err(e));
+            }
+        }
+    }
+    fn abandoned(&self) -> bool {
+        match self {
+            Job::Gen(_, events) => events.is_closed(),
+            Job::Prefill { reply, .. } => reply.is_closed(),
+        }
+    }
+}
+
+/// A request holding pages.
+struct Active {
+    id: u64,
+    seq: Sequence,
+    input: Arc<[u32]>,
+    /// Input tokens whose KV is in `seq`.
+    fed: usize,
+    /// The prefix-cache namespace, while the input's full pages are still to be published.
+    publish: Option<u64>,
+    role: Role,
+}
+
+impl Active {
+    fn abandoned(&self) -> bool {
+        match &self.role {
+            Role::Gen { events, .. } => events.is_closed(),
+            Role::Prefill { reply, .. } => reply.as_ref().is_none_or(|r| r.is_closed()),
+        }
+    }
+}
+
+/// The engine thread's state: its pool, device and requests.
+pub(super) struct Scheduler {
+    bundle: Arc<ModelBundle>,
+    cfg: EngineConfig,
+    /// Page bookkeeping (and, on a GPU, the host staging copy of pages in transfer).
+    pool: PagePool,
+    /// Where the forward pass runs (and, on a GPU, where the pages themselves live).
+    device: EngineDevice,
+    stats: Arc<EngineStats>,
+    waiting: VecDeque<Job>,
+    active: Vec<Active>,
+}
+
+impl Scheduler {
+    /// A scheduler with nothing waiting or running.
+    pub(super) fn new(
+        bundle: Arc<ModelBundle>,
+        cfg: EngineConfig,
+        pool: PagePool,
+        device: EngineDevice,
+        stats: Arc<EngineStats>,
+    ) -> Scheduler {
+        Scheduler {
+            bundle,
+            cfg,
+            pool,
+            device,
+            stats,
+            waiting: VecDeque::new(),
+            active: Vec::new(),
+        }
+    }
+
+    /// The engine thread's loop: take commands, admit, step, publish, until stopped.
+    pub(super) fn run(&mut self, rx: mpsc::Receiver<Cmd>) {
+        loop {
+            let first = if self.active.is_empty() && self.waiting.is_empty() {
+                match rx.recv() {
+                    Ok(c) => Some(c),
+                    Err(_) => return,
+                }
+            } else {
+                None
+            };
+            for cmd in first
+                .into_iter()
+                .chain(std::iter::from_fn(|| rx.try_recv().ok()))
+            {
+                match cmd {
+                    Cmd::Submit(job) => self.waiting.push_back(job),
+                    Cmd::Abort(id) => self.abort(id),
+                    Cmd::Stop => {
+                        self.shutdown();
+                        return;
+                    }
+                }
+            }
+            self.drop_abandoned();
+            self.admit();
+            self.publish();
+            if !self.active.is_empty() {
+                self.step();
+                self.publish();
+            }
+        }
+    }
+
+    fn publish(&self) {
+        let s = &self.stats;
+        s.free_pages
+            .store(self.pool.available_pages(), Ordering::Relaxed);
+        s.running.store(self.active.len(), Ordering::Relaxed);
+        s.waiting.store(self.waiting.len(), Ordering::Relaxed);
+    }
+
+    fn release(&mut self, a: Active) {
+        if let Err(e) = self.pool.release(a.seq) {
+            tracing::error!(request = a.id, error = %e, "pages not released");
+        }
+        // On a GPU, mirror the freed tags now so a scrub policy zeroes the pages at once.
+        if self.cfg.scrub != ScrubPolicy::None
+            && let Err(e) = self.device.sync_tags(&self.pool)
+        {
+            tracing::error!(request = a.id, error = %e, "device pages not scrubbed");
+        }
+    }
+
+    fn abort(&mut self, id: u64) {
+        self.waiting.retain(|j| j.id() != id);
+        while let Some(i) = self.active.iter().position(|a| a.id == id) {
+            let a = self.active.swap_remove(i);
+            self.release(a);
+        }
+    }
+
+    fn drop_abandoned(&mut self) {
+        self.waiting.retain(|j| !j.abandoned());
+        let mut i = 0;
+        while i < self.active.len() {
+            if self.active[i].abandoned() {
+                let a = self.active.swap_remove(i);
+                self.release(a);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    fn shutdown(&mut self) {
+        for j in std::mem::take(&mut self.waiting) {
+            j.fail(EngineError::Stopped);
+        }
+        for a in std::mem::take(&mut self.active) {
+            self.fail(a, EngineError::Stopped);
+        }
+        self.publish();
+    }
+
+    /// Admits queued requests in order while their pages can be allocated.
+    fn admit(&mut self) {
+        let ps = self.cfg.page_size;
+        let total = self.pool.total_pages();
+        while self.active.len() < self.cfg.max_running {
+            let Some(job) = self.waiting.front() else {
+                return;
+            };
+            let tokens = job.tokens();
+            let need = tokens.div_ceil(ps);
+            if need > total {
+                if let Some(j) = self.waiting.pop_front() {
+                    j.fail(EngineError::TooLarge {
+                        need,
+                        tokens,
+                        total,
+                    });
+                }
+                continue;
+            }
+            let free = self.pool.available_pages();
+            if need > free {
+                if self.cfg.when_full == WhenFull::Wait {
+                    return;
+                }
+                if let Some(j) = self.waiting.pop_front() {
+                    j.fail(EngineError::Full { need, free });
+                }
+                continue;
+            }
+            let Some(job) = self.waiting.pop_front() else {
+                return;
+            };
+            match self.start(job, tokens) {
+                Ok(Some(a)) => self.active.push(a),
+                Ok(None) => {}
+                Err((job, e)) => job.fail(e),
+            }
+        }
+    }
+
+    /// Allocates a job's pages (importing its KV when it brings some).
+    #[allow(clippy::result_large_err)]
+    fn start(&mut self, job: Job, tokens: usize) -> Result<Option<Active>, (Job, EngineError)> {
+        let id = job.id();
+        let owner = OwnerId::sequence(id);
+        match job {
+            Job::Prefill {
+                id,
+                tokens,
+                cache_salt,
+                sink,
+                reply,
+            } => {
+                let salt = cache_salt.filter(|_| self.prefix_cache());
+                let (seq, shared) = match self.new_sequence(owner, &tokens, tokens.len(), salt) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        let job = Job::Prefill {
+                            id,
+                            tokens,
+                            cache_salt,
+                            sink,
+                            reply,
+                        };
+                        return Err((job, e));
+                    }
+                };
+                let a = Active {
+                    id,
+                    seq,
+                    input: tokens,
+                    fed: shared,
+                    publish: salt,
+                    role: Role::Prefill {
+                        sink: Some(sink),
+                        reply: Some(reply),
+                        cached: shared,
+                    },
+                };
+                if a.input.is_empty() {
+                    // Nothing to compute: export the empty set at once.
+                    self.finish_prefill(a);
+                    return Ok(None);
+                }
+                Ok(Some(a))
+            }
+            Job::Gen(mut g, events) => {
+                if g.prompt.is_empty() {
+                    return Err((
+                        Job::Gen(g, events),
+                        EngineError::BadRequest("empty prompt".into()),
+                    ));
+                }
+                let salt = g.cache_salt.filter(|_| self.prefix_cache());
+                let (seq, digest) = match g.kv.take() {
+                    None => match self.new_sequence(owner, &g.prompt, tokens, salt) {
+                        Ok((s, _)) => (s, None),
+                        Err(e) => return Err((Job::Gen(g, events), e)),
+                    },
+                    Some(t) => {
+                        let expect = ImportExpectation {
+                            pair_id: id,
+                            model: self.bundle.fingerprint,
+                            tokens: g.prompt.len() as u64 - 1,
+                        };
+                        let imported = self
+                            .pool
+                            .import(owner, expect, &t)
+                            .map_err(EngineError::from)
+                            .and_then(|mut s| {
+                                let extra = tokens - s.len;
+                                let r = self
+                                    .pool
+                                    .reserve(&mut s, extra)
+                                    .map_err(EngineError::from)
+                                    .and_then(|()| {
+                                        self.device.upload(
+                                            &self.pool,
+                                            &s,
+                                            &t.manifest.page_checksums,
+                                        )
+                                    });
+                                match r {
+                                    Ok(()) => Ok(s),
+                                    Err(e) => {
+                                        let _ = self.pool.release(s);
+                                        Err(e)
+                                    }
+                                }
+                            });
+                        match imported {
+                            Ok(s) => (s, Some(t.manifest.compute_checksum())),
+                            Err(e) => return Err((Job::Gen(g, events), e)),
+                        }
+                    }
+                };
+                let fed = seq.len;
+                let _ = events.send(Event::Started {
+                    prompt_tokens: g.prompt.len() as u64,
+                    kv_digest: digest,
+                });
+                let text = TextStream::new(&g.sampling, &self.bundle.eog);
+                Ok(Some(Active {
+                    id,
+                    seq,
+                    input: g.prompt,
+                    fed,
+                    publish: salt.filter(|_| digest.is_none()),
+                    role: Role::Gen {
+                        events,
+                        sampler: Sampler::new(g.sampling),
+                        text,
+                        next: [0],
+                        sampled: 0,
+                    },
+                }))
+            }
+        }
+    }
+
+    fn prefix_cache(&self) -> bool {
+        self.cfg.prefix_cache && self.device.shares_prefixes()
+    }
+
+    /// A sequence for `input` with room for `tokens` tokens; with a cache salt, full pages of the
+    /// input already cached under that salt are shared. Returns it and the tokens shared.
+    fn new_sequence(
+        &mut self,
+        owner: OwnerId,
+        input: &[u32],
+        tokens: usize,
+        salt: Option<u64>,
+    ) -> Result<(Sequence, usize), EngineError> {
+        let Some(salt) = salt else {
+            return Ok((self.pool.new_sequence(owner, tokens)?, 0));
+        };
+        let (mut seq, shared) = self.pool.start_with_prefix(owner, input, salt)?;
+        if let Err(e) = self.pool.reserve(&mut seq, tokens - shared) {
+            let _ = self.pool.release(seq);
+            return Err(e.into());
+        }
+        self.stats
+            .prefix_hit_tokens
+            .fetch_add(shared, Ordering::Relaxed);
+        Ok((seq, shared))
+    }
+
+    /// Ends a running request with an error and frees its pages.
+    fn fail(&mut self, mut a: Active, e: EngineError) {
+        match &mut a.role {
+            Role::Gen { events, .. } => {
+                let _ = events.send(Event::Failed(e));
+            }
+            Role::Prefill { reply, .. } => {
+                if let Some(r) = reply.take() {
+                    let _ = r.send(Err(e));
+                }
+            }
+        }
+        self.release(a);
+    }
+
+    fn finish_prefill(&mut self, mut a: Active) {
+        let exported = match self
+            .device
+            .download(&mut self.pool, &a.seq, self.cfg.page_size)
+        {
+            Ok(sums) => self
+                .pool
+                .export(&a.seq, a.id, self.bundle.fingerprint)
+                .map_err(EngineError::from)
+                .and_then(|t| match sums {
+                    // The device's checksums of the pages must equal the host copy's.
+                    Some(sums) if sums != t.manifest.page_checksums => {
+                        let index = sums
+                            .iter()
+                            .zip(&t.manifest.page_checksums)
+                            .position(|(a, b)| a != b)
+                            .unwrap_or(0) as u32;
+                        Err(TransferError::PageCorrupt { index }.into())
+                    }
+                    _ => Ok(t),
+                }),
+            Err(e) => Err(e),
+        };
+        let (sink, reply, cached) = match &mut a.role {
+            Role::Prefill {
+                sink,
+                reply,
+                cached,
+            } => (sink.take(), reply.take(), *cached as u64),
+            Role::Gen { .. } => (None, None, 0),
+        };
+        // The set is a copy: the pages are free before it leaves.
+        self.release(a);
+        let r = exported.map(|t| {
+            let report = KvReport {
+                tokens: t.manifest.tokens,
+                digest: t.manifest.manifest_checksum,
+                cached,
+            };
+            if let Some(sink) = sink {
+                sink(t);
+            }
+            report
+        });
+        if let Some(reply) = reply {
+            let _ = reply.send(r);
+        }
+    }
+
+    /// One forward step over the batch.
+    fn step(&mut self) {
+        let mut budget = self.cfg.max_batch_tokens.max(1);
+        // (active index, tokens this step, wants logits)
+        let mut plan: Vec<(usize, usize, bool)> = Vec::new();
+        for (i, a) in self.active.iter().enumerate() {
+            if a.fed == a.input.len() {
+                plan.push((i, 1, true));
+                budget = budget.saturating_sub(1);
+            }
+        }
+        for (i, a) in self.active.iter().enumerate() {
+            if a.fed < a.input.len() && budget > 0 {
+                let n = (a.input.len() - a.fed).min(budget);
+                budget -= n;
+                let last = a.fed + n == a.input.len();
+                plan.push((i, n, last && matches!(a.role, Role::Gen { .. })));
+            }
+        }
+        plan.sort_by_key(|p| p.0);
+        let result = {
+            let mut items = Vec::with_capacity(plan.len());
+            let mut pi = plan.iter().peekable();
+            for (i, a) in self.active.iter_mut().enumerate() {
+                let Some(&&(j, n, logits)) = pi.peek() else {
+                    break;
+                };
+                if j != i {
+                    continue;
+                }
+                pi.next();
+                let Active {
+                    seq,
+                    input,
+                    fed,
+                    role,
+                    ..
+                } = a;
+                let tokens: &[u32] = if *fed < input.len() {
+                    &input[*fed..*fed + n]
+                } else if let Role::Gen { next, .. } = role {
+                    &next[..]
+                } else {
+                    &[]
+                };
+                items.push(Step {
+                    seq,
+                    tokens,
+                    logits,
+                });
+            }
+            self.device
+                .forward_batch(&self.bundle, &mut self.pool, &mut items)
+        };
+        let logits = match result {
+            Ok(l) => l,
+            Err(e) => {
+                // The step failed as a whole: end every request in it.
+                let e = EngineError::from(e);
+                let mut ids: Vec<usize> = plan.iter().map(|p| p.0).collect();
+                ids.sort_unstable_by(|a, b| b.cmp(a));
+                for i in ids {
+                    let a = self.active.swap_remove(i);
+                    self.fail(a, e.clone());
+                }
+                return;
+            }
+        };
+        let mut logits = logits.into_iter();
+        let mut done = Vec::new();
+        for &(i, n, want) in &plan {
+            let a = &mut self.active[i];
+            if a.fed < a.input.len() {
+                a.fed += n;
+                if a.fed == a.input.len()
+                    && let Some(salt) = a.publish.take()
+                    && let Err(e) = self.pool.publish_prefix(&mut a.seq, &a.input, salt)
+                {
+                    tracing::error!(request = a.id, error = %e, "prefix pages not published");
+                }
+            }
+            if !want {
+                if a.fed == a.input.len() && matches!(a.role, Role::Prefill { .. }) {
+                    done.push(i);
+                }
+                continue;
+            }
+            let Some(l) = logits.next() else {
+                continue;
+            };
+            if let Role::Gen {
+                events,
+                sampler,
+                text,
+                next,
+                sampled,
+            } = &mut a.role
+            {
+                let id = sampler.sample(&l, *sampled, text.ids());
+                *sampled += 1;
+                next[0] = id;
+                let emit = text.push(&self.bundle.tokenizer, id);
+                self.stats.generated.fetch_add(1, Ordering::Relaxed);
+                let finished = emit.finish.is_some();
+                let sent = events.send(Event::Token {
+                    id,
+                    text: emit.text,
+                    finish: emit.finish,
+                });
+                if finished || sent.is_err() {
+                    done.push(i);
+                }
+            }
+        }
+        done.sort_unstable_by(|a, b| b.cmp(a));
+        for i in done {
+            let a = self.active.swap_remove(i);
+            if matches!(a.role, Role::Prefill { .. }) {
+                self.finish_prefill(a);
+            } else {
+                self.release(a);
+            }
+        }
+    }
+}

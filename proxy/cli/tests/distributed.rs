@@ -1,0 +1,547 @@
+//! Distributed mode, every part a separate `lockstep` process on loopback: a router
+//! (`backend = "lockstep"`), one prefill worker and two decode workers, on the real model.
+//!
+//! - Concurrent greedy requests give the same text as the embedded single-process mode.
+//! - Killing the decode worker in the middle of a stream gives that client an error (never
+//!   `[DONE]`), the prefill worker holds no page afterwards, and the router keeps serving through
+//!   the remaining decode worker.
+//! - A page corrupted on the wire is caught by the importing decode worker; the pair aborts on
+//!   both sides and neither worker holds anything.
+//! - Leases: pushed KV nobody claims, and a decode call whose KV never comes, are dropped after
+//!   `worker.lease_ms`; a decode call whose caller goes away frees its pages at once.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use lockstep_proto::v1 as pb;
+use lockstep_proto::v1::worker_client::WorkerClient;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
+use tonic::transport::Channel;
+
+const BIN: &str = env!("CARGO_BIN_EXE_lockstep");
+const MODEL: &str = "smollm2";
+
+/// The model file, or `None` (the test returns) when it was not fetched; with
+/// `LOCKSTEP_REQUIRE_MODEL` set (CI) a missing model fails.
+fn model_path() -> Option<PathBuf> {
+    let p = std::env::var_os("LOCKSTEP_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            lockstep_serve::toml_file::expand_home(
+                &lockstep_serve::engine_section::EngineSection::default().gguf,
+            )
+        });
+    if p.is_file() {
+        return Some(p);
+    }
+    assert!(
+        std::env::var_os("LOCKSTEP_REQUIRE_MODEL").is_none(),
+        "LOCKSTEP_REQUIRE_MODEL is set but the model is missing: run scripts/fetch-model.sh"
+    );
+    eprintln!("test model not fetched (scripts/fetch-model.sh)");
+    None
+}
+
+/// A `lockstep` process, killed (by pid, through its handle) when dropped.
+struct Proc {
+    child: tokio::process::Child,
+    addr: String,
+}
+
+/// Spawns `lockstep ARGS` and waits (bounded) for the log line containing `ready`, taking the
+/// address it listens on from that line.
+async fn spawn(args: &[&str], ready: &str) -> Proc {
+    let mut child = tokio::process::Command::new(BIN)
+        .args(args)
+        .env("NO_COLOR", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn lockstep");
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().expect("stdout")).lines();
+    let addr = tokio::time::timeout(Duration::from_secs(120), async {
+        while let Ok(Some(l)) = lines.next_line().await {
+            if l.contains(ready) {
+                let at = l.find("127.0.0.1:").expect("address in the ready line");
+                let addr: String = l[at..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_digit() || *c == '.' || *c == ':')
+                    .collect();
+                return Some(addr);
+            }
+        }
+        None
+    })
+    .await
+    .expect("ready in time")
+    .unwrap_or_else(|| panic!("lockstep {args:?} exited before `{ready}`"));
+    // Keep draining its output so it never blocks on a full pipe.
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    Proc { child, addr }
+}
+
+async fn worker(role: &str, config: &Path) -> Proc {
+    let cfg = config.to_str().expect("utf-8 path");
+    spawn(
+        &[
+            "worker",
+            "--role",
+            role,
+            "--config",
+            cfg,
+            "--listen",
+            "127.0.0.1:0",
+        ],
+        "worker listening",
+    )
+    .await
+}
+
+fn worker_config(dir: &Path, name: &str, model: &Path, worker: &str, extra: &str) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(
+        &p,
+        format!(
+            r#"
+[worker]
+lease_ms = 1500
+log_level = "info"
+{worker}
+
+[engine]
+gguf = "{}"
+fetch_pip = ""
+kv_pages = 48
+page_size = 16
+max_batch_tokens = 128
+{extra}
+"#,
+            model.display()
+        ),
+    )
+    .expect("write worker config");
+    p
+}
+
+fn model_section(backend: &str, model: &Path, body: &str) -> String {
+    format!(
+        r#"
+[server]
+http_listen = "127.0.0.1:0"
+
+[[models]]
+name = "{MODEL}"
+backend = "{backend}"
+context_window = 512
+kv_capacity_tokens = 768
+default_max_tokens = 16
+
+[models.engine]
+gguf = "{}"
+fetch_pip = ""
+{body}
+
+[models.timeouts]
+total_ms = 60000
+prefill_ms = 30000
+first_token_ms = 40000
+idle_ms = 20000
+
+[models.health]
+interval_ms = 100
+failure_threshold = 1
+"#,
+        model.display()
+    )
+}
+
+async fn router(dir: &Path, model: &Path, prefill: &Proc, decode: &[&Proc]) -> Proc {
+    let decode: Vec<String> = decode
+        .iter()
+        .map(|d| format!("{{ url = \"http://{}\" }}", d.addr))
+        .collect();
+    let text = model_section(
+        "lockstep",
+        model,
+        &format!(
+            "[models.prefill]\nworkers = [{{ url = \"http://{}\" }}]\n\n[models.decode]\npolicy = \"round_robin\"\nworkers = [{}]\n",
+            prefill.addr,
+            decode.join(", ")
+        ),
+    );
+    let p = dir.join("router.toml");
+    std::fs::write(&p, text).expect("write router config");
+    let cfg = p.to_str().expect("utf-8").to_string();
+    spawn(&["serve", "--config", &cfg], "lockstep listening").await
+}
+
+/// One raw HTTP/1.1 POST; the whole answer (bounded: 90 s).
+async fn post(addr: &str, path: &str, body: &serde_json::Value) -> (u16, String) {
+    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let body = body.to_string();
+    let req = format!(
+        "POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.expect("write");
+    let mut out = String::new();
+    tokio::time::timeout(Duration::from_secs(90), s.read_to_string(&mut out))
+        .await
+        .expect("answer in time")
+        .expect("read");
+    let status = out
+        .get(9..12)
+        .and_then(|c| c.parse().ok())
+        .expect("status line");
+    let body = out.split_once("\r\n\r\n").map(|x| x.1).unwrap_or("");
+    (status, body.to_string())
+}
+
+fn completion(prompt: &str, max_tokens: u64) -> serde_json::Value {
+    serde_json::json!({ "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0 })
+}
+
+fn text_of(body: &str) -> String {
+    let v: serde_json::Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}"));
+    v["choices"][0]["text"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no text: {body}"))
+        .to_string()
+}
+
+async fn client(addr: &str) -> WorkerClient<Channel> {
+    let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .expect("endpoint")
+        .connect()
+        .await
+        .expect("connect to worker");
+    WorkerClient::new(ch).max_decoding_message_size(64 << 20)
+}
+
+async fn capacity(addr: &str) -> pb::CapacityResponse {
+    client(addr)
+        .await
+        .capacity(pb::CapacityRequest {})
+        .await
+        .expect("capacity")
+        .into_inner()
+}
+
+/// Waits (bounded) until the worker holds no page, runs nothing and keeps no pushed set.
+async fn wait_idle(addr: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let c = capacity(addr).await;
+        if c.free_pages == c.total_pages && c.running == 0 && c.pending_kv_sets == 0 {
+            return;
+        }
+        assert!(Instant::now() < deadline, "worker {addr} not idle: {c:?}");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+const PROMPTS: [&str; 6] = [
+    "The capital of France is",
+    "One, two, three,",
+    "The largest ocean on Earth is",
+    "def fibonacci(n):",
+    "Water boils at",
+    "The first president of the United States was",
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn distributed_matches_single_process_and_survives_a_lost_decode_worker() {
+    let Some(model) = model_path() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let wcfg = worker_config(dir.path(), "worker.toml", &model, "", "");
+    let (p, d1, d2) = tokio::join!(
+        worker("prefill", &wcfg),
+        worker("decode", &wcfg),
+        worker("decode", &wcfg)
+    );
+    let r = router(dir.path(), &model, &p, &[&d1, &d2]).await;
+
+    // The single-process reference: the embedded split engine, same pool shape.
+    let embedded = model_section(
+        "embedded",
+        &model,
+        "kv_pages = 48\npage_size = 16\nmax_batch_tokens = 128\n",
+    );
+    let ep = dir.path().join("embedded.toml");
+    std::fs::write(&ep, embedded).expect("write");
+    let single = spawn(
+        &["serve", "--config", ep.to_str().expect("utf-8")],
+        "lockstep listening",
+    )
+    .await;
+
+    let ask = |addr: String| async move {
+        let all = PROMPTS
+            .iter()
+            .map(|p| {
+                let addr = addr.clone();
+                async move { post(&addr, "/v1/completions", &completion(p, 12)).await }
+            })
+            .collect::<Vec<_>>();
+        futures_util::future::join_all(all).await
+    };
+    let (dist, reference) = tokio::join!(ask(r.addr.clone()), ask(single.addr.clone()));
+    for ((i, (ds, db)), (rs, rb)) in dist.iter().enumerate().zip(&reference) {
+        assert_eq!((*ds, *rs), (200, 200), "{db} / {rb}");
+        assert_eq!(
+            text_of(db),
+            text_of(rb),
+            "prompt {:?}: distributed and single-process agree (greedy)",
+            PROMPTS[i]
+        );
+    }
+    drop(single);
+    for w in [&p, &d1, &d2] {
+        wait_idle(&w.addr).await;
+    }
+
+    // A long stream; once it is flowing, kill the decode worker that runs it.
+    let mut s = tokio::net::TcpStream::connect(&r.addr)
+        .await
+        .expect("connect");
+    let body = serde_json::json!({ "model": MODEL, "prompt": "Count from one to one hundred:",
+        "max_tokens": 300, "temperature": 0, "ignore_eos": true, "stream": true })
+    .to_string();
+    let req = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.expect("write");
+    let mut seen = String::new();
+    let mut buf = [0u8; 4096];
+    tokio::time::timeout(Duration::from_secs(60), async {
+        while seen.matches("data: ").count() < 3 {
+            let n = s.read(&mut buf).await.expect("read");
+            assert!(n > 0, "stream ended early: {seen}");
+            seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+        }
+    })
+    .await
+    .expect("stream starts");
+    let (c1, c2) = (capacity(&d1.addr).await, capacity(&d2.addr).await);
+    let (mut victim, survivor) = match (c1.running, c2.running) {
+        (1, 0) => (d1, d2),
+        (0, 1) => (d2, d1),
+        other => panic!("exactly one decode worker runs the stream: {other:?}"),
+    };
+    victim.child.kill().await.expect("kill the decode worker");
+    let mut rest = String::new();
+    tokio::time::timeout(Duration::from_secs(30), s.read_to_string(&mut rest))
+        .await
+        .expect("stream ends after the kill")
+        .expect("read");
+    seen.push_str(&rest);
+    assert!(
+        seen.contains("\"error\"") && !seen.contains("[DONE]"),
+        "the client gets an error, never [DONE]: {seen}"
+    );
+    // The prefill worker holds nothing for the lost pair.
+    wait_idle(&p.addr).await;
+
+    // The router keeps serving through the remaining decode worker.
+    for (i, prompt) in PROMPTS.iter().enumerate() {
+        let (status, body) = post(&r.addr, "/v1/completions", &completion(prompt, 6)).await;
+        assert_eq!(status, 200, "request {i} after the kill: {body}");
+        assert!(!text_of(&body).is_empty());
+    }
+    wait_idle(&survivor.addr).await;
+    wait_idle(&p.addr).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_page_corrupted_on_the_wire_is_caught_and_both_sides_let_go() {
+    let Some(model) = model_path() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let clean = worker_config(dir.path(), "clean.toml", &model, "", "");
+    // Both transports: the data listener (tcp, the default) and the PushKv stream (grpc).
+    for transport in ["tcp", "grpc"] {
+        let faulty = worker_config(
+            dir.path(),
+            &format!("faulty-{transport}.toml"),
+            &model,
+            &format!("kv_transport = \"{transport}\""),
+            "fault = \"corrupt_page\"\nfault_every = 1",
+        );
+        let (p, d) = tokio::join!(worker("prefill", &faulty), worker("decode", &clean));
+        let r = router(dir.path(), &model, &p, &[&d]).await;
+        for stream in [false, true] {
+            let mut body = completion("The capital of France is", 8);
+            body["stream"] = stream.into();
+            let (status, text) = post(&r.addr, "/v1/completions", &body).await;
+            assert_eq!(status, 502, "{transport} stream={stream}: {text}");
+            assert!(
+                text.contains("integrity_violation") && !text.contains("Paris"),
+                "{transport} stream={stream}: the corruption is an integrity error with no output: {text}"
+            );
+        }
+        wait_idle(&p.addr).await;
+        wait_idle(&d.addr).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_free_what_a_lost_peer_leaves_behind() {
+    let Some(model) = model_path() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = worker_config(dir.path(), "worker.toml", &model, "", "");
+    let (p, d) = tokio::join!(worker("prefill", &cfg), worker("decode", &cfg));
+    let prompt: Vec<u32> = (0..40).map(|i| 100 + i).collect();
+
+    // A prefill pushes KV that no decode call ever claims: held, then dropped at the lease.
+    let r = client(&p.addr)
+        .await
+        .prefill(pb::PrefillRequest {
+            pair_id: 7,
+            input_ids: prompt.clone(),
+            decode_endpoint: format!("http://{}", d.addr),
+            cache_salt: None,
+        })
+        .await
+        .expect("prefill")
+        .into_inner();
+    assert_eq!((r.prompt_tokens, r.kv_tokens), (40, 39));
+    assert_eq!(capacity(&d.addr).await.pending_kv_sets, 1);
+    let t0 = Instant::now();
+    wait_idle(&d.addr).await;
+    assert!(
+        t0.elapsed() < Duration::from_secs(5),
+        "dropped by the lease (1.5 s)"
+    );
+    wait_idle(&p.addr).await;
+
+    // A decode call whose KV never comes ends at the lease.
+    let t0 = Instant::now();
+    let err = client(&d.addr)
+        .await
+        .decode(pb::DecodeRequest {
+            pair_id: 8,
+            input_ids: prompt.clone(),
+            sampling: Some(pb::Sampling {
+                max_tokens: 4,
+                ..Default::default()
+            }),
+            expect_kv: true,
+            cache_salt: None,
+        })
+        .await
+        .expect_err("no KV, no decode");
+    assert_eq!(err.code(), tonic::Code::DeadlineExceeded, "{err:?}");
+    assert!(t0.elapsed() >= Duration::from_millis(1400));
+
+    // The wrong role is refused.
+    let err = client(&d.addr)
+        .await
+        .prefill(pb::PrefillRequest {
+            pair_id: 9,
+            input_ids: prompt.clone(),
+            decode_endpoint: format!("http://{}", d.addr),
+            cache_salt: None,
+        })
+        .await
+        .expect_err("a decode worker does not prefill");
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition);
+
+    // A decode call whose caller goes away mid-stream frees its pages at once.
+    let mut events = client(&d.addr)
+        .await
+        .decode(pb::DecodeRequest {
+            pair_id: 10,
+            input_ids: prompt,
+            sampling: Some(pb::Sampling {
+                max_tokens: 400,
+                ignore_eos: true,
+                ..Default::default()
+            }),
+            expect_kv: false,
+            cache_salt: None,
+        })
+        .await
+        .expect("decode")
+        .into_inner();
+    let first = events.message().await.expect("event").expect("one");
+    assert!(matches!(
+        first.event,
+        Some(pb::decode_event::Event::Started(_))
+    ));
+    let c = capacity(&d.addr).await;
+    assert!(c.free_pages < c.total_pages, "pages held while running");
+    drop(events);
+    wait_idle(&d.addr).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_kv_data_listener_refuses_malformed_sets_and_keeps_nothing() {
+    use lockstep_engine::pool::KvDtype;
+    use lockstep_engine::transfer::{KvManifest, ModelFingerprint, wire};
+    let Some(model) = model_path() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = worker_config(dir.path(), "worker.toml", &model, "", "");
+    let d = worker("decode", &cfg).await;
+    let port = capacity(&d.addr).await.kv_data_port;
+    assert!(port > 0, "a decode worker has a KV data listener");
+    let data = format!("127.0.0.1:{port}");
+    let manifest = |pages: u32| {
+        let mut m = KvManifest {
+            pair_id: 5,
+            model: ModelFingerprint(1),
+            tokens: u64::from(pages) * 16,
+            page_size: 16,
+            dtype: KvDtype::F16,
+            page_count: pages,
+            page_checksums: vec![0; pages as usize],
+            manifest_checksum: 0,
+        };
+        m.manifest_checksum = m.compute_checksum();
+        m
+    };
+    // More pages than the pool holds: refused with a reason, before anything is read.
+    let mut c = tokio::net::TcpStream::connect(&data)
+        .await
+        .expect("connect");
+    let mut head = wire::head(&manifest(2), 0);
+    head[29..33].copy_from_slice(&1_000_000u32.to_le_bytes());
+    c.write_all(&head[..wire::HEAD_FIXED]).await.expect("write");
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), c.read_to_end(&mut answer))
+        .await
+        .expect("answer in time")
+        .expect("read");
+    assert_eq!(answer.first(), Some(&1), "refused");
+    assert!(String::from_utf8_lossy(&answer).contains("cannot fit"));
+    // More pages sent than the manifest names: refused.
+    let mut c = tokio::net::TcpStream::connect(&data)
+        .await
+        .expect("connect");
+    c.write_all(&wire::head(&manifest(1), 2))
+        .await
+        .expect("write");
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), c.read_to_end(&mut answer))
+        .await
+        .expect("answer in time")
+        .expect("read");
+    assert_eq!(answer.first(), Some(&1), "refused");
+    // A set cut off inside a page: nothing is kept.
+    let mut c = tokio::net::TcpStream::connect(&data)
+        .await
+        .expect("connect");
+    c.write_all(&wire::head(&manifest(1), 1))
+        .await
+        .expect("write");
+    let mut ph = [0u8; wire::PAGE_HEAD];
+    ph[4..12].copy_from_slice(&5u64.to_le_bytes());
+    ph[12..].copy_from_slice(&4096u32.to_le_bytes());
+    c.write_all(&ph).await.expect("write");
+    c.write_all(&[7u8; 100]).await.expect("write");
+    drop(c);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(capacity(&d.addr).await.pending_kv_sets, 0);
+    wait_idle(&d.addr).await;
+}

@@ -1,0 +1,220 @@
+//! The admin API, on its own listener (`server.admin_listen`) behind its own key
+//! (`server.admin_key_sha256`, sent as `Authorization: Bearer KEY`):
+//!
+//! - `GET /admin/pairs`: live pairs (id, model, state, workers, age): never content.
+//! - `POST /admin/pairs/{id}/abort`: aborts one pair on both halves (its client gets an error).
+//! - `GET /admin/workers`: every worker with side, health, drain state and in-flight pairs.
+//! - `POST /admin/workers/drain`, `/admin/workers/undrain` with `{"url": ...}`: a drained worker
+//!   gets no new pairs, running ones finish (kept across reloads).
+//! - `POST /admin/reload`: re-reads the configuration file and applies it as SIGHUP does
+//!   (validate, deployment check, atomic swap); 422 with the reasons when refused.
+//!
+//! Errors use the same OpenAI-style body and codes as the front end.
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::{Path, State};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use http::{HeaderMap, StatusCode};
+use serde::Deserialize;
+use serde_json::json;
+use sha2::{Digest, Sha256};
+
+use crate::error::LockstepError;
+use crate::models::reload_state;
+use crate::pair::{CancelReason, PairId};
+use crate::state::AppState;
+
+/// What the admin handlers share.
+#[derive(Debug, Clone)]
+pub struct AdminState {
+    /// The front end's state.
+    pub app: Arc<AppState>,
+    /// sha256 of the admin key.
+    pub key_sha256: [u8; 32],
+}
+
+/// The admin router.
+pub fn router(state: AdminState) -> Router {
+    Router::new()
+        .route("/admin/pairs", get(pairs))
+        .route("/admin/pairs/{id}/abort", post(abort_pair))
+        .route("/admin/workers", get(workers))
+        .route("/admin/workers/drain", post(drain_worker))
+        .route("/admin/workers/undrain", post(undrain_worker))
+        .route("/admin/reload", post(reload))
+        .fallback(|| async {
+            LockstepError::RouteNotFound {
+                method: "?".into(),
+                path: "admin".into(),
+            }
+            .into_response()
+        })
+        .layer(axum::middleware::from_fn_with_state(state.clone(), auth))
+        .with_state(state)
+}
+
+async fn auth(
+    State(st): State<AdminState>,
+    headers: HeaderMap,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let key = headers
+        .get(http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    let ok = key.is_some_and(|k| {
+        let h: [u8; 32] = Sha256::digest(k.as_bytes()).into();
+        // Constant-time comparison of the digests.
+        h.iter()
+            .zip(&st.key_sha256)
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
+    });
+    if !ok {
+        return LockstepError::Unauthorized {
+            message: "admin API: missing or wrong admin key".into(),
+        }
+        .into_response();
+    }
+    next.run(req).await
+}
+
+async fn pairs(State(st): State<AdminState>) -> Response {
+    let list: Vec<_> = st
+        .app
+        .registry
+        .snapshot()
+        .into_iter()
+        .map(|(id, i)| {
+            json!({
+                "pair_id": id.to_string(),
+                "model": &*i.model,
+                "state": i.state.as_str(),
+                "prefill": i.prefill,
+                "decode": i.decode,
+                "age_ms": i.started.elapsed().as_millis() as u64,
+            })
+        })
+        .collect();
+    axum::Json(json!({ "pairs": list })).into_response()
+}
+
+async fn abort_pair(State(st): State<AdminState>, Path(id): Path<String>) -> Response {
+    let Ok(raw) = id.parse::<u64>() else {
+        return LockstepError::InvalidRequest {
+            message: format!("`{id}` is not a pair id"),
+            param: Some("id".into()),
+        }
+        .into_response();
+    };
+    let id = PairId::from_raw(raw);
+    if st.app.registry.cancel(id, CancelReason::Operator) {
+        tracing::warn!(pair = %id, "pair aborted by an operator");
+        axum::Json(json!({ "pair_id": id.to_string(), "aborted": true })).into_response()
+    } else {
+        (
+            StatusCode::NOT_FOUND,
+            axum::Json(json!({ "error": { "message": format!("no live pair {id}"), "type": "invalid_request_error", "code": "not_found", "param": "id" } })),
+        )
+            .into_response()
+    }
+}
+
+async fn workers(State(st): State<AdminState>) -> Response {
+    let mut list = Vec::new();
+    for m in st.app.models.load().by_name.values() {
+        for (side, pool) in [("prefill", &m.pairs.prefill), ("decode", &m.pairs.decode)] {
+            for w in pool.workers() {
+                list.push(json!({
+                    "model": &*m.name,
+                    "side": side,
+                    "url": w.url,
+                    "healthy": w.is_healthy(),
+                    "draining": w.is_draining(),
+                    "in_flight": w.in_flight(),
+                }));
+            }
+        }
+    }
+    axum::Json(json!({ "workers": list })).into_response()
+}
+
+#[derive(Debug, Deserialize)]
+struct WorkerRef {
+    url: String,
+}
+
+fn set_drain(st: &AdminState, body: &[u8], on: bool) -> Response {
+    let w: WorkerRef = match serde_json::from_slice(body) {
+        Ok(w) => w,
+        Err(e) => {
+            return LockstepError::InvalidRequest {
+                message: format!("expected {{\"url\": ...}}: {e}"),
+                param: Some("url".into()),
+            }
+            .into_response();
+        }
+    };
+    let url = w.url.trim_end_matches('/');
+    let mut hit = 0;
+    for m in st.app.models.load().by_name.values() {
+        for pool in [&m.pairs.prefill, &m.pairs.decode] {
+            for wk in pool.workers().iter().filter(|x| x.url == url) {
+                wk.set_draining(on);
+                hit += 1;
+            }
+        }
+    }
+    if on {
+        st.app.drained.insert(url.to_string());
+    } else {
+        st.app.drained.remove(url);
+    }
+    if hit == 0 {
+        return LockstepError::InvalidRequest {
+            message: format!("no worker with url `{url}`"),
+            param: Some("url".into()),
+        }
+        .into_response();
+    }
+    tracing::info!(worker = %url, draining = on, "worker drain changed by an operator");
+    axum::Json(json!({ "url": url, "draining": on })).into_response()
+}
+
+async fn drain_worker(State(st): State<AdminState>, body: axum::body::Bytes) -> Response {
+    set_drain(&st, &body, true)
+}
+
+async fn undrain_worker(State(st): State<AdminState>, body: axum::body::Bytes) -> Response {
+    set_drain(&st, &body, false)
+}
+
+async fn reload(State(st): State<AdminState>) -> Response {
+    let Some(path) = st.app.config_path.clone() else {
+        return (
+            StatusCode::CONFLICT,
+            axum::Json(json!({ "error": { "message": "lockstep runs the built-in configuration: there is no file to reload", "type": "invalid_request_error", "code": "no_config_file", "param": null } })),
+        )
+            .into_response();
+    };
+    let result = match crate::config::Config::load(&path) {
+        Ok(cfg) => reload_state(&st.app, cfg).await,
+        Err(e) => Err(e.to_string()),
+    };
+    match result {
+        Ok(()) => axum::Json(json!({ "reloaded": true, "config": path.display().to_string() }))
+            .into_response(),
+        Err(reasons) => {
+            tracing::error!(config = %path.display(), "reload refused, keeping the running configuration:\n{reasons}");
+            (
+                StatusCode::UNPROCESSABLE_ENTITY,
+                axum::Json(json!({ "error": { "message": reasons, "type": "invalid_request_error", "code": "reload_refused", "param": null } })),
+            )
+                .into_response()
+        }
+    }
+}

@@ -1,0 +1,183 @@
+//! A running lockstep router: built from a configuration, serving its HTTP (and gRPC) listener
+//! and its admin listener, drained and shut down on request.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use lockstep_serve::accept::serve_http;
+use lockstep_serve::tasks::ServerTasks;
+use tokio::net::TcpListener;
+
+use crate::audit::Audit;
+use crate::backend::UpstreamClient;
+use crate::config::Config;
+use crate::metrics::Metrics;
+use crate::models::{build_models, reload_state};
+use crate::pair::{PairRegistry, PairStats};
+use crate::state::AppState;
+use crate::tenant::Tenants;
+
+/// A running lockstep: its state, address and background tasks.
+#[derive(Debug)]
+pub struct Lockstep {
+    /// Shared state.
+    pub state: Arc<AppState>,
+    /// Where the HTTP listener is bound.
+    pub http_addr: SocketAddr,
+    /// Where the admin listener is bound, when configured.
+    pub admin_addr: Option<SocketAddr>,
+    tasks: ServerTasks,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    admin_shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    drain_grace: Duration,
+    health: tonic_health::server::HealthReporter,
+}
+
+impl Lockstep {
+    /// Builds everything from `cfg`, runs the deployment check against the workers, binds the
+    /// listener and starts serving. Fails (naming every problem) rather than start unsafe.
+    pub async fn start(cfg: Config) -> Result<Lockstep, String> {
+        let client = UpstreamClient::with_ca(
+            Duration::from_millis(cfg.server.connect_timeout_ms),
+            cfg.server.upstream_ca_file.as_deref(),
+        )?;
+        let registry = Arc::new(PairRegistry::default());
+        let stats = Arc::new(PairStats::default());
+        let metrics = Arc::new(Metrics::new());
+        let audit = Arc::new(Audit::open(&cfg.server.audit_log)?);
+        let models = build_models(&cfg, &client, &registry, &stats, &metrics, &audit).await?;
+        let state = Arc::new(AppState {
+            models: ArcSwap::from_pointee(models),
+            registry,
+            stats,
+            metrics,
+            audit,
+            max_body_bytes: cfg.server.max_body_bytes,
+            draining: AtomicBool::new(false),
+            tenants: ArcSwap::from_pointee(Tenants::new(&cfg.tenants)),
+            config_path: cfg.source.clone(),
+            drained: dashmap::DashSet::new(),
+            client,
+        });
+        let listener = TcpListener::bind(cfg.server.http_listen)
+            .await
+            .map_err(|e| format!("cannot listen on {}: {e}", cfg.server.http_listen))?;
+        let http_addr = listener.local_addr().map_err(|e| e.to_string())?;
+        let mut tasks = Vec::new();
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        // The gRPC front end shares the listener (h2c, or h2 by ALPN under TLS).
+        let (grpc, health) = crate::http::grpc::services(state.clone());
+        crate::http::grpc::set_serving(&health, true).await;
+        let app = crate::http::router(state.clone()).merge(grpc);
+        let header_timeout = Duration::from_millis(cfg.server.header_timeout_ms);
+        let tls = match (&cfg.server.tls_cert_file, &cfg.server.tls_key_file) {
+            (Some(c), Some(k)) => Some(lockstep_serve::tls::server_config(c, k)?),
+            _ => None,
+        };
+        tasks.push(tokio::spawn(serve_http(
+            listener,
+            app,
+            header_timeout,
+            tls.clone(),
+            rx,
+        )));
+        let (admin_tx, admin_rx) = tokio::sync::oneshot::channel::<()>();
+        let admin_addr = match cfg.server.admin_listen {
+            None => None,
+            Some(addr) => {
+                let key = crate::tenant::parse_sha256_hex(&cfg.server.admin_key_sha256)
+                    .ok_or("server.admin_key_sha256: 64 lowercase hex digits required")?;
+                let l = TcpListener::bind(addr)
+                    .await
+                    .map_err(|e| format!("cannot listen on {addr} (admin): {e}"))?;
+                let bound = l.local_addr().map_err(|e| e.to_string())?;
+                let router = crate::admin::router(crate::admin::AdminState {
+                    app: state.clone(),
+                    key_sha256: key,
+                });
+                // The admin server is spawned first so the main server stays the last task
+                // (shutdown awaits that one).
+                tasks.insert(
+                    0,
+                    tokio::spawn(serve_http(l, router, header_timeout, tls.clone(), admin_rx)),
+                );
+                tracing::info!(%bound, "admin API listening");
+                Some(bound)
+            }
+        };
+        tracing::info!(%http_addr, "lockstep listening (HTTP/1.1 and h2c)");
+        Ok(Lockstep {
+            state,
+            http_addr,
+            admin_addr,
+            tasks: ServerTasks(tasks),
+            shutdown: Some(tx),
+            admin_shutdown: Some(admin_tx),
+            drain_grace: Duration::from_millis(cfg.server.drain_grace_ms),
+            health,
+        })
+    }
+
+    /// Reloads the models from `cfg`: validate, deployment check against the workers, build, then
+    /// swap atomically. On any problem the running configuration stays and the reasons are
+    /// returned. Pairs in flight finish on the configuration they started with. `server.*`
+    /// settings (listener, body limit, threads) need a restart.
+    pub async fn reload(&self, cfg: Config) -> Result<(), String> {
+        reload_state(&self.state, cfg).await
+    }
+
+    /// Drains: `/ready` fails and new requests get 503 at once; every pair that has not
+    /// committed is aborted on both halves now (its client gets an error); committed streams may
+    /// finish within `grace`; whatever is still live then is aborted on both halves too. Returns
+    /// when no pair is live (bounded: grace + 5 s for the aborts to land).
+    pub async fn drain(&self, grace: Duration) {
+        use crate::pair::{CancelReason, PairState};
+        let st = &self.state;
+        st.draining.store(true, Ordering::Release);
+        crate::http::grpc::set_serving(&self.health, false).await;
+        let live = st.registry.len();
+        tracing::info!(
+            live_pairs = live,
+            grace_ms = grace.as_millis() as u64,
+            "draining: committed streams may finish, the rest are aborted"
+        );
+        let start = tokio::time::Instant::now();
+        // Uncommitted pairs are aborted at once; repeated, so a pair registered by a request that
+        // raced the flag is caught too.
+        while !st.registry.is_empty() && start.elapsed() < grace {
+            st.registry
+                .cancel_where(|s| s != PairState::Committed, CancelReason::Shutdown);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let late = st.registry.cancel_where(|_| true, CancelReason::Shutdown);
+        if late > 0 {
+            tracing::warn!(pairs = late, "drain grace over: aborting committed streams");
+        }
+        let bound = tokio::time::Instant::now() + Duration::from_secs(5);
+        while !st.registry.is_empty() && tokio::time::Instant::now() < bound {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        if !st.registry.is_empty() {
+            tracing::error!(
+                pairs = st.registry.len(),
+                "pairs still live after the drain"
+            );
+        }
+    }
+
+    /// Drains (see [`Lockstep::drain`]) within `server.drain_grace_ms`, then stops accepting, lets
+    /// the last responses end and stops background tasks.
+    pub async fn shutdown(mut self) {
+        self.drain(self.drain_grace).await;
+        if let Some(tx) = self.admin_shutdown.take() {
+            let _ = tx.send(());
+        }
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        self.tasks.finish().await;
+    }
+}

@@ -1,0 +1,179 @@
+//! The embedded engine as a backend: the pair's halves run on the in-process prefill and decode
+//! engines ([`lockstep_engine::pd::Pd`]) under the same lifecycle and commit barrier as remote
+//! workers. The prefill reports the digest of the KV manifest it sent; the decode reports the
+//! digest of what it verified and imported; the barrier compares them.
+
+use std::sync::Arc;
+
+use futures_util::FutureExt;
+use futures_util::future::BoxFuture;
+use futures_util::stream::{self, StreamExt};
+use lockstep_engine::engine::{EngineError, Event};
+use lockstep_engine::pd::{Half, Pd};
+use lockstep_engine::sample::{Finish, SamplingConfig};
+
+use super::{
+    DecodeChunk, DecodeStream, Dispatch, FinishReason, HalfError, HalfFailure, PdBackend,
+    PrefillReport, SamplingParams, Side,
+};
+use crate::config::{ModelConfig, deployment_check};
+
+/// The backend over one model's embedded engines.
+#[derive(Debug, Clone)]
+pub struct EmbeddedBackend {
+    pd: Arc<Pd>,
+}
+
+impl EmbeddedBackend {
+    /// Wraps the engines.
+    pub fn new(pd: Arc<Pd>) -> EmbeddedBackend {
+        EmbeddedBackend { pd }
+    }
+}
+
+/// OpenAI defaults where the request is silent (temperature 1, no top-k/top-p cut).
+fn sampling(p: &SamplingParams) -> SamplingConfig {
+    SamplingConfig {
+        max_tokens: p.max_new_tokens as usize,
+        temperature: p.temperature.unwrap_or(1.0) as f32,
+        top_k: p.top_k.filter(|k| *k > 0).unwrap_or(0) as usize,
+        top_p: p.top_p.unwrap_or(1.0) as f32,
+        seed: p.sampling_seed,
+        stop: p.stop.clone(),
+        stop_token_ids: Vec::new(),
+        ignore_eos: p.ignore_eos.unwrap_or(false),
+        presence_penalty: p.presence_penalty.unwrap_or(0.0) as f32,
+        frequency_penalty: p.frequency_penalty.unwrap_or(0.0) as f32,
+    }
+}
+
+fn half_error(side: Side, e: EngineError) -> HalfError {
+    let failure = match e {
+        EngineError::Transfer(_) | EngineError::Integrity(_) => {
+            HalfFailure::Integrity(e.to_string())
+        }
+        // Nothing was computed: as safe to retry as an HTTP 503.
+        EngineError::Full { .. } => HalfFailure::Status {
+            status: 503,
+            message: e.to_string(),
+        },
+        EngineError::TooLarge { .. } | EngineError::BadRequest(_) => HalfFailure::Status {
+            status: 400,
+            message: e.to_string(),
+        },
+        EngineError::Model(_) | EngineError::Pool(_) | EngineError::Stopped => {
+            HalfFailure::InBandAbort(e.to_string())
+        }
+    };
+    HalfError { side, failure }
+}
+
+impl PdBackend for EmbeddedBackend {
+    /// The engine's pool is the capacity: nothing to ask.
+    fn deployment_capacity<'a>(&'a self, m: &'a ModelConfig) -> BoxFuture<'a, Result<u64, String>> {
+        let capacity = m.configured_capacity();
+        Box::pin(async move {
+            deployment_check(
+                &m.name,
+                m.context_window,
+                m.headroom,
+                capacity,
+                "the embedded engine's KV pool",
+            )?;
+            Ok(capacity)
+        })
+    }
+
+    fn prefill(&self, d: &Dispatch) -> BoxFuture<'static, Result<PrefillReport, HalfError>> {
+        let work = self
+            .pd
+            .prefill(d.pair_id.raw(), d.input_ids.clone(), Some(d.cache_salt()));
+        async move {
+            let done = work.await.map_err(|e| half_error(Side::Prefill, e))?;
+            Ok(PrefillReport {
+                prompt_tokens: done.prompt_tokens,
+                kv_digest: done.kv_digest,
+                cached_tokens: done.cached_tokens,
+            })
+        }
+        .boxed()
+    }
+
+    fn decode(&self, d: &Dispatch) -> DecodeStream {
+        let rx = self.pd.decode(
+            d.pair_id.raw(),
+            d.input_ids.clone(),
+            sampling(&d.sampling),
+            Some(d.cache_salt()),
+        );
+        // (events, prompt tokens and digest from `Started`, completion tokens, done)
+        type State = (
+            tokio::sync::mpsc::UnboundedReceiver<Event>,
+            Option<(u64, Option<u64>)>,
+            u64,
+            bool,
+        );
+        rx.map(|rx| {
+            stream::unfold::<State, _, _, _>(
+                (rx, None, 0, false),
+                |(mut rx, started, n, done)| async move {
+                    if done {
+                        return None;
+                    }
+                    let mut started = started;
+                    loop {
+                        match rx.recv().await {
+                            Some(Event::Started {
+                                prompt_tokens,
+                                kv_digest,
+                            }) => started = Some((prompt_tokens, kv_digest)),
+                            Some(Event::Token { id, text, finish }) => {
+                                let chunk = DecodeChunk {
+                                    delta: text,
+                                    token_ids: vec![id],
+                                    prompt_tokens: started.map(|s| s.0),
+                                    kv_digest: started.and_then(|s| s.1),
+                                    completion_tokens: n + 1,
+                                    finish: finish.map(|f| match f {
+                                        Finish::Stop => FinishReason::Stop,
+                                        Finish::Length => FinishReason::Length,
+                                    }),
+                                };
+                                let last = finish.is_some();
+                                return Some((Ok(chunk), (rx, started, n + 1, last)));
+                            }
+                            Some(Event::Failed(e)) => {
+                                return Some((
+                                    Err(half_error(Side::Decode, e)),
+                                    (rx, started, n, true),
+                                ));
+                            }
+                            None => {
+                                let e = HalfError {
+                                    side: Side::Decode,
+                                    failure: HalfFailure::InBandAbort(
+                                        "the engine ended the stream".into(),
+                                    ),
+                                };
+                                return Some((Err(e), (rx, started, n, true)));
+                            }
+                        }
+                    }
+                },
+            )
+        })
+        .flatten_stream()
+        .boxed()
+    }
+
+    fn abort(&self, d: &Dispatch, side: Side) -> BoxFuture<'static, Result<(), HalfError>> {
+        self.pd.abort(
+            d.pair_id.raw(),
+            match side {
+                Side::Prefill => Half::Prefill,
+                Side::Decode => Half::Decode,
+            },
+        );
+        futures_util::future::ready(Ok(())).boxed()
+    }
+}

@@ -1,0 +1,304 @@
+//! lockstep's own network workers (`lockstep worker`) as a backend, over the gRPC worker service.
+//!
+//! The router sends `Prefill` (with the decode worker's endpoint) and `Decode` at once; the
+//! prefill worker pushes the KV straight to the decode worker, never through the router. The
+//! prefill reports the digest of the manifest it pushed; the decode worker reports the digest of
+//! what it verified and imported; the lifecycle's commit barrier compares the two before any
+//! token is released.
+
+use std::time::Duration;
+
+use dashmap::DashMap;
+use futures_util::FutureExt;
+use futures_util::future::BoxFuture;
+use futures_util::stream::{self, StreamExt};
+use lockstep_proto::v1 as pb;
+use lockstep_proto::v1::worker_client::WorkerClient;
+use tonic::transport::Channel;
+use tonic::{Code, Status};
+
+use super::{
+    DecodeChunk, DecodeStream, Dispatch, FinishReason, HalfError, HalfFailure, PdBackend,
+    PrefillReport, SamplingParams, Side,
+};
+use crate::config::ModelConfig;
+use lockstep_proto::{MAX_MESSAGE_BYTES, worker_channel};
+
+/// The backend over lockstep workers.
+#[derive(Debug, Clone)]
+pub struct LockstepBackend {
+    clients: std::sync::Arc<DashMap<String, WorkerClient<Channel>>>,
+    connect_timeout: Duration,
+}
+
+impl LockstepBackend {
+    /// A backend whose connections to workers are bounded by `connect_timeout`.
+    pub fn new(connect_timeout: Duration) -> LockstepBackend {
+        LockstepBackend {
+            clients: Default::default(),
+            connect_timeout,
+        }
+    }
+
+    /// The client for a worker (one h2 connection per worker, opened lazily).
+    pub fn client(&self, url: &str) -> Result<WorkerClient<Channel>, String> {
+        if let Some(c) = self.clients.get(url) {
+            return Ok(c.clone());
+        }
+        let c = WorkerClient::new(worker_channel(url, self.connect_timeout)?)
+            .max_decoding_message_size(MAX_MESSAGE_BYTES);
+        self.clients.insert(url.to_string(), c.clone());
+        Ok(c)
+    }
+}
+
+/// A request with the current span's trace context in its metadata.
+fn traced<T>(msg: T) -> tonic::Request<T> {
+    let mut req = tonic::Request::new(msg);
+    for (k, v) in lockstep_serve::telemetry::trace_headers() {
+        if let (Ok(k), Ok(v)) = (
+            tonic::metadata::MetadataKey::from_bytes(k.as_str().as_bytes()),
+            tonic::metadata::MetadataValue::try_from(v.as_bytes()),
+        ) {
+            req.metadata_mut().insert(k, v);
+        }
+    }
+    req
+}
+
+/// How a worker's status reads as a half's failure. `started`: the answer had begun.
+fn half_error(side: Side, s: &Status, started: bool) -> HalfError {
+    let message = s.message().to_string();
+    let failure = match s.code() {
+        // Before an answer: the worker (or, for a prefill, the decode worker its KV was pushed
+        // to) could not be reached; no KV arrived anywhere, so a new pair is safe.
+        Code::Unavailable if !started => HalfFailure::Connect(message),
+        Code::Unavailable | Code::Unknown | Code::Cancelled if started => {
+            HalfFailure::Transport(message)
+        }
+        Code::ResourceExhausted => HalfFailure::Status {
+            status: 503,
+            message,
+        },
+        Code::InvalidArgument => HalfFailure::Status {
+            status: 400,
+            message,
+        },
+        Code::DataLoss => HalfFailure::Integrity(message),
+        _ => HalfFailure::InBandAbort(format!("{:?}: {message}", s.code())),
+    };
+    HalfError { side, failure }
+}
+
+fn sampling(p: &SamplingParams) -> pb::Sampling {
+    pb::Sampling {
+        max_tokens: p.max_new_tokens.min(u64::from(u32::MAX)) as u32,
+        temperature: p.temperature.unwrap_or(1.0) as f32,
+        top_k: p.top_k.filter(|k| *k > 0).unwrap_or(0) as u32,
+        top_p: p.top_p.unwrap_or(1.0) as f32,
+        seed: p.sampling_seed,
+        stop: p.stop.clone(),
+        ignore_eos: p.ignore_eos.unwrap_or(false),
+        presence_penalty: p.presence_penalty.unwrap_or(0.0) as f32,
+        frequency_penalty: p.frequency_penalty.unwrap_or(0.0) as f32,
+    }
+}
+
+fn unreachable(side: Side, e: String) -> HalfError {
+    HalfError {
+        side,
+        failure: HalfFailure::Connect(e),
+    }
+}
+
+impl PdBackend for LockstepBackend {
+    fn deployment_capacity<'a>(&'a self, m: &'a ModelConfig) -> BoxFuture<'a, Result<u64, String>> {
+        Box::pin(check_deployment(self, m))
+    }
+
+    fn prefill(&self, d: &Dispatch) -> BoxFuture<'static, Result<PrefillReport, HalfError>> {
+        let client = self.client(&d.prefill.url);
+        let req = pb::PrefillRequest {
+            pair_id: d.pair_id.raw(),
+            input_ids: d.input_ids.to_vec(),
+            decode_endpoint: d.decode.url.clone(),
+            cache_salt: Some(d.cache_salt()),
+        };
+        let req = traced(req);
+        async move {
+            let mut c = client.map_err(|e| unreachable(Side::Prefill, e))?;
+            let r = c
+                .prefill(req)
+                .await
+                .map_err(|s| half_error(Side::Prefill, &s, false))?
+                .into_inner();
+            Ok(PrefillReport {
+                prompt_tokens: r.prompt_tokens,
+                kv_digest: Some(r.kv_digest),
+                cached_tokens: Some(r.cached_tokens),
+            })
+        }
+        .boxed()
+    }
+
+    fn decode(&self, d: &Dispatch) -> DecodeStream {
+        let client = self.client(&d.decode.url);
+        let req = traced(pb::DecodeRequest {
+            pair_id: d.pair_id.raw(),
+            input_ids: d.input_ids.to_vec(),
+            sampling: Some(sampling(&d.sampling)),
+            expect_kv: true,
+            cache_salt: Some(d.cache_salt()),
+        });
+        let start = async move {
+            let mut c = client.map_err(|e| unreachable(Side::Decode, e))?;
+            c.decode(req)
+                .await
+                .map(tonic::Response::into_inner)
+                .map_err(|s| half_error(Side::Decode, &s, false))
+        };
+        // (events, prompt tokens and digest from `started`, completion tokens, done)
+        type State = (
+            tonic::Streaming<pb::DecodeEvent>,
+            Option<(u64, Option<u64>)>,
+            u64,
+            bool,
+        );
+        start
+            .map(|started| match started {
+                Err(e) => stream::once(async move { Err(e) }).boxed(),
+                Ok(events) => stream::unfold::<State, _, _, _>(
+                    (events, None, 0, false),
+                    |(mut events, mut started, n, done)| async move {
+                        use pb::decode_event::Event as E;
+                        if done {
+                            return None;
+                        }
+                        loop {
+                            match events.message().await {
+                                Ok(Some(pb::DecodeEvent {
+                                    event: Some(E::Started(s)),
+                                })) => started = Some((s.prompt_tokens, s.kv_digest)),
+                                Ok(Some(pb::DecodeEvent {
+                                    event: Some(E::Token(t)),
+                                })) => {
+                                    let finish = match t.finish {
+                                        0 => None,
+                                        2 => Some(FinishReason::Length),
+                                        _ => Some(FinishReason::Stop),
+                                    };
+                                    let chunk = DecodeChunk {
+                                        delta: t.text,
+                                        token_ids: vec![t.id],
+                                        prompt_tokens: started.map(|s| s.0),
+                                        kv_digest: started.and_then(|s| s.1),
+                                        completion_tokens: n + 1,
+                                        finish,
+                                    };
+                                    let last = finish.is_some();
+                                    return Some((Ok(chunk), (events, started, n + 1, last)));
+                                }
+                                Ok(Some(pb::DecodeEvent { event: None })) => {}
+                                Ok(None) => {
+                                    let e = HalfError {
+                                        side: Side::Decode,
+                                        failure: HalfFailure::Transport(
+                                            "the worker ended the stream before the last token"
+                                                .into(),
+                                        ),
+                                    };
+                                    return Some((Err(e), (events, started, n, true)));
+                                }
+                                Err(s) => {
+                                    let e = half_error(Side::Decode, &s, started.is_some());
+                                    return Some((Err(e), (events, started, n, true)));
+                                }
+                            }
+                        }
+                    },
+                )
+                .boxed(),
+            })
+            .flatten_stream()
+            .boxed()
+    }
+
+    fn abort(&self, d: &Dispatch, side: Side) -> BoxFuture<'static, Result<(), HalfError>> {
+        let url = match side {
+            Side::Prefill => &d.prefill.url,
+            Side::Decode => &d.decode.url,
+        };
+        let client = self.client(url);
+        let mut req = traced(pb::WorkerAbortRequest {
+            pair_id: d.pair_id.raw(),
+        });
+        req.set_timeout(Duration::from_secs(2));
+        async move {
+            let mut c = client.map_err(|e| unreachable(side, e))?;
+            c.abort(req)
+                .await
+                .map(|_| ())
+                .map_err(|s| half_error(side, &s, false))
+        }
+        .boxed()
+    }
+}
+
+/// Invariant 6 against lockstep workers, through their `Capacity`: the effective KV capacity is
+/// the smallest of the configured one and every worker's; every worker serves the same model
+/// (fingerprint) and a role that fits its pool. A worker that cannot be reached is a warning
+/// (it is health-checked like any other); a wrong role or a second model is an error.
+async fn check_deployment(backend: &LockstepBackend, m: &ModelConfig) -> Result<u64, String> {
+    let mut capacity = m.kv_capacity_tokens;
+    let mut source = "configured kv_capacity_tokens".to_string();
+    let mut problems = Vec::new();
+    let mut fingerprint: Option<(u64, String)> = None;
+    for (side, pool, roles) in [
+        ("prefill", &m.prefill, ["prefill", "unified"]),
+        ("decode", &m.decode, ["decode", "unified"]),
+    ] {
+        for w in &pool.workers {
+            let mut req = tonic::Request::new(pb::CapacityRequest {});
+            req.set_timeout(Duration::from_secs(2));
+            let reply = match backend.client(&w.url) {
+                Ok(mut c) => c.capacity(req).await.map_err(|s| s.message().to_string()),
+                Err(e) => Err(e),
+            };
+            let c = match reply {
+                Ok(r) => r.into_inner(),
+                Err(e) => {
+                    tracing::warn!(model = %m.name, worker = %w.url, error = %e, "worker did not report its capacity; using the configured one");
+                    continue;
+                }
+            };
+            if !roles.contains(&c.role.as_str()) {
+                problems.push(format!(
+                    "model `{}`: {side} worker {} is a `{}` worker",
+                    m.name, w.url, c.role
+                ));
+            }
+            match &fingerprint {
+                None => fingerprint = Some((c.model_fingerprint, w.url.clone())),
+                Some((f, first)) if *f != c.model_fingerprint => problems.push(format!(
+                    "model `{}`: worker {} serves another model than worker {first} (fingerprint {:#x} vs {f:#x}): their KV cannot be exchanged",
+                    m.name, w.url, c.model_fingerprint
+                )),
+                Some(_) => {}
+            }
+            if c.kv_capacity_tokens < capacity {
+                capacity = c.kv_capacity_tokens;
+                source = format!("reported by worker {}", w.url);
+            }
+        }
+    }
+    if let Err(e) =
+        crate::config::deployment_check(&m.name, m.context_window, m.headroom, capacity, &source)
+    {
+        problems.push(e);
+    }
+    if problems.is_empty() {
+        Ok(capacity)
+    } else {
+        Err(problems.join("\n"))
+    }
+}

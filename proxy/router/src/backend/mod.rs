@@ -1,0 +1,235 @@
+//! Backends: one trait whose methods are the phases of a pair, one file per backend.
+//!
+//! A backend speaks its workers' protocol and reports protocol-level facts (status, in-band
+//! aborts, prompt token counts); the pair lifecycle ([`crate::pair`]) decides what they mean.
+
+mod client;
+pub mod embedded;
+pub mod lockstep;
+pub mod probe;
+pub mod sglang;
+mod sse;
+pub mod vllm;
+
+pub use client::UpstreamClient;
+
+use std::sync::Arc;
+
+use futures_util::future::BoxFuture;
+use futures_util::stream::BoxStream;
+use serde::Serialize;
+
+use crate::config::ModelConfig;
+use crate::pair::PairId;
+use crate::pool::Worker;
+
+/// Which half of a pair.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Side {
+    /// The prefill half.
+    Prefill,
+    /// The decode half.
+    Decode,
+}
+
+impl Side {
+    /// `prefill` or `decode`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Side::Prefill => "prefill",
+            Side::Decode => "decode",
+        }
+    }
+}
+
+/// Sampling parameters lockstep forwards (SGLang names; `None` fields are not sent).
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct SamplingParams {
+    /// Completion tokens to generate at most.
+    pub max_new_tokens: u64,
+    /// Sampling temperature.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub temperature: Option<f64>,
+    /// Nucleus sampling.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub top_p: Option<f64>,
+    /// Top-k sampling.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub top_k: Option<i64>,
+    /// Stop strings.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub stop: Vec<String>,
+    /// Keep generating past EOS.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ignore_eos: Option<bool>,
+    /// Frequency penalty.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub frequency_penalty: Option<f64>,
+    /// Presence penalty.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub presence_penalty: Option<f64>,
+    /// Sampling seed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sampling_seed: Option<u64>,
+}
+
+/// Everything a backend needs to run both halves of one pair.
+#[derive(Debug, Clone)]
+pub struct Dispatch {
+    /// The pair id (bootstrap room, rid).
+    pub pair_id: PairId,
+    /// The chosen prefill worker.
+    pub prefill: Arc<Worker>,
+    /// The chosen decode worker.
+    pub decode: Arc<Worker>,
+    /// Prompt token ids computed by lockstep.
+    pub input_ids: Arc<[u32]>,
+    /// Sampling parameters.
+    pub sampling: Arc<SamplingParams>,
+    /// The tenant whose request it is (`None` without tenants): the prefix-cache namespace.
+    pub tenant: Option<Arc<str>>,
+}
+
+impl Dispatch {
+    /// The prefix-cache salt of the pair's tenant: requests of one tenant share cached prompt
+    /// pages, two tenants never do (requests without a tenant share one namespace).
+    pub fn cache_salt(&self) -> u64 {
+        crate::tenant::cache_salt(self.tenant.as_deref())
+    }
+}
+
+/// What the prefill half reported once it finished.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefillReport {
+    /// The prompt token count the prefill worker says it computed.
+    pub prompt_tokens: u64,
+    /// The checksum of the KV manifest the prefill sent, when the backend transfers verified KV.
+    pub kv_digest: Option<u64>,
+    /// Prompt tokens the worker took from its prefix cache, when it reports them (SGLang
+    /// `meta_info.cached_tokens`, vLLM `usage.prompt_tokens_details.cached_tokens`).
+    pub cached_tokens: Option<u64>,
+}
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// EOS or a stop string/token.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+}
+
+impl FinishReason {
+    /// The OpenAI `finish_reason` value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// One increment of decode output.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DecodeChunk {
+    /// New text since the previous chunk.
+    pub delta: String,
+    /// Token ids of `delta`, where the backend reports them (embedded engine, lockstep workers).
+    pub token_ids: Vec<u32>,
+    /// The prompt token count the decode worker reports, when it does.
+    pub prompt_tokens: Option<u64>,
+    /// The checksum of the KV manifest the decode worker verified and imported, when the
+    /// backend transfers verified KV (the barrier compares it with the prefill's).
+    pub kv_digest: Option<u64>,
+    /// Completion tokens so far.
+    pub completion_tokens: u64,
+    /// Set on the last chunk.
+    pub finish: Option<FinishReason>,
+}
+
+/// How one half failed, as the protocol saw it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HalfFailure {
+    /// Could not connect: nothing was sent.
+    Connect(String),
+    /// Error status.
+    Status {
+        /// HTTP status.
+        status: u16,
+        /// The worker's message.
+        message: String,
+    },
+    /// A success status whose content says the request was aborted or failed.
+    InBandAbort(String),
+    /// The answer could not be understood.
+    Protocol(String),
+    /// The connection broke after the answer began.
+    Transport(String),
+    /// The worker found the pair's data inconsistent (a KV set that failed verification).
+    Integrity(String),
+}
+
+/// A failure of one half.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HalfError {
+    /// Which half.
+    pub side: Side,
+    /// What happened.
+    pub failure: HalfFailure,
+}
+
+impl HalfError {
+    /// Whether retrying on a new pair is safe: the worker did no work for this request.
+    pub fn retry_safe(&self) -> bool {
+        matches!(
+            self.failure,
+            HalfFailure::Connect(_) | HalfFailure::Status { status: 503, .. }
+        )
+    }
+}
+
+impl std::fmt::Display for HalfError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let side = self.side.as_str();
+        match &self.failure {
+            HalfFailure::Connect(m) => write!(f, "{side} worker unreachable: {m}"),
+            HalfFailure::Status { status, message } => {
+                write!(f, "{side} worker answered {status}: {message}")
+            }
+            HalfFailure::InBandAbort(m) => write!(
+                f,
+                "{side} worker aborted the request inside a success response: {m}"
+            ),
+            HalfFailure::Protocol(m) => write!(f, "{side} worker sent an unreadable answer: {m}"),
+            HalfFailure::Transport(m) => write!(f, "{side} connection broke: {m}"),
+            HalfFailure::Integrity(m) => write!(f, "{side} worker refused the pair's data: {m}"),
+        }
+    }
+}
+
+/// Decode output as a stream of chunks; the first item may be the failure to start.
+pub type DecodeStream = BoxStream<'static, Result<DecodeChunk, HalfError>>;
+
+/// A disaggregated backend, shaped as the phases of a model's life and of each pair (Pingora's
+/// `ProxyHttp` style: the driver, [`crate::pair::PairRuntime`], owns the order, the deadlines,
+/// the commit barrier, abort-both and retries; an implementation reports protocol facts).
+pub trait PdBackend: Send + Sync + 'static {
+    /// **Before the model serves** (start, every reload, `lockstep check`): asks the workers of
+    /// `m` for the KV capacity one request can get and runs the deployment check (invariant 6)
+    /// against the smaller of that and the configured capacity. No pair exists yet. Returns the
+    /// effective capacity admission will use, or every problem found (the model does not serve).
+    /// A worker that does not answer is a warning, not a problem: it is health-checked later.
+    fn deployment_capacity<'a>(&'a self, m: &'a ModelConfig) -> BoxFuture<'a, Result<u64, String>>;
+    /// **Phase 1, after admission**: the pair is registered, both workers are chosen and
+    /// [`PdBackend::decode`] was started alongside. Runs the prefill half to completion and
+    /// reports what the worker said it computed; nothing has reached the client.
+    fn prefill(&self, d: &Dispatch) -> BoxFuture<'static, Result<PrefillReport, HalfError>>;
+    /// **Phase 1, alongside the prefill**: starts the decode half. Its chunks are held by the
+    /// lifecycle until the commit barrier passes (prefill verified, counts and digests agree);
+    /// the stream is dropped, unread, when the pair aborts.
+    fn decode(&self, d: &Dispatch) -> DecodeStream;
+    /// **On any failure of the pair** (either half, a deadline, the client leaving): tells one
+    /// half's worker to release what it holds for the pair. Called for both halves, in the
+    /// background, bounded by `timeouts.abort_ms`; the client's error never waits for it.
+    fn abort(&self, d: &Dispatch, side: Side) -> BoxFuture<'static, Result<(), HalfError>>;
+}

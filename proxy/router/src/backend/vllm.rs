@@ -1,0 +1,505 @@
+//! vLLM disaggregated serving (NixlConnector, MooncakeConnector) as a backend.
+//!
+//! vLLM's protocol is sequential: the prefill half gets the request with `max_tokens = 1`,
+//! `stream = false` and `kv_transfer_params = {do_remote_decode: true, ...}`; its answer's
+//! `kv_transfer_params` (remote block ids, engine id, host, port) go into the decode half's
+//! request; both halves carry the same `X-Request-Id`. lockstep builds every field itself from
+//! the token ids it computed (client-sent `kv_transfer_params` and `cache_salt` never pass) and
+//! sets `cache_salt` from the tenant.
+//!
+//! The lifecycle starts both halves at once; here the decode half waits for the prefill's
+//! verdict and is **never sent** unless the prefill answered 2xx, with no error object, a normal
+//! finish, `usage.prompt_tokens` equal to lockstep's count, and well-formed transfer params (block
+//! count consistent with the token count and block size, no duplicate ids). vLLM has no abort
+//! endpoint: closing the connection aborts a running request, and the lifecycle drops a failed
+//! pair's connections. Blocks a prefill holds for a decode that will not come are freed by vLLM
+//! after `VLLM_NIXL_ABORT_REQUEST_TIMEOUT` (default 480 s): that lease bounds the leak.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use dashmap::DashMap;
+use futures_util::future::BoxFuture;
+use http::Method;
+use http_body_util::BodyExt;
+use serde_json::{Value, json};
+use tokio::sync::watch;
+
+use super::client::UpstreamClient;
+use super::sse::{ChunkSource, SseReader, decode_stream};
+use super::{
+    DecodeChunk, DecodeStream, Dispatch, FinishReason, HalfError, HalfFailure, PdBackend,
+    PrefillReport, Side,
+};
+use crate::config::ModelConfig;
+use crate::config::{VllmConnector, VllmSection};
+use crate::pair::PairId;
+
+/// The prefill's verdict, as the decode half waits for it.
+#[derive(Debug, Clone)]
+enum Handoff {
+    Waiting,
+    /// The checked transfer params: send the decode.
+    Go(Arc<Value>),
+    /// The prefill failed or its answer was refused: the decode is never sent.
+    NoGo,
+}
+
+/// Talks to vLLM prefill and decode servers.
+#[derive(Debug, Clone)]
+pub struct VllmBackend {
+    client: UpstreamClient,
+    cfg: VllmSection,
+    served_model: String,
+    handoffs: Arc<DashMap<PairId, watch::Sender<Handoff>>>,
+}
+
+impl VllmBackend {
+    /// A backend for `model` over the shared upstream client.
+    pub fn new(client: UpstreamClient, model: &str, cfg: VllmSection) -> VllmBackend {
+        let served_model = cfg
+            .served_model_name
+            .clone()
+            .unwrap_or_else(|| model.to_string());
+        VllmBackend {
+            client,
+            cfg,
+            served_model,
+            handoffs: Arc::default(),
+        }
+    }
+
+    fn handoff(&self, id: PairId) -> watch::Sender<Handoff> {
+        self.handoffs
+            .entry(id)
+            .or_insert_with(|| watch::channel(Handoff::Waiting).0)
+            .clone()
+    }
+
+    /// The `/v1/completions` body of one half: token ids, sampling, lockstep's transfer params and
+    /// the tenant's cache salt. Nothing of the client's body reaches it.
+    fn body(&self, d: &Dispatch, prefill: bool, kv: Value) -> Bytes {
+        let s = &d.sampling;
+        let mut b = json!({
+            "model": self.served_model,
+            "prompt": &*d.input_ids,
+            "max_tokens": if prefill { 1 } else { s.max_new_tokens },
+            "stream": !prefill,
+            "kv_transfer_params": kv,
+            "cache_salt": format!("{:016x}", d.cache_salt()),
+        });
+        if !prefill {
+            b["stream_options"] = json!({ "include_usage": true, "continuous_usage_stats": true });
+        }
+        let opt = [
+            ("temperature", s.temperature.map(Value::from)),
+            ("top_p", s.top_p.map(Value::from)),
+            ("top_k", s.top_k.map(Value::from)),
+            ("seed", s.sampling_seed.map(Value::from)),
+            ("ignore_eos", s.ignore_eos.map(Value::from)),
+            ("frequency_penalty", s.frequency_penalty.map(Value::from)),
+            ("presence_penalty", s.presence_penalty.map(Value::from)),
+            (
+                "stop",
+                (!s.stop.is_empty()).then(|| Value::from(s.stop.clone())),
+            ),
+        ];
+        for (k, v) in opt {
+            if let Some(v) = v {
+                b[k] = v;
+            }
+        }
+        Bytes::from(b.to_string())
+    }
+
+    /// What the prefill half asks for.
+    fn prefill_params(&self) -> Value {
+        match self.cfg.connector {
+            VllmConnector::Nixl => json!({
+                "do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
+                "remote_block_ids": null, "remote_host": null, "remote_port": null,
+            }),
+            VllmConnector::Mooncake => json!({ "do_remote_decode": true }),
+        }
+    }
+
+    /// Checks the transfer params a prefill returned for `prompt_tokens` tokens.
+    fn check_params(&self, p: Option<&Value>, prompt_tokens: u64) -> Result<(), String> {
+        let p = p
+            .filter(|p| p.is_object())
+            .ok_or("the prefill returned no kv_transfer_params")?;
+        let ids = p
+            .get("remote_block_ids")
+            .and_then(Value::as_array)
+            .ok_or("kv_transfer_params.remote_block_ids missing or not a list")?;
+        let mut seen = std::collections::HashSet::with_capacity(ids.len());
+        for id in ids {
+            let id = id
+                .as_u64()
+                .ok_or("kv_transfer_params.remote_block_ids holds a non-integer")?;
+            if !seen.insert(id) {
+                return Err(format!(
+                    "kv_transfer_params.remote_block_ids names block {id} twice"
+                ));
+            }
+        }
+        let bs = self.cfg.block_size.max(1);
+        let (full, all) = (prompt_tokens / bs, prompt_tokens.div_ceil(bs));
+        let n = ids.len() as u64;
+        if n != full && n != all {
+            return Err(format!(
+                "{n} remote blocks for {prompt_tokens} prompt tokens of block size {bs} (expected {full} or {all})"
+            ));
+        }
+        if p.get("remote_engine_id")
+            .and_then(Value::as_str)
+            .is_none_or(str::is_empty)
+        {
+            return Err("kv_transfer_params.remote_engine_id missing".into());
+        }
+        if self.cfg.connector == VllmConnector::Nixl {
+            if p.get("remote_host")
+                .and_then(Value::as_str)
+                .is_none_or(str::is_empty)
+            {
+                return Err("kv_transfer_params.remote_host missing".into());
+            }
+            if !p
+                .get("remote_port")
+                .and_then(Value::as_u64)
+                .is_some_and(|port| (1..=65535).contains(&port))
+            {
+                return Err("kv_transfer_params.remote_port missing or out of range".into());
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A half's extra headers: its trace context and `X-Request-Id` (the pair id, on both halves).
+fn half_headers(id: PairId) -> Vec<(http::HeaderName, http::HeaderValue)> {
+    let mut h = lockstep_serve::telemetry::trace_headers();
+    if let Ok(v) = http::HeaderValue::from_str(&id.to_string()) {
+        h.push((http::HeaderName::from_static("x-request-id"), v));
+    }
+    h
+}
+
+/// vLLM's error bodies: `{"object":"error","message"}` or `{"error":{"message"}}`.
+fn error_in(v: &Value) -> Option<String> {
+    if v.get("object").and_then(Value::as_str) == Some("error") {
+        return Some(
+            v.get("message")
+                .and_then(Value::as_str)
+                .unwrap_or("error")
+                .to_string(),
+        );
+    }
+    v.get("error").filter(|e| !e.is_null()).map(|e| {
+        e.get("message")
+            .and_then(Value::as_str)
+            .map(str::to_string)
+            .unwrap_or_else(|| e.to_string())
+    })
+}
+
+/// A choice's finish reason; `abort` or anything unknown is a failure.
+fn finish_of(side: Side, c: &Value) -> Result<Option<FinishReason>, HalfError> {
+    match c.get("finish_reason") {
+        None | Some(Value::Null) => Ok(None),
+        Some(f) => match f.as_str() {
+            Some("stop") => Ok(Some(FinishReason::Stop)),
+            Some("length") => Ok(Some(FinishReason::Length)),
+            other => Err(HalfError {
+                side,
+                failure: HalfFailure::InBandAbort(format!(
+                    "finish_reason {}",
+                    other.unwrap_or("(not a string)")
+                )),
+            }),
+        },
+    }
+}
+
+fn usage(v: &Value, key: &str) -> Option<u64> {
+    v.get("usage")
+        .and_then(|u| u.get(key))
+        .and_then(Value::as_u64)
+}
+
+impl PdBackend for VllmBackend {
+    fn deployment_capacity<'a>(&'a self, m: &'a ModelConfig) -> BoxFuture<'a, Result<u64, String>> {
+        Box::pin(super::probe::reported_capacity(&self.client, m))
+    }
+
+    fn prefill(&self, d: &Dispatch) -> BoxFuture<'static, Result<PrefillReport, HalfError>> {
+        let client = self.client.clone();
+        let url = format!("{}/v1/completions", d.prefill.url);
+        let body = self.body(d, true, self.prefill_params());
+        let headers = half_headers(d.pair_id);
+        let handoff = self.handoff(d.pair_id);
+        let me = self.clone();
+        let expected = d.input_ids.len() as u64;
+        Box::pin(async move {
+            let side = Side::Prefill;
+            let verdict = async {
+                let (status, body) = client
+                    .post_collect_with(&url, body, &headers)
+                    .await
+                    .map_err(|e| e.of(side))?;
+                let v: Option<Value> = serde_json::from_slice(&body).ok();
+                if !(200..300).contains(&status) {
+                    let message = v
+                        .as_ref()
+                        .and_then(error_in)
+                        .unwrap_or_else(|| String::from_utf8_lossy(&body).into_owned());
+                    return Err(HalfError {
+                        side,
+                        failure: HalfFailure::Status { status, message },
+                    });
+                }
+                let v = v.ok_or(HalfError {
+                    side,
+                    failure: HalfFailure::Protocol("not JSON".into()),
+                })?;
+                if let Some(m) = error_in(&v) {
+                    return Err(HalfError {
+                        side,
+                        failure: HalfFailure::InBandAbort(m),
+                    });
+                }
+                let choice = v.pointer("/choices/0").ok_or(HalfError {
+                    side,
+                    failure: HalfFailure::Protocol("no choices".into()),
+                })?;
+                if finish_of(side, choice)?.is_none() {
+                    return Err(HalfError {
+                        side,
+                        failure: HalfFailure::InBandAbort("the prefill did not finish".into()),
+                    });
+                }
+                let prompt_tokens = usage(&v, "prompt_tokens").ok_or(HalfError {
+                    side,
+                    failure: HalfFailure::Protocol("no usage.prompt_tokens".into()),
+                })?;
+                let report = PrefillReport {
+                    prompt_tokens,
+                    kv_digest: None,
+                    cached_tokens: v
+                        .pointer("/usage/prompt_tokens_details/cached_tokens")
+                        .and_then(Value::as_u64),
+                };
+                if prompt_tokens != expected {
+                    // The lifecycle ends the pair on the count (an integrity violation); the
+                    // decode is not sent.
+                    return Ok((report, None));
+                }
+                let params = v.get("kv_transfer_params");
+                me.check_params(params, prompt_tokens)
+                    .map_err(|m| HalfError {
+                        side,
+                        failure: HalfFailure::Integrity(m),
+                    })?;
+                Ok((report, params.cloned().map(Arc::new)))
+            }
+            .await;
+            match verdict {
+                Ok((report, Some(params))) => {
+                    handoff.send_replace(Handoff::Go(params));
+                    Ok(report)
+                }
+                Ok((report, None)) => {
+                    handoff.send_replace(Handoff::NoGo);
+                    Ok(report)
+                }
+                Err(e) => {
+                    handoff.send_replace(Handoff::NoGo);
+                    Err(e)
+                }
+            }
+        })
+    }
+
+    fn decode(&self, d: &Dispatch) -> DecodeStream {
+        let client = self.client.clone();
+        let url = format!("{}/v1/completions", d.decode.url);
+        let mut rx = self.handoff(d.pair_id).subscribe();
+        let me = self.clone();
+        let d = d.clone();
+        let start = async move {
+            let side = Side::Decode;
+            let params = loop {
+                let state = rx.borrow_and_update().clone();
+                match state {
+                    Handoff::Go(p) => break p,
+                    Handoff::NoGo => {
+                        me.handoffs.remove(&d.pair_id);
+                        return Err(HalfError {
+                            side,
+                            failure: HalfFailure::InBandAbort(
+                                "the prefill's answer was refused: the decode was not sent".into(),
+                            ),
+                        });
+                    }
+                    Handoff::Waiting => {
+                        if rx.changed().await.is_err() {
+                            return Err(HalfError {
+                                side,
+                                failure: HalfFailure::InBandAbort("pair aborted".into()),
+                            });
+                        }
+                    }
+                }
+            };
+            me.handoffs.remove(&d.pair_id);
+            let body = me.body(&d, false, (*params).clone());
+            let headers = half_headers(d.pair_id);
+            let resp = client
+                .send_with(Method::POST, &url, body, &headers)
+                .await
+                .map_err(|e| e.of(side))?;
+            let status = resp.status().as_u16();
+            if !(200..300).contains(&status) {
+                let body = resp
+                    .into_body()
+                    .collect()
+                    .await
+                    .map(|c| c.to_bytes())
+                    .unwrap_or_default();
+                let message = serde_json::from_slice::<Value>(&body)
+                    .ok()
+                    .as_ref()
+                    .and_then(error_in)
+                    .unwrap_or_else(|| String::from_utf8_lossy(&body).into_owned());
+                return Err(HalfError {
+                    side,
+                    failure: HalfFailure::Status { status, message },
+                });
+            }
+            Ok(Sse {
+                events: SseReader::new(resp.into_body(), side),
+                chunks: 0,
+            })
+        };
+        decode_stream(start)
+    }
+
+    fn abort(&self, d: &Dispatch, _side: Side) -> BoxFuture<'static, Result<(), HalfError>> {
+        // vLLM has no abort endpoint: the lifecycle drops the pair's connections, which aborts
+        // running requests; a decode still waiting for the prefill is told not to go.
+        if let Some((_, h)) = self.handoffs.remove(&d.pair_id) {
+            h.send_replace(Handoff::NoGo);
+        }
+        Box::pin(async { Ok(()) })
+    }
+}
+
+/// vLLM's OpenAI completion stream (`data: {choices:[{text, finish_reason}], usage}` events, then
+/// `data: [DONE]`) as decode chunks.
+struct Sse {
+    events: SseReader,
+    /// Choice events so far (the completion count when the server sends no running usage).
+    chunks: u64,
+}
+
+impl ChunkSource for Sse {
+    async fn next_chunk(&mut self) -> Result<Option<DecodeChunk>, HalfError> {
+        let side = Side::Decode;
+        loop {
+            let Some(data) = self.events.next_data().await? else {
+                return Ok(None);
+            };
+            let v: Value = serde_json::from_str(&data).map_err(|e| HalfError {
+                side,
+                failure: HalfFailure::Protocol(format!("bad SSE event: {e}")),
+            })?;
+            if let Some(m) = error_in(&v) {
+                return Err(HalfError {
+                    side,
+                    failure: HalfFailure::InBandAbort(m),
+                });
+            }
+            // The final usage-only event (no choices) carries nothing new.
+            let Some(choice) = v.pointer("/choices/0") else {
+                continue;
+            };
+            let finish = finish_of(side, choice)?;
+            self.chunks += 1;
+            return Ok(Some(DecodeChunk {
+                delta: choice
+                    .get("text")
+                    .and_then(Value::as_str)
+                    .unwrap_or("")
+                    .to_string(),
+                token_ids: Vec::new(),
+                prompt_tokens: usage(&v, "prompt_tokens"),
+                kv_digest: None,
+                completion_tokens: usage(&v, "completion_tokens").unwrap_or(self.chunks),
+                finish,
+            }));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn backend(connector: VllmConnector) -> VllmBackend {
+        let client =
+            UpstreamClient::with_ca(std::time::Duration::from_secs(1), None).expect("client");
+        VllmBackend::new(
+            client,
+            "m",
+            VllmSection {
+                connector,
+                block_size: 16,
+                served_model_name: None,
+            },
+        )
+    }
+
+    fn params(ids: Value) -> Value {
+        json!({ "do_remote_prefill": true, "remote_block_ids": ids, "remote_engine_id": "e",
+                "remote_host": "10.0.0.1", "remote_port": 5600 })
+    }
+
+    #[test]
+    fn transfer_params_are_checked_before_any_decode() {
+        let b = backend(VllmConnector::Nixl);
+        // 40 tokens at block size 16: 2 full blocks, 3 in all; both counts are consistent.
+        assert!(b.check_params(Some(&params(json!([4, 9]))), 40).is_ok());
+        assert!(b.check_params(Some(&params(json!([4, 9, 2]))), 40).is_ok());
+        for (bad, why) in [
+            (params(json!([4])), "blocks for"),
+            (params(json!([4, 9, 2, 7])), "blocks for"),
+            (params(json!([4, 4, 2])), "twice"),
+            (params(json!([4, "9", 2])), "non-integer"),
+            (params(json!(null)), "remote_block_ids"),
+            (
+                json!({ "remote_block_ids": [1, 2], "remote_host": "h", "remote_port": 1 }),
+                "engine_id",
+            ),
+            (
+                json!({ "remote_block_ids": [1, 2], "remote_engine_id": "e", "remote_port": 1 }),
+                "remote_host",
+            ),
+            (
+                json!({ "remote_block_ids": [1, 2], "remote_engine_id": "e", "remote_host": "h", "remote_port": 70000 }),
+                "remote_port",
+            ),
+            (json!("not an object"), "no kv_transfer_params"),
+        ] {
+            let e = b.check_params(Some(&bad), 40).expect_err(why);
+            assert!(e.contains(why), "{why}: {e}");
+        }
+        assert!(b.check_params(None, 40).is_err());
+        // Mooncake's params need no host and port.
+        let m = backend(VllmConnector::Mooncake);
+        let p = json!({ "remote_block_ids": [1, 2], "remote_engine_id": "e" });
+        assert!(m.check_params(Some(&p), 40).is_ok());
+        assert!(b.check_params(Some(&p), 40).is_err());
+        assert_eq!(m.prefill_params(), json!({ "do_remote_decode": true }));
+        assert_eq!(b.prefill_params()["remote_block_ids"], Value::Null);
+    }
+}

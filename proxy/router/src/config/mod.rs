@@ -1,0 +1,228 @@
+//! The router's TOML configuration, one module per section, each validating itself
+//! ([`Section`]); loading goes through the one loader of `lockstep-serve`
+//! ([`lockstep_serve::toml_file`]): unknown keys are errors, errors name the file, the key path and
+//! what was expected, and [`Config::problems`] lists every problem at once, so `lockstep check`
+//! can show them all.
+
+mod model;
+mod pool;
+mod server;
+mod tenant;
+mod timeouts;
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+
+use lockstep_serve::telemetry::TelemetryConfig;
+use lockstep_serve::toml_file::{self, ConfigError, ConfigFile, Problem, Problems, Section};
+use serde::Deserialize;
+
+pub use lockstep_serve::engine_section::{
+    EngineMode, EngineSection, FaultKind, ScrubKind, WhenFullKind,
+};
+pub use lockstep_serve::toml_file::lines;
+pub use model::{
+    BackendKind, ChatTemplateConfig, ModelConfig, VllmConnector, VllmSection, deployment_check,
+};
+pub use pool::{HealthConfig, PolicyKind, PoolConfig, PrefixRouting, WorkerConfig};
+pub use server::ServerConfig;
+pub use tenant::TenantConfig;
+pub use timeouts::{RetryConfig, TimeoutConfig};
+
+/// The whole configuration file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Listeners and process-wide limits.
+    #[serde(default)]
+    pub server: ServerConfig,
+    /// The models lockstep serves, each with its backend and workers.
+    pub models: Vec<ModelConfig>,
+    /// Tenants and their API keys and limits. None: lockstep is open (no key needed).
+    #[serde(default)]
+    pub tenants: Vec<TenantConfig>,
+    /// Trace export (needs a restart to change).
+    #[serde(default)]
+    pub telemetry: TelemetryConfig,
+    /// The file this configuration was read from (admin reload re-reads it).
+    #[serde(skip)]
+    pub source: Option<PathBuf>,
+}
+
+impl ConfigFile for Config {
+    fn resolve_paths(&mut self, base: &Path) {
+        // Certificates and keys are made relative to the file; `~/` is expanded everywhere.
+        for p in [
+            &mut self.server.tls_cert_file,
+            &mut self.server.tls_key_file,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            toml_file::resolve(p, base);
+        }
+        for m in &mut self.models {
+            m.resolve_paths(base);
+        }
+    }
+
+    fn problems(&self) -> Vec<Problem> {
+        let mut out = Problems::default();
+        if self.models.is_empty() {
+            out.push("models", "at least one model is required");
+        }
+        self.server.validate("server", &mut out);
+        self.telemetry.validate("telemetry", &mut out);
+        let model_names: HashSet<&str> = self.models.iter().map(|m| m.name.as_str()).collect();
+        tenant::validate_tenants(&self.tenants, &model_names, &mut out);
+        let mut names = HashSet::new();
+        for (i, m) in self.models.iter().enumerate() {
+            let at = format!("models[{i}] ({})", m.name);
+            if m.name.trim().is_empty() {
+                out.push(format!("models[{i}].name"), "must not be empty");
+            }
+            if !names.insert(m.name.as_str()) {
+                out.push(format!("{at}.name"), "duplicate model name");
+            }
+            m.validate(&at, &mut out);
+        }
+        out.into_vec()
+    }
+
+    fn set_source(&mut self, path: &Path) {
+        self.source = Some(path.to_path_buf());
+    }
+}
+
+/// The built-in configuration: SmolLM2 on the embedded engine (`config/default.toml`).
+pub const DEFAULT_CONFIG: &str = include_str!("../../../../config/default.toml");
+
+impl Config {
+    /// Reads, parses and validates a configuration file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        toml_file::load(path)
+    }
+
+    /// The built-in configuration, paths relative to the working folder.
+    pub fn builtin() -> Result<Config, ConfigError> {
+        toml_file::from_text(
+            DEFAULT_CONFIG,
+            Path::new("."),
+            Path::new("built-in configuration"),
+        )
+    }
+
+    /// Parses TOML text (no path resolution, no validation); the error names the key path and
+    /// what was expected.
+    pub fn parse(text: &str) -> Result<Config, String> {
+        toml_file::parse(text)
+    }
+
+    /// Every semantic problem, each naming its key path. Empty when the config is valid.
+    pub fn problems(&self) -> Vec<Problem> {
+        ConfigFile::problems(self)
+    }
+
+    /// Makes relative paths relative to the config file's folder.
+    pub fn resolve_paths(&mut self, base: &Path) {
+        ConfigFile::resolve_paths(self, base);
+    }
+
+    /// Settings that are valid but unsafe in production (fault injection).
+    pub fn warnings(&self) -> Vec<String> {
+        self.models
+            .iter()
+            .filter_map(|m| {
+                let f = m.engine.as_ref()?.fault?;
+                Some(format!(
+                    "model `{}`: engine.fault = {f:?} injects KV transfer faults: UNSAFE, for tests only",
+                    m.name
+                ))
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BASE: &str = r#"
+[[models]]
+name = "m"
+backend = "sglang"
+context_window = 1000
+kv_capacity_tokens = 2000
+tokenizer = "/nonexistent/tokenizer.json"
+chat_template = { inline = "{{ messages }}" }
+[models.prefill]
+workers = [{ url = "http://127.0.0.1:1", bootstrap_port = 8998 }]
+[models.decode]
+workers = [{ url = "http://127.0.0.1:2" }]
+"#;
+
+    #[test]
+    fn unknown_key_names_the_key_path() {
+        let text = BASE.replace(
+            "context_window = 1000",
+            "context_window = 1000\ncontext_windwo = 5",
+        );
+        let err = Config::parse(&text).unwrap_err();
+        assert!(err.contains("context_windwo"), "{err}");
+        assert!(err.contains("models"), "{err}");
+    }
+
+    #[test]
+    fn wrong_type_names_the_key_path_and_expectation() {
+        let text = BASE.replace("context_window = 1000", "context_window = \"big\"");
+        let err = Config::parse(&text).unwrap_err();
+        assert!(err.contains("context_window"), "{err}");
+        assert!(err.contains("u64") || err.contains("integer"), "{err}");
+    }
+
+    #[test]
+    fn all_problems_are_listed_at_once() {
+        let text = BASE
+            .replace("context_window = 1000", "context_window = 5000")
+            .replace("bootstrap_port = 8998", "")
+            .replace("http://127.0.0.1:2", "ftp://x");
+        let cfg = Config::parse(&text).expect("parses");
+        let p = lines(&cfg.problems()).join("\n");
+        assert!(
+            p.contains("5000") && p.contains("2000") && p.contains("`m`"),
+            "{p}"
+        );
+        assert!(p.contains("bootstrap_port"), "{p}");
+        assert!(p.contains("decode.workers[0].url"), "{p}");
+        assert!(p.contains("tokenizer"), "{p}");
+    }
+
+    #[test]
+    fn prefix_routing_settings_are_checked() {
+        let text = BASE.replace(
+            "[models.decode]",
+            "policy = \"prefix_aware\"\nprefix = { block_tokens = 0, cache_threshold = 1.5 }\n[models.decode]",
+        );
+        let cfg = Config::parse(&text).expect("parses");
+        assert_eq!(cfg.models[0].prefill.policy, PolicyKind::PrefixAware);
+        let p = lines(&cfg.problems()).join("\n");
+        assert!(
+            p.contains("prefill.prefix") && p.contains("block_tokens"),
+            "{p}"
+        );
+        assert!(!p.contains("decode.prefix"), "{p}");
+    }
+
+    #[test]
+    fn deployment_check_uses_headroom() {
+        assert!(deployment_check("m", 1000, 1.0, 1000, "configured").is_ok());
+        let e = deployment_check("m", 1000, 1.5, 1200, "configured").unwrap_err();
+        assert!(
+            e.contains("1000") && e.contains("1200") && e.contains("`m`"),
+            "{e}"
+        );
+        // The incident's numbers.
+        let e = deployment_check("glm", 1_048_576, 1.0, 681_280, "worker").unwrap_err();
+        assert!(e.contains("1048576") && e.contains("681280"), "{e}");
+    }
+}

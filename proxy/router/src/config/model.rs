@@ -1,0 +1,318 @@
+//! `[[models]]`: one served model, its limits, its backend and the deployment check.
+
+use std::path::PathBuf;
+
+use lockstep_serve::engine_section::EngineSection;
+use lockstep_serve::toml_file::{Problems, Section};
+use serde::Deserialize;
+
+use super::pool::{HealthConfig, PoolConfig};
+use super::timeouts::{RetryConfig, TimeoutConfig};
+
+/// Which kind of backend serves a model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BackendKind {
+    /// SGLang prefill/decode workers over the native `/generate` API.
+    Sglang,
+    /// lockstep's embedded engine, in process (`[models.engine]`).
+    Embedded,
+    /// vLLM disaggregated serving (NixlConnector or MooncakeConnector) over `/v1/completions`;
+    /// see `[models.vllm]`.
+    Vllm,
+    /// `lockstep worker` processes over the gRPC worker service (prefill workers push verified
+    /// KV straight to decode workers). The tokenizer and chat template come from `tokenizer` and
+    /// `chat_template`, or from the model file named in `[models.engine]` (only its `gguf`,
+    /// `fetch_pip` and `sha256` are used: the router reads the tokenizer, not the weights).
+    Lockstep,
+}
+
+impl BackendKind {
+    /// The configuration value: `sglang`, `embedded` or `lockstep`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BackendKind::Sglang => "sglang",
+            BackendKind::Embedded => "embedded",
+            BackendKind::Lockstep => "lockstep",
+            BackendKind::Vllm => "vllm",
+        }
+    }
+}
+
+/// One model, its limits and its backend.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    /// The name clients use in `model`.
+    pub name: String,
+    /// The backend kind.
+    pub backend: BackendKind,
+    /// The model's context window in tokens (what it is advertised with).
+    pub context_window: u64,
+    /// KV capacity in tokens that one request can get. When workers report a capacity, the
+    /// smaller of the two is used.
+    pub kv_capacity_tokens: u64,
+    /// Safety factor: `context_window × headroom` must fit in the KV capacity. At least 1.
+    #[serde(default = "default_headroom")]
+    pub headroom: f64,
+    /// `max_tokens` used when a request does not say.
+    #[serde(default = "default_max_tokens")]
+    pub default_max_tokens: u64,
+    /// Path to a Hugging Face `tokenizer.json` (relative paths are relative to the config file).
+    /// Remote backends only: the embedded engine takes the tokenizer from its model file.
+    #[serde(default)]
+    pub tokenizer: Option<PathBuf>,
+    /// Chat template (Jinja): inline text or a file. Remote backends only (the embedded engine
+    /// uses the model file's `tokenizer.chat_template`).
+    #[serde(default)]
+    pub chat_template: Option<ChatTemplateConfig>,
+    /// Begin-of-sequence token text given to the template as `bos_token`.
+    #[serde(default)]
+    pub bos_token: String,
+    /// End-of-sequence token text given to the template as `eos_token`.
+    #[serde(default)]
+    pub eos_token: String,
+    /// Prefill workers (remote backends).
+    #[serde(default)]
+    pub prefill: PoolConfig,
+    /// Decode workers (remote backends).
+    #[serde(default)]
+    pub decode: PoolConfig,
+    /// The embedded engine (`backend = "embedded"`).
+    #[serde(default)]
+    pub engine: Option<EngineSection>,
+    /// vLLM settings (`backend = "vllm"`).
+    #[serde(default)]
+    pub vllm: VllmSection,
+    /// Pair deadlines.
+    #[serde(default)]
+    pub timeouts: TimeoutConfig,
+    /// Retry policy.
+    #[serde(default)]
+    pub retry: RetryConfig,
+    /// Background health checks of the workers.
+    #[serde(default)]
+    pub health: HealthConfig,
+    /// Longest prompt accepted, tokens (0: only the context window limits it).
+    #[serde(default)]
+    pub max_prompt_tokens: u64,
+    /// Largest `max_tokens` a request may ask for (0: only the context window limits it).
+    #[serde(default)]
+    pub max_tokens_limit: u64,
+}
+
+impl ModelConfig {
+    /// The KV capacity the configuration itself allows: `kv_capacity_tokens`, and for the
+    /// embedded engine no more than one pool (`kv_pages × page_size`).
+    pub fn configured_capacity(&self) -> u64 {
+        match (&self.engine, self.backend) {
+            (Some(e), BackendKind::Embedded) => self
+                .kv_capacity_tokens
+                .min(e.kv_pages as u64 * e.page_size as u64),
+            _ => self.kv_capacity_tokens,
+        }
+    }
+}
+
+fn default_headroom() -> f64 {
+    1.0
+}
+fn default_max_tokens() -> u64 {
+    256
+}
+
+/// A chat template given inline or as a file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "snake_case")]
+pub enum ChatTemplateConfig {
+    /// The template text itself.
+    Inline(String),
+    /// A file holding the template (relative to the config file).
+    Path(PathBuf),
+}
+
+/// `[models.vllm]`: how lockstep speaks to vLLM's disaggregated serving.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct VllmSection {
+    /// The KV connector the vLLM servers run: `nixl` or `mooncake`.
+    pub connector: VllmConnector,
+    /// The servers' KV block size in tokens (`--block-size`): the prefill's transfer params must
+    /// name a block count consistent with it.
+    pub block_size: u64,
+    /// The model name the servers serve (`--served-model-name`); default: this model's name.
+    pub served_model_name: Option<String>,
+}
+
+impl Default for VllmSection {
+    fn default() -> Self {
+        VllmSection {
+            connector: VllmConnector::Nixl,
+            block_size: 16,
+            served_model_name: None,
+        }
+    }
+}
+
+/// vLLM's KV connectors lockstep knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VllmConnector {
+    /// NixlConnector: params carry block ids, engine id, host and port.
+    Nixl,
+    /// MooncakeConnector: params carry block ids and engine id.
+    Mooncake,
+}
+
+/// Invariant 6: refuse a deployment whose context window (times headroom) exceeds the KV capacity.
+///
+/// `source` says where the capacity came from (`configured`, or the worker that reported it).
+pub fn deployment_check(
+    model: &str,
+    context_window: u64,
+    headroom: f64,
+    kv_capacity: u64,
+    source: &str,
+) -> Result<(), String> {
+    let needed = context_window as f64 * headroom;
+    if needed > kv_capacity as f64 {
+        Err(format!(
+            "deployment check failed for model `{model}`: context_window {context_window} × headroom {headroom} = {needed:.0} tokens \
+             exceeds the KV capacity of {kv_capacity} tokens ({source}); a request that fits the window would not fit the cache"
+        ))
+    } else {
+        Ok(())
+    }
+}
+
+impl Section for ModelConfig {
+    fn validate(&self, at: &str, out: &mut Problems) {
+        let m = self;
+        if m.context_window == 0 {
+            out.push(format!("{at}.context_window"), "must be greater than 0");
+        }
+        if m.kv_capacity_tokens == 0 {
+            out.push(format!("{at}.kv_capacity_tokens"), "must be greater than 0");
+        }
+        if !(m.headroom >= 1.0 && m.headroom.is_finite()) {
+            out.push(
+                format!("{at}.headroom"),
+                format!("must be a number >= 1.0, got {}", m.headroom),
+            );
+        }
+        if m.default_max_tokens == 0 {
+            out.push(format!("{at}.default_max_tokens"), "must be greater than 0");
+        }
+        if let Err(p) = deployment_check(
+            &m.name,
+            m.context_window,
+            m.headroom,
+            m.configured_capacity(),
+            "configured",
+        ) {
+            out.push(at, p);
+        }
+        match m.backend {
+            BackendKind::Embedded => m.validate_embedded(at, out),
+            _ => m.validate_remote(at, out),
+        }
+        m.timeouts.validate(&format!("{at}.timeouts"), out);
+        m.health.validate(&format!("{at}.health"), out);
+    }
+}
+
+impl ModelConfig {
+    /// Whether the tokenizer and template come from a model file (`backend = "lockstep"` with
+    /// `[models.engine]`).
+    fn reads_model_file(&self) -> bool {
+        self.backend == BackendKind::Lockstep && self.engine.is_some()
+    }
+
+    fn validate_embedded(&self, at: &str, out: &mut Problems) {
+        match &self.engine {
+            None => out.push(format!("{at}.engine"), "required for the embedded backend"),
+            Some(e) => e.validate(&format!("{at}.engine"), out),
+        }
+        for (k, set) in [
+            ("tokenizer", self.tokenizer.is_some()),
+            ("chat_template", self.chat_template.is_some()),
+            ("prefill", !self.prefill.workers.is_empty()),
+            ("decode", !self.decode.workers.is_empty()),
+        ] {
+            if set {
+                out.push(
+                    format!("{at}.{k}"),
+                    "not used by the embedded backend (it comes from the model file / the engine)",
+                );
+            }
+        }
+    }
+
+    fn validate_remote(&self, at: &str, out: &mut Problems) {
+        let model_file = self.reads_model_file();
+        if let (true, Some(e)) = (model_file, &self.engine) {
+            e.validate_model_file(&format!("{at}.engine"), out);
+            for (k, set) in [
+                ("tokenizer", self.tokenizer.is_some()),
+                ("chat_template", self.chat_template.is_some()),
+            ] {
+                if set {
+                    out.push(format!("{at}.{k}"), "give either the model file ([models.engine]) or tokenizer and chat_template, not both");
+                }
+            }
+        }
+        if self.engine.is_some() && !model_file {
+            out.push(
+                format!("{at}.engine"),
+                "only for backend = \"embedded\" (or \"lockstep\", for its model file)",
+            );
+        }
+        match &self.tokenizer {
+            _ if model_file => {}
+            None => out.push(format!("{at}.tokenizer"), "required for this backend"),
+            Some(t) if !t.is_file() => out.push(
+                format!("{at}.tokenizer"),
+                format!("file not found: {}", t.display()),
+            ),
+            Some(_) => {}
+        }
+        match &self.chat_template {
+            _ if model_file => {}
+            None => out.push(format!("{at}.chat_template"), "required for this backend"),
+            Some(ChatTemplateConfig::Path(p)) if !p.is_file() => out.push(
+                format!("{at}.chat_template.path"),
+                format!("file not found: {}", p.display()),
+            ),
+            Some(_) => {}
+        }
+        self.prefill.validate(&format!("{at}.prefill"), out);
+        self.decode.validate(&format!("{at}.decode"), out);
+        if self.backend == BackendKind::Vllm && self.vllm.block_size == 0 {
+            out.push(format!("{at}.vllm.block_size"), "must be greater than 0");
+        }
+        if self.backend == BackendKind::Sglang {
+            for (j, w) in self.prefill.workers.iter().enumerate() {
+                if w.bootstrap_port.is_none() {
+                    out.push(
+                        format!("{at}.prefill.workers[{j}].bootstrap_port"),
+                        "required for the sglang backend",
+                    );
+                }
+            }
+        }
+    }
+
+    /// Makes the model's file paths relative to `base` (the configuration's folder).
+    pub(crate) fn resolve_paths(&mut self, base: &std::path::Path) {
+        use lockstep_serve::toml_file::resolve;
+        if let Some(t) = &mut self.tokenizer {
+            resolve(t, base);
+        }
+        if let Some(ChatTemplateConfig::Path(p)) = &mut self.chat_template {
+            resolve(p, base);
+        }
+        if let Some(e) = &mut self.engine {
+            e.resolve_paths(base);
+        }
+    }
+}

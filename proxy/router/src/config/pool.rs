@@ -1,0 +1,156 @@
+//! A model's worker pools (`[models.prefill]`, `[models.decode]`) and their health checks.
+
+use lockstep_serve::toml_file::{Problems, Section};
+use serde::Deserialize;
+
+/// How a pool picks a worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PolicyKind {
+    /// Each worker in turn.
+    #[default]
+    RoundRobin,
+    /// Power of two choices on in-flight pairs.
+    LeastLoad,
+    /// The worker most likely to hold the prompt's prefix (per-worker chained block hashes of
+    /// token ids, salted by tenant), unless load is out of balance; see [`PrefixRouting`].
+    PrefixAware,
+}
+
+/// Tuning of `policy = "prefix_aware"` (SGLang's cache-aware policy, on hashed token blocks).
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct PrefixRouting {
+    /// Tokens per hashed block (match the workers' page size for exact predictions).
+    pub block_tokens: usize,
+    /// Route by prefix only when the best worker is predicted to hold at least this share of
+    /// the prompt's blocks; below it, the least-loaded worker gets the request.
+    pub cache_threshold: f64,
+    /// Load is out of balance when the busiest worker has more than this many pairs over the
+    /// idlest...
+    pub balance_abs_threshold: usize,
+    /// ...and more than this factor times its pairs; then the least-loaded worker is picked.
+    pub balance_rel_threshold: f64,
+    /// Blocks remembered per worker (least recently routed forgotten first).
+    pub capacity_blocks: usize,
+}
+
+impl Default for PrefixRouting {
+    fn default() -> Self {
+        PrefixRouting {
+            block_tokens: 16,
+            cache_threshold: 0.3,
+            balance_abs_threshold: 4,
+            balance_rel_threshold: 1.5,
+            capacity_blocks: 65_536,
+        }
+    }
+}
+
+/// One side's worker pool.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolConfig {
+    /// Selection policy.
+    #[serde(default)]
+    pub policy: PolicyKind,
+    /// The workers.
+    #[serde(default)]
+    pub workers: Vec<WorkerConfig>,
+    /// Pairs one worker of this side may hold at once (0: no limit); over it, 503 `workers_busy`.
+    #[serde(default)]
+    pub max_pairs_per_worker: usize,
+    /// Tuning of the `prefix_aware` policy.
+    #[serde(default)]
+    pub prefix: PrefixRouting,
+}
+
+/// One worker.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerConfig {
+    /// Base URL, e.g. `http://10.0.0.5:30000`.
+    pub url: String,
+    /// SGLang bootstrap port of a prefill worker (sent to the decode as `bootstrap_port`).
+    #[serde(default)]
+    pub bootstrap_port: Option<u16>,
+    /// Host the decode should reach the prefill's bootstrap server at (default: the URL's host).
+    #[serde(default)]
+    pub bootstrap_host: Option<String>,
+}
+
+/// Background health checks (`GET /health`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HealthConfig {
+    /// Time between checks.
+    pub interval_ms: u64,
+    /// Bound on one check.
+    pub timeout_ms: u64,
+    /// Consecutive failures that make a worker unhealthy.
+    pub failure_threshold: u32,
+    /// Consecutive successes that make it healthy again.
+    pub success_threshold: u32,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        HealthConfig {
+            interval_ms: 5_000,
+            timeout_ms: 1_000,
+            failure_threshold: 3,
+            success_threshold: 2,
+        }
+    }
+}
+
+impl Section for PoolConfig {
+    fn validate(&self, at: &str, out: &mut Problems) {
+        let r = &self.prefix;
+        if r.block_tokens == 0
+            || r.capacity_blocks == 0
+            || !(0.0..=1.0).contains(&r.cache_threshold)
+            || r.balance_rel_threshold.is_nan()
+            || r.balance_rel_threshold < 1.0
+        {
+            out.push(format!("{at}.prefix"), "block_tokens and capacity_blocks must be positive, cache_threshold in [0, 1], balance_rel_threshold at least 1");
+        }
+        if self.workers.is_empty() {
+            out.push(format!("{at}.workers"), "at least one worker is required");
+        }
+        for (j, w) in self.workers.iter().enumerate() {
+            if let Err(e) = w
+                .url
+                .parse::<http::Uri>()
+                .map_err(|e| e.to_string())
+                .and_then(|u| {
+                    if matches!(u.scheme_str(), Some("http" | "https")) && u.host().is_some() {
+                        Ok(())
+                    } else {
+                        Err("expected an http:// or https://host:port URL".to_string())
+                    }
+                })
+            {
+                out.push(
+                    format!("{at}.workers[{j}].url"),
+                    format!("`{}`: {e}", w.url),
+                );
+            }
+        }
+    }
+}
+
+impl Section for HealthConfig {
+    fn validate(&self, at: &str, out: &mut Problems) {
+        if self.interval_ms == 0
+            || self.timeout_ms == 0
+            || self.failure_threshold == 0
+            || self.success_threshold == 0
+        {
+            out.push(
+                at,
+                "interval_ms, timeout_ms and both thresholds must be greater than 0",
+            );
+        }
+    }
+}

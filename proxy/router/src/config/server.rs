@@ -1,0 +1,83 @@
+//! `[server]`: listeners and process-wide limits.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use lockstep_serve::toml_file::{Problems, Section, is_sha256_hex};
+use serde::Deserialize;
+
+/// Listeners and process-wide limits.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    /// Address of the HTTP listener (HTTP/1.1 and h2c).
+    pub http_listen: SocketAddr,
+    /// Log filter (`info`, `debug`, `lockstep=debug,warn`, ...).
+    pub log_level: String,
+    /// Largest request body accepted, in bytes.
+    pub max_body_bytes: usize,
+    /// Bound on connecting to a worker, in milliseconds.
+    pub connect_timeout_ms: u64,
+    /// Runtime worker threads; 0 means one per core.
+    pub worker_threads: usize,
+    /// Audit log of aborted pairs and integrity events (JSON lines): a file path (appended),
+    /// `-` for stdout, empty for off. Opened at start; a reload does not move it.
+    pub audit_log: String,
+    /// On SIGTERM: how long committed streams may run on before they are aborted, ms.
+    pub drain_grace_ms: u64,
+    /// A connection that has not sent its request headers within this many ms is closed.
+    pub header_timeout_ms: u64,
+    /// PEM certificate chain: with `tls_key_file`, both listeners speak HTTPS.
+    pub tls_cert_file: Option<PathBuf>,
+    /// PEM private key of `tls_cert_file`.
+    pub tls_key_file: Option<PathBuf>,
+    /// Extra CA certificates (PEM) trusted for `https://` workers, besides the webpki roots.
+    pub upstream_ca_file: Option<PathBuf>,
+    /// The admin API's listener (off when absent). Bind it to a private address.
+    pub admin_listen: Option<SocketAddr>,
+    /// sha256 (hex) of the admin API's key; required with `admin_listen`.
+    pub admin_key_sha256: String,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            http_listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            log_level: "info".into(),
+            max_body_bytes: 4 * 1024 * 1024,
+            connect_timeout_ms: 2_000,
+            worker_threads: 0,
+            audit_log: String::new(),
+            drain_grace_ms: 30_000,
+            header_timeout_ms: 10_000,
+            tls_cert_file: None,
+            tls_key_file: None,
+            upstream_ca_file: None,
+            admin_listen: None,
+            admin_key_sha256: String::new(),
+        }
+    }
+}
+
+impl Section for ServerConfig {
+    fn validate(&self, at: &str, out: &mut Problems) {
+        if self.connect_timeout_ms == 0 {
+            out.push(format!("{at}.connect_timeout_ms"), "must be greater than 0");
+        }
+        if self.tls_cert_file.is_some() != self.tls_key_file.is_some() {
+            out.push(
+                format!("{at}.tls_cert_file, {at}.tls_key_file"),
+                "give both or neither",
+            );
+        }
+        if self.header_timeout_ms == 0 {
+            out.push(format!("{at}.header_timeout_ms"), "must be greater than 0");
+        }
+        if self.max_body_bytes == 0 {
+            out.push(format!("{at}.max_body_bytes"), "must be greater than 0");
+        }
+        if self.admin_listen.is_some() && !is_sha256_hex(&self.admin_key_sha256) {
+            out.push(format!("{at}.admin_key_sha256"), "required with admin_listen: 64 lowercase hex digits (the sha256 of the admin key; `lockstep hash-key`)");
+        }
+    }
+}

@@ -1,0 +1,101 @@
+//! A model's pair deadlines and retry policy.
+
+use std::time::Duration;
+
+use lockstep_serve::toml_file::{Problems, Section};
+use serde::Deserialize;
+
+/// Pair deadlines, in milliseconds. Each one, when it expires, aborts both halves.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TimeoutConfig {
+    /// Whole pair, dispatch to last token.
+    pub total_ms: u64,
+    /// Prefill answer, from dispatch.
+    pub prefill_ms: u64,
+    /// First decode token, from dispatch.
+    pub first_token_ms: u64,
+    /// Longest gap between two decode chunks.
+    pub idle_ms: u64,
+    /// Bound on each `/abort_request` call (never delays the client's error).
+    pub abort_ms: u64,
+    /// Longest a committed stream waits for its client to take the next chunk (a reader that
+    /// stalled, or reads too slowly to ever finish); then both halves are aborted.
+    pub client_idle_ms: u64,
+}
+
+impl Default for TimeoutConfig {
+    fn default() -> Self {
+        TimeoutConfig {
+            total_ms: 600_000,
+            prefill_ms: 60_000,
+            first_token_ms: 90_000,
+            idle_ms: 30_000,
+            abort_ms: 2_000,
+            client_idle_ms: 30_000,
+        }
+    }
+}
+
+impl TimeoutConfig {
+    /// `total_ms` as a duration.
+    pub fn total(&self) -> Duration {
+        Duration::from_millis(self.total_ms)
+    }
+    /// `prefill_ms` as a duration.
+    pub fn prefill(&self) -> Duration {
+        Duration::from_millis(self.prefill_ms)
+    }
+    /// `first_token_ms` as a duration.
+    pub fn first_token(&self) -> Duration {
+        Duration::from_millis(self.first_token_ms)
+    }
+    /// `idle_ms` as a duration.
+    pub fn idle(&self) -> Duration {
+        Duration::from_millis(self.idle_ms)
+    }
+    /// `abort_ms` as a duration.
+    pub fn abort(&self) -> Duration {
+        Duration::from_millis(self.abort_ms)
+    }
+    /// `client_idle_ms` as a duration.
+    pub fn client_idle(&self) -> Duration {
+        Duration::from_millis(self.client_idle_ms)
+    }
+}
+
+/// Retry policy: only before anything reached the client, only for failures safe to retry.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RetryConfig {
+    /// Additional attempts after the first (0 disables retries).
+    pub max_retries: u32,
+    /// Pause before a retry.
+    pub backoff_ms: u64,
+}
+
+impl Default for RetryConfig {
+    fn default() -> Self {
+        RetryConfig {
+            max_retries: 1,
+            backoff_ms: 20,
+        }
+    }
+}
+
+impl Section for TimeoutConfig {
+    fn validate(&self, at: &str, out: &mut Problems) {
+        for (k, v) in [
+            ("total_ms", self.total_ms),
+            ("prefill_ms", self.prefill_ms),
+            ("first_token_ms", self.first_token_ms),
+            ("idle_ms", self.idle_ms),
+            ("abort_ms", self.abort_ms),
+            ("client_idle_ms", self.client_idle_ms),
+        ] {
+            if v == 0 {
+                out.push(format!("{at}.{k}"), "must be greater than 0");
+            }
+        }
+    }
+}

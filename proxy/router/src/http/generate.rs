@@ -1,0 +1,146 @@
+//! SGLang-native `POST /generate`. Client-sent `rid` and `bootstrap_*` fields are accepted and
+//! ignored: lockstep sets them itself.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::response::Response;
+use http::HeaderMap;
+use serde::Deserialize;
+use tracing::Instrument;
+
+use super::openai::{Prompt, bad, prompt_ids};
+use super::respond::{Shape, serve_pair};
+use super::{find_model, read_json};
+use crate::backend::SamplingParams;
+use crate::error::LockstepError;
+use crate::state::AppState;
+
+#[derive(Debug, Deserialize, Default)]
+struct NativeSampling {
+    max_new_tokens: Option<i64>,
+    temperature: Option<f64>,
+    top_p: Option<f64>,
+    top_k: Option<i64>,
+    stop: Option<super::openai::Stop>,
+    ignore_eos: Option<bool>,
+    frequency_penalty: Option<f64>,
+    presence_penalty: Option<f64>,
+    sampling_seed: Option<u64>,
+    n: Option<i64>,
+}
+
+#[derive(Debug, Deserialize)]
+struct GenerateRequest {
+    model: Option<String>,
+    text: Option<Prompt>,
+    input_ids: Option<Prompt>,
+    #[serde(default)]
+    sampling_params: NativeSampling,
+    #[serde(default)]
+    stream: bool,
+}
+
+/// `POST /generate`.
+pub(crate) async fn generate(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let tenant = match state.tenants.load().authenticate(&headers) {
+        Ok(t) => t,
+        Err(e) => {
+            super::linger(body).await;
+            return super::refused(&state, "", e);
+        }
+    };
+    let result = async {
+        let req: GenerateRequest = read_json(&state, &headers, body).await?;
+        let model = find_model(&state, req.model.as_deref())?;
+        if let Some(t) = &tenant {
+            t.check_model(&model.name)?;
+        }
+        let prompt = match (req.text, req.input_ids) {
+            (Some(t), None) => match t {
+                Prompt::Ids(_) | Prompt::Batches(_) => {
+                    return Err(bad("text", "`text` must be a string".into()));
+                }
+                t => t,
+            },
+            (None, Some(ids)) => match ids {
+                Prompt::Ids(_) | Prompt::Batches(_) => ids,
+                _ => {
+                    return Err(bad(
+                        "input_ids",
+                        "`input_ids` must be a list of token ids".into(),
+                    ));
+                }
+            },
+            (Some(_), Some(_)) => {
+                return Err(bad(
+                    "text",
+                    "send either `text` or `input_ids`, not both".into(),
+                ));
+            }
+            (None, None) => return Err(bad("text", "`text` or `input_ids` is required".into())),
+        };
+        let s = req.sampling_params;
+        if s.n.is_some_and(|n| n != 1) {
+            return Err(LockstepError::Unsupported {
+                message: "n > 1 is not supported yet".into(),
+                param: Some("sampling_params.n".into()),
+            });
+        }
+        let max_new_tokens = match s.max_new_tokens {
+            None => model.cfg.default_max_tokens,
+            Some(v) if v < 1 => {
+                return Err(bad(
+                    "sampling_params.max_new_tokens",
+                    format!("must be at least 1, got {v}"),
+                ));
+            }
+            Some(v) => v as u64,
+        };
+        if let Some(t) = s.temperature
+            && !(t >= 0.0 && t.is_finite())
+        {
+            return Err(bad(
+                "sampling_params.temperature",
+                format!("must be >= 0, got {t}"),
+            ));
+        }
+        if let Some(p) = s.top_p
+            && !(p > 0.0 && p <= 1.0)
+        {
+            return Err(bad(
+                "sampling_params.top_p",
+                format!("must be in (0, 1], got {p}"),
+            ));
+        }
+        let ids = prompt_ids(&model, prompt)?;
+        let sampling = SamplingParams {
+            max_new_tokens,
+            temperature: s.temperature,
+            top_p: s.top_p,
+            top_k: s.top_k,
+            stop: s
+                .stop
+                .map(super::openai::Stop::into_vec)
+                .unwrap_or_default(),
+            ignore_eos: s.ignore_eos,
+            frequency_penalty: s.frequency_penalty,
+            presence_penalty: s.presence_penalty,
+            sampling_seed: s.sampling_seed,
+        };
+        Ok::<_, LockstepError>((model, ids, sampling, Shape::generate(req.stream)))
+    }
+    .instrument(tracing::info_span!("admission"))
+    .await;
+    match result {
+        Ok((model, ids, sampling, shape)) => {
+            serve_pair(&state, &model, tenant, ids, sampling, shape).await
+        }
+        Err(e) => super::refused(&state, "", e),
+    }
+}

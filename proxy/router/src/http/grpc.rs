@@ -1,0 +1,423 @@
+//! The gRPC front end (`lockstep.v1.Lockstep`), served on the HTTP listener beside the HTTP API
+//! (h2c or h2 over TLS), with `grpc.health.v1` (NOT_SERVING while draining) and server reflection
+//! (v1 and v1alpha).
+//!
+//! Requests go through the same admission, pair lifecycle and commit barrier as HTTP requests
+//! ([`super::respond::admit_pair`]); errors are the same [`LockstepError`]s, mapped to a status in
+//! one place ([`LockstepError::to_status`]). The client's deadline (`grpc-timeout`) bounds the
+//! whole pair; a cancelled call drops the pair's receiver, which aborts both halves.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::Stream;
+use lockstep_proto::v1 as pb;
+use lockstep_proto::v1::lockstep_server::{Lockstep, LockstepServer};
+use tokio::time::Instant;
+use tonic::{Request, Response, Status};
+use tracing::Instrument;
+
+use super::openai::{CommonParams, Content, MessageIn, Prompt, Stop, prompt_ids, to_messages};
+use super::respond::{Admitted, admit_pair};
+use crate::backend::{FinishReason, SamplingParams};
+use crate::error::LockstepError;
+use crate::pair::{CancelReason, PairEvent, PairId};
+use crate::state::{AppState, ModelRuntime};
+use crate::tenant::Tenant;
+
+/// The gRPC services, ready to mount on the HTTP router, and the health reporter (drain flips it).
+pub fn services(state: Arc<AppState>) -> (axum::Router, tonic_health::server::HealthReporter) {
+    let (health, health_svc) = tonic_health::server::health_reporter();
+    // Only what this listener serves is advertised (not the worker service).
+    let reflection = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(lockstep_proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .with_service_name("lockstep.v1.Lockstep")
+            .with_service_name("grpc.health.v1.Health")
+    };
+    let v1 = reflection().build_v1();
+    let v1alpha = reflection().build_v1alpha();
+    let mut routes =
+        tonic::service::Routes::new(LockstepServer::new(Front { state })).add_service(health_svc);
+    if let (Ok(a), Ok(b)) = (v1, v1alpha) {
+        routes = routes.add_service(a).add_service(b);
+    } else {
+        tracing::warn!("gRPC reflection could not be built; serving without it");
+    }
+    let grpc = routes.prepare();
+    let mut router = axum::Router::new();
+    for service in [
+        "lockstep.v1.Lockstep",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1.ServerReflection",
+        "grpc.reflection.v1alpha.ServerReflection",
+    ] {
+        router = router.route_service(&format!("/{service}/{{*method}}"), grpc.clone());
+    }
+    (router, health)
+}
+
+/// Marks every gRPC service serving or not (`grpc.health.v1`).
+pub async fn set_serving(health: &tonic_health::server::HealthReporter, serving: bool) {
+    let status = if serving {
+        tonic_health::ServingStatus::Serving
+    } else {
+        tonic_health::ServingStatus::NotServing
+    };
+    for name in ["", "lockstep.v1.Lockstep"] {
+        health.set_service_status(name, status).await;
+    }
+}
+
+struct Front {
+    state: Arc<AppState>,
+}
+
+type EventStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;
+
+/// `grpc-timeout`: an integer of at most 8 digits and a unit (H, M, S, m, u, n).
+fn grpc_timeout(meta: &tonic::metadata::MetadataMap) -> Option<Duration> {
+    let v = meta.get("grpc-timeout")?.to_str().ok()?;
+    let (digits, unit) = v.split_at(v.len().checked_sub(1)?);
+    if digits.is_empty() || digits.len() > 8 {
+        return None;
+    }
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n * 3600),
+        "M" => Duration::from_secs(n * 60),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
+fn common(s: Option<pb::SamplingParams>) -> CommonParams {
+    let s = s.unwrap_or_default();
+    CommonParams {
+        max_tokens: s.max_tokens.map(i64::from),
+        max_completion_tokens: None,
+        temperature: s.temperature,
+        top_p: s.top_p,
+        top_k: s.top_k.map(i64::from),
+        n: None,
+        stream: true,
+        stream_options: None,
+        stop: (!s.stop.is_empty()).then_some(Stop::Many(s.stop)),
+        seed: s.seed,
+        frequency_penalty: s.frequency_penalty,
+        presence_penalty: s.presence_penalty,
+        ignore_eos: s.ignore_eos,
+        best_of: None,
+    }
+}
+
+/// A call's context: its tenant, its deadline, its span.
+struct Call {
+    tenant: Option<Arc<Tenant>>,
+    deadline: Option<Instant>,
+}
+
+impl Front {
+    fn refused(&self, model: &str, e: LockstepError) -> Status {
+        self.state
+            .metrics
+            .admission_refusals
+            .with_label_values(&[model, e.code()])
+            .inc();
+        e.to_status()
+    }
+
+    fn call<T>(&self, req: &Request<T>) -> Result<Call, Status> {
+        let headers = req.metadata().clone().into_headers();
+        let tenant = self
+            .state
+            .tenants
+            .load()
+            .authenticate(&headers)
+            .map_err(|e| self.refused("", e))?;
+        Ok(Call {
+            tenant,
+            deadline: grpc_timeout(req.metadata()).map(|d| Instant::now() + d),
+        })
+    }
+
+    fn model(&self, call: &Call, name: &str) -> Result<Arc<ModelRuntime>, LockstepError> {
+        let model = super::find_model(&self.state, (!name.is_empty()).then_some(name))?;
+        if let Some(t) = &call.tenant {
+            t.check_model(&model.name)?;
+        }
+        Ok(model)
+    }
+
+    /// Admits and runs the pair; the stream carries its events until it finishes.
+    async fn run(
+        &self,
+        call: Call,
+        model: Arc<ModelRuntime>,
+        ids: Vec<u32>,
+        sampling: SamplingParams,
+    ) -> Result<Response<EventStream>, Status> {
+        let deadline = call.deadline;
+        let admit = admit_pair(&self.state, &model, call.tenant, ids, sampling);
+        let admitted = match deadline {
+            // Dropping the admission future drops the pair's receiver: both halves abort.
+            Some(d) => tokio::time::timeout_at(d, admit).await.map_err(|_| {
+                Status::deadline_exceeded("the call's deadline passed before the pair committed")
+            })?,
+            None => admit.await,
+        }
+        .map_err(|e| e.to_status())?;
+        let Admitted {
+            rx,
+            pair_id,
+            prompt_tokens,
+            permit,
+        } = admitted;
+        let started = pb::GenerateResponse {
+            event: Some(pb::generate_response::Event::Started(pb::Started {
+                pair_id: pair_id.to_string(),
+                model: model.name.to_string(),
+                prompt_tokens: prompt_tokens as u32,
+            })),
+        };
+        let pair = futures_util::stream::unfold(
+            (rx, permit, pair_id, prompt_tokens, false),
+            move |(mut rx, permit, pair_id, prompt, done)| async move {
+                use pb::generate_response::Event as E;
+                if done {
+                    return None;
+                }
+                let next = match deadline {
+                    Some(d) => match tokio::time::timeout_at(d, rx.recv()).await {
+                        Ok(ev) => ev,
+                        // Ending the stream drops the receiver: both halves abort.
+                        Err(_) => {
+                            let s = Status::deadline_exceeded(format!(
+                                "the call's deadline passed; pair {pair_id} aborted"
+                            ));
+                            return Some((Err(s), (rx, permit, pair_id, prompt, true)));
+                        }
+                    },
+                    None => rx.recv().await,
+                };
+                let item = match next {
+                    Some(PairEvent::Chunk(c)) => {
+                        let mut out = vec![pb::GenerateResponse {
+                            event: Some(E::Delta(pb::Delta {
+                                text: c.delta,
+                                token_ids: c.token_ids,
+                                completion_tokens: c.completion_tokens as u32,
+                            })),
+                        }];
+                        if let Some(f) = c.finish {
+                            out.push(pb::GenerateResponse {
+                                event: Some(E::Finished(pb::Finished {
+                                    finish_reason: match f {
+                                        FinishReason::Stop => pb::FinishReason::Stop,
+                                        FinishReason::Length => pb::FinishReason::Length,
+                                    } as i32,
+                                    usage: Some(pb::Usage {
+                                        prompt_tokens: prompt as u32,
+                                        completion_tokens: c.completion_tokens as u32,
+                                        total_tokens: (prompt + c.completion_tokens) as u32,
+                                    }),
+                                })),
+                            });
+                        }
+                        let last = c.finish.is_some();
+                        return Some((Ok(out), (rx, permit, pair_id, prompt, last)));
+                    }
+                    Some(PairEvent::Failed(e)) => e.to_status(),
+                    // Ended without a finish or an error: fail closed.
+                    Some(PairEvent::Committed { .. }) | None => LockstepError::DecodeFailed {
+                        pair_id,
+                        message: "pair ended without finishing".into(),
+                    }
+                    .to_status(),
+                };
+                Some((Err(item), (rx, permit, pair_id, prompt, true)))
+            },
+        );
+        use futures_util::StreamExt;
+        let events = futures_util::stream::once(async move { Ok(started) }).chain(pair.flat_map(
+            |r: Result<Vec<pb::GenerateResponse>, Status>| match r {
+                Ok(v) => futures_util::stream::iter(v.into_iter().map(Ok)).left_stream(),
+                Err(s) => futures_util::stream::once(async move { Err(s) }).right_stream(),
+            },
+        ));
+        Ok(Response::new(Box::pin(events)))
+    }
+
+    /// The live pair `raw` if the caller may see it (its own, or any when tenants are off).
+    fn own_pair(&self, call: &Call, raw: &str) -> Result<(PairId, crate::pair::PairInfo), Status> {
+        let not_found = || Status::not_found(format!("no live pair `{raw}`"));
+        let id = PairId::from_raw(raw.parse::<u64>().map_err(|_| not_found())?);
+        let info = self.state.registry.get(id).ok_or_else(not_found)?;
+        let caller = call.tenant.as_ref().map(|t| &t.name);
+        if call.tenant.is_some() && info.tenant.as_ref() != caller {
+            // Another tenant's pair does not exist, as far as this caller can tell.
+            return Err(not_found());
+        }
+        Ok((id, info))
+    }
+}
+
+fn span(method: &str, meta: &tonic::metadata::MetadataMap) -> tracing::Span {
+    let span = tracing::info_span!(
+        "request",
+        otel.name = %format!("grpc lockstep.v1.Lockstep/{method}"),
+        rpc.system = "grpc",
+        rpc.method = method,
+    );
+    lockstep_serve::telemetry::adopt_parent(&span, &meta.clone().into_headers());
+    span
+}
+
+#[tonic::async_trait]
+impl Lockstep for Front {
+    type GenerateStream = EventStream;
+    type ChatStream = EventStream;
+
+    async fn generate(
+        &self,
+        req: Request<pb::GenerateRequest>,
+    ) -> Result<Response<EventStream>, Status> {
+        let span = span("Generate", req.metadata());
+        async move {
+            let call = self.call(&req)?;
+            let r = req.into_inner();
+            let admitted = async {
+                let model = self.model(&call, &r.model)?;
+                let (sampling, ..) = common(r.sampling).sampling(&model)?;
+                let prompt = match r.prompt {
+                    Some(pb::generate_request::Prompt::Text(t)) => Prompt::Text(t),
+                    Some(pb::generate_request::Prompt::InputIds(ids)) => Prompt::Ids(ids.ids),
+                    None => {
+                        return Err(super::openai::bad(
+                            "prompt",
+                            "`text` or `input_ids` is required".into(),
+                        ));
+                    }
+                };
+                let ids = prompt_ids(&model, prompt)?;
+                Ok((model, ids, sampling))
+            }
+            .instrument(tracing::info_span!("admission"))
+            .await;
+            let (model, ids, sampling) = admitted.map_err(|e| self.refused(&r.model, e))?;
+            self.run(call, model, ids, sampling).await
+        }
+        .instrument(span)
+        .await
+    }
+
+    async fn chat(&self, req: Request<pb::ChatRequest>) -> Result<Response<EventStream>, Status> {
+        let span = span("Chat", req.metadata());
+        async move {
+            let call = self.call(&req)?;
+            let r = req.into_inner();
+            let admitted = async {
+                let model = self.model(&call, &r.model)?;
+                let (sampling, ..) = common(r.sampling).sampling(&model)?;
+                let messages = to_messages(
+                    r.messages
+                        .into_iter()
+                        .map(|m| MessageIn {
+                            role: m.role,
+                            content: Some(Content::Text(m.content)),
+                        })
+                        .collect(),
+                )?;
+                let prompt = model.admission.render_chat(&messages)?;
+                let ids = model.admission.encode(&prompt)?;
+                Ok((model, ids, sampling))
+            }
+            .instrument(tracing::info_span!("admission"))
+            .await;
+            let (model, ids, sampling) = admitted.map_err(|e| self.refused(&r.model, e))?;
+            self.run(call, model, ids, sampling).await
+        }
+        .instrument(span)
+        .await
+    }
+
+    async fn abort(
+        &self,
+        req: Request<pb::AbortRequest>,
+    ) -> Result<Response<pb::AbortResponse>, Status> {
+        let call = self.call(&req)?;
+        let (id, info) = self.own_pair(&call, &req.get_ref().pair_id)?;
+        if !self.state.registry.cancel(id, CancelReason::Client) {
+            return Err(Status::not_found(format!("no live pair `{id}`")));
+        }
+        Ok(Response::new(pb::AbortResponse {
+            state: info.state.as_str().into(),
+        }))
+    }
+
+    async fn get_pair(
+        &self,
+        req: Request<pb::GetPairRequest>,
+    ) -> Result<Response<pb::PairInfo>, Status> {
+        let call = self.call(&req)?;
+        let (id, info) = self.own_pair(&call, &req.get_ref().pair_id)?;
+        Ok(Response::new(pb::PairInfo {
+            pair_id: id.to_string(),
+            model: info.model.to_string(),
+            state: info.state.as_str().into(),
+            prefill_worker: info.prefill,
+            decode_worker: info.decode,
+            age_ms: info.started.elapsed().as_millis() as u64,
+        }))
+    }
+
+    async fn list_models(
+        &self,
+        req: Request<pb::ListModelsRequest>,
+    ) -> Result<Response<pb::ListModelsResponse>, Status> {
+        let call = self.call(&req)?;
+        let models = self
+            .state
+            .models
+            .load()
+            .by_name
+            .values()
+            .filter(|m| call.tenant.as_ref().is_none_or(|t| t.allows(&m.name)))
+            .map(|m| pb::Model {
+                name: m.name.to_string(),
+                context_window: m.cfg.context_window,
+                backend: m.cfg.backend.as_str().into(),
+            })
+            .collect();
+        Ok(Response::new(pb::ListModelsResponse { models }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_timeout_parses_every_unit_and_refuses_malformed_values() {
+        let parse = |v: &str| {
+            let mut m = tonic::metadata::MetadataMap::new();
+            m.insert("grpc-timeout", v.parse().expect("ascii"));
+            grpc_timeout(&m)
+        };
+        assert_eq!(parse("2H"), Some(Duration::from_secs(7200)));
+        assert_eq!(parse("3M"), Some(Duration::from_secs(180)));
+        assert_eq!(parse("5S"), Some(Duration::from_secs(5)));
+        assert_eq!(parse("250m"), Some(Duration::from_millis(250)));
+        assert_eq!(parse("7u"), Some(Duration::from_micros(7)));
+        assert_eq!(parse("9n"), Some(Duration::from_nanos(9)));
+        for bad in ["", "S", "5", "5x", "123456789S", "-1S", "1.5S"] {
+            assert_eq!(parse(bad), None, "{bad:?}");
+        }
+        assert_eq!(grpc_timeout(&tonic::metadata::MetadataMap::new()), None);
+    }
+}

@@ -1,0 +1,368 @@
+//! OpenAI-compatible `/v1/chat/completions` and `/v1/completions`.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::response::Response;
+use http::HeaderMap;
+use serde::Deserialize;
+use tracing::Instrument;
+
+use super::respond::{Shape, serve_pair};
+use super::{find_model, read_json};
+use crate::admission::ChatMessage;
+use crate::backend::SamplingParams;
+use crate::error::LockstepError;
+use crate::state::{AppState, ModelRuntime};
+
+/// `stop`: one string or a list.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub(crate) enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl Stop {
+    pub(crate) fn into_vec(self) -> Vec<String> {
+        match self {
+            Stop::One(s) => vec![s],
+            Stop::Many(v) => v,
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+pub(crate) struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
+}
+
+/// Sampling fields shared by both endpoints.
+#[derive(Debug, Deserialize)]
+pub(crate) struct CommonParams {
+    pub(super) max_tokens: Option<i64>,
+    pub(super) max_completion_tokens: Option<i64>,
+    pub(super) temperature: Option<f64>,
+    pub(super) top_p: Option<f64>,
+    pub(super) top_k: Option<i64>,
+    pub(super) n: Option<i64>,
+    #[serde(default)]
+    pub(super) stream: bool,
+    pub(super) stream_options: Option<StreamOptions>,
+    pub(super) stop: Option<Stop>,
+    pub(super) seed: Option<u64>,
+    pub(super) frequency_penalty: Option<f64>,
+    pub(super) presence_penalty: Option<f64>,
+    pub(super) ignore_eos: Option<bool>,
+    pub(super) best_of: Option<i64>,
+}
+
+/// A 400 `invalid_request` naming `param`.
+pub(crate) fn bad(param: &str, message: String) -> LockstepError {
+    LockstepError::InvalidRequest {
+        message,
+        param: Some(param.to_string()),
+    }
+}
+
+impl CommonParams {
+    /// Validates ranges and builds SGLang sampling parameters.
+    pub(super) fn sampling(
+        self,
+        model: &ModelRuntime,
+    ) -> Result<(SamplingParams, bool, bool), LockstepError> {
+        if self.n.is_some_and(|n| n != 1) {
+            return Err(LockstepError::Unsupported {
+                message: "n > 1 is not supported yet; send one request per choice".into(),
+                param: Some("n".into()),
+            });
+        }
+        if self.best_of.is_some_and(|n| n != 1) {
+            return Err(LockstepError::Unsupported {
+                message: "best_of is not supported".into(),
+                param: Some("best_of".into()),
+            });
+        }
+        let (key, requested) = match (self.max_completion_tokens, self.max_tokens) {
+            (Some(v), _) => ("max_completion_tokens", Some(v)),
+            (None, v) => ("max_tokens", v),
+        };
+        let max_new_tokens = match requested {
+            None => model.cfg.default_max_tokens,
+            Some(v) if v < 1 => {
+                return Err(bad(key, format!("`{key}` must be at least 1, got {v}")));
+            }
+            Some(v) => v as u64,
+        };
+        if let Some(t) = self.temperature
+            && !(0.0..=2.0).contains(&t)
+        {
+            return Err(bad(
+                "temperature",
+                format!("`temperature` must be between 0 and 2, got {t}"),
+            ));
+        }
+        if let Some(p) = self.top_p
+            && !(p > 0.0 && p <= 1.0)
+        {
+            return Err(bad("top_p", format!("`top_p` must be in (0, 1], got {p}")));
+        }
+        if let Some(k) = self.top_k
+            && k < -1
+        {
+            return Err(bad(
+                "top_k",
+                format!("`top_k` must be -1 or positive, got {k}"),
+            ));
+        }
+        for (name, v) in [
+            ("frequency_penalty", self.frequency_penalty),
+            ("presence_penalty", self.presence_penalty),
+        ] {
+            if let Some(v) = v
+                && !(-2.0..=2.0).contains(&v)
+            {
+                return Err(bad(
+                    name,
+                    format!("`{name}` must be between -2 and 2, got {v}"),
+                ));
+            }
+        }
+        let stop = self.stop.map(Stop::into_vec).unwrap_or_default();
+        if stop.len() > 16 {
+            return Err(bad("stop", "at most 16 stop sequences".into()));
+        }
+        let include_usage = self.stream_options.is_some_and(|o| o.include_usage);
+        Ok((
+            SamplingParams {
+                max_new_tokens,
+                temperature: self.temperature,
+                top_p: self.top_p,
+                top_k: self.top_k,
+                stop,
+                ignore_eos: self.ignore_eos,
+                frequency_penalty: self.frequency_penalty,
+                presence_penalty: self.presence_penalty,
+                sampling_seed: self.seed,
+            },
+            self.stream,
+            include_usage,
+        ))
+    }
+}
+
+/// Message content: a string or a list of typed parts.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub(crate) enum Content {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Debug, Deserialize)]
+pub(crate) struct ContentPart {
+    #[serde(rename = "type")]
+    kind: String,
+    text: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+pub(crate) struct MessageIn {
+    pub(super) role: String,
+    pub(super) content: Option<Content>,
+}
+
+#[derive(Debug, Deserialize)]
+pub(crate) struct ChatRequest {
+    model: String,
+    messages: Vec<MessageIn>,
+    #[serde(flatten)]
+    params: CommonParams,
+}
+
+pub(super) fn to_messages(messages: Vec<MessageIn>) -> Result<Vec<ChatMessage>, LockstepError> {
+    if messages.is_empty() {
+        return Err(bad("messages", "`messages` must not be empty".into()));
+    }
+    messages
+        .into_iter()
+        .enumerate()
+        .map(|(i, m)| {
+            if !matches!(
+                m.role.as_str(),
+                "system" | "developer" | "user" | "assistant" | "tool"
+            ) {
+                return Err(bad(
+                    &format!("messages[{i}].role"),
+                    format!("unknown role `{}`", m.role),
+                ));
+            }
+            let content = match m.content {
+                None => String::new(),
+                Some(Content::Text(s)) => s,
+                Some(Content::Parts(parts)) => {
+                    let mut s = String::new();
+                    for (j, p) in parts.into_iter().enumerate() {
+                        match (p.kind.as_str(), p.text) {
+                            ("text", Some(t)) => s.push_str(&t),
+                            (kind, _) => {
+                                return Err(LockstepError::Unsupported {
+                                    message: format!(
+                                        "content part type `{kind}` is not supported (text only)"
+                                    ),
+                                    param: Some(format!("messages[{i}].content[{j}]")),
+                                });
+                            }
+                        }
+                    }
+                    s
+                }
+            };
+            Ok(ChatMessage {
+                role: if m.role == "developer" {
+                    "system".into()
+                } else {
+                    m.role
+                },
+                content,
+            })
+        })
+        .collect()
+}
+
+/// `POST /v1/chat/completions`.
+pub(crate) async fn chat_completions(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let tenant = match state.tenants.load().authenticate(&headers) {
+        Ok(t) => t,
+        Err(e) => {
+            super::linger(body).await;
+            return super::refused(&state, "", e);
+        }
+    };
+    let result = async {
+        let req: ChatRequest = read_json(&state, &headers, body).await?;
+        let model = find_model(&state, Some(&req.model))?;
+        if let Some(t) = &tenant {
+            t.check_model(&model.name)?;
+        }
+        let (sampling, stream, include_usage) = req.params.sampling(&model)?;
+        let messages = to_messages(req.messages)?;
+        let prompt = model.admission.render_chat(&messages)?;
+        let ids = model.admission.encode(&prompt)?;
+        Ok::<_, LockstepError>((model, ids, sampling, Shape::chat(stream, include_usage)))
+    }
+    .instrument(tracing::info_span!("admission"))
+    .await;
+    match result {
+        Ok((model, ids, sampling, shape)) => {
+            serve_pair(&state, &model, tenant, ids, sampling, shape).await
+        }
+        Err(e) => super::refused(&state, "", e),
+    }
+}
+
+/// `prompt`: a string, a list of one string, or token ids.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub(crate) enum Prompt {
+    Text(String),
+    Texts(Vec<String>),
+    Ids(Vec<u32>),
+    Batches(Vec<Vec<u32>>),
+}
+
+#[derive(Debug, Deserialize)]
+pub(crate) struct CompletionRequest {
+    model: String,
+    prompt: Prompt,
+    #[serde(flatten)]
+    params: CommonParams,
+    echo: Option<bool>,
+    suffix: Option<String>,
+    logprobs: Option<serde_json::Value>,
+}
+
+/// Turns a completion prompt into token ids (special tokens in the text are parsed as special).
+pub(crate) fn prompt_ids(model: &ModelRuntime, prompt: Prompt) -> Result<Vec<u32>, LockstepError> {
+    let ids = match prompt {
+        Prompt::Text(s) => model.admission.encode(&s)?,
+        Prompt::Texts(v) if v.len() == 1 => model.admission.encode(&v[0])?,
+        Prompt::Ids(ids) => {
+            let vocab = model.admission.vocab_size();
+            if let Some(bad_id) = ids.iter().find(|&&t| t as usize >= vocab) {
+                return Err(bad(
+                    "prompt",
+                    format!("token id {bad_id} is outside the vocabulary of {vocab} tokens"),
+                ));
+            }
+            ids
+        }
+        Prompt::Batches(v) if v.len() == 1 => {
+            return prompt_ids(model, Prompt::Ids(v.into_iter().next().unwrap_or_default()));
+        }
+        Prompt::Texts(_) | Prompt::Batches(_) => {
+            return Err(LockstepError::Unsupported {
+                message: "batched prompts are not supported yet; send one prompt per request"
+                    .into(),
+                param: Some("prompt".into()),
+            });
+        }
+    };
+    if ids.is_empty() {
+        return Err(bad("prompt", "`prompt` must not be empty".into()));
+    }
+    Ok(ids)
+}
+
+/// `POST /v1/completions`.
+pub(crate) async fn completions(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let tenant = match state.tenants.load().authenticate(&headers) {
+        Ok(t) => t,
+        Err(e) => {
+            super::linger(body).await;
+            return super::refused(&state, "", e);
+        }
+    };
+    let result = async {
+        let req: CompletionRequest = read_json(&state, &headers, body).await?;
+        let model = find_model(&state, Some(&req.model))?;
+        if let Some(t) = &tenant {
+            t.check_model(&model.name)?;
+        }
+        if req.echo == Some(true)
+            || req.suffix.is_some()
+            || req.logprobs.as_ref().is_some_and(|v| !v.is_null())
+        {
+            return Err(LockstepError::Unsupported {
+                message: "echo, suffix and logprobs are not supported yet".into(),
+                param: None,
+            });
+        }
+        let (sampling, stream, include_usage) = req.params.sampling(&model)?;
+        let ids = prompt_ids(&model, req.prompt)?;
+        Ok::<_, LockstepError>((
+            model,
+            ids,
+            sampling,
+            Shape::completion(stream, include_usage),
+        ))
+    }
+    .instrument(tracing::info_span!("admission"))
+    .await;
+    match result {
+        Ok((model, ids, sampling, shape)) => {
+            serve_pair(&state, &model, tenant, ids, sampling, shape).await
+        }
+        Err(e) => super::refused(&state, "", e),
+    }
+}

@@ -1,0 +1,305 @@
+//! Building the served models from a configuration: for each model its deployment check against
+//! what the workers report, tokenizer and chat template, worker pools, backend and health checks;
+//! and reloading them (validate, build, swap atomically).
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+
+use lockstep_engine::engine::ModelBundle;
+use lockstep_engine::pd::Pd;
+use lockstep_serve::engine_section::EngineMode;
+
+use crate::admission::Admission;
+use crate::audit::Audit;
+use crate::backend::embedded::EmbeddedBackend;
+use crate::backend::sglang::SglangBackend;
+use crate::backend::{PdBackend, UpstreamClient};
+use crate::config::{BackendKind, Config, ModelConfig, PoolConfig, WorkerConfig, deployment_check};
+use crate::metrics::Metrics;
+use crate::pair::{PairRegistry, PairRuntime, PairStats};
+use crate::pool::{WorkerPool, health_loop};
+use crate::state::{AppState, ModelRuntime, Models};
+use crate::tenant::Tenants;
+
+/// Invariant 6 for `m` against its live workers, through its backend's probe
+/// ([`PdBackend::deployment_capacity`]); an embedded model is checked against its configured pool.
+/// Returns the effective capacity, or every problem found.
+pub async fn check_deployment(client: &UpstreamClient, m: &ModelConfig) -> Result<u64, String> {
+    match remote_backend(m, client) {
+        Some(backend) => backend.deployment_capacity(m).await,
+        None => {
+            let capacity = m.configured_capacity();
+            deployment_check(
+                &m.name,
+                m.context_window,
+                m.headroom,
+                capacity,
+                "configured",
+            )?;
+            Ok(capacity)
+        }
+    }
+}
+
+/// The backend of a model served by remote workers (`None` for the embedded engine).
+pub fn remote_backend(m: &ModelConfig, client: &UpstreamClient) -> Option<Arc<dyn PdBackend>> {
+    Some(match m.backend {
+        BackendKind::Sglang => Arc::new(SglangBackend::new(client.clone())),
+        BackendKind::Vllm => Arc::new(crate::backend::vllm::VllmBackend::new(
+            client.clone(),
+            &m.name,
+            m.vllm.clone(),
+        )),
+        BackendKind::Lockstep => Arc::new(crate::backend::lockstep::LockstepBackend::new(
+            client.connect_timeout(),
+        )),
+        BackendKind::Embedded => return None,
+    })
+}
+
+/// Reloads the models and tenants of `st` from `cfg`: validate, deployment check against the
+/// workers, build, then swap atomically (SIGHUP and the admin API). On any problem the running
+/// configuration stays and the reasons are returned. Pairs in flight finish on the configuration
+/// they started with; workers an operator drains stay drained.
+pub async fn reload_state(st: &AppState, cfg: Config) -> Result<(), String> {
+    let models = build_models(
+        &cfg,
+        &st.client,
+        &st.registry,
+        &st.stats,
+        &st.metrics,
+        &st.audit,
+    )
+    .await?;
+    for m in models.by_name.values() {
+        for w in m
+            .pairs
+            .prefill
+            .workers()
+            .iter()
+            .chain(m.pairs.decode.workers())
+        {
+            w.set_draining(st.drained.contains(&w.url));
+        }
+    }
+    let names: Vec<_> = models.by_name.keys().cloned().collect();
+    st.models.store(Arc::new(models));
+    st.tenants.store(Arc::new(Tenants::new(&cfg.tenants)));
+    tracing::info!(models = ?names, "configuration reloaded");
+    Ok(())
+}
+
+/// Builds every model of `cfg`: deployment check against the workers, tokenizer and template,
+/// pools, backend, health checks. Lists every problem rather than build a partial set.
+pub(crate) async fn build_models(
+    cfg: &Config,
+    client: &UpstreamClient,
+    registry: &Arc<PairRegistry>,
+    stats: &Arc<PairStats>,
+    metrics: &Arc<Metrics>,
+    audit: &Arc<Audit>,
+) -> Result<Models, String> {
+    let problems = cfg.problems();
+    if !problems.is_empty() {
+        return Err(crate::config::lines(&problems).join("\n"));
+    }
+    let mut models = Models::default();
+    let mut errors = Vec::new();
+    for m in &cfg.models {
+        let built = match m.backend {
+            BackendKind::Sglang | BackendKind::Vllm => build_remote(m, client).await,
+            BackendKind::Embedded => build_embedded(m).await,
+            BackendKind::Lockstep => build_lockstep(m, client).await,
+        };
+        let Built {
+            capacity,
+            admission,
+            backend,
+            prefill,
+            decode,
+            engine,
+        } = match built {
+            Ok(b) => b,
+            Err(e) => {
+                errors.push(e);
+                continue;
+            }
+        };
+        if engine.is_none() {
+            let workers = prefill
+                .workers()
+                .iter()
+                .chain(decode.workers())
+                .cloned()
+                .collect();
+            models.health.push(tokio::spawn(health_loop(
+                client.clone(),
+                workers,
+                m.health.clone(),
+            )));
+        }
+        let name: Arc<str> = m.name.as_str().into();
+        let pairs = Arc::new(PairRuntime {
+            model: name.clone(),
+            backend,
+            prefill,
+            decode,
+            registry: registry.clone(),
+            timeouts: m.timeouts.clone(),
+            retry: m.retry.clone(),
+            stats: stats.clone(),
+            metrics: metrics.clone(),
+            audit: audit.clone(),
+        });
+        tracing::info!(model = %name, context_window = m.context_window, kv_capacity = capacity, "model ready");
+        models.by_name.insert(
+            m.name.clone(),
+            Arc::new(ModelRuntime {
+                name,
+                cfg: m.clone(),
+                admission,
+                pairs,
+                engine,
+                kv_capacity: AtomicU64::new(capacity),
+            }),
+        );
+    }
+    if errors.is_empty() {
+        Ok(models)
+    } else {
+        Err(errors.join("\n"))
+    }
+}
+
+/// What one model's backend needs, built.
+struct Built {
+    capacity: u64,
+    admission: Arc<Admission>,
+    backend: Arc<dyn PdBackend>,
+    prefill: Arc<WorkerPool>,
+    decode: Arc<WorkerPool>,
+    engine: Option<Arc<Pd>>,
+}
+
+/// A remote-worker model: deployment check against the workers, tokenizer and template files.
+async fn build_remote(m: &ModelConfig, client: &UpstreamClient) -> Result<Built, String> {
+    let backend = remote_backend(m, client).ok_or("not a remote backend")?;
+    let capacity = backend.deployment_capacity(m).await?;
+    let admission = Admission::load(m)?;
+    Ok(Built {
+        capacity,
+        admission,
+        backend,
+        prefill: Arc::new(WorkerPool::new(&m.prefill)),
+        decode: Arc::new(WorkerPool::new(&m.decode)),
+        engine: None,
+    })
+}
+
+/// A `lockstep`-worker model: deployment check through the workers' `Capacity` (KV capacity,
+/// roles, one model across all of them); tokenizer and template from files or the model file.
+async fn build_lockstep(m: &ModelConfig, client: &UpstreamClient) -> Result<Built, String> {
+    let backend = remote_backend(m, client).ok_or("not a remote backend")?;
+    let capacity = backend.deployment_capacity(m).await?;
+    let admission = match &m.engine {
+        None => Admission::load(m)?,
+        Some(e) => {
+            let (e, name) = (e.clone(), m.name.clone());
+            tokio::task::spawn_blocking(move || {
+                let path = lockstep_serve::model_file::ensure_model(e.model_file())
+                    .map_err(|err| format!("model `{name}`: {err}"))?;
+                let g = lockstep_engine::gguf::open(&path)
+                    .map_err(|err| format!("model `{name}`: {}: {err}", path.display()))?;
+                let t = lockstep_engine::tokenizer::ModelTokenizer::from_gguf(&g)
+                    .map_err(|err| format!("model `{name}`: {}: {err}", path.display()))?;
+                model_file_admission(&name, &t)
+            })
+            .await
+            .map_err(|err| format!("model `{}`: tokenizer load panicked: {err}", m.name))??
+        }
+    };
+    Ok(Built {
+        capacity,
+        admission,
+        backend,
+        prefill: Arc::new(WorkerPool::new(&m.prefill)),
+        decode: Arc::new(WorkerPool::new(&m.decode)),
+        engine: None,
+    })
+}
+
+/// Admission from a model file's own tokenizer and chat template, so the router and the engine
+/// count and render alike.
+fn model_file_admission(
+    name: &str,
+    t: &lockstep_engine::tokenizer::ModelTokenizer,
+) -> Result<Arc<Admission>, String> {
+    let template = t
+        .chat_template
+        .clone()
+        .ok_or_else(|| format!("model `{name}`: the model file has no chat template"))?;
+    Admission::new(
+        name,
+        t.inner.clone(),
+        template,
+        t.decode(&[t.bos]),
+        t.decode(&[t.eos]),
+    )
+}
+
+/// An embedded model: fetch (if absent) and verify the file, load it, start the engines; the
+/// router's tokenizer and chat template are the model file's own. Capacity is one pool's tokens.
+async fn build_embedded(m: &ModelConfig) -> Result<Built, String> {
+    let e = m
+        .engine
+        .clone()
+        .ok_or_else(|| format!("model `{}`: no [models.engine] section", m.name))?;
+    let name = m.name.clone();
+    let (pd, admission) = tokio::task::spawn_blocking(move || {
+        let path = lockstep_serve::model_file::ensure_model(e.model_file()).map_err(|err| format!("model `{name}`: {err}"))?;
+        let device = e
+            .device()
+            .map_err(|err| format!("model `{name}`: engine.{err}"))?;
+        let bundle = Arc::new(
+            ModelBundle::open_on(&path, device).map_err(|err| format!("model `{name}`: {err}"))?,
+        );
+        tracing::info!(model = %name, device = %bundle.device(), "embedded engine device");
+        let admission = model_file_admission(&name, &bundle.tokenizer)?;
+        let cfg = e.engine_config();
+        let faults = e.fault_plan();
+        if faults.is_some() {
+            tracing::warn!(model = %name, fault = ?e.fault, "KV transfer FAULT INJECTION is on: unsafe, for tests only");
+        }
+        let pd = match e.mode {
+            EngineMode::Split => Pd::split(bundle, cfg, cfg, faults),
+            EngineMode::Unified => Pd::unified(bundle, cfg),
+        }
+        .map_err(|err| format!("model `{name}`: engine: {err}"))?;
+        tracing::info!(model = %name, mode = ?e.mode, file = %path.display(), kv_pages = e.kv_pages, page_size = e.page_size, "embedded engine ready (cpu)");
+        Ok::<_, String>((Arc::new(pd), admission))
+    })
+    .await
+    .map_err(|err| format!("model `{}`: engine start panicked: {err}", m.name))??;
+    let backend: Arc<dyn PdBackend> = Arc::new(EmbeddedBackend::new(pd.clone()));
+    let capacity = backend.deployment_capacity(m).await?;
+    let pool = |side: &str| {
+        Arc::new(WorkerPool::new(&PoolConfig {
+            policy: Default::default(),
+            workers: vec![WorkerConfig {
+                url: format!("embedded://{}/{side}", m.name),
+                bootstrap_port: None,
+                bootstrap_host: None,
+            }],
+            max_pairs_per_worker: 0,
+            prefix: Default::default(),
+        }))
+    };
+    Ok(Built {
+        capacity,
+        admission,
+        backend,
+        prefill: pool("prefill"),
+        decode: pool("decode"),
+        engine: Some(pd),
+    })
+}

@@ -1,0 +1,482 @@
+//! The pair lifecycle: dispatch both halves, hold decode output behind the commit barrier,
+//! abort both halves on any failure, retry only when safe. One task owns each pair.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use tokio::sync::mpsc;
+use tokio::time::{Instant as TokioInstant, sleep, sleep_until};
+use tracing::Instrument;
+
+use super::outcome::Failure;
+use super::{
+    AbortReason, Outcome, PairEvent, PairId, PairInfo, PairRegistry, PairState, PairStats,
+};
+use crate::audit::{Audit, AuditEvent, AuditKind, AuditTimings, now_ms};
+use crate::backend::{
+    DecodeChunk, Dispatch, HalfError, HalfFailure, PdBackend, SamplingParams, Side,
+};
+use crate::config::{RetryConfig, TimeoutConfig};
+use crate::error::{LockstepError, Phase};
+use crate::metrics::Metrics;
+use crate::pool::{RouteKey, WorkerPool};
+
+/// Everything the lifecycle of one model's pairs needs.
+pub struct PairRuntime {
+    /// Model name (for the registry and errors).
+    pub model: Arc<str>,
+    /// The backend speaking to the workers.
+    pub backend: Arc<dyn PdBackend>,
+    /// Prefill workers.
+    pub prefill: Arc<WorkerPool>,
+    /// Decode workers.
+    pub decode: Arc<WorkerPool>,
+    /// Live pairs (shared by all models).
+    pub registry: Arc<PairRegistry>,
+    /// Deadlines.
+    pub timeouts: TimeoutConfig,
+    /// Retry policy.
+    pub retry: RetryConfig,
+    /// Outcome counters.
+    pub stats: Arc<PairStats>,
+    /// Prometheus metrics (shared by all models).
+    pub metrics: Arc<Metrics>,
+    /// The audit log (shared by all models).
+    pub audit: Arc<Audit>,
+}
+
+/// Where an aborted pair stood, for its metrics and audit line.
+struct AbortContext<'a> {
+    tenant: Option<&'a str>,
+    attempt: u32,
+    committed: bool,
+    started: TokioInstant,
+    dispatched: TokioInstant,
+    barrier: Option<Duration>,
+}
+
+impl PairRuntime {
+    /// Starts a request's pair task. Events arrive on the receiver; dropping the receiver is a
+    /// client disconnect and aborts both halves. The join handle yields the terminal state.
+    pub fn start(
+        self: &Arc<Self>,
+        input_ids: Arc<[u32]>,
+        sampling: Arc<SamplingParams>,
+        tenant: Option<Arc<str>>,
+    ) -> (mpsc::Receiver<PairEvent>, tokio::task::JoinHandle<Outcome>) {
+        let (tx, rx) = mpsc::channel(64);
+        let me = self.clone();
+        // The request's span (current here) parents every pair this request dispatches.
+        let request_span = tracing::Span::current();
+        let handle =
+            tokio::spawn(
+                async move { me.run(input_ids, sampling, tenant, tx, request_span).await },
+            );
+        (rx, handle)
+    }
+
+    async fn run(
+        &self,
+        input_ids: Arc<[u32]>,
+        sampling: Arc<SamplingParams>,
+        tenant: Option<Arc<str>>,
+        tx: mpsc::Sender<PairEvent>,
+        request_span: tracing::Span,
+    ) -> Outcome {
+        let started = TokioInstant::now();
+        let mut attempt: u32 = 0;
+        let mut avoid: (
+            Option<Arc<crate::pool::Worker>>,
+            Option<Arc<crate::pool::Worker>>,
+        ) = (None, None);
+        let outcome = loop {
+            let key = RouteKey {
+                tokens: &input_ids,
+                salt: crate::tenant::cache_salt(tenant.as_deref()),
+            };
+            let Some(pg) = self.prefill.pick(avoid.0.as_ref(), Some(&key)) else {
+                let e = self.no_worker(&self.prefill, "prefill");
+                let _ = tx.send(PairEvent::Failed(e)).await;
+                break Outcome::Aborted(AbortReason::NoWorker);
+            };
+            let Some(dg) = self.decode.pick(avoid.1.as_ref(), Some(&key)) else {
+                let e = self.no_worker(&self.decode, "decode");
+                let _ = tx.send(PairEvent::Failed(e)).await;
+                break Outcome::Aborted(AbortReason::NoWorker);
+            };
+            let guard = self.registry.register(PairInfo {
+                model: self.model.clone(),
+                prefill: pg.worker().url.clone(),
+                decode: dg.worker().url.clone(),
+                started: Instant::now(),
+                state: PairState::Dispatched,
+                tenant: tenant.clone(),
+            });
+            let d = Dispatch {
+                pair_id: guard.id(),
+                prefill: pg.worker().clone(),
+                decode: dg.worker().clone(),
+                input_ids: input_ids.clone(),
+                sampling: sampling.clone(),
+                tenant: tenant.clone(),
+            };
+            self.stats.dispatched.fetch_add(1, Ordering::Relaxed);
+            let model = &*self.model;
+            self.metrics.pairs_started.with_label_values(&[model]).inc();
+            let mut committed = false;
+            let mut barrier = None;
+            let dispatched = TokioInstant::now();
+            let pair_span = tracing::info_span!(
+                parent: &request_span,
+                "pair",
+                pair_id = %d.pair_id,
+                model = %self.model,
+                prefill = %d.prefill.url,
+                decode = %d.decode.url,
+                attempt,
+            );
+            match self
+                .attempt(&d, &tx, started, &guard, &mut committed, &mut barrier)
+                .instrument(pair_span.clone())
+                .await
+            {
+                Ok(()) => {
+                    self.metrics
+                        .pairs_completed
+                        .with_label_values(&[model])
+                        .inc();
+                    break Outcome::Completed;
+                }
+                Err(f) => {
+                    guard.set_state(PairState::Aborting);
+                    self.abort_both(&d, TokioInstant::now());
+                    tracing::warn!(parent: &pair_span, pair = %d.pair_id, model = %self.model, reason = f.reason.as_str(), side = f.failed_side.map_or("none", Side::as_str), error = %f.error, "pair aborted on both halves");
+                    let at = AbortContext {
+                        tenant: tenant.as_deref(),
+                        attempt,
+                        committed,
+                        started,
+                        dispatched,
+                        barrier,
+                    };
+                    self.record_abort(&d, &f, &at);
+                    if !committed
+                        && f.retry_safe
+                        && attempt < self.retry.max_retries
+                        && !tx.is_closed()
+                    {
+                        attempt += 1;
+                        self.stats.retries.fetch_add(1, Ordering::Relaxed);
+                        avoid = match f.failed_side {
+                            Some(Side::Prefill) => (Some(d.prefill.clone()), None),
+                            Some(Side::Decode) => (None, Some(d.decode.clone())),
+                            None => (None, None),
+                        };
+                        drop((guard, pg, dg));
+                        sleep(Duration::from_millis(self.retry.backoff_ms)).await;
+                        continue;
+                    }
+                    if f.reason != AbortReason::ClientGone {
+                        // On a committed stream this becomes one error event; before, an error status.
+                        let _ = tokio::time::timeout(
+                            Duration::from_secs(1),
+                            tx.send(PairEvent::Failed(f.error)),
+                        )
+                        .await;
+                    }
+                    break Outcome::Aborted(f.reason);
+                }
+            }
+        };
+        match outcome {
+            Outcome::Completed => self.stats.completed.fetch_add(1, Ordering::Relaxed),
+            Outcome::Aborted(_) => self.stats.aborted.fetch_add(1, Ordering::Relaxed),
+        };
+        outcome
+    }
+
+    /// Sends the abort to both halves in the background, each bounded by `abort_ms`, never
+    /// delaying the client's error; the time from `failed_at` to both answered (or timed out) is
+    /// the abort-both latency.
+    fn abort_both(&self, d: &Dispatch, failed_at: TokioInstant) {
+        let bound = self.timeouts.abort();
+        let pair = d.pair_id;
+        let call = |side: Side| {
+            let fut = self.backend.abort(d, side);
+            self.stats.abort_calls.fetch_add(1, Ordering::Relaxed);
+            async move {
+                match tokio::time::timeout(bound, fut).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => {
+                        tracing::warn!(pair = %pair, side = side.as_str(), error = %e, "abort call failed")
+                    }
+                    Err(_) => {
+                        tracing::warn!(pair = %pair, side = side.as_str(), "abort call timed out")
+                    }
+                }
+            }
+        };
+        let (p, dd) = (call(Side::Prefill), call(Side::Decode));
+        let latency = self
+            .metrics
+            .abort_both_seconds
+            .with_label_values(&[&*self.model]);
+        tokio::spawn(async move {
+            tokio::join!(p, dd);
+            latency.observe(failed_at.elapsed().as_secs_f64());
+        });
+    }
+
+    /// The refusal when a side has no worker to take the pair: all at their pair limit, or
+    /// none healthy (counted as an admission refusal: nothing was dispatched).
+    fn no_worker(&self, pool: &WorkerPool, side: &'static str) -> LockstepError {
+        let model = self.model.to_string();
+        let e = if pool.all_busy() {
+            LockstepError::WorkersBusy { model, side }
+        } else {
+            LockstepError::NoHealthyWorker { model, side }
+        };
+        self.metrics
+            .admission_refusals
+            .with_label_values(&[&*self.model, e.code()])
+            .inc();
+        e
+    }
+
+    /// Metrics and audit lines of an aborted pair.
+    fn record_abort(&self, d: &Dispatch, f: &Failure, at: &AbortContext<'_>) {
+        let model = &*self.model;
+        let side = f.failed_side.map_or("none", Side::as_str);
+        self.metrics
+            .pairs_aborted
+            .with_label_values(&[model, f.reason.as_str(), side])
+            .inc();
+        if let Some(kind) = f.integrity {
+            self.metrics
+                .integrity_violations
+                .with_label_values(&[model, kind])
+                .inc();
+        }
+        if !self.audit.enabled() {
+            return;
+        }
+        let mut ev = AuditEvent {
+            ts_ms: now_ms(),
+            event: AuditKind::PairAborted,
+            pair_id: d.pair_id.to_string(),
+            tenant: at.tenant,
+            model,
+            reason: f.reason.as_str(),
+            integrity_kind: f.integrity,
+            side,
+            error_code: f.error.code(),
+            prefill_worker: &d.prefill.url,
+            decode_worker: &d.decode.url,
+            attempt: at.attempt,
+            committed: at.committed,
+            timings: AuditTimings {
+                since_request_ms: at.started.elapsed().as_millis() as u64,
+                since_dispatch_ms: at.dispatched.elapsed().as_millis() as u64,
+                barrier_ms: at.barrier.map(|b| b.as_millis() as u64),
+            },
+        };
+        if f.integrity.is_some() {
+            ev.event = AuditKind::IntegrityViolation;
+            self.audit.record(&ev);
+            ev.event = AuditKind::PairAborted;
+        }
+        self.audit.record(&ev);
+    }
+
+    /// One attempt: barrier, then streaming. `Err` means both halves must be aborted.
+    async fn attempt(
+        &self,
+        d: &Dispatch,
+        tx: &mpsc::Sender<PairEvent>,
+        started: TokioInstant,
+        guard: &super::PairGuard,
+        committed: &mut bool,
+        barrier: &mut Option<Duration>,
+    ) -> Result<(), Failure> {
+        let id = d.pair_id;
+        let t = &self.timeouts;
+        let dispatched = TokioInstant::now();
+        let total_at = started + t.total();
+        let prefill_at = dispatched + t.prefill();
+        let first_at = dispatched + t.first_token();
+        let expected = d.input_ids.len() as u64;
+
+        // Each half's span lives as long as that half does; the backends take the trace context
+        // for their upstream requests from the span current when they are created.
+        let prefill_span = tracing::info_span!("prefill", worker = %d.prefill.url);
+        let decode_span = tracing::info_span!("decode", worker = %d.decode.url);
+        let mut prefill = prefill_span.in_scope(|| self.backend.prefill(d));
+        let mut prefill_span = Some(prefill_span);
+        let mut decode = decode_span.in_scope(|| self.backend.decode(d));
+        let barrier_span = tracing::info_span!("commit_barrier");
+        let mut kv_transfer: Option<tracing::Span> = None;
+        let mut prefill_ok = false;
+        let mut prefill_digest = None;
+        let mut first: Option<DecodeChunk> = None;
+
+        // The commit barrier: no decode byte leaves before the prefill is verified and the decode's
+        // first chunk agrees with it.
+        while !prefill_ok || first.is_none() {
+            tokio::select! {
+                biased;
+                why = guard.cancelled() => return Err(Failure::cancelled(id, why)),
+                _ = tx.closed() => return Err(Failure::plain(LockstepError::Unavailable { message: "client went away".into() }, AbortReason::ClientGone)),
+                _ = sleep_until(total_at) => return Err(Failure::deadline(id, Phase::Total)),
+                _ = sleep_until(prefill_at), if !prefill_ok => return Err(Failure::deadline(id, Phase::Prefill)),
+                _ = sleep_until(first_at), if first.is_none() => return Err(Failure::deadline(id, Phase::FirstToken)),
+                r = &mut prefill, if !prefill_ok => {
+                    prefill_span = None;
+                    let report = r.map_err(|e| Failure::from_half(id, e))?;
+                    if report.prompt_tokens != expected {
+                        return Err(Failure::integrity(id, "prefill_prompt_count", format!(
+                            "prefill computed {} prompt tokens, lockstep sent {expected}", report.prompt_tokens)));
+                    }
+                    if let Some(n) = report.cached_tokens {
+                        self.metrics.worker_cached_tokens.with_label_values(&[&*self.model]).inc_by(n);
+                    }
+                    prefill_ok = true;
+                    prefill_digest = report.kv_digest;
+                    // Prefill done: from here until the decode's first chunk, the KV moves to the
+                    // decode worker and its first step runs.
+                    if first.is_none() {
+                        kv_transfer = Some(tracing::info_span!(parent: &barrier_span, "kv_transfer"));
+                    }
+                }
+                c = decode.next(), if first.is_none() => {
+                    let chunk = match c {
+                        Some(Ok(chunk)) => chunk,
+                        Some(Err(e)) => return Err(Failure::from_half(id, e)),
+                        None => return Err(Failure::from_half(id, HalfError { side: Side::Decode, failure: HalfFailure::Protocol("stream ended before any token".into()) })),
+                    };
+                    check_decode_count(id, &chunk, expected)?;
+                    first = Some(chunk);
+                    kv_transfer = None;
+                }
+            }
+        }
+        drop((kv_transfer, prefill_span, barrier_span));
+
+        // Verified KV: the digest the decode imported must be the one the prefill sent; neither
+        // side is trusted alone.
+        let decode_digest = first.as_ref().and_then(|c| c.kv_digest);
+        if prefill_digest != decode_digest {
+            return Err(Failure::integrity(
+                id,
+                "kv_digest_mismatch",
+                format!(
+                    "KV digest mismatch: prefill sent {}, decode imported {}",
+                    digest_text(prefill_digest),
+                    digest_text(decode_digest)
+                ),
+            ));
+        }
+        guard.set_state(PairState::Committed);
+        *committed = true;
+        let model = &*self.model;
+        let waited = dispatched.elapsed();
+        *barrier = Some(waited);
+        self.metrics
+            .barrier_wait_seconds
+            .with_label_values(&[model])
+            .observe(waited.as_secs_f64());
+        let ttft = self.metrics.ttft_seconds.with_label_values(&[model]);
+        let itl = self.metrics.itl_seconds.with_label_values(&[model]);
+        let mut last_sent: Option<TokioInstant> = None;
+        let gone = || {
+            Failure::plain(
+                LockstepError::Unavailable {
+                    message: "client went away".into(),
+                },
+                AbortReason::ClientGone,
+            )
+        };
+        if tx
+            .send(PairEvent::Committed {
+                pair_id: id,
+                prompt_tokens: expected,
+            })
+            .await
+            .is_err()
+        {
+            return Err(gone());
+        }
+        let Some(mut chunk) = first else {
+            return Err(Failure::plain(
+                LockstepError::Unavailable {
+                    message: "internal: barrier passed without a chunk".into(),
+                },
+                AbortReason::DecodeFailed,
+            ));
+        };
+        loop {
+            let finished = chunk.finish.is_some();
+            // A client that stops reading fills the channel (and the socket under it): the send
+            // then waits, bounded by `client_idle_ms`, and stays abortable.
+            tokio::select! {
+                biased;
+                why = guard.cancelled() => return Err(Failure::cancelled(id, why)),
+                sent = tx.send(PairEvent::Chunk(chunk)) => match sent {
+                    Ok(()) => {
+                        let now = TokioInstant::now();
+                        match last_sent {
+                            None => ttft.observe((now - started).as_secs_f64()),
+                            Some(t) => itl.observe((now - t).as_secs_f64()),
+                        }
+                        last_sent = Some(now);
+                    }
+                    Err(_) => return Err(gone()),
+                },
+                _ = sleep_until(total_at) => return Err(Failure::deadline(id, Phase::Total)),
+                _ = sleep(t.client_idle()) => return Err(Failure::deadline(id, Phase::ClientIdle)),
+            }
+            if finished {
+                return Ok(());
+            }
+            tokio::select! {
+                biased;
+                why = guard.cancelled() => return Err(Failure::cancelled(id, why)),
+                _ = tx.closed() => return Err(gone()),
+                _ = sleep_until(total_at) => return Err(Failure::deadline(id, Phase::Total)),
+                _ = sleep(t.idle()) => return Err(Failure::deadline(id, Phase::Idle)),
+                c = decode.next() => match c {
+                    Some(Ok(c)) => {
+                        check_decode_count(id, &c, expected)?;
+                        chunk = c;
+                    }
+                    Some(Err(e)) => return Err(Failure::from_half(id, e)),
+                    None => return Err(Failure::from_half(id, HalfError { side: Side::Decode, failure: HalfFailure::Protocol("stream ended without a finish reason".into()) })),
+                }
+            }
+        }
+    }
+}
+
+fn digest_text(d: Option<u64>) -> String {
+    d.map_or_else(|| "none".into(), |d| format!("{d:016x}"))
+}
+
+fn check_decode_count(id: PairId, chunk: &DecodeChunk, expected: u64) -> Result<(), Failure> {
+    match chunk.prompt_tokens {
+        Some(n) if n != expected => Err(Failure::integrity(
+            id,
+            "decode_prompt_count",
+            format!("decode read {n} prompt tokens, lockstep sent {expected}"),
+        )),
+        _ => Ok(()),
+    }
+}
+
+impl std::fmt::Debug for PairRuntime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PairRuntime")
+            .field("model", &self.model)
+            .finish_non_exhaustive()
+    }
+}

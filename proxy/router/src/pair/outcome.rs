@@ -1,0 +1,171 @@
+//! What a pair ends as: the events a front end receives, the abort reasons, the outcome counters,
+//! and a failed attempt with what the retry decision needs.
+
+use std::sync::atomic::AtomicU64;
+
+use super::{CancelReason, PairId};
+use crate::backend::{DecodeChunk, HalfError, HalfFailure, Side};
+use crate::error::{LockstepError, Phase};
+
+/// What the front end receives from a pair's task.
+#[derive(Debug)]
+pub enum PairEvent {
+    /// The barrier passed: the prefill is verified and the decode's first chunk agrees with it.
+    /// Nothing was sent to the client before this.
+    Committed {
+        /// The pair that answers.
+        pair_id: PairId,
+        /// The verified prompt token count.
+        prompt_tokens: u64,
+    },
+    /// Decode output; the chunk with `finish` set is the last.
+    Chunk(DecodeChunk),
+    /// The pair failed; both halves have been told to abort.
+    Failed(LockstepError),
+}
+
+/// Why a pair ended aborted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AbortReason {
+    /// The prefill half failed or was rejected.
+    PrefillFailed,
+    /// The decode half failed.
+    DecodeFailed,
+    /// The halves disagree about what was computed.
+    Integrity,
+    /// A deadline expired.
+    Deadline(Phase),
+    /// The client went away.
+    ClientGone,
+    /// No healthy worker (nothing was dispatched).
+    NoWorker,
+    /// lockstep is shutting down: uncommitted pairs at once, committed ones after the grace.
+    Shutdown,
+    /// An operator aborted the pair.
+    Operator,
+    /// The pair's own client aborted it (gRPC `Abort`); unlike [`AbortReason::ClientGone`] the
+    /// client is still there and gets the error.
+    ClientAbort,
+}
+
+impl AbortReason {
+    /// Stable name for logs and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AbortReason::PrefillFailed => "prefill_failed",
+            AbortReason::DecodeFailed => "decode_failed",
+            AbortReason::Integrity => "integrity",
+            AbortReason::Deadline(Phase::Total) => "deadline_total",
+            AbortReason::Deadline(Phase::Prefill) => "deadline_prefill",
+            AbortReason::Deadline(Phase::FirstToken) => "deadline_first_token",
+            AbortReason::Deadline(Phase::Idle) => "deadline_idle",
+            AbortReason::Deadline(Phase::ClientIdle) => "deadline_client_idle",
+            AbortReason::ClientGone => "client_gone",
+            AbortReason::NoWorker => "no_worker",
+            AbortReason::Shutdown => "shutdown",
+            AbortReason::Operator => "operator",
+            AbortReason::ClientAbort => "client_abort",
+        }
+    }
+}
+
+/// The one terminal state a request's pair task ends in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Every token reached the client and the pair finished normally.
+    Completed,
+    /// The pair was aborted on both halves.
+    Aborted(AbortReason),
+}
+
+/// Counters of pair outcomes.
+#[derive(Debug, Default)]
+pub struct PairStats {
+    /// Pairs dispatched (each retry is a new pair).
+    pub dispatched: AtomicU64,
+    /// Requests that completed.
+    pub completed: AtomicU64,
+    /// Requests that ended aborted.
+    pub aborted: AtomicU64,
+    /// Abort calls sent to workers.
+    pub abort_calls: AtomicU64,
+    /// Retries taken.
+    pub retries: AtomicU64,
+}
+
+/// A failed attempt, with what the retry decision needs.
+pub(super) struct Failure {
+    pub(super) error: LockstepError,
+    pub(super) reason: AbortReason,
+    pub(super) retry_safe: bool,
+    pub(super) failed_side: Option<Side>,
+    /// For integrity failures: which check failed (a metric label and audit field).
+    pub(super) integrity: Option<&'static str>,
+}
+
+impl Failure {
+    pub(super) fn from_half(pair_id: PairId, e: HalfError) -> Failure {
+        let retry_safe = e.retry_safe();
+        let message = e.to_string();
+        if matches!(e.failure, HalfFailure::Integrity(_)) {
+            return Failure {
+                failed_side: Some(e.side),
+                ..Failure::integrity(pair_id, "kv_transfer", message)
+            };
+        }
+        let (error, reason) = match e.side {
+            Side::Prefill => (
+                LockstepError::PrefillRejected { pair_id, message },
+                AbortReason::PrefillFailed,
+            ),
+            Side::Decode => (
+                LockstepError::DecodeFailed { pair_id, message },
+                AbortReason::DecodeFailed,
+            ),
+        };
+        Failure {
+            error,
+            reason,
+            retry_safe,
+            failed_side: Some(e.side),
+            integrity: None,
+        }
+    }
+    pub(super) fn plain(error: LockstepError, reason: AbortReason) -> Failure {
+        Failure {
+            error,
+            reason,
+            retry_safe: false,
+            failed_side: None,
+            integrity: None,
+        }
+    }
+    pub(super) fn deadline(pair_id: PairId, phase: Phase) -> Failure {
+        Failure::plain(
+            LockstepError::Timeout { pair_id, phase },
+            AbortReason::Deadline(phase),
+        )
+    }
+    pub(super) fn cancelled(pair_id: PairId, why: CancelReason) -> Failure {
+        let (message, reason) = match why {
+            CancelReason::Shutdown => ("lockstep is shutting down", AbortReason::Shutdown),
+            CancelReason::Operator => ("aborted by an operator", AbortReason::Operator),
+            CancelReason::Client => ("aborted by its client", AbortReason::ClientAbort),
+        };
+        Failure::plain(
+            LockstepError::Unavailable {
+                message: format!("pair {pair_id} {message}"),
+            },
+            reason,
+        )
+    }
+    pub(super) fn integrity(pair_id: PairId, kind: &'static str, message: String) -> Failure {
+        Failure {
+            integrity: Some(kind),
+            ..Failure::plain(
+                LockstepError::IntegrityViolation { pair_id, message },
+                AbortReason::Integrity,
+            )
+        }
+    }
+}

@@ -1,0 +1,528 @@
+//! Worker pools: selection policies, RAII load guards and background health checks.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use rand::Rng;
+
+mod health;
+mod prefix;
+
+pub use health::health_loop;
+#[cfg(test)]
+use prefix::Blocks;
+use prefix::PrefixIndex;
+
+use crate::config::{HealthConfig, PolicyKind, PoolConfig, WorkerConfig};
+
+/// What the prefix-aware policy routes on: the prompt's token ids and its tenant's salt.
+#[derive(Debug, Clone, Copy)]
+pub struct RouteKey<'a> {
+    /// The prompt.
+    pub tokens: &'a [u32],
+    /// The tenant's prefix-cache salt ([`crate::tenant::cache_salt`]).
+    pub salt: u64,
+}
+
+/// One upstream worker and its live state.
+#[derive(Debug)]
+pub struct Worker {
+    /// Base URL without a trailing slash.
+    pub url: String,
+    /// Host part of the URL.
+    pub host: String,
+    /// SGLang bootstrap port (prefill workers).
+    pub bootstrap_port: Option<u16>,
+    /// Host the decode reaches this prefill's bootstrap server at.
+    pub bootstrap_host: String,
+    in_flight: AtomicUsize,
+    healthy: AtomicBool,
+    draining: AtomicBool,
+    fails: AtomicU32,
+    oks: AtomicU32,
+}
+
+impl Worker {
+    /// A worker from its configuration; healthy until checks say otherwise.
+    pub fn new(cfg: &WorkerConfig) -> Worker {
+        let url = cfg.url.trim_end_matches('/').to_string();
+        let host = url
+            .parse::<http::Uri>()
+            .ok()
+            .and_then(|u| u.host().map(str::to_string))
+            .unwrap_or_default();
+        Worker {
+            bootstrap_host: cfg.bootstrap_host.clone().unwrap_or_else(|| host.clone()),
+            host,
+            url,
+            bootstrap_port: cfg.bootstrap_port,
+            in_flight: AtomicUsize::new(0),
+            healthy: AtomicBool::new(true),
+            draining: AtomicBool::new(false),
+            fails: AtomicU32::new(0),
+            oks: AtomicU32::new(0),
+        }
+    }
+
+    /// Pairs currently using this worker.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Acquire)
+    }
+
+    /// Whether the worker passes its health checks.
+    pub fn is_healthy(&self) -> bool {
+        self.healthy.load(Ordering::Acquire)
+    }
+
+    /// Whether an operator is draining it (no new pairs; running ones finish).
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Acquire)
+    }
+
+    /// Starts or ends a drain.
+    pub fn set_draining(&self, on: bool) {
+        self.draining.store(on, Ordering::Release);
+    }
+
+    /// Whether the worker gets new pairs: healthy and not draining.
+    pub fn accepts_pairs(&self) -> bool {
+        self.is_healthy() && !self.is_draining()
+    }
+
+    /// Records one health-check result, applying the consecutive thresholds.
+    pub fn record_health(&self, ok: bool, cfg: &HealthConfig) {
+        if ok {
+            self.fails.store(0, Ordering::Release);
+            let n = self.oks.fetch_add(1, Ordering::AcqRel) + 1;
+            if n >= cfg.success_threshold && !self.is_healthy() {
+                tracing::info!(worker = %self.url, "worker healthy again");
+                self.healthy.store(true, Ordering::Release);
+            }
+        } else {
+            self.oks.store(0, Ordering::Release);
+            let n = self.fails.fetch_add(1, Ordering::AcqRel) + 1;
+            if n >= cfg.failure_threshold && self.is_healthy() {
+                tracing::warn!(worker = %self.url, failures = n, "worker marked unhealthy");
+                self.healthy.store(false, Ordering::Release);
+            }
+        }
+    }
+}
+
+/// Counts a pair against a worker while alive; dropping it gives the slot back.
+#[derive(Debug)]
+pub struct LoadGuard(Arc<Worker>);
+
+impl LoadGuard {
+    /// Takes a slot on `worker`.
+    pub fn new(worker: Arc<Worker>) -> LoadGuard {
+        worker.in_flight.fetch_add(1, Ordering::AcqRel);
+        LoadGuard(worker)
+    }
+    /// The worker this guard counts against.
+    pub fn worker(&self) -> &Arc<Worker> {
+        &self.0
+    }
+}
+
+impl LoadGuard {
+    /// Takes a slot only while the worker has fewer than `max` pairs (0: no limit); atomic, so
+    /// concurrent picks never exceed it.
+    pub fn try_new(worker: Arc<Worker>, max: usize) -> Option<LoadGuard> {
+        if max == 0 {
+            return Some(LoadGuard::new(worker));
+        }
+        worker
+            .in_flight
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| LoadGuard(worker))
+    }
+}
+
+impl Drop for LoadGuard {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// The workers of one side of a model, with their selection policy.
+#[derive(Debug)]
+pub struct WorkerPool {
+    workers: Vec<Arc<Worker>>,
+    policy: PolicyKind,
+    max_pairs: usize,
+    next: AtomicUsize,
+    prefix: PrefixIndex,
+}
+
+impl WorkerPool {
+    /// A pool from configuration.
+    pub fn new(cfg: &PoolConfig) -> WorkerPool {
+        WorkerPool {
+            workers: cfg
+                .workers
+                .iter()
+                .map(|w| Arc::new(Worker::new(w)))
+                .collect(),
+            policy: cfg.policy,
+            max_pairs: cfg.max_pairs_per_worker,
+            next: AtomicUsize::new(0),
+            prefix: PrefixIndex {
+                cfg: cfg.prefix,
+                workers: cfg.workers.iter().map(|_| Mutex::default()).collect(),
+                ..PrefixIndex::default()
+            },
+        }
+    }
+
+    /// Prompt tokens routed by the prefix-aware policy, and how many of them it predicted the
+    /// chosen worker holds (the predicted hit rate is their ratio).
+    pub fn prefix_prediction(&self) -> (u64, u64) {
+        (
+            self.prefix.routed_tokens.load(Ordering::Relaxed),
+            self.prefix.predicted_hit_tokens.load(Ordering::Relaxed),
+        )
+    }
+
+    /// The prefix-aware choice among `candidates` (two or more): the worker predicted to hold the
+    /// longest prefix of the prompt (ties: the less loaded), unless load is out of balance or no
+    /// worker holds enough of it; then the least-loaded (ties: the one predicted to hold least).
+    /// Records the prompt's blocks as now held by the chosen worker.
+    fn pick_prefix<'w>(&self, candidates: &[&'w Arc<Worker>], key: &RouteKey) -> &'w Arc<Worker> {
+        let cfg = &self.prefix.cfg;
+        let hashes = lockstep_engine::pool::block_hashes(key.tokens, cfg.block_tokens, key.salt);
+        let index_of = |w: &Arc<Worker>| self.workers.iter().position(|x| Arc::ptr_eq(x, w));
+        let blocks = |w: &Arc<Worker>| index_of(w).and_then(|i| self.prefix.workers.get(i));
+        let stats: Vec<(usize, usize, usize)> = candidates
+            .iter()
+            .map(|w| {
+                let (matched, size) = blocks(w)
+                    .and_then(|b| b.lock().ok().map(|b| (b.matched(&hashes), b.by_hash.len())))
+                    .unwrap_or((0, 0));
+                (w.in_flight(), matched, size)
+            })
+            .collect();
+        let (min_load, max_load) = stats
+            .iter()
+            .fold((usize::MAX, 0), |(lo, hi), s| (lo.min(s.0), hi.max(s.0)));
+        let imbalanced = max_load - min_load > cfg.balance_abs_threshold
+            && max_load as f64 > cfg.balance_rel_threshold * min_load as f64;
+        let best = (0..stats.len())
+            .max_by_key(|&i| (stats[i].1, std::cmp::Reverse(stats[i].0)))
+            .unwrap_or(0);
+        let by_cache = !imbalanced
+            && !hashes.is_empty()
+            && stats[best].1 as f64 >= cfg.cache_threshold * hashes.len() as f64;
+        let chosen = if by_cache {
+            best
+        } else {
+            (0..stats.len())
+                .min_by_key(|&i| (stats[i].0, stats[i].2))
+                .unwrap_or(0)
+        };
+        let w = candidates[chosen];
+        if let Some(b) = blocks(w)
+            && let Ok(mut b) = b.lock()
+        {
+            b.insert(&hashes, &self.prefix.tick, cfg.capacity_blocks);
+        }
+        let block = cfg.block_tokens as u64;
+        self.prefix
+            .routed_tokens
+            .fetch_add(key.tokens.len() as u64, Ordering::Relaxed);
+        self.prefix
+            .predicted_hit_tokens
+            .fetch_add(stats[chosen].1 as u64 * block, Ordering::Relaxed);
+        w
+    }
+
+    /// All workers.
+    pub fn workers(&self) -> &[Arc<Worker>] {
+        &self.workers
+    }
+
+    /// Whether at least one worker takes new pairs (healthy, not draining).
+    pub fn any_healthy(&self) -> bool {
+        self.workers.iter().any(|w| w.accepts_pairs())
+    }
+
+    /// Whether workers would take pairs but every one is at `max_pairs_per_worker`.
+    pub fn all_busy(&self) -> bool {
+        self.max_pairs > 0
+            && self.workers.iter().any(|w| w.accepts_pairs())
+            && self
+                .workers
+                .iter()
+                .filter(|w| w.accepts_pairs())
+                .all(|w| w.in_flight() >= self.max_pairs)
+    }
+
+    /// Picks a healthy worker with a free slot (avoiding `avoid` when another one exists) and
+    /// takes the slot. `key` is what the prefix-aware policy routes on (other policies ignore it).
+    pub fn pick(&self, avoid: Option<&Arc<Worker>>, key: Option<&RouteKey>) -> Option<LoadGuard> {
+        let max = self.max_pairs;
+        let open = |w: &Arc<Worker>| w.accepts_pairs() && (max == 0 || w.in_flight() < max);
+        // Fast path: one worker, no allocation.
+        if let [only] = self.workers.as_slice() {
+            return if only.accepts_pairs() {
+                LoadGuard::try_new(only.clone(), max)
+            } else {
+                None
+            };
+        }
+        let healthy: Vec<&Arc<Worker>> = self.workers.iter().filter(|w| open(w)).collect();
+        let candidates: Vec<&Arc<Worker>> = match avoid {
+            Some(a) if healthy.len() > 1 => healthy
+                .iter()
+                .copied()
+                .filter(|w| !Arc::ptr_eq(w, a))
+                .collect(),
+            _ => healthy,
+        };
+        let chosen = match candidates.len() {
+            0 => return None,
+            1 => candidates[0],
+            n => match self.policy {
+                PolicyKind::RoundRobin => candidates[self.next.fetch_add(1, Ordering::Relaxed) % n],
+                PolicyKind::LeastLoad => {
+                    let mut rng = rand::rng();
+                    let a = rng.random_range(0..n);
+                    let mut b = rng.random_range(0..n - 1);
+                    if b >= a {
+                        b += 1;
+                    }
+                    let (wa, wb) = (candidates[a], candidates[b]);
+                    if wb.in_flight() < wa.in_flight() {
+                        wb
+                    } else {
+                        wa
+                    }
+                }
+                PolicyKind::PrefixAware => match key {
+                    Some(k) => self.pick_prefix(&candidates, k),
+                    None => candidates[self.next.fetch_add(1, Ordering::Relaxed) % n],
+                },
+            },
+        };
+        LoadGuard::try_new(chosen.clone(), max)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicU64;
+
+    #[test]
+    fn a_pair_limit_per_worker_is_never_exceeded() {
+        let p = WorkerPool::new(&PoolConfig {
+            max_pairs_per_worker: 2,
+            ..PoolConfig {
+                policy: PolicyKind::LeastLoad,
+                workers: (0..2)
+                    .map(|i| WorkerConfig {
+                        url: format!("http://127.0.0.1:{}", 2000 + i),
+                        bootstrap_port: None,
+                        bootstrap_host: None,
+                    })
+                    .collect(),
+                max_pairs_per_worker: 0,
+                prefix: Default::default(),
+            }
+        });
+        let held: Vec<LoadGuard> = (0..4)
+            .map(|_| p.pick(None, None).expect("a slot"))
+            .collect();
+        assert!(p.workers().iter().all(|w| w.in_flight() == 2));
+        assert!(p.pick(None, None).is_none() && p.all_busy());
+        drop(held);
+        assert!(!p.all_busy() && p.pick(None, None).is_some());
+        // Concurrent takers never exceed the limit.
+        let w = p.workers()[0].clone();
+        let got: Vec<Option<LoadGuard>> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..16)
+                .map(|_| s.spawn(|| LoadGuard::try_new(w.clone(), 3)))
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("thread")).collect()
+        });
+        assert_eq!(got.iter().filter(|g| g.is_some()).count(), 3);
+    }
+
+    fn pool(n: usize, policy: PolicyKind) -> WorkerPool {
+        WorkerPool::new(&PoolConfig {
+            policy,
+            workers: (0..n)
+                .map(|i| WorkerConfig {
+                    url: format!("http://127.0.0.1:{}", 1000 + i),
+                    bootstrap_port: None,
+                    bootstrap_host: None,
+                })
+                .collect(),
+            max_pairs_per_worker: 0,
+            prefix: Default::default(),
+        })
+    }
+
+    #[test]
+    fn round_robin_cycles_and_guards_count() {
+        let p = pool(3, PolicyKind::RoundRobin);
+        let g: Vec<_> = (0..6)
+            .map(|_| p.pick(None, None).expect("worker"))
+            .collect();
+        let urls: Vec<_> = g.iter().map(|g| g.worker().url.clone()).collect();
+        assert_eq!(urls[0..3], urls[3..6]);
+        assert_ne!(urls[0], urls[1]);
+        assert!(p.workers().iter().all(|w| w.in_flight() == 2));
+        drop(g);
+        assert!(p.workers().iter().all(|w| w.in_flight() == 0));
+    }
+
+    #[test]
+    fn least_load_prefers_idle_worker() {
+        let p = pool(2, PolicyKind::LeastLoad);
+        let busy: Vec<_> = (0..5)
+            .map(|_| LoadGuard::new(p.workers()[0].clone()))
+            .collect();
+        for _ in 0..20 {
+            let g = p.pick(None, None).expect("worker");
+            assert_eq!(g.worker().url, p.workers()[1].url);
+        }
+        drop(busy);
+    }
+
+    #[test]
+    fn unhealthy_after_threshold_and_back() {
+        let p = pool(2, PolicyKind::RoundRobin);
+        let cfg = HealthConfig {
+            interval_ms: 1,
+            timeout_ms: 1,
+            failure_threshold: 2,
+            success_threshold: 2,
+        };
+        let w = &p.workers()[0];
+        w.record_health(false, &cfg);
+        assert!(w.is_healthy());
+        w.record_health(false, &cfg);
+        assert!(!w.is_healthy());
+        for _ in 0..10 {
+            assert_eq!(
+                p.pick(None, None).expect("worker").worker().url,
+                p.workers()[1].url
+            );
+        }
+        w.record_health(true, &cfg);
+        assert!(!w.is_healthy());
+        w.record_health(true, &cfg);
+        assert!(w.is_healthy());
+        p.workers()[1].record_health(false, &cfg);
+        p.workers()[1].record_health(false, &cfg);
+        w.record_health(false, &cfg);
+        w.record_health(false, &cfg);
+        assert!(p.pick(None, None).is_none());
+    }
+
+    #[test]
+    fn avoid_skips_failed_worker_when_possible() {
+        let p = pool(2, PolicyKind::RoundRobin);
+        let bad = p.workers()[0].clone();
+        for _ in 0..6 {
+            assert_eq!(
+                p.pick(Some(&bad), None).expect("worker").worker().url,
+                p.workers()[1].url
+            );
+        }
+        let one = pool(1, PolicyKind::RoundRobin);
+        let only = one.workers()[0].clone();
+        assert!(one.pick(Some(&only), None).is_some());
+    }
+
+    fn prompt(seed: u32, len: usize) -> Vec<u32> {
+        (0..len as u32).map(|i| seed * 1000 + i).collect()
+    }
+
+    fn url_of(p: &WorkerPool, tokens: &[u32], salt: u64) -> String {
+        let key = RouteKey { tokens, salt };
+        p.pick(None, Some(&key))
+            .expect("worker")
+            .worker()
+            .url
+            .clone()
+    }
+
+    #[test]
+    fn prefix_policy_keeps_a_tenants_prefix_on_one_worker() {
+        let p = pool(3, PolicyKind::PrefixAware);
+        let shared = prompt(1, 64);
+        let home = url_of(&p, &shared, 7);
+        // The same prefix with different endings, again and again: the same worker.
+        for i in 0..10u32 {
+            let mut t = shared.clone();
+            t.extend([90_000 + i, 90_100 + i, 90_200 + i]);
+            assert_eq!(url_of(&p, &t, 7), home, "request {i}");
+        }
+        let (routed, hit) = p.prefix_prediction();
+        assert_eq!(routed, 64 + 10 * 67);
+        assert_eq!(hit, 10 * 64, "every repeat predicted a 4-block hit");
+        // Unrelated prompts spread over the workers (least loaded, then least cached).
+        let spread: std::collections::HashSet<String> =
+            (2..8).map(|s| url_of(&p, &prompt(s, 64), 7)).collect();
+        assert_eq!(spread.len(), 3, "{spread:?}");
+    }
+
+    #[test]
+    fn prefix_policy_never_counts_another_tenants_prefix_as_a_hit() {
+        let p = pool(2, PolicyKind::PrefixAware);
+        let shared = prompt(1, 64);
+        let _ = url_of(&p, &shared, 7);
+        let (_, before) = p.prefix_prediction();
+        // Tenant 8 sends the identical prompt: no hit is predicted anywhere.
+        let _ = url_of(&p, &shared, 8);
+        assert_eq!(
+            p.prefix_prediction().1,
+            before,
+            "another tenant's blocks are not a hit"
+        );
+        // Tenant 8's own repeat is.
+        let _ = url_of(&p, &shared, 8);
+        assert_eq!(p.prefix_prediction().1, before + 64);
+    }
+
+    #[test]
+    fn prefix_policy_yields_to_load_when_out_of_balance() {
+        let p = pool(2, PolicyKind::PrefixAware);
+        let shared = prompt(1, 64);
+        let key = RouteKey {
+            tokens: &shared,
+            salt: 7,
+        };
+        let first = p.pick(None, Some(&key)).expect("worker");
+        let home = first.worker().url.clone();
+        // Pile load on the home worker: past the thresholds (more than 4 over, and 1.5x), the
+        // same prefix goes to the idle worker.
+        let mut held = vec![first];
+        while held.len() < 5 {
+            let g = p.pick(None, Some(&key)).expect("worker");
+            assert_eq!(g.worker().url, home, "balanced enough: stays on its prefix");
+            held.push(g);
+        }
+        let g = p.pick(None, Some(&key)).expect("worker");
+        assert_ne!(g.worker().url, home, "out of balance: the idle worker");
+    }
+
+    #[test]
+    fn prefix_index_forgets_the_least_recently_routed_blocks_first() {
+        let tick = AtomicU64::new(0);
+        let mut b = Blocks::default();
+        b.insert(&[1, 2, 3], &tick, 4);
+        b.insert(&[4, 5], &tick, 4);
+        assert_eq!(b.by_hash.len(), 4);
+        assert_eq!(b.matched(&[1, 2, 3]), 0, "block 1 was the oldest");
+        assert_eq!(b.matched(&[2, 3, 4]), 3);
+        b.insert(&[2], &tick, 4); // touched: now the newest
+        b.insert(&[6], &tick, 4);
+        assert!(b.by_hash.contains_key(&2) && !b.by_hash.contains_key(&3));
+    }
+}

@@ -1,0 +1,56 @@
+//! The prefix-aware policy's memory: per worker, the chained hashes of the token blocks routed
+//! there (least recently routed forgotten first).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::config::PrefixRouting;
+
+/// The blocks one worker is predicted to hold: block hash → when it was last routed there,
+/// and the reverse, for forgetting the least recently routed first.
+/// One worker's remembered blocks: hash -> routing tick, and tick -> hash for eviction.
+#[derive(Debug, Default)]
+pub(super) struct Blocks {
+    pub(super) by_hash: HashMap<u64, u64>,
+    by_age: BTreeMap<u64, u64>,
+}
+
+impl Blocks {
+    /// Leading blocks of `hashes` present.
+    pub(super) fn matched(&self, hashes: &[u64]) -> usize {
+        hashes
+            .iter()
+            .take_while(|h| self.by_hash.contains_key(h))
+            .count()
+    }
+    pub(super) fn insert(&mut self, hashes: &[u64], tick: &AtomicU64, capacity: usize) {
+        for h in hashes {
+            let t = tick.fetch_add(1, Ordering::Relaxed);
+            if let Some(old) = self.by_hash.insert(*h, t) {
+                self.by_age.remove(&old);
+            }
+            self.by_age.insert(t, *h);
+        }
+        while self.by_hash.len() > capacity.max(1) {
+            match self.by_age.pop_first() {
+                Some((_, h)) => {
+                    self.by_hash.remove(&h);
+                }
+                None => break,
+            }
+        }
+    }
+}
+
+/// The prefix-aware policy's view of the workers' caches (approximate: what was routed where).
+/// Every worker's blocks, and the predicted-hit counters.
+#[derive(Debug, Default)]
+pub(super) struct PrefixIndex {
+    pub(super) cfg: PrefixRouting,
+    pub(super) workers: Vec<Mutex<Blocks>>,
+    pub(super) tick: AtomicU64,
+    /// Prompt tokens routed with a key, and how many of them were predicted cached.
+    pub(super) routed_tokens: AtomicU64,
+    pub(super) predicted_hit_tokens: AtomicU64,
+}

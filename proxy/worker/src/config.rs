@@ -1,0 +1,126 @@
+//! A worker's configuration file: `[worker]` (the process) and `[engine]` (the same keys as a
+//! router model's `[models.engine]`), loaded and validated by the shared TOML loader.
+
+use std::net::SocketAddr;
+use std::path::Path;
+
+use lockstep_serve::engine_section::EngineSection;
+use lockstep_serve::toml_file::{self, ConfigError, ConfigFile, Problem, Problems, Section};
+use serde::Deserialize;
+
+/// What a worker does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Role {
+    /// Computes prompts' KV and pushes it to decode workers.
+    Prefill,
+    /// Imports pushed KV and generates.
+    Decode,
+    /// Both (one engine, one pool).
+    Unified,
+}
+
+impl Role {
+    /// `prefill`, `decode` or `unified`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+            Role::Unified => "unified",
+        }
+    }
+}
+
+/// A worker's configuration file.
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerFile {
+    /// The worker process.
+    #[serde(default)]
+    pub worker: WorkerSection,
+    /// The engine (the same keys as a model's `[models.engine]`; `mode` is ignored: the role
+    /// decides).
+    #[serde(default)]
+    pub engine: EngineSection,
+}
+
+/// `[worker]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WorkerSection {
+    /// The worker service's listener (gRPC over h2c, plus `GET /health`). Bind it privately.
+    pub listen: SocketAddr,
+    /// How long pushed KV waits for its decode call, and a decode call for its KV, in ms.
+    pub lease_ms: u64,
+    /// Bound on connecting to a peer worker, in ms.
+    pub connect_timeout_ms: u64,
+    /// Log filter.
+    pub log_level: String,
+    /// How this worker pushes KV to decode workers: `tcp` (the decode worker's KV data listener,
+    /// raw framed pages: no protobuf copies) or `grpc` (`PushKv`). `tcp` falls back to `grpc`
+    /// when the decode worker has no data listener.
+    pub kv_transport: KvTransport,
+    /// The KV data listener of a decode or unified worker (`host:0`: any free port on that
+    /// host). Absent: the `listen` address's host, any free port. Bind it privately.
+    pub kv_listen: Option<SocketAddr>,
+}
+
+/// How KV pages travel from a prefill worker to a decode worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KvTransport {
+    /// Raw framed bytes on a pooled TCP connection to the decode worker's data listener.
+    Tcp,
+    /// The `PushKv` client stream of the worker service.
+    Grpc,
+}
+
+impl Default for WorkerSection {
+    fn default() -> Self {
+        WorkerSection {
+            listen: SocketAddr::from(([127, 0, 0, 1], 9100)),
+            lease_ms: 30_000,
+            connect_timeout_ms: 2_000,
+            log_level: "info".into(),
+            kv_transport: KvTransport::Tcp,
+            kv_listen: None,
+        }
+    }
+}
+
+impl ConfigFile for WorkerFile {
+    fn resolve_paths(&mut self, base: &Path) {
+        self.engine.resolve_paths(base);
+    }
+
+    fn problems(&self) -> Vec<Problem> {
+        let mut out = Problems::default();
+        self.worker.validate("worker", &mut out);
+        self.engine.validate("engine", &mut out);
+        out.into_vec()
+    }
+}
+
+impl WorkerFile {
+    /// Reads and validates a worker configuration; relative paths are relative to the file.
+    pub fn load(path: &Path) -> Result<WorkerFile, ConfigError> {
+        toml_file::load(path)
+    }
+
+    /// The defaults (the default model, listening on 127.0.0.1:9100), paths relative to `base`.
+    pub fn defaults(base: &Path) -> WorkerFile {
+        let mut f = WorkerFile::default();
+        f.resolve_paths(base);
+        f
+    }
+}
+
+impl Section for WorkerSection {
+    fn validate(&self, at: &str, out: &mut Problems) {
+        if self.lease_ms == 0 {
+            out.push(format!("{at}.lease_ms"), "must be greater than 0");
+        }
+        if self.connect_timeout_ms == 0 {
+            out.push(format!("{at}.connect_timeout_ms"), "must be greater than 0");
+        }
+    }
+}

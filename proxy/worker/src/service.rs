@@ -1,0 +1,374 @@
+//! The worker service (`lockstep.v1.Worker`) over one engine: `Prefill` computes a pair's KV and
+//! pushes it to the decode worker the router named; `Decode` claims the pair's pushed set from
+//! its room, lets the engine verify and import it, and streams tokens; `Abort` drops a pair's
+//! room and engine request; `PushKv` receives a set through gRPC; `Capacity` and `Health` answer
+//! the router.
+
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures_util::{Stream, StreamExt};
+use lockstep_engine::engine::{Engine, Generate, ModelBundle};
+use lockstep_engine::pd::{Fault, FaultPlan};
+use lockstep_engine::transfer::{KvTransfer, ModelFingerprint, PageData};
+use lockstep_proto::v1 as pb;
+use lockstep_proto::v1::worker_server::Worker;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::config::{Role, WorkerFile};
+use crate::pb::{decode_event, engine_status, manifest_from_pb, sampling_from_pb};
+use crate::push::KvPusher;
+use crate::rooms::Rooms;
+
+/// The worker service over one engine.
+pub struct WorkerService {
+    role: Role,
+    engine: Engine,
+    fingerprint: ModelFingerprint,
+    page_size: u32,
+    rooms: Arc<Rooms>,
+    pusher: KvPusher,
+    faults: Option<FaultPlan>,
+    pairs: AtomicU64,
+    swap_stash: Mutex<Option<PageData>>,
+    serving: Arc<AtomicBool>,
+    /// The KV data listener's port (0: none).
+    data_port: AtomicU32,
+}
+
+impl std::fmt::Debug for WorkerService {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerService")
+            .field("role", &self.role)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Aborts an engine request when dropped before [`AbortOnDrop::disarm`]: a call whose caller went
+/// away frees its pages at once.
+struct AbortOnDrop<'a> {
+    engine: &'a Engine,
+    id: u64,
+    armed: bool,
+}
+
+impl AbortOnDrop<'_> {
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for AbortOnDrop<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.engine.abort(self.id);
+        }
+    }
+}
+
+impl WorkerService {
+    /// Loads the model and starts the engine for `role`.
+    pub fn start(role: Role, file: &WorkerFile) -> Result<WorkerService, String> {
+        let e = &file.engine;
+        let path = lockstep_serve::model_file::ensure_model(e.model_file())?;
+        let device = e.device().map_err(|err| format!("engine.{err}"))?;
+        let bundle = Arc::new(ModelBundle::open_on(&path, device).map_err(|e| e.to_string())?);
+        tracing::info!(role = role.as_str(), device = %bundle.device(), file = %path.display(), "worker engine device");
+        let fingerprint = bundle.fingerprint;
+        let engine =
+            Engine::start(role.as_str(), bundle, e.engine_config()).map_err(|e| e.to_string())?;
+        let faults = e.fault_plan();
+        if faults.is_some() {
+            tracing::warn!(fault = ?e.fault, "KV push FAULT INJECTION is on: unsafe, for tests only");
+        }
+        Ok(WorkerService {
+            role,
+            engine,
+            fingerprint,
+            page_size: e.page_size as u32,
+            rooms: Arc::new(Rooms::new(Duration::from_millis(file.worker.lease_ms))),
+            pusher: KvPusher::new(
+                file.worker.kv_transport,
+                Duration::from_millis(file.worker.connect_timeout_ms),
+            ),
+            faults,
+            pairs: AtomicU64::new(0),
+            swap_stash: Mutex::new(None),
+            serving: Arc::new(AtomicBool::new(true)),
+            data_port: AtomicU32::new(0),
+        })
+    }
+
+    /// The engine's live counters.
+    pub fn engine_stats(&self) -> &lockstep_engine::engine::EngineStats {
+        self.engine.stats()
+    }
+
+    /// Stops taking new pairs (Health says not serving, new calls get UNAVAILABLE).
+    pub fn set_serving(&self, serving: bool) {
+        self.serving.store(serving, Ordering::Release);
+    }
+
+    fn admit(&self, allowed: &[Role], what: &str) -> Result<(), Status> {
+        if !allowed.contains(&self.role) {
+            return Err(Status::failed_precondition(format!(
+                "this is a {} worker: it does not serve {what}",
+                self.role.as_str()
+            )));
+        }
+        if !self.serving.load(Ordering::Acquire) {
+            return Err(Status::unavailable("worker is draining"));
+        }
+        Ok(())
+    }
+
+    /// Whether it takes new pairs.
+    pub fn is_serving(&self) -> bool {
+        self.serving.load(Ordering::Acquire)
+    }
+
+    /// The rooms (for the data listener).
+    pub(crate) fn rooms(&self) -> &Arc<Rooms> {
+        &self.rooms
+    }
+
+    /// The serving flag (for the data listener).
+    pub(crate) fn serving_flag(&self) -> &Arc<AtomicBool> {
+        &self.serving
+    }
+
+    /// Pages in this worker's pool.
+    pub fn total_pages(&self) -> usize {
+        self.engine.stats().total_pages.load(Ordering::Relaxed)
+    }
+
+    /// Records the KV data listener's port (reported by `Capacity`).
+    pub(crate) fn set_data_port(&self, port: u16) {
+        self.data_port.store(u32::from(port), Ordering::Relaxed);
+    }
+
+    /// Drops rooms older than the lease (their pushed KV, or the wait for it).
+    pub fn sweep(&self) -> usize {
+        self.rooms.sweep()
+    }
+
+    /// Pushes a set to the decode worker at `endpoint` the way a prefill does (benchmarks).
+    pub async fn push_set(&self, endpoint: &str, t: KvTransfer) -> Result<(), String> {
+        let peer = self
+            .pusher
+            .peer(endpoint)
+            .map_err(|s| s.message().to_string())?;
+        self.pusher.push(peer, endpoint, t).await
+    }
+
+    fn injected_fault(&self) -> Option<Fault> {
+        self.faults
+            .filter(|f| {
+                self.pairs
+                    .fetch_add(1, Ordering::Relaxed)
+                    .is_multiple_of(f.every.max(1))
+            })
+            .map(|f| f.fault)
+    }
+}
+
+type EventStream = Pin<Box<dyn Stream<Item = Result<pb::DecodeEvent, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Worker for WorkerService {
+    async fn prefill(
+        &self,
+        req: Request<pb::PrefillRequest>,
+    ) -> Result<Response<pb::PrefillResponse>, Status> {
+        self.admit(&[Role::Prefill, Role::Unified], "prefill")?;
+        let r = req.into_inner();
+        if r.input_ids.is_empty() {
+            return Err(Status::invalid_argument("empty prompt"));
+        }
+        let peer = self.pusher.peer(&r.decode_endpoint)?;
+        let n = r.input_ids.len();
+        let head: Arc<[u32]> = r.input_ids[..n - 1].into();
+        let (tx, rx) = tokio::sync::oneshot::channel::<KvTransfer>();
+        let report = self.engine.prefill(
+            r.pair_id,
+            head,
+            r.cache_salt,
+            Box::new(move |t| {
+                let _ = tx.send(t);
+            }),
+        );
+        let guard = AbortOnDrop {
+            engine: &self.engine,
+            id: r.pair_id,
+            armed: true,
+        };
+        let kv = report
+            .await
+            .map_err(|_| Status::aborted("engine stopped"))?
+            .map_err(engine_status)?;
+        guard.disarm();
+        let mut t = rx
+            .await
+            .map_err(|_| Status::internal("the engine reported a prefill but sent no KV"))?;
+        let fault = self.injected_fault();
+        if let Some(f) = fault {
+            f.apply(&mut t, &self.swap_stash);
+        }
+        let pushed = tokio::time::timeout(
+            self.rooms.lease(),
+            self.pusher.push(peer, &r.decode_endpoint, t),
+        )
+        .await
+        .unwrap_or_else(|_| Err("timed out (lease)".into()));
+        if let Err(e) = pushed {
+            return Err(Status::unavailable(format!(
+                "KV push to {} failed: {e}",
+                r.decode_endpoint
+            )));
+        }
+        if fault == Some(Fault::RejectWithDecoy) {
+            return Err(Status::invalid_argument(
+                "prefill rejected the request (injected fault; its KV went on)",
+            ));
+        }
+        Ok(Response::new(pb::PrefillResponse {
+            prompt_tokens: n as u64,
+            kv_tokens: kv.tokens,
+            kv_digest: kv.digest,
+            cached_tokens: kv.cached,
+        }))
+    }
+
+    type DecodeStream = EventStream;
+
+    async fn decode(
+        &self,
+        req: Request<pb::DecodeRequest>,
+    ) -> Result<Response<EventStream>, Status> {
+        self.admit(&[Role::Decode, Role::Unified], "decode")?;
+        let r = req.into_inner();
+        if r.input_ids.is_empty() {
+            return Err(Status::invalid_argument("empty prompt"));
+        }
+        let kv = if r.expect_kv {
+            let room = self.rooms.room(r.pair_id);
+            let got = tokio::time::timeout(self.rooms.lease(), room.take()).await;
+            self.rooms.remove(r.pair_id);
+            match got {
+                Ok(Some(t)) => Some(t),
+                Ok(None) => return Err(Status::aborted("pair aborted before its KV arrived")),
+                Err(_) => {
+                    return Err(Status::deadline_exceeded(format!(
+                        "no KV arrived for pair {} within the lease ({} ms)",
+                        r.pair_id,
+                        self.rooms.lease().as_millis()
+                    )));
+                }
+            }
+        } else {
+            None
+        };
+        // Dropping the receiver (the caller went away) aborts the request in the engine.
+        let rx = self.engine.generate(Generate {
+            id: r.pair_id,
+            prompt: r.input_ids.into(),
+            sampling: sampling_from_pb(r.sampling),
+            kv,
+            cache_salt: r.cache_salt,
+        });
+        let events = tokio_stream::wrappers::UnboundedReceiverStream::new(rx);
+        let out = events.map(decode_event).boxed();
+        Ok(Response::new(out))
+    }
+
+    async fn abort(
+        &self,
+        req: Request<pb::WorkerAbortRequest>,
+    ) -> Result<Response<pb::WorkerAbortResponse>, Status> {
+        let id = req.into_inner().pair_id;
+        self.rooms.close(id);
+        self.engine.abort(id);
+        Ok(Response::new(pb::WorkerAbortResponse {}))
+    }
+
+    async fn push_kv(
+        &self,
+        req: Request<Streaming<pb::KvPush>>,
+    ) -> Result<Response<pb::KvPushAck>, Status> {
+        use pb::kv_push::Item;
+        self.admit(&[Role::Decode, Role::Unified], "KV pushes")?;
+        let mut s = req.into_inner();
+        let manifest = match s.message().await? {
+            Some(pb::KvPush {
+                item: Some(Item::Manifest(m)),
+            }) => manifest_from_pb(m)?,
+            _ => {
+                return Err(Status::invalid_argument(
+                    "a KV push starts with its manifest",
+                ));
+            }
+        };
+        let total = self.total_pages();
+        if manifest.page_count as usize > total {
+            return Err(Status::invalid_argument(format!(
+                "KV set of {} pages cannot fit this worker's {total}-page pool",
+                manifest.page_count
+            )));
+        }
+        let mut pages = Vec::with_capacity(manifest.page_count as usize);
+        let mut bytes = 0u64;
+        while let Some(m) = s.message().await? {
+            match m.item {
+                Some(Item::Page(p)) if pages.len() < manifest.page_count as usize => {
+                    bytes += p.data.len() as u64;
+                    pages.push(PageData {
+                        index: p.index,
+                        pair_id: p.pair_id,
+                        bytes: p.data,
+                    });
+                }
+                Some(Item::Page(_)) => {
+                    return Err(Status::invalid_argument(
+                        "more pages than the manifest names",
+                    ));
+                }
+                _ => return Err(Status::invalid_argument("a second manifest in one push")),
+            }
+        }
+        // Verification happens on import, against the decode call's own expectation.
+        let pair = manifest.pair_id;
+        self.rooms.room(pair).put(KvTransfer { manifest, pages });
+        Ok(Response::new(pb::KvPushAck { bytes }))
+    }
+
+    async fn capacity(
+        &self,
+        _req: Request<pb::CapacityRequest>,
+    ) -> Result<Response<pb::CapacityResponse>, Status> {
+        let s = self.engine.stats();
+        let total = s.total_pages.load(Ordering::Relaxed) as u32;
+        Ok(Response::new(pb::CapacityResponse {
+            role: self.role.as_str().into(),
+            total_pages: total,
+            free_pages: s.free_pages.load(Ordering::Relaxed) as u32,
+            page_size: self.page_size,
+            running: s.running.load(Ordering::Relaxed) as u32,
+            waiting: s.waiting.load(Ordering::Relaxed) as u32,
+            pending_kv_sets: self.rooms.ready() as u32,
+            model_fingerprint: self.fingerprint.0,
+            kv_capacity_tokens: u64::from(total) * u64::from(self.page_size),
+            kv_data_port: self.data_port.load(Ordering::Relaxed),
+        }))
+    }
+
+    async fn health(
+        &self,
+        _req: Request<pb::HealthRequest>,
+    ) -> Result<Response<pb::HealthResponse>, Status> {
+        Ok(Response::new(pb::HealthResponse {
+            serving: self.serving.load(Ordering::Acquire),
+        }))
+    }
+}
