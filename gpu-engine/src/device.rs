@@ -16,7 +16,7 @@ pub enum EngineDevice {
     /// The host: the pool's own pages, the CPU forward pass.
     Cpu,
     /// A GPU: the device's copy of the pool and the bundle's device-resident model.
-    Cuda(DeviceKv),
+    Cuda(Box<DeviceKv>),
 }
 
 fn device_error(e: CudaError) -> EngineError {
@@ -28,9 +28,9 @@ impl EngineDevice {
     /// one (its pages are then allocated there), else the CPU.
     pub fn for_bundle(bundle: &ModelBundle, pool: &PagePool) -> Result<Self, EngineError> {
         match &bundle.gpu {
-            Some(g) => Ok(EngineDevice::Cuda(
+            Some(g) => Ok(EngineDevice::Cuda(Box::new(
                 DeviceKv::new(g.gpu().clone(), pool.config()).map_err(device_error)?,
-            )),
+            ))),
             None => Ok(EngineDevice::Cpu),
         }
     }
