@@ -229,3 +229,48 @@ async fn the_openai_client_authenticates_with_its_api_key() {
     )
     .await;
 }
+
+/// The admission stage's order: a tenant's limits are taken before its body is parsed, so a
+/// tenant over its rate gets 429 even for a body that would have been refused as malformed (the
+/// body is never read into the parser), and a refused request reaches no worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenant_limits_come_before_the_body_is_parsed() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = format!(
+        r#"audit_log = "{audit}"
+
+[[tenants]]
+name = "tight"
+api_keys_sha256 = ["{key}"]
+requests_per_second = 1
+burst = 1
+"#,
+        audit = dir.path().join("a.jsonl").display(),
+        key = key_hash_hex("tight-key"),
+    );
+    let stack = Stack::start_full(MockConfig::default(), &config, "", TEST_TIMEOUTS).await;
+    let post = |body: &'static str| {
+        let url = format!("{}/v1/completions", stack.url);
+        async move {
+            TestClient::default()
+                .send_with(
+                    "POST",
+                    &url,
+                    &[("authorization", "Bearer tight-key")],
+                    body,
+                    Duration::from_secs(10),
+                )
+                .await
+        }
+    };
+    // The one request of the burst: past the limits, then refused by the parser.
+    let first = post("{not json").await;
+    assert_eq!(first.status, 400, "{}", first.body);
+    assert_eq!(first.error_code().as_deref(), Some("invalid_json"));
+    // The next, within the second: the rate refuses it before its body is looked at.
+    let second = post("{not json").await;
+    assert_eq!(second.status, 429, "{}", second.body);
+    assert_eq!(second.error_code().as_deref(), Some("rate_limit_exceeded"));
+    assert!(second.headers.get("retry-after").is_some());
+    assert_eq!(stack.mock.request_count(), 0);
+}

@@ -9,7 +9,7 @@ use lockstep_engine::engine::ModelBundle;
 use lockstep_engine::pd::Pd;
 use lockstep_serve::engine_section::EngineMode;
 
-use crate::admission::Admission;
+use crate::admission::PromptCodec;
 use crate::audit::Audit;
 use crate::backend::embedded::EmbeddedBackend;
 use crate::backend::sglang::SglangBackend;
@@ -113,7 +113,7 @@ pub(crate) async fn build_models(
         };
         let Built {
             capacity,
-            admission,
+            codec,
             backend,
             prefill,
             decode,
@@ -157,7 +157,7 @@ pub(crate) async fn build_models(
             Arc::new(ModelRuntime {
                 name,
                 cfg: m.clone(),
-                admission,
+                codec,
                 pairs,
                 engine,
                 kv_capacity: AtomicU64::new(capacity),
@@ -174,7 +174,7 @@ pub(crate) async fn build_models(
 /// What one model's backend needs, built.
 struct Built {
     capacity: u64,
-    admission: Arc<Admission>,
+    codec: Arc<PromptCodec>,
     backend: Arc<dyn PdBackend>,
     prefill: Arc<WorkerPool>,
     decode: Arc<WorkerPool>,
@@ -185,10 +185,10 @@ struct Built {
 async fn build_remote(m: &ModelConfig, client: &UpstreamClient) -> Result<Built, String> {
     let backend = remote_backend(m, client).ok_or("not a remote backend")?;
     let capacity = backend.deployment_capacity(m).await?;
-    let admission = Admission::load(m)?;
+    let codec = PromptCodec::load(m)?;
     Ok(Built {
         capacity,
-        admission,
+        codec,
         backend,
         prefill: Arc::new(WorkerPool::new(&m.prefill)),
         decode: Arc::new(WorkerPool::new(&m.decode)),
@@ -201,8 +201,8 @@ async fn build_remote(m: &ModelConfig, client: &UpstreamClient) -> Result<Built,
 async fn build_lockstep(m: &ModelConfig, client: &UpstreamClient) -> Result<Built, String> {
     let backend = remote_backend(m, client).ok_or("not a remote backend")?;
     let capacity = backend.deployment_capacity(m).await?;
-    let admission = match &m.engine {
-        None => Admission::load(m)?,
+    let codec = match &m.engine {
+        None => PromptCodec::load(m)?,
         Some(e) => {
             let (e, name) = (e.clone(), m.name.clone());
             tokio::task::spawn_blocking(move || {
@@ -212,7 +212,7 @@ async fn build_lockstep(m: &ModelConfig, client: &UpstreamClient) -> Result<Buil
                     .map_err(|err| format!("model `{name}`: {}: {err}", path.display()))?;
                 let t = lockstep_engine::tokenizer::ModelTokenizer::from_gguf(&g)
                     .map_err(|err| format!("model `{name}`: {}: {err}", path.display()))?;
-                model_file_admission(&name, &t)
+                model_file_codec(&name, &t)
             })
             .await
             .map_err(|err| format!("model `{}`: tokenizer load panicked: {err}", m.name))??
@@ -220,7 +220,7 @@ async fn build_lockstep(m: &ModelConfig, client: &UpstreamClient) -> Result<Buil
     };
     Ok(Built {
         capacity,
-        admission,
+        codec,
         backend,
         prefill: Arc::new(WorkerPool::new(&m.prefill)),
         decode: Arc::new(WorkerPool::new(&m.decode)),
@@ -228,17 +228,17 @@ async fn build_lockstep(m: &ModelConfig, client: &UpstreamClient) -> Result<Buil
     })
 }
 
-/// Admission from a model file's own tokenizer and chat template, so the router and the engine
+/// PromptCodec from a model file's own tokenizer and chat template, so the router and the engine
 /// count and render alike.
-fn model_file_admission(
+fn model_file_codec(
     name: &str,
     t: &lockstep_engine::tokenizer::ModelTokenizer,
-) -> Result<Arc<Admission>, String> {
+) -> Result<Arc<PromptCodec>, String> {
     let template = t
         .chat_template
         .clone()
         .ok_or_else(|| format!("model `{name}`: the model file has no chat template"))?;
-    Admission::new(
+    PromptCodec::new(
         name,
         t.inner.clone(),
         template,
@@ -255,7 +255,7 @@ async fn build_embedded(m: &ModelConfig) -> Result<Built, String> {
         .clone()
         .ok_or_else(|| format!("model `{}`: no [models.engine] section", m.name))?;
     let name = m.name.clone();
-    let (pd, admission) = tokio::task::spawn_blocking(move || {
+    let (pd, codec) = tokio::task::spawn_blocking(move || {
         let path = lockstep_serve::model_file::ensure_model(e.model_file()).map_err(|err| format!("model `{name}`: {err}"))?;
         let device = e
             .device()
@@ -264,7 +264,7 @@ async fn build_embedded(m: &ModelConfig) -> Result<Built, String> {
             ModelBundle::open_on(&path, device).map_err(|err| format!("model `{name}`: {err}"))?,
         );
         tracing::info!(model = %name, device = %bundle.device(), "embedded engine device");
-        let admission = model_file_admission(&name, &bundle.tokenizer)?;
+        let codec = model_file_codec(&name, &bundle.tokenizer)?;
         let cfg = e.engine_config();
         let faults = e.fault_plan();
         if faults.is_some() {
@@ -276,7 +276,7 @@ async fn build_embedded(m: &ModelConfig) -> Result<Built, String> {
         }
         .map_err(|err| format!("model `{name}`: engine: {err}"))?;
         tracing::info!(model = %name, mode = ?e.mode, file = %path.display(), kv_pages = e.kv_pages, page_size = e.page_size, "embedded engine ready (cpu)");
-        Ok::<_, String>((Arc::new(pd), admission))
+        Ok::<_, String>((Arc::new(pd), codec))
     })
     .await
     .map_err(|err| format!("model `{}`: engine start panicked: {err}", m.name))??;
@@ -296,7 +296,7 @@ async fn build_embedded(m: &ModelConfig) -> Result<Built, String> {
     };
     Ok(Built {
         capacity,
-        admission,
+        codec,
         backend,
         prefill: pool("prefill"),
         decode: pool("decode"),

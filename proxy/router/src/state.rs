@@ -9,7 +9,7 @@ use arc_swap::ArcSwap;
 use lockstep_engine::pd::Pd;
 use tokio::task::JoinHandle;
 
-use crate::admission::Admission;
+use crate::admission::codec::PromptCodec;
 use crate::audit::Audit;
 use crate::backend::UpstreamClient;
 use crate::config::ModelConfig;
@@ -25,7 +25,7 @@ pub struct ModelRuntime {
     /// Its configuration.
     pub cfg: ModelConfig,
     /// Tokenizer and chat template.
-    pub admission: Arc<Admission>,
+    pub codec: Arc<PromptCodec>,
     /// Its pair lifecycle and pools.
     pub pairs: Arc<PairRuntime>,
     /// The embedded engines, for `backend = "embedded"`.
@@ -81,4 +81,72 @@ pub struct AppState {
     /// Worker URLs an operator is draining (re-applied to the workers of a reloaded config).
     pub drained: dashmap::DashSet<String>,
     pub(crate) client: UpstreamClient,
+}
+
+impl AppState {
+    /// Every metric in the Prometheus text format. The gauges are collected here, in one place,
+    /// from the live models now (workers and pools of a reloaded-away configuration disappear):
+    /// per-worker in-flight pairs and health, per-engine KV pages, and the counters kept by the
+    /// engines and pools (prefix-cache hits, prefix routing) caught up.
+    pub fn render_metrics(&self) -> String {
+        let m = &self.metrics;
+        m.worker_inflight.reset();
+        m.worker_healthy.reset();
+        m.kv_pages.reset();
+        for model in self.models.load().by_name.values() {
+            let name = &*model.name;
+            if let Some(pd) = &model.engine {
+                for (engine, e) in pd.engines() {
+                    let s = e.stats();
+                    let total = s.total_pages.load(Ordering::Relaxed) as i64;
+                    let free = s.free_pages.load(Ordering::Relaxed) as i64;
+                    m.kv_pages
+                        .with_label_values(&[name, engine, "free"])
+                        .set(free);
+                    m.kv_pages
+                        .with_label_values(&[name, engine, "used"])
+                        .set(total - free);
+                    // The engine counts; the counter catches up (a reloaded engine restarts at 0
+                    // and the counter waits until it passes the old count).
+                    catch_up(
+                        &m.prefix_cache_hit_tokens.with_label_values(&[name, engine]),
+                        s.prefix_hit_tokens.load(Ordering::Relaxed) as u64,
+                    );
+                }
+            }
+            for (side, pool) in [
+                ("prefill", &model.pairs.prefill),
+                ("decode", &model.pairs.decode),
+            ] {
+                let (routed, hit) = pool.prefix_prediction();
+                catch_up(
+                    &m.prefix_routed_tokens.with_label_values(&[name, side]),
+                    routed,
+                );
+                catch_up(
+                    &m.prefix_predicted_hit_tokens
+                        .with_label_values(&[name, side]),
+                    hit,
+                );
+                for w in pool.workers() {
+                    let labels = [name, side, w.url.as_str()];
+                    m.worker_inflight
+                        .with_label_values(&labels)
+                        .set(w.in_flight() as i64);
+                    m.worker_healthy
+                        .with_label_values(&labels)
+                        .set(i64::from(w.is_healthy()));
+                }
+            }
+        }
+        m.render()
+    }
+}
+
+/// Brings a counter up to a count kept elsewhere (a component rebuilt by a reload restarts at 0:
+/// the counter waits until the new count passes it).
+fn catch_up(c: &prometheus::IntCounter, now: u64) {
+    if now > c.get() {
+        c.inc_by(now - c.get());
+    }
 }

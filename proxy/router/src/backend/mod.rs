@@ -21,7 +21,7 @@ use serde::Serialize;
 
 use crate::config::ModelConfig;
 use crate::pair::PairId;
-use crate::pool::Worker;
+use crate::pool::Upstream;
 
 /// Which half of a pair.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -79,9 +79,9 @@ pub struct Dispatch {
     /// The pair id (bootstrap room, rid).
     pub pair_id: PairId,
     /// The chosen prefill worker.
-    pub prefill: Arc<Worker>,
+    pub prefill: Arc<Upstream>,
     /// The chosen decode worker.
-    pub decode: Arc<Worker>,
+    pub decode: Arc<Upstream>,
     /// Prompt token ids computed by lockstep.
     pub input_ids: Arc<[u32]>,
     /// Sampling parameters.

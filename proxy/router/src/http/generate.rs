@@ -1,21 +1,16 @@
 //! SGLang-native `POST /generate`. Client-sent `rid` and `bootstrap_*` fields are accepted and
 //! ignored: lockstep sets them itself.
 
-use std::sync::Arc;
-
-use axum::body::Body;
-use axum::extract::State;
 use axum::response::Response;
-use http::HeaderMap;
 use serde::Deserialize;
-use tracing::Instrument;
 
-use super::openai::{Prompt, bad, prompt_ids};
+use super::extract::Admit;
+use super::openai::bad;
 use super::respond::{Shape, serve_pair};
-use super::{find_model, read_json};
+use crate::admission::{FrontRequest, Input, Prompt};
 use crate::backend::SamplingParams;
 use crate::error::LockstepError;
-use crate::state::AppState;
+use crate::state::ModelRuntime;
 
 #[derive(Debug, Deserialize, Default)]
 struct NativeSampling {
@@ -32,7 +27,7 @@ struct NativeSampling {
 }
 
 #[derive(Debug, Deserialize)]
-struct GenerateRequest {
+pub(crate) struct GenerateRequest {
     model: Option<String>,
     text: Option<Prompt>,
     input_ids: Option<Prompt>,
@@ -42,26 +37,18 @@ struct GenerateRequest {
     stream: bool,
 }
 
-/// `POST /generate`.
-pub(crate) async fn generate(
-    State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
-    body: Body,
-) -> Response {
-    let tenant = match state.tenants.load().authenticate(&headers) {
-        Ok(t) => t,
-        Err(e) => {
-            super::linger(body).await;
-            return super::refused(&state, "", e);
-        }
-    };
-    let result = async {
-        let req: GenerateRequest = read_json(&state, &headers, body).await?;
-        let model = find_model(&state, req.model.as_deref())?;
-        if let Some(t) = &tenant {
-            t.check_model(&model.name)?;
-        }
-        let prompt = match (req.text, req.input_ids) {
+impl FrontRequest for GenerateRequest {
+    type Shape = Shape;
+
+    fn model(&self) -> Option<&str> {
+        self.model.as_deref()
+    }
+
+    fn validate(
+        self,
+        model: &ModelRuntime,
+    ) -> Result<(Input, SamplingParams, Shape), LockstepError> {
+        let prompt = match (self.text, self.input_ids) {
             (Some(t), None) => match t {
                 Prompt::Ids(_) | Prompt::Batches(_) => {
                     return Err(bad("text", "`text` must be a string".into()));
@@ -85,7 +72,7 @@ pub(crate) async fn generate(
             }
             (None, None) => return Err(bad("text", "`text` or `input_ids` is required".into())),
         };
-        let s = req.sampling_params;
+        let s = self.sampling_params;
         if s.n.is_some_and(|n| n != 1) {
             return Err(LockstepError::Unsupported {
                 message: "n > 1 is not supported yet".into(),
@@ -118,7 +105,6 @@ pub(crate) async fn generate(
                 format!("must be in (0, 1], got {p}"),
             ));
         }
-        let ids = prompt_ids(&model, prompt)?;
         let sampling = SamplingParams {
             max_new_tokens,
             temperature: s.temperature,
@@ -133,14 +119,15 @@ pub(crate) async fn generate(
             presence_penalty: s.presence_penalty,
             sampling_seed: s.sampling_seed,
         };
-        Ok::<_, LockstepError>((model, ids, sampling, Shape::generate(req.stream)))
+        Ok((
+            Input::Prompt(prompt),
+            sampling,
+            Shape::generate(self.stream),
+        ))
     }
-    .instrument(tracing::info_span!("admission"))
-    .await;
-    match result {
-        Ok((model, ids, sampling, shape)) => {
-            serve_pair(&state, &model, tenant, ids, sampling, shape).await
-        }
-        Err(e) => super::refused(&state, "", e),
-    }
+}
+
+/// `POST /generate`.
+pub(crate) async fn generate(Admit(admitted, shape): Admit<GenerateRequest>) -> Response {
+    serve_pair(admitted, shape).await
 }

@@ -3,7 +3,7 @@
 //! (v1 and v1alpha).
 //!
 //! Requests go through the same admission, pair lifecycle and commit barrier as HTTP requests
-//! ([`super::respond::admit_pair`]); errors are the same [`LockstepError`]s, mapped to a status in
+//! (`crate::admission`, then `super::respond::commit`); errors are the same [`LockstepError`]s, mapped to a status in
 //! one place ([`LockstepError::to_status`]). The client's deadline (`grpc-timeout`) bounds the
 //! whole pair; a cancelled call drops the pair's receiver, which aborts both halves.
 
@@ -18,8 +18,9 @@ use tokio::time::Instant;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
-use super::openai::{CommonParams, Content, MessageIn, Prompt, Stop, prompt_ids, to_messages};
-use super::respond::{Admitted, admit_pair};
+use super::openai::{CommonParams, Content, MessageIn, Stop, to_messages};
+use super::respond::{Committed, commit};
+use crate::admission::{Admitted, FrontRequest, Input, Prompt, Refusal, admit, authorize};
 use crate::backend::{FinishReason, SamplingParams};
 use crate::error::LockstepError;
 use crate::pair::{CancelReason, PairEvent, PairId};
@@ -116,22 +117,13 @@ fn common(s: Option<pb::SamplingParams>) -> CommonParams {
     }
 }
 
-/// A call's context: its tenant, its deadline, its span.
+/// A call's context: its tenant.
 struct Call {
     tenant: Option<Arc<Tenant>>,
-    deadline: Option<Instant>,
 }
 
 impl Front {
-    fn refused(&self, model: &str, e: LockstepError) -> Status {
-        self.state
-            .metrics
-            .admission_refusals
-            .with_label_values(&[model, e.code()])
-            .inc();
-        e.to_status()
-    }
-
+    /// A call that needs no tenant limits (abort, pair status, model list): its tenant.
     fn call<T>(&self, req: &Request<T>) -> Result<Call, Status> {
         let headers = req.metadata().clone().into_headers();
         let tenant = self
@@ -139,32 +131,32 @@ impl Front {
             .tenants
             .load()
             .authenticate(&headers)
-            .map_err(|e| self.refused("", e))?;
-        Ok(Call {
-            tenant,
-            deadline: grpc_timeout(req.metadata()).map(|d| Instant::now() + d),
-        })
+            .map_err(|e| Refusal::count(&self.state, "", e).0.to_status())?;
+        Ok(Call { tenant })
     }
 
-    fn model(&self, call: &Call, name: &str) -> Result<Arc<ModelRuntime>, LockstepError> {
-        let model = super::find_model(&self.state, (!name.is_empty()).then_some(name))?;
-        if let Some(t) = &call.tenant {
-            t.check_model(&model.name)?;
-        }
-        Ok(model)
+    /// A generation call through the admission stage, then its pair.
+    async fn generation<R: FrontRequest<Shape = ()>>(
+        &self,
+        req: Request<R>,
+    ) -> Result<Response<EventStream>, Status> {
+        let headers = req.metadata().clone().into_headers();
+        let deadline = grpc_timeout(req.metadata()).map(|d| Instant::now() + d);
+        let caller = authorize(&self.state, &headers).map_err(|r| r.0.to_status())?;
+        let (admitted, ()) =
+            admit(&self.state, caller, req.into_inner()).map_err(|r| r.0.to_status())?;
+        self.run(deadline, admitted).await
     }
 
     /// Admits and runs the pair; the stream carries its events until it finishes.
     async fn run(
         &self,
-        call: Call,
-        model: Arc<ModelRuntime>,
-        ids: Vec<u32>,
-        sampling: SamplingParams,
+        deadline: Option<Instant>,
+        admitted: Admitted,
     ) -> Result<Response<EventStream>, Status> {
-        let deadline = call.deadline;
-        let admit = admit_pair(&self.state, &model, call.tenant, ids, sampling);
-        let admitted = match deadline {
+        let model = admitted.model.clone();
+        let admit = commit(admitted);
+        let committed = match deadline {
             // Dropping the admission future drops the pair's receiver: both halves abort.
             Some(d) => tokio::time::timeout_at(d, admit).await.map_err(|_| {
                 Status::deadline_exceeded("the call's deadline passed before the pair committed")
@@ -172,12 +164,12 @@ impl Front {
             None => admit.await,
         }
         .map_err(|e| e.to_status())?;
-        let Admitted {
+        let Committed {
             rx,
             pair_id,
             prompt_tokens,
             permit,
-        } = admitted;
+        } = committed;
         let started = pb::GenerateResponse {
             event: Some(pb::generate_response::Event::Started(pb::Started {
                 pair_id: pair_id.to_string(),
@@ -267,6 +259,51 @@ impl Front {
     }
 }
 
+impl FrontRequest for pb::GenerateRequest {
+    type Shape = ();
+
+    fn model(&self) -> Option<&str> {
+        (!self.model.is_empty()).then_some(&self.model)
+    }
+
+    fn validate(self, model: &ModelRuntime) -> Result<(Input, SamplingParams, ()), LockstepError> {
+        let (sampling, ..) = common(self.sampling).sampling(model)?;
+        let prompt = match self.prompt {
+            Some(pb::generate_request::Prompt::Text(t)) => Prompt::Text(t),
+            Some(pb::generate_request::Prompt::InputIds(ids)) => Prompt::Ids(ids.ids),
+            None => {
+                return Err(super::openai::bad(
+                    "prompt",
+                    "`text` or `input_ids` is required".into(),
+                ));
+            }
+        };
+        Ok((Input::Prompt(prompt), sampling, ()))
+    }
+}
+
+impl FrontRequest for pb::ChatRequest {
+    type Shape = ();
+
+    fn model(&self) -> Option<&str> {
+        (!self.model.is_empty()).then_some(&self.model)
+    }
+
+    fn validate(self, model: &ModelRuntime) -> Result<(Input, SamplingParams, ()), LockstepError> {
+        let (sampling, ..) = common(self.sampling).sampling(model)?;
+        let messages = to_messages(
+            self.messages
+                .into_iter()
+                .map(|m| MessageIn {
+                    role: m.role,
+                    content: Some(Content::Text(m.content)),
+                })
+                .collect(),
+        )?;
+        Ok((Input::Chat(messages), sampling, ()))
+    }
+}
+
 fn span(method: &str, meta: &tonic::metadata::MetadataMap) -> tracing::Span {
     let span = tracing::info_span!(
         "request",
@@ -288,62 +325,12 @@ impl Lockstep for Front {
         req: Request<pb::GenerateRequest>,
     ) -> Result<Response<EventStream>, Status> {
         let span = span("Generate", req.metadata());
-        async move {
-            let call = self.call(&req)?;
-            let r = req.into_inner();
-            let admitted = async {
-                let model = self.model(&call, &r.model)?;
-                let (sampling, ..) = common(r.sampling).sampling(&model)?;
-                let prompt = match r.prompt {
-                    Some(pb::generate_request::Prompt::Text(t)) => Prompt::Text(t),
-                    Some(pb::generate_request::Prompt::InputIds(ids)) => Prompt::Ids(ids.ids),
-                    None => {
-                        return Err(super::openai::bad(
-                            "prompt",
-                            "`text` or `input_ids` is required".into(),
-                        ));
-                    }
-                };
-                let ids = prompt_ids(&model, prompt)?;
-                Ok((model, ids, sampling))
-            }
-            .instrument(tracing::info_span!("admission"))
-            .await;
-            let (model, ids, sampling) = admitted.map_err(|e| self.refused(&r.model, e))?;
-            self.run(call, model, ids, sampling).await
-        }
-        .instrument(span)
-        .await
+        self.generation(req).instrument(span).await
     }
 
     async fn chat(&self, req: Request<pb::ChatRequest>) -> Result<Response<EventStream>, Status> {
         let span = span("Chat", req.metadata());
-        async move {
-            let call = self.call(&req)?;
-            let r = req.into_inner();
-            let admitted = async {
-                let model = self.model(&call, &r.model)?;
-                let (sampling, ..) = common(r.sampling).sampling(&model)?;
-                let messages = to_messages(
-                    r.messages
-                        .into_iter()
-                        .map(|m| MessageIn {
-                            role: m.role,
-                            content: Some(Content::Text(m.content)),
-                        })
-                        .collect(),
-                )?;
-                let prompt = model.admission.render_chat(&messages)?;
-                let ids = model.admission.encode(&prompt)?;
-                Ok((model, ids, sampling))
-            }
-            .instrument(tracing::info_span!("admission"))
-            .await;
-            let (model, ids, sampling) = admitted.map_err(|e| self.refused(&r.model, e))?;
-            self.run(call, model, ids, sampling).await
-        }
-        .instrument(span)
-        .await
+        self.generation(req).instrument(span).await
     }
 
     async fn abort(

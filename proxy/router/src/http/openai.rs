@@ -1,20 +1,14 @@
 //! OpenAI-compatible `/v1/chat/completions` and `/v1/completions`.
 
-use std::sync::Arc;
-
-use axum::body::Body;
-use axum::extract::State;
 use axum::response::Response;
-use http::HeaderMap;
 use serde::Deserialize;
-use tracing::Instrument;
 
+use super::extract::Admit;
 use super::respond::{Shape, serve_pair};
-use super::{find_model, read_json};
-use crate::admission::ChatMessage;
+use crate::admission::{ChatMessage, FrontRequest, Input, Prompt};
 use crate::backend::SamplingParams;
 use crate::error::LockstepError;
-use crate::state::{AppState, ModelRuntime};
+use crate::state::ModelRuntime;
 
 /// `stop`: one string or a list.
 #[derive(Debug, Deserialize)]
@@ -232,49 +226,30 @@ pub(super) fn to_messages(messages: Vec<MessageIn>) -> Result<Vec<ChatMessage>, 
         .collect()
 }
 
-/// `POST /v1/chat/completions`.
-pub(crate) async fn chat_completions(
-    State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
-    body: Body,
-) -> Response {
-    let tenant = match state.tenants.load().authenticate(&headers) {
-        Ok(t) => t,
-        Err(e) => {
-            super::linger(body).await;
-            return super::refused(&state, "", e);
-        }
-    };
-    let result = async {
-        let req: ChatRequest = read_json(&state, &headers, body).await?;
-        let model = find_model(&state, Some(&req.model))?;
-        if let Some(t) = &tenant {
-            t.check_model(&model.name)?;
-        }
-        let (sampling, stream, include_usage) = req.params.sampling(&model)?;
-        let messages = to_messages(req.messages)?;
-        let prompt = model.admission.render_chat(&messages)?;
-        let ids = model.admission.encode(&prompt)?;
-        Ok::<_, LockstepError>((model, ids, sampling, Shape::chat(stream, include_usage)))
+impl FrontRequest for ChatRequest {
+    type Shape = Shape;
+
+    fn model(&self) -> Option<&str> {
+        Some(&self.model)
     }
-    .instrument(tracing::info_span!("admission"))
-    .await;
-    match result {
-        Ok((model, ids, sampling, shape)) => {
-            serve_pair(&state, &model, tenant, ids, sampling, shape).await
-        }
-        Err(e) => super::refused(&state, "", e),
+
+    fn validate(
+        self,
+        model: &ModelRuntime,
+    ) -> Result<(Input, SamplingParams, Shape), LockstepError> {
+        let (sampling, stream, include_usage) = self.params.sampling(model)?;
+        let messages = to_messages(self.messages)?;
+        Ok((
+            Input::Chat(messages),
+            sampling,
+            Shape::chat(stream, include_usage),
+        ))
     }
 }
 
-/// `prompt`: a string, a list of one string, or token ids.
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-pub(crate) enum Prompt {
-    Text(String),
-    Texts(Vec<String>),
-    Ids(Vec<u32>),
-    Batches(Vec<Vec<u32>>),
+/// `POST /v1/chat/completions`.
+pub(crate) async fn chat_completions(Admit(admitted, shape): Admit<ChatRequest>) -> Response {
+    serve_pair(admitted, shape).await
 }
 
 #[derive(Debug, Deserialize)]
@@ -288,81 +263,36 @@ pub(crate) struct CompletionRequest {
     logprobs: Option<serde_json::Value>,
 }
 
-/// Turns a completion prompt into token ids (special tokens in the text are parsed as special).
-pub(crate) fn prompt_ids(model: &ModelRuntime, prompt: Prompt) -> Result<Vec<u32>, LockstepError> {
-    let ids = match prompt {
-        Prompt::Text(s) => model.admission.encode(&s)?,
-        Prompt::Texts(v) if v.len() == 1 => model.admission.encode(&v[0])?,
-        Prompt::Ids(ids) => {
-            let vocab = model.admission.vocab_size();
-            if let Some(bad_id) = ids.iter().find(|&&t| t as usize >= vocab) {
-                return Err(bad(
-                    "prompt",
-                    format!("token id {bad_id} is outside the vocabulary of {vocab} tokens"),
-                ));
-            }
-            ids
-        }
-        Prompt::Batches(v) if v.len() == 1 => {
-            return prompt_ids(model, Prompt::Ids(v.into_iter().next().unwrap_or_default()));
-        }
-        Prompt::Texts(_) | Prompt::Batches(_) => {
-            return Err(LockstepError::Unsupported {
-                message: "batched prompts are not supported yet; send one prompt per request"
-                    .into(),
-                param: Some("prompt".into()),
-            });
-        }
-    };
-    if ids.is_empty() {
-        return Err(bad("prompt", "`prompt` must not be empty".into()));
-    }
-    Ok(ids)
-}
+impl FrontRequest for CompletionRequest {
+    type Shape = Shape;
 
-/// `POST /v1/completions`.
-pub(crate) async fn completions(
-    State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
-    body: Body,
-) -> Response {
-    let tenant = match state.tenants.load().authenticate(&headers) {
-        Ok(t) => t,
-        Err(e) => {
-            super::linger(body).await;
-            return super::refused(&state, "", e);
-        }
-    };
-    let result = async {
-        let req: CompletionRequest = read_json(&state, &headers, body).await?;
-        let model = find_model(&state, Some(&req.model))?;
-        if let Some(t) = &tenant {
-            t.check_model(&model.name)?;
-        }
-        if req.echo == Some(true)
-            || req.suffix.is_some()
-            || req.logprobs.as_ref().is_some_and(|v| !v.is_null())
+    fn model(&self) -> Option<&str> {
+        Some(&self.model)
+    }
+
+    fn validate(
+        self,
+        model: &ModelRuntime,
+    ) -> Result<(Input, SamplingParams, Shape), LockstepError> {
+        if self.echo == Some(true)
+            || self.suffix.is_some()
+            || self.logprobs.as_ref().is_some_and(|v| !v.is_null())
         {
             return Err(LockstepError::Unsupported {
                 message: "echo, suffix and logprobs are not supported yet".into(),
                 param: None,
             });
         }
-        let (sampling, stream, include_usage) = req.params.sampling(&model)?;
-        let ids = prompt_ids(&model, req.prompt)?;
-        Ok::<_, LockstepError>((
-            model,
-            ids,
+        let (sampling, stream, include_usage) = self.params.sampling(model)?;
+        Ok((
+            Input::Prompt(self.prompt),
             sampling,
             Shape::completion(stream, include_usage),
         ))
     }
-    .instrument(tracing::info_span!("admission"))
-    .await;
-    match result {
-        Ok((model, ids, sampling, shape)) => {
-            serve_pair(&state, &model, tenant, ids, sampling, shape).await
-        }
-        Err(e) => super::refused(&state, "", e),
-    }
+}
+
+/// `POST /v1/completions`.
+pub(crate) async fn completions(Admit(admitted, shape): Admit<CompletionRequest>) -> Response {
+    serve_pair(admitted, shape).await
 }

@@ -9,14 +9,10 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use serde_json::{Value, json};
 
-use crate::admission::check_fits;
-use std::sync::Arc;
-
-use crate::backend::{DecodeChunk, FinishReason, SamplingParams};
+use crate::admission::Admitted;
+use crate::backend::{DecodeChunk, FinishReason};
 use crate::error::LockstepError;
 use crate::pair::{PairEvent, PairId};
-use crate::state::{AppState, ModelRuntime};
-use crate::tenant::Tenant;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Api {
@@ -57,84 +53,39 @@ impl Shape {
     }
 }
 
-/// A pair that passed admission and the commit barrier: its events, id and the tenant's permit
-/// (held as long as the response lives).
-pub(crate) struct Admitted {
+/// A pair that passed the commit barrier: its events, id and the tenant's permit (held as long as
+/// the response lives).
+pub(crate) struct Committed {
     pub(crate) rx: tokio::sync::mpsc::Receiver<PairEvent>,
     pub(crate) pair_id: PairId,
     pub(crate) prompt_tokens: u64,
     pub(crate) permit: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
-/// Admits (draining, limits, fit, tenant rate and concurrency), starts the pair and waits for the
-/// commit barrier. Shared by every front end (HTTP shapes and gRPC); refusals are counted here.
-pub(crate) async fn admit_pair(
-    state: &AppState,
-    model: &ModelRuntime,
-    tenant: Option<Arc<Tenant>>,
-    ids: Vec<u32>,
-    sampling: SamplingParams,
-) -> Result<Admitted, LockstepError> {
-    let refuse = |e: LockstepError| {
-        state
-            .metrics
-            .admission_refusals
-            .with_label_values(&[&*model.name, e.code()])
-            .inc();
-        e
-    };
-    if state.draining.load(std::sync::atomic::Ordering::Acquire) {
-        return Err(refuse(LockstepError::Unavailable {
-            message: "lockstep is draining: not accepting new requests".into(),
-        }));
-    }
-    let limits = &model.cfg;
-    if limits.max_prompt_tokens > 0 && ids.len() as u64 > limits.max_prompt_tokens {
-        return Err(refuse(LockstepError::InvalidRequest {
-            message: format!(
-                "the prompt has {} tokens; this deployment accepts at most {}",
-                ids.len(),
-                limits.max_prompt_tokens
-            ),
-            param: Some("prompt".into()),
-        }));
-    }
-    if limits.max_tokens_limit > 0 && sampling.max_new_tokens > limits.max_tokens_limit {
-        return Err(refuse(LockstepError::InvalidRequest {
-            message: format!(
-                "max_tokens {} is over this deployment's limit of {}",
-                sampling.max_new_tokens, limits.max_tokens_limit
-            ),
-            param: Some("max_tokens".into()),
-        }));
-    }
-    check_fits(
-        ids.len() as u64,
-        sampling.max_new_tokens,
-        model.cfg.context_window,
-        model.kv_capacity(),
-    )
-    .map_err(refuse)?;
-    // The tenant's rate and concurrency limits; the permit lives as long as the response.
-    let permit = tenant
-        .as_ref()
-        .map(|t| t.admit())
-        .transpose()
-        .map_err(refuse)?
-        .flatten();
-    let (mut rx, _task) =
-        model
-            .pairs
-            .start(ids.into(), sampling.into(), tenant.map(|t| t.name.clone()));
+/// Starts the pair of an admitted request and waits for the commit barrier. Shared by every
+/// front end (HTTP shapes and gRPC). Dropping the future before it returns drops the pair's
+/// receiver: both halves abort.
+pub(crate) async fn commit(admitted: Admitted) -> Result<Committed, LockstepError> {
+    let Admitted {
+        model,
+        ids,
+        sampling,
+        caller,
+    } = admitted;
+    let (mut rx, _task) = model.pairs.start(
+        ids.into(),
+        sampling.into(),
+        caller.tenant.map(|t| t.name.clone()),
+    );
     match rx.recv().await {
         Some(PairEvent::Committed {
             pair_id,
             prompt_tokens,
-        }) => Ok(Admitted {
+        }) => Ok(Committed {
             rx,
             pair_id,
             prompt_tokens,
-            permit,
+            permit: caller.permit,
         }),
         Some(PairEvent::Failed(e)) => Err(e),
         Some(PairEvent::Chunk(_)) | None => Err(LockstepError::Unavailable {
@@ -143,27 +94,22 @@ pub(crate) async fn admit_pair(
     }
 }
 
-/// Admits, starts the pair, waits for the commit barrier, then answers in the client's shape.
-pub(crate) async fn serve_pair(
-    state: &AppState,
-    model: &ModelRuntime,
-    tenant: Option<Arc<Tenant>>,
-    ids: Vec<u32>,
-    sampling: SamplingParams,
-    shape: Shape,
-) -> Response {
-    let Admitted {
+/// Starts the admitted request's pair, waits for the commit barrier, then answers in the client's
+/// shape.
+pub(crate) async fn serve_pair(admitted: Admitted, shape: Shape) -> Response {
+    let model = admitted.model.name.clone();
+    let Committed {
         rx,
         pair_id,
         prompt_tokens,
         permit,
-    } = match admit_pair(state, model, tenant, ids, sampling).await {
-        Ok(a) => a,
+    } = match commit(admitted).await {
+        Ok(c) => c,
         Err(e) => return e.into_response(),
     };
     let mut w = Writer {
         shape,
-        model: model.name.to_string(),
+        model: model.to_string(),
         pair_id,
         prompt_tokens,
         created: now(),

@@ -2,7 +2,6 @@
 //! abort both halves on any failure, retry only when safe. One task owns each pair.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
@@ -10,11 +9,12 @@ use tokio::sync::mpsc;
 use tokio::time::{Instant as TokioInstant, sleep, sleep_until};
 use tracing::Instrument;
 
+use super::observer::{AbortContext, PairObserver};
 use super::outcome::Failure;
 use super::{
     AbortReason, Outcome, PairEvent, PairId, PairInfo, PairRegistry, PairState, PairStats,
 };
-use crate::audit::{Audit, AuditEvent, AuditKind, AuditTimings, now_ms};
+use crate::audit::Audit;
 use crate::backend::{
     DecodeChunk, Dispatch, HalfError, HalfFailure, PdBackend, SamplingParams, Side,
 };
@@ -47,17 +47,17 @@ pub struct PairRuntime {
     pub audit: Arc<Audit>,
 }
 
-/// Where an aborted pair stood, for its metrics and audit line.
-struct AbortContext<'a> {
-    tenant: Option<&'a str>,
-    attempt: u32,
-    committed: bool,
-    started: TokioInstant,
-    dispatched: TokioInstant,
-    barrier: Option<Duration>,
-}
-
 impl PairRuntime {
+    /// The pair observer of this model: every metric, audit line and event of a pair goes there.
+    fn observe(&self) -> PairObserver<'_> {
+        PairObserver {
+            model: &self.model,
+            metrics: &self.metrics,
+            audit: &self.audit,
+            stats: &self.stats,
+        }
+    }
+
     /// Starts a request's pair task. Events arrive on the receiver; dropping the receiver is a
     /// client disconnect and aborts both halves. The join handle yields the terminal state.
     pub fn start(
@@ -88,8 +88,8 @@ impl PairRuntime {
         let started = TokioInstant::now();
         let mut attempt: u32 = 0;
         let mut avoid: (
-            Option<Arc<crate::pool::Worker>>,
-            Option<Arc<crate::pool::Worker>>,
+            Option<Arc<crate::pool::Upstream>>,
+            Option<Arc<crate::pool::Upstream>>,
         ) = (None, None);
         let outcome = loop {
             let key = RouteKey {
@@ -122,9 +122,7 @@ impl PairRuntime {
                 sampling: sampling.clone(),
                 tenant: tenant.clone(),
             };
-            self.stats.dispatched.fetch_add(1, Ordering::Relaxed);
-            let model = &*self.model;
-            self.metrics.pairs_started.with_label_values(&[model]).inc();
+            self.observe().dispatched();
             let mut committed = false;
             let mut barrier = None;
             let dispatched = TokioInstant::now();
@@ -143,16 +141,12 @@ impl PairRuntime {
                 .await
             {
                 Ok(()) => {
-                    self.metrics
-                        .pairs_completed
-                        .with_label_values(&[model])
-                        .inc();
+                    self.observe().completed();
                     break Outcome::Completed;
                 }
                 Err(f) => {
                     guard.set_state(PairState::Aborting);
                     self.abort_both(&d, TokioInstant::now());
-                    tracing::warn!(parent: &pair_span, pair = %d.pair_id, model = %self.model, reason = f.reason.as_str(), side = f.failed_side.map_or("none", Side::as_str), error = %f.error, "pair aborted on both halves");
                     let at = AbortContext {
                         tenant: tenant.as_deref(),
                         attempt,
@@ -161,14 +155,14 @@ impl PairRuntime {
                         dispatched,
                         barrier,
                     };
-                    self.record_abort(&d, &f, &at);
+                    self.observe().aborted(&pair_span, &d, &f, &at);
                     if !committed
                         && f.retry_safe
                         && attempt < self.retry.max_retries
                         && !tx.is_closed()
                     {
                         attempt += 1;
-                        self.stats.retries.fetch_add(1, Ordering::Relaxed);
+                        self.observe().retried();
                         avoid = match f.failed_side {
                             Some(Side::Prefill) => (Some(d.prefill.clone()), None),
                             Some(Side::Decode) => (None, Some(d.decode.clone())),
@@ -190,10 +184,7 @@ impl PairRuntime {
                 }
             }
         };
-        match outcome {
-            Outcome::Completed => self.stats.completed.fetch_add(1, Ordering::Relaxed),
-            Outcome::Aborted(_) => self.stats.aborted.fetch_add(1, Ordering::Relaxed),
-        };
+        self.observe().ended(outcome);
         outcome
     }
 
@@ -205,7 +196,7 @@ impl PairRuntime {
         let pair = d.pair_id;
         let call = |side: Side| {
             let fut = self.backend.abort(d, side);
-            self.stats.abort_calls.fetch_add(1, Ordering::Relaxed);
+            self.observe().abort_call();
             async move {
                 match tokio::time::timeout(bound, fut).await {
                     Ok(Ok(())) => {}
@@ -219,10 +210,7 @@ impl PairRuntime {
             }
         };
         let (p, dd) = (call(Side::Prefill), call(Side::Decode));
-        let latency = self
-            .metrics
-            .abort_both_seconds
-            .with_label_values(&[&*self.model]);
+        let latency = self.observe().abort_both_latency();
         tokio::spawn(async move {
             tokio::join!(p, dd);
             latency.observe(failed_at.elapsed().as_secs_f64());
@@ -238,56 +226,8 @@ impl PairRuntime {
         } else {
             LockstepError::NoHealthyWorker { model, side }
         };
-        self.metrics
-            .admission_refusals
-            .with_label_values(&[&*self.model, e.code()])
-            .inc();
+        self.observe().refused(&e);
         e
-    }
-
-    /// Metrics and audit lines of an aborted pair.
-    fn record_abort(&self, d: &Dispatch, f: &Failure, at: &AbortContext<'_>) {
-        let model = &*self.model;
-        let side = f.failed_side.map_or("none", Side::as_str);
-        self.metrics
-            .pairs_aborted
-            .with_label_values(&[model, f.reason.as_str(), side])
-            .inc();
-        if let Some(kind) = f.integrity {
-            self.metrics
-                .integrity_violations
-                .with_label_values(&[model, kind])
-                .inc();
-        }
-        if !self.audit.enabled() {
-            return;
-        }
-        let mut ev = AuditEvent {
-            ts_ms: now_ms(),
-            event: AuditKind::PairAborted,
-            pair_id: d.pair_id.to_string(),
-            tenant: at.tenant,
-            model,
-            reason: f.reason.as_str(),
-            integrity_kind: f.integrity,
-            side,
-            error_code: f.error.code(),
-            prefill_worker: &d.prefill.url,
-            decode_worker: &d.decode.url,
-            attempt: at.attempt,
-            committed: at.committed,
-            timings: AuditTimings {
-                since_request_ms: at.started.elapsed().as_millis() as u64,
-                since_dispatch_ms: at.dispatched.elapsed().as_millis() as u64,
-                barrier_ms: at.barrier.map(|b| b.as_millis() as u64),
-            },
-        };
-        if f.integrity.is_some() {
-            ev.event = AuditKind::IntegrityViolation;
-            self.audit.record(&ev);
-            ev.event = AuditKind::PairAborted;
-        }
-        self.audit.record(&ev);
     }
 
     /// One attempt: barrier, then streaming. `Err` means both halves must be aborted.
@@ -339,7 +279,7 @@ impl PairRuntime {
                             "prefill computed {} prompt tokens, lockstep sent {expected}", report.prompt_tokens)));
                     }
                     if let Some(n) = report.cached_tokens {
-                        self.metrics.worker_cached_tokens.with_label_values(&[&*self.model]).inc_by(n);
+                        self.observe().cached_tokens(n);
                     }
                     prefill_ok = true;
                     prefill_digest = report.kv_digest;
@@ -379,15 +319,9 @@ impl PairRuntime {
         }
         guard.set_state(PairState::Committed);
         *committed = true;
-        let model = &*self.model;
         let waited = dispatched.elapsed();
         *barrier = Some(waited);
-        self.metrics
-            .barrier_wait_seconds
-            .with_label_values(&[model])
-            .observe(waited.as_secs_f64());
-        let ttft = self.metrics.ttft_seconds.with_label_values(&[model]);
-        let itl = self.metrics.itl_seconds.with_label_values(&[model]);
+        let tokens = self.observe().committed(waited);
         let mut last_sent: Option<TokioInstant> = None;
         let gone = || {
             Failure::plain(
@@ -425,10 +359,7 @@ impl PairRuntime {
                 sent = tx.send(PairEvent::Chunk(chunk)) => match sent {
                     Ok(()) => {
                         let now = TokioInstant::now();
-                        match last_sent {
-                            None => ttft.observe((now - started).as_secs_f64()),
-                            Some(t) => itl.observe((now - t).as_secs_f64()),
-                        }
+                        tokens.sent(now, started, last_sent);
                         last_sent = Some(now);
                     }
                     Err(_) => return Err(gone()),

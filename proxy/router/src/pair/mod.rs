@@ -1,6 +1,7 @@
 //! The pair: its id, the registry of live pairs, and the lifecycle that owns each one.
 
 mod lifecycle;
+mod observer;
 mod outcome;
 mod registry;
 

@@ -5,12 +5,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::Worker;
+use super::Upstream;
 use crate::backend::UpstreamClient;
 use crate::config::HealthConfig;
 
 /// Runs health checks for `workers` forever (the caller aborts the task on shutdown).
-pub async fn health_loop(client: UpstreamClient, workers: Vec<Arc<Worker>>, cfg: HealthConfig) {
+pub async fn health_loop(client: UpstreamClient, workers: Vec<Arc<Upstream>>, cfg: HealthConfig) {
     let mut tick = tokio::time::interval(Duration::from_millis(cfg.interval_ms));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {

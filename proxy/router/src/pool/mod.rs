@@ -1,4 +1,4 @@
-//! Worker pools: selection policies, RAII load guards and background health checks.
+//! Worker pools (each worker an [`Upstream`]): selection policies, RAII load guards and background health checks.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -24,9 +24,9 @@ pub struct RouteKey<'a> {
     pub salt: u64,
 }
 
-/// One upstream worker and its live state.
+/// One worker as the router sees it (an upstream): its URL, health, load and draining flag.
 #[derive(Debug)]
-pub struct Worker {
+pub struct Upstream {
     /// Base URL without a trailing slash.
     pub url: String,
     /// Host part of the URL.
@@ -42,16 +42,16 @@ pub struct Worker {
     oks: AtomicU32,
 }
 
-impl Worker {
+impl Upstream {
     /// A worker from its configuration; healthy until checks say otherwise.
-    pub fn new(cfg: &WorkerConfig) -> Worker {
+    pub fn new(cfg: &WorkerConfig) -> Upstream {
         let url = cfg.url.trim_end_matches('/').to_string();
         let host = url
             .parse::<http::Uri>()
             .ok()
             .and_then(|u| u.host().map(str::to_string))
             .unwrap_or_default();
-        Worker {
+        Upstream {
             bootstrap_host: cfg.bootstrap_host.clone().unwrap_or_else(|| host.clone()),
             host,
             url,
@@ -111,16 +111,16 @@ impl Worker {
 
 /// Counts a pair against a worker while alive; dropping it gives the slot back.
 #[derive(Debug)]
-pub struct LoadGuard(Arc<Worker>);
+pub struct LoadGuard(Arc<Upstream>);
 
 impl LoadGuard {
     /// Takes a slot on `worker`.
-    pub fn new(worker: Arc<Worker>) -> LoadGuard {
+    pub fn new(worker: Arc<Upstream>) -> LoadGuard {
         worker.in_flight.fetch_add(1, Ordering::AcqRel);
         LoadGuard(worker)
     }
     /// The worker this guard counts against.
-    pub fn worker(&self) -> &Arc<Worker> {
+    pub fn worker(&self) -> &Arc<Upstream> {
         &self.0
     }
 }
@@ -128,7 +128,7 @@ impl LoadGuard {
 impl LoadGuard {
     /// Takes a slot only while the worker has fewer than `max` pairs (0: no limit); atomic, so
     /// concurrent picks never exceed it.
-    pub fn try_new(worker: Arc<Worker>, max: usize) -> Option<LoadGuard> {
+    pub fn try_new(worker: Arc<Upstream>, max: usize) -> Option<LoadGuard> {
         if max == 0 {
             return Some(LoadGuard::new(worker));
         }
@@ -151,7 +151,7 @@ impl Drop for LoadGuard {
 /// The workers of one side of a model, with their selection policy.
 #[derive(Debug)]
 pub struct WorkerPool {
-    workers: Vec<Arc<Worker>>,
+    workers: Vec<Arc<Upstream>>,
     policy: PolicyKind,
     max_pairs: usize,
     next: AtomicUsize,
@@ -165,7 +165,7 @@ impl WorkerPool {
             workers: cfg
                 .workers
                 .iter()
-                .map(|w| Arc::new(Worker::new(w)))
+                .map(|w| Arc::new(Upstream::new(w)))
                 .collect(),
             policy: cfg.policy,
             max_pairs: cfg.max_pairs_per_worker,
@@ -191,11 +191,15 @@ impl WorkerPool {
     /// longest prefix of the prompt (ties: the less loaded), unless load is out of balance or no
     /// worker holds enough of it; then the least-loaded (ties: the one predicted to hold least).
     /// Records the prompt's blocks as now held by the chosen worker.
-    fn pick_prefix<'w>(&self, candidates: &[&'w Arc<Worker>], key: &RouteKey) -> &'w Arc<Worker> {
+    fn pick_prefix<'w>(
+        &self,
+        candidates: &[&'w Arc<Upstream>],
+        key: &RouteKey,
+    ) -> &'w Arc<Upstream> {
         let cfg = &self.prefix.cfg;
         let hashes = lockstep_engine::pool::block_hashes(key.tokens, cfg.block_tokens, key.salt);
-        let index_of = |w: &Arc<Worker>| self.workers.iter().position(|x| Arc::ptr_eq(x, w));
-        let blocks = |w: &Arc<Worker>| index_of(w).and_then(|i| self.prefix.workers.get(i));
+        let index_of = |w: &Arc<Upstream>| self.workers.iter().position(|x| Arc::ptr_eq(x, w));
+        let blocks = |w: &Arc<Upstream>| index_of(w).and_then(|i| self.prefix.workers.get(i));
         let stats: Vec<(usize, usize, usize)> = candidates
             .iter()
             .map(|w| {
@@ -240,7 +244,7 @@ impl WorkerPool {
     }
 
     /// All workers.
-    pub fn workers(&self) -> &[Arc<Worker>] {
+    pub fn workers(&self) -> &[Arc<Upstream>] {
         &self.workers
     }
 
@@ -262,9 +266,9 @@ impl WorkerPool {
 
     /// Picks a healthy worker with a free slot (avoiding `avoid` when another one exists) and
     /// takes the slot. `key` is what the prefix-aware policy routes on (other policies ignore it).
-    pub fn pick(&self, avoid: Option<&Arc<Worker>>, key: Option<&RouteKey>) -> Option<LoadGuard> {
+    pub fn pick(&self, avoid: Option<&Arc<Upstream>>, key: Option<&RouteKey>) -> Option<LoadGuard> {
         let max = self.max_pairs;
-        let open = |w: &Arc<Worker>| w.accepts_pairs() && (max == 0 || w.in_flight() < max);
+        let open = |w: &Arc<Upstream>| w.accepts_pairs() && (max == 0 || w.in_flight() < max);
         // Fast path: one worker, no allocation.
         if let [only] = self.workers.as_slice() {
             return if only.accepts_pairs() {
@@ -273,8 +277,8 @@ impl WorkerPool {
                 None
             };
         }
-        let healthy: Vec<&Arc<Worker>> = self.workers.iter().filter(|w| open(w)).collect();
-        let candidates: Vec<&Arc<Worker>> = match avoid {
+        let healthy: Vec<&Arc<Upstream>> = self.workers.iter().filter(|w| open(w)).collect();
+        let candidates: Vec<&Arc<Upstream>> = match avoid {
             Some(a) if healthy.len() > 1 => healthy
                 .iter()
                 .copied()

@@ -1,5 +1,5 @@
-//! Admission (invariant 5): render the chat template, count prompt tokens with the model's real
-//! tokenizer, and refuse what cannot fit before anything is dispatched.
+//! A model's prompt codec: its chat template (minijinja) and its real tokenizer, so the router
+//! counts exactly the tokens the workers will compute; and the fit check (invariant 5).
 
 use std::sync::Arc;
 
@@ -20,22 +20,22 @@ pub struct ChatMessage {
 }
 
 /// The model's tokenizer and chat template, loaded once.
-pub struct Admission {
+pub struct PromptCodec {
     tokenizer: Tokenizer,
     env: Environment<'static>,
     bos_token: String,
     eos_token: String,
 }
 
-impl std::fmt::Debug for Admission {
+impl std::fmt::Debug for PromptCodec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Admission").finish_non_exhaustive()
+        f.debug_struct("PromptCodec").finish_non_exhaustive()
     }
 }
 
-impl Admission {
+impl PromptCodec {
     /// Loads the tokenizer file and compiles the chat template of a remote-backend model.
-    pub fn load(model: &ModelConfig) -> Result<Arc<Admission>, String> {
+    pub fn load(model: &ModelConfig) -> Result<Arc<PromptCodec>, String> {
         let name = &model.name;
         let path = model
             .tokenizer
@@ -49,7 +49,7 @@ impl Admission {
                 .map_err(|e| format!("model `{name}`: chat template {}: {e}", p.display()))?,
             None => return Err(format!("model `{name}`: no chat template configured")),
         };
-        Admission::new(
+        PromptCodec::new(
             name,
             tokenizer,
             source,
@@ -66,11 +66,11 @@ impl Admission {
         template: String,
         bos_token: String,
         eos_token: String,
-    ) -> Result<Arc<Admission>, String> {
+    ) -> Result<Arc<PromptCodec>, String> {
         let mut env = Environment::new();
         env.add_template_owned("chat", template)
             .map_err(|e| format!("model `{name}`: chat template: {e}"))?;
-        Ok(Arc::new(Admission {
+        Ok(Arc::new(PromptCodec {
             tokenizer,
             env,
             bos_token,

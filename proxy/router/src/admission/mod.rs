@@ -1,0 +1,264 @@
+//! The admission stage: the one path every front end (the OpenAI routes, `/generate`, gRPC) takes
+//! from a request to a pair, in this order:
+//!
+//! 1. **authenticate**: the API key names the tenant ([`authorize`]);
+//! 2. **tenant limits**: refused while draining; the tenant's rate and concurrency limits (the
+//!    concurrency slot is held as long as the response lives), before any body is parsed;
+//! 3. **parse and validate**: the front end's own shape ([`FrontRequest`]: the HTTP routes read
+//!    their JSON through the `Admit` extractor of `http::extract`), then the model it names, which
+//!    the tenant must be allowed to use;
+//! 4. **template**: chat messages through the model's chat template;
+//! 5. **tokenize**: the model's real tokenizer (or token ids checked against its vocabulary);
+//! 6. **fit**: the deployment's prompt and `max_tokens` limits, then prompt + `max_tokens`
+//!    within the context window and the KV capacity (invariant 5: refuse before transfer).
+//!
+//! Every refusal is counted once, here ([`Refusal`]), by model (empty until the model is known)
+//! and stable error code.
+
+pub mod codec;
+
+pub use codec::{ChatMessage, PromptCodec, check_fits};
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use http::HeaderMap;
+use serde::Deserialize;
+use tokio::sync::OwnedSemaphorePermit;
+
+use crate::backend::SamplingParams;
+use crate::error::LockstepError;
+use crate::state::{AppState, ModelRuntime};
+use crate::tenant::Tenant;
+
+/// Who is calling (step 1) and the tenant's concurrency slot for this request (step 2).
+#[derive(Debug)]
+pub struct Caller {
+    /// The tenant (`None` when lockstep runs open).
+    pub tenant: Option<Arc<Tenant>>,
+    /// Held as long as the response lives; dropping it frees the tenant's slot.
+    pub permit: Option<OwnedSemaphorePermit>,
+}
+
+/// A completion-style prompt as clients send it: a string, a list of one string, or token ids.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    /// One text.
+    Text(String),
+    /// Texts (only a list of one is served).
+    Texts(Vec<String>),
+    /// Token ids.
+    Ids(Vec<u32>),
+    /// Lists of token ids (only a list of one is served).
+    Batches(Vec<Vec<u32>>),
+}
+
+/// What a front end asks the model to continue.
+#[derive(Debug)]
+pub enum Input {
+    /// Chat messages, rendered through the model's chat template (step 4).
+    Chat(Vec<ChatMessage>),
+    /// A prompt, tokenized as it is (special tokens in text are parsed as special).
+    Prompt(Prompt),
+}
+
+/// A front end's request once parsed (step 3 is the front end's own: its shape, its fields).
+pub trait FrontRequest {
+    /// How the front end answers (API shape, streaming).
+    type Shape;
+    /// The model the request names (`None`: the only one served).
+    fn model(&self) -> Option<&str>;
+    /// Validates the rest against `model`: the prompt, the sampling parameters, the shape.
+    fn validate(
+        self,
+        model: &ModelRuntime,
+    ) -> Result<(Input, SamplingParams, Self::Shape), LockstepError>;
+}
+
+/// A request through every step, ready to become a pair.
+#[derive(Debug)]
+pub struct Admitted {
+    /// The model (its generation at admission: a reload does not move the pair).
+    pub model: Arc<ModelRuntime>,
+    /// The prompt's token ids.
+    pub ids: Vec<u32>,
+    /// Sampling, with `max_new_tokens` resolved.
+    pub sampling: SamplingParams,
+    /// Who asked, with their concurrency slot.
+    pub caller: Caller,
+}
+
+/// A refused request: counted (by model and code) when made, then answered by the front end.
+#[derive(Debug)]
+pub struct Refusal(pub LockstepError);
+
+impl Refusal {
+    /// Counts `e` against `model` (empty before the model is known) and wraps it.
+    pub fn count(state: &AppState, model: &str, e: LockstepError) -> Refusal {
+        state
+            .metrics
+            .admission_refusals
+            .with_label_values(&[model, e.code()])
+            .inc();
+        Refusal(e)
+    }
+}
+
+/// Steps 1 and 2: the caller's tenant from its API key, then draining and the tenant's limits.
+pub fn authorize(state: &AppState, headers: &HeaderMap) -> Result<Caller, Refusal> {
+    let tenant = state
+        .tenants
+        .load()
+        .authenticate(headers)
+        .map_err(|e| Refusal::count(state, "", e))?;
+    if state.draining.load(Ordering::Acquire) {
+        let e = LockstepError::Unavailable {
+            message: "lockstep is draining: not accepting new requests".into(),
+        };
+        return Err(Refusal::count(state, "", e));
+    }
+    let permit = match &tenant {
+        None => None,
+        Some(t) => t.admit().map_err(|e| Refusal::count(state, "", e))?,
+    };
+    Ok(Caller { tenant, permit })
+}
+
+/// The model `name` designates (`None`: the only one served), if the caller may use it.
+pub fn find_model(
+    state: &AppState,
+    caller: &Caller,
+    name: Option<&str>,
+) -> Result<Arc<ModelRuntime>, LockstepError> {
+    let models = state.models.load();
+    let models = &models.by_name;
+    let model = match name {
+        Some(n) => models
+            .get(n)
+            .cloned()
+            .ok_or_else(|| LockstepError::ModelNotFound {
+                model: n.to_string(),
+            })?,
+        None if models.len() == 1 => {
+            models
+                .values()
+                .next()
+                .cloned()
+                .ok_or(LockstepError::ModelNotFound {
+                    model: String::new(),
+                })?
+        }
+        None => {
+            return Err(LockstepError::InvalidRequest {
+                message: "`model` is required when several models are served".into(),
+                param: Some("model".into()),
+            });
+        }
+    };
+    if let Some(t) = &caller.tenant {
+        t.check_model(&model.name)?;
+    }
+    Ok(model)
+}
+
+/// Steps 3 to 6 for a parsed request of an authorized caller.
+pub fn admit<R: FrontRequest>(
+    state: &AppState,
+    caller: Caller,
+    req: R,
+) -> Result<(Admitted, R::Shape), Refusal> {
+    let _span = tracing::info_span!("admission").entered();
+    let model =
+        find_model(state, &caller, req.model()).map_err(|e| Refusal::count(state, "", e))?;
+    let refuse = |e| Refusal::count(state, &model.name, e);
+    let (input, sampling, shape) = req.validate(&model).map_err(refuse)?;
+    let ids = tokenize(&model, input).map_err(refuse)?;
+    fit(&model, &ids, &sampling).map_err(refuse)?;
+    Ok((
+        Admitted {
+            model,
+            ids,
+            sampling,
+            caller,
+        },
+        shape,
+    ))
+}
+
+/// Steps 4 and 5: the template for chat, then the tokenizer; token ids are checked against the
+/// vocabulary.
+pub fn tokenize(model: &ModelRuntime, input: Input) -> Result<Vec<u32>, LockstepError> {
+    let ids = match input {
+        Input::Chat(messages) => {
+            let prompt = model.codec.render_chat(&messages)?;
+            model.codec.encode(&prompt)?
+        }
+        Input::Prompt(Prompt::Text(s)) => model.codec.encode(&s)?,
+        Input::Prompt(Prompt::Texts(v)) if v.len() == 1 => model.codec.encode(&v[0])?,
+        Input::Prompt(Prompt::Ids(ids)) => {
+            let vocab = model.codec.vocab_size();
+            if let Some(bad_id) = ids.iter().find(|&&t| t as usize >= vocab) {
+                return Err(LockstepError::InvalidRequest {
+                    message: format!(
+                        "token id {bad_id} is outside the vocabulary of {vocab} tokens"
+                    ),
+                    param: Some("prompt".into()),
+                });
+            }
+            ids
+        }
+        Input::Prompt(Prompt::Batches(v)) if v.len() == 1 => {
+            let ids = v.into_iter().next().unwrap_or_default();
+            return tokenize(model, Input::Prompt(Prompt::Ids(ids)));
+        }
+        Input::Prompt(Prompt::Texts(_) | Prompt::Batches(_)) => {
+            return Err(LockstepError::Unsupported {
+                message: "batched prompts are not supported yet; send one prompt per request"
+                    .into(),
+                param: Some("prompt".into()),
+            });
+        }
+    };
+    if ids.is_empty() {
+        return Err(LockstepError::InvalidRequest {
+            message: "`prompt` must not be empty".into(),
+            param: Some("prompt".into()),
+        });
+    }
+    Ok(ids)
+}
+
+/// Step 6: the deployment's limits, then the context window and the KV capacity.
+pub fn fit(
+    model: &ModelRuntime,
+    ids: &[u32],
+    sampling: &SamplingParams,
+) -> Result<(), LockstepError> {
+    let limits = &model.cfg;
+    if limits.max_prompt_tokens > 0 && ids.len() as u64 > limits.max_prompt_tokens {
+        return Err(LockstepError::InvalidRequest {
+            message: format!(
+                "the prompt has {} tokens; this deployment accepts at most {}",
+                ids.len(),
+                limits.max_prompt_tokens
+            ),
+            param: Some("prompt".into()),
+        });
+    }
+    if limits.max_tokens_limit > 0 && sampling.max_new_tokens > limits.max_tokens_limit {
+        return Err(LockstepError::InvalidRequest {
+            message: format!(
+                "max_tokens {} is over this deployment's limit of {}",
+                sampling.max_new_tokens, limits.max_tokens_limit
+            ),
+            param: Some("max_tokens".into()),
+        });
+    }
+    check_fits(
+        ids.len() as u64,
+        sampling.max_new_tokens,
+        model.cfg.context_window,
+        model.kv_capacity(),
+    )
+}

@@ -1,0 +1,156 @@
+//! The HTTP side of the admission stage, as axum extractors: [`Authenticated`] (the caller's
+//! tenant), [`JsonBody`] (a size-bounded, typed JSON body whose errors name the failing field) and
+//! [`Admit`] (the whole stage for a generation route: authenticate, tenant limits, the JSON body,
+//! then `admission::admit`). A rejection is the refusal's response, already counted.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::{FromRequest, FromRequestParts, Request};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use http::HeaderMap;
+use http::request::Parts;
+use http_body_util::{BodyExt, Limited};
+use serde::de::DeserializeOwned;
+
+use crate::admission::{Admitted, FrontRequest, Refusal, admit, authorize};
+use crate::error::LockstepError;
+use crate::state::AppState;
+use crate::tenant::Tenant;
+
+impl IntoResponse for Refusal {
+    fn into_response(self) -> Response {
+        self.0.into_response()
+    }
+}
+
+/// The caller's tenant (`None` when lockstep runs open), for routes that take no limits.
+#[derive(Debug)]
+pub(crate) struct Authenticated(pub(crate) Option<Arc<Tenant>>);
+
+impl FromRequestParts<Arc<AppState>> for Authenticated {
+    type Rejection = Refusal;
+
+    async fn from_request_parts(
+        parts: &mut Parts,
+        state: &Arc<AppState>,
+    ) -> Result<Self, Self::Rejection> {
+        state
+            .tenants
+            .load()
+            .authenticate(&parts.headers)
+            .map(Authenticated)
+            .map_err(|e| Refusal::count(state, "", e))
+    }
+}
+
+/// A JSON body of type `T`, read within `server.max_body_bytes`.
+#[derive(Debug)]
+pub(crate) struct JsonBody<T>(pub(crate) T);
+
+impl<T: DeserializeOwned> FromRequest<Arc<AppState>> for JsonBody<T> {
+    type Rejection = Refusal;
+
+    async fn from_request(req: Request, state: &Arc<AppState>) -> Result<Self, Self::Rejection> {
+        let (parts, body) = req.into_parts();
+        read_json(state, &parts.headers, body)
+            .await
+            .map(JsonBody)
+            .map_err(|e| Refusal::count(state, "", e))
+    }
+}
+
+/// A generation request through the whole admission stage: ready to become a pair, with the
+/// shape its answer takes.
+#[derive(Debug)]
+pub(crate) struct Admit<R: FrontRequest>(pub(crate) Admitted, pub(crate) R::Shape);
+
+impl<R> FromRequest<Arc<AppState>> for Admit<R>
+where
+    R: FrontRequest + DeserializeOwned + Send,
+    R::Shape: Send,
+{
+    type Rejection = Refusal;
+
+    async fn from_request(req: Request, state: &Arc<AppState>) -> Result<Self, Self::Rejection> {
+        let (parts, body) = req.into_parts();
+        let caller = match authorize(state, &parts.headers) {
+            Ok(c) => c,
+            Err(r) => {
+                linger(body).await;
+                return Err(r);
+            }
+        };
+        let JsonBody(parsed) =
+            JsonBody::<R>::from_request(Request::from_parts(parts, body), state).await?;
+        let (admitted, shape) = admit(state, caller, parsed)?;
+        Ok(Admit(admitted, shape))
+    }
+}
+
+/// Reads the body within the configured limit and parses it as `T`, mapping every failure to a
+/// stable error code: 413 `body_too_large`, 400 `invalid_json` or 400 `invalid_request` (with the
+/// offending field as `param`).
+async fn read_json<T: DeserializeOwned>(
+    state: &AppState,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<T, LockstepError> {
+    let limit = state.max_body_bytes;
+    let declared = headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        linger(body).await;
+        return Err(LockstepError::BodyTooLarge { limit });
+    }
+    let mut body = body;
+    let mut buf = bytes::BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| LockstepError::InvalidJson {
+            message: format!("cannot read body: {e}"),
+        })?;
+        if let Ok(data) = frame.into_data() {
+            if buf.len() + data.len() > limit {
+                linger(body).await;
+                return Err(LockstepError::BodyTooLarge { limit });
+            }
+            buf.extend_from_slice(&data);
+        }
+    }
+    let bytes: Bytes = buf.freeze();
+    if std::str::from_utf8(&bytes).is_err() {
+        return Err(LockstepError::InvalidJson {
+            message: "body is not valid UTF-8".into(),
+        });
+    }
+    let de = &mut serde_json::Deserializer::from_slice(&bytes);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        if inner.is_data() {
+            LockstepError::InvalidRequest {
+                message: format!("`{path}`: {inner}"),
+                param: (path != ".").then_some(path),
+            }
+        } else {
+            LockstepError::InvalidJson {
+                message: inner.to_string(),
+            }
+        }
+    })
+}
+
+/// Reads and discards what is left of a refused body (bounded in bytes and time) before the error
+/// is sent, so the client, still writing, gets the 413 instead of a broken pipe (nginx calls
+/// this a lingering close).
+async fn linger(body: Body) {
+    const DRAIN_BYTES: usize = 16 * 1024 * 1024;
+    let _ = tokio::time::timeout(
+        std::time::Duration::from_secs(2),
+        Limited::new(body, DRAIN_BYTES).collect(),
+    )
+    .await;
+}

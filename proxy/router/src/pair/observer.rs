@@ -1,0 +1,179 @@
+//! The pair observer: every metric, audit line and log event of a pair's life is recorded here,
+//! so the lifecycle reads as control flow and the record of a pair cannot drift between paths.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use prometheus::Histogram;
+use tokio::time::Instant as TokioInstant;
+
+use super::outcome::Failure;
+use super::{Outcome, PairStats};
+use crate::audit::{Audit, AuditEvent, AuditKind, AuditTimings, now_ms};
+use crate::backend::{Dispatch, Side};
+use crate::error::LockstepError;
+use crate::metrics::Metrics;
+
+/// Where an aborted pair stood, for its metrics and audit line.
+pub(super) struct AbortContext<'a> {
+    pub(super) tenant: Option<&'a str>,
+    pub(super) attempt: u32,
+    pub(super) committed: bool,
+    pub(super) started: TokioInstant,
+    pub(super) dispatched: TokioInstant,
+    pub(super) barrier: Option<Duration>,
+}
+
+/// One model's view of the counters, histograms and audit log a pair writes to.
+pub(super) struct PairObserver<'a> {
+    pub(super) model: &'a str,
+    pub(super) metrics: &'a Metrics,
+    pub(super) audit: &'a Audit,
+    pub(super) stats: &'a PairStats,
+}
+
+/// Time to first token and between tokens of a committed pair.
+pub(super) struct TokenTimes {
+    ttft: Histogram,
+    itl: Histogram,
+}
+
+impl TokenTimes {
+    /// A chunk reached the client at `now`: the first one since `started`, or one after `last`.
+    pub(super) fn sent(
+        &self,
+        now: TokioInstant,
+        started: TokioInstant,
+        last: Option<TokioInstant>,
+    ) {
+        match last {
+            None => self.ttft.observe((now - started).as_secs_f64()),
+            Some(t) => self.itl.observe((now - t).as_secs_f64()),
+        }
+    }
+}
+
+impl PairObserver<'_> {
+    /// Both halves were dispatched.
+    pub(super) fn dispatched(&self) {
+        self.stats.dispatched.fetch_add(1, Ordering::Relaxed);
+        self.metrics
+            .pairs_started
+            .with_label_values(&[self.model])
+            .inc();
+    }
+
+    /// The barrier passed after `waited`; returns where the token timings go.
+    pub(super) fn committed(&self, waited: Duration) -> TokenTimes {
+        self.metrics
+            .barrier_wait_seconds
+            .with_label_values(&[self.model])
+            .observe(waited.as_secs_f64());
+        TokenTimes {
+            ttft: self.metrics.ttft_seconds.with_label_values(&[self.model]),
+            itl: self.metrics.itl_seconds.with_label_values(&[self.model]),
+        }
+    }
+
+    /// The prefill worker reported `n` prompt tokens taken from its prefix cache.
+    pub(super) fn cached_tokens(&self, n: u64) {
+        self.metrics
+            .worker_cached_tokens
+            .with_label_values(&[self.model])
+            .inc_by(n);
+    }
+
+    /// The pair finished and its last chunk reached the client.
+    pub(super) fn completed(&self) {
+        self.metrics
+            .pairs_completed
+            .with_label_values(&[self.model])
+            .inc();
+    }
+
+    /// An aborted pair (both halves told): its log line on the pair's span, the abort and
+    /// integrity counters, and its audit lines.
+    pub(super) fn aborted(
+        &self,
+        span: &tracing::Span,
+        d: &Dispatch,
+        f: &Failure,
+        at: &AbortContext<'_>,
+    ) {
+        tracing::warn!(parent: span, pair = %d.pair_id, model = %self.model, reason = f.reason.as_str(), side = f.failed_side.map_or("none", Side::as_str), error = %f.error, "pair aborted on both halves");
+        let model = self.model;
+        let side = f.failed_side.map_or("none", Side::as_str);
+        self.metrics
+            .pairs_aborted
+            .with_label_values(&[model, f.reason.as_str(), side])
+            .inc();
+        if let Some(kind) = f.integrity {
+            self.metrics
+                .integrity_violations
+                .with_label_values(&[model, kind])
+                .inc();
+        }
+        if !self.audit.enabled() {
+            return;
+        }
+        let mut ev = AuditEvent {
+            ts_ms: now_ms(),
+            event: AuditKind::PairAborted,
+            pair_id: d.pair_id.to_string(),
+            tenant: at.tenant,
+            model,
+            reason: f.reason.as_str(),
+            integrity_kind: f.integrity,
+            side,
+            error_code: f.error.code(),
+            prefill_worker: &d.prefill.url,
+            decode_worker: &d.decode.url,
+            attempt: at.attempt,
+            committed: at.committed,
+            timings: AuditTimings {
+                since_request_ms: at.started.elapsed().as_millis() as u64,
+                since_dispatch_ms: at.dispatched.elapsed().as_millis() as u64,
+                barrier_ms: at.barrier.map(|b| b.as_millis() as u64),
+            },
+        };
+        if f.integrity.is_some() {
+            ev.event = AuditKind::IntegrityViolation;
+            self.audit.record(&ev);
+            ev.event = AuditKind::PairAborted;
+        }
+        self.audit.record(&ev);
+    }
+
+    /// A failed attempt will be retried as a new pair.
+    pub(super) fn retried(&self) {
+        self.stats.retries.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// One half's abort call was sent.
+    pub(super) fn abort_call(&self) {
+        self.stats.abort_calls.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Where the time from a failure to both aborts answered goes.
+    pub(super) fn abort_both_latency(&self) -> Histogram {
+        self.metrics
+            .abort_both_seconds
+            .with_label_values(&[self.model])
+    }
+
+    /// Nothing was dispatched: no worker could take the pair (an admission refusal).
+    pub(super) fn refused(&self, e: &LockstepError) {
+        self.metrics
+            .admission_refusals
+            .with_label_values(&[self.model, e.code()])
+            .inc();
+    }
+
+    /// The request's pair task ended.
+    pub(super) fn ended(&self, outcome: Outcome) {
+        match outcome {
+            Outcome::Completed => self.stats.completed.fetch_add(1, Ordering::Relaxed),
+            Outcome::Aborted(_) => self.stats.aborted.fetch_add(1, Ordering::Relaxed),
+        };
+    }
+}
