@@ -23,6 +23,8 @@
 //!
 //! Prefix sharing shares only full pages, so no sequence ever extends a shared page: the
 //! copy-before-extend case cannot arise.
+//!
+//! Where the engine sits among lockstep's crates: `docs/ARCHITECTURE.md`.
 
 pub mod attention;
 pub mod bundle;

@@ -4,7 +4,8 @@
 //! - `Worker`: between the router and `lockstep worker` processes, and between workers (the
 //!   verified KV push).
 //!
-//! [`FILE_DESCRIPTOR_SET`] serves gRPC reflection.
+//! [`FILE_DESCRIPTOR_SET`] serves gRPC reflection. The router and the workers meet only here
+//! (`docs/ARCHITECTURE.md`).
 
 #![allow(clippy::all)]
 

@@ -1,4 +1,6 @@
-//! The `lockstep` command line.
+//! The `lockstep` command line: `serve` (the router, `lockstep-router`), `check`, `worker` (a
+//! `lockstep-worker` process) and `hash-key`, composed over the shared serving pieces of
+//! `lockstep-serve`. The crate map: `docs/ARCHITECTURE.md`.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

@@ -107,9 +107,8 @@ pub(crate) async fn build_models(
     let mut errors = Vec::new();
     for m in &cfg.models {
         let built = match m.backend {
-            BackendKind::Sglang | BackendKind::Vllm => build_remote(m, client).await,
             BackendKind::Embedded => build_embedded(m).await,
-            BackendKind::Lockstep => build_lockstep(m, client).await,
+            _ => build_remote(m, client).await,
         };
         let Built {
             capacity,
@@ -181,11 +180,12 @@ struct Built {
     engine: Option<Arc<Pd>>,
 }
 
-/// A remote-worker model: deployment check against the workers, tokenizer and template files.
+/// A model served by remote workers (SGLang, vLLM, lockstep workers): the backend's deployment
+/// probe, then the tokenizer and template.
 async fn build_remote(m: &ModelConfig, client: &UpstreamClient) -> Result<Built, String> {
     let backend = remote_backend(m, client).ok_or("not a remote backend")?;
     let capacity = backend.deployment_capacity(m).await?;
-    let codec = PromptCodec::load(m)?;
+    let codec = remote_codec(m).await?;
     Ok(Built {
         capacity,
         codec,
@@ -196,36 +196,24 @@ async fn build_remote(m: &ModelConfig, client: &UpstreamClient) -> Result<Built,
     })
 }
 
-/// A `lockstep`-worker model: deployment check through the workers' `Capacity` (KV capacity,
-/// roles, one model across all of them); tokenizer and template from files or the model file.
-async fn build_lockstep(m: &ModelConfig, client: &UpstreamClient) -> Result<Built, String> {
-    let backend = remote_backend(m, client).ok_or("not a remote backend")?;
-    let capacity = backend.deployment_capacity(m).await?;
-    let codec = match &m.engine {
-        None => PromptCodec::load(m)?,
-        Some(e) => {
-            let (e, name) = (e.clone(), m.name.clone());
-            tokio::task::spawn_blocking(move || {
-                let path = lockstep_serve::model_file::ensure_model(e.model_file())
-                    .map_err(|err| format!("model `{name}`: {err}"))?;
-                let g = lockstep_engine::gguf::open(&path)
-                    .map_err(|err| format!("model `{name}`: {}: {err}", path.display()))?;
-                let t = lockstep_engine::tokenizer::ModelTokenizer::from_gguf(&g)
-                    .map_err(|err| format!("model `{name}`: {}: {err}", path.display()))?;
-                model_file_codec(&name, &t)
-            })
-            .await
-            .map_err(|err| format!("model `{}`: tokenizer load panicked: {err}", m.name))??
-        }
+/// The tokenizer and template of a remote model: from `tokenizer` and `chat_template`, or (for
+/// lockstep workers) from the model file named in `[models.engine]`, read but not loaded.
+async fn remote_codec(m: &ModelConfig) -> Result<Arc<PromptCodec>, String> {
+    let Some(e) = &m.engine else {
+        return PromptCodec::load(m);
     };
-    Ok(Built {
-        capacity,
-        codec,
-        backend,
-        prefill: Arc::new(WorkerPool::new(&m.prefill)),
-        decode: Arc::new(WorkerPool::new(&m.decode)),
-        engine: None,
+    let (e, name) = (e.clone(), m.name.clone());
+    tokio::task::spawn_blocking(move || {
+        let path = lockstep_serve::model_file::ensure_model(e.model_file())
+            .map_err(|err| format!("model `{name}`: {err}"))?;
+        let g = lockstep_engine::gguf::open(&path)
+            .map_err(|err| format!("model `{name}`: {}: {err}", path.display()))?;
+        let t = lockstep_engine::tokenizer::ModelTokenizer::from_gguf(&g)
+            .map_err(|err| format!("model `{name}`: {}: {err}", path.display()))?;
+        model_file_codec(&name, &t)
     })
+    .await
+    .map_err(|err| format!("model `{}`: tokenizer load panicked: {err}", m.name))?
 }
 
 /// PromptCodec from a model file's own tokenizer and chat template, so the router and the engine
