@@ -123,11 +123,6 @@ impl Config {
         ConfigFile::problems(self)
     }
 
-    /// Makes relative paths relative to the config file's folder.
-    pub fn resolve_paths(&mut self, base: &Path) {
-        ConfigFile::resolve_paths(self, base);
-    }
-
     /// Settings that are valid but unsafe in production (fault injection).
     pub fn warnings(&self) -> Vec<String> {
         self.models
