@@ -28,46 +28,7 @@ PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"; }
 trap cleanup EXIT
 
-PREFILL='{"text":"x","output_ids":[1],"meta_info":{"id":"r","prompt_tokens":2,"completion_tokens":1,"cached_tokens":0,"finish_reason":{"type":"length","length":1}}}'
-DECODE_JSON='{"text":"hello","output_ids":[1],"meta_info":{"id":"r","prompt_tokens":2,"completion_tokens":1,"cached_tokens":0,"finish_reason":{"type":"length","length":1}}}'
-DECODE_SSE=$(printf 'data: %s\n\ndata: [DONE]\n\n' "$DECODE_JSON")
-INFO='{"model_path":"mock","tokenizer_path":"mock","is_generation":true,"max_total_num_tokens":1000000}'
-mkdir -p "$WORK/logs"
-cat > "$WORK/nginx.conf" <<NGINX
-worker_processes 1;
-daemon off;
-pid $WORK/nginx.pid;
-error_log $WORK/logs/error.log warn;
-events { worker_connections 4096; }
-http {
-  access_log off;
-  keepalive_requests 1000000;
-  client_body_temp_path $WORK/body;
-  proxy_temp_path $WORK/proxy;
-  upstream decode_sse { server 127.0.0.1:31004; keepalive 64; }
-  upstream decode_mixed { server 127.0.0.1:31002; keepalive 64; }
-  upstream decode_answers { server 127.0.0.1:31003; keepalive 64; }
-  map \$request_body \$want_stream { "~\"stream\": *true" 1; default 0; }
-  # prefill
-  server { listen 127.0.0.1:31001;
-    location /generate { default_type application/json; return 200 '$PREFILL'; }
-    location / { default_type application/json; return 200 '$INFO'; } }
-  # decode, json mode: SSE or JSON as the body asks (one internal hop reads the body)
-  server { listen 127.0.0.1:31002;
-    location /generate { proxy_pass http://decode_answers; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_set_header X-Stream \$want_stream; proxy_buffering off; }
-    location / { default_type application/json; return 200 '$INFO'; } }
-  server { listen 127.0.0.1:31003;
-    location /generate { if (\$http_x_stream = 1) { rewrite ^ /sse last; } default_type application/json; return 200 '$DECODE_JSON'; }
-    location /sse { default_type text/event-stream; return 200 '$DECODE_SSE'; } }
-  # decode, stream mode: SSE to every request
-  server { listen 127.0.0.1:31004;
-    location /generate { default_type text/event-stream; return 200 '$DECODE_SSE'; }
-    location / { default_type application/json; return 200 '$INFO'; } }
-  # nginx as a plain single-upstream proxy in front of each decode
-  server { listen 127.0.0.1:31010; location / { proxy_pass http://decode_mixed; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_buffering off; } }
-  server { listen 127.0.0.1:31011; location / { proxy_pass http://decode_sse; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_buffering off; } }
-}
-NGINX
+write_pd_upstreams
 nginx -p "$WORK" -c "$WORK/nginx.conf" & PIDS+=($!)
 
 gateway() { # venv port decode-port prometheus-port
@@ -84,12 +45,7 @@ sed -e 's/31030/31031/; s/31002/31004/' bench/pd-bench.toml > "$WORK/pd-bench-st
 sed -i "s|\.\./config/|$PWD/config/|" "$WORK/pd-bench-stream.toml"
 target/release/lockstep serve --config "$WORK/pd-bench-stream.toml" >"$WORK/logs/lockstep-stream.log" 2>&1 & PIDS+=($!)
 
-BODY_stream='{"text":"hello world","stream":true,"sampling_params":{"max_new_tokens":1}}'
-BODY_json='{"text":"hello world","stream":false,"sampling_params":{"max_new_tokens":1}}'
-for mode in stream json; do
-  body_var=BODY_$mode
-  printf 'wrk.method = "POST"\nwrk.body = %s\nwrk.headers["Content-Type"] = "application/json"\n' "'${!body_var}'" > "$WORK/post_$mode.lua"
-done
+write_pd_bodies
 # name:port per mode
 TARGETS_json="direct:31002 nginx-proxy:31010 sglang-router-0.3.2:31020 smg-1.13.0:31021 lockstep:31030"
 TARGETS_stream="direct:31004 nginx-proxy:31011 sglang-router-0.3.2:31022 smg-1.13.0:31023 lockstep:31031"
