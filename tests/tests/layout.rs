@@ -598,3 +598,50 @@ fn the_checker_finds_cycles_and_skips_what_does_not_count() {
     edges.get_mut("c").expect("c").clear();
     assert!(cycles(&edges).is_empty());
 }
+
+/// The router and the worker never depend on each other (they meet only in `lockstep-proto`), nor
+/// on the binary, and the engine depends on none of them: each is its own process role.
+#[test]
+fn router_and_worker_never_depend_on_each_other() {
+    let root = workspace_root();
+    // The names in a manifest's dependency tables (`name = ...` or `name.workspace = true`).
+    let deps = |krate: &str| -> Vec<String> {
+        let text = std::fs::read_to_string(root.join(krate).join("Cargo.toml")).expect("manifest");
+        let mut names = Vec::new();
+        let mut in_deps = false;
+        for line in text.lines().map(str::trim) {
+            if line.starts_with('[') {
+                in_deps = line.ends_with("dependencies]");
+            } else if in_deps
+                && let Some(name) = line.split(['=', '.']).next()
+                && !name.trim().is_empty()
+            {
+                names.push(name.trim().to_string());
+            }
+        }
+        names
+    };
+    for (krate, needs, forbidden) in [
+        (
+            "proxy/router",
+            "lockstep-proto",
+            ["lockstep-worker", "lockstep"],
+        ),
+        (
+            "proxy/worker",
+            "lockstep-proto",
+            ["lockstep-router", "lockstep"],
+        ),
+        (
+            "gpu-engine",
+            "cudarc",
+            ["lockstep-router", "lockstep-worker"],
+        ),
+    ] {
+        let d = deps(krate);
+        assert!(d.iter().any(|n| n == needs), "{krate}: {d:?}");
+        for f in forbidden {
+            assert!(!d.iter().any(|n| n == f), "{krate} depends on {f}: {d:?}");
+        }
+    }
+}
