@@ -13,10 +13,7 @@ source bench/lib.sh
 A=$(realpath "$1"); B=$(realpath "$2"); DUR=${3:-6}; ROUNDS=${4:-3}
 for tool in wrk nginx curl; do command -v $tool >/dev/null || { echo "install $tool"; exit 1; }; done
 
-WORK=$(mktemp -d)
-PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"; }
-trap cleanup EXIT
+start_workdir
 
 write_pd_upstreams
 nginx -p "$WORK" -c "$WORK/nginx.conf" & PIDS+=($!)

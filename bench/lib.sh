@@ -1,5 +1,13 @@
 # Shared by the wrk benchmarks (bench/pd_proxy.sh, bench/vllm_pd.sh); sourced, never run.
-# Expects WORK (with post_<mode>.lua scripts) and DUR to be set.
+# The wrk helpers expect WORK (with post_<mode>.lua scripts) and DUR to be set.
+
+# start_workdir: a fresh $WORK and the PIDS array; on exit every pid in PIDS is stopped (by pid,
+# never by name) and $WORK removed.
+start_workdir() {
+  WORK=$(mktemp -d)
+  PIDS=()
+  trap 'for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"' EXIT
+}
 
 # wait_answers PATH BODY NEEDLE TARGETS: waits (bounded) until every name:port target answers
 # POST PATH with BODY and a body containing NEEDLE; exits with their logs if one never does.

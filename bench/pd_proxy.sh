@@ -23,10 +23,7 @@ for p in sglang-router==0.3.2 smg==1.13.0; do
 done
 cargo build --release -q -p lockstep
 
-WORK=$(mktemp -d)
-PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"; }
-trap cleanup EXIT
+start_workdir
 
 write_pd_upstreams
 nginx -p "$WORK" -c "$WORK/nginx.conf" & PIDS+=($!)

@@ -20,10 +20,7 @@ VR="$CACHE/venv-vllm-router"
 [ -x "$VR/bin/vllm-router" ] || { python3 -m venv "$VR" && "$VR/bin/pip" install -q vllm-router==0.1.17; }
 cargo build --release -q -p lockstep
 
-WORK=$(mktemp -d)
-PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"; }
-trap cleanup EXIT
+start_workdir
 
 USAGE='"usage":{"prompt_tokens":2,"completion_tokens":1,"total_tokens":3}'
 PREFILL='{"id":"c","object":"text_completion","model":"mock-pd","choices":[{"index":0,"text":"x","logprobs":null,"finish_reason":"length"}],'$USAGE',"kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[0],"remote_engine_id":"e","remote_host":"127.0.0.1","remote_port":5600,"tp_size":1}}'
