@@ -319,8 +319,26 @@ impl LockstepError {
             meta.insert("retry_after_s".to_string(), retry_after_s.to_string());
         }
         let details = ErrorDetails::with_error_info(self.code(), "lockstep", meta);
-        tonic::Status::with_error_details(self.grpc_code(), self.to_string(), details)
+        tonic::Status::with_error_details(self.grpc_code(), capped(self.to_string()), details)
     }
+}
+
+/// Longest `grpc-message` lockstep sends: the message travels in a header, and a peer's header
+/// limit (HPACK) turns a longer one (e.g. a client's 20 kB model name echoed back) into a
+/// connection error instead of the status.
+const MAX_STATUS_MESSAGE: usize = 1024;
+
+/// `message`, cut at [`MAX_STATUS_MESSAGE`] bytes (on a character boundary) with a marker.
+fn capped(mut message: String) -> String {
+    if message.len() > MAX_STATUS_MESSAGE {
+        let mut end = MAX_STATUS_MESSAGE;
+        while !message.is_char_boundary(end) {
+            end -= 1;
+        }
+        message.truncate(end);
+        message.push_str("... (cut)");
+    }
+    message
 }
 
 impl IntoResponse for LockstepError {
@@ -352,6 +370,23 @@ impl IntoResponse for LockstepError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_status_message_is_capped_on_a_char_boundary() {
+        let e = LockstepError::ModelNotFound {
+            model: "é".repeat(20_000),
+        };
+        let s = e.to_status();
+        assert!(
+            s.message().len() <= MAX_STATUS_MESSAGE + 16,
+            "{}",
+            s.message().len()
+        );
+        assert!(s.message().ends_with("... (cut)"));
+        assert_eq!(s.code(), tonic::Code::NotFound);
+        let short = LockstepError::ModelNotFound { model: "m".into() }.to_status();
+        assert_eq!(short.message(), "model `m` does not exist");
+    }
 
     #[test]
     fn every_code_has_one_status_and_a_complete_body() {
