@@ -12,6 +12,10 @@
 //!   response tells whose KV produced it.
 //! - `/abort_request {"rid"}` stops the half with that rid on that server and frees what it holds;
 //!   every call is recorded with whether it released a live half.
+//! - Fields lockstep sends that the mock only records (every `/generate` body is kept, see
+//!   [`PdMock::requests`]): `cache_salt` (SGLang 0.5.23 `GenerateReqInput.cache_salt`,
+//!   `srt/managers/io_struct.py`, a string namespacing the radix cache; the mock has no prefix
+//!   cache, so tests check the salt on the wire).
 //! - SGLang's answer shapes: `meta_info` with `prompt_tokens`, `completion_tokens`,
 //!   `finish_reason` (`{"type":"length"|"stop"|"abort"}`), cumulative `text` on SSE streams,
 //!   `/get_server_info` with `max_total_num_tokens`, `/health`.

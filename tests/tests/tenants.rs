@@ -8,7 +8,7 @@ use std::time::Duration;
 use lockstep_router::tenant::key_hash_hex;
 use lockstep_tests::client::{self, Answer, Endpoint, TestClient};
 use lockstep_tests::harness::{MODEL, Stack, TEST_TIMEOUTS};
-use lockstep_tests::sglang_mock::{Fault, MockConfig};
+use lockstep_tests::sglang_mock::{Fault, MockConfig, Role};
 use serde_json::Value;
 
 fn tenants(audit: &std::path::Path) -> String {
@@ -273,4 +273,71 @@ burst = 1
     assert_eq!(second.error_code().as_deref(), Some("rate_limit_exceeded"));
     assert!(second.headers.get("retry-after").is_some());
     assert_eq!(stack.mock.request_count(), 0);
+}
+
+/// SGLang namespaces its radix cache by `cache_salt`: lockstep sends the tenant's salt on both
+/// halves of every pair, so two tenants' identical prompts never share cached KV on either
+/// worker, and one tenant's repeats may.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_halves_carry_the_tenants_cache_salt() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = format!(
+        r#"audit_log = "{audit}"
+
+[[tenants]]
+name = "red"
+api_keys_sha256 = ["{red}"]
+
+[[tenants]]
+name = "blue"
+api_keys_sha256 = ["{blue}"]
+"#,
+        audit = dir.path().join("a.jsonl").display(),
+        red = key_hash_hex("red-key"),
+        blue = key_hash_hex("blue-key"),
+    );
+    let stack = Stack::start_full(MockConfig::default(), &config, "", TEST_TIMEOUTS).await;
+    for key in ["red-key", "blue-key", "red-key"] {
+        let a = send(&stack, Some(key), false, 2).await;
+        assert_eq!(a.status, 200, "{}", a.body);
+    }
+    let salts: Vec<(Role, String, String)> = stack
+        .mock
+        .requests()
+        .into_iter()
+        .map(|(role, v)| {
+            (
+                role,
+                v["rid"].as_str().expect("rid").to_string(),
+                v["cache_salt"]
+                    .as_str()
+                    .expect("cache_salt is sent")
+                    .to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(salts.len(), 6, "{salts:?}");
+    // Per pair, both halves carry the same salt.
+    let per_pair: std::collections::BTreeMap<String, Vec<&str>> =
+        salts
+            .iter()
+            .fold(Default::default(), |mut m, (_, rid, salt)| {
+                m.entry(rid.clone()).or_insert_with(Vec::new).push(salt);
+                m
+            });
+    assert_eq!(per_pair.len(), 3);
+    for (rid, s) in &per_pair {
+        assert!(s.len() == 2 && s[0] == s[1], "pair {rid}: {s:?}");
+    }
+    let expect = |t: &str| format!("{:016x}", lockstep_router::tenant::cache_salt(Some(t)));
+    let sent: std::collections::BTreeSet<&str> = salts.iter().map(|(_, _, s)| s.as_str()).collect();
+    assert_eq!(
+        sent,
+        [expect("red"), expect("blue")]
+            .iter()
+            .map(String::as_str)
+            .collect(),
+        "one salt per tenant"
+    );
+    assert!(salts.iter().any(|(r, ..)| *r == Role::Prefill));
 }

@@ -37,6 +37,7 @@ impl SglangBackend {
             bootstrap_host: &d.prefill.bootstrap_host,
             bootstrap_port: d.prefill.bootstrap_port,
             bootstrap_room: d.pair_id.raw(),
+            cache_salt: format!("{:016x}", d.cache_salt()),
             stream,
         };
         Bytes::from(serde_json::to_vec(&body).unwrap_or_default())
@@ -54,6 +55,11 @@ struct GenerateBody<'a> {
     bootstrap_port: Option<u16>,
     /// The pair id as the integer SGLang expects.
     bootstrap_room: u64,
+    /// The tenant's prefix-cache namespace (SGLang 0.5.23 `GenerateReqInput.cache_salt`,
+    /// `srt/managers/io_struct.py`: "cache namespace used to isolate otherwise-identical
+    /// prefixes"), the same on both halves, so one tenant's prompt never hits another's radix
+    /// cache on either worker.
+    cache_salt: String,
     stream: bool,
 }
 
