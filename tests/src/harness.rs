@@ -82,7 +82,7 @@ backoff_ms = 5
 
 [models.health]
 interval_ms = 100
-timeout_ms = 200
+timeout_ms = 2000
 failure_threshold = 2
 success_threshold = 1
 "#,

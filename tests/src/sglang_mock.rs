@@ -18,7 +18,9 @@
 //!   cache, so tests check the salt on the wire).
 //! - SGLang's answer shapes: `meta_info` with `prompt_tokens`, `completion_tokens`,
 //!   `finish_reason` (`{"type":"length"|"stop"|"abort"}`), cumulative `text` on SSE streams,
-//!   `/get_server_info` with `max_total_num_tokens`, `/health`.
+//!   `/get_server_info` with `max_total_num_tokens`, `/health` (which takes 1 s, as SGLang
+//!   0.5.23's does: `entrypoints/http_server.py`, `health_generate`, sleeps 1 s before its first
+//!   check).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -94,6 +96,9 @@ pub struct MockConfig {
     pub kv_wait_timeout: Duration,
     /// Delay between decode tokens.
     pub token_delay: Duration,
+    /// How long `/health` takes: SGLang 0.5.23's handler (`entrypoints/http_server.py`,
+    /// `health_generate`) runs a one-token generation and sleeps 1 s before its first check.
+    pub health_delay: Duration,
 }
 
 impl Default for MockConfig {
@@ -103,6 +108,7 @@ impl Default for MockConfig {
             page_size: 16,
             kv_wait_timeout: Duration::from_secs(15),
             token_delay: Duration::from_millis(1),
+            health_delay: Duration::from_secs(1),
         }
     }
 }
@@ -371,6 +377,7 @@ async fn serve(listener: TcpListener, ctx: Ctx) {
 }
 
 async fn health(State(ctx): State<Ctx>) -> Response {
+    tokio::time::sleep(ctx.inner.cfg.health_delay).await;
     let h = *lock(&ctx.inner.healthy);
     let ok = match ctx.role {
         Role::Prefill => h.0,

@@ -226,11 +226,16 @@ async fn connect_failure_retries_on_another_worker() {
     );
 }
 
-/// Health checks take an unhealthy worker out (no new pairs, /ready fails) and bring it back.
+/// Health checks take an unhealthy worker out (no new pairs, /ready fails) and bring it back. The
+/// mock's `/health` takes 1 s, as SGLang 0.5.23's does: workers stay healthy through several
+/// checks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn health_checks_gate_readiness_and_routing() {
     let stack = Stack::start().await;
     let c = TestClient::default();
+    // Three checks of 1 s each (failure_threshold is 2): a timeout shorter than SGLang's /health
+    // would have marked both workers unhealthy by now.
+    tokio::time::sleep(Duration::from_millis(3_200)).await;
     assert_eq!(
         c.get(&format!("{}/ready", stack.url), Duration::from_secs(2))
             .await
@@ -240,7 +245,7 @@ async fn health_checks_gate_readiness_and_routing() {
     stack.mock.set_healthy(Role::Decode, false);
     let url = format!("{}/ready", stack.url);
     let mut last = 0;
-    for _ in 0..40 {
+    for _ in 0..200 {
         last = c.get(&url, Duration::from_secs(2)).await.status;
         if last == 503 {
             break;
@@ -273,7 +278,7 @@ async fn health_checks_gate_readiness_and_routing() {
         "alive regardless"
     );
     stack.mock.set_healthy(Role::Decode, true);
-    for _ in 0..40 {
+    for _ in 0..200 {
         last = c.get(&url, Duration::from_secs(2)).await.status;
         if last == 200 {
             break;

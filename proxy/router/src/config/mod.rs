@@ -209,6 +209,22 @@ workers = [{ url = "http://127.0.0.1:2" }]
     }
 
     #[test]
+    fn sglang_health_timeouts_must_outlast_its_one_second_health() {
+        let cfg = Config::parse(&BASE.replace(
+            "[models.decode]",
+            "[models.health]\ntimeout_ms = 1000\n[models.decode]",
+        ))
+        .expect("parses");
+        let p = lines(&cfg.problems()).join("\n");
+        assert!(p.contains("health.timeout_ms") && p.contains("2000"), "{p}");
+        // The default is long enough.
+        let cfg = Config::parse(BASE).expect("parses");
+        assert!(cfg.models[0].health.timeout_ms >= model::SGLANG_MIN_HEALTH_TIMEOUT_MS);
+        let p = lines(&cfg.problems()).join("\n");
+        assert!(!p.contains("health"), "{p}");
+    }
+
+    #[test]
     fn deployment_check_uses_headroom() {
         assert!(deployment_check("m", 1000, 1.0, 1000, "configured").is_ok());
         let e = deployment_check("m", 1000, 1.5, 1200, "configured").unwrap_err();

@@ -185,6 +185,11 @@ pub fn deployment_check(
     }
 }
 
+/// The shortest health-check timeout an SGLang worker can pass: SGLang 0.5.23's `/health` handler
+/// (`entrypoints/http_server.py`, `health_generate`) sleeps 1 s before it first checks whether its
+/// one-token health generation came back.
+pub const SGLANG_MIN_HEALTH_TIMEOUT_MS: u64 = 2_000;
+
 impl Section for ModelConfig {
     fn validate(&self, at: &str, out: &mut Problems) {
         let m = self;
@@ -218,6 +223,15 @@ impl Section for ModelConfig {
         }
         m.timeouts.validate(&format!("{at}.timeouts"), out);
         m.health.validate(&format!("{at}.health"), out);
+        if m.backend == BackendKind::Sglang && m.health.timeout_ms < SGLANG_MIN_HEALTH_TIMEOUT_MS {
+            out.push(
+                format!("{at}.health.timeout_ms"),
+                format!(
+                    "{} is too short for SGLang: its /health runs a one-token generation and sleeps 1 s before it first looks (SGLang 0.5.23 `entrypoints/http_server.py`), so every check would time out and every worker be marked unhealthy; give at least {SGLANG_MIN_HEALTH_TIMEOUT_MS}",
+                    m.health.timeout_ms
+                ),
+            );
+        }
     }
 }
 

@@ -97,7 +97,8 @@ impl Default for HealthConfig {
     fn default() -> Self {
         HealthConfig {
             interval_ms: 5_000,
-            timeout_ms: 1_000,
+            // SGLang's /health takes over 1 s (see `SGLANG_MIN_HEALTH_TIMEOUT_MS`).
+            timeout_ms: 5_000,
             failure_threshold: 3,
             success_threshold: 2,
         }
