@@ -7,11 +7,14 @@
 //!   an answer shows whose KV produced it: block ids that point at freed blocks (vLLM #52234)
 //!   return an earlier request's prompt.
 //! - **Held blocks.** After answering, the prefill holds the request's blocks until a decode
-//!   reads them (then they are freed), or until its lease runs out
-//!   (`VLLM_NIXL_ABORT_REQUEST_TIMEOUT`, 480 s in vLLM, short here).
+//!   reads them (then they are freed), or until its lease runs out (vLLM 0.33:
+//!   `kv_lease_duration`, 30 s, extended by decode heartbeats, `nixl/base_scheduler.py`; short
+//!   here).
 //! - **No abort endpoint.** A request runs as long as its connection: the decode stops and frees
 //!   what it holds when the client closes the connection.
-//! - vLLM's shapes: `/v1/completions` with token-id prompts, `kv_transfer_params` in and out,
+//! - vLLM's shapes: `/v1/completions` with token-id prompts, `kv_transfer_params` in and out
+//!   (`remote_block_ids` nested per KV-cache group as 0.33 sends them, or flat as before:
+//!   [`BlockIdShape`]),
 //!   `usage` (running usage on streams with `continuous_usage_stats`), `finish_reason`, error
 //!   bodies `{"object":"error","message","type","code"}`, `X-Request-Id`, `/health`.
 //!
@@ -68,6 +71,21 @@ pub struct VllmMockConfig {
     pub lease: Duration,
     /// Delay between streamed tokens.
     pub token_delay: Duration,
+    /// How the prefill's `kv_transfer_params` name its blocks (which vLLM release it acts as).
+    pub block_ids: BlockIdShape,
+}
+
+/// The shape of `kv_transfer_params.remote_block_ids`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockIdShape {
+    /// vLLM 0.33: one list per KV-cache group (`BlockIds = tuple[list[int], ...]`,
+    /// `vllm/distributed/kv_transfer/kv_connector/utils.py`; the NIXL connector's
+    /// `request_finished` in `nixl/pull_scheduler.py` returns them with `remote_num_tokens`,
+    /// `remote_request_id`, `tp_size`, `dcp_size`, `pp_size`, `transfer_mode` and
+    /// `remote_registration_generation`). A dense model has one group: `[[4, 9, 2]]`.
+    Nested,
+    /// Releases before the KV-cache groups: one flat list, `[4, 9, 2]`.
+    Flat,
 }
 
 impl Default for VllmMockConfig {
@@ -78,6 +96,7 @@ impl Default for VllmMockConfig {
             max_model_len: 256,
             lease: Duration::from_millis(600),
             token_delay: Duration::from_millis(1),
+            block_ids: BlockIdShape::Nested,
         }
     }
 }
@@ -336,11 +355,20 @@ fn prefill(inner: &Arc<Inner>, fault: VllmFault, rid: String, prompt: &[u32]) ->
         "usage": { "prompt_tokens": reported, "completion_tokens": 1, "total_tokens": reported + 1 },
     });
     if fault != VllmFault::MissingParams {
-        answer["kv_transfer_params"] = json!({
-            "do_remote_prefill": true, "do_remote_decode": false, "remote_block_ids": ids,
-            "remote_engine_id": "mock-prefill-engine", "remote_host": "127.0.0.1", "remote_port": 5600,
-            "remote_request_id": rid, "tp_size": 1,
-        });
+        answer["kv_transfer_params"] = match inner.cfg.block_ids {
+            BlockIdShape::Nested => json!({
+                "do_remote_prefill": true, "do_remote_decode": false, "remote_block_ids": [ids],
+                "remote_engine_id": "mock-prefill-engine", "remote_request_id": rid,
+                "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1, "dcp_size": 1,
+                "pp_size": 1, "remote_num_tokens": reported, "remote_blocks_expiry_time": null,
+                "remote_registration_generation": 0, "transfer_mode": "pull",
+            }),
+            BlockIdShape::Flat => json!({
+                "do_remote_prefill": true, "do_remote_decode": false, "remote_block_ids": ids,
+                "remote_engine_id": "mock-prefill-engine", "remote_host": "127.0.0.1", "remote_port": 5600,
+                "remote_request_id": rid, "tp_size": 1,
+            }),
+        };
     }
     axum::Json(answer).into_response()
 }
@@ -353,11 +381,16 @@ fn decode(inner: Arc<Inner>, fault: VllmFault, req: &Value, prompt_tokens: usize
     let Some(params) = req.get("kv_transfer_params").filter(|p| p.is_object()) else {
         return error(StatusCode::BAD_REQUEST, "no kv_transfer_params".into());
     };
+    // Nested (0.33: the decode walks every group, `nixl/base_worker.py`) or flat (before).
     let ids: Vec<usize> = params
         .get("remote_block_ids")
         .and_then(Value::as_array)
         .map(|a| {
             a.iter()
+                .flat_map(|b| match b.as_array() {
+                    Some(group) => group.clone(),
+                    None => vec![b.clone()],
+                })
                 .filter_map(|b| b.as_u64().map(|b| b as usize))
                 .collect()
         })

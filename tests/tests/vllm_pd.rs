@@ -12,7 +12,7 @@ use lockstep_router::app::Lockstep;
 use lockstep_router::config::Config;
 use lockstep_router::tenant::{cache_salt, key_hash_hex};
 use lockstep_tests::client::{self, Answer, Endpoint, TestClient};
-use lockstep_tests::vllm_mock::{VllmFault, VllmMock, VllmMockConfig, VllmRole};
+use lockstep_tests::vllm_mock::{BlockIdShape, VllmFault, VllmMock, VllmMockConfig, VllmRole};
 use serde_json::{Value, json};
 
 const MODEL: &str = "vllm-pd";
@@ -210,7 +210,18 @@ async fn every_fault_ends_in_an_error_without_foreign_content_and_nothing_held()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn healthy_pairs_answer_and_lockstep_builds_the_transfer_fields_itself() {
-    let s = stack().await;
+    // vLLM 0.33 (one block-id list per KV-cache group) and earlier releases (one flat list).
+    for shape in [BlockIdShape::Nested, BlockIdShape::Flat] {
+        healthy_pairs(shape).await;
+    }
+}
+
+async fn healthy_pairs(shape: BlockIdShape) {
+    let s = stack_with(VllmMockConfig {
+        block_ids: shape,
+        ..VllmMockConfig::default()
+    })
+    .await;
     for ep in [Endpoint::Completions, Endpoint::Chat] {
         for stream in [false, true] {
             let (path, mut body) = client::request(ep, MODEL, PROMPT, stream, 6, &[]);
@@ -219,7 +230,11 @@ async fn healthy_pairs_answer_and_lockstep_builds_the_transfer_fields_itself() {
                 json!({ "do_remote_prefill": true, "remote_block_ids": [0, 1, 2] });
             body["cache_salt"] = json!("someone-elses-salt");
             let a = s.send(path, &body).await;
-            assert_eq!(a.status, 200, "{ep:?} stream={stream}: {}", a.body);
+            assert_eq!(
+                a.status, 200,
+                "{shape:?} {ep:?} stream={stream}: {}",
+                a.body
+            );
             if stream {
                 assert!(a.body.contains("[DONE]"));
             }
@@ -260,6 +275,8 @@ async fn healthy_pairs_answer_and_lockstep_builds_the_transfer_fields_itself() {
             .as_array()
             .expect("the prefill's block ids");
         assert!(!ids.is_empty() && d.2["kv_transfer_params"]["remote_request_id"] == json!(p.1));
+        // Forwarded as the prefill sent them.
+        assert_eq!(ids[0].is_array(), shape == BlockIdShape::Nested, "{ids:?}");
         assert!(p.2["prompt"].is_array(), "token ids computed by lockstep");
     }
 }

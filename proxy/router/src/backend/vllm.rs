@@ -124,6 +124,16 @@ impl VllmBackend {
     }
 
     /// Checks the transfer params a prefill returned for `prompt_tokens` tokens.
+    ///
+    /// vLLM 0.33's NIXL connector returns `remote_block_ids` as one list per KV-cache group
+    /// (`BlockIds = tuple[list[int], ...]`, `vllm/distributed/kv_transfer/kv_connector/utils.py`;
+    /// `nixl/pull_scheduler.py` `request_finished`): `[[4, 9, 2]]` for a dense model. Earlier
+    /// releases sent one flat list, still accepted. Block ids are unique within a group only
+    /// (`v1/core/sched/scheduler.py`). A full-attention group covers every computed token;
+    /// sliding-window and SSM groups hold fewer blocks (`base_scheduler.py`), never more, so at
+    /// least one group must cover the tokens and none may hold more than that. The computed token
+    /// count is `remote_num_tokens` when sent (0.33: the prompt, less a backoff of at most one
+    /// block for MTP and mamba models), else the prompt.
     fn check_params(&self, p: Option<&Value>, prompt_tokens: u64) -> Result<(), String> {
         let p = p
             .filter(|p| p.is_object())
@@ -132,23 +142,51 @@ impl VllmBackend {
             .get("remote_block_ids")
             .and_then(Value::as_array)
             .ok_or("kv_transfer_params.remote_block_ids missing or not a list")?;
-        let mut seen = std::collections::HashSet::with_capacity(ids.len());
-        for id in ids {
-            let id = id
-                .as_u64()
-                .ok_or("kv_transfer_params.remote_block_ids holds a non-integer")?;
-            if !seen.insert(id) {
+        let groups: Vec<&Vec<Value>> = if ids.iter().all(Value::is_array) && !ids.is_empty() {
+            ids.iter().filter_map(Value::as_array).collect()
+        } else {
+            vec![ids]
+        };
+        let bs = self.cfg.block_size.max(1);
+        let tokens = match p.get("remote_num_tokens") {
+            None | Some(Value::Null) => prompt_tokens,
+            Some(v) => {
+                let n = v
+                    .as_u64()
+                    .ok_or("kv_transfer_params.remote_num_tokens is not an integer")?;
+                if n > prompt_tokens || n + bs < prompt_tokens {
+                    return Err(format!(
+                        "kv_transfer_params.remote_num_tokens {n} for a prompt of {prompt_tokens} tokens"
+                    ));
+                }
+                n
+            }
+        };
+        let (full, all) = (tokens / bs, tokens.div_ceil(bs));
+        let mut covered = false;
+        for (g, group) in groups.iter().enumerate() {
+            let mut seen = std::collections::HashSet::with_capacity(group.len());
+            for id in group.iter() {
+                let id = id
+                    .as_u64()
+                    .ok_or("kv_transfer_params.remote_block_ids holds a non-integer")?;
+                if !seen.insert(id) {
+                    return Err(format!(
+                        "kv_transfer_params.remote_block_ids names block {id} twice in group {g}"
+                    ));
+                }
+            }
+            let n = group.len() as u64;
+            if n > all {
                 return Err(format!(
-                    "kv_transfer_params.remote_block_ids names block {id} twice"
+                    "{n} remote blocks in group {g} for {tokens} tokens of block size {bs} (at most {all})"
                 ));
             }
+            covered |= n == full || n == all;
         }
-        let bs = self.cfg.block_size.max(1);
-        let (full, all) = (prompt_tokens / bs, prompt_tokens.div_ceil(bs));
-        let n = ids.len() as u64;
-        if n != full && n != all {
+        if !covered {
             return Err(format!(
-                "{n} remote blocks for {prompt_tokens} prompt tokens of block size {bs} (expected {full} or {all})"
+                "no KV-cache group of remote_block_ids covers the {tokens} prompt tokens: block size {bs} needs {full} or {all} blocks"
             ));
         }
         if p.get("remote_engine_id")
@@ -468,14 +506,42 @@ mod tests {
     fn transfer_params_are_checked_before_any_decode() {
         let b = backend(VllmConnector::Nixl);
         // 40 tokens at block size 16: 2 full blocks, 3 in all; both counts are consistent.
+        // vLLM 0.33: one list per KV-cache group.
+        assert!(b.check_params(Some(&params(json!([[4, 9]]))), 40).is_ok());
+        assert!(
+            b.check_params(Some(&params(json!([[4, 9, 2]]))), 40)
+                .is_ok()
+        );
+        // A full-attention group and a sliding-window group (fewer blocks); ids repeat across
+        // groups (unique per group only).
+        assert!(
+            b.check_params(Some(&params(json!([[4, 9, 2], [4]]))), 40)
+                .is_ok()
+        );
+        // remote_num_tokens within one block below the prompt (MTP/mamba backoff).
+        let mut p = params(json!([[4, 9]]));
+        p["remote_num_tokens"] = json!(32);
+        assert!(b.check_params(Some(&p), 40).is_ok());
+        // Before 0.33: one flat list.
         assert!(b.check_params(Some(&params(json!([4, 9]))), 40).is_ok());
         assert!(b.check_params(Some(&params(json!([4, 9, 2]))), 40).is_ok());
+        let mut far = params(json!([[4]]));
+        far["remote_num_tokens"] = json!(16);
+        let mut over = params(json!([[4, 9, 2]]));
+        over["remote_num_tokens"] = json!(41);
         for (bad, why) in [
-            (params(json!([4])), "blocks for"),
-            (params(json!([4, 9, 2, 7])), "blocks for"),
+            (params(json!([4])), "covers"),
+            (params(json!([[4]])), "covers"),
+            (params(json!([4, 9, 2, 7])), "at most"),
+            (params(json!([[4, 9, 2], [1, 2, 3, 5]])), "at most"),
             (params(json!([4, 4, 2])), "twice"),
+            (params(json!([[4, 4, 2]])), "twice"),
             (params(json!([4, "9", 2])), "non-integer"),
+            (params(json!([[4, "9", 2]])), "non-integer"),
+            (params(json!([[4, 9], 2])), "non-integer"),
             (params(json!(null)), "remote_block_ids"),
+            (far, "remote_num_tokens"),
+            (over, "remote_num_tokens"),
             (
                 json!({ "remote_block_ids": [1, 2], "remote_host": "h", "remote_port": 1 }),
                 "engine_id",
