@@ -225,6 +225,28 @@ workers = [{ url = "http://127.0.0.1:2" }]
     }
 
     #[test]
+    fn vllm_mooncake_is_refused_until_lockstep_speaks_it() {
+        let text = BASE
+            .replace("backend = \"sglang\"", "backend = \"vllm\"")
+            .replace(
+                "[models.decode]",
+                "[models.vllm]\nconnector = \"mooncake\"\n[models.decode]",
+            );
+        let p = lines(&Config::parse(&text).expect("parses").problems()).join("\n");
+        assert!(
+            p.contains("vllm.connector") && p.contains("not supported"),
+            "{p}"
+        );
+        let nixl = lines(
+            &Config::parse(&text.replace("mooncake", "nixl"))
+                .expect("parses")
+                .problems(),
+        )
+        .join("\n");
+        assert!(!nixl.contains("connector"), "{nixl}");
+    }
+
+    #[test]
     fn deployment_check_uses_headroom() {
         assert!(deployment_check("m", 1000, 1.0, 1000, "configured").is_ok());
         let e = deployment_check("m", 1000, 1.5, 1200, "configured").unwrap_err();

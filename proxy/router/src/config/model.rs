@@ -304,6 +304,13 @@ impl ModelConfig {
         if self.backend == BackendKind::Vllm && self.vllm.block_size == 0 {
             out.push(format!("{at}.vllm.block_size"), "must be greater than 0");
         }
+        if self.backend == BackendKind::Vllm && self.vllm.connector == VllmConnector::Mooncake {
+            // Refused rather than accepted and failing every request.
+            out.push(
+                format!("{at}.vllm.connector"),
+                "`mooncake` is not supported yet: vLLM 0.33's in-tree MooncakeConnector takes a router-chosen `transfer_id` and a bootstrap address and returns no kv_transfer_params from the prefill (`vllm/distributed/kv_transfer/kv_connector/v1/mooncake/`), a protocol lockstep does not speak yet; use `nixl`",
+            );
+        }
         if self.backend == BackendKind::Sglang {
             for (j, w) in self.prefill.workers.iter().enumerate() {
                 if w.bootstrap_port.is_none() {
