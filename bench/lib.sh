@@ -39,8 +39,10 @@ wrk_run() {
 # one internal hop on :31003) and in stream mode on :31004; nginx as a plain proxy in front of each
 # decode on :31010 (json) and :31011 (stream). Creates $WORK/logs.
 write_pd_upstreams() {
+  # The prefill's fixed answer names no `meta_info.id`: lockstep checks an id against the pair's
+  # rid where one is present, and a fixed payload cannot echo it.
   local PREFILL DECODE_JSON DECODE_SSE INFO
-  PREFILL='{"text":"x","output_ids":[1],"meta_info":{"id":"r","prompt_tokens":2,"completion_tokens":1,"cached_tokens":0,"finish_reason":{"type":"length","length":1}}}'
+  PREFILL='{"text":"x","output_ids":[1],"meta_info":{"prompt_tokens":2,"completion_tokens":1,"cached_tokens":0,"finish_reason":{"type":"length","length":1}}}'
   DECODE_JSON='{"text":"hello","output_ids":[1],"meta_info":{"id":"r","prompt_tokens":2,"completion_tokens":1,"cached_tokens":0,"finish_reason":{"type":"length","length":1}}}'
   DECODE_SSE=$(printf 'data: %s\n\ndata: [DONE]\n\n' "$DECODE_JSON")
   INFO='{"model_path":"mock","tokenizer_path":"mock","is_generation":true,"max_total_num_tokens":1000000}'

@@ -122,6 +122,37 @@ fn inspect(side: Side, v: &Value) -> Result<Option<FinishReason>, HalfError> {
     }
 }
 
+/// What a prefill's final (non-stream) answer reports, failing closed: it must be a finished
+/// request (SGLang 0.5.23 always sets `meta_info.finish_reason` on a finished request,
+/// `srt/managers/schedule_batch.py`; the prefill of a PD pair finishes with `length`), with no
+/// in-band abort, a prompt count, and, where it names one, this pair's rid (`meta_info.id`).
+fn prefill_report(v: &Value, rid: &str) -> Result<PrefillReport, HalfError> {
+    let side = Side::Prefill;
+    let protocol = |m: String| HalfError {
+        side,
+        failure: HalfFailure::Protocol(m),
+    };
+    if inspect(side, v)?.is_none() {
+        return Err(protocol(
+            "the prefill's answer has no finish_reason: not a finished request".into(),
+        ));
+    }
+    if let Some(id) = v.pointer("/meta_info/id").and_then(Value::as_str)
+        && id != rid
+    {
+        return Err(protocol(format!(
+            "the prefill answered for request `{id}`, not this pair's `{rid}`"
+        )));
+    }
+    let prompt_tokens = meta_u64(v, "prompt_tokens")
+        .ok_or_else(|| protocol("no meta_info.prompt_tokens".into()))?;
+    Ok(PrefillReport {
+        prompt_tokens,
+        kv_digest: None,
+        cached_tokens: meta_u64(v, "cached_tokens"),
+    })
+}
+
 fn meta_u64(v: &Value, key: &str) -> Option<u64> {
     v.get("meta_info")
         .and_then(|m| m.get(key))
@@ -138,6 +169,7 @@ impl PdBackend for SglangBackend {
         let url = format!("{}/generate", d.prefill.url);
         let body = Self::generate_body(d, false);
         let trace = lockstep_serve::telemetry::trace_headers();
+        let rid = d.pair_id.to_string();
         Box::pin(async move {
             let side = Side::Prefill;
             let (status, body) = client
@@ -157,16 +189,7 @@ impl PdBackend for SglangBackend {
                 side,
                 failure: HalfFailure::Protocol(format!("not JSON: {e}")),
             })?;
-            inspect(side, &v)?;
-            let prompt_tokens = meta_u64(&v, "prompt_tokens").ok_or(HalfError {
-                side,
-                failure: HalfFailure::Protocol("no meta_info.prompt_tokens".into()),
-            })?;
-            Ok(PrefillReport {
-                prompt_tokens,
-                kv_digest: None,
-                cached_tokens: meta_u64(&v, "cached_tokens"),
-            })
+            prefill_report(&v, &rid)
         })
     }
 
@@ -270,5 +293,55 @@ impl ChunkSource for SseDecoder {
             completion_tokens: meta_u64(&v, "completion_tokens").unwrap_or(0),
             finish,
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn answer(meta: Value) -> Value {
+        json!({ "text": "x", "output_ids": [1], "meta_info": meta })
+    }
+
+    #[test]
+    fn a_prefill_answer_fails_closed_unless_finished_and_ours() {
+        let ok = answer(json!({ "id": "7", "prompt_tokens": 5, "cached_tokens": 2,
+                                "finish_reason": { "type": "length", "length": 0 } }));
+        let r = prefill_report(&ok, "7").expect("finished, ours");
+        assert_eq!((r.prompt_tokens, r.cached_tokens), (5, Some(2)));
+        // No id (older releases): accepted on the other checks.
+        let no_id = answer(json!({ "prompt_tokens": 5, "finish_reason": { "type": "length" } }));
+        assert!(prefill_report(&no_id, "7").is_ok());
+        for (bad, why) in [
+            (
+                answer(json!({ "id": "7", "prompt_tokens": 5, "finish_reason": null })),
+                "no finish_reason",
+            ),
+            (
+                answer(json!({ "id": "7", "prompt_tokens": 5 })),
+                "no finish_reason",
+            ),
+            (
+                answer(
+                    json!({ "id": "8", "prompt_tokens": 5, "finish_reason": { "type": "length" } }),
+                ),
+                "not this pair",
+            ),
+            (
+                answer(json!({ "id": "7", "finish_reason": { "type": "length" } })),
+                "prompt_tokens",
+            ),
+            (
+                answer(
+                    json!({ "id": "7", "prompt_tokens": 5, "finish_reason": { "type": "abort", "message": "m" } }),
+                ),
+                "m",
+            ),
+        ] {
+            let e = prefill_report(&bad, "7").expect_err(why).to_string();
+            assert!(e.contains(why), "{why}: {e}");
+        }
     }
 }
