@@ -35,6 +35,14 @@ models = []
     )
 }
 
+/// One `[[tenants]]` entry: `name`, holding API key `key`, with `extra` TOML lines.
+fn tenant_entry(name: &str, key: &str, extra: &str) -> String {
+    format!(
+        "\n[[tenants]]\nname = \"{name}\"\napi_keys_sha256 = [\"{}\"]\n{extra}\n",
+        key_hash_hex(key)
+    )
+}
+
 async fn send(stack: &Stack, key: Option<&str>, stream: bool, max_tokens: u64) -> Answer {
     let (path, body) = client::request(
         Endpoint::Completions,
@@ -237,16 +245,9 @@ async fn the_openai_client_authenticates_with_its_api_key() {
 async fn tenant_limits_come_before_the_body_is_parsed() {
     let dir = tempfile::tempdir().expect("tempdir");
     let config = format!(
-        r#"audit_log = "{audit}"
-
-[[tenants]]
-name = "tight"
-api_keys_sha256 = ["{key}"]
-requests_per_second = 1
-burst = 1
-"#,
-        audit = dir.path().join("a.jsonl").display(),
-        key = key_hash_hex("tight-key"),
+        "audit_log = \"{}\"\n{}",
+        dir.path().join("a.jsonl").display(),
+        tenant_entry("tight", "tight-key", "requests_per_second = 1\nburst = 1")
     );
     let stack = Stack::start_full(MockConfig::default(), &config, "", TEST_TIMEOUTS).await;
     let post = |body: &'static str| {
@@ -282,19 +283,10 @@ burst = 1
 async fn sglang_halves_carry_the_tenants_cache_salt() {
     let dir = tempfile::tempdir().expect("tempdir");
     let config = format!(
-        r#"audit_log = "{audit}"
-
-[[tenants]]
-name = "red"
-api_keys_sha256 = ["{red}"]
-
-[[tenants]]
-name = "blue"
-api_keys_sha256 = ["{blue}"]
-"#,
-        audit = dir.path().join("a.jsonl").display(),
-        red = key_hash_hex("red-key"),
-        blue = key_hash_hex("blue-key"),
+        "audit_log = \"{}\"\n{}{}",
+        dir.path().join("a.jsonl").display(),
+        tenant_entry("red", "red-key", ""),
+        tenant_entry("blue", "blue-key", "")
     );
     let stack = Stack::start_full(MockConfig::default(), &config, "", TEST_TIMEOUTS).await;
     for key in ["red-key", "blue-key", "red-key"] {

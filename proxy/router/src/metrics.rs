@@ -92,6 +92,14 @@ fn histogram(
 }
 
 impl Metrics {
+    /// Counts a request refused before any pair was dispatched, by model (a configured name, or
+    /// "" before the model is known: never a client's string) and stable error code.
+    pub fn refusal(&self, model: &str, code: &str) {
+        self.admission_refusals
+            .with_label_values(&[model, code])
+            .inc();
+    }
+
     /// A fresh registry with every metric registered.
     pub fn new() -> Metrics {
         let r = Registry::new();

@@ -14,7 +14,7 @@ use crate::audit::Audit;
 use crate::backend::embedded::EmbeddedBackend;
 use crate::backend::sglang::SglangBackend;
 use crate::backend::{PdBackend, UpstreamClient};
-use crate::config::{BackendKind, Config, ModelConfig, PoolConfig, WorkerConfig, deployment_check};
+use crate::config::{BackendKind, Config, ModelConfig, PoolConfig, WorkerConfig};
 use crate::metrics::Metrics;
 use crate::pair::{PairRegistry, PairRuntime, PairStats};
 use crate::pool::{WorkerPool, health_loop};
@@ -27,17 +27,7 @@ use crate::tenant::Tenants;
 pub async fn check_deployment(client: &UpstreamClient, m: &ModelConfig) -> Result<u64, String> {
     match remote_backend(m, client) {
         Some(backend) => backend.deployment_capacity(m).await,
-        None => {
-            let capacity = m.configured_capacity();
-            deployment_check(
-                &m.name,
-                m.context_window,
-                m.headroom,
-                capacity,
-                "configured",
-            )?;
-            Ok(capacity)
-        }
+        None => crate::backend::embedded::pool_capacity(m),
     }
 }
 

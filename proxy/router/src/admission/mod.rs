@@ -96,11 +96,7 @@ pub struct Refusal(pub LockstepError);
 impl Refusal {
     /// Counts `e` against `model` (empty before the model is known) and wraps it.
     pub fn count(state: &AppState, model: &str, e: LockstepError) -> Refusal {
-        state
-            .metrics
-            .admission_refusals
-            .with_label_values(&[model, e.code()])
-            .inc();
+        state.metrics.refusal(model, e.code());
         Refusal(e)
     }
 }

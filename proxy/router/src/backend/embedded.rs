@@ -68,20 +68,24 @@ fn half_error(side: Side, e: EngineError) -> HalfError {
     HalfError { side, failure }
 }
 
+/// Invariant 6 for an embedded model: its capacity is one engine pool (and no more than
+/// `kv_capacity_tokens`); nothing to ask.
+pub fn pool_capacity(m: &ModelConfig) -> Result<u64, String> {
+    let capacity = m.configured_capacity();
+    deployment_check(
+        &m.name,
+        m.context_window,
+        m.headroom,
+        capacity,
+        "the embedded engine's KV pool",
+    )?;
+    Ok(capacity)
+}
+
 impl PdBackend for EmbeddedBackend {
     /// The engine's pool is the capacity: nothing to ask.
     fn deployment_capacity<'a>(&'a self, m: &'a ModelConfig) -> BoxFuture<'a, Result<u64, String>> {
-        let capacity = m.configured_capacity();
-        Box::pin(async move {
-            deployment_check(
-                &m.name,
-                m.context_window,
-                m.headroom,
-                capacity,
-                "the embedded engine's KV pool",
-            )?;
-            Ok(capacity)
-        })
+        Box::pin(std::future::ready(pool_capacity(m)))
     }
 
     fn prefill(&self, d: &Dispatch) -> BoxFuture<'static, Result<PrefillReport, HalfError>> {

@@ -1,7 +1,7 @@
 //! The HTTP side of the admission stage, as axum extractors: [`Authenticated`] (the caller's
-//! tenant), [`JsonBody`] (a size-bounded, typed JSON body whose errors name the failing field) and
-//! [`Admit`] (the whole stage for a generation route: authenticate, tenant limits, the JSON body,
-//! then `admission::admit`). A rejection is the refusal's response, already counted.
+//! tenant) and [`Admit`] (the whole stage for a generation route: authenticate, tenant limits, a
+//! size-bounded typed JSON body whose errors name the failing field, then `admission::admit`). A
+//! rejection is the refusal's response, already counted.
 
 use std::sync::Arc;
 
@@ -45,22 +45,6 @@ impl FromRequestParts<Arc<AppState>> for Authenticated {
     }
 }
 
-/// A JSON body of type `T`, read within `server.max_body_bytes`.
-#[derive(Debug)]
-pub(crate) struct JsonBody<T>(pub(crate) T);
-
-impl<T: DeserializeOwned> FromRequest<Arc<AppState>> for JsonBody<T> {
-    type Rejection = Refusal;
-
-    async fn from_request(req: Request, state: &Arc<AppState>) -> Result<Self, Self::Rejection> {
-        let (parts, body) = req.into_parts();
-        read_json(state, &parts.headers, body)
-            .await
-            .map(JsonBody)
-            .map_err(|e| Refusal::count(state, "", e))
-    }
-}
-
 /// A generation request through the whole admission stage: ready to become a pair, with the
 /// shape its answer takes.
 #[derive(Debug)]
@@ -82,8 +66,9 @@ where
                 return Err(r);
             }
         };
-        let JsonBody(parsed) =
-            JsonBody::<R>::from_request(Request::from_parts(parts, body), state).await?;
+        let parsed: R = read_json(state, &parts.headers, body)
+            .await
+            .map_err(|e| Refusal::count(state, "", e))?;
         let (admitted, shape) = admit(state, caller, parsed)?;
         Ok(Admit(admitted, shape))
     }

@@ -163,10 +163,7 @@ impl PairObserver<'_> {
 
     /// Nothing was dispatched: no worker could take the pair (an admission refusal).
     pub(super) fn refused(&self, e: &LockstepError) {
-        self.metrics
-            .admission_refusals
-            .with_label_values(&[self.model, e.code()])
-            .inc();
+        self.metrics.refusal(self.model, e.code());
     }
 
     /// The request's pair task ended.
