@@ -41,11 +41,14 @@ wrk_run() {
 write_pd_upstreams() {
   # The prefill's fixed answer names no `meta_info.id`: lockstep checks an id against the pair's
   # rid where one is present, and a fixed payload cannot echo it.
-  local PREFILL DECODE_JSON DECODE_SSE INFO
+  local PREFILL DECODE_JSON DECODE_SSE INFO_PREFILL INFO_DECODE ARGS
   PREFILL='{"text":"x","output_ids":[1],"meta_info":{"prompt_tokens":2,"completion_tokens":1,"cached_tokens":0,"finish_reason":{"type":"length","length":1}}}'
   DECODE_JSON='{"text":"hello","output_ids":[1],"meta_info":{"id":"r","prompt_tokens":2,"completion_tokens":1,"cached_tokens":0,"finish_reason":{"type":"length","length":1}}}'
   DECODE_SSE=$(printf 'data: %s\n\ndata: [DONE]\n\n' "$DECODE_JSON")
-  INFO='{"model_path":"mock","tokenizer_path":"mock","is_generation":true,"max_total_num_tokens":1000000}'
+  # /server_info as SGLang 0.5.23 answers it (the keys lockstep's deployment check reads)
+  ARGS='"disaggregation_transfer_backend":"mooncake","disaggregation_bootstrap_port":8998,"disaggregation_enable_kv_checksum":true,"incremental_streaming_output":false,"skip_tokenizer_init":false,"page_size":1,"kv_cache_dtype":"auto","tp_size":1,"pp_size":1,"model_path":"mock","tokenizer_path":"mock","is_generation":true,"max_total_num_tokens":1000000,"max_req_input_len":999994'
+  INFO_PREFILL='{"disaggregation_mode":"prefill",'$ARGS'}'
+  INFO_DECODE='{"disaggregation_mode":"decode",'$ARGS'}'
   mkdir -p "$WORK/logs"
   cat > "$WORK/nginx.conf" <<NGINX
 worker_processes 1;
@@ -65,18 +68,18 @@ http {
   # prefill
   server { listen 127.0.0.1:31001;
     location /generate { default_type application/json; return 200 '$PREFILL'; }
-    location / { default_type application/json; return 200 '$INFO'; } }
+    location / { default_type application/json; return 200 '$INFO_PREFILL'; } }
   # decode, json mode: SSE or JSON as the body asks (one internal hop reads the body)
   server { listen 127.0.0.1:31002;
     location /generate { proxy_pass http://decode_answers; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_set_header X-Stream \$want_stream; proxy_buffering off; }
-    location / { default_type application/json; return 200 '$INFO'; } }
+    location / { default_type application/json; return 200 '$INFO_DECODE'; } }
   server { listen 127.0.0.1:31003;
     location /generate { if (\$http_x_stream = 1) { rewrite ^ /sse last; } default_type application/json; return 200 '$DECODE_JSON'; }
     location /sse { default_type text/event-stream; return 200 '$DECODE_SSE'; } }
   # decode, stream mode: SSE to every request
   server { listen 127.0.0.1:31004;
     location /generate { default_type text/event-stream; return 200 '$DECODE_SSE'; }
-    location / { default_type application/json; return 200 '$INFO'; } }
+    location / { default_type application/json; return 200 '$INFO_DECODE'; } }
   # nginx as a plain single-upstream proxy in front of each decode
   server { listen 127.0.0.1:31010; location / { proxy_pass http://decode_mixed; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_buffering off; } }
   server { listen 127.0.0.1:31011; location / { proxy_pass http://decode_sse; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_buffering off; } }

@@ -16,11 +16,28 @@
 //!   [`PdMock::requests`]): `cache_salt` (SGLang 0.5.23 `GenerateReqInput.cache_salt`,
 //!   `srt/managers/io_struct.py`, a string namespacing the radix cache; the mock has no prefix
 //!   cache, so tests check the salt on the wire).
-//! - SGLang's answer shapes: `meta_info` with `prompt_tokens`, `completion_tokens`,
-//!   `finish_reason` (`{"type":"length"|"stop"|"abort"}`), cumulative `text` on SSE streams,
-//!   `/get_server_info` with `max_total_num_tokens`, `/health` (which takes 1 s, as SGLang
-//!   0.5.23's does: `entrypoints/http_server.py`, `health_generate`, sleeps 1 s before its first
-//!   check).
+//! - SGLang's answer shapes: `meta_info` with `prompt_tokens` (the length of the `input_ids`
+//!   sent, on both halves, as SGLang 0.5.23 reports it: `srt/managers/output_streamer.py`, not a
+//!   count read from the KV), `completion_tokens`, `finish_reason`
+//!   (`{"type":"length"|"stop"|"abort"}`); SSE streams cumulative by default and disjoint deltas
+//!   with `incremental_streaming_output` (`srt/managers/tokenizer_manager.py`,
+//!   `_handle_batch_output`); `/health` takes 1 s, as SGLang 0.5.23's does
+//!   (`entrypoints/http_server.py`, `health_generate`, sleeps 1 s before its first check).
+//! - `/server_info` (and its deprecated alias `/get_server_info`): the resolved server arguments
+//!   flat, plus the scheduler's `max_total_num_tokens` and `max_req_input_len`
+//!   (`srt/utils/common.py` `build_server_info`; `srt/managers/scheduler.py`), each overridable per
+//!   server ([`PdMock::set_server_arg`]) to run the versions and settings users meet.
+//! - **The KV checksum** (`--disaggregation-enable-kv-checksum`, `srt/disaggregation/checksum.py`,
+//!   `decode.py` `_verify_kv_checksums`): the prefill digests the pages it sends (Adler-32); the
+//!   decode recomputes over what it received before its first token and, on a mismatch, aborts
+//!   with "KV checksum mismatch" (status 500: HTTP 500 non-stream, an in-band abort inside a 200
+//!   stream). It is on only when both servers have it on and their layouts (`page_size`,
+//!   `tp_size`) agree (`base/conn.py` `should_verify_kv_checksum`); otherwise it is silently off and
+//!   a corrupted transfer ([`Fault::KvCorrupt`]) generates from the corrupted KV.
+//! - **Timing**: the prefill answers only once its KV reached the decode (`prefill.py`,
+//!   `process_disagg_prefill_inflight_queue`: a request is done on `KVPoll.Success`), finishing
+//!   with `{"type":"length","length":0}`; a prefill whose decode never takes the KV fails after
+//!   `kv_wait_timeout` with 500.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -74,8 +91,13 @@ pub enum Fault {
     DecodeHang,
     /// Decode's stream breaks after this many events.
     DecodeCut(usize),
-    /// Decode reports one prompt token more than it read.
+    /// Decode reports one prompt token more than it was sent (what `--allow-auto-truncate` and
+    /// old SGLang stubs look like).
     DecodeCountMismatch,
+    /// The KV transfer corrupts one value of the first page after the prefill digested it.
+    /// Caught by SGLang's KV checksum when it is on at both ends; otherwise the decode generates
+    /// from the corrupted KV.
+    KvCorrupt,
     /// Both halves are slow but within any sane deadline.
     Slow {
         /// Prefill delay in ms.
@@ -99,6 +121,10 @@ pub struct MockConfig {
     /// How long `/health` takes: SGLang 0.5.23's handler (`entrypoints/http_server.py`,
     /// `health_generate`) runs a one-token generation and sleeps 1 s before its first check.
     pub health_delay: Duration,
+    /// The model's context length (`max_req_input_len` derives from it).
+    pub context_len: usize,
+    /// `/server_info` overrides from the start (see [`PdMock::set_server_arg`]).
+    pub server_args: Vec<(Role, &'static str, Value)>,
 }
 
 impl Default for MockConfig {
@@ -109,6 +135,8 @@ impl Default for MockConfig {
             kv_wait_timeout: Duration::from_secs(15),
             token_delay: Duration::from_millis(1),
             health_delay: Duration::from_secs(1),
+            context_len: 8192,
+            server_args: Vec::new(),
         }
     }
 }
@@ -125,7 +153,12 @@ pub struct AbortRecord {
 }
 
 enum Room {
-    Published { pages: Vec<usize>, tokens: usize },
+    Published {
+        pages: Vec<usize>,
+        tokens: usize,
+        /// The prefill's digest of what it sent (0: checksum off on the prefill).
+        checksum: u32,
+    },
     Abandoned,
 }
 
@@ -160,6 +193,12 @@ struct Inner {
     aborts: Mutex<Vec<AbortRecord>>,
     requests: Mutex<Vec<(Role, Value)>>,
     traceparents: Mutex<Vec<(Role, String)>>,
+    /// Per-server overrides of `/server_info` keys.
+    server_args: Mutex<HashMap<(Role, String), Value>>,
+    /// Prefills waiting for their decode to take the room's KV.
+    taken: Mutex<HashMap<u64, oneshot::Sender<()>>>,
+    /// Cancelled when the mock is dropped: open connections close too, as a stopped server's.
+    shutdown: CancellationToken,
 }
 
 /// Locks, ignoring poisoning (a panicked test thread must not hide the mock's state).
@@ -179,6 +218,7 @@ pub struct PdMock {
 
 impl Drop for PdMock {
     fn drop(&mut self) {
+        self.inner.shutdown.cancel();
         for t in &self.tasks {
             t.abort();
         }
@@ -218,7 +258,6 @@ impl PdMock {
             free: (0..cfg.total_pages).rev().collect(),
         };
         let inner = Arc::new(Inner {
-            cfg,
             tokenizer,
             fault: Mutex::new(Fault::None),
             healthy: Mutex::new((true, true)),
@@ -230,6 +269,15 @@ impl PdMock {
             aborts: Mutex::new(Vec::new()),
             requests: Mutex::new(Vec::new()),
             traceparents: Mutex::new(Vec::new()),
+            server_args: Mutex::new(
+                cfg.server_args
+                    .iter()
+                    .map(|(r, k, v)| ((*r, k.to_string()), v.clone()))
+                    .collect(),
+            ),
+            taken: Mutex::new(HashMap::new()),
+            shutdown: CancellationToken::new(),
+            cfg,
         });
         let (pl, dl) = (
             TcpListener::bind(prefill).await?,
@@ -271,6 +319,12 @@ impl PdMock {
     /// Sets the fault applied to following requests.
     pub fn set_fault(&self, f: Fault) {
         *lock(&self.inner.fault) = f;
+    }
+    /// Overrides one key of one server's `/server_info` (the server behaves accordingly where
+    /// the mock models the setting: `incremental_streaming_output`, `skip_tokenizer_init`,
+    /// `disaggregation_enable_kv_checksum`, `page_size`, `tp_size`).
+    pub fn set_server_arg(&self, role: Role, key: &str, value: Value) {
+        lock(&self.inner.server_args).insert((role, key.to_string()), value);
     }
     /// Makes one server's `/health` fail or pass.
     pub fn set_healthy(&self, role: Role, ok: bool) {
@@ -339,6 +393,7 @@ async fn serve(listener: TcpListener, ctx: Ctx) {
         .route("/generate", post(generate))
         .route("/abort_request", post(abort))
         .route("/health", get(health))
+        .route("/server_info", get(server_info))
         .route("/get_server_info", get(server_info))
         .with_state(ctx.clone());
     loop {
@@ -347,6 +402,7 @@ async fn serve(listener: TcpListener, ctx: Ctx) {
         };
         let router = router.clone();
         let ctx = ctx.clone();
+        let shutdown = ctx.inner.shutdown.clone();
         tokio::spawn(async move {
             let svc =
                 hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
@@ -369,9 +425,12 @@ async fn serve(listener: TcpListener, ctx: Ctx) {
                             .unwrap_or_else(|e| match e {}))
                     }
                 });
-            let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                .serve_connection(TokioIo::new(stream), svc)
-                .await;
+            let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+            let conn = builder.serve_connection(TokioIo::new(stream), svc);
+            tokio::select! {
+                _ = conn => {}
+                _ = shutdown.cancelled() => {}
+            }
         });
     }
 }
@@ -391,8 +450,65 @@ async fn health(State(ctx): State<Ctx>) -> Response {
 }
 
 async fn server_info(State(ctx): State<Ctx>) -> Response {
-    let cap = ctx.inner.cfg.total_pages * ctx.inner.cfg.page_size;
-    axum::Json(json!({ "max_total_num_tokens": cap, "page_size": ctx.inner.cfg.page_size, "disaggregation_mode": match ctx.role { Role::Prefill => "prefill", Role::Decode => "decode" } })).into_response()
+    axum::Json(server_args(&ctx.inner, ctx.role)).into_response()
+}
+
+/// One server's `/server_info`: the resolved arguments flat plus the scheduler's figures
+/// (`srt/utils/common.py` `build_server_info`), with the test's overrides applied.
+fn server_args(inner: &Inner, role: Role) -> Value {
+    let cfg = &inner.cfg;
+    let cap = cfg.total_pages * cfg.page_size;
+    // `srt/managers/tp_worker.py`: min(context_len - 1, max_total_num_tokens - 1) - 5.
+    let max_req_input_len = (cfg.context_len - 1).min(cap - 1) - 5;
+    let mut v = json!({
+        "version": "0.5.23",
+        "disaggregation_mode": match role { Role::Prefill => "prefill", Role::Decode => "decode" },
+        "disaggregation_transfer_backend": "mooncake",
+        "disaggregation_bootstrap_port": 8998,
+        "disaggregation_enable_kv_checksum": true,
+        "incremental_streaming_output": false,
+        "skip_tokenizer_init": false,
+        "allow_auto_truncate": false,
+        "page_size": cfg.page_size,
+        "kv_cache_dtype": "auto",
+        "tp_size": 1,
+        "pp_size": 1,
+        "context_length": null,
+        "max_total_num_tokens": cap,
+        "max_req_input_len": max_req_input_len,
+    });
+    for ((r, k), val) in lock(&inner.server_args).iter() {
+        if *r == role {
+            v[k.as_str()] = val.clone();
+        }
+    }
+    v
+}
+
+fn arg_bool(inner: &Inner, role: Role, key: &str) -> bool {
+    server_args(inner, role)[key].as_bool().unwrap_or(false)
+}
+
+/// Whether the decode verifies the prefill's KV checksum: on at both ends, layouts equal
+/// (`srt/disaggregation/base/conn.py` `should_verify_kv_checksum`; off silently otherwise).
+fn checksum_on(inner: &Inner) -> bool {
+    let (p, d) = (
+        server_args(inner, Role::Prefill),
+        server_args(inner, Role::Decode),
+    );
+    let on = |v: &Value| v["disaggregation_enable_kv_checksum"].as_bool() == Some(true);
+    on(&p) && on(&d) && p["page_size"] == d["page_size"] && p["tp_size"] == d["tp_size"]
+}
+
+/// Adler-32, what SGLang digests KV pages with (`srt/disaggregation/checksum.py`); never 0
+/// for a non-empty input, which SGLang reads as "no checksum".
+fn adler32(tokens: &[u32]) -> u32 {
+    let (mut a, mut b) = (1u32, 0u32);
+    for byte in tokens.iter().flat_map(|t| t.to_le_bytes()) {
+        a = (a + byte as u32) % 65_521;
+        b = (b + a) % 65_521;
+    }
+    (b << 16) | a
 }
 
 async fn abort(State(ctx): State<Ctx>, body: Bytes) -> Response {
@@ -510,17 +626,37 @@ fn meta(rid: &str, prompt_tokens: usize, completion: usize, finish: Value) -> Va
     json!({ "id": rid, "prompt_tokens": prompt_tokens, "completion_tokens": completion, "cached_tokens": 0, "finish_reason": finish })
 }
 
-/// Publishes a room, unless its decode was already aborted (then the pages are freed).
-fn publish(inner: &Inner, room: u64, pages: Vec<usize>, tokens: usize) {
+/// Publishes a room, unless its decode was already aborted (then the pages are freed and it
+/// returns false).
+fn publish(inner: &Inner, room: u64, pages: Vec<usize>, tokens: usize, checksum: u32) -> bool {
     let mut rooms = lock(&inner.rooms);
     if matches!(rooms.get(&room), Some(Room::Abandoned)) {
         rooms.remove(&room);
         lock(&inner.pool).release(pages);
-        return;
+        return false;
     }
-    rooms.insert(room, Room::Published { pages, tokens });
+    rooms.insert(
+        room,
+        Room::Published {
+            pages,
+            tokens,
+            checksum,
+        },
+    );
     drop(rooms);
     inner.room_ready.notify_waiters();
+    true
+}
+
+/// The prefill gives up on a room its decode did not take: its pages are freed.
+fn withdraw(inner: &Inner, room: u64) {
+    lock(&inner.taken).remove(&room);
+    let mut rooms = lock(&inner.rooms);
+    if matches!(rooms.get(&room), Some(Room::Published { .. }))
+        && let Some(Room::Published { pages, .. }) = rooms.remove(&room)
+    {
+        lock(&inner.pool).release(pages);
+    }
 }
 
 async fn prefill(inner: Arc<Inner>, h: Half, fault: Fault) -> Response {
@@ -581,22 +717,58 @@ async fn prefill(inner: Arc<Inner>, h: Half, fault: Fault) -> Response {
             }
         }
         let tokens = n.min(pages.len() * ps);
-        publish(&inner, h.room, pages, tokens);
-        unregister(&inner, Role::Prefill, &h.rid);
+        let checksum = if arg_bool(&inner, Role::Prefill, "disaggregation_enable_kv_checksum") {
+            let pool = lock(&inner.pool);
+            let sent: Vec<u32> = (0..tokens)
+                .map(|i| pool.pages[pages[i / ps]][i % ps])
+                .collect();
+            adler32(&sent)
+        } else {
+            0
+        };
         let first = inner
             .tokenizer
             .decode(&h.ids[..1], false)
             .unwrap_or_default();
-        let body = if decoy {
-            json!({ "text": "", "meta_info": meta(&h.rid, n, 0, json!({"type": "abort", "message": format!("Input length ({n} tokens) exceeds the maximum allowed length ({capacity} tokens)")})) })
-        } else {
-            let reported = if fault == Fault::PrefillCountMismatch {
-                n + 1
-            } else {
-                n
+        if decoy {
+            // Older SGLang: the prefill answered at once, the room published as complete.
+            publish(&inner, h.room, pages, tokens, checksum);
+            unregister(&inner, Role::Prefill, &h.rid);
+            let body = json!({ "text": "", "meta_info": meta(&h.rid, n, 0, json!({"type": "abort", "message": format!("Input length ({n} tokens) exceeds the maximum allowed length ({capacity} tokens)")})) });
+            let _ = tx.send((StatusCode::OK, body));
+            return;
+        }
+        // SGLang 0.5.23 (`srt/disaggregation/prefill.py`, `process_disagg_prefill_inflight_queue`):
+        // the prefill's request is done only when its transfer reached `KVPoll.Success`, that is
+        // once the decode has the KV; a failed transfer aborts it with status 500.
+        let (taken_tx, taken_rx) = oneshot::channel();
+        lock(&inner.taken).insert(h.room, taken_tx);
+        let delivered = publish(&inner, h.room, pages, tokens, checksum)
+            && tokio::select! {
+                _ = cancel.cancelled() => {
+                    withdraw(&inner, h.room);
+                    unregister(&inner, Role::Prefill, &h.rid);
+                    let _ = tx.send((StatusCode::OK, aborted(&h.rid)));
+                    return;
+                }
+                taken = taken_rx => taken.is_ok(),
+                _ = tokio::time::sleep(inner.cfg.kv_wait_timeout) => false,
             };
-            json!({ "text": first, "output_ids": [h.ids[0]], "meta_info": meta(&h.rid, reported, 1, json!({"type": "length", "length": 1})) })
+        unregister(&inner, Role::Prefill, &h.rid);
+        if !delivered {
+            withdraw(&inner, h.room);
+            let _ = tx.send((
+                StatusCode::INTERNAL_SERVER_ERROR,
+                json!({"object": "error", "message": "KV transfer failed", "type": "500", "param": null, "code": 500}),
+            ));
+            return;
+        }
+        let reported = if fault == Fault::PrefillCountMismatch {
+            n + 1
+        } else {
+            n
         };
+        let body = json!({ "text": first, "output_ids": [h.ids[0]], "meta_info": meta(&h.rid, reported, 1, json!({"type": "length", "length": 0})) });
         let _ = tx.send((StatusCode::OK, body));
     });
     match rx.await {
@@ -609,6 +781,10 @@ enum DecodeMsg {
     Event(Value),
     Cut,
     Fail(StatusCode, String),
+    /// The scheduler's `prepare_abort(req, message, status_code)`: inside a stream an event
+    /// whose `finish_reason` is the abort; non-stream, that HTTP status with SGLang's
+    /// `ErrorResponse` body (`srt/managers/tokenizer_manager.py`, `srt/entrypoints/http_server.py`).
+    Abort(Value, StatusCode, String),
 }
 
 async fn decode(inner: Arc<Inner>, h: Half, fault: Fault) -> Response {
@@ -635,6 +811,9 @@ async fn decode(inner: Arc<Inner>, h: Half, fault: Fault) -> Response {
                     Err(std::io::Error::other("injected stream cut")),
                     (rx, sent),
                 )),
+                Some(DecodeMsg::Abort(ev, _, _)) => {
+                    Some((Ok(Bytes::from(format!("data: {ev}\n\n"))), (rx, sent + 1)))
+                }
                 Some(DecodeMsg::Fail(_, m)) => Some((
                     Ok(Bytes::from(format!(
                         "data: {}\n\n",
@@ -666,6 +845,10 @@ async fn decode(inner: Arc<Inner>, h: Half, fault: Fault) -> Response {
                 return sglang_error(StatusCode::INTERNAL_SERVER_ERROR, "injected stream cut");
             }
             DecodeMsg::Fail(s, m) => return sglang_error(s, &m),
+            DecodeMsg::Abort(_, s, m) => {
+                let code = s.as_u16();
+                return (s, axum::Json(json!({"object": "error", "message": m, "type": code.to_string(), "param": null, "code": code}))).into_response();
+            }
         }
     }
     match last {
@@ -688,14 +871,22 @@ async fn decode_work(
     };
     // Wait for the room's KV.
     let deadline = tokio::time::Instant::now() + inner.cfg.kv_wait_timeout;
-    let (pages, tokens) = loop {
+    let (pages, tokens, checksum) = loop {
         let notified = inner.room_ready.notified();
         {
             let mut rooms = lock(&inner.rooms);
             if matches!(rooms.get(&h.room), Some(Room::Published { .. }))
-                && let Some(Room::Published { pages, tokens }) = rooms.remove(&h.room)
+                && let Some(Room::Published {
+                    pages,
+                    tokens,
+                    checksum,
+                }) = rooms.remove(&h.room)
             {
-                break (pages, tokens);
+                // The transfer is done: the waiting prefill may answer.
+                if let Some(taken) = lock(&inner.taken).remove(&h.room) {
+                    let _ = taken.send(());
+                }
+                break (pages, tokens, checksum);
             }
         }
         tokio::select! {
@@ -713,13 +904,34 @@ async fn decode_work(
         }
     };
     let ps = inner.cfg.page_size;
-    let kv: Vec<u32> = {
+    let mut kv: Vec<u32> = {
         let pool = lock(&inner.pool);
         (0..tokens)
             .map(|i| pool.pages[pages[i / ps]][i % ps])
             .collect()
     };
     let release = |pages: Vec<usize>| lock(&inner.pool).release(pages);
+    if fault == Fault::KvCorrupt
+        && let Some(v) = kv.first_mut()
+    {
+        *v ^= 1;
+    }
+    // `srt/disaggregation/decode.py` `_verify_kv_checksums`, before the first forward pass.
+    if checksum != 0 && checksum_on(&inner) && adler32(&kv) != checksum {
+        release(pages);
+        let message = "KV checksum mismatch";
+        let finish =
+            json!({"type": "abort", "message": message, "status_code": 500, "err_type": null});
+        let ev = json!({ "text": "", "output_ids": [], "meta_info": meta(&h.rid, h.ids.len(), 0, finish) });
+        let _ = tx.send(DecodeMsg::Abort(
+            ev,
+            StatusCode::INTERNAL_SERVER_ERROR,
+            message.into(),
+        ));
+        return;
+    }
+    let incremental = h.stream && arg_bool(&inner, Role::Decode, "incremental_streaming_output");
+    let with_text = !arg_bool(&inner, Role::Decode, "skip_tokenizer_init");
     if fault == Fault::DecodeHang {
         tokio::select! {
             _ = cancel.cancelled() => { let _ = tx.send(aborted(&h.rid)); }
@@ -732,10 +944,11 @@ async fn decode_work(
         Fault::Slow { token_ms, .. } => Duration::from_millis(token_ms),
         _ => inner.cfg.token_delay,
     };
+    // What SGLang reports: the length of the ids it was sent (`output_streamer.py`).
     let reported = if fault == Fault::DecodeCountMismatch {
-        tokens + 1
+        h.ids.len() + 1
     } else {
-        tokens
+        h.ids.len()
     };
     let mut out = Vec::with_capacity(h.max_new);
     for i in 0..h.max_new {
@@ -762,8 +975,21 @@ async fn decode_work(
         } else {
             Value::Null
         };
-        let text = inner.tokenizer.decode(&out, false).unwrap_or_default();
-        let ev = json!({ "text": text, "output_ids": out, "meta_info": meta(&h.rid, reported, out.len(), finish) });
+        // Cumulative `text`/`output_ids` by default; with `incremental_streaming_output` only
+        // this step's (`tokenizer_manager.py` `_handle_batch_output`); `meta_info`'s
+        // `completion_tokens` counts all of them either way.
+        let shown = if incremental { &out[i..] } else { &out[..] };
+        let mut ev =
+            json!({ "output_ids": shown, "meta_info": meta(&h.rid, reported, out.len(), finish) });
+        if with_text {
+            let text = inner.tokenizer.decode(&out, false).unwrap_or_default();
+            ev["text"] = json!(if incremental {
+                let before = inner.tokenizer.decode(&out[..i], false).unwrap_or_default();
+                text.get(before.len()..).unwrap_or_default().to_string()
+            } else {
+                text
+            });
+        }
         let _ = tx.send(DecodeMsg::Event(ev));
     }
     release(pages);

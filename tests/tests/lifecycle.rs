@@ -184,19 +184,25 @@ async fn retry_uses_a_new_pair_and_aborts_the_old_one() {
 }
 
 /// A prefill worker that refuses connections is skipped by the retry, which picks the other one.
+/// (It answered the deployment check, then went away: a worker the check cannot verify keeps
+/// the model from serving at all.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connect_failure_retries_on_another_worker() {
-    // Reserve a port and close it so nothing listens there.
-    let dead = std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr");
     let stack = Stack::start().await;
+    let doomed = lockstep_tests::sglang_mock::PdMock::start(
+        Default::default(),
+        lockstep_tests::tokenizer::build(),
+    )
+    .await
+    .expect("second mock");
     let live = format!(
         "{{ url = \"{}\", bootstrap_port = 8998 }}",
         stack.mock.prefill_url()
     );
-    let dead = format!("{{ url = \"http://{dead}\", bootstrap_port = 8998 }}");
+    let dead = format!(
+        "{{ url = \"{}\", bootstrap_port = 8998 }}",
+        doomed.prefill_url()
+    );
     let text = stack
         .config_text("", lockstep_tests::harness::TEST_TIMEOUTS)
         .replace(&format!("[{live}]"), &format!("[{dead}, {live}]"));
@@ -205,6 +211,9 @@ async fn connect_failure_retries_on_another_worker() {
     let ls = lockstep_router::app::Lockstep::start(cfg)
         .await
         .expect("start");
+    // The worker goes away: its port refuses connections from now on.
+    drop(doomed);
+    tokio::time::sleep(Duration::from_millis(50)).await;
     let url = format!("http://{}/v1/completions", ls.http_addr);
     for _ in 0..4 {
         let a = TestClient::default()

@@ -180,6 +180,12 @@ async fn decode_stream_cut() {
     assert_fault(Fault::DecodeCut(3), &["decode_failed"]).await;
 }
 
+/// SGLang's KV checksum (on in the mock, as lockstep requires) catches a corrupted transfer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_corrupted_in_transfer() {
+    assert_fault(Fault::KvCorrupt, &["integrity_violation"]).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn decode_count_mismatch() {
     assert_fault(Fault::DecodeCountMismatch, &["integrity_violation"]).await;

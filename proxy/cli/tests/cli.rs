@@ -54,13 +54,19 @@ fn run(args: &[&str]) -> (bool, String) {
     )
 }
 
-/// A worker that reports `max_total_num_tokens` like SGLang's `/get_server_info`.
-async fn worker(capacity: u64) -> (String, tokio::task::JoinHandle<()>) {
+/// An SGLang 0.5.23 worker in `role` as its `/server_info` describes it (correctly set up for
+/// lockstep: KV checksum on, cumulative streams), reporting `max_total_num_tokens = capacity`.
+async fn worker(capacity: u64, role: &'static str) -> (String, tokio::task::JoinHandle<()>) {
     let app = Router::new()
         .route(
-            "/get_server_info",
+            "/server_info",
             get(move || async move {
-                axum::Json(serde_json::json!({ "max_total_num_tokens": capacity }))
+                axum::Json(serde_json::json!({
+                    "disaggregation_mode": role, "disaggregation_transfer_backend": "mooncake",
+                    "disaggregation_bootstrap_port": 8998, "disaggregation_enable_kv_checksum": true,
+                    "page_size": 16, "kv_cache_dtype": "auto", "tp_size": 1, "pp_size": 1,
+                    "max_total_num_tokens": capacity,
+                }))
             }),
         )
         .route("/health", get(|| async { "ok" }));
@@ -144,8 +150,9 @@ fn check_lists_every_problem() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deployment_check_uses_the_capacity_workers_report() {
-    let (small, h1) = worker(1500).await;
-    let (large, h2) = worker(1 << 20).await;
+    let (small, h1) = worker(1500, "decode").await;
+    let (large, h2) = worker(1 << 20, "prefill").await;
+    let (large_decode, h3) = worker(1 << 20, "decode").await;
     let dir = tempfile::tempdir().expect("tempdir");
     // Configured capacity 4096 would pass, but the decode worker reports 1500 < 2000.
     let path = config(
@@ -187,7 +194,7 @@ async fn deployment_check_uses_the_capacity_workers_report() {
         "{out}"
     );
     // Enough reported capacity: check passes.
-    let path = config(dir.path(), 2000, 4096, &large, &large, "");
+    let path = config(dir.path(), 2000, 4096, &large, &large_decode, "");
     let p = path.to_str().expect("utf8").to_string();
     let (ok, out) = tokio::task::spawn_blocking(move || run(&["check", "--config", &p]))
         .await
@@ -195,6 +202,7 @@ async fn deployment_check_uses_the_capacity_workers_report() {
     assert!(ok, "{out}");
     h1.abort();
     h2.abort();
+    h3.abort();
 }
 
 /// SIGHUP reloads the file: a file that fails the deployment check is refused (the process keeps
@@ -202,14 +210,15 @@ async fn deployment_check_uses_the_capacity_workers_report() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sighup_reloads_and_refuses_unsafe_configs() {
     use tokio::io::AsyncBufReadExt;
-    let (w, h) = worker(1500).await;
+    let (w, h) = worker(1500, "prefill").await;
+    let (wd, hd) = worker(1500, "decode").await;
     let dir = tempfile::tempdir().expect("tempdir");
     let path = config(
         dir.path(),
         1000,
         4096,
         &w,
-        &w,
+        &wd,
         "[server]\nhttp_listen = \"127.0.0.1:0\"\nlog_level = \"info\"",
     );
     let mut child = tokio::process::Command::new(BIN)
@@ -245,7 +254,7 @@ async fn sighup_reloads_and_refuses_unsafe_configs() {
         2000,
         4096,
         &w,
-        &w,
+        &wd,
         "[server]\nhttp_listen = \"127.0.0.1:0\"\nlog_level = \"info\"",
     );
     assert!(hup().success());
@@ -257,7 +266,7 @@ async fn sighup_reloads_and_refuses_unsafe_configs() {
         1200,
         4096,
         &w,
-        &w,
+        &wd,
         "[server]\nhttp_listen = \"127.0.0.1:0\"\nlog_level = \"info\"",
     );
     assert!(hup().success());
@@ -272,6 +281,7 @@ async fn sighup_reloads_and_refuses_unsafe_configs() {
         .expect("status");
     assert!(status.success(), "SIGTERM exits 0");
     h.abort();
+    hd.abort();
 }
 
 /// A raw HTTP/1.1 exchange with lockstep (the CLI tests carry no HTTP client).
@@ -615,9 +625,13 @@ async fn https_workers_are_reached_with_the_configured_ca() {
             // The report came over TLS: 1500 < 2000 refuses the deployment.
             assert!(!ok && out.contains("1500") && out.contains(&url), "{out}");
         } else {
-            // Untrusted certificate: no report; the configured 4096 passes, with a warning.
-            assert!(ok, "{out}");
-            assert!(out.contains("did not report"), "{out}");
+            // Untrusted certificate: the worker cannot be verified, so the check fails, naming
+            // the certificate problem.
+            assert!(!ok, "{out}");
+            assert!(
+                out.contains("invalid peer certificate") && out.contains("cannot verify"),
+                "{out}"
+            );
         }
     }
     server.abort();

@@ -13,7 +13,7 @@ use crate::admission::PromptCodec;
 use crate::audit::Audit;
 use crate::backend::embedded::EmbeddedBackend;
 use crate::backend::sglang::SglangBackend;
-use crate::backend::{PdBackend, UpstreamClient};
+use crate::backend::{Deployment, PdBackend, UpstreamClient};
 use crate::config::{BackendKind, Config, ModelConfig, PoolConfig, WorkerConfig};
 use crate::metrics::Metrics;
 use crate::pair::{PairRegistry, PairRuntime, PairStats};
@@ -21,13 +21,16 @@ use crate::pool::{WorkerPool, health_loop};
 use crate::state::{AppState, ModelRuntime, Models};
 use crate::tenant::Tenants;
 
-/// Invariant 6 for `m` against its live workers, through its backend's probe
-/// ([`PdBackend::deployment_capacity`]); an embedded model is checked against its configured pool.
-/// Returns the effective capacity, or every problem found.
-pub async fn check_deployment(client: &UpstreamClient, m: &ModelConfig) -> Result<u64, String> {
+/// The deployment check of `m` against its live workers, through its backend's probe
+/// ([`PdBackend::deployment`]); an embedded model is checked against its configured pool.
+/// Returns the limits admission will use, or every problem found.
+pub async fn check_deployment(
+    client: &UpstreamClient,
+    m: &ModelConfig,
+) -> Result<Deployment, String> {
     match remote_backend(m, client) {
-        Some(backend) => backend.deployment_capacity(m).await,
-        None => crate::backend::embedded::pool_capacity(m),
+        Some(backend) => backend.deployment(m).await,
+        None => crate::backend::embedded::pool_capacity(m).map(Deployment::capacity),
     }
 }
 
@@ -101,7 +104,7 @@ pub(crate) async fn build_models(
             _ => build_remote(m, client).await,
         };
         let Built {
-            capacity,
+            deployment,
             codec,
             backend,
             prefill,
@@ -140,12 +143,21 @@ pub(crate) async fn build_models(
             metrics: metrics.clone(),
             audit: audit.clone(),
         });
-        tracing::info!(model = %name, context_window = m.context_window, kv_capacity = capacity, "model ready");
+        let capacity = deployment.kv_capacity;
+        let mut cfg = m.clone();
+        if let Some(limit) = deployment.max_prompt_tokens
+            && (cfg.max_prompt_tokens == 0 || limit < cfg.max_prompt_tokens)
+        {
+            // The workers' own prompt limit: a prompt over it would pass admission and then be
+            // refused by the worker.
+            cfg.max_prompt_tokens = limit;
+        }
+        tracing::info!(model = %name, context_window = m.context_window, kv_capacity = capacity, max_prompt_tokens = cfg.max_prompt_tokens, "model ready");
         models.by_name.insert(
             m.name.clone(),
             Arc::new(ModelRuntime {
                 name,
-                cfg: m.clone(),
+                cfg,
                 codec,
                 pairs,
                 engine,
@@ -162,7 +174,7 @@ pub(crate) async fn build_models(
 
 /// What one model's backend needs, built.
 struct Built {
-    capacity: u64,
+    deployment: Deployment,
     codec: Arc<PromptCodec>,
     backend: Arc<dyn PdBackend>,
     prefill: Arc<WorkerPool>,
@@ -174,10 +186,10 @@ struct Built {
 /// probe, then the tokenizer and template.
 async fn build_remote(m: &ModelConfig, client: &UpstreamClient) -> Result<Built, String> {
     let backend = remote_backend(m, client).ok_or("not a remote backend")?;
-    let capacity = backend.deployment_capacity(m).await?;
+    let deployment = backend.deployment(m).await?;
     let codec = remote_codec(m).await?;
     Ok(Built {
-        capacity,
+        deployment,
         codec,
         backend,
         prefill: Arc::new(WorkerPool::new(&m.prefill)),
@@ -259,7 +271,7 @@ async fn build_embedded(m: &ModelConfig) -> Result<Built, String> {
     .await
     .map_err(|err| format!("model `{}`: engine start panicked: {err}", m.name))??;
     let backend: Arc<dyn PdBackend> = Arc::new(EmbeddedBackend::new(pd.clone()));
-    let capacity = backend.deployment_capacity(m).await?;
+    let deployment = backend.deployment(m).await?;
     let pool = |side: &str| {
         Arc::new(WorkerPool::new(&PoolConfig {
             policy: Default::default(),
@@ -273,7 +285,7 @@ async fn build_embedded(m: &ModelConfig) -> Result<Built, String> {
         }))
     };
     Ok(Built {
-        capacity,
+        deployment,
         codec,
         backend,
         prefill: pool("prefill"),

@@ -13,8 +13,8 @@ use lockstep_engine::pd::{Half, Pd};
 use lockstep_engine::sample::{Finish, SamplingConfig};
 
 use super::{
-    DecodeChunk, DecodeStream, Dispatch, FinishReason, HalfError, HalfFailure, PdBackend,
-    PrefillReport, SamplingParams, Side,
+    DecodeChunk, DecodeStream, Deployment, Dispatch, FinishReason, HalfError, HalfFailure,
+    PdBackend, PrefillReport, SamplingParams, Side,
 };
 use crate::config::{ModelConfig, deployment_check};
 
@@ -84,8 +84,10 @@ pub fn pool_capacity(m: &ModelConfig) -> Result<u64, String> {
 
 impl PdBackend for EmbeddedBackend {
     /// The engine's pool is the capacity: nothing to ask.
-    fn deployment_capacity<'a>(&'a self, m: &'a ModelConfig) -> BoxFuture<'a, Result<u64, String>> {
-        Box::pin(std::future::ready(pool_capacity(m)))
+    fn deployment<'a>(&'a self, m: &'a ModelConfig) -> BoxFuture<'a, Result<Deployment, String>> {
+        Box::pin(std::future::ready(
+            pool_capacity(m).map(Deployment::capacity),
+        ))
     }
 
     fn prefill(&self, d: &Dispatch) -> BoxFuture<'static, Result<PrefillReport, HalfError>> {

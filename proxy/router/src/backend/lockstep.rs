@@ -18,8 +18,8 @@ use tonic::transport::Channel;
 use tonic::{Code, Status};
 
 use super::{
-    DecodeChunk, DecodeStream, Dispatch, FinishReason, HalfError, HalfFailure, PdBackend,
-    PrefillReport, SamplingParams, Side,
+    DecodeChunk, DecodeStream, Deployment, Dispatch, FinishReason, HalfError, HalfFailure,
+    PdBackend, PrefillReport, SamplingParams, Side,
 };
 use crate::config::ModelConfig;
 use lockstep_proto::{MAX_MESSAGE_BYTES, worker_channel};
@@ -112,8 +112,8 @@ fn unreachable(side: Side, e: String) -> HalfError {
 }
 
 impl PdBackend for LockstepBackend {
-    fn deployment_capacity<'a>(&'a self, m: &'a ModelConfig) -> BoxFuture<'a, Result<u64, String>> {
-        Box::pin(check_deployment(self, m))
+    fn deployment<'a>(&'a self, m: &'a ModelConfig) -> BoxFuture<'a, Result<Deployment, String>> {
+        Box::pin(async move { check_deployment(self, m).await.map(Deployment::capacity) })
     }
 
     fn prefill(&self, d: &Dispatch) -> BoxFuture<'static, Result<PrefillReport, HalfError>> {

@@ -8,6 +8,7 @@ pub mod embedded;
 pub mod lockstep;
 pub mod probe;
 pub mod sglang;
+pub mod sglang_info;
 mod sse;
 pub mod vllm;
 
@@ -95,6 +96,27 @@ impl Dispatch {
     /// pages, two tenants never do (requests without a tenant share one namespace).
     pub fn cache_salt(&self) -> u64 {
         crate::tenant::cache_salt(self.tenant.as_deref())
+    }
+}
+
+/// What a deployment check found: the limits admission applies to the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Deployment {
+    /// The KV capacity one request can get: the configured one, or less where workers report
+    /// less.
+    pub kv_capacity: u64,
+    /// The longest prompt every worker accepts, where they report one (SGLang:
+    /// `max_req_input_len - 1`).
+    pub max_prompt_tokens: Option<u64>,
+}
+
+impl Deployment {
+    /// A deployment limited by its KV capacity alone.
+    pub fn capacity(kv_capacity: u64) -> Deployment {
+        Deployment {
+            kv_capacity,
+            max_prompt_tokens: None,
+        }
     }
 }
 
@@ -215,11 +237,14 @@ pub type DecodeStream = BoxStream<'static, Result<DecodeChunk, HalfError>>;
 /// the commit barrier, abort-both and retries; an implementation reports protocol facts).
 pub trait PdBackend: Send + Sync + 'static {
     /// **Before the model serves** (start, every reload, `lockstep check`): asks the workers of
-    /// `m` for the KV capacity one request can get and runs the deployment check (invariant 6)
-    /// against the smaller of that and the configured capacity. No pair exists yet. Returns the
-    /// effective capacity admission will use, or every problem found (the model does not serve).
-    /// A worker that does not answer is a warning, not a problem: it is health-checked later.
-    fn deployment_capacity<'a>(&'a self, m: &'a ModelConfig) -> BoxFuture<'a, Result<u64, String>>;
+    /// `m` what they are (the KV capacity one request can get, their prompt limit, and for SGLang
+    /// their roles, KV checksum, layouts and stream mode) and runs the deployment check
+    /// (invariant 6) against the smaller of the reported and the configured capacity. No pair
+    /// exists yet. Returns what admission will use, or every problem found (the model does not
+    /// serve). Whether a worker that does not answer is a problem is the backend's call: SGLang
+    /// refuses (its KV checksum and stream mode cannot be verified); the others warn and
+    /// health-check it later.
+    fn deployment<'a>(&'a self, m: &'a ModelConfig) -> BoxFuture<'a, Result<Deployment, String>>;
     /// **Phase 1, after admission**: the pair is registered, both workers are chosen and
     /// [`PdBackend::decode`] was started alongside. Runs the prefill half to completion and
     /// reports what the worker said it computed; nothing has reached the client.

@@ -1,6 +1,9 @@
 //! SGLang PD backend: the native `/generate` API with `input_ids` computed by lockstep,
 //! `rid`/`bootstrap_*` set by lockstep, and `/abort_request` on both halves.
 
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
+
 use bytes::Bytes;
 use futures_util::future::BoxFuture;
 use http::Method;
@@ -8,10 +11,11 @@ use http_body_util::BodyExt;
 use serde_json::{Value, json};
 
 use super::client::UpstreamClient;
+use super::sglang_info::StreamMode;
 use super::sse::{ChunkSource, SseReader, decode_stream};
 use super::{
-    DecodeChunk, DecodeStream, Dispatch, FinishReason, HalfError, HalfFailure, PdBackend,
-    PrefillReport, Side,
+    DecodeChunk, DecodeStream, Deployment, Dispatch, FinishReason, HalfError, HalfFailure,
+    PdBackend, PrefillReport, Side,
 };
 use crate::config::ModelConfig;
 
@@ -19,12 +23,26 @@ use crate::config::ModelConfig;
 #[derive(Debug, Clone)]
 pub struct SglangBackend {
     client: UpstreamClient,
+    /// Each decode worker's stream mode, as its `/server_info` said at the deployment check.
+    stream_modes: Arc<RwLock<HashMap<String, StreamMode>>>,
 }
+
+/// What SGLang's decode says when the KV it received does not match the prefill's checksum
+/// (`srt/disaggregation/decode.py`, `_handle_kv_checksum_mismatch`).
+const KV_CHECKSUM_MISMATCH: &str = "KV checksum mismatch";
 
 impl SglangBackend {
     /// A backend over the shared upstream client.
     pub fn new(client: UpstreamClient) -> SglangBackend {
-        SglangBackend { client }
+        SglangBackend {
+            client,
+            stream_modes: Arc::default(),
+        }
+    }
+
+    fn stream_mode(&self, decode_url: &str) -> Option<StreamMode> {
+        let modes = self.stream_modes.read().unwrap_or_else(|p| p.into_inner());
+        modes.get(decode_url).copied()
     }
 
     /// The `/generate` body of one half. Client-sent routing fields never reach here: lockstep
@@ -81,11 +99,32 @@ fn error_message(body: &[u8]) -> String {
         .unwrap_or_else(|| String::from_utf8_lossy(&body[..body.len().min(256)]).into_owned())
 }
 
+/// A worker's refusal: an integrity failure when SGLang's KV checksum caught a corrupted
+/// transfer, an in-band abort otherwise.
+fn refusal(message: String) -> HalfFailure {
+    if message.starts_with(KV_CHECKSUM_MISMATCH) {
+        HalfFailure::Integrity(format!(
+            "SGLang's KV checksum caught a corrupted transfer: {message}"
+        ))
+    } else {
+        HalfFailure::InBandAbort(message)
+    }
+}
+
+/// A non-2xx answer: its status, or the integrity failure it reports.
+fn status_failure(status: u16, body: &[u8]) -> HalfFailure {
+    let message = error_message(body);
+    match refusal(message) {
+        HalfFailure::InBandAbort(message) => HalfFailure::Status { status, message },
+        integrity => integrity,
+    }
+}
+
 /// Checks one `/generate` JSON object for an in-band failure; returns its finish reason.
 fn inspect(side: Side, v: &Value) -> Result<Option<FinishReason>, HalfError> {
     let fail = |m: String| HalfError {
         side,
-        failure: HalfFailure::InBandAbort(m),
+        failure: refusal(m),
     };
     if let Some(err) = v.get("error").filter(|e| !e.is_null()) {
         return Err(fail(err.to_string()));
@@ -160,8 +199,12 @@ fn meta_u64(v: &Value, key: &str) -> Option<u64> {
 }
 
 impl PdBackend for SglangBackend {
-    fn deployment_capacity<'a>(&'a self, m: &'a ModelConfig) -> BoxFuture<'a, Result<u64, String>> {
-        Box::pin(super::probe::reported_capacity(&self.client, m))
+    fn deployment<'a>(&'a self, m: &'a ModelConfig) -> BoxFuture<'a, Result<Deployment, String>> {
+        Box::pin(async move {
+            let v = super::sglang_info::verify(&self.client, m).await?;
+            *self.stream_modes.write().unwrap_or_else(|p| p.into_inner()) = v.stream_modes;
+            Ok(v.deployment)
+        })
     }
 
     fn prefill(&self, d: &Dispatch) -> BoxFuture<'static, Result<PrefillReport, HalfError>> {
@@ -179,10 +222,7 @@ impl PdBackend for SglangBackend {
             if !(200..300).contains(&status) {
                 return Err(HalfError {
                     side,
-                    failure: HalfFailure::Status {
-                        status,
-                        message: error_message(&body),
-                    },
+                    failure: status_failure(status, &body),
                 });
             }
             let v: Value = serde_json::from_slice(&body).map_err(|e| HalfError {
@@ -198,8 +238,16 @@ impl PdBackend for SglangBackend {
         let url = format!("{}/generate", d.decode.url);
         let body = Self::generate_body(d, true);
         let trace = lockstep_serve::telemetry::trace_headers();
+        let mode = self.stream_mode(&d.decode.url);
         let start = async move {
             let side = Side::Decode;
+            let mode = mode.ok_or_else(|| HalfError {
+                side,
+                failure: HalfFailure::Protocol(
+                    "the decode worker's stream mode was not verified at the deployment check"
+                        .into(),
+                ),
+            })?;
             let resp = client
                 .send_with(Method::POST, &url, body, &trace)
                 .await
@@ -214,15 +262,12 @@ impl PdBackend for SglangBackend {
                     .unwrap_or_default();
                 return Err(HalfError {
                     side,
-                    failure: HalfFailure::Status {
-                        status,
-                        message: error_message(&body),
-                    },
+                    failure: status_failure(status, &body),
                 });
             }
             Ok(SseDecoder {
                 events: SseReader::new(resp.into_body(), side),
-                text_len: 0,
+                text: StreamText::new(mode),
             })
         };
         decode_stream(start)
@@ -256,11 +301,67 @@ impl PdBackend for SglangBackend {
     }
 }
 
-/// Turns SGLang's SSE stream (`data: {cumulative text, meta_info}` events, then `data: [DONE]`)
-/// into text deltas.
+/// Turns SGLang's SSE stream (`data: {text, output_ids, meta_info}` events, then `data: [DONE]`)
+/// into text deltas. The text is cumulative by default and disjoint deltas with
+/// `--incremental-streaming-output` (SGLang 0.5.23 `srt/managers/tokenizer_manager.py`,
+/// `_handle_batch_output`); the mode comes from the worker's `/server_info`, and every event's
+/// `output_ids` are checked against `meta_info.completion_tokens` (cumulative in both modes), so
+/// a worker restarted in the other mode fails the pair instead of garbling its text.
 struct SseDecoder {
     events: SseReader,
+    text: StreamText,
+}
+
+/// The text and ids a decode stream has delivered so far, in its worker's stream mode.
+struct StreamText {
+    mode: StreamMode,
     text_len: usize,
+    ids_seen: u64,
+}
+
+impl StreamText {
+    fn new(mode: StreamMode) -> StreamText {
+        StreamText {
+            mode,
+            text_len: 0,
+            ids_seen: 0,
+        }
+    }
+
+    /// The new text of one event, after checking its ids against the mode.
+    fn delta(&mut self, v: &Value) -> Result<String, String> {
+        let text = v.get("text").and_then(Value::as_str).unwrap_or("");
+        let completion = meta_u64(v, "completion_tokens");
+        if let (Some(ids), Some(completion)) =
+            (v.get("output_ids").and_then(Value::as_array), completion)
+        {
+            let ids = ids.len() as u64;
+            let total = match self.mode {
+                StreamMode::Cumulative => ids,
+                StreamMode::Incremental => self.ids_seen + ids,
+            };
+            // An abort event carries no ids; only a count that moved must match.
+            if completion > 0 && total != completion {
+                return Err(format!(
+                    "{ids} output_ids with completion_tokens {completion} do not fit the {:?} stream mode the worker reported",
+                    self.mode
+                ));
+            }
+            self.ids_seen = total;
+        }
+        match self.mode {
+            StreamMode::Incremental => Ok(text.to_string()),
+            StreamMode::Cumulative => {
+                if text.len() >= self.text_len && text.is_char_boundary(self.text_len) {
+                    let delta = text[self.text_len..].to_string();
+                    self.text_len = text.len();
+                    Ok(delta)
+                } else {
+                    Err("streamed text is not cumulative".into())
+                }
+            }
+        }
+    }
 }
 
 impl ChunkSource for SseDecoder {
@@ -274,17 +375,10 @@ impl ChunkSource for SseDecoder {
             failure: HalfFailure::Protocol(format!("bad SSE event: {e}")),
         })?;
         let finish = inspect(side, &v)?;
-        let text = v.get("text").and_then(Value::as_str).unwrap_or("");
-        // SGLang streams cumulative text; lockstep forwards only the new part.
-        let delta = if text.len() >= self.text_len && text.is_char_boundary(self.text_len) {
-            text[self.text_len..].to_string()
-        } else {
-            return Err(HalfError {
-                side,
-                failure: HalfFailure::Protocol("streamed text is not cumulative".into()),
-            });
-        };
-        self.text_len = text.len();
+        let delta = self.text.delta(&v).map_err(|m| HalfError {
+            side,
+            failure: HalfFailure::Protocol(m),
+        })?;
         Ok(Some(DecodeChunk {
             kv_digest: None,
             delta,
@@ -303,6 +397,76 @@ mod tests {
 
     fn answer(meta: Value) -> Value {
         json!({ "text": "x", "output_ids": [1], "meta_info": meta })
+    }
+
+    fn event(text: &str, ids: &[u32], completion: u64) -> Value {
+        json!({ "text": text, "output_ids": ids, "meta_info": { "completion_tokens": completion, "finish_reason": null } })
+    }
+
+    #[test]
+    fn both_stream_modes_give_the_same_deltas() {
+        let mut c = StreamText::new(StreamMode::Cumulative);
+        let got: Vec<String> = [
+            event("red", &[1], 1),
+            event("red green", &[1, 2], 2),
+            event("red green blue", &[1, 2, 3], 3),
+        ]
+        .iter()
+        .map(|e| c.delta(e).expect("cumulative"))
+        .collect();
+        assert_eq!(got, ["red", " green", " blue"]);
+        let mut i = StreamText::new(StreamMode::Incremental);
+        let got: Vec<String> = [
+            event("red", &[1], 1),
+            event(" green", &[2], 2),
+            event(" blue", &[3], 3),
+        ]
+        .iter()
+        .map(|e| i.delta(e).expect("incremental"))
+        .collect();
+        assert_eq!(got, ["red", " green", " blue"]);
+    }
+
+    #[test]
+    fn a_stream_in_the_other_mode_fails_instead_of_garbling() {
+        // Incremental events read as cumulative: the ids give it away on the second event even
+        // where the text alone would have been sliced into garbage.
+        let mut c = StreamText::new(StreamMode::Cumulative);
+        c.delta(&event("red", &[1], 1))
+            .expect("first event fits both");
+        let e = c
+            .delta(&event(" green and more", &[2], 2))
+            .expect_err("mode mismatch");
+        assert!(e.contains("Cumulative"), "{e}");
+        // Cumulative events read as incremental: would repeat text; refused.
+        let mut i = StreamText::new(StreamMode::Incremental);
+        i.delta(&event("red", &[1], 1)).expect("first");
+        assert!(i.delta(&event("red green", &[1, 2], 2)).is_err());
+        // An abort event (no ids, count 0) passes to inspect(), which reports it.
+        assert!(i.delta(&event("", &[], 0)).is_ok());
+    }
+
+    #[test]
+    fn a_kv_checksum_mismatch_is_an_integrity_failure_in_band_or_as_a_status() {
+        let ev = json!({ "text": "", "output_ids": [], "meta_info": { "finish_reason":
+            { "type": "abort", "message": "KV checksum mismatch", "status_code": 500, "err_type": null } } });
+        let e = inspect(Side::Decode, &ev).expect_err("abort");
+        assert!(matches!(e.failure, HalfFailure::Integrity(_)), "{e:?}");
+        let body = br#"{"object":"error","message":"KV checksum mismatch","type":"500","param":null,"code":500}"#;
+        assert!(matches!(
+            status_failure(500, body),
+            HalfFailure::Integrity(_)
+        ));
+        // Other aborts stay what they were.
+        let other = json!({ "meta_info": { "finish_reason": { "type": "abort", "message": "Abort request" } } });
+        assert!(matches!(
+            inspect(Side::Decode, &other).expect_err("abort").failure,
+            HalfFailure::InBandAbort(_)
+        ));
+        assert!(matches!(
+            status_failure(503, br#"{"error":{"message":"busy"}}"#),
+            HalfFailure::Status { status: 503, .. }
+        ));
     }
 
     #[test]

@@ -28,8 +28,8 @@ use tokio::sync::watch;
 use super::client::UpstreamClient;
 use super::sse::{ChunkSource, SseReader, decode_stream};
 use super::{
-    DecodeChunk, DecodeStream, Dispatch, FinishReason, HalfError, HalfFailure, PdBackend,
-    PrefillReport, Side,
+    DecodeChunk, DecodeStream, Deployment, Dispatch, FinishReason, HalfError, HalfFailure,
+    PdBackend, PrefillReport, Side,
 };
 use crate::config::ModelConfig;
 use crate::config::{VllmConnector, VllmSection};
@@ -266,8 +266,12 @@ fn usage(v: &Value, key: &str) -> Option<u64> {
 }
 
 impl PdBackend for VllmBackend {
-    fn deployment_capacity<'a>(&'a self, m: &'a ModelConfig) -> BoxFuture<'a, Result<u64, String>> {
-        Box::pin(super::probe::reported_capacity(&self.client, m))
+    fn deployment<'a>(&'a self, m: &'a ModelConfig) -> BoxFuture<'a, Result<Deployment, String>> {
+        Box::pin(async move {
+            super::probe::reported_capacity(&self.client, m)
+                .await
+                .map(Deployment::capacity)
+        })
     }
 
     fn prefill(&self, d: &Dispatch) -> BoxFuture<'static, Result<PrefillReport, HalfError>> {

@@ -22,7 +22,8 @@ pub use lockstep_serve::engine_section::{
 };
 pub use lockstep_serve::toml_file::lines;
 pub use model::{
-    BackendKind, ChatTemplateConfig, ModelConfig, VllmConnector, VllmSection, deployment_check,
+    BackendKind, ChatTemplateConfig, ModelConfig, SglangSection, VllmConnector, VllmSection,
+    deployment_check,
 };
 pub use pool::{HealthConfig, PolicyKind, PoolConfig, PrefixRouting, WorkerConfig};
 pub use server::ServerConfig;
@@ -123,18 +124,24 @@ impl Config {
         ConfigFile::problems(self)
     }
 
-    /// Settings that are valid but unsafe in production (fault injection).
+    /// Settings that are valid but unsafe in production (fault injection, unverified KV).
     pub fn warnings(&self) -> Vec<String> {
-        self.models
-            .iter()
-            .filter_map(|m| {
-                let f = m.engine.as_ref()?.fault?;
-                Some(format!(
+        let mut out = Vec::new();
+        for m in &self.models {
+            if let Some(f) = m.engine.as_ref().and_then(|e| e.fault) {
+                out.push(format!(
                     "model `{}`: engine.fault = {f:?} injects KV transfer faults: UNSAFE, for tests only",
                     m.name
-                ))
-            })
-            .collect()
+                ));
+            }
+            if m.backend == BackendKind::Sglang && !m.sglang.require_kv_checksum {
+                out.push(format!(
+                    "model `{}`: sglang.require_kv_checksum = false: workers may run without SGLang's KV checksum, and then nothing verifies the KV a decode reads: UNSAFE",
+                    m.name
+                ));
+            }
+        }
+        out
     }
 }
 

@@ -84,6 +84,9 @@ pub struct ModelConfig {
     /// vLLM settings (`backend = "vllm"`).
     #[serde(default)]
     pub vllm: VllmSection,
+    /// SGLang settings (`backend = "sglang"`).
+    #[serde(default)]
+    pub sglang: SglangSection,
     /// Pair deadlines.
     #[serde(default)]
     pub timeouts: TimeoutConfig,
@@ -150,6 +153,25 @@ impl Default for VllmSection {
             connector: VllmConnector::Nixl,
             block_size: 16,
             served_model_name: None,
+        }
+    }
+}
+
+/// `[models.sglang]`: what lockstep requires of SGLang workers.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct SglangSection {
+    /// Serve only when every prefill and decode worker runs with
+    /// `--disaggregation-enable-kv-checksum` and the layouts the checksum needs agree (default
+    /// true). SGLang's decode then verifies every KV transfer before its first token; without it
+    /// nothing verifies the KV content. `false` is UNSAFE (`lockstep check` says so).
+    pub require_kv_checksum: bool,
+}
+
+impl Default for SglangSection {
+    fn default() -> Self {
+        SglangSection {
+            require_kv_checksum: true,
         }
     }
 }

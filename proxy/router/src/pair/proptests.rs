@@ -51,11 +51,11 @@ struct Fake {
 }
 
 impl PdBackend for Fake {
-    fn deployment_capacity<'a>(
+    fn deployment<'a>(
         &'a self,
         m: &'a crate::config::ModelConfig,
-    ) -> BoxFuture<'a, Result<u64, String>> {
-        Box::pin(async move { Ok(m.kv_capacity_tokens) })
+    ) -> BoxFuture<'a, Result<crate::backend::Deployment, String>> {
+        Box::pin(async move { Ok(crate::backend::Deployment::capacity(m.kv_capacity_tokens)) })
     }
 
     fn prefill(&self, d: &Dispatch) -> BoxFuture<'static, Result<PrefillReport, HalfError>> {
