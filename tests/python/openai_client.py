@@ -63,4 +63,17 @@ try:
 except openai.NotFoundError as e:
     check(e.code == "model_not_found", f"unknown model code {e.code}")
 
+# JSON mode lockstep does not enforce on this backend: a 400 naming the field, never free text
+# with a 200.
+for kwargs, param in [
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
+    ({"logprobs": True, "top_logprobs": 2}, "logprobs"),
+]:
+    try:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, **kwargs)
+        check(False, f"{param} must be refused")
+    except openai.BadRequestError as e:
+        check(e.code == "unsupported" and e.param == param, f"{param} refused: {e.code} {e.param}")
+
 print("all openai client checks passed")

@@ -33,6 +33,8 @@ async fn malformed_input_table() {
         ("unknown model", chat, json!({"model": "nope", "messages": [{"role": "user", "content": "hi"}]}).to_string().into_bytes(), 404, "model_not_found"),
         ("body over limit", chat, json!({"model": MODEL, "messages": [{"role": "user", "content": big}]}).to_string().into_bytes(), 413, "body_too_large"),
         ("over-long prompt", cmpl, json!({"model": MODEL, "prompt": long_prompt}).to_string().into_bytes(), 400, "context_length_exceeded"),
+        ("seed over i64", cmpl, json!({"model": MODEL, "prompt": "hi", "seed": u64::MAX}).to_string().into_bytes(), 400, "invalid_request"),
+        ("sampling_seed over i64", "/generate", json!({"text": "hi", "sampling_params": {"sampling_seed": 9_300_000_000_000_000_000u64}}).to_string().into_bytes(), 400, "invalid_request"),
         ("n > 1", chat, json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}).to_string().into_bytes(), 400, "unsupported"),
         ("batched completion", cmpl, json!({"model": MODEL, "prompt": ["a", "b"]}).to_string().into_bytes(), 400, "unsupported"),
         ("batched generate", "/generate", json!({"text": ["a", "b"]}).to_string().into_bytes(), 400, "unsupported"),
@@ -192,4 +194,145 @@ async fn oversized_bodies_get_413_not_a_broken_pipe() {
         }
     }
     assert_eq!(stack.mock.request_count(), 0);
+}
+
+/// Never drop a field: every field lockstep does not honour end to end is a 400 `unsupported`
+/// naming it (chat, completions and `/generate`, at the top level, in `sampling_params` and in a
+/// message), before any worker is asked; values that ask for nothing pass.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fields_lockstep_does_not_honour_are_refused_by_name() {
+    let stack = Stack::start().await;
+    let c = TestClient::default();
+    let chat = |extra: serde_json::Value| {
+        let mut b = json!({"model": MODEL, "messages": [{"role": "user", "content": "red"}], "max_tokens": 2});
+        for (k, v) in extra.as_object().expect("object") {
+            b[k] = v.clone();
+        }
+        ("/v1/chat/completions", b)
+    };
+    let cmpl = |extra: serde_json::Value| {
+        let mut b = json!({"model": MODEL, "prompt": "red", "max_tokens": 2});
+        for (k, v) in extra.as_object().expect("object") {
+            b[k] = v.clone();
+        }
+        ("/v1/completions", b)
+    };
+    let generate = |extra: serde_json::Value| {
+        let mut b = json!({"text": "red", "sampling_params": {"max_new_tokens": 2}});
+        for (k, v) in extra.as_object().expect("object") {
+            if k == "sampling_params" {
+                for (sk, sv) in v.as_object().expect("object") {
+                    b["sampling_params"][sk] = sv.clone();
+                }
+            } else {
+                b[k] = v.clone();
+            }
+        }
+        ("/generate", b)
+    };
+    let refused = vec![
+        (
+            chat(json!({"response_format": {"type": "json_object"}})),
+            "response_format",
+        ),
+        (
+            chat(
+                json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}),
+            ),
+            "response_format",
+        ),
+        (
+            chat(
+                json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
+            ),
+            "tools",
+        ),
+        (chat(json!({"tool_choice": "required"})), "tool_choice"),
+        (
+            chat(json!({"logprobs": true, "top_logprobs": 2})),
+            "logprobs",
+        ),
+        (chat(json!({"logit_bias": {"7": 5}})), "logit_bias"),
+        (chat(json!({"store": true})), "store"),
+        (chat(json!({"temprature": 0.2})), "temprature"),
+        (
+            chat(json!({"messages": [{"role": "user", "content": "red", "name": "bob"}]})),
+            "messages[0].name",
+        ),
+        (
+            chat(
+                json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "red", "cache_control": {}}]}]}),
+            ),
+            "messages[0].content[0].cache_control",
+        ),
+        (cmpl(json!({"echo": true})), "echo"),
+        (cmpl(json!({"logprobs": 2})), "logprobs"),
+        (cmpl(json!({"suffix": "blue"})), "suffix"),
+        (
+            cmpl(json!({"guided_json": {"type": "object"}})),
+            "guided_json",
+        ),
+        (generate(json!({"return_logprob": true})), "return_logprob"),
+        (
+            generate(json!({"sampling_params": {"regex": "(red|blue)"}})),
+            "sampling_params.regex",
+        ),
+        (
+            generate(json!({"sampling_params": {"json_schema": "{}"}})),
+            "sampling_params.json_schema",
+        ),
+        (
+            generate(json!({"sampling_params": {"ebnf": "root ::= \"a\""}})),
+            "sampling_params.ebnf",
+        ),
+        (
+            generate(json!({"sampling_params": {"repetition_penalty": 1.2}})),
+            "sampling_params.repetition_penalty",
+        ),
+        (generate(json!({"lora_path": "adapter"})), "lora_path"),
+        (generate(json!({"made_up": 1})), "made_up"),
+    ];
+    for ((path, body), param) in refused {
+        let a = c
+            .post(
+                &format!("{}{path}", stack.url),
+                &body,
+                Duration::from_secs(5),
+            )
+            .await;
+        let case = format!("{path} {param}");
+        assert_eq!(a.status, 400, "{case}: {}", a.body);
+        assert_eq!(
+            a.error_code().as_deref(),
+            Some("unsupported"),
+            "{case}: {}",
+            a.body
+        );
+        assert_eq!(
+            a.json()["error"]["param"],
+            json!(param),
+            "{case}: {}",
+            a.body
+        );
+    }
+    assert_eq!(stack.mock.request_count(), 0, "nothing was dispatched");
+    // Values that ask for nothing pass, and the request is served.
+    for (path, body) in [
+        chat(
+            json!({"user": "u-1", "response_format": {"type": "text"}, "logprobs": false, "tools": [], "tool_choice": "none", "store": false, "temperature": 0.0, "seed": 3, "stream_options": null}),
+        ),
+        cmpl(json!({"echo": false, "logprobs": null, "user": "u-1"})),
+        generate(
+            json!({"rid": "mine", "return_logprob": false, "sampling_params": {"skip_special_tokens": true, "repetition_penalty": 1.0, "temperature": 0}}),
+        ),
+    ] {
+        let a = c
+            .post(
+                &format!("{}{path}", stack.url),
+                &body,
+                Duration::from_secs(10),
+            )
+            .await;
+        assert_eq!(a.status, 200, "{path}: {}", a.body);
+    }
 }

@@ -344,6 +344,7 @@ async fn admission_uses_the_workers_prompt_limit() {
     let before = stack.mock.request_count();
     let a = c.post(&url, &ids(12), Duration::from_secs(10)).await;
     assert_eq!(a.status, 400, "{}", a.body);
-    assert!(a.body.contains("at most 11"), "{}", a.body);
+    assert_eq!(a.error_code().as_deref(), Some("context_length_exceeded"));
+    assert!(a.body.contains("at most 11 tokens"), "{}", a.body);
     assert_eq!(stack.mock.request_count(), before, "not dispatched");
 }

@@ -85,6 +85,17 @@ pub enum LockstepError {
         /// The KV capacity lockstep can get.
         kv_capacity: u64,
     },
+    /// The prompt alone is longer than the model's workers accept (SGLang's
+    /// `max_req_input_len`); same code as [`LockstepError::ContextLengthExceeded`].
+    #[error(
+        "the prompt has {prompt_tokens} tokens, but the model's workers accept prompts of at most {limit} tokens"
+    )]
+    PromptTooLong {
+        /// Prompt tokens counted by lockstep's tokenizer.
+        prompt_tokens: u64,
+        /// The longest prompt the workers accept.
+        limit: u64,
+    },
     /// A feature the request uses is not supported yet.
     #[error("{message}")]
     Unsupported {
@@ -185,7 +196,9 @@ impl LockstepError {
             LockstepError::InvalidRequest { .. } => "invalid_request",
             LockstepError::BodyTooLarge { .. } => "body_too_large",
             LockstepError::ModelNotFound { .. } => "model_not_found",
-            LockstepError::ContextLengthExceeded { .. } => "context_length_exceeded",
+            LockstepError::ContextLengthExceeded { .. } | LockstepError::PromptTooLong { .. } => {
+                "context_length_exceeded"
+            }
             LockstepError::Unsupported { .. } => "unsupported",
             LockstepError::PrefillRejected { .. } => "prefill_rejected",
             LockstepError::DecodeFailed { .. } => "decode_failed",
@@ -207,6 +220,7 @@ impl LockstepError {
             LockstepError::InvalidJson { .. }
             | LockstepError::InvalidRequest { .. }
             | LockstepError::ContextLengthExceeded { .. }
+            | LockstepError::PromptTooLong { .. }
             | LockstepError::Unsupported { .. } => StatusCode::BAD_REQUEST,
             LockstepError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             LockstepError::ModelNotFound { .. } | LockstepError::RouteNotFound { .. } => {
@@ -242,7 +256,9 @@ impl LockstepError {
             LockstepError::ModelNotFound { .. } | LockstepError::ModelNotAllowed { .. } => {
                 Some("model")
             }
-            LockstepError::ContextLengthExceeded { .. } => Some("messages"),
+            LockstepError::ContextLengthExceeded { .. } | LockstepError::PromptTooLong { .. } => {
+                Some("messages")
+            }
             _ => None,
         }
     }
@@ -282,6 +298,7 @@ impl LockstepError {
             LockstepError::InvalidJson { .. }
             | LockstepError::InvalidRequest { .. }
             | LockstepError::ContextLengthExceeded { .. }
+            | LockstepError::PromptTooLong { .. }
             | LockstepError::Unsupported { .. }
             | LockstepError::BodyTooLarge { .. } => Code::InvalidArgument,
             LockstepError::ModelNotFound { .. } | LockstepError::RouteNotFound { .. } => {
@@ -406,6 +423,13 @@ mod tests {
                 400,
             ),
             (LockstepError::BodyTooLarge { limit: 10 }, 413),
+            (
+                LockstepError::PromptTooLong {
+                    prompt_tokens: 10,
+                    limit: 9,
+                },
+                400,
+            ),
             (LockstepError::ModelNotFound { model: "m".into() }, 404),
             (
                 LockstepError::ContextLengthExceeded {

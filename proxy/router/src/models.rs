@@ -144,24 +144,17 @@ pub(crate) async fn build_models(
             audit: audit.clone(),
         });
         let capacity = deployment.kv_capacity;
-        let mut cfg = m.clone();
-        if let Some(limit) = deployment.max_prompt_tokens
-            && (cfg.max_prompt_tokens == 0 || limit < cfg.max_prompt_tokens)
-        {
-            // The workers' own prompt limit: a prompt over it would pass admission and then be
-            // refused by the worker.
-            cfg.max_prompt_tokens = limit;
-        }
-        tracing::info!(model = %name, context_window = m.context_window, kv_capacity = capacity, max_prompt_tokens = cfg.max_prompt_tokens, "model ready");
+        tracing::info!(model = %name, context_window = m.context_window, kv_capacity = capacity, worker_prompt_limit = ?deployment.max_prompt_tokens, "model ready");
         models.by_name.insert(
             m.name.clone(),
             Arc::new(ModelRuntime {
                 name,
-                cfg,
+                cfg: m.clone(),
                 codec,
                 pairs,
                 engine,
                 kv_capacity: AtomicU64::new(capacity),
+                worker_prompt_limit: deployment.max_prompt_tokens,
             }),
         );
     }

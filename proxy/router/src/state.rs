@@ -31,6 +31,8 @@ pub struct ModelRuntime {
     /// The embedded engines, for `backend = "embedded"`.
     pub engine: Option<Arc<Pd>>,
     pub(crate) kv_capacity: AtomicU64,
+    /// The longest prompt the workers accept, where they report one.
+    pub(crate) worker_prompt_limit: Option<u64>,
 }
 
 impl ModelRuntime {

@@ -242,6 +242,16 @@ pub fn fit(
             param: Some("prompt".into()),
         });
     }
+    // The workers' own prompt limit: a prompt over it would pass the checks below and then be
+    // refused by the worker.
+    if let Some(limit) = model.worker_prompt_limit
+        && ids.len() as u64 > limit
+    {
+        return Err(LockstepError::PromptTooLong {
+            prompt_tokens: ids.len() as u64,
+            limit,
+        });
+    }
     if limits.max_tokens_limit > 0 && sampling.max_new_tokens > limits.max_tokens_limit {
         return Err(LockstepError::InvalidRequest {
             message: format!(

@@ -1,10 +1,13 @@
 //! SGLang-native `POST /generate`. Client-sent `rid` and `bootstrap_*` fields are accepted and
-//! ignored: lockstep sets them itself.
+//! ignored: lockstep sets them itself. Any other field it does not honour is refused
+//! ([`super::fields`]).
 
 use axum::response::Response;
 use serde::Deserialize;
+use serde_json::{Map, Value};
 
 use super::extract::Admit;
+use super::fields::{self, refuse_unhonoured};
 use super::openai::bad;
 use super::respond::{Shape, serve_pair};
 use crate::admission::{FrontRequest, Input, Prompt};
@@ -24,6 +27,8 @@ struct NativeSampling {
     presence_penalty: Option<f64>,
     sampling_seed: Option<u64>,
     n: Option<i64>,
+    #[serde(flatten)]
+    rest: Map<String, Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -35,6 +40,8 @@ pub(crate) struct GenerateRequest {
     sampling_params: NativeSampling,
     #[serde(default)]
     stream: bool,
+    #[serde(flatten)]
+    rest: Map<String, Value>,
 }
 
 impl FrontRequest for GenerateRequest {
@@ -48,6 +55,12 @@ impl FrontRequest for GenerateRequest {
         self,
         model: &ModelRuntime,
     ) -> Result<(Input, SamplingParams, Shape), LockstepError> {
+        refuse_unhonoured(fields::GENERATE, &self.rest, "")?;
+        refuse_unhonoured(
+            fields::GENERATE_SAMPLING,
+            &self.sampling_params.rest,
+            "sampling_params.",
+        )?;
         let prompt = match (self.text, self.input_ids) {
             (Some(t), None) => match t {
                 Prompt::Ids(_) | Prompt::Batches(_) => {
@@ -105,6 +118,7 @@ impl FrontRequest for GenerateRequest {
                 format!("must be in (0, 1], got {p}"),
             ));
         }
+        super::openai::check_seed("sampling_params.sampling_seed", s.sampling_seed)?;
         let sampling = SamplingParams {
             max_new_tokens,
             temperature: s.temperature,

@@ -297,6 +297,7 @@ impl FrontRequest for pb::ChatRequest {
                 .map(|m| MessageIn {
                     role: m.role,
                     content: Some(Content::Text(m.content)),
+                    rest: Default::default(),
                 })
                 .collect(),
         )?;

@@ -1,6 +1,7 @@
 //! The HTTP front end: OpenAI-compatible and SGLang-native routes, health and readiness.
 
 mod extract;
+mod fields;
 mod generate;
 pub mod grpc;
 mod openai;

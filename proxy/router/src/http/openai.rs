@@ -2,8 +2,10 @@
 
 use axum::response::Response;
 use serde::Deserialize;
+use serde_json::{Map, Value};
 
 use super::extract::Admit;
+use super::fields::{self, refuse_unhonoured};
 use super::respond::{Shape, serve_pair};
 use crate::admission::{ChatMessage, FrontRequest, Input, Prompt};
 use crate::backend::SamplingParams;
@@ -58,6 +60,18 @@ pub(crate) fn bad(param: &str, message: String) -> LockstepError {
     LockstepError::InvalidRequest {
         message,
         param: Some(param.to_string()),
+    }
+}
+
+/// Seeds must fit a signed 64-bit integer: vLLM refuses larger ones (`completion/protocol.py`)
+/// and SGLang types `sampling_seed` as i64; a seed lockstep could not pass on is refused here.
+pub(crate) fn check_seed(param: &str, seed: Option<u64>) -> Result<(), LockstepError> {
+    match seed {
+        Some(s) if s > i64::MAX as u64 => Err(bad(
+            param,
+            format!("`{param}` must be at most {}, got {s}", i64::MAX),
+        )),
+        _ => Ok(()),
     }
 }
 
@@ -124,6 +138,7 @@ impl CommonParams {
                 ));
             }
         }
+        check_seed("seed", self.seed)?;
         let stop = self.stop.map(Stop::into_vec).unwrap_or_default();
         if stop.len() > 16 {
             return Err(bad("stop", "at most 16 stop sequences".into()));
@@ -160,12 +175,16 @@ pub(crate) struct ContentPart {
     #[serde(rename = "type")]
     kind: String,
     text: Option<String>,
+    #[serde(flatten)]
+    rest: Map<String, Value>,
 }
 
 #[derive(Debug, Deserialize)]
 pub(crate) struct MessageIn {
     pub(super) role: String,
     pub(super) content: Option<Content>,
+    #[serde(flatten)]
+    pub(super) rest: Map<String, Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -174,6 +193,9 @@ pub(crate) struct ChatRequest {
     messages: Vec<MessageIn>,
     #[serde(flatten)]
     params: CommonParams,
+    /// Every other field: refused unless its value asks for nothing ([`fields`]).
+    #[serde(flatten)]
+    rest: Map<String, Value>,
 }
 
 pub(super) fn to_messages(messages: Vec<MessageIn>) -> Result<Vec<ChatMessage>, LockstepError> {
@@ -193,12 +215,14 @@ pub(super) fn to_messages(messages: Vec<MessageIn>) -> Result<Vec<ChatMessage>, 
                     format!("unknown role `{}`", m.role),
                 ));
             }
+            refuse_unhonoured(fields::MESSAGE, &m.rest, &format!("messages[{i}]."))?;
             let content = match m.content {
                 None => String::new(),
                 Some(Content::Text(s)) => s,
                 Some(Content::Parts(parts)) => {
                     let mut s = String::new();
                     for (j, p) in parts.into_iter().enumerate() {
+                        refuse_unhonoured(&[], &p.rest, &format!("messages[{i}].content[{j}]."))?;
                         match (p.kind.as_str(), p.text) {
                             ("text", Some(t)) => s.push_str(&t),
                             (kind, _) => {
@@ -237,6 +261,7 @@ impl FrontRequest for ChatRequest {
         self,
         model: &ModelRuntime,
     ) -> Result<(Input, SamplingParams, Shape), LockstepError> {
+        refuse_unhonoured(fields::CHAT, &self.rest, "")?;
         let (sampling, stream, include_usage) = self.params.sampling(model)?;
         let messages = to_messages(self.messages)?;
         Ok((
@@ -258,9 +283,9 @@ pub(crate) struct CompletionRequest {
     prompt: Prompt,
     #[serde(flatten)]
     params: CommonParams,
-    echo: Option<bool>,
-    suffix: Option<String>,
-    logprobs: Option<serde_json::Value>,
+    /// Every other field: refused unless its value asks for nothing ([`fields`]).
+    #[serde(flatten)]
+    rest: Map<String, Value>,
 }
 
 impl FrontRequest for CompletionRequest {
@@ -274,15 +299,7 @@ impl FrontRequest for CompletionRequest {
         self,
         model: &ModelRuntime,
     ) -> Result<(Input, SamplingParams, Shape), LockstepError> {
-        if self.echo == Some(true)
-            || self.suffix.is_some()
-            || self.logprobs.as_ref().is_some_and(|v| !v.is_null())
-        {
-            return Err(LockstepError::Unsupported {
-                message: "echo, suffix and logprobs are not supported yet".into(),
-                param: None,
-            });
-        }
+        refuse_unhonoured(fields::COMPLETIONS, &self.rest, "")?;
         let (sampling, stream, include_usage) = self.params.sampling(model)?;
         Ok((
             Input::Prompt(self.prompt),

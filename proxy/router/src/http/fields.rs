@@ -1,0 +1,307 @@
+//! Never drop a field: every request field a front end's typed request did not take lands in a
+//! `rest` map, and is accepted only where its value asks for nothing (a default, an empty list,
+//! an id for the provider's records); anything else is a 400 `unsupported` naming the field, so
+//! a client asking for JSON mode, tools or log-probabilities never gets free text with a 200.
+
+use serde_json::{Map, Value};
+
+use crate::error::LockstepError;
+
+/// A field lockstep knows but does not forward: when its value is a no-op, and why otherwise.
+pub(crate) struct Known {
+    name: &'static str,
+    noop: fn(&Value) -> bool,
+    why: &'static str,
+}
+
+const fn known(name: &'static str, noop: fn(&Value) -> bool, why: &'static str) -> Known {
+    Known { name, noop, why }
+}
+
+fn null(v: &Value) -> bool {
+    v.is_null()
+}
+fn any(_: &Value) -> bool {
+    true
+}
+fn falsy(v: &Value) -> bool {
+    matches!(v, Value::Null | Value::Bool(false))
+}
+fn empty(v: &Value) -> bool {
+    match v {
+        Value::Null => true,
+        Value::Array(a) => a.is_empty(),
+        Value::Object(o) => o.is_empty(),
+        _ => false,
+    }
+}
+fn zero(v: &Value) -> bool {
+    v.is_null() || v.as_f64() == Some(0.0)
+}
+fn one(v: &Value) -> bool {
+    v.is_null() || v.as_f64() == Some(1.0)
+}
+fn truthy(v: &Value) -> bool {
+    matches!(v, Value::Null | Value::Bool(true))
+}
+fn text_format(v: &Value) -> bool {
+    v.is_null() || v.get("type").and_then(Value::as_str) == Some("text")
+}
+fn no_tool_choice(v: &Value) -> bool {
+    matches!(v.as_str(), Some("none" | "auto")) || v.is_null()
+}
+fn text_modality(v: &Value) -> bool {
+    v.is_null() || *v == Value::from(vec!["text"])
+}
+fn default_tier(v: &Value) -> bool {
+    matches!(v.as_str(), Some("auto" | "default")) || v.is_null()
+}
+
+const STRUCTURED: &str = "structured outputs (a JSON object, a JSON schema, a regex or a grammar) are not enforced by lockstep yet; without enforcement the model would answer free text";
+const LOGPROBS: &str = "log-probabilities are not returned by lockstep yet";
+const TOOLS: &str = "tool calling is not supported by lockstep yet";
+const SAMPLER: &str =
+    "lockstep does not forward this sampling control yet; only its default value is accepted";
+const SALT: &str = "lockstep sets the prefix-cache salt itself, from the caller's tenant";
+
+/// Fields of `/v1/chat/completions` beyond the ones it honours.
+pub(crate) const CHAT: &[Known] = &[
+    known("user", any, ""),
+    known("metadata", any, ""),
+    known("safety_identifier", any, ""),
+    known("prompt_cache_key", any, ""),
+    known("parallel_tool_calls", any, ""),
+    known(
+        "store",
+        falsy,
+        "lockstep stores no completions; `store` must be false",
+    ),
+    known("response_format", text_format, STRUCTURED),
+    known("logprobs", falsy, LOGPROBS),
+    known("top_logprobs", zero, LOGPROBS),
+    known("tools", empty, TOOLS),
+    known("functions", empty, TOOLS),
+    known("tool_choice", no_tool_choice, TOOLS),
+    known("function_call", no_tool_choice, TOOLS),
+    known(
+        "logit_bias",
+        empty,
+        "logit_bias is not applied by lockstep yet",
+    ),
+    known("modalities", text_modality, "only text output is supported"),
+    known("audio", null, "audio output is not supported"),
+    known("prediction", null, "predicted outputs are not supported"),
+    known("web_search_options", null, "web search is not supported"),
+    known(
+        "reasoning_effort",
+        null,
+        "lockstep has no reasoning control for the model's template",
+    ),
+    known("verbosity", null, "verbosity is not supported"),
+    known(
+        "service_tier",
+        default_tier,
+        "lockstep has one service tier",
+    ),
+    known("cache_salt", null, SALT),
+    known("guided_json", null, STRUCTURED),
+    known("guided_regex", null, STRUCTURED),
+    known("guided_choice", null, STRUCTURED),
+    known("guided_grammar", null, STRUCTURED),
+    known("structured_outputs", null, STRUCTURED),
+    known("regex", null, STRUCTURED),
+    known("ebnf", null, STRUCTURED),
+    known("json_schema", null, STRUCTURED),
+    known("min_p", zero, SAMPLER),
+    known("repetition_penalty", one, SAMPLER),
+    known("min_tokens", zero, SAMPLER),
+    known("stop_token_ids", empty, SAMPLER),
+    known("skip_special_tokens", truthy, SAMPLER),
+    known("spaces_between_special_tokens", truthy, SAMPLER),
+];
+
+/// Fields of `/v1/completions` beyond the ones it honours.
+pub(crate) const COMPLETIONS: &[Known] = &[
+    known("user", any, ""),
+    known("echo", falsy, "echo is not supported yet"),
+    known("suffix", null, "suffix (insertion) is not supported yet"),
+    known("logprobs", null, LOGPROBS),
+    known(
+        "logit_bias",
+        empty,
+        "logit_bias is not applied by lockstep yet",
+    ),
+    known("response_format", text_format, STRUCTURED),
+    known("cache_salt", null, SALT),
+    known("guided_json", null, STRUCTURED),
+    known("guided_regex", null, STRUCTURED),
+    known("guided_choice", null, STRUCTURED),
+    known("guided_grammar", null, STRUCTURED),
+    known("structured_outputs", null, STRUCTURED),
+    known("regex", null, STRUCTURED),
+    known("ebnf", null, STRUCTURED),
+    known("json_schema", null, STRUCTURED),
+    known("min_p", zero, SAMPLER),
+    known("repetition_penalty", one, SAMPLER),
+    known("min_tokens", zero, SAMPLER),
+    known("stop_token_ids", empty, SAMPLER),
+    known("skip_special_tokens", truthy, SAMPLER),
+    known("spaces_between_special_tokens", truthy, SAMPLER),
+];
+
+/// Top-level fields of SGLang's `/generate` beyond the ones it honours. The routing fields are
+/// accepted and ignored: lockstep sets `rid` and `bootstrap_*` itself.
+pub(crate) const GENERATE: &[Known] = &[
+    known("rid", any, ""),
+    known("bootstrap_host", any, ""),
+    known("bootstrap_port", any, ""),
+    known("bootstrap_room", any, ""),
+    known("return_logprob", falsy, LOGPROBS),
+    known("logprob_start_len", any_if_no_logprob, LOGPROBS),
+    known("top_logprobs_num", zero, LOGPROBS),
+    known("token_ids_logprob", empty, LOGPROBS),
+    known("return_text_in_logprobs", any, ""),
+    known("log_metrics", any, ""),
+    known(
+        "return_hidden_states",
+        falsy,
+        "hidden states are not returned",
+    ),
+    known("image_data", empty, "multimodal input is not supported"),
+    known("audio_data", empty, "multimodal input is not supported"),
+    known("video_data", empty, "multimodal input is not supported"),
+    known("lora_path", null, "LoRA adapters are not supported"),
+    known(
+        "custom_logit_processor",
+        null,
+        "custom logit processors are not supported",
+    ),
+    known("session_params", null, "sessions are not supported"),
+    known("cache_salt", null, SALT),
+];
+
+fn any_if_no_logprob(_: &Value) -> bool {
+    // Only read by SGLang together with `return_logprob`, which is refused unless false.
+    true
+}
+
+/// `sampling_params` keys of `/generate` beyond the ones it honours.
+pub(crate) const GENERATE_SAMPLING: &[Known] = &[
+    known("regex", null, STRUCTURED),
+    known("json_schema", null, STRUCTURED),
+    known("ebnf", null, STRUCTURED),
+    known("structural_tag", null, STRUCTURED),
+    known("min_new_tokens", zero, SAMPLER),
+    known("min_p", zero, SAMPLER),
+    known("repetition_penalty", one, SAMPLER),
+    known("stop_token_ids", empty, SAMPLER),
+    known("no_stop_trim", falsy, SAMPLER),
+    known("skip_special_tokens", truthy, SAMPLER),
+    known("spaces_between_special_tokens", truthy, SAMPLER),
+    known("logit_bias", empty, SAMPLER),
+    known("custom_params", null, SAMPLER),
+];
+
+/// Fields of one chat message beyond `role` and `content`.
+pub(crate) const MESSAGE: &[Known] = &[
+    known(
+        "name",
+        null,
+        "participant names are not rendered by the chat template",
+    ),
+    known("tool_calls", empty, TOOLS),
+    known("tool_call_id", null, TOOLS),
+    known("function_call", null, TOOLS),
+    known("refusal", null, "refusal messages are not supported"),
+    known("audio", null, "audio is not supported"),
+];
+
+/// Refuses the first field of `rest` that asks for something lockstep does not do: a known
+/// field whose value is not a no-op, or a field lockstep does not know. `at` prefixes the
+/// field's name in `param` (e.g. `sampling_params.`).
+pub(crate) fn refuse_unhonoured(
+    table: &[Known],
+    rest: &Map<String, Value>,
+    at: &str,
+) -> Result<(), LockstepError> {
+    for (name, value) in rest {
+        let param = format!("{at}{name}");
+        let message = match table.iter().find(|k| k.name == name) {
+            Some(k) if (k.noop)(value) => continue,
+            Some(k) => format!("`{param}`: {}", k.why),
+            None => format!(
+                "`{param}` is not a field lockstep knows, so it cannot honour it; remove it (lockstep never drops a field silently)"
+            ),
+        };
+        return Err(LockstepError::Unsupported {
+            message,
+            param: Some(param),
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn check(table: &[Known], v: Value) -> Result<(), String> {
+        let rest = v.as_object().cloned().unwrap_or_default();
+        refuse_unhonoured(table, &rest, "").map_err(|e| match e {
+            LockstepError::Unsupported { param, .. } => param.unwrap_or_default(),
+            other => panic!("{other:?}"),
+        })
+    }
+
+    #[test]
+    fn no_op_values_pass_and_the_rest_is_refused_by_name() {
+        for ok in [
+            json!({"user": "u1", "response_format": {"type": "text"}, "logprobs": false, "tools": [], "tool_choice": "none", "store": false, "repetition_penalty": 1.0, "top_logprobs": 0}),
+            json!({}),
+        ] {
+            assert_eq!(check(CHAT, ok.clone()), Ok(()), "{ok}");
+        }
+        for (bad, param) in [
+            (
+                json!({"response_format": {"type": "json_object"}}),
+                "response_format",
+            ),
+            (
+                json!({"response_format": {"type": "json_schema", "json_schema": {}}}),
+                "response_format",
+            ),
+            (json!({"logprobs": true}), "logprobs"),
+            (json!({"top_logprobs": 3}), "top_logprobs"),
+            (
+                json!({"tools": [{"type": "function", "function": {"name": "f"}}]}),
+                "tools",
+            ),
+            (json!({"tool_choice": "required"}), "tool_choice"),
+            (json!({"store": true}), "store"),
+            (json!({"logit_bias": {"5": 10}}), "logit_bias"),
+            (json!({"repetition_penalty": 1.3}), "repetition_penalty"),
+            (json!({"cache_salt": "mine"}), "cache_salt"),
+            (json!({"temprature": 0.5}), "temprature"),
+        ] {
+            assert_eq!(check(CHAT, bad.clone()), Err(param.to_string()), "{bad}");
+        }
+        assert_eq!(
+            check(GENERATE, json!({"rid": "x", "bootstrap_room": 5})),
+            Ok(())
+        );
+        assert_eq!(
+            check(GENERATE, json!({"return_logprob": true})),
+            Err("return_logprob".into())
+        );
+        assert_eq!(
+            check(GENERATE_SAMPLING, json!({"regex": "a+"})),
+            Err("regex".into())
+        );
+        assert_eq!(
+            check(COMPLETIONS, json!({"echo": true})),
+            Err("echo".into())
+        );
+        assert_eq!(check(MESSAGE, json!({"name": "bob"})), Err("name".into()));
+    }
+}
