@@ -125,6 +125,11 @@ pub struct MockConfig {
     pub context_len: usize,
     /// `/server_info` overrides from the start (see [`PdMock::set_server_arg`]).
     pub server_args: Vec<(Role, &'static str, Value)>,
+    /// `--api-key`: every call but `/health*` needs `Authorization: Bearer` it (SGLang 0.5.23
+    /// `srt/utils/auth.py`: `NORMAL` endpoints; 401 `{"error":"Unauthorized"}` otherwise).
+    pub api_key: Option<String>,
+    /// `--admin-api-key`: `/abort_request` (`ADMIN_OPTIONAL`) then takes only it.
+    pub admin_api_key: Option<String>,
 }
 
 impl Default for MockConfig {
@@ -137,6 +142,8 @@ impl Default for MockConfig {
             health_delay: Duration::from_secs(1),
             context_len: 8192,
             server_args: Vec::new(),
+            api_key: None,
+            admin_api_key: None,
         }
     }
 }
@@ -199,6 +206,38 @@ struct Inner {
     taken: Mutex<HashMap<u64, oneshot::Sender<()>>>,
     /// Cancelled when the mock is dropped: open connections close too, as a stopped server's.
     shutdown: CancellationToken,
+    /// Calls refused for want of the right key: server and path.
+    unauthorized: Mutex<Vec<(Role, String)>>,
+}
+
+impl Inner {
+    /// SGLang 0.5.23's auth decision (`srt/utils/auth.py`, `decide_request_auth`): health,
+    /// readiness and metrics are always allowed; `/abort_request` is `ADMIN_OPTIONAL` (the admin
+    /// key where one is set, else the API key); everything else `NORMAL` (the API key where one
+    /// is set).
+    fn refuses<B>(&self, req: &http::Request<B>) -> Option<StatusCode> {
+        let path = req.uri().path();
+        if ["/health", "/ready", "/metrics"]
+            .iter()
+            .any(|p| path.starts_with(p))
+        {
+            return None;
+        }
+        let want = if path == "/abort_request" {
+            self.cfg
+                .admin_api_key
+                .as_ref()
+                .or(self.cfg.api_key.as_ref())
+        } else {
+            self.cfg.api_key.as_ref()
+        }?;
+        let got = req
+            .headers()
+            .get(http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        (got != Some(want.as_str())).then_some(StatusCode::UNAUTHORIZED)
+    }
 }
 
 /// Locks, ignoring poisoning (a panicked test thread must not hide the mock's state).
@@ -277,6 +316,7 @@ impl PdMock {
             ),
             taken: Mutex::new(HashMap::new()),
             shutdown: CancellationToken::new(),
+            unauthorized: Mutex::new(Vec::new()),
             cfg,
         });
         let (pl, dl) = (
@@ -337,6 +377,10 @@ impl PdMock {
     /// Halves still running (waiting, computing or streaming).
     pub fn live_halves(&self) -> Vec<(Role, String)> {
         lock(&self.inner.live).keys().cloned().collect()
+    }
+    /// Calls refused for want of the right key (server, path).
+    pub fn unauthorized(&self) -> Vec<(Role, String)> {
+        lock(&self.inner.unauthorized).clone()
     }
     /// Every abort call received so far.
     pub fn aborts(&self) -> Vec<AbortRecord> {
@@ -412,6 +456,18 @@ async fn serve(listener: TcpListener, ctx: Ctx) {
                         let reset = ctx.role == Role::Prefill
                             && req.uri().path() == "/generate"
                             && *lock(&ctx.inner.fault) == Fault::PrefillReset;
+                        if let Some(status) = ctx.inner.refuses(&req) {
+                            lock(&ctx.inner.unauthorized)
+                                .push((ctx.role, req.uri().path().to_string()));
+                            let body = if status == StatusCode::UNAUTHORIZED {
+                                "Unauthorized"
+                            } else {
+                                "Forbidden"
+                            };
+                            return Ok(
+                                (status, axum::Json(json!({ "error": body }))).into_response()
+                            );
+                        }
                         if reset {
                             lock(&ctx.inner.requests).push((Role::Prefill, json!({"reset": true})));
                             // An error from the service makes hyper drop the connection unanswered.

@@ -73,6 +73,10 @@ pub struct VllmMockConfig {
     pub token_delay: Duration,
     /// How the prefill's `kv_transfer_params` name its blocks (which vLLM release it acts as).
     pub block_ids: BlockIdShape,
+    /// `--api-key`: paths under `/v1` need `Authorization: Bearer` it, else 401
+    /// `{"error":"Unauthorized"}` (vLLM 0.33 `entrypoints/serve/middleware/authenticate.py`);
+    /// `/health` is not guarded.
+    pub api_key: Option<String>,
 }
 
 /// The shape of `kv_transfer_params.remote_block_ids`.
@@ -97,6 +101,7 @@ impl Default for VllmMockConfig {
             lease: Duration::from_millis(600),
             token_delay: Duration::from_millis(1),
             block_ids: BlockIdShape::Nested,
+            api_key: None,
         }
     }
 }
@@ -289,6 +294,20 @@ async fn completions(
     body: axum::body::Bytes,
 ) -> Response {
     let _live = Live::new(&inner);
+    if let Some(key) = &inner.cfg.api_key {
+        let got = headers
+            .get(http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        if got != Some(key.as_str()) {
+            lock(&inner.requests).push((role, None, serde_json::json!({"unauthorized": true})));
+            return (
+                StatusCode::UNAUTHORIZED,
+                axum::Json(serde_json::json!({"error": "Unauthorized"})),
+            )
+                .into_response();
+        }
+    }
     let Ok(req) = serde_json::from_slice::<Value>(&body) else {
         return error(StatusCode::BAD_REQUEST, "body is not JSON".into());
     };

@@ -348,3 +348,79 @@ async fn admission_uses_the_workers_prompt_limit() {
     assert!(a.body.contains("at most 11 tokens"), "{}", a.body);
     assert_eq!(stack.mock.request_count(), before, "not dispatched");
 }
+
+/// Workers started with `--api-key` and `--admin-api-key` answer 401 to everything but
+/// `/health`: without the pool's keys lockstep refuses to start, saying which key; with them,
+/// every call carries the right one (the API key on `/server_info` and `/generate`, the admin
+/// key on `/abort_request`) and nothing is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_credentials_reach_every_call() {
+    let m = PdMock::start(
+        MockConfig {
+            api_key: Some("k-user".into()),
+            admin_api_key: Some("k-admin".into()),
+            ..MockConfig::default()
+        },
+        lockstep_tests::tokenizer::build(),
+    )
+    .await
+    .expect("mock");
+    let e = start_error(&m, "").await.expect("refused without keys");
+    assert!(e.contains("401") && e.contains("api_key"), "{e}");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tok = dir.path().join("tokenizer.json");
+    lockstep_tests::tokenizer::write(&tok).expect("tokenizer");
+    let keys = "api_key = \"k-user\"\nadmin_api_key = \"k-admin\"\nworkers =";
+    let text = config_text(&m, &tok, "", TEST_TIMEOUTS).replace("workers =", keys);
+    let cfg = Config::parse(&text).expect("config");
+    // Keys never show in the configuration's debug form (logs).
+    assert!(!format!("{cfg:?}").contains("k-user"));
+    let ls = Lockstep::start(cfg).await.expect("starts with the keys");
+    let refused_before = m.unauthorized().len();
+    let url = format!("http://{}", ls.http_addr);
+    for stream in [false, true] {
+        let (path, body) = client::request(Endpoint::Chat, MODEL, PROMPT, stream, 4, &[]);
+        let a = TestClient::default()
+            .post(&format!("{url}{path}"), &body, Duration::from_secs(10))
+            .await;
+        assert_eq!(a.status, 200, "{}", a.body);
+    }
+    // A failed pair's aborts reach both workers with the admin key and release what they hold.
+    m.set_fault(Fault::DecodeStatus(500));
+    let before = m.request_count();
+    let (path, body) = client::request(Endpoint::Generate, MODEL, PROMPT, false, 4, &[]);
+    let a = TestClient::default()
+        .post(&format!("{url}{path}"), &body, Duration::from_secs(10))
+        .await;
+    assert_eq!(
+        a.error_code().as_deref(),
+        Some("decode_failed"),
+        "{}",
+        a.body
+    );
+    let rid = m.requests()[before]
+        .1
+        .get("rid")
+        .and_then(Value::as_str)
+        .map(str::to_string)
+        .expect("dispatched");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
+    while m.aborts().iter().filter(|r| r.rid == rid).count() < 2
+        && tokio::time::Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        m.aborts().iter().filter(|r| r.rid == rid).count(),
+        2,
+        "{:?}",
+        m.aborts()
+    );
+    assert!(m.wait_idle(Duration::from_secs(10)).await, "released");
+    assert_eq!(
+        m.unauthorized().len(),
+        refused_before,
+        "refused: {:?}",
+        m.unauthorized()
+    );
+}

@@ -30,6 +30,12 @@ async fn stack() -> Stack {
 }
 
 async fn stack_with(cfg: VllmMockConfig) -> Stack {
+    // Workers started with `--api-key` get it from both pools' `api_key`.
+    let pool_key = cfg
+        .api_key
+        .as_ref()
+        .map(|k| format!("api_key = \"{k}\"\n"))
+        .unwrap_or_default();
     let mock = VllmMock::start(cfg, lockstep_tests::tokenizer::build())
         .await
         .expect("mock");
@@ -55,10 +61,10 @@ connector = "nixl"
 block_size = 16
 
 [models.prefill]
-workers = [{{ url = "{p}" }}]
+{pool_key}workers = [{{ url = "{p}" }}]
 
 [models.decode]
-workers = [{{ url = "{d}" }}]
+{pool_key}workers = [{{ url = "{d}" }}]
 
 [models.timeouts]
 total_ms = 10000
@@ -223,12 +229,22 @@ async fn healthy_pairs(shape: BlockIdShape) {
     })
     .await;
     for ep in [Endpoint::Completions, Endpoint::Chat] {
+        // A client trying to steer the transfer or the cache namespace is refused by name.
+        for (field, value) in [
+            (
+                "kv_transfer_params",
+                json!({ "do_remote_prefill": true, "remote_block_ids": [0, 1, 2] }),
+            ),
+            ("cache_salt", json!("someone-elses-salt")),
+        ] {
+            let (path, mut body) = client::request(ep, MODEL, PROMPT, false, 6, &[]);
+            body[field] = value;
+            let a = s.send(path, &body).await;
+            assert_eq!(a.status, 400, "{field}: {}", a.body);
+            assert_eq!(a.json()["error"]["param"], json!(field), "{}", a.body);
+        }
         for stream in [false, true] {
-            let (path, mut body) = client::request(ep, MODEL, PROMPT, stream, 6, &[]);
-            // A client trying to steer the transfer or the cache namespace.
-            body["kv_transfer_params"] =
-                json!({ "do_remote_prefill": true, "remote_block_ids": [0, 1, 2] });
-            body["cache_salt"] = json!("someone-elses-salt");
+            let (path, body) = client::request(ep, MODEL, PROMPT, stream, 6, &[]);
             let a = s.send(path, &body).await;
             assert_eq!(
                 a.status, 200,
@@ -322,4 +338,27 @@ async fn a_client_that_goes_away_releases_the_decode() {
             );
         }
     }
+}
+
+/// vLLM started with `--api-key` guards every `/v1` path: both halves carry the pool's key, and
+/// the worker refuses nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn both_halves_carry_the_pools_api_key() {
+    let s = stack_with(VllmMockConfig {
+        api_key: Some("vk-123".into()),
+        ..VllmMockConfig::default()
+    })
+    .await;
+    for stream in [false, true] {
+        let body = json!({"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "stream": stream});
+        let a = s.send("/v1/completions", &body).await;
+        assert_eq!(a.status, 200, "{}", a.body);
+        assert!(a.error_code().is_none(), "{}", a.body);
+    }
+    let reqs = s.mock.requests();
+    assert!(s.decodes() >= 2, "{reqs:?}");
+    assert!(
+        !reqs.iter().any(|r| r.2.get("unauthorized").is_some()),
+        "refused: {reqs:?}"
+    );
 }

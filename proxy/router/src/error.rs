@@ -518,10 +518,17 @@ mod tests {
                 503,
             ),
         ];
-        let mut codes = std::collections::HashSet::new();
+        let mut codes = std::collections::HashMap::new();
         for (err, status) in all {
             assert_eq!(err.status().as_u16(), status, "{err:?}");
-            assert!(codes.insert(err.code()), "duplicate code {}", err.code());
+            // A code may name several errors (the prompt alone or prompt + completion too
+            // long), but always with one status and one gRPC code.
+            let seen = codes.insert(err.code(), (status, err.grpc_code()));
+            assert!(
+                seen.is_none_or(|s| s == (status, err.grpc_code())),
+                "code {} with two statuses",
+                err.code()
+            );
             let body = err.body();
             assert_eq!(body["error"]["code"], err.code());
             assert!(

@@ -275,6 +275,8 @@ async fn build_embedded(m: &ModelConfig) -> Result<Built, String> {
             }],
             max_pairs_per_worker: 0,
             prefix: Default::default(),
+            api_key: None,
+            admin_api_key: None,
         }))
     };
     Ok(Built {

@@ -169,7 +169,18 @@ impl UpstreamClient {
 
     /// GETs a URL and collects the answer.
     pub async fn get_collect(&self, url: &str) -> Result<(u16, Bytes), CallError> {
-        let resp = self.send(Method::GET, url, Bytes::new()).await?;
+        self.get_collect_with(url, &[]).await
+    }
+
+    /// [`UpstreamClient::get_collect`] with extra headers.
+    pub async fn get_collect_with(
+        &self,
+        url: &str,
+        extra: &[(http::HeaderName, http::HeaderValue)],
+    ) -> Result<(u16, Bytes), CallError> {
+        let resp = self
+            .send_with(Method::GET, url, Bytes::new(), extra)
+            .await?;
         let status = resp.status().as_u16();
         let body = resp
             .into_body()

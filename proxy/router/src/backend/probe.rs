@@ -8,9 +8,18 @@ use super::UpstreamClient;
 use crate::config::{ModelConfig, deployment_check};
 
 /// The capacity a worker reports (SGLang `/get_server_info` → `max_total_num_tokens`).
-pub async fn probe_capacity(client: &UpstreamClient, base: &str) -> Option<u64> {
+pub async fn probe_capacity(
+    client: &UpstreamClient,
+    base: &str,
+    auth: Option<http::HeaderValue>,
+) -> Option<u64> {
     let url = format!("{base}/get_server_info");
-    let (status, body) = tokio::time::timeout(Duration::from_secs(2), client.get_collect(&url))
+    let auth: Vec<_> = auth
+        .map(|v| (http::header::AUTHORIZATION, v))
+        .into_iter()
+        .collect();
+    let get = client.get_collect_with(&url, &auth);
+    let (status, body) = tokio::time::timeout(Duration::from_secs(2), get)
         .await
         .ok()?
         .ok()?;
@@ -28,8 +37,10 @@ pub async fn probe_capacity(client: &UpstreamClient, base: &str) -> Option<u64> 
 pub async fn reported_capacity(client: &UpstreamClient, m: &ModelConfig) -> Result<u64, String> {
     let mut capacity = m.kv_capacity_tokens;
     let mut source = "configured kv_capacity_tokens".to_string();
-    for w in m.prefill.workers.iter().chain(&m.decode.workers) {
-        match probe_capacity(client, w.url.trim_end_matches('/')).await {
+    let workers = (m.prefill.workers.iter().map(|w| (w, &m.prefill)))
+        .chain(m.decode.workers.iter().map(|w| (w, &m.decode)));
+    for (w, pool) in workers {
+        match probe_capacity(client, w.url.trim_end_matches('/'), pool.auth()).await {
             Some(reported) if reported < capacity => {
                 capacity = reported;
                 source = format!("reported by worker {}", w.url);

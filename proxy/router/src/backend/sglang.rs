@@ -211,7 +211,9 @@ impl PdBackend for SglangBackend {
         let client = self.client.clone();
         let url = format!("{}/generate", d.prefill.url);
         let body = Self::generate_body(d, false);
-        let trace = lockstep_serve::telemetry::trace_headers();
+        let trace = d
+            .prefill
+            .headers(lockstep_serve::telemetry::trace_headers(), false);
         let rid = d.pair_id.to_string();
         Box::pin(async move {
             let side = Side::Prefill;
@@ -237,7 +239,9 @@ impl PdBackend for SglangBackend {
         let client = self.client.clone();
         let url = format!("{}/generate", d.decode.url);
         let body = Self::generate_body(d, true);
-        let trace = lockstep_serve::telemetry::trace_headers();
+        let trace = d
+            .decode
+            .headers(lockstep_serve::telemetry::trace_headers(), false);
         let mode = self.stream_mode(&d.decode.url);
         let start = async move {
             let side = Side::Decode;
@@ -281,9 +285,10 @@ impl PdBackend for SglangBackend {
         };
         let url = format!("{}/abort_request", worker.url);
         let body = Bytes::from(json!({ "rid": d.pair_id.to_string() }).to_string());
+        let headers = worker.headers(Vec::new(), true);
         Box::pin(async move {
             let (status, body) = client
-                .post_collect(&url, body)
+                .post_collect_with(&url, body, &headers)
                 .await
                 .map_err(|e| e.of(side))?;
             if (200..300).contains(&status) {

@@ -43,10 +43,24 @@ const LAYOUT_KEYS: [&str; 4] = ["page_size", "kv_cache_dtype", "tp_size", "pp_si
 pub async fn verify(client: &UpstreamClient, m: &ModelConfig) -> Result<Verified, String> {
     let mut infos = Vec::new();
     let mut problems = Vec::new();
-    let workers = (m.prefill.workers.iter().map(|w| (Side::Prefill, w)))
-        .chain(m.decode.workers.iter().map(|w| (Side::Decode, w)));
-    for (side, w) in workers {
-        match server_info(client, w.url.trim_end_matches('/')).await {
+    let workers = (m
+        .prefill
+        .workers
+        .iter()
+        .map(|w| (Side::Prefill, w, &m.prefill)))
+    .chain(
+        m.decode
+            .workers
+            .iter()
+            .map(|w| (Side::Decode, w, &m.decode)),
+    );
+    for (side, w, pool) in workers {
+        let auth: Vec<_> = pool
+            .auth()
+            .map(|v| (http::header::AUTHORIZATION, v))
+            .into_iter()
+            .collect();
+        match server_info(client, w.url.trim_end_matches('/'), &auth).await {
             Ok(v) => infos.push((side, w, v)),
             Err(e) => problems.push(format!(
                 "model `{}`: {} worker {}: {e}; lockstep cannot verify its KV checksum, role and stream mode, so the model does not serve (start the workers first, or reload once they answer)",
@@ -68,11 +82,16 @@ pub async fn verify(client: &UpstreamClient, m: &ModelConfig) -> Result<Verified
 }
 
 /// One worker's `/server_info` (or `/get_server_info` where the first is 404).
-async fn server_info(client: &UpstreamClient, base: &str) -> Result<Value, String> {
+async fn server_info(
+    client: &UpstreamClient,
+    base: &str,
+    auth: &[(http::HeaderName, http::HeaderValue)],
+) -> Result<Value, String> {
     let mut last = String::new();
     for path in ["/server_info", "/get_server_info"] {
         let url = format!("{base}{path}");
-        let (status, body) = tokio::time::timeout(Duration::from_secs(5), client.get_collect(&url))
+        let get = client.get_collect_with(&url, auth);
+        let (status, body) = tokio::time::timeout(Duration::from_secs(5), get)
             .await
             .map_err(|_| format!("{path} did not answer within 5 s"))?
             .map_err(|e| match e {
@@ -82,6 +101,11 @@ async fn server_info(client: &UpstreamClient, base: &str) -> Result<Value, Strin
         if status == 404 {
             last = format!("{path} answered 404");
             continue;
+        }
+        if status == 401 || status == 403 {
+            return Err(format!(
+                "{path} answered {status}: the worker wants an API key; set this pool's api_key to its --api-key"
+            ));
         }
         if !(200..300).contains(&status) {
             return Err(format!("{path} answered {status}"));

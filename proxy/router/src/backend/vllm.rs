@@ -278,7 +278,7 @@ impl PdBackend for VllmBackend {
         let client = self.client.clone();
         let url = format!("{}/v1/completions", d.prefill.url);
         let body = self.body(d, true, self.prefill_params());
-        let headers = half_headers(d.pair_id);
+        let headers = d.prefill.headers(half_headers(d.pair_id), false);
         let handoff = self.handoff(d.pair_id);
         let me = self.clone();
         let expected = d.input_ids.len() as u64;
@@ -395,7 +395,7 @@ impl PdBackend for VllmBackend {
             };
             me.handoffs.remove(&d.pair_id);
             let body = me.body(&d, false, (*params).clone());
-            let headers = half_headers(d.pair_id);
+            let headers = d.decode.headers(half_headers(d.pair_id), false);
             let resp = client
                 .send_with(Method::POST, &url, body, &headers)
                 .await

@@ -63,6 +63,51 @@ pub struct PoolConfig {
     /// Tuning of the `prefix_aware` policy.
     #[serde(default)]
     pub prefix: PrefixRouting,
+    /// The workers' API key (SGLang and vLLM `--api-key`), sent as `Authorization: Bearer` on
+    /// every call but `/health` (which both exempt).
+    #[serde(default)]
+    pub api_key: Option<Secret>,
+    /// SGLang's `--admin-api-key`: sent instead of `api_key` to `/abort_request`, which then
+    /// accepts only it.
+    #[serde(default)]
+    pub admin_api_key: Option<Secret>,
+}
+
+/// A credential from the configuration: never printed (`Debug` shows `***`).
+#[derive(Clone, Deserialize, PartialEq, Eq)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    /// The `Authorization: Bearer` value, marked sensitive (kept out of HPACK tables and logs).
+    pub fn bearer(&self) -> Option<http::HeaderValue> {
+        let mut v = http::HeaderValue::from_str(&format!("Bearer {}", self.0)).ok()?;
+        v.set_sensitive(true);
+        Some(v)
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("***")
+    }
+}
+
+impl PoolConfig {
+    /// The `Authorization` header of ordinary calls (`/generate`, `/v1/completions`,
+    /// `/server_info`), where the pool has a key.
+    pub fn auth(&self) -> Option<http::HeaderValue> {
+        self.api_key.as_ref().and_then(Secret::bearer)
+    }
+
+    /// The `Authorization` header of admin calls (SGLang `/abort_request`: the admin key where
+    /// one is set, else the API key; SGLang 0.5.23 `srt/utils/auth.py`, `ADMIN_OPTIONAL`).
+    pub fn admin_auth(&self) -> Option<http::HeaderValue> {
+        self.admin_api_key
+            .as_ref()
+            .or(self.api_key.as_ref())
+            .and_then(Secret::bearer)
+    }
 }
 
 /// One worker.
@@ -118,6 +163,19 @@ impl Section for PoolConfig {
         }
         if self.workers.is_empty() {
             out.push(format!("{at}.workers"), "at least one worker is required");
+        }
+        for (k, key) in [
+            ("api_key", &self.api_key),
+            ("admin_api_key", &self.admin_api_key),
+        ] {
+            if let Some(s) = key
+                && (s.0.is_empty() || s.bearer().is_none())
+            {
+                out.push(
+                    format!("{at}.{k}"),
+                    "must be a non-empty header-safe string (visible ASCII)",
+                );
+            }
         }
         for (j, w) in self.workers.iter().enumerate() {
             if let Err(e) = w

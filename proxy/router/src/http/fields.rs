@@ -63,6 +63,8 @@ const TOOLS: &str = "tool calling is not supported by lockstep yet";
 const SAMPLER: &str =
     "lockstep does not forward this sampling control yet; only its default value is accepted";
 const SALT: &str = "lockstep sets the prefix-cache salt itself, from the caller's tenant";
+const TRANSFER: &str =
+    "lockstep sets the KV transfer parameters of both halves itself; a client cannot steer them";
 
 /// Fields of `/v1/chat/completions` beyond the ones it honours.
 pub(crate) const CHAT: &[Known] = &[
@@ -104,6 +106,7 @@ pub(crate) const CHAT: &[Known] = &[
         "lockstep has one service tier",
     ),
     known("cache_salt", null, SALT),
+    known("kv_transfer_params", null, TRANSFER),
     known("guided_json", null, STRUCTURED),
     known("guided_regex", null, STRUCTURED),
     known("guided_choice", null, STRUCTURED),
@@ -133,6 +136,7 @@ pub(crate) const COMPLETIONS: &[Known] = &[
     ),
     known("response_format", text_format, STRUCTURED),
     known("cache_salt", null, SALT),
+    known("kv_transfer_params", null, TRANSFER),
     known("guided_json", null, STRUCTURED),
     known("guided_regex", null, STRUCTURED),
     known("guided_choice", null, STRUCTURED),

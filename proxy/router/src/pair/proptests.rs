@@ -218,6 +218,8 @@ fn pool() -> Arc<WorkerPool> {
         }],
         max_pairs_per_worker: 0,
         prefix: Default::default(),
+        api_key: None,
+        admin_api_key: None,
     }))
 }
 

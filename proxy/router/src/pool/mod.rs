@@ -35,6 +35,10 @@ pub struct Upstream {
     pub bootstrap_port: Option<u16>,
     /// Host the decode reaches this prefill's bootstrap server at.
     pub bootstrap_host: String,
+    /// `Authorization` of ordinary calls, from the pool's `api_key`.
+    pub auth: Option<http::HeaderValue>,
+    /// `Authorization` of admin calls (aborts), from `admin_api_key` or `api_key`.
+    pub admin_auth: Option<http::HeaderValue>,
     in_flight: AtomicUsize,
     healthy: AtomicBool,
     draining: AtomicBool,
@@ -56,12 +60,27 @@ impl Upstream {
             host,
             url,
             bootstrap_port: cfg.bootstrap_port,
+            auth: None,
+            admin_auth: None,
             in_flight: AtomicUsize::new(0),
             healthy: AtomicBool::new(true),
             draining: AtomicBool::new(false),
             fails: AtomicU32::new(0),
             oks: AtomicU32::new(0),
         }
+    }
+
+    /// `extra` plus this worker's `Authorization` (`admin`: the admin credential).
+    pub fn headers(
+        &self,
+        mut extra: Vec<(http::HeaderName, http::HeaderValue)>,
+        admin: bool,
+    ) -> Vec<(http::HeaderName, http::HeaderValue)> {
+        let auth = if admin { &self.admin_auth } else { &self.auth };
+        if let Some(v) = auth {
+            extra.push((http::header::AUTHORIZATION, v.clone()));
+        }
+        extra
     }
 
     /// Pairs currently using this worker.
@@ -165,7 +184,13 @@ impl WorkerPool {
             workers: cfg
                 .workers
                 .iter()
-                .map(|w| Arc::new(Upstream::new(w)))
+                .map(|w| {
+                    Arc::new(Upstream {
+                        auth: cfg.auth(),
+                        admin_auth: cfg.admin_auth(),
+                        ..Upstream::new(w)
+                    })
+                })
                 .collect(),
             policy: cfg.policy,
             max_pairs: cfg.max_pairs_per_worker,
@@ -335,6 +360,8 @@ mod tests {
                     .collect(),
                 max_pairs_per_worker: 0,
                 prefix: Default::default(),
+                api_key: None,
+                admin_api_key: None,
             }
         });
         let held: Vec<LoadGuard> = (0..4)
@@ -367,6 +394,8 @@ mod tests {
                 .collect(),
             max_pairs_per_worker: 0,
             prefix: Default::default(),
+            api_key: None,
+            admin_api_key: None,
         })
     }
 
