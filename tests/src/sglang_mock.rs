@@ -94,6 +94,9 @@ pub enum Fault {
     /// Decode reports one prompt token more than it was sent (what `--allow-auto-truncate` and
     /// old SGLang stubs look like).
     DecodeCountMismatch,
+    /// Decode events carry no `meta_info.prompt_tokens` (SGLang 0.5.23 always sends it,
+    /// `srt/managers/output_streamer.py`; a server that does not is not one lockstep can verify).
+    DecodeNoCount,
     /// The KV transfer corrupts one value of the first page after the prefill digested it.
     /// Caught by SGLang's KV checksum when it is on at both ends; otherwise the decode generates
     /// from the corrupted KV.
@@ -1037,6 +1040,11 @@ async fn decode_work(
         let shown = if incremental { &out[i..] } else { &out[..] };
         let mut ev =
             json!({ "output_ids": shown, "meta_info": meta(&h.rid, reported, out.len(), finish) });
+        if fault == Fault::DecodeNoCount
+            && let Some(m) = ev["meta_info"].as_object_mut()
+        {
+            m.remove("prompt_tokens");
+        }
         if with_text {
             let text = inner.tokenizer.decode(&out, false).unwrap_or_default();
             ev["text"] = json!(if incremental {

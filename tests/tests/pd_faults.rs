@@ -186,6 +186,12 @@ async fn kv_corrupted_in_transfer() {
     assert_fault(Fault::KvCorrupt, &["integrity_violation"]).await;
 }
 
+/// SGLang always reports the decode's prompt count; a decode that does not is not verified.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decode_without_a_prompt_count() {
+    assert_fault(Fault::DecodeNoCount, &["integrity_violation"]).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn decode_count_mismatch() {
     assert_fault(Fault::DecodeCountMismatch, &["integrity_violation"]).await;

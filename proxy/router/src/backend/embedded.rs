@@ -172,6 +172,10 @@ impl PdBackend for EmbeddedBackend {
         .boxed()
     }
 
+    fn decode_counts_prompt(&self) -> bool {
+        true
+    }
+
     fn abort(&self, d: &Dispatch, side: Side) -> BoxFuture<'static, Result<(), HalfError>> {
         self.pd.abort(
             d.pair_id.raw(),

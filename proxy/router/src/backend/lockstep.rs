@@ -223,6 +223,10 @@ impl PdBackend for LockstepBackend {
             .boxed()
     }
 
+    fn decode_counts_prompt(&self) -> bool {
+        true
+    }
+
     fn abort(&self, d: &Dispatch, side: Side) -> BoxFuture<'static, Result<(), HalfError>> {
         let url = match side {
             Side::Prefill => &d.prefill.url,

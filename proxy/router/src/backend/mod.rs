@@ -257,4 +257,11 @@ pub trait PdBackend: Send + Sync + 'static {
     /// half's worker to release what it holds for the pair. Called for both halves, in the
     /// background, bounded by `timeouts.abort_ms`; the client's error never waits for it.
     fn abort(&self, d: &Dispatch, side: Side) -> BoxFuture<'static, Result<(), HalfError>>;
+    /// Whether the decode's first chunk always carries the prompt count it was given (SGLang's
+    /// `meta_info.prompt_tokens`, lockstep's own workers and engine): then a first chunk without
+    /// one fails the pair instead of passing the count check unchecked. vLLM streams no count
+    /// before the end.
+    fn decode_counts_prompt(&self) -> bool {
+        false
+    }
 }

@@ -277,6 +277,10 @@ impl PdBackend for SglangBackend {
         decode_stream(start)
     }
 
+    fn decode_counts_prompt(&self) -> bool {
+        true
+    }
+
     fn abort(&self, d: &Dispatch, side: Side) -> BoxFuture<'static, Result<(), HalfError>> {
         let client = self.client.clone();
         let worker = match side {

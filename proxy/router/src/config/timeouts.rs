@@ -11,7 +11,10 @@ use serde::Deserialize;
 pub struct TimeoutConfig {
     /// Whole pair, dispatch to last token.
     pub total_ms: u64,
-    /// Prefill answer, from dispatch.
+    /// Prefill answer, from dispatch. Default as long as `first_token_ms`: a real SGLang prefill
+    /// answers only once its KV reached the decode (`srt/disaggregation/prefill.py`: done on
+    /// `KVPoll.Success`), and by default cannot start before the decode reserved memory for it,
+    /// so it covers decode queueing and the transfer, almost up to the first token.
     pub prefill_ms: u64,
     /// First decode token, from dispatch.
     pub first_token_ms: u64,
@@ -28,7 +31,7 @@ impl Default for TimeoutConfig {
     fn default() -> Self {
         TimeoutConfig {
             total_ms: 600_000,
-            prefill_ms: 60_000,
+            prefill_ms: 90_000,
             first_token_ms: 90_000,
             idle_ms: 30_000,
             abort_ms: 2_000,

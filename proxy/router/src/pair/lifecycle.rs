@@ -296,6 +296,10 @@ impl PairRuntime {
                         None => return Err(Failure::from_half(id, HalfError { side: Side::Decode, failure: HalfFailure::Protocol("stream ended before any token".into()) })),
                     };
                     check_decode_count(id, &chunk, expected)?;
+                    if chunk.prompt_tokens.is_none() && self.backend.decode_counts_prompt() {
+                        // This backend always reports the count: its absence is no proof.
+                        return Err(Failure::integrity(id, "decode_prompt_count", "the decode's first chunk reports no prompt count".into()));
+                    }
                     first = Some(chunk);
                     kv_transfer = None;
                 }
