@@ -23,7 +23,7 @@ cargo build --release -q -p lockstep
 start_workdir
 
 USAGE='"usage":{"prompt_tokens":2,"completion_tokens":1,"total_tokens":3}'
-PREFILL='{"id":"c","object":"text_completion","model":"mock-pd","choices":[{"index":0,"text":"x","logprobs":null,"finish_reason":"length"}],'$USAGE',"kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[0],"remote_engine_id":"e","remote_host":"127.0.0.1","remote_port":5600,"tp_size":1}}'
+PREFILL='{"id":"c","object":"text_completion","model":"mock-pd","choices":[{"index":0,"text":"x","logprobs":null,"finish_reason":"length"}],'$USAGE',"kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[0],"remote_engine_id":"e","remote_host":"127.0.0.1","remote_port":5600,"remote_request_id":"cmpl-$http_x_request_id-0-0","tp_size":1}}'
 DECODE_JSON='{"id":"c","object":"text_completion","model":"mock-pd","choices":[{"index":0,"text":"hello","logprobs":null,"finish_reason":"length"}],'$USAGE'}'
 DECODE_SSE=$(printf 'data: %s\n\ndata: [DONE]\n\n' "$DECODE_JSON")
 mkdir -p "$WORK/logs"

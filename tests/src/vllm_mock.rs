@@ -131,6 +131,8 @@ struct Inner {
     last_blocks: Mutex<Vec<usize>>,
     /// Streams and requests in progress.
     live: AtomicUsize,
+    /// Makes each engine request id unique.
+    suffix: AtomicUsize,
     requests: Mutex<Vec<(VllmRole, Option<String>, Value)>>,
 }
 
@@ -182,6 +184,7 @@ impl VllmMock {
             held: Mutex::default(),
             last_blocks: Mutex::default(),
             live: AtomicUsize::new(0),
+            suffix: AtomicUsize::new(0x5eed),
             requests: Mutex::default(),
         });
         let (pl, dl) = (
@@ -332,6 +335,14 @@ async fn completions(
 
 fn prefill(inner: &Arc<Inner>, fault: VllmFault, rid: String, prompt: &[u32]) -> Response {
     let cfg = &inner.cfg;
+    // The engine's request id, what `remote_request_id` names: `cmpl-<X-Request-Id>` plus the
+    // choice index (`entrypoints/openai/completion/serving.py`) plus a random suffix the engine
+    // adds (`v1/engine/input_processor.py`); the suffix here is a counter.
+    let internal = format!(
+        "cmpl-{rid}-0-{:08x}",
+        inner.suffix.fetch_add(1, Ordering::SeqCst) as u32
+    );
+    let rid = internal;
     if prompt.len() > cfg.max_model_len {
         return error(
             StatusCode::BAD_REQUEST,

@@ -11,6 +11,7 @@ pub mod sglang;
 pub mod sglang_info;
 mod sse;
 pub mod vllm;
+mod vllm_params;
 
 pub use client::UpstreamClient;
 
