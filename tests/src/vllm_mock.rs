@@ -73,6 +73,8 @@ pub struct VllmMockConfig {
     pub token_delay: Duration,
     /// How the prefill's `kv_transfer_params` name its blocks (which vLLM release it acts as).
     pub block_ids: BlockIdShape,
+    /// `--served-model-name`: what `/v1/models` lists.
+    pub served_model_name: String,
     /// `--api-key`: paths under `/v1` need `Authorization: Bearer` it, else 401
     /// `{"error":"Unauthorized"}` (vLLM 0.33 `entrypoints/serve/middleware/authenticate.py`);
     /// `/health` is not guarded.
@@ -102,6 +104,7 @@ impl Default for VllmMockConfig {
             token_delay: Duration::from_millis(1),
             block_ids: BlockIdShape::Nested,
             api_key: None,
+            served_model_name: "vllm-pd".into(),
         }
     }
 }
@@ -196,6 +199,8 @@ impl VllmMock {
             Router::new()
                 .route("/v1/completions", post(completions))
                 .route("/health", get(|| async { "ok" }))
+                .route("/v1/models", get(models))
+                .route("/metrics", get(metrics))
                 .with_state((inner.clone(), role))
         };
         let (pa, da) = (app(VllmRole::Prefill), app(VllmRole::Decode));
@@ -291,25 +296,56 @@ fn error(status: StatusCode, message: String) -> Response {
         .into_response()
 }
 
+/// The API-key guard of vLLM 0.33 (`entrypoints/serve/middleware/authenticate.py`): paths
+/// under `/v1` need `Authorization: Bearer <key>`, else 401 `{"error":"Unauthorized"}`.
+fn unauthorized(inner: &Inner, headers: &HeaderMap) -> Option<Response> {
+    let key = inner.cfg.api_key.as_ref()?;
+    let got = headers
+        .get(http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    (got != Some(key.as_str())).then(|| {
+        (
+            StatusCode::UNAUTHORIZED,
+            axum::Json(serde_json::json!({"error": "Unauthorized"})),
+        )
+            .into_response()
+    })
+}
+
+/// `GET /v1/models` (`entrypoints/openai/models/serving.py`, `show_available_models`): the
+/// served model with its `max_model_len`.
+async fn models(State((inner, _)): State<(Arc<Inner>, VllmRole)>, headers: HeaderMap) -> Response {
+    if let Some(r) = unauthorized(&inner, &headers) {
+        return r;
+    }
+    let cfg = &inner.cfg;
+    axum::Json(json!({ "object": "list", "data": [{
+        "id": cfg.served_model_name, "object": "model", "owned_by": "vllm",
+        "root": "mock", "parent": null, "max_model_len": cfg.max_model_len, "permission": [],
+    }] }))
+    .into_response()
+}
+
+/// `GET /metrics` (not guarded by the API key): the `vllm:cache_config_info` gauge whose labels
+/// are the cache config (`v1/metrics/loggers.py`, `log_metrics_info`).
+async fn metrics(State((inner, _)): State<(Arc<Inner>, VllmRole)>) -> String {
+    let cfg = &inner.cfg;
+    format!(
+        "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{{block_size=\"{}\",cache_dtype=\"auto\",enable_prefix_caching=\"True\",engine=\"0\",gpu_memory_utilization=\"0.9\",num_gpu_blocks=\"{}\"}} 1.0\n",
+        cfg.block_size, cfg.blocks
+    )
+}
+
 async fn completions(
     State((inner, role)): State<(Arc<Inner>, VllmRole)>,
     headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> Response {
     let _live = Live::new(&inner);
-    if let Some(key) = &inner.cfg.api_key {
-        let got = headers
-            .get(http::header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
-        if got != Some(key.as_str()) {
-            lock(&inner.requests).push((role, None, serde_json::json!({"unauthorized": true})));
-            return (
-                StatusCode::UNAUTHORIZED,
-                axum::Json(serde_json::json!({"error": "Unauthorized"})),
-            )
-                .into_response();
-        }
+    if let Some(r) = unauthorized(&inner, &headers) {
+        lock(&inner.requests).push((role, None, json!({"unauthorized": true})));
+        return r;
     }
     let Ok(req) = serde_json::from_slice::<Value>(&body) else {
         return error(StatusCode::BAD_REQUEST, "body is not JSON".into());

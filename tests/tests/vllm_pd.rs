@@ -30,10 +30,29 @@ async fn stack() -> Stack {
 }
 
 async fn stack_with(cfg: VllmMockConfig) -> Stack {
+    let (mock, dir, started) = start(cfg, "", true).await;
+    let lockstep = started.expect("lockstep starts");
+    let url = format!("http://{}", lockstep.http_addr);
+    Stack {
+        mock,
+        url,
+        _lockstep: lockstep,
+        _dir: dir,
+    }
+}
+
+/// A mock and lockstep in front of it (`vllm_extra` goes into `[models.vllm]`; `with_key`: the
+/// pools get the mock's API key, if it has one).
+async fn start(
+    cfg: VllmMockConfig,
+    vllm_extra: &str,
+    with_key: bool,
+) -> (VllmMock, tempfile::TempDir, Result<Lockstep, String>) {
     // Workers started with `--api-key` get it from both pools' `api_key`.
     let pool_key = cfg
         .api_key
         .as_ref()
+        .filter(|_| with_key)
         .map(|k| format!("api_key = \"{k}\"\n"))
         .unwrap_or_default();
     let mock = VllmMock::start(cfg, lockstep_tests::tokenizer::build())
@@ -50,7 +69,7 @@ http_listen = "127.0.0.1:0"
 [[models]]
 name = "{MODEL}"
 backend = "vllm"
-context_window = 512
+context_window = 256
 kv_capacity_tokens = 1024
 default_max_tokens = 8
 tokenizer = "{tok}"
@@ -59,6 +78,7 @@ chat_template = {{ inline = '{tpl}' }}
 [models.vllm]
 connector = "nixl"
 block_size = 16
+{vllm_extra}
 
 [models.prefill]
 {pool_key}workers = [{{ url = "{p}" }}]
@@ -87,14 +107,71 @@ api_keys_sha256 = ["{key}"]
     );
     let cfg = Config::parse(&text).expect("config parses");
     assert!(cfg.problems().is_empty(), "{:?}", cfg.problems());
-    let lockstep = Lockstep::start(cfg).await.expect("lockstep starts");
-    let url = format!("http://{}", lockstep.http_addr);
-    Stack {
-        mock,
-        url,
-        _lockstep: lockstep,
-        _dir: dir,
+    let started = Lockstep::start(cfg).await;
+    (mock, dir, started)
+}
+
+/// What vLLM 0.33 workers say about themselves (`/v1/models`, `/metrics`) is checked before the
+/// model serves: each mismatch refuses the start with its reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_deployment_check_reads_what_the_workers_report() {
+    let cases: Vec<(VllmMockConfig, &str, &str)> = vec![
+        (
+            VllmMockConfig {
+                max_model_len: 128,
+                ..VllmMockConfig::default()
+            },
+            "",
+            "max_model_len 128",
+        ),
+        (
+            VllmMockConfig {
+                block_size: 32,
+                ..VllmMockConfig::default()
+            },
+            "",
+            "block_size 32",
+        ),
+        (
+            VllmMockConfig {
+                served_model_name: "other".into(),
+                ..VllmMockConfig::default()
+            },
+            "",
+            "does not serve `vllm-pd`",
+        ),
+        (
+            VllmMockConfig::default(),
+            "served_model_name = \"elsewhere\"",
+            "does not serve `elsewhere`",
+        ),
+        (
+            VllmMockConfig {
+                blocks: 8,
+                ..VllmMockConfig::default()
+            },
+            "",
+            "deployment check failed",
+        ),
+        (
+            VllmMockConfig {
+                api_key: Some("vk".into()),
+                ..VllmMockConfig::default()
+            },
+            "",
+            "api_key",
+        ),
+    ];
+    for (cfg, extra, why) in cases {
+        let (_mock, _dir, started) = start(cfg, extra, false).await;
+        let Err(e) = started else {
+            panic!("{why}: started");
+        };
+        assert!(e.contains(why), "{why}: {e}");
     }
+    // And a correct deployment starts.
+    let (_mock, _dir, started) = start(VllmMockConfig::default(), "", false).await;
+    assert!(started.is_ok());
 }
 
 impl Stack {
@@ -152,7 +229,7 @@ async fn every_fault_ends_in_an_error_without_foreign_content_and_nothing_held()
             "over-long prompt",
             VllmFault::None,
             false,
-            "prefill_rejected",
+            "context_length_exceeded",
         ),
         (
             "decode error",
@@ -307,16 +384,16 @@ async fn healthy_pairs(shape: BlockIdShape) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_goes_away_releases_the_decode() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    // 450 tokens at 50 ms would stream for over 20 s: only the disconnect can end it sooner.
+    // 230 tokens at 100 ms would stream for over 20 s: only the disconnect can end it sooner.
     let s = stack_with(VllmMockConfig {
-        token_delay: Duration::from_millis(50),
+        token_delay: Duration::from_millis(100),
         ..VllmMockConfig::default()
     })
     .await;
     for ep in [Endpoint::Completions, Endpoint::Chat] {
         for stream in [false, true] {
             let case = format!("{ep:?} stream={stream}");
-            let (path, body) = client::request(ep, MODEL, PROMPT, stream, 450, &[]);
+            let (path, body) = client::request(ep, MODEL, PROMPT, stream, 230, &[]);
             let body = body.to_string();
             let mut c = tokio::net::TcpStream::connect(s.url.trim_start_matches("http://"))
                 .await

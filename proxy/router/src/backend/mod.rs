@@ -6,12 +6,12 @@
 mod client;
 pub mod embedded;
 pub mod lockstep;
-pub mod probe;
 pub mod sglang;
 pub mod sglang_info;
 mod sse;
 pub mod vllm;
 mod vllm_params;
+mod vllm_probe;
 
 pub use client::UpstreamClient;
 

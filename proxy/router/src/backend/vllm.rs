@@ -178,7 +178,7 @@ fn usage(v: &Value, key: &str) -> Option<u64> {
 impl PdBackend for VllmBackend {
     fn deployment<'a>(&'a self, m: &'a ModelConfig) -> BoxFuture<'a, Result<Deployment, String>> {
         Box::pin(async move {
-            super::probe::reported_capacity(&self.client, m)
+            super::vllm_probe::reported_capacity(&self.client, m, &self.served_model)
                 .await
                 .map(Deployment::capacity)
         })
@@ -193,6 +193,7 @@ impl PdBackend for VllmBackend {
         let me = self.clone();
         let expected = d.input_ids.len() as u64;
         let d_id = d.pair_id.to_string();
+        let prefill_host = d.prefill.host.clone();
         Box::pin(async move {
             let side = Side::Prefill;
             let verdict = async {
@@ -248,12 +249,17 @@ impl PdBackend for VllmBackend {
                     return Ok((report, None));
                 }
                 let params = v.get("kv_transfer_params");
-                super::vllm_params::check_params(&me.cfg, params, prompt_tokens, &d_id).map_err(
-                    |m| HalfError {
-                        side,
-                        failure: HalfFailure::Integrity(m),
-                    },
-                )?;
+                super::vllm_params::check_params(
+                    &me.cfg,
+                    params,
+                    prompt_tokens,
+                    &d_id,
+                    &prefill_host,
+                )
+                .map_err(|m| HalfError {
+                    side,
+                    failure: HalfFailure::Integrity(m),
+                })?;
                 Ok((report, params.cloned().map(Arc::new)))
             }
             .await;

@@ -20,6 +20,7 @@ pub(super) fn check_params(
     p: Option<&Value>,
     prompt_tokens: u64,
     request_id: &str,
+    prefill_host: &str,
 ) -> Result<(), String> {
     let p = p
         .filter(|p| p.is_object())
@@ -99,11 +100,18 @@ pub(super) fn check_params(
             }
             Some(_) => {}
         }
-        if p.get("remote_host")
+        let host = p
+            .get("remote_host")
             .and_then(Value::as_str)
-            .is_none_or(str::is_empty)
-        {
-            return Err("kv_transfer_params.remote_host missing".into());
+            .filter(|h| !h.is_empty())
+            .ok_or("kv_transfer_params.remote_host missing")?;
+        // vLLM's side-channel host defaults to "localhost" (`VLLM_NIXL_SIDE_CHANNEL_HOST`,
+        // `vllm/envs.py`): a prefill on another machine that kept the default would send the
+        // decode to its own machine, where another engine's blocks may sit.
+        if is_loopback(host) && !is_loopback(prefill_host) {
+            return Err(format!(
+                "kv_transfer_params.remote_host is `{host}`, but the prefill worker is at `{prefill_host}`: set VLLM_NIXL_SIDE_CHANNEL_HOST on the prefill to an address its decodes can reach"
+            ));
         }
         if !p
             .get("remote_port")
@@ -114,6 +122,14 @@ pub(super) fn check_params(
         }
     }
     Ok(())
+}
+
+/// `localhost`, `127.0.0.0/8` or `::1` (brackets allowed).
+fn is_loopback(host: &str) -> bool {
+    let h = host.trim_start_matches('[').trim_end_matches(']');
+    h.eq_ignore_ascii_case("localhost")
+        || h.parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
 }
 
 #[cfg(test)]
@@ -140,7 +156,7 @@ mod tests {
     impl Checker {
         /// `check_params` for pair 77's request.
         fn check_params_t(&self, p: Option<&Value>, prompt_tokens: u64) -> Result<(), String> {
-            check_params(&self.0, p, prompt_tokens, "77")
+            check_params(&self.0, p, prompt_tokens, "77", "10.0.0.1")
         }
     }
 
@@ -208,11 +224,23 @@ mod tests {
                 "remote_port",
             ),
             (json!("not an object"), "no kv_transfer_params"),
+            (
+                json!({ "remote_block_ids": [1, 2], "remote_engine_id": "e", "remote_request_id": "cmpl-77-0-1", "remote_host": "localhost", "remote_port": 5600 }),
+                "VLLM_NIXL_SIDE_CHANNEL_HOST",
+            ),
+            (
+                json!({ "remote_block_ids": [1, 2], "remote_engine_id": "e", "remote_request_id": "cmpl-77-0-1", "remote_host": "127.0.0.1", "remote_port": 5600 }),
+                "VLLM_NIXL_SIDE_CHANNEL_HOST",
+            ),
         ] {
             let e = b.check_params_t(Some(&bad), 40).expect_err(why);
             assert!(e.contains(why), "{why}: {e}");
         }
         assert!(b.check_params_t(None, 40).is_err());
+        // A loopback side channel is fine when the prefill itself is on loopback.
+        let local = json!({ "remote_block_ids": [1, 2], "remote_engine_id": "e", "remote_request_id": "cmpl-77-0-1", "remote_host": "localhost", "remote_port": 5600 });
+        assert!(check_params(&b.0, Some(&local), 40, "77", "127.0.0.1").is_ok());
+        assert!(check_params(&b.0, Some(&local), 40, "77", "[::1]").is_ok());
         // Mooncake's params need no host and port.
         let m = backend(VllmConnector::Mooncake);
         let p = json!({ "remote_block_ids": [1, 2], "remote_engine_id": "e" });

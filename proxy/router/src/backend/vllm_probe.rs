@@ -1,0 +1,231 @@
+//! The vLLM deployment probe: what each worker says about itself, read at start, at every reload
+//! and in `lockstep check` (vLLM 0.33 has no `/server_info` outside dev mode):
+//! - `GET /v1/models`: the served model and its `max_model_len`
+//!   (`entrypoints/openai/models/serving.py`, `show_available_models`);
+//! - `GET /metrics`: `vllm:cache_config_info`, a gauge whose labels are the cache config
+//!   (`v1/metrics/loggers.py`, `log_metrics_info`; `config/cache.py`, `metrics_info`), among them
+//!   `block_size` and `num_gpu_blocks`.
+//!
+//! Problems (the model does not serve): a worker that does not serve the model, a
+//! `max_model_len` below the context window, a block size other than `vllm.block_size` (the
+//! block-id checks depend on it), a KV pool too small for the window, a worker that wants an API
+//! key lockstep lacks. A worker that does not answer, or answers what lockstep cannot read, is a
+//! warning: it is health-checked later, and nothing here verifies KV content anyway.
+
+use std::time::Duration;
+
+use serde_json::Value;
+
+use super::UpstreamClient;
+use crate::config::{ModelConfig, deployment_check};
+
+/// What one worker reported (each `None` where it did not say).
+#[derive(Debug, Default, PartialEq)]
+pub(super) struct Report {
+    /// `max_model_len` of the served model; `Some(None)`: the list answered, without the model.
+    pub max_model_len: Option<Option<u64>>,
+    /// `block_size` of its KV cache.
+    pub block_size: Option<u64>,
+    /// Tokens its KV pool holds (`num_gpu_blocks × block_size`).
+    pub kv_tokens: Option<u64>,
+}
+
+/// Reads every worker and checks what they say against the model's configuration; returns the
+/// effective KV capacity.
+pub async fn reported_capacity(
+    client: &UpstreamClient,
+    m: &ModelConfig,
+    served: &str,
+) -> Result<u64, String> {
+    let mut reports = Vec::new();
+    let mut problems = Vec::new();
+    let workers = (m.prefill.workers.iter().map(|w| (w, &m.prefill)))
+        .chain(m.decode.workers.iter().map(|w| (w, &m.decode)));
+    for (w, pool) in workers {
+        let base = w.url.trim_end_matches('/');
+        let auth: Vec<_> = pool
+            .auth()
+            .map(|v| (http::header::AUTHORIZATION, v))
+            .into_iter()
+            .collect();
+        match probe(client, base, &auth, served).await {
+            Ok(r) => reports.push((w.url.as_str(), r)),
+            Err(Some(e)) => problems.push(format!("model `{}`: worker {}: {e}", m.name, w.url)),
+            Err(None) => {
+                tracing::warn!(model = %m.name, worker = %w.url, "worker did not answer the deployment probe; using the configured limits")
+            }
+        }
+    }
+    match check(m, served, &reports) {
+        Ok(capacity) if problems.is_empty() => Ok(capacity),
+        Ok(_) => Err(problems.join("\n")),
+        Err(more) => {
+            problems.push(more);
+            Err(problems.join("\n"))
+        }
+    }
+}
+
+/// One worker's report; `Err(None)` when it did not answer, `Err(Some)` for a refusal.
+async fn probe(
+    client: &UpstreamClient,
+    base: &str,
+    auth: &[(http::HeaderName, http::HeaderValue)],
+    served: &str,
+) -> Result<Report, Option<String>> {
+    let get = |path: &'static str, auth| async move {
+        let url = format!("{base}{path}");
+        match tokio::time::timeout(Duration::from_secs(5), client.get_collect_with(&url, auth))
+            .await
+        {
+            Ok(Ok((401 | 403, _))) => Err(Some(format!(
+                "{path} answered 401: the worker wants an API key; set this pool's api_key to its --api-key"
+            ))),
+            Ok(Ok((s, body))) if (200..300).contains(&s) => Ok(Some(body)),
+            Ok(Ok(_)) => Ok(None),
+            _ => Err(None),
+        }
+    };
+    let models = get("/v1/models", auth).await?;
+    let metrics = get("/metrics", &[]).await.ok().flatten();
+    let mut report = Report::default();
+    if let Some(v) = models.and_then(|b| serde_json::from_slice::<Value>(&b).ok())
+        && let Some(list) = v.get("data").and_then(Value::as_array)
+    {
+        report.max_model_len = Some(
+            list.iter()
+                .find(|c| c.get("id").and_then(Value::as_str) == Some(served))
+                .map(|c| c.get("max_model_len").and_then(Value::as_u64).unwrap_or(0)),
+        );
+    }
+    if let Some(text) = metrics.as_deref().and_then(|b| std::str::from_utf8(b).ok()) {
+        let line = text
+            .lines()
+            .find(|l| l.starts_with("vllm:cache_config_info{"));
+        let label = |name: &str| line.and_then(|l| label(l, name));
+        report.block_size = label("block_size");
+        report.kv_tokens = label("num_gpu_blocks")
+            .zip(report.block_size)
+            .map(|(n, b)| n * b);
+    }
+    Ok(report)
+}
+
+/// The value of label `name` in a Prometheus sample line, as an integer.
+fn label(line: &str, name: &str) -> Option<u64> {
+    let mut rest = line.split_once('{')?.1.rsplit_once('}')?.0;
+    while let Some((key, after)) = rest.split_once("=\"") {
+        let (value, tail) = after.split_once('"')?;
+        if key.trim_start_matches(',').trim() == name {
+            return value.parse().ok();
+        }
+        rest = tail;
+    }
+    None
+}
+
+/// The checks over what the workers reported; the effective capacity or every problem.
+pub(super) fn check(
+    m: &ModelConfig,
+    served: &str,
+    reports: &[(&str, Report)],
+) -> Result<u64, String> {
+    let mut problems = Vec::new();
+    let mut capacity = m.kv_capacity_tokens;
+    let mut source = "configured kv_capacity_tokens".to_string();
+    for (url, r) in reports {
+        match r.max_model_len {
+            Some(None) => problems.push(format!(
+                "model `{}`: worker {url} does not serve `{served}` (its /v1/models lists other models; set vllm.served_model_name)",
+                m.name
+            )),
+            Some(Some(len)) if len < m.context_window => problems.push(format!(
+                "model `{}`: worker {url} has max_model_len {len}, below context_window {}: requests that fit the window would be refused",
+                m.name, m.context_window
+            )),
+            _ => {}
+        }
+        if let Some(bs) = r.block_size
+            && bs != m.vllm.block_size
+        {
+            problems.push(format!(
+                "model `{}`: worker {url} runs block_size {bs}, but vllm.block_size is {}: lockstep checks the prefill's block ids against it",
+                m.name, m.vllm.block_size
+            ));
+        }
+        if let Some(t) = r.kv_tokens
+            && t < capacity
+        {
+            capacity = t;
+            source = format!("reported by worker {url}");
+        }
+    }
+    if let Err(e) = deployment_check(&m.name, m.context_window, m.headroom, capacity, &source) {
+        problems.push(e);
+    }
+    if problems.is_empty() {
+        Ok(capacity)
+    } else {
+        Err(problems.join("\n"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn model() -> ModelConfig {
+        let text = r#"
+[[models]]
+name = "m"
+backend = "vllm"
+context_window = 1000
+kv_capacity_tokens = 4000
+tokenizer = "/t.json"
+chat_template = { inline = "x" }
+[models.prefill]
+workers = [{ url = "http://p" }]
+[models.decode]
+workers = [{ url = "http://d" }]
+"#;
+        crate::config::Config::parse(text)
+            .expect("config")
+            .models
+            .remove(0)
+    }
+
+    fn report(len: Option<Option<u64>>, bs: Option<u64>, kv: Option<u64>) -> Report {
+        Report {
+            max_model_len: len,
+            block_size: bs,
+            kv_tokens: kv,
+        }
+    }
+
+    #[test]
+    fn cache_config_labels_are_read() {
+        let l = r#"vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",num_gpu_blocks="2048",prefix_caching_hash_algo="sha256"} 1.0"#;
+        assert_eq!(label(l, "block_size"), Some(16));
+        assert_eq!(label(l, "num_gpu_blocks"), Some(2048));
+        assert_eq!(label(l, "cache_dtype"), None);
+        assert_eq!(label(l, "gpu_blocks"), None);
+    }
+
+    #[test]
+    fn what_vllm_workers_report_is_checked_against_the_model() {
+        let m = model();
+        let ok = report(Some(Some(2048)), Some(16), Some(3000));
+        assert_eq!(check(&m, "m", &[("p", ok)]), Ok(3000));
+        // Nothing readable: the configured limits.
+        assert_eq!(check(&m, "m", &[("p", Report::default())]), Ok(4000));
+        for (r, why) in [
+            (report(Some(None), None, None), "does not serve `m`"),
+            (report(Some(Some(512)), None, None), "max_model_len 512"),
+            (report(None, Some(32), None), "block_size 32"),
+            (report(None, Some(16), Some(800)), "deployment check failed"),
+        ] {
+            let e = check(&m, "m", &[("p", r)]).expect_err(why);
+            assert!(e.contains(why), "{why}: {e}");
+        }
+    }
+}
