@@ -232,14 +232,12 @@ async fn fields_lockstep_does_not_honour_are_refused_by_name() {
     };
     let refused = vec![
         (
-            chat(json!({"response_format": {"type": "json_object"}})),
+            chat(json!({"response_format": {"type": "structural_tag", "structures": []}})),
             "response_format",
         ),
         (
-            chat(
-                json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}),
-            ),
-            "response_format",
+            generate(json!({"sampling_params": {"structural_tag": "{}"}})),
+            "sampling_params.structural_tag",
         ),
         (
             chat(
@@ -273,18 +271,6 @@ async fn fields_lockstep_does_not_honour_are_refused_by_name() {
             "guided_json",
         ),
         (generate(json!({"return_logprob": true})), "return_logprob"),
-        (
-            generate(json!({"sampling_params": {"regex": "(red|blue)"}})),
-            "sampling_params.regex",
-        ),
-        (
-            generate(json!({"sampling_params": {"json_schema": "{}"}})),
-            "sampling_params.json_schema",
-        ),
-        (
-            generate(json!({"sampling_params": {"ebnf": "root ::= \"a\""}})),
-            "sampling_params.ebnf",
-        ),
         (
             generate(json!({"sampling_params": {"repetition_penalty": 1.2}})),
             "sampling_params.repetition_penalty",
@@ -334,5 +320,89 @@ async fn fields_lockstep_does_not_honour_are_refused_by_name() {
             )
             .await;
         assert_eq!(a.status, 200, "{path}: {}", a.body);
+    }
+}
+
+/// Structured outputs pass through to SGLang natively, on both halves (SGLang's prefill samples
+/// the first token): `response_format` json_object and json_schema as SGLang's own OpenAI layer
+/// maps them, and `/generate`'s `json_schema`, `regex` and `ebnf` as sent; malformed ones are
+/// refused before any worker is asked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn structured_outputs_reach_both_sglang_halves() {
+    let stack = Stack::start().await;
+    let c = TestClient::default();
+    let schema = json!({"type": "object", "properties": {"colour": {"type": "string"}}, "required": ["colour"]});
+    let cases = vec![
+        (
+            "/v1/chat/completions",
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "red"}], "max_tokens": 2,
+                   "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema, "strict": true}}}),
+            ("json_schema", json!(schema.to_string())),
+        ),
+        (
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": "red", "max_tokens": 2, "stream": true, "response_format": {"type": "json_object"}}),
+            ("json_schema", json!("{\"type\": \"object\"}")),
+        ),
+        (
+            "/generate",
+            json!({"text": "red", "sampling_params": {"max_new_tokens": 2, "regex": "(red|blue)+"}}),
+            ("regex", json!("(red|blue)+")),
+        ),
+        (
+            "/generate",
+            json!({"text": "red", "stream": true, "sampling_params": {"max_new_tokens": 2, "ebnf": "root ::= \"red\""}}),
+            ("ebnf", json!("root ::= \"red\"")),
+        ),
+        (
+            "/generate",
+            json!({"text": "red", "sampling_params": {"max_new_tokens": 2, "json_schema": "{\"type\":\"string\"}"}}),
+            ("json_schema", json!("{\"type\":\"string\"}")),
+        ),
+    ];
+    for (path, body, (key, want)) in cases {
+        let before = stack.mock.request_count();
+        let a = c
+            .post(
+                &format!("{}{path}", stack.url),
+                &body,
+                Duration::from_secs(10),
+            )
+            .await;
+        assert_eq!(a.status, 200, "{path}: {}", a.body);
+        let sent = &stack.mock.requests()[before..];
+        assert_eq!(sent.len(), 2, "both halves");
+        for (role, v) in sent {
+            assert_eq!(v["sampling_params"][key], want, "{path} {role:?}: {v}");
+        }
+    }
+    for (path, body, param) in [
+        (
+            "/v1/chat/completions",
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "red"}], "response_format": {"type": "json_schema", "json_schema": {"name": "c"}}}),
+            "response_format",
+        ),
+        (
+            "/generate",
+            json!({"text": "red", "sampling_params": {"json_schema": "{not json"}}),
+            "sampling_params.json_schema",
+        ),
+        (
+            "/generate",
+            json!({"text": "red", "sampling_params": {"regex": "a", "ebnf": "root ::= \"a\""}}),
+            "sampling_params.ebnf",
+        ),
+    ] {
+        let before = stack.mock.request_count();
+        let a = c
+            .post(
+                &format!("{}{path}", stack.url),
+                &body,
+                Duration::from_secs(10),
+            )
+            .await;
+        assert_eq!(a.status, 400, "{path}: {}", a.body);
+        assert_eq!(a.json()["error"]["param"], json!(param), "{}", a.body);
+        assert_eq!(stack.mock.request_count(), before, "not dispatched");
     }
 }

@@ -94,6 +94,24 @@ async fn serves_every_endpoint_streamed_and_not_split_and_unified_agree() {
     );
     let sp = split.post(path2, body2).await;
     assert_eq!(sp.json()["usage"]["prompt_tokens"], 5, "{}", sp.body);
+    // The embedded engine does not enforce structured outputs yet: refused by name, never free
+    // text with a 200.
+    for (path, body, param) in [
+        (
+            "/v1/chat/completions",
+            serde_json::json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}),
+            "response_format",
+        ),
+        (
+            "/generate",
+            serde_json::json!({"text": "hi", "sampling_params": {"regex": "[0-9]+"}}),
+            "sampling_params.regex",
+        ),
+    ] {
+        let a = split.post(path, body).await;
+        assert_eq!(a.status, 400, "{}", a.body);
+        assert_eq!(a.json()["error"]["param"], param, "{}", a.body);
+    }
     split.wait_released().await;
 
     let Some(unified) = start("mode = \"unified\"").await else {

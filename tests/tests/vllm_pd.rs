@@ -446,3 +446,34 @@ async fn both_halves_carry_the_pools_api_key() {
         "refused: {reqs:?}"
     );
 }
+
+/// Structured outputs reach vLLM 0.33 as `structured_outputs` (`vllm/sampling_params.py`,
+/// `StructuredOutputsParams`) on both halves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn structured_outputs_reach_both_vllm_halves() {
+    let s = stack().await;
+    let schema = json!({"type": "object", "properties": {"n": {"type": "integer"}}});
+    for (ep, rf, want) in [
+        (
+            Endpoint::Completions,
+            json!({"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}),
+            json!({"json": schema}),
+        ),
+        (
+            Endpoint::Chat,
+            json!({"type": "json_object"}),
+            json!({"json_object": true}),
+        ),
+    ] {
+        let before = s.mock.requests().len();
+        let (path, mut body) = client::request(ep, MODEL, PROMPT, false, 4, &[]);
+        body["response_format"] = rf;
+        let a = s.send(path, &body).await;
+        assert_eq!(a.status, 200, "{ep:?}: {}", a.body);
+        let sent = &s.mock.requests()[before..];
+        assert_eq!(sent.len(), 2, "both halves: {sent:?}");
+        for (role, _, v) in sent {
+            assert_eq!(v["structured_outputs"], want, "{ep:?} {role:?}: {v}");
+        }
+    }
+}

@@ -73,6 +73,24 @@ pub struct SamplingParams {
     /// Sampling seed.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sampling_seed: Option<u64>,
+    /// An output constraint the workers enforce while sampling; each backend sends it in its
+    /// workers' own terms (admission refuses it for backends that cannot).
+    #[serde(skip)]
+    pub constraint: Option<Constraint>,
+}
+
+/// A structured-output constraint (OpenAI `response_format`, SGLang's `json_schema`, `regex`,
+/// `ebnf`), enforced by the workers' grammar backends.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Constraint {
+    /// Any JSON object (`response_format: {"type": "json_object"}`).
+    JsonObject,
+    /// JSON valid against this schema (its JSON text).
+    JsonSchema(String),
+    /// Text matching this regular expression.
+    Regex(String),
+    /// Text of this EBNF grammar.
+    Ebnf(String),
 }
 
 /// Everything a backend needs to run both halves of one pair.
@@ -259,9 +277,9 @@ pub trait PdBackend: Send + Sync + 'static {
     /// background, bounded by `timeouts.abort_ms`; the client's error never waits for it.
     fn abort(&self, d: &Dispatch, side: Side) -> BoxFuture<'static, Result<(), HalfError>>;
     /// Whether the decode's first chunk always carries the prompt count it was given (SGLang's
-    /// `meta_info.prompt_tokens`, lockstep's own workers and engine): then a first chunk without
-    /// one fails the pair instead of passing the count check unchecked. vLLM streams no count
-    /// before the end.
+    /// `meta_info.prompt_tokens`, vLLM's per-chunk usage, lockstep's own workers and engine):
+    /// then a first chunk without one fails the pair instead of passing the count check
+    /// unchecked.
     fn decode_counts_prompt(&self) -> bool {
         false
     }

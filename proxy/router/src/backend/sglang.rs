@@ -14,8 +14,8 @@ use super::client::UpstreamClient;
 use super::sglang_info::StreamMode;
 use super::sse::{ChunkSource, SseReader, decode_stream};
 use super::{
-    DecodeChunk, DecodeStream, Deployment, Dispatch, FinishReason, HalfError, HalfFailure,
-    PdBackend, PrefillReport, Side,
+    Constraint, DecodeChunk, DecodeStream, Deployment, Dispatch, FinishReason, HalfError,
+    HalfFailure, PdBackend, PrefillReport, Side,
 };
 use crate::config::ModelConfig;
 
@@ -48,9 +48,24 @@ impl SglangBackend {
     /// The `/generate` body of one half. Client-sent routing fields never reach here: lockstep
     /// builds the whole body.
     pub fn generate_body(d: &Dispatch, stream: bool) -> Bytes {
+        let s = &d.sampling;
+        let (json_schema, regex, ebnf) = match &s.constraint {
+            None => (None, None, None),
+            // What SGLang's own OpenAI layer sends for json_object
+            // (`srt/entrypoints/openai/protocol.py`, `to_sampling_params`).
+            Some(Constraint::JsonObject) => (Some(r#"{"type": "object"}"#), None, None),
+            Some(Constraint::JsonSchema(t)) => (Some(t.as_str()), None, None),
+            Some(Constraint::Regex(r)) => (None, Some(r.as_str()), None),
+            Some(Constraint::Ebnf(g)) => (None, None, Some(g.as_str())),
+        };
         let body = GenerateBody {
             input_ids: &d.input_ids,
-            sampling_params: &d.sampling,
+            sampling_params: SglangSampling {
+                base: s,
+                json_schema,
+                regex,
+                ebnf,
+            },
             rid: d.pair_id,
             bootstrap_host: &d.prefill.bootstrap_host,
             bootstrap_port: d.prefill.bootstrap_port,
@@ -62,11 +77,25 @@ impl SglangBackend {
     }
 }
 
+/// SGLang's `sampling_params`: the common ones plus the constraint, in SGLang's keys (on both
+/// halves: SGLang's prefill samples the first token).
+#[derive(serde::Serialize)]
+struct SglangSampling<'a> {
+    #[serde(flatten)]
+    base: &'a super::SamplingParams,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    json_schema: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    regex: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ebnf: Option<&'a str>,
+}
+
 /// The native `/generate` body of one half.
 #[derive(serde::Serialize)]
 struct GenerateBody<'a> {
     input_ids: &'a [u32],
-    sampling_params: &'a super::SamplingParams,
+    sampling_params: SglangSampling<'a>,
     /// The pair id as a string (SGLang's `rid`).
     rid: crate::pair::PairId,
     bootstrap_host: &'a str,

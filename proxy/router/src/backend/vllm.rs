@@ -28,8 +28,8 @@ use tokio::sync::watch;
 use super::client::UpstreamClient;
 use super::sse::{ChunkSource, SseReader, decode_stream};
 use super::{
-    DecodeChunk, DecodeStream, Deployment, Dispatch, FinishReason, HalfError, HalfFailure,
-    PdBackend, PrefillReport, Side,
+    Constraint, DecodeChunk, DecodeStream, Deployment, Dispatch, FinishReason, HalfError,
+    HalfFailure, PdBackend, PrefillReport, Side,
 };
 use crate::config::ModelConfig;
 use crate::config::{VllmConnector, VllmSection};
@@ -109,6 +109,18 @@ impl VllmBackend {
                 b[k] = v;
             }
         }
+        // vLLM 0.33's `structured_outputs` (`StructuredOutputsParams`, `vllm/sampling_params.py`),
+        // on both halves.
+        if let Some(c) = &s.constraint {
+            b["structured_outputs"] = match c {
+                Constraint::JsonObject => json!({ "json_object": true }),
+                Constraint::JsonSchema(t) => {
+                    json!({ "json": serde_json::from_str::<Value>(t).unwrap_or(Value::Null) })
+                }
+                Constraint::Regex(r) => json!({ "regex": r }),
+                Constraint::Ebnf(g) => json!({ "grammar": g }),
+            };
+        }
         Bytes::from(b.to_string())
     }
 
@@ -182,6 +194,12 @@ impl PdBackend for VllmBackend {
                 .await
                 .map(Deployment::capacity)
         })
+    }
+
+    /// lockstep asks the decode for `stream_options.continuous_usage_stats`, so vLLM 0.33 puts
+    /// `usage` (with `prompt_tokens`) on every chunk (`entrypoints/openai/completion/serving.py`).
+    fn decode_counts_prompt(&self) -> bool {
+        true
     }
 
     fn prefill(&self, d: &Dispatch) -> BoxFuture<'static, Result<PrefillReport, HalfError>> {

@@ -5,6 +5,8 @@
 
 use serde_json::{Map, Value};
 
+use crate::backend::Constraint;
+use crate::config::BackendKind;
 use crate::error::LockstepError;
 
 /// A field lockstep knows but does not forward: when its value is a no-op, and why otherwise.
@@ -57,7 +59,7 @@ fn default_tier(v: &Value) -> bool {
     matches!(v.as_str(), Some("auto" | "default")) || v.is_null()
 }
 
-const STRUCTURED: &str = "structured outputs (a JSON object, a JSON schema, a regex or a grammar) are not enforced by lockstep yet; without enforcement the model would answer free text";
+const STRUCTURED: &str = "this structured-output form is not supported; use response_format (json_object, json_schema) or, on /generate, sampling_params json_schema, regex or ebnf";
 const LOGPROBS: &str = "log-probabilities are not returned by lockstep yet";
 const TOOLS: &str = "tool calling is not supported by lockstep yet";
 const SAMPLER: &str =
@@ -243,6 +245,103 @@ pub(crate) fn refuse_unhonoured(
         });
     }
     Ok(())
+}
+
+/// Takes OpenAI's `response_format` out of `rest`: nothing for `text` (or absent), else the
+/// constraint, refused where the model's backend cannot enforce it.
+pub(crate) fn response_format(
+    rest: &mut Map<String, Value>,
+    backend: BackendKind,
+) -> Result<Option<Constraint>, LockstepError> {
+    let Some(rf) = rest.remove("response_format").filter(|v| !v.is_null()) else {
+        return Ok(None);
+    };
+    let param = "response_format";
+    let invalid = |message: &str| LockstepError::InvalidRequest {
+        message: message.into(),
+        param: Some(param.into()),
+    };
+    let c = match rf.get("type").and_then(Value::as_str) {
+        Some("text") => return Ok(None),
+        Some("json_object") => Constraint::JsonObject,
+        Some("json_schema") => {
+            let schema = rf
+                .pointer("/json_schema/schema")
+                .filter(|s| s.is_object() || s.is_boolean())
+                .ok_or_else(|| {
+                    invalid("`response_format.json_schema.schema` must be a JSON schema object")
+                })?;
+            Constraint::JsonSchema(schema.to_string())
+        }
+        Some(other) => {
+            return Err(LockstepError::Unsupported {
+                message: format!(
+                    "`response_format` type `{other}` is not supported (text, json_object, json_schema)"
+                ),
+                param: Some(param.into()),
+            });
+        }
+        None => return Err(invalid("`response_format.type` is required")),
+    };
+    enforceable(c, param, backend).map(Some)
+}
+
+/// Takes SGLang's `json_schema`, `regex` and `ebnf` out of `/generate`'s `sampling_params`:
+/// at most one, refused where the model's backend cannot enforce it.
+pub(crate) fn native_constraint(
+    rest: &mut Map<String, Value>,
+    backend: BackendKind,
+) -> Result<Option<Constraint>, LockstepError> {
+    let mut found = None;
+    for key in ["json_schema", "regex", "ebnf"] {
+        let Some(v) = rest.remove(key).filter(|v| !v.is_null()) else {
+            continue;
+        };
+        let param = format!("sampling_params.{key}");
+        let bad = |message: String| LockstepError::InvalidRequest {
+            message,
+            param: Some(param.clone()),
+        };
+        let text = v
+            .as_str()
+            .ok_or_else(|| bad(format!("`{param}` must be a string")))?
+            .to_string();
+        let c = match key {
+            "json_schema" => {
+                serde_json::from_str::<Value>(&text)
+                    .map_err(|e| bad(format!("`{param}` is not JSON: {e}")))?;
+                Constraint::JsonSchema(text)
+            }
+            "regex" => Constraint::Regex(text),
+            _ => Constraint::Ebnf(text),
+        };
+        if found.is_some() {
+            return Err(bad(
+                "give one of json_schema, regex and ebnf, not several".into()
+            ));
+        }
+        found = Some(enforceable(c, &param, backend)?);
+    }
+    Ok(found)
+}
+
+/// `c`, if the backend's workers enforce constraints natively (SGLang, vLLM); else a 400:
+/// answering free text to a request for JSON would be failing open.
+fn enforceable(
+    c: Constraint,
+    param: &str,
+    backend: BackendKind,
+) -> Result<Constraint, LockstepError> {
+    match backend {
+        BackendKind::Sglang | BackendKind::Vllm => Ok(c),
+        other => Err(LockstepError::Unsupported {
+            message: format!(
+                "`{param}`: the {} backend does not enforce structured outputs yet (SGLang and vLLM workers do)",
+                other.as_str()
+            ),
+            param: Some(param.into()),
+        }),
+    }
 }
 
 #[cfg(test)]

@@ -56,11 +56,9 @@ impl FrontRequest for GenerateRequest {
         model: &ModelRuntime,
     ) -> Result<(Input, SamplingParams, Shape), LockstepError> {
         refuse_unhonoured(fields::GENERATE, &self.rest, "")?;
-        refuse_unhonoured(
-            fields::GENERATE_SAMPLING,
-            &self.sampling_params.rest,
-            "sampling_params.",
-        )?;
+        let mut s = self.sampling_params;
+        let constraint = fields::native_constraint(&mut s.rest, model.cfg.backend)?;
+        refuse_unhonoured(fields::GENERATE_SAMPLING, &s.rest, "sampling_params.")?;
         let prompt = match (self.text, self.input_ids) {
             (Some(t), None) => match t {
                 Prompt::Ids(_) | Prompt::Batches(_) => {
@@ -85,7 +83,6 @@ impl FrontRequest for GenerateRequest {
             }
             (None, None) => return Err(bad("text", "`text` or `input_ids` is required".into())),
         };
-        let s = self.sampling_params;
         if s.n.is_some_and(|n| n != 1) {
             return Err(LockstepError::Unsupported {
                 message: "n > 1 is not supported yet".into(),
@@ -132,6 +129,7 @@ impl FrontRequest for GenerateRequest {
             frequency_penalty: s.frequency_penalty,
             presence_penalty: s.presence_penalty,
             sampling_seed: s.sampling_seed,
+            constraint,
         };
         Ok((
             Input::Prompt(prompt),

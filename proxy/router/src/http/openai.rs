@@ -155,6 +155,7 @@ impl CommonParams {
                 frequency_penalty: self.frequency_penalty,
                 presence_penalty: self.presence_penalty,
                 sampling_seed: self.seed,
+                constraint: None,
             },
             self.stream,
             include_usage,
@@ -261,8 +262,11 @@ impl FrontRequest for ChatRequest {
         self,
         model: &ModelRuntime,
     ) -> Result<(Input, SamplingParams, Shape), LockstepError> {
-        refuse_unhonoured(fields::CHAT, &self.rest, "")?;
-        let (sampling, stream, include_usage) = self.params.sampling(model)?;
+        let mut rest = self.rest;
+        let constraint = fields::response_format(&mut rest, model.cfg.backend)?;
+        refuse_unhonoured(fields::CHAT, &rest, "")?;
+        let (mut sampling, stream, include_usage) = self.params.sampling(model)?;
+        sampling.constraint = constraint;
         let messages = to_messages(self.messages)?;
         Ok((
             Input::Chat(messages),
@@ -299,8 +303,11 @@ impl FrontRequest for CompletionRequest {
         self,
         model: &ModelRuntime,
     ) -> Result<(Input, SamplingParams, Shape), LockstepError> {
-        refuse_unhonoured(fields::COMPLETIONS, &self.rest, "")?;
-        let (sampling, stream, include_usage) = self.params.sampling(model)?;
+        let mut rest = self.rest;
+        let constraint = fields::response_format(&mut rest, model.cfg.backend)?;
+        refuse_unhonoured(fields::COMPLETIONS, &rest, "")?;
+        let (mut sampling, stream, include_usage) = self.params.sampling(model)?;
+        sampling.constraint = constraint;
         Ok((
             Input::Prompt(self.prompt),
             sampling,
