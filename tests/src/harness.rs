@@ -10,7 +10,7 @@ use crate::sglang_mock::{MockConfig, PdMock};
 use crate::tokenizer;
 
 /// Deadlines used by the fault tests: short, so only lockstep's abort can explain a fast error
-/// while the mock's own KV wait is 15 s.
+/// while the mock's own KV wait is SGLang's 300 s.
 pub const TEST_TIMEOUTS: &str =
     "total_ms = 5000\nprefill_ms = 500\nfirst_token_ms = 700\nidle_ms = 500\nabort_ms = 1000";
 

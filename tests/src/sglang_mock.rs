@@ -117,7 +117,10 @@ pub struct MockConfig {
     pub total_pages: usize,
     /// Tokens per page.
     pub page_size: usize,
-    /// How long decode waits for its room's KV (SGLang's transfer timeout). 10 s or more in tests.
+    /// How long decode waits for its room's KV, and a prefill for its decode to take it: SGLang
+    /// 0.5.23's `SGLANG_DISAGGREGATION_WAITING_TIMEOUT` and `_BOOTSTRAP_TIMEOUT`, both 300 s
+    /// (`srt/environ.py`). Neither half is told when the other fails: only an abort (or the
+    /// timeout) ends the wait.
     pub kv_wait_timeout: Duration,
     /// Delay between decode tokens.
     pub token_delay: Duration,
@@ -140,7 +143,7 @@ impl Default for MockConfig {
         MockConfig {
             total_pages: 64,
             page_size: 16,
-            kv_wait_timeout: Duration::from_secs(15),
+            kv_wait_timeout: Duration::from_secs(300),
             token_delay: Duration::from_millis(1),
             health_delay: Duration::from_secs(1),
             context_len: 8192,
@@ -570,6 +573,9 @@ fn adler32(tokens: &[u32]) -> u32 {
     (b << 16) | a
 }
 
+/// `/abort_request {"rid"}` (SGLang 0.5.23 `srt/entrypoints/http_server.py`; the scheduler
+/// matches the rid across its queues, `srt/managers/scheduler.py` `abort_request`): stops the half
+/// with that rid on this server and frees what it holds.
 async fn abort(State(ctx): State<Ctx>, body: Bytes) -> Response {
     let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     let Some(rid) = v.get("rid").and_then(Value::as_str).map(str::to_string) else {
@@ -598,7 +604,9 @@ async fn abort(State(ctx): State<Ctx>, body: Bytes) -> Response {
         rid,
         released_live: released,
     });
-    axum::Json(json!({})).into_response()
+    // SGLang 0.5.23 answers every abort 200 with an empty body, known rid or not
+    // (`srt/entrypoints/http_server.py`, `abort_request`).
+    StatusCode::OK.into_response()
 }
 
 fn sglang_error(status: StatusCode, message: &str) -> Response {

@@ -15,8 +15,12 @@
 //! - vLLM's shapes: `/v1/completions` with token-id prompts, `kv_transfer_params` in and out
 //!   (`remote_block_ids` nested per KV-cache group as 0.33 sends them, or flat as before:
 //!   [`BlockIdShape`]),
-//!   `usage` (running usage on streams with `continuous_usage_stats`), `finish_reason`, error
-//!   bodies `{"object":"error","message","type","code"}`, `X-Request-Id`, `/health`.
+//!   `usage` (running usage on streams with `continuous_usage_stats`,
+//!   `entrypoints/openai/completion/serving.py`), `finish_reason`, error bodies
+//!   `{"error":{"message","type","param","code"}}` (`entrypoints/serve/engine/protocol.py`),
+//!   `X-Request-Id` (the engine id is `cmpl-<X-Request-Id>-0-<suffix>`, named by
+//!   `remote_request_id`), `/health`, `/v1/models` with `max_model_len`, `/metrics` with
+//!   `vllm:cache_config_info`, and the `--api-key` guard on `/v1` paths.
 //!
 //! Faults (applied to every request until changed): the stale-reference prefill of #52234,
 //! missing or duplicated block ids, a decode error status, a decode that hangs.
@@ -285,13 +289,18 @@ impl VllmMock {
     }
 }
 
+/// vLLM 0.33's error answer: `ErrorResponse {error: ErrorInfo {message, type, param, code}}`
+/// with the HTTP status equal to `code` (`entrypoints/serve/engine/protocol.py`).
 fn error(status: StatusCode, message: String) -> Response {
+    let kind = if status.is_client_error() {
+        "BadRequestError"
+    } else {
+        "InternalServerError"
+    };
     (
         status,
-        axum::Json(
-            json!({ "object": "error", "message": message, "type": "BadRequestError",
-                           "param": null, "code": status.as_u16() }),
-        ),
+        axum::Json(json!({ "error": { "message": message, "type": kind,
+                                      "param": null, "code": status.as_u16() } })),
     )
         .into_response()
 }

@@ -3,7 +3,7 @@
 //! no other request's content appears, both halves were aborted and released, and afterwards
 //! lockstep's registry is empty and its load counters are zero.
 //!
-//! The mock's own KV wait is 15 s; the client's error must arrive within 1 s, so only lockstep's
+//! The mock's own KV wait is SGLang's 300 s; the client's error must arrive within 1 s, so only lockstep's
 //! abort can explain it.
 
 use std::time::{Duration, Instant};
