@@ -60,6 +60,10 @@ pub enum VllmFault {
     DecodeStatus(u16),
     /// The decode reads its blocks and then sends nothing, until the client goes away.
     DecodeHang,
+    /// The decode server queues the request for two leases before it reads the blocks (a busy
+    /// decode): by then the prefill has freed them and another request may have written there.
+    /// Every count is still right; nothing in vLLM's protocol tells.
+    DecodeQueuedPastLease,
 }
 
 /// Mock settings.
@@ -374,7 +378,12 @@ async fn completions(
     let fault = *lock(&inner.fault);
     match role {
         VllmRole::Prefill => prefill(&inner, fault, rid.unwrap_or_default(), &prompt),
-        VllmRole::Decode => decode(inner.clone(), fault, &req, prompt.len()),
+        VllmRole::Decode => {
+            if fault == VllmFault::DecodeQueuedPastLease {
+                tokio::time::sleep(inner.cfg.lease * 2).await;
+            }
+            decode(inner.clone(), fault, &req, prompt.len())
+        }
     }
 }
 

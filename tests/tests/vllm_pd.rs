@@ -477,3 +477,64 @@ async fn structured_outputs_reach_both_vllm_halves() {
         }
     }
 }
+
+/// What nothing verifies on vLLM (NIXL carries no checksum): a decode server that queues a request
+/// past the prefill's KV lease reads blocks another request has since written, with every count
+/// right, and the answer carries that request's content. lockstep sends each decode at once and
+/// never later than the lease allows, but it cannot see the decode's own queue. This test pins the
+/// gap the README states; it fails the day something closes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_queued_past_the_lease_reads_recycled_blocks_undetected() {
+    let s = stack().await;
+    s.mock.set_fault(VllmFault::DecodeQueuedPastLease);
+    let victim = {
+        // Long enough to read past its first block (the mock's decode echoes the KV it reads).
+        let (path, body) = client::request(Endpoint::Completions, MODEL, PROMPT, false, 24, &[]);
+        let url = format!("{}{path}", s.url);
+        tokio::spawn(async move {
+            TestClient::default()
+                .send_with(
+                    "POST",
+                    &url,
+                    &[
+                        ("authorization", &format!("Bearer {KEY}")),
+                        ("content-type", "application/json"),
+                    ],
+                    body.to_string(),
+                    Duration::from_secs(20),
+                )
+                .await
+        })
+    };
+    // The lease (600 ms in the mock) runs out; the prefill frees the victim's blocks, and the
+    // next prefill writes another tenant's prompt into them (freed blocks are reused first).
+    tokio::time::sleep(Duration::from_millis(750)).await;
+    let (path, body) = client::request(Endpoint::Completions, MODEL, SECRET, false, 4, &[]);
+    let other = tokio::spawn({
+        let url = format!("{}{path}", s.url);
+        async move {
+            TestClient::default()
+                .send_with(
+                    "POST",
+                    &url,
+                    &[
+                        ("authorization", &format!("Bearer {KEY}")),
+                        ("content-type", "application/json"),
+                    ],
+                    body.to_string(),
+                    Duration::from_secs(20),
+                )
+                .await
+        }
+    });
+    let a = victim.await.expect("victim");
+    assert_eq!(a.status, 200, "every count was right: {}", a.body);
+    assert!(
+        ["secret", "password", "account"]
+            .iter()
+            .any(|w| a.body.contains(w)),
+        "the victim got the other request's KV: {}",
+        a.body
+    );
+    let _ = other.await;
+}

@@ -13,7 +13,11 @@
 //! count consistent with the token count and block size, no duplicate ids). vLLM has no abort
 //! endpoint: closing the connection aborts a running request, and the lifecycle drops a failed
 //! pair's connections. Blocks a prefill holds for a decode that will not come are freed by vLLM
-//! after `VLLM_NIXL_ABORT_REQUEST_TIMEOUT` (default 480 s): that lease bounds the leak.
+//! 0.33 when their KV lease runs out (`kv_connector_extra_config.kv_lease_duration`, 30 s,
+//! extended by the decode's heartbeats once it has the request; `nixl/base_scheduler.py`):
+//! that bounds the leak. The same lease bounds how late a decode may be sent: past it the blocks
+//! may already hold another request's KV with every count still right, so lockstep refuses to
+//! send a decode later than `vllm.kv_lease_ms` less a margin after the prefill answered.
 
 use std::sync::Arc;
 
@@ -39,8 +43,8 @@ use crate::pair::PairId;
 #[derive(Debug, Clone)]
 enum Handoff {
     Waiting,
-    /// The checked transfer params: send the decode.
-    Go(Arc<Value>),
+    /// The checked transfer params, and when the prefill answered: send the decode.
+    Go(Arc<Value>, std::time::Instant),
     /// The prefill failed or its answer was refused: the decode is never sent.
     NoGo,
 }
@@ -283,7 +287,7 @@ impl PdBackend for VllmBackend {
             .await;
             match verdict {
                 Ok((report, Some(params))) => {
-                    handoff.send_replace(Handoff::Go(params));
+                    handoff.send_replace(Handoff::Go(params, std::time::Instant::now()));
                     Ok(report)
                 }
                 Ok((report, None)) => {
@@ -309,7 +313,24 @@ impl PdBackend for VllmBackend {
             let params = loop {
                 let state = rx.borrow_and_update().clone();
                 match state {
-                    Handoff::Go(p) => break p,
+                    Handoff::Go(p, answered) => {
+                        let lease = std::time::Duration::from_millis(me.cfg.kv_lease_ms);
+                        // Past the lease (less a margin for the request's way to the decode),
+                        // the prefill may have freed the blocks the params name.
+                        let margin = (lease / 4).min(std::time::Duration::from_secs(5));
+                        if answered.elapsed() + margin > lease {
+                            me.handoffs.remove(&d.pair_id);
+                            return Err(HalfError {
+                                side,
+                                failure: HalfFailure::Integrity(format!(
+                                    "the decode would be sent {} ms after the prefill answered, too near its {} ms KV lease: the blocks may hold another request's KV",
+                                    answered.elapsed().as_millis(),
+                                    lease.as_millis()
+                                )),
+                            });
+                        }
+                        break p;
+                    }
                     Handoff::NoGo => {
                         me.handoffs.remove(&d.pair_id);
                         return Err(HalfError {
@@ -432,6 +453,7 @@ mod tests {
                 connector,
                 block_size: 16,
                 served_model_name: None,
+                kv_lease_ms: 30_000,
             };
             VllmBackend::new(client.clone(), "m", cfg)
         };
@@ -443,5 +465,51 @@ mod tests {
             backend(VllmConnector::Nixl).prefill_params()["remote_block_ids"],
             Value::Null
         );
+    }
+
+    /// A decode that would go out later than the KV lease (less its margin) after the prefill
+    /// answered is never sent: the blocks may already hold another request's KV, with every
+    /// count right.
+    #[tokio::test]
+    async fn a_decode_too_late_for_the_lease_is_not_sent() {
+        use futures_util::StreamExt;
+        let client =
+            UpstreamClient::with_ca(std::time::Duration::from_secs(1), None).expect("client");
+        let cfg = VllmSection {
+            connector: VllmConnector::Nixl,
+            block_size: 16,
+            served_model_name: None,
+            kv_lease_ms: 1_000,
+        };
+        let backend = VllmBackend::new(client, "m", cfg);
+        let worker = |url: &str| {
+            Arc::new(crate::pool::Upstream::new(&crate::config::WorkerConfig {
+                url: url.into(),
+                bootstrap_port: None,
+                bootstrap_host: None,
+            }))
+        };
+        let d = Dispatch {
+            pair_id: PairId::random(),
+            // Nothing listens there: reaching it would be a connect error, not this refusal.
+            prefill: worker("http://127.0.0.1:9"),
+            decode: worker("http://127.0.0.1:9"),
+            input_ids: Arc::from(vec![1u32, 2, 3]),
+            sampling: Arc::default(),
+            tenant: None,
+        };
+        let answered = std::time::Instant::now() - std::time::Duration::from_millis(800);
+        backend
+            .handoff(d.pair_id)
+            .send_replace(Handoff::Go(Arc::new(json!({})), answered));
+        let first = backend.decode(&d).next().await.expect("an item");
+        match first {
+            Err(HalfError {
+                failure: HalfFailure::Integrity(m),
+                ..
+            }) => assert!(m.contains("KV lease"), "{m}"),
+            other => panic!("sent anyway: {other:?}"),
+        }
+        assert!(backend.handoffs.is_empty(), "the handoff is gone");
     }
 }

@@ -145,6 +145,7 @@ mod tests {
             connector,
             block_size: 16,
             served_model_name: None,
+            kv_lease_ms: 30_000,
         })
     }
 

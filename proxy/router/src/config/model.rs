@@ -145,6 +145,10 @@ pub struct VllmSection {
     pub block_size: u64,
     /// The model name the servers serve (`--served-model-name`); default: this model's name.
     pub served_model_name: Option<String>,
+    /// The prefill's KV lease (`kv_connector_extra_config.kv_lease_duration`, vLLM 0.33's
+    /// default 30 s): a decode is never sent later than this, less a margin, after the prefill
+    /// answered.
+    pub kv_lease_ms: u64,
 }
 
 impl Default for VllmSection {
@@ -153,6 +157,7 @@ impl Default for VllmSection {
             connector: VllmConnector::Nixl,
             block_size: 16,
             served_model_name: None,
+            kv_lease_ms: 30_000,
         }
     }
 }
@@ -325,6 +330,12 @@ impl ModelConfig {
         self.decode.validate(&format!("{at}.decode"), out);
         if self.backend == BackendKind::Vllm && self.vllm.block_size == 0 {
             out.push(format!("{at}.vllm.block_size"), "must be greater than 0");
+        }
+        if self.backend == BackendKind::Vllm && self.vllm.kv_lease_ms < 1_000 {
+            out.push(
+                format!("{at}.vllm.kv_lease_ms"),
+                "must be at least 1000 (vLLM's kv_lease_duration, in ms)",
+            );
         }
         if self.backend == BackendKind::Vllm && self.vllm.connector == VllmConnector::Mooncake {
             // Refused rather than accepted and failing every request.
