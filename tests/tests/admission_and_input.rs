@@ -154,7 +154,10 @@ async fn routing_fields_are_lockstep_s_own() {
         .get_ids()
         .to_vec();
     for (_, r) in reqs {
-        assert_eq!(r["rid"], json!(pair_id));
+        // The rid is the pair id, zero-padded to 19 digits (SGLang aborts by rid prefix).
+        let rid = r["rid"].as_str().expect("rid");
+        assert_eq!(rid.len(), 19, "{rid}");
+        assert_eq!(rid.parse::<u64>().ok(), pair_id.parse::<u64>().ok());
         assert_eq!(
             r["bootstrap_room"].as_u64().map(|n| n.to_string()),
             Some(pair_id.clone())

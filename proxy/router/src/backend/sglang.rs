@@ -66,7 +66,7 @@ impl SglangBackend {
                 regex,
                 ebnf,
             },
-            rid: d.pair_id,
+            rid: d.pair_id.rid(),
             bootstrap_host: &d.prefill.bootstrap_host,
             bootstrap_port: d.prefill.bootstrap_port,
             bootstrap_room: d.pair_id.raw(),
@@ -96,8 +96,8 @@ struct SglangSampling<'a> {
 struct GenerateBody<'a> {
     input_ids: &'a [u32],
     sampling_params: SglangSampling<'a>,
-    /// The pair id as a string (SGLang's `rid`).
-    rid: crate::pair::PairId,
+    /// The pair id as SGLang's `rid` ([`crate::pair::PairId::rid`]).
+    rid: String,
     bootstrap_host: &'a str,
     bootstrap_port: Option<u16>,
     /// The pair id as the integer SGLang expects.
@@ -243,7 +243,7 @@ impl PdBackend for SglangBackend {
         let trace = d
             .prefill
             .headers(lockstep_serve::telemetry::trace_headers(), false);
-        let rid = d.pair_id.to_string();
+        let rid = d.pair_id.rid();
         Box::pin(async move {
             let side = Side::Prefill;
             let (status, body) = client
@@ -317,7 +317,7 @@ impl PdBackend for SglangBackend {
             Side::Decode => &d.decode,
         };
         let url = format!("{}/abort_request", worker.url);
-        let body = Bytes::from(json!({ "rid": d.pair_id.to_string() }).to_string());
+        let body = Bytes::from(json!({ "rid": d.pair_id.rid() }).to_string());
         let headers = worker.headers(Vec::new(), true);
         Box::pin(async move {
             let (status, body) = client

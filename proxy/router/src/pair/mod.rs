@@ -18,9 +18,17 @@ use serde::{Serialize, Serializer};
 pub struct PairId(u64);
 
 impl PairId {
-    /// A fresh random 63-bit id (not checked for uniqueness: the registry does that).
+    /// A fresh random 63-bit id, never 0 (SGLang's decode reads `bootstrap_room == 0` as
+    /// "metadata not written", `srt/disaggregation/decode.py`); not checked for uniqueness: the
+    /// registry does that.
     pub fn random() -> PairId {
-        PairId(rand::random::<u64>() >> 1)
+        PairId((rand::random::<u64>() >> 1).max(1))
+    }
+    /// The id as SGLang's `rid`: 19 digits, zero-padded. SGLang's scheduler aborts every request
+    /// whose rid *starts with* the one named (`srt/managers/scheduler.py`, `abort_request`); with
+    /// one length for all, a prefix is the id itself, so aborting one pair never aborts another.
+    pub fn rid(self) -> String {
+        format!("{:019}", self.0)
     }
     /// Wraps a raw value (tests, parsing).
     pub fn from_raw(raw: u64) -> PairId {
@@ -46,3 +54,17 @@ impl Serialize for PairId {
 
 #[cfg(test)]
 mod proptests;
+
+#[cfg(test)]
+mod tests {
+    use super::PairId;
+
+    #[test]
+    fn rids_are_one_length_so_none_is_a_prefix_of_another() {
+        let (a, b) = (PairId::from_raw(12), PairId::from_raw(1234));
+        assert!(!b.rid().starts_with(&a.rid()), "{} {}", a.rid(), b.rid());
+        assert_eq!(PairId::from_raw(u64::MAX).rid().len(), 19);
+        assert_eq!(a.rid(), "0000000000000000012");
+        assert!((0..1000).all(|_| PairId::random().raw() != 0));
+    }
+}
