@@ -39,6 +39,14 @@ fn answer_text(ep: Endpoint, stream: bool, body: &str, events: &[String]) -> Str
         .collect()
 }
 
+/// The test prompt to `ep` at `url`, 6 tokens, streamed or not.
+async fn ask(url: &str, ep: Endpoint, stream: bool) -> lockstep_tests::client::Answer {
+    let (path, body) = client::request(ep, MODEL, PROMPT, stream, 6, &[]);
+    TestClient::default()
+        .post(&format!("{url}{path}"), &body, Duration::from_secs(10))
+        .await
+}
+
 fn mock_with(args: Vec<(Role, &'static str, Value)>) -> MockConfig {
     MockConfig {
         server_args: args,
@@ -51,14 +59,7 @@ async fn texts(stack: &Stack) -> Vec<String> {
     let mut out = Vec::new();
     for ep in ENDPOINTS {
         for stream in [false, true] {
-            let (path, body) = client::request(ep, MODEL, PROMPT, stream, 6, &[]);
-            let a = TestClient::default()
-                .post(
-                    &format!("{}{path}", stack.url),
-                    &body,
-                    Duration::from_secs(10),
-                )
-                .await;
+            let a = ask(&stack.url, ep, stream).await;
             let case = format!("{ep:?} stream={stream}");
             assert_eq!(a.status, 200, "{case}: {}", a.body);
             assert!(a.error_code().is_none(), "{case}: {}", a.body);
@@ -102,14 +103,7 @@ async fn a_stream_in_an_unverified_mode_fails_closed() {
         .set_server_arg(Role::Decode, "incremental_streaming_output", json!(true));
     for ep in ENDPOINTS {
         for stream in [false, true] {
-            let (path, body) = client::request(ep, MODEL, PROMPT, stream, 6, &[]);
-            let a = TestClient::default()
-                .post(
-                    &format!("{}{path}", stack.url),
-                    &body,
-                    Duration::from_secs(10),
-                )
-                .await;
+            let a = ask(&stack.url, ep, stream).await;
             let case = format!("{ep:?} stream={stream}");
             assert_eq!(
                 a.error_code().as_deref(),
@@ -270,14 +264,7 @@ async fn a_checksum_mismatch_is_an_integrity_violation() {
     for ep in ENDPOINTS {
         for stream in [false, true] {
             let before = stack.mock.request_count();
-            let (path, body) = client::request(ep, MODEL, PROMPT, stream, 6, &[]);
-            let a = TestClient::default()
-                .post(
-                    &format!("{}{path}", stack.url),
-                    &body,
-                    Duration::from_secs(10),
-                )
-                .await;
+            let a = ask(&stack.url, ep, stream).await;
             let case = format!("{ep:?} stream={stream}");
             assert_eq!(
                 a.error_code().as_deref(),

@@ -174,21 +174,26 @@ async fn the_deployment_check_reads_what_the_workers_report() {
     assert!(started.is_ok());
 }
 
+/// POSTs `body` to `url` as the tenant.
+async fn post_as_tenant(url: String, body: Value) -> Answer {
+    let auth = format!("Bearer {KEY}");
+    TestClient::default()
+        .send_with(
+            "POST",
+            &url,
+            &[
+                ("authorization", &auth),
+                ("content-type", "application/json"),
+            ],
+            body.to_string(),
+            Duration::from_secs(20),
+        )
+        .await
+}
+
 impl Stack {
     async fn send(&self, path: &str, body: &Value) -> Answer {
-        let auth = format!("Bearer {KEY}");
-        TestClient::default()
-            .send_with(
-                "POST",
-                &format!("{}{path}", self.url),
-                &[
-                    ("authorization", &auth),
-                    ("content-type", "application/json"),
-                ],
-                body.to_string(),
-                Duration::from_secs(20),
-            )
-            .await
+        post_as_tenant(format!("{}{path}", self.url), body.clone()).await
     }
     fn decodes(&self) -> usize {
         self.mock
@@ -487,46 +492,14 @@ async fn structured_outputs_reach_both_vllm_halves() {
 async fn a_decode_queued_past_the_lease_reads_recycled_blocks_undetected() {
     let s = stack().await;
     s.mock.set_fault(VllmFault::DecodeQueuedPastLease);
-    let victim = {
-        // Long enough to read past its first block (the mock's decode echoes the KV it reads).
-        let (path, body) = client::request(Endpoint::Completions, MODEL, PROMPT, false, 24, &[]);
-        let url = format!("{}{path}", s.url);
-        tokio::spawn(async move {
-            TestClient::default()
-                .send_with(
-                    "POST",
-                    &url,
-                    &[
-                        ("authorization", &format!("Bearer {KEY}")),
-                        ("content-type", "application/json"),
-                    ],
-                    body.to_string(),
-                    Duration::from_secs(20),
-                )
-                .await
-        })
-    };
+    // Long enough to read past its first block (the mock's decode echoes the KV it reads).
+    let (path, body) = client::request(Endpoint::Completions, MODEL, PROMPT, false, 24, &[]);
+    let victim = tokio::spawn(post_as_tenant(format!("{}{path}", s.url), body));
     // The lease (600 ms in the mock) runs out; the prefill frees the victim's blocks, and the
     // next prefill writes another tenant's prompt into them (freed blocks are reused first).
     tokio::time::sleep(Duration::from_millis(750)).await;
     let (path, body) = client::request(Endpoint::Completions, MODEL, SECRET, false, 4, &[]);
-    let other = tokio::spawn({
-        let url = format!("{}{path}", s.url);
-        async move {
-            TestClient::default()
-                .send_with(
-                    "POST",
-                    &url,
-                    &[
-                        ("authorization", &format!("Bearer {KEY}")),
-                        ("content-type", "application/json"),
-                    ],
-                    body.to_string(),
-                    Duration::from_secs(20),
-                )
-                .await
-        }
-    });
+    let other = tokio::spawn(post_as_tenant(format!("{}{path}", s.url), body));
     let a = victim.await.expect("victim");
     assert_eq!(a.status, 200, "every count was right: {}", a.body);
     assert!(

@@ -68,45 +68,16 @@ const SALT: &str = "lockstep sets the prefix-cache salt itself, from the caller'
 const TRANSFER: &str =
     "lockstep sets the KV transfer parameters of both halves itself; a client cannot steer them";
 
-/// Fields of `/v1/chat/completions` beyond the ones it honours.
-pub(crate) const CHAT: &[Known] = &[
+/// Fields both OpenAI endpoints know beyond the ones they honour (OpenAI's, and the vLLM and
+/// SGLang extensions clients send through `extra_body`).
+const OPENAI: &[Known] = &[
     known("user", any, ""),
-    known("metadata", any, ""),
-    known("safety_identifier", any, ""),
-    known("prompt_cache_key", any, ""),
-    known("parallel_tool_calls", any, ""),
-    known(
-        "store",
-        falsy,
-        "lockstep stores no completions; `store` must be false",
-    ),
-    known("response_format", text_format, STRUCTURED),
-    known("logprobs", falsy, LOGPROBS),
-    known("top_logprobs", zero, LOGPROBS),
-    known("tools", empty, TOOLS),
-    known("functions", empty, TOOLS),
-    known("tool_choice", no_tool_choice, TOOLS),
-    known("function_call", no_tool_choice, TOOLS),
     known(
         "logit_bias",
         empty,
         "logit_bias is not applied by lockstep yet",
     ),
-    known("modalities", text_modality, "only text output is supported"),
-    known("audio", null, "audio output is not supported"),
-    known("prediction", null, "predicted outputs are not supported"),
-    known("web_search_options", null, "web search is not supported"),
-    known(
-        "reasoning_effort",
-        null,
-        "lockstep has no reasoning control for the model's template",
-    ),
-    known("verbosity", null, "verbosity is not supported"),
-    known(
-        "service_tier",
-        default_tier,
-        "lockstep has one service tier",
-    ),
+    known("response_format", text_format, STRUCTURED),
     known("cache_salt", null, SALT),
     known("kv_transfer_params", null, TRANSFER),
     known("guided_json", null, STRUCTURED),
@@ -125,39 +96,56 @@ pub(crate) const CHAT: &[Known] = &[
     known("spaces_between_special_tokens", truthy, SAMPLER),
 ];
 
+/// Fields of `/v1/chat/completions` beyond the ones it honours.
+pub(crate) const CHAT: &[&[Known]] = &[
+    OPENAI,
+    &[
+        known("metadata", any, ""),
+        known("safety_identifier", any, ""),
+        known("prompt_cache_key", any, ""),
+        known("parallel_tool_calls", any, ""),
+        known(
+            "store",
+            falsy,
+            "lockstep stores no completions; `store` must be false",
+        ),
+        known("logprobs", falsy, LOGPROBS),
+        known("top_logprobs", zero, LOGPROBS),
+        known("tools", empty, TOOLS),
+        known("functions", empty, TOOLS),
+        known("tool_choice", no_tool_choice, TOOLS),
+        known("function_call", no_tool_choice, TOOLS),
+        known("modalities", text_modality, "only text output is supported"),
+        known("audio", null, "audio output is not supported"),
+        known("prediction", null, "predicted outputs are not supported"),
+        known("web_search_options", null, "web search is not supported"),
+        known(
+            "reasoning_effort",
+            null,
+            "lockstep has no reasoning control for the model's template",
+        ),
+        known("verbosity", null, "verbosity is not supported"),
+        known(
+            "service_tier",
+            default_tier,
+            "lockstep has one service tier",
+        ),
+    ],
+];
+
 /// Fields of `/v1/completions` beyond the ones it honours.
-pub(crate) const COMPLETIONS: &[Known] = &[
-    known("user", any, ""),
-    known("echo", falsy, "echo is not supported yet"),
-    known("suffix", null, "suffix (insertion) is not supported yet"),
-    known("logprobs", null, LOGPROBS),
-    known(
-        "logit_bias",
-        empty,
-        "logit_bias is not applied by lockstep yet",
-    ),
-    known("response_format", text_format, STRUCTURED),
-    known("cache_salt", null, SALT),
-    known("kv_transfer_params", null, TRANSFER),
-    known("guided_json", null, STRUCTURED),
-    known("guided_regex", null, STRUCTURED),
-    known("guided_choice", null, STRUCTURED),
-    known("guided_grammar", null, STRUCTURED),
-    known("structured_outputs", null, STRUCTURED),
-    known("regex", null, STRUCTURED),
-    known("ebnf", null, STRUCTURED),
-    known("json_schema", null, STRUCTURED),
-    known("min_p", zero, SAMPLER),
-    known("repetition_penalty", one, SAMPLER),
-    known("min_tokens", zero, SAMPLER),
-    known("stop_token_ids", empty, SAMPLER),
-    known("skip_special_tokens", truthy, SAMPLER),
-    known("spaces_between_special_tokens", truthy, SAMPLER),
+pub(crate) const COMPLETIONS: &[&[Known]] = &[
+    OPENAI,
+    &[
+        known("echo", falsy, "echo is not supported yet"),
+        known("suffix", null, "suffix (insertion) is not supported yet"),
+        known("logprobs", null, LOGPROBS),
+    ],
 ];
 
 /// Top-level fields of SGLang's `/generate` beyond the ones it honours. The routing fields are
 /// accepted and ignored: lockstep sets `rid` and `bootstrap_*` itself.
-pub(crate) const GENERATE: &[Known] = &[
+pub(crate) const GENERATE: &[&[Known]] = &[&[
     known("rid", any, ""),
     known("bootstrap_host", any, ""),
     known("bootstrap_port", any, ""),
@@ -184,7 +172,7 @@ pub(crate) const GENERATE: &[Known] = &[
     ),
     known("session_params", null, "sessions are not supported"),
     known("cache_salt", null, SALT),
-];
+]];
 
 fn any_if_no_logprob(_: &Value) -> bool {
     // Only read by SGLang together with `return_logprob`, which is refused unless false.
@@ -192,7 +180,7 @@ fn any_if_no_logprob(_: &Value) -> bool {
 }
 
 /// `sampling_params` keys of `/generate` beyond the ones it honours.
-pub(crate) const GENERATE_SAMPLING: &[Known] = &[
+pub(crate) const GENERATE_SAMPLING: &[&[Known]] = &[&[
     known("regex", null, STRUCTURED),
     known("json_schema", null, STRUCTURED),
     known("ebnf", null, STRUCTURED),
@@ -206,10 +194,10 @@ pub(crate) const GENERATE_SAMPLING: &[Known] = &[
     known("spaces_between_special_tokens", truthy, SAMPLER),
     known("logit_bias", empty, SAMPLER),
     known("custom_params", null, SAMPLER),
-];
+]];
 
 /// Fields of one chat message beyond `role` and `content`.
-pub(crate) const MESSAGE: &[Known] = &[
+pub(crate) const MESSAGE: &[&[Known]] = &[&[
     known(
         "name",
         null,
@@ -220,19 +208,19 @@ pub(crate) const MESSAGE: &[Known] = &[
     known("function_call", null, TOOLS),
     known("refusal", null, "refusal messages are not supported"),
     known("audio", null, "audio is not supported"),
-];
+]];
 
 /// Refuses the first field of `rest` that asks for something lockstep does not do: a known
 /// field whose value is not a no-op, or a field lockstep does not know. `at` prefixes the
 /// field's name in `param` (e.g. `sampling_params.`).
 pub(crate) fn refuse_unhonoured(
-    table: &[Known],
+    table: &[&[Known]],
     rest: &Map<String, Value>,
     at: &str,
 ) -> Result<(), LockstepError> {
     for (name, value) in rest {
         let param = format!("{at}{name}");
-        let message = match table.iter().find(|k| k.name == name) {
+        let message = match table.iter().flat_map(|t| t.iter()).find(|k| k.name == name) {
             Some(k) if (k.noop)(value) => continue,
             Some(k) => format!("`{param}`: {}", k.why),
             None => format!(
@@ -349,7 +337,7 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    fn check(table: &[Known], v: Value) -> Result<(), String> {
+    fn check(table: &[&[Known]], v: Value) -> Result<(), String> {
         let rest = v.as_object().cloned().unwrap_or_default();
         refuse_unhonoured(table, &rest, "").map_err(|e| match e {
             LockstepError::Unsupported { param, .. } => param.unwrap_or_default(),
