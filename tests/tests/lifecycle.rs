@@ -184,8 +184,7 @@ async fn retry_uses_a_new_pair_and_aborts_the_old_one() {
 }
 
 /// A prefill worker that refuses connections is skipped by the retry, which picks the other one.
-/// (It answered the deployment check, then went away: a worker the check cannot verify keeps
-/// the model from serving at all.)
+/// (It answered the deployment check, then went away.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connect_failure_retries_on_another_worker() {
     let stack = Stack::start().await;

@@ -232,26 +232,115 @@ async fn the_deployment_check_refuses_what_would_leave_kv_unverified() {
     );
 }
 
-/// A worker that does not answer `/server_info` cannot be verified: the model does not serve.
+/// Workers that do not answer yet (lockstep started first, as it may be in a cluster) get no
+/// pairs until they answer and pass the deployment check: requests get `no_healthy_worker` and
+/// `/ready` fails; once the workers are up and verified, the model serves.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_unreachable_worker_fails_the_check() {
-    let m = mock(vec![]).await;
-    let dead = std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr");
+async fn workers_that_answer_later_serve_once_verified() {
+    let free = || {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .expect("bind")
+            .local_addr()
+            .expect("addr")
+    };
+    let (p, d) = (free(), free());
+    let placeholder = mock(vec![]).await;
     let dir = tempfile::tempdir().expect("tempdir");
     let tok = dir.path().join("tokenizer.json");
     lockstep_tests::tokenizer::write(&tok).expect("tokenizer");
-    let text = config_text(&m, &tok, "", TEST_TIMEOUTS)
-        .replace(&m.decode_url(), &format!("http://{dead}"));
-    let Err(e) = Lockstep::start(Config::parse(&text).expect("config")).await else {
-        panic!("an unverifiable worker was accepted");
-    };
-    assert!(
-        e.contains(&format!("decode worker http://{dead}")) && e.contains("cannot verify"),
-        "{e}"
+    let text = config_text(&placeholder, &tok, "", TEST_TIMEOUTS)
+        .replace(&placeholder.prefill_url(), &format!("http://{p}"))
+        .replace(&placeholder.decode_url(), &format!("http://{d}"));
+    drop(placeholder);
+    let ls = Lockstep::start(Config::parse(&text).expect("config"))
+        .await
+        .expect("starts without its workers");
+    let url = format!("http://{}", ls.http_addr);
+    let c = TestClient::default();
+    assert_eq!(
+        c.get(&format!("{url}/ready"), Duration::from_secs(2))
+            .await
+            .status,
+        503
     );
+    let a = ask(&url, Endpoint::Completions, false).await;
+    assert_eq!(
+        a.error_code().as_deref(),
+        Some("no_healthy_worker"),
+        "{}",
+        a.body
+    );
+    // The workers come up where the configuration points.
+    let m = PdMock::start_on(
+        MockConfig::default(),
+        lockstep_tests::tokenizer::build(),
+        p,
+        d,
+    )
+    .await
+    .expect("mock on the configured ports");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let mut last = 0;
+    while tokio::time::Instant::now() < deadline {
+        last = c
+            .get(&format!("{url}/ready"), Duration::from_secs(2))
+            .await
+            .status;
+        if last == 200 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(last, 200, "verified and ready");
+    let a = ask(&url, Endpoint::Completions, false).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert!(m.request_count() >= 2);
+}
+
+/// A worker that comes up with settings lockstep refuses stays out of rotation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_answers_later_with_the_checksum_off_stays_out() {
+    let free = || {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .expect("bind")
+            .local_addr()
+            .expect("addr")
+    };
+    let (p, d) = (free(), free());
+    let placeholder = mock(vec![]).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tok = dir.path().join("tokenizer.json");
+    lockstep_tests::tokenizer::write(&tok).expect("tokenizer");
+    let text = config_text(&placeholder, &tok, "", TEST_TIMEOUTS)
+        .replace(&placeholder.prefill_url(), &format!("http://{p}"))
+        .replace(&placeholder.decode_url(), &format!("http://{d}"));
+    drop(placeholder);
+    let ls = Lockstep::start(Config::parse(&text).expect("config"))
+        .await
+        .expect("starts without its workers");
+    let url = format!("http://{}", ls.http_addr);
+    let _m = PdMock::start_on(
+        mock_with(vec![(
+            Role::Decode,
+            "disaggregation_enable_kv_checksum",
+            json!(false),
+        )]),
+        lockstep_tests::tokenizer::build(),
+        p,
+        d,
+    )
+    .await
+    .expect("mock");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let a = ask(&url, Endpoint::Completions, false).await;
+    assert_eq!(
+        a.error_code().as_deref(),
+        Some("no_healthy_worker"),
+        "{}",
+        a.body
+    );
+    let workers = TestClient::default();
+    let _ = workers;
 }
 
 /// The checksum on at both ends: a corrupted transfer is SGLang's "KV checksum mismatch" abort,

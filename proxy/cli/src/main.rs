@@ -138,9 +138,24 @@ async fn run(cli: Cli) -> ExitCode {
                 };
                 let mut failed = false;
                 for m in &cfg.models {
-                    if let Err(e) = check_deployment(&client, m).await {
-                        eprintln!("{}: {e}", shown(config.as_ref()));
-                        failed = true;
+                    match check_deployment(&client, m).await {
+                        Err(e) => {
+                            eprintln!("{}: {e}", shown(config.as_ref()));
+                            failed = true;
+                        }
+                        // `serve` starts without them (they get no pairs until verified);
+                        // `check` is asked whether the deployment is sound now.
+                        Ok(d) if !d.unverified.is_empty() => {
+                            for (url, why) in &d.unverified {
+                                eprintln!(
+                                    "{}: model `{}`: worker {url} could not be verified: {why}",
+                                    shown(config.as_ref()),
+                                    m.name
+                                );
+                            }
+                            failed = true;
+                        }
+                        Ok(_) => {}
                     }
                 }
                 if failed {

@@ -629,7 +629,7 @@ async fn https_workers_are_reached_with_the_configured_ca() {
             // the certificate problem.
             assert!(!ok, "{out}");
             assert!(
-                out.contains("invalid peer certificate") && out.contains("cannot verify"),
+                out.contains("invalid peer certificate") && out.contains("could not be verified"),
                 "{out}"
             );
         }

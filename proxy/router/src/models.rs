@@ -3,7 +3,6 @@
 //! and reloading them (validate, build, swap atomically).
 
 use std::sync::Arc;
-use std::sync::atomic::AtomicU64;
 
 use lockstep_engine::engine::ModelBundle;
 use lockstep_engine::pd::Pd;
@@ -18,7 +17,7 @@ use crate::config::{BackendKind, Config, ModelConfig, PoolConfig, WorkerConfig};
 use crate::metrics::Metrics;
 use crate::pair::{PairRegistry, PairRuntime, PairStats};
 use crate::pool::{WorkerPool, health_loop};
-use crate::state::{AppState, ModelRuntime, Models};
+use crate::state::{AppState, ModelRuntime, Models, WorkerLimits};
 use crate::tenant::Tenants;
 
 /// The deployment check of `m` against its live workers, through its backend's probe
@@ -117,13 +116,27 @@ pub(crate) async fn build_models(
                 continue;
             }
         };
+        let limits = Arc::new(WorkerLimits::new(&deployment));
         if engine.is_none() {
-            let workers = prefill
+            let workers: Vec<_> = prefill
                 .workers()
                 .iter()
                 .chain(decode.workers())
                 .cloned()
                 .collect();
+            for w in &workers {
+                if deployment.unverified.iter().any(|(url, _)| *url == w.url) {
+                    w.set_verified(false);
+                }
+            }
+            if !deployment.unverified.is_empty() {
+                models.health.push(tokio::spawn(verify_loop(
+                    backend.clone(),
+                    m.clone(),
+                    workers.clone(),
+                    limits.clone(),
+                )));
+            }
             models.health.push(tokio::spawn(health_loop(
                 client.clone(),
                 workers,
@@ -153,8 +166,7 @@ pub(crate) async fn build_models(
                 codec,
                 pairs,
                 engine,
-                kv_capacity: AtomicU64::new(capacity),
-                worker_prompt_limit: deployment.max_prompt_tokens,
+                limits,
             }),
         );
     }
@@ -162,6 +174,38 @@ pub(crate) async fn build_models(
         Ok(models)
     } else {
         Err(errors.join("\n"))
+    }
+}
+
+/// Checks, every health interval, the workers the deployment check could not reach, until each
+/// has passed ([`PdBackend::verify_worker`]); until then they get no pairs.
+async fn verify_loop(
+    backend: Arc<dyn PdBackend>,
+    m: ModelConfig,
+    workers: Vec<Arc<crate::pool::Upstream>>,
+    limits: Arc<WorkerLimits>,
+) {
+    let mut tick = tokio::time::interval(std::time::Duration::from_millis(m.health.interval_ms));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let pending: Vec<_> = workers.iter().filter(|w| !w.is_verified()).collect();
+        if pending.is_empty() {
+            return;
+        }
+        for w in pending {
+            match backend.verify_worker(&m, &w.url).await {
+                Ok(d) => {
+                    // Limits only tighten: admission stays within every verified worker's.
+                    limits.tighten(&d);
+                    tracing::info!(model = %m.name, worker = %w.url, kv_capacity = d.kv_capacity, prompt_limit = ?d.max_prompt_tokens, "worker verified: it takes pairs");
+                    w.set_verified(true);
+                }
+                Err(e) => {
+                    tracing::warn!(model = %m.name, worker = %w.url, error = %e, "worker not verified: it gets no pairs")
+                }
+            }
+        }
     }
 }
 

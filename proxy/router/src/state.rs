@@ -30,15 +30,45 @@ pub struct ModelRuntime {
     pub pairs: Arc<PairRuntime>,
     /// The embedded engines, for `backend = "embedded"`.
     pub engine: Option<Arc<Pd>>,
-    pub(crate) kv_capacity: AtomicU64,
-    /// The longest prompt the workers accept, where they report one.
-    pub(crate) worker_prompt_limit: Option<u64>,
+    pub(crate) limits: Arc<WorkerLimits>,
+}
+
+/// The limits the workers report, as admission applies them: set by the deployment check and
+/// only ever lowered after it (a worker verified later may report less).
+#[derive(Debug)]
+pub struct WorkerLimits {
+    kv_capacity: AtomicU64,
+    /// `u64::MAX`: the workers report no prompt limit.
+    prompt_limit: AtomicU64,
+}
+
+impl WorkerLimits {
+    /// The limits of a deployment check.
+    pub fn new(d: &crate::backend::Deployment) -> WorkerLimits {
+        WorkerLimits {
+            kv_capacity: AtomicU64::new(d.kv_capacity),
+            prompt_limit: AtomicU64::new(d.max_prompt_tokens.unwrap_or(u64::MAX)),
+        }
+    }
+
+    /// Lowers the limits to `d`'s where they are lower.
+    pub fn tighten(&self, d: &crate::backend::Deployment) {
+        self.kv_capacity.fetch_min(d.kv_capacity, Ordering::AcqRel);
+        if let Some(p) = d.max_prompt_tokens {
+            self.prompt_limit.fetch_min(p, Ordering::AcqRel);
+        }
+    }
 }
 
 impl ModelRuntime {
     /// The KV capacity admission uses: the configured one, or less when workers reported less.
     pub fn kv_capacity(&self) -> u64 {
-        self.kv_capacity.load(Ordering::Acquire)
+        self.limits.kv_capacity.load(Ordering::Acquire)
+    }
+
+    /// The longest prompt the workers accept, where they report one.
+    pub fn worker_prompt_limit(&self) -> Option<u64> {
+        Some(self.limits.prompt_limit.load(Ordering::Acquire)).filter(|l| *l != u64::MAX)
     }
 }
 

@@ -244,7 +244,7 @@ pub fn fit(
     }
     // The workers' own prompt limit: a prompt over it would pass the checks below and then be
     // refused by the worker.
-    if let Some(limit) = model.worker_prompt_limit
+    if let Some(limit) = model.worker_prompt_limit()
         && ids.len() as u64 > limit
     {
         return Err(LockstepError::PromptTooLong {

@@ -119,7 +119,7 @@ impl Dispatch {
 }
 
 /// What a deployment check found: the limits admission applies to the model.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Deployment {
     /// The KV capacity one request can get: the configured one, or less where workers report
     /// less.
@@ -127,6 +127,9 @@ pub struct Deployment {
     /// The longest prompt every worker accepts, where they report one (SGLang:
     /// `max_req_input_len - 1`).
     pub max_prompt_tokens: Option<u64>,
+    /// Workers the check could not reach (URL without a trailing slash, and why): they get no
+    /// pairs until [`PdBackend::verify_worker`] passes for them.
+    pub unverified: Vec<(String, String)>,
 }
 
 impl Deployment {
@@ -135,6 +138,7 @@ impl Deployment {
         Deployment {
             kv_capacity,
             max_prompt_tokens: None,
+            unverified: Vec::new(),
         }
     }
 }
@@ -282,5 +286,18 @@ pub trait PdBackend: Send + Sync + 'static {
     /// unchecked.
     fn decode_counts_prompt(&self) -> bool {
         false
+    }
+    /// **After start, for a worker [`Deployment::unverified`] named**: checks it now that it may
+    /// answer, together with the workers already verified; `Ok` lets it take pairs and gives the
+    /// limits of the whole set (admission lowers its own to them). Called every health interval
+    /// until it passes.
+    fn verify_worker<'a>(
+        &'a self,
+        m: &'a ModelConfig,
+        _url: &'a str,
+    ) -> BoxFuture<'a, Result<Deployment, String>> {
+        Box::pin(std::future::ready(Ok(Deployment::capacity(
+            m.kv_capacity_tokens,
+        ))))
     }
 }

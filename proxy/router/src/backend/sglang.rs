@@ -23,8 +23,16 @@ use crate::config::ModelConfig;
 #[derive(Debug, Clone)]
 pub struct SglangBackend {
     client: UpstreamClient,
-    /// Each decode worker's stream mode, as its `/server_info` said at the deployment check.
-    stream_modes: Arc<RwLock<HashMap<String, StreamMode>>>,
+    /// What the deployment check verified, and each decode worker's stream mode.
+    checked: Arc<RwLock<Checked>>,
+}
+
+/// The verified workers' `/server_info` answers and each verified decode worker's stream mode
+/// (by URL).
+#[derive(Debug, Default)]
+struct Checked {
+    infos: Vec<super::sglang_info::Info>,
+    stream_modes: HashMap<String, StreamMode>,
 }
 
 /// What SGLang's decode says when the KV it received does not match the prefill's checksum
@@ -36,13 +44,13 @@ impl SglangBackend {
     pub fn new(client: UpstreamClient) -> SglangBackend {
         SglangBackend {
             client,
-            stream_modes: Arc::default(),
+            checked: Arc::default(),
         }
     }
 
     fn stream_mode(&self, decode_url: &str) -> Option<StreamMode> {
-        let modes = self.stream_modes.read().unwrap_or_else(|p| p.into_inner());
-        modes.get(decode_url).copied()
+        let c = self.checked.read().unwrap_or_else(|p| p.into_inner());
+        c.stream_modes.get(decode_url).copied()
     }
 
     /// The `/generate` body of one half. Client-sent routing fields never reach here: lockstep
@@ -230,8 +238,29 @@ fn meta_u64(v: &Value, key: &str) -> Option<u64> {
 impl PdBackend for SglangBackend {
     fn deployment<'a>(&'a self, m: &'a ModelConfig) -> BoxFuture<'a, Result<Deployment, String>> {
         Box::pin(async move {
-            let v = super::sglang_info::verify(&self.client, m).await?;
-            *self.stream_modes.write().unwrap_or_else(|p| p.into_inner()) = v.stream_modes;
+            let (v, infos) = super::sglang_info::verify(&self.client, m).await?;
+            *self.checked.write().unwrap_or_else(|p| p.into_inner()) = Checked {
+                infos,
+                stream_modes: v.stream_modes,
+            };
+            Ok(v.deployment)
+        })
+    }
+
+    fn verify_worker<'a>(
+        &'a self,
+        m: &'a ModelConfig,
+        url: &'a str,
+    ) -> BoxFuture<'a, Result<Deployment, String>> {
+        Box::pin(async move {
+            let known = {
+                let c = self.checked.read().unwrap_or_else(|p| p.into_inner());
+                c.infos.clone()
+            };
+            let (info, v) = super::sglang_info::verify_one(&self.client, m, url, &known).await?;
+            let mut c = self.checked.write().unwrap_or_else(|p| p.into_inner());
+            c.infos.push(info);
+            c.stream_modes = v.stream_modes;
             Ok(v.deployment)
         })
     }

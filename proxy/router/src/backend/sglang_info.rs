@@ -4,8 +4,9 @@
 //! `build_server_info`, `srt/entrypoints/http_server.py`; `/get_server_info` is its deprecated
 //! alias, asked only when `/server_info` is missing).
 //!
-//! Fails closed: a worker that does not answer is a problem, because its KV checksum, role and
-//! stream mode cannot be verified, and a model whose workers cannot be verified does not serve.
+//! Fails closed: a worker that answers what lockstep cannot accept stops the model from serving;
+//! one that does not answer gets no pairs until it answers and passes ([`verify_one`], run by
+//! the model's background checks), since its KV checksum, role and stream mode are unknown.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -39,31 +40,28 @@ pub struct Verified {
 /// itself off without a word (`srt/disaggregation/base/conn.py` `should_verify_kv_checksum`).
 const LAYOUT_KEYS: [&str; 4] = ["page_size", "kv_cache_dtype", "tp_size", "pp_size"];
 
-/// Reads every worker's `/server_info` and checks them ([`check`]).
-pub async fn verify(client: &UpstreamClient, m: &ModelConfig) -> Result<Verified, String> {
+/// One worker's `/server_info` answer, with its side and configuration.
+pub type Info = (Side, WorkerConfig, Value);
+
+/// Reads every worker's `/server_info` and checks them ([`check`]). A worker that does not
+/// answer at all is left unverified (it gets no pairs until [`verify_one`] passes for it); one
+/// that answers what lockstep cannot accept is a problem.
+pub async fn verify(
+    client: &UpstreamClient,
+    m: &ModelConfig,
+) -> Result<(Verified, Vec<Info>), String> {
     let mut infos = Vec::new();
     let mut problems = Vec::new();
-    let workers = (m
-        .prefill
-        .workers
-        .iter()
-        .map(|w| (Side::Prefill, w, &m.prefill)))
-    .chain(
-        m.decode
-            .workers
-            .iter()
-            .map(|w| (Side::Decode, w, &m.decode)),
-    );
-    for (side, w, pool) in workers {
-        let auth: Vec<_> = pool
-            .auth()
-            .map(|v| (http::header::AUTHORIZATION, v))
-            .into_iter()
-            .collect();
-        match server_info(client, w.url.trim_end_matches('/'), &auth).await {
-            Ok(v) => infos.push((side, w, v)),
-            Err(e) => problems.push(format!(
-                "model `{}`: {} worker {}: {e}; lockstep cannot verify its KV checksum, role and stream mode, so the model does not serve (start the workers first, or reload once they answer)",
+    let mut unverified = Vec::new();
+    for (side, w) in workers(m) {
+        match server_info(client, m, side, w).await {
+            Ok(v) => infos.push((side, w.clone(), v)),
+            Err(Fetch::Unreachable(e)) => {
+                tracing::warn!(model = %m.name, worker = %w.url, error = %e, "SGLang worker did not answer /server_info: it gets no pairs until it answers and passes the deployment check");
+                unverified.push((w.url.trim_end_matches('/').to_string(), e));
+            }
+            Err(Fetch::Refused(e)) => problems.push(format!(
+                "model `{}`: {} worker {}: {e}",
                 m.name,
                 side.as_str(),
                 w.url
@@ -72,7 +70,10 @@ pub async fn verify(client: &UpstreamClient, m: &ModelConfig) -> Result<Verified
     }
     let checked = check(m, &infos);
     match checked {
-        Ok(v) if problems.is_empty() => Ok(v),
+        Ok(mut v) if problems.is_empty() => {
+            v.deployment.unverified = unverified;
+            Ok((v, infos))
+        }
         Ok(_) => Err(problems.join("\n")),
         Err(more) => {
             problems.push(more);
@@ -81,38 +82,89 @@ pub async fn verify(client: &UpstreamClient, m: &ModelConfig) -> Result<Verified
     }
 }
 
-/// One worker's `/server_info` (or `/get_server_info` where the first is 404).
+/// Checks one worker the deployment check could not reach, together with those it verified
+/// (`known`): it passes when the whole set passes. Returns its answer and what the set gives.
+pub async fn verify_one(
+    client: &UpstreamClient,
+    m: &ModelConfig,
+    url: &str,
+    known: &[Info],
+) -> Result<(Info, Verified), String> {
+    let (side, w) = workers(m)
+        .find(|(_, w)| w.url.trim_end_matches('/') == url)
+        .ok_or_else(|| format!("worker {url} is not in model `{}`", m.name))?;
+    let v = server_info(client, m, side, w).await.map_err(|e| match e {
+        Fetch::Unreachable(e) | Fetch::Refused(e) => e,
+    })?;
+    let mut all = known.to_vec();
+    all.push((side, w.clone(), v.clone()));
+    let checked = check(m, &all)?;
+    Ok(((side, w.clone(), v), checked))
+}
+
+/// Every worker of `m` with its side.
+fn workers(m: &ModelConfig) -> impl Iterator<Item = (Side, &WorkerConfig)> {
+    (m.prefill.workers.iter().map(|w| (Side::Prefill, w)))
+        .chain(m.decode.workers.iter().map(|w| (Side::Decode, w)))
+}
+
+/// Why a `/server_info` read failed.
+enum Fetch {
+    /// No answer (connect error, timeout, broken exchange).
+    Unreachable(String),
+    /// An answer lockstep cannot accept (401, another error status, not JSON).
+    Refused(String),
+}
+
+/// One worker's `/server_info` (or `/get_server_info` where the first is 404), with its pool's
+/// credentials.
 async fn server_info(
     client: &UpstreamClient,
-    base: &str,
-    auth: &[(http::HeaderName, http::HeaderValue)],
-) -> Result<Value, String> {
+    m: &ModelConfig,
+    side: Side,
+    w: &WorkerConfig,
+) -> Result<Value, Fetch> {
+    let pool = match side {
+        Side::Prefill => &m.prefill,
+        Side::Decode => &m.decode,
+    };
+    let auth: Vec<_> = pool
+        .auth()
+        .map(|v| (http::header::AUTHORIZATION, v))
+        .into_iter()
+        .collect();
+    let base = w.url.trim_end_matches('/');
     let mut last = String::new();
     for path in ["/server_info", "/get_server_info"] {
         let url = format!("{base}{path}");
-        let get = client.get_collect_with(&url, auth);
+        let get = client.get_collect_with(&url, &auth);
         let (status, body) = tokio::time::timeout(Duration::from_secs(5), get)
             .await
-            .map_err(|_| format!("{path} did not answer within 5 s"))?
-            .map_err(|e| match e {
-                super::client::CallError::Connect(m) => format!("unreachable: {m}"),
-                super::client::CallError::Transport(m) => format!("{path}: {m}"),
+            .map_err(|_| Fetch::Unreachable(format!("{path} did not answer within 5 s")))?
+            .map_err(|e| {
+                Fetch::Unreachable(match e {
+                    super::client::CallError::Connect(m) => format!("unreachable: {m}"),
+                    super::client::CallError::Transport(m) => format!("{path}: {m}"),
+                })
             })?;
         if status == 404 {
             last = format!("{path} answered 404");
             continue;
         }
         if status == 401 || status == 403 {
-            return Err(format!(
+            return Err(Fetch::Refused(format!(
                 "{path} answered {status}: the worker wants an API key; set this pool's api_key to its --api-key"
-            ));
+            )));
         }
         if !(200..300).contains(&status) {
-            return Err(format!("{path} answered {status}"));
+            return Err(Fetch::Refused(format!("{path} answered {status}")));
         }
-        return serde_json::from_slice(&body).map_err(|e| format!("{path} is not JSON: {e}"));
+        return serde_json::from_slice(&body)
+            .map_err(|e| Fetch::Refused(format!("{path} is not JSON: {e}")));
     }
-    Err(last)
+    Err(Fetch::Refused(format!(
+        "{last}: not an SGLang server (no /server_info)"
+    )))
 }
 
 /// A key of a `/server_info` answer: top level, or in the first `internal_states` entry (where
@@ -128,7 +180,7 @@ fn field<'a>(v: &'a Value, key: &str) -> Option<&'a Value> {
 /// one real transfer backend, prefill bootstrap ports as configured, decode text to read, and
 /// (unless `sglang.require_kv_checksum = false`) the KV checksum on everywhere with equal
 /// layouts. Takes the smallest reported capacity and prompt limit. Lists every problem.
-pub fn check(m: &ModelConfig, infos: &[(Side, &WorkerConfig, Value)]) -> Result<Verified, String> {
+pub fn check(m: &ModelConfig, infos: &[Info]) -> Result<Verified, String> {
     let mut problems = Vec::new();
     let mut say = |w: &WorkerConfig, side: Side, what: String| {
         problems.push(format!(
@@ -145,7 +197,7 @@ pub fn check(m: &ModelConfig, infos: &[(Side, &WorkerConfig, Value)]) -> Result<
     let mut transfer: Option<(&str, &str)> = None;
     let mut layout: Option<(&str, Vec<Option<&Value>>)> = None;
     for (side, w, v) in infos {
-        let (side, w) = (*side, *w);
+        let side = *side;
         let mode = field(v, "disaggregation_mode").and_then(Value::as_str);
         if mode != Some(side.as_str()) {
             say(
@@ -241,6 +293,7 @@ pub fn check(m: &ModelConfig, infos: &[(Side, &WorkerConfig, Value)]) -> Result<
             deployment: Deployment {
                 kv_capacity: capacity,
                 max_prompt_tokens: prompt_limit,
+                unverified: Vec::new(),
             },
             stream_modes,
         })
@@ -291,8 +344,8 @@ workers = [{{ url = "http://d/" }}]
         check(
             m,
             &[
-                (Side::Prefill, &m.prefill.workers[0], p),
-                (Side::Decode, &m.decode.workers[0], d),
+                (Side::Prefill, m.prefill.workers[0].clone(), p),
+                (Side::Decode, m.decode.workers[0].clone(), d),
             ],
         )
     }

@@ -41,6 +41,7 @@ pub struct Upstream {
     pub admin_auth: Option<http::HeaderValue>,
     in_flight: AtomicUsize,
     healthy: AtomicBool,
+    verified: AtomicBool,
     draining: AtomicBool,
     fails: AtomicU32,
     oks: AtomicU32,
@@ -64,6 +65,7 @@ impl Upstream {
             admin_auth: None,
             in_flight: AtomicUsize::new(0),
             healthy: AtomicBool::new(true),
+            verified: AtomicBool::new(true),
             draining: AtomicBool::new(false),
             fails: AtomicU32::new(0),
             oks: AtomicU32::new(0),
@@ -88,9 +90,20 @@ impl Upstream {
         self.in_flight.load(Ordering::Acquire)
     }
 
-    /// Whether the worker passes its health checks.
+    /// Whether the worker passes its health checks, and its backend verified it (an SGLang
+    /// worker that did not answer the deployment check is not, until it answers and passes).
     pub fn is_healthy(&self) -> bool {
-        self.healthy.load(Ordering::Acquire)
+        self.healthy.load(Ordering::Acquire) && self.is_verified()
+    }
+
+    /// Whether the backend verified this worker's settings (true unless it could not yet).
+    pub fn is_verified(&self) -> bool {
+        self.verified.load(Ordering::Acquire)
+    }
+
+    /// Marks the worker verified or not.
+    pub fn set_verified(&self, on: bool) {
+        self.verified.store(on, Ordering::Release);
     }
 
     /// Whether an operator is draining it (no new pairs; running ones finish).
@@ -113,14 +126,14 @@ impl Upstream {
         if ok {
             self.fails.store(0, Ordering::Release);
             let n = self.oks.fetch_add(1, Ordering::AcqRel) + 1;
-            if n >= cfg.success_threshold && !self.is_healthy() {
+            if n >= cfg.success_threshold && !self.healthy.load(Ordering::Acquire) {
                 tracing::info!(worker = %self.url, "worker healthy again");
                 self.healthy.store(true, Ordering::Release);
             }
         } else {
             self.oks.store(0, Ordering::Release);
             let n = self.fails.fetch_add(1, Ordering::AcqRel) + 1;
-            if n >= cfg.failure_threshold && self.is_healthy() {
+            if n >= cfg.failure_threshold && self.healthy.load(Ordering::Acquire) {
                 tracing::warn!(worker = %self.url, failures = n, "worker marked unhealthy");
                 self.healthy.store(false, Ordering::Release);
             }
