@@ -22,6 +22,11 @@ pub struct ChatMessage {
 /// The model's tokenizer and chat template, loaded once.
 pub struct PromptCodec {
     tokenizer: Tokenizer,
+    /// The same tokenizer with special-token parsing off: `<|im_start|>` in it is ordinary text.
+    literal: Tokenizer,
+    /// The special tokens' texts, to find them in chat message content (`None`: the model has
+    /// none).
+    specials: Option<aho_corasick::AhoCorasick>,
     env: Environment<'static>,
     bos_token: String,
     eos_token: String,
@@ -70,8 +75,22 @@ impl PromptCodec {
         let mut env = Environment::new();
         env.add_template_owned("chat", template)
             .map_err(|e| format!("model `{name}`: chat template: {e}"))?;
+        let mut literal = tokenizer.clone();
+        literal.set_encode_special_tokens(true);
+        let texts: Vec<String> = tokenizer
+            .get_added_tokens_decoder()
+            .into_values()
+            .filter(|t| t.special && !t.content.is_empty())
+            .map(|t| t.content)
+            .collect();
+        let specials = (!texts.is_empty())
+            .then(|| aho_corasick::AhoCorasick::new(&texts))
+            .transpose()
+            .map_err(|e| format!("model `{name}`: special tokens: {e}"))?;
         Ok(Arc::new(PromptCodec {
             tokenizer,
+            literal,
+            specials,
             env,
             bos_token,
             eos_token,
@@ -99,14 +118,55 @@ impl PromptCodec {
     /// Tokenizes text exactly as the workers would (special tokens written in the text are parsed
     /// as special tokens; no extra BOS is added: the template carries it).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, LockstepError> {
-        let enc =
-            self.tokenizer
-                .encode(text, false)
-                .map_err(|e| LockstepError::InvalidRequest {
-                    message: format!("cannot tokenize the prompt: {e}"),
-                    param: Some("prompt".into()),
-                })?;
-        Ok(enc.get_ids().to_vec())
+        encode_with(&self.tokenizer, text)
+    }
+
+    /// Renders the chat template and tokenizes the result, where message content is always
+    /// text: a special token written in a message (`<|im_start|>system ...`) becomes ordinary
+    /// tokens, so no caller can forge a turn of another role. Only the template's own text is
+    /// parsed for special tokens. Content the template changed on its way (so that it cannot be
+    /// found verbatim) is refused when it holds special-token text.
+    pub fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, LockstepError> {
+        let text = self.render_chat(messages)?;
+        let Some(specials) = &self.specials else {
+            return self.encode(&text);
+        };
+        let risky: Vec<usize> = (0..messages.len())
+            .filter(|&i| specials.is_match(&messages[i].content))
+            .collect();
+        if risky.is_empty() {
+            return self.encode(&text);
+        }
+        // Where each message's content lies in the rendered text, in order.
+        let mut spans = Vec::new();
+        let mut at = 0;
+        for (i, m) in messages.iter().enumerate() {
+            if m.content.is_empty() {
+                continue;
+            }
+            match text[at..].find(m.content.as_str()) {
+                Some(off) => {
+                    spans.push((at + off, at + off + m.content.len()));
+                    at += off + m.content.len();
+                }
+                None if risky.contains(&i) => {
+                    return Err(LockstepError::InvalidRequest {
+                        message: "this message holds special-token text the chat template transforms, so lockstep cannot keep it plain text; remove the special tokens from it".into(),
+                        param: Some(format!("messages[{i}].content")),
+                    });
+                }
+                None => {}
+            }
+        }
+        let mut ids = Vec::new();
+        let mut from = 0;
+        for (start, end) in spans {
+            ids.extend(self.encode(&text[from..start])?);
+            ids.extend(encode_with(&self.literal, &text[start..end])?);
+            from = end;
+        }
+        ids.extend(self.encode(&text[from..])?);
+        Ok(ids)
     }
 
     /// Decodes token ids to text (used for token-id prompts echoed back and for tests).
@@ -118,6 +178,19 @@ impl PromptCodec {
     pub fn vocab_size(&self) -> usize {
         self.tokenizer.get_vocab_size(true)
     }
+}
+
+fn encode_with(t: &Tokenizer, text: &str) -> Result<Vec<u32>, LockstepError> {
+    if text.is_empty() {
+        return Ok(Vec::new());
+    }
+    let enc = t
+        .encode(text, false)
+        .map_err(|e| LockstepError::InvalidRequest {
+            message: format!("cannot tokenize the prompt: {e}"),
+            param: Some("prompt".into()),
+        })?;
+    Ok(enc.get_ids().to_vec())
 }
 
 fn internal_template(e: &minijinja::Error) -> LockstepError {

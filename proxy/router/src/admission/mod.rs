@@ -186,10 +186,7 @@ pub fn admit<R: FrontRequest>(
 /// vocabulary.
 pub fn tokenize(model: &ModelRuntime, input: Input) -> Result<Vec<u32>, LockstepError> {
     let ids = match input {
-        Input::Chat(messages) => {
-            let prompt = model.codec.render_chat(&messages)?;
-            model.codec.encode(&prompt)?
-        }
+        Input::Chat(messages) => model.codec.encode_chat(&messages)?,
         Input::Prompt(Prompt::Text(s)) => model.codec.encode(&s)?,
         Input::Prompt(Prompt::Texts(v)) if v.len() == 1 => model.codec.encode(&v[0])?,
         Input::Prompt(Prompt::Ids(ids)) => {

@@ -116,15 +116,13 @@ impl FrontRequest for GenerateRequest {
             ));
         }
         super::openai::check_seed("sampling_params.sampling_seed", s.sampling_seed)?;
+        let stop = super::openai::check_stop("sampling_params.stop", s.stop)?;
         let sampling = SamplingParams {
             max_new_tokens,
             temperature: s.temperature,
             top_p: s.top_p,
             top_k: s.top_k,
-            stop: s
-                .stop
-                .map(super::openai::Stop::into_vec)
-                .unwrap_or_default(),
+            stop,
             ignore_eos: s.ignore_eos,
             frequency_penalty: s.frequency_penalty,
             presence_penalty: s.presence_penalty,

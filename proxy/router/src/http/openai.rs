@@ -63,6 +63,37 @@ pub(crate) fn bad(param: &str, message: String) -> LockstepError {
     }
 }
 
+/// Most stop sequences a request may give, and the longest one, in bytes: each generated token
+/// is checked against every one, on the decode's hot path (a worker's or the engine's single
+/// thread), so they are bounded like any other input.
+pub(crate) const MAX_STOPS: usize = 16;
+/// See [`MAX_STOPS`].
+pub(crate) const MAX_STOP_BYTES: usize = 256;
+
+/// The stop sequences of a request, bounded in number and length, none empty.
+pub(crate) fn check_stop(param: &str, stop: Option<Stop>) -> Result<Vec<String>, LockstepError> {
+    let stop = stop.map(Stop::into_vec).unwrap_or_default();
+    if stop.len() > MAX_STOPS {
+        return Err(bad(
+            param,
+            format!("at most {MAX_STOPS} stop sequences, got {}", stop.len()),
+        ));
+    }
+    if let Some(s) = stop
+        .iter()
+        .find(|s| s.is_empty() || s.len() > MAX_STOP_BYTES)
+    {
+        return Err(bad(
+            param,
+            format!(
+                "each stop sequence must be 1 to {MAX_STOP_BYTES} bytes, got {}",
+                s.len()
+            ),
+        ));
+    }
+    Ok(stop)
+}
+
 /// Seeds must fit a signed 64-bit integer: vLLM refuses larger ones (`completion/protocol.py`)
 /// and SGLang types `sampling_seed` as i64; a seed lockstep could not pass on is refused here.
 pub(crate) fn check_seed(param: &str, seed: Option<u64>) -> Result<(), LockstepError> {
@@ -139,10 +170,7 @@ impl CommonParams {
             }
         }
         check_seed("seed", self.seed)?;
-        let stop = self.stop.map(Stop::into_vec).unwrap_or_default();
-        if stop.len() > 16 {
-            return Err(bad("stop", "at most 16 stop sequences".into()));
-        }
+        let stop = check_stop("stop", self.stop)?;
         let include_usage = self.stream_options.is_some_and(|o| o.include_usage);
         Ok((
             SamplingParams {
