@@ -189,11 +189,17 @@ pub struct Sequence {
     pub len: usize,
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct PrefixMeta {
     hash: u64,
     refs: u32,
     lru: u64,
+    /// What the key stands for, checked on every hit so a hash collision can never hand one
+    /// prompt another's KV: the tenant salt, this page's tokens, and the page before it in the
+    /// chain with its tag then (`None` for the first page; the tag tells a page reused since).
+    salt: u64,
+    tokens: Box<[u32]>,
+    parent: Option<PageRef>,
 }
 
 /// The pool.
