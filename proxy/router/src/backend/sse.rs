@@ -44,18 +44,30 @@ fn chunk_stream<S: ChunkSource>(source: S) -> DecodeStream {
     .boxed()
 }
 
+/// The largest event an upstream may send (a cumulative SGLang event carries the whole text and
+/// every output id so far: a few MiB at most for real generations). Past it the half fails: an
+/// upstream that never ends an event must not grow lockstep's memory without bound.
+pub(crate) const MAX_EVENT_BYTES: usize = 16 << 20;
+
 /// The events of one SSE response body.
-pub(crate) struct SseReader {
-    body: Incoming,
+pub(crate) struct SseReader<B = Incoming> {
+    body: B,
     buf: BytesMut,
+    /// How much of `buf` is known to hold no event end (searched once, not on every frame).
+    scanned: usize,
     side: Side,
 }
 
-impl SseReader {
-    pub(crate) fn new(body: Incoming, side: Side) -> SseReader {
+impl<B> SseReader<B>
+where
+    B: hyper::body::Body<Data = bytes::Bytes> + Unpin + Send,
+    B::Error: std::error::Error,
+{
+    pub(crate) fn new(body: B, side: Side) -> SseReader<B> {
         SseReader {
             body,
             buf: BytesMut::new(),
+            scanned: 0,
             side,
         }
     }
@@ -64,8 +76,11 @@ impl SseReader {
     /// at a clean end of the body. A body that breaks, or ends inside an event, is an error.
     pub(crate) async fn next_data(&mut self) -> Result<Option<String>, HalfError> {
         loop {
-            if let Some(pos) = self.buf.windows(2).position(|w| w == b"\n\n") {
-                let raw = self.buf.split_to(pos + 2);
+            // An event end may straddle the previous search's last byte.
+            let from = self.scanned.saturating_sub(1);
+            if let Some(pos) = self.buf[from..].windows(2).position(|w| w == b"\n\n") {
+                let raw = self.buf.split_to(from + pos + 2);
+                self.scanned = 0;
                 let text = String::from_utf8_lossy(&raw);
                 let data = text
                     .lines()
@@ -81,6 +96,16 @@ impl SseReader {
                     return Ok(None);
                 }
                 return Ok(Some(data.to_string()));
+            }
+            self.scanned = self.buf.len();
+            if self.buf.len() > MAX_EVENT_BYTES {
+                return Err(HalfError {
+                    side: self.side,
+                    failure: HalfFailure::Protocol(format!(
+                        "an event over {} MiB without an end",
+                        MAX_EVENT_BYTES >> 20
+                    )),
+                });
             }
             match self.body.frame().await {
                 Some(Ok(frame)) => {
@@ -103,5 +128,53 @@ impl SseReader {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+    use http_body_util::StreamBody;
+
+    type Frames = futures_util::stream::Iter<
+        std::vec::IntoIter<Result<hyper::body::Frame<Bytes>, std::io::Error>>,
+    >;
+
+    fn reader(frames: Vec<&'static [u8]>) -> SseReader<StreamBody<Frames>> {
+        let frames: Vec<_> = frames
+            .into_iter()
+            .map(|f| Ok(hyper::body::Frame::data(Bytes::from_static(f))))
+            .collect();
+        SseReader::new(
+            StreamBody::new(futures_util::stream::iter(frames)),
+            Side::Decode,
+        )
+    }
+
+    #[tokio::test]
+    async fn events_split_across_frames_and_ends_split_across_frames_are_read() {
+        let mut r = reader(vec![
+            b"data: {\"a\"",
+            b":1}\n",
+            b"\ndata: two\n\n",
+            b"data: [DONE]\n\n",
+        ]);
+        assert_eq!(
+            r.next_data().await.expect("one").as_deref(),
+            Some("{\"a\":1}")
+        );
+        assert_eq!(r.next_data().await.expect("two").as_deref(), Some("two"));
+        assert_eq!(r.next_data().await.expect("done"), None);
+    }
+
+    #[tokio::test]
+    async fn an_event_that_never_ends_fails_at_the_bound() {
+        static CHUNK: [u8; 1 << 20] = [b'x'; 1 << 20];
+        let frames: Vec<&'static [u8]> = std::iter::once(&b"data: "[..])
+            .chain(std::iter::repeat_n(&CHUNK[..], 17))
+            .collect();
+        let e = reader(frames).next_data().await.expect_err("bounded");
+        assert!(matches!(e.failure, HalfFailure::Protocol(_)), "{e:?}");
     }
 }
