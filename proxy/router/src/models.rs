@@ -18,7 +18,6 @@ use crate::metrics::Metrics;
 use crate::pair::{PairRegistry, PairRuntime, PairStats};
 use crate::pool::{WorkerPool, health_loop};
 use crate::state::{AppState, ModelRuntime, Models, WorkerLimits};
-use crate::tenant::Tenants;
 
 /// The deployment check of `m` against its live workers, through its backend's probe
 /// ([`PdBackend::deployment`]); an embedded model is checked against its configured pool.
@@ -76,7 +75,8 @@ pub async fn reload_state(st: &AppState, cfg: Config) -> Result<(), String> {
     }
     let names: Vec<_> = models.by_name.keys().cloned().collect();
     st.models.store(Arc::new(models));
-    st.tenants.store(Arc::new(Tenants::new(&cfg.tenants)));
+    st.tenants
+        .store(Arc::new(st.tenants.load().reloaded(&cfg.tenants)));
     tracing::info!(models = ?names, "configuration reloaded");
     Ok(())
 }

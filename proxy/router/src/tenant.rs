@@ -35,7 +35,10 @@ pub struct Tenant {
     /// The tenant's name (audit log, errors).
     pub name: Arc<str>,
     models: Option<HashSet<String>>,
-    limiter: Option<DefaultDirectRateLimiter>,
+    /// The limits as configured (requests per second, burst, concurrent pairs), to tell
+    /// whether a reload changed them.
+    limits: (u32, u32, u32),
+    limiter: Option<Arc<DefaultDirectRateLimiter>>,
     concurrency: Option<(Arc<Semaphore>, u32)>,
 }
 
@@ -76,22 +79,45 @@ pub fn parse_sha256_hex(hex: &str) -> Option<[u8; 32]> {
 impl Tenants {
     /// Builds the tenants of a validated configuration (invalid hashes were refused by `check`).
     pub fn new(cfg: &[TenantConfig]) -> Tenants {
+        Tenants::default().reloaded(cfg)
+    }
+
+    /// The tenants of a reloaded configuration: a tenant whose limits did not change keeps its
+    /// spent rate budget and its running pairs' slots (a reload is not a way around a limit);
+    /// new or changed limits start fresh.
+    pub fn reloaded(&self, cfg: &[TenantConfig]) -> Tenants {
+        let old: HashMap<&str, &Arc<Tenant>> =
+            self.by_key.values().map(|t| (&*t.name, t)).collect();
         let mut by_key = HashMap::new();
         for t in cfg {
+            let limits = (t.requests_per_second, t.burst, t.max_concurrent_pairs);
+            let kept = old
+                .get(t.name.as_str())
+                .filter(|o| o.limits == limits)
+                .map(|o| (o.limiter.clone(), o.concurrency.clone()));
+            let (limiter, concurrency) = kept.unwrap_or_else(|| {
+                (
+                    NonZeroU32::new(t.requests_per_second).map(|rps| {
+                        let burst = NonZeroU32::new(t.burst).unwrap_or(rps);
+                        Arc::new(RateLimiter::direct(
+                            Quota::per_second(rps).allow_burst(burst),
+                        ))
+                    }),
+                    (t.max_concurrent_pairs > 0).then(|| {
+                        (
+                            Arc::new(Semaphore::new(t.max_concurrent_pairs as usize)),
+                            t.max_concurrent_pairs,
+                        )
+                    }),
+                )
+            });
             let tenant = Arc::new(Tenant {
                 name: t.name.as_str().into(),
                 models: (!t.models.iter().any(|m| m == "*"))
                     .then(|| t.models.iter().cloned().collect()),
-                limiter: NonZeroU32::new(t.requests_per_second).map(|rps| {
-                    let burst = NonZeroU32::new(t.burst).unwrap_or(rps);
-                    RateLimiter::direct(Quota::per_second(rps).allow_burst(burst))
-                }),
-                concurrency: (t.max_concurrent_pairs > 0).then(|| {
-                    (
-                        Arc::new(Semaphore::new(t.max_concurrent_pairs as usize)),
-                        t.max_concurrent_pairs,
-                    )
-                }),
+                limits,
+                limiter,
+                concurrency,
             });
             for h in &t.api_keys_sha256 {
                 if let Some(k) = parse_sha256_hex(h) {
@@ -266,5 +292,28 @@ mod tests {
             ),
             "{e:?}"
         );
+    }
+
+    #[test]
+    fn a_reload_keeps_spent_limits_unless_they_changed() {
+        let limited = |rps| TenantConfig {
+            requests_per_second: rps,
+            burst: 1,
+            max_concurrent_pairs: 1,
+            ..cfg("a", "k")
+        };
+        let t = Tenants::new(&[limited(1)]);
+        let a = t.authenticate(&bearer("k")).expect("ok").expect("tenant");
+        let running = a.admit().expect("first").expect("permit");
+        // Same limits: the spent budget and the running pair's slot carry over.
+        let t2 = t.reloaded(&[limited(1)]);
+        let a2 = t2.authenticate(&bearer("k")).expect("ok").expect("tenant");
+        assert!(a2.admit().is_err(), "a reload is not a way around a limit");
+        drop(running);
+        assert!(a2.admit().is_err(), "the rate budget is still spent");
+        // Changed limits start fresh.
+        let t3 = t2.reloaded(&[limited(5)]);
+        let a3 = t3.authenticate(&bearer("k")).expect("ok").expect("tenant");
+        assert!(a3.admit().is_ok());
     }
 }
