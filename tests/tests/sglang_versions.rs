@@ -232,11 +232,14 @@ async fn the_deployment_check_refuses_what_would_leave_kv_unverified() {
     );
 }
 
-/// Workers that do not answer yet (lockstep started first, as it may be in a cluster) get no
-/// pairs until they answer and pass the deployment check: requests get `no_healthy_worker` and
-/// `/ready` fails; once the workers are up and verified, the model serves.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn workers_that_answer_later_serve_once_verified() {
+/// lockstep started before its workers: configured for a prefill and a decode on two free
+/// loopback ports nothing listens on yet.
+async fn start_before_workers() -> (
+    Lockstep,
+    std::net::SocketAddr,
+    std::net::SocketAddr,
+    tempfile::TempDir,
+) {
     let free = || {
         std::net::TcpListener::bind("127.0.0.1:0")
             .expect("bind")
@@ -255,6 +258,15 @@ async fn workers_that_answer_later_serve_once_verified() {
     let ls = Lockstep::start(Config::parse(&text).expect("config"))
         .await
         .expect("starts without its workers");
+    (ls, p, d, dir)
+}
+
+/// Workers that do not answer yet (lockstep started first, as it may be in a cluster) get no
+/// pairs until they answer and pass the deployment check: requests get `no_healthy_worker` and
+/// `/ready` fails; once the workers are up and verified, the model serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_that_answer_later_serve_once_verified() {
+    let (ls, p, d, _dir) = start_before_workers().await;
     let url = format!("http://{}", ls.http_addr);
     let c = TestClient::default();
     assert_eq!(
@@ -300,24 +312,7 @@ async fn workers_that_answer_later_serve_once_verified() {
 /// A worker that comes up with settings lockstep refuses stays out of rotation.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_that_answers_later_with_the_checksum_off_stays_out() {
-    let free = || {
-        std::net::TcpListener::bind("127.0.0.1:0")
-            .expect("bind")
-            .local_addr()
-            .expect("addr")
-    };
-    let (p, d) = (free(), free());
-    let placeholder = mock(vec![]).await;
-    let dir = tempfile::tempdir().expect("tempdir");
-    let tok = dir.path().join("tokenizer.json");
-    lockstep_tests::tokenizer::write(&tok).expect("tokenizer");
-    let text = config_text(&placeholder, &tok, "", TEST_TIMEOUTS)
-        .replace(&placeholder.prefill_url(), &format!("http://{p}"))
-        .replace(&placeholder.decode_url(), &format!("http://{d}"));
-    drop(placeholder);
-    let ls = Lockstep::start(Config::parse(&text).expect("config"))
-        .await
-        .expect("starts without its workers");
+    let (ls, p, d, _dir) = start_before_workers().await;
     let url = format!("http://{}", ls.http_addr);
     let _m = PdMock::start_on(
         mock_with(vec![(

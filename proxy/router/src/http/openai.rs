@@ -107,6 +107,22 @@ pub(crate) fn check_seed(param: &str, seed: Option<u64>) -> Result<(), LockstepE
 }
 
 impl CommonParams {
+    /// [`CommonParams::sampling`] plus the endpoint's other fields: `response_format` becomes
+    /// the constraint where the backend enforces one, every other field must ask for nothing
+    /// (`table`).
+    pub(super) fn with_rest(
+        self,
+        mut rest: Map<String, Value>,
+        table: &[&[fields::Known]],
+        model: &ModelRuntime,
+    ) -> Result<(SamplingParams, bool, bool), LockstepError> {
+        let constraint = fields::response_format(&mut rest, model.cfg.backend)?;
+        refuse_unhonoured(table, &rest, "")?;
+        let (mut sampling, stream, include_usage) = self.sampling(model)?;
+        sampling.constraint = constraint;
+        Ok((sampling, stream, include_usage))
+    }
+
     /// Validates ranges and builds SGLang sampling parameters.
     pub(super) fn sampling(
         self,
@@ -290,11 +306,8 @@ impl FrontRequest for ChatRequest {
         self,
         model: &ModelRuntime,
     ) -> Result<(Input, SamplingParams, Shape), LockstepError> {
-        let mut rest = self.rest;
-        let constraint = fields::response_format(&mut rest, model.cfg.backend)?;
-        refuse_unhonoured(fields::CHAT, &rest, "")?;
-        let (mut sampling, stream, include_usage) = self.params.sampling(model)?;
-        sampling.constraint = constraint;
+        let (sampling, stream, include_usage) =
+            self.params.with_rest(self.rest, fields::CHAT, model)?;
         let messages = to_messages(self.messages)?;
         Ok((
             Input::Chat(messages),
@@ -331,11 +344,9 @@ impl FrontRequest for CompletionRequest {
         self,
         model: &ModelRuntime,
     ) -> Result<(Input, SamplingParams, Shape), LockstepError> {
-        let mut rest = self.rest;
-        let constraint = fields::response_format(&mut rest, model.cfg.backend)?;
-        refuse_unhonoured(fields::COMPLETIONS, &rest, "")?;
-        let (mut sampling, stream, include_usage) = self.params.sampling(model)?;
-        sampling.constraint = constraint;
+        let (sampling, stream, include_usage) =
+            self.params
+                .with_rest(self.rest, fields::COMPLETIONS, model)?;
         Ok((
             Input::Prompt(self.prompt),
             sampling,
