@@ -136,6 +136,9 @@ pub struct MockConfig {
     pub api_key: Option<String>,
     /// `--admin-api-key`: `/abort_request` (`ADMIN_OPTIONAL`) then takes only it.
     pub admin_api_key: Option<String>,
+    /// How long an `/abort_request` takes to reach the scheduler and act (a slow network or a
+    /// busy server); 0 by default.
+    pub abort_delay: Duration,
 }
 
 impl Default for MockConfig {
@@ -150,6 +153,7 @@ impl Default for MockConfig {
             server_args: Vec::new(),
             api_key: None,
             admin_api_key: None,
+            abort_delay: Duration::ZERO,
         }
     }
 }
@@ -577,6 +581,7 @@ fn adler32(tokens: &[u32]) -> u32 {
 /// matches the rid across its queues, `srt/managers/scheduler.py` `abort_request`): stops the half
 /// with that rid on this server and frees what it holds.
 async fn abort(State(ctx): State<Ctx>, body: Bytes) -> Response {
+    tokio::time::sleep(ctx.inner.cfg.abort_delay).await;
     let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     let Some(rid) = v.get("rid").and_then(Value::as_str).map(str::to_string) else {
         return sglang_error(StatusCode::BAD_REQUEST, "rid is required");

@@ -173,3 +173,49 @@ async fn drain_aborts_committed_streams_when_the_grace_runs_out() {
     assert!(stack.lockstep_idle());
     assert!(stack.mock.wait_idle(Duration::from_secs(5)).await);
 }
+
+/// A drain returns only once the abort calls of the pairs it ended have reached the workers:
+/// a shutdown right after it never cancels an abort on its way (the worker would hold the half;
+/// a real SGLang decode waits 300 s for KV that never comes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_waits_for_the_abort_calls_to_land() {
+    let stack = Stack::start_full(
+        MockConfig {
+            // Each abort takes 600 ms to land (within `abort_ms` = 1000).
+            abort_delay: Duration::from_millis(600),
+            ..MockConfig::default()
+        },
+        "",
+        "",
+        TEST_TIMEOUTS,
+    )
+    .await;
+    stack.mock.set_fault(Fault::PrefillHang);
+    let client = post(&stack, "red green blue", false, 4);
+    wait_pairs(&stack, 1, 0).await;
+    let rid = stack.mock.requests()[0]
+        .1
+        .get("rid")
+        .and_then(serde_json::Value::as_str)
+        .map(str::to_string)
+        .expect("dispatched");
+    let started = Instant::now();
+    stack.lockstep.drain(Duration::from_secs(5)).await;
+    let aborted: Vec<Role> = stack
+        .mock
+        .aborts()
+        .iter()
+        .filter(|a| a.rid == rid)
+        .map(|a| a.role)
+        .collect();
+    assert!(
+        aborted.contains(&Role::Prefill) && aborted.contains(&Role::Decode),
+        "both aborts landed before the drain returned ({:?} after {:?})",
+        aborted,
+        started.elapsed()
+    );
+    assert!(started.elapsed() >= Duration::from_millis(500), "it waited");
+    assert_eq!(stack.lockstep.state.registry.aborts_in_flight(), 0);
+    let a = client.await.expect("client");
+    assert!(a.status >= 500, "{}", a.body);
+}

@@ -132,7 +132,8 @@ impl Lockstep {
     /// Drains: `/ready` fails and new requests get 503 at once; every pair that has not
     /// committed is aborted on both halves now (its client gets an error); committed streams may
     /// finish within `grace`; whatever is still live then is aborted on both halves too. Returns
-    /// when no pair is live (bounded: grace + 5 s for the aborts to land).
+    /// when no pair is live and every abort call has answered (bounded: grace + 5 s for the
+    /// aborts to land), so a shutdown never cancels an abort on its way to a worker.
     pub async fn drain(&self, grace: Duration) {
         use crate::pair::{CancelReason, PairState};
         let st = &self.state;
@@ -157,13 +158,15 @@ impl Lockstep {
             tracing::warn!(pairs = late, "drain grace over: aborting committed streams");
         }
         let bound = tokio::time::Instant::now() + Duration::from_secs(5);
-        while !st.registry.is_empty() && tokio::time::Instant::now() < bound {
+        let busy = || !st.registry.is_empty() || st.registry.aborts_in_flight() > 0;
+        while busy() && tokio::time::Instant::now() < bound {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        if !st.registry.is_empty() {
+        if busy() {
             tracing::error!(
                 pairs = st.registry.len(),
-                "pairs still live after the drain"
+                aborts_in_flight = st.registry.aborts_in_flight(),
+                "pairs or abort calls still live after the drain"
             );
         }
     }

@@ -211,9 +211,12 @@ impl PairRuntime {
         };
         let (p, dd) = (call(Side::Prefill), call(Side::Decode));
         let latency = self.observe().abort_both_latency();
+        // Counted until both answered, so a drain waits for them (the pair itself is gone).
+        let in_flight = self.registry.aborts_started();
         tokio::spawn(async move {
             tokio::join!(p, dd);
             latency.observe(failed_at.elapsed().as_secs_f64());
+            drop(in_flight);
         });
     }
 

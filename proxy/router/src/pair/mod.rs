@@ -7,7 +7,7 @@ mod registry;
 
 pub use lifecycle::PairRuntime;
 pub use outcome::{AbortReason, Outcome, PairEvent, PairStats};
-pub use registry::{CancelReason, PairGuard, PairInfo, PairRegistry, PairState};
+pub use registry::{AbortsInFlight, CancelReason, PairGuard, PairInfo, PairRegistry, PairState};
 
 use serde::{Serialize, Serializer};
 

@@ -72,9 +72,34 @@ struct Live {
 #[derive(Debug, Default)]
 pub struct PairRegistry {
     live: DashMap<PairId, Live>,
+    /// Abort calls still on their way to workers (pairs already gone from `live`): a drain waits
+    /// for them, or a shutdown would cancel them and leave the halves held.
+    aborts: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+/// Counts one pair's abort calls as in flight while alive.
+#[derive(Debug)]
+pub struct AbortsInFlight(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Drop for AbortsInFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
 }
 
 impl PairRegistry {
+    /// Counts a pair's abort calls as in flight until the guard drops.
+    pub fn aborts_started(&self) -> AbortsInFlight {
+        self.aborts
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        AbortsInFlight(self.aborts.clone())
+    }
+
+    /// Pairs whose abort calls have not all answered (or timed out) yet.
+    pub fn aborts_in_flight(&self) -> usize {
+        self.aborts.load(std::sync::atomic::Ordering::Acquire)
+    }
+
     /// Registers a pair under a fresh id that no live pair holds; the guard removes it on drop.
     pub fn register(self: &Arc<Self>, info: PairInfo) -> PairGuard {
         loop {
