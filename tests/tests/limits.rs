@@ -132,3 +132,49 @@ async fn slow_headers_are_cut_off() {
         "closed after the timeout, not at once: {took:?}"
     );
 }
+
+/// `server.max_connections`: past it, a new connection waits in the accept queue (no answer)
+/// until an open one closes; then it is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_the_cap_wait_until_one_closes() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let stack = Stack::start_full(
+        MockConfig::default(),
+        "max_connections = 2",
+        "",
+        TEST_TIMEOUTS,
+    )
+    .await;
+    let addr = stack.url.trim_start_matches("http://").to_string();
+    let ask = b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n";
+    // Two keep-alive connections, each answered and held open.
+    let mut open = Vec::new();
+    for _ in 0..2 {
+        let mut c = tokio::net::TcpStream::connect(&addr)
+            .await
+            .expect("connect");
+        c.write_all(ask).await.expect("write");
+        let mut buf = [0u8; 512];
+        let n = tokio::time::timeout(Duration::from_secs(5), c.read(&mut buf))
+            .await
+            .expect("answered")
+            .expect("read");
+        assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+        open.push(c);
+    }
+    // The third connects (the kernel queues it) but is not served while both are open.
+    let mut third = tokio::net::TcpStream::connect(&addr)
+        .await
+        .expect("connect");
+    third.write_all(ask).await.expect("write");
+    let mut buf = [0u8; 512];
+    let waited = tokio::time::timeout(Duration::from_millis(700), third.read(&mut buf)).await;
+    assert!(waited.is_err(), "served past the cap");
+    // One closes: the third is served.
+    drop(open.pop());
+    let n = tokio::time::timeout(Duration::from_secs(5), third.read(&mut buf))
+        .await
+        .expect("served once a slot freed")
+        .expect("read");
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+}

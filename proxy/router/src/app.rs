@@ -81,6 +81,7 @@ impl Lockstep {
             listener,
             app,
             header_timeout,
+            cfg.server.max_connections,
             tls.clone(),
             rx,
         )));
@@ -102,7 +103,15 @@ impl Lockstep {
                 // (shutdown awaits that one).
                 tasks.insert(
                     0,
-                    tokio::spawn(serve_http(l, router, header_timeout, tls.clone(), admin_rx)),
+                    // A few operators at most: a small fixed cap.
+                    tokio::spawn(serve_http(
+                        l,
+                        router,
+                        header_timeout,
+                        64,
+                        tls.clone(),
+                        admin_rx,
+                    )),
                 );
                 tracing::info!(%bound, "admin API listening");
                 Some(bound)

@@ -10,11 +10,14 @@ use tokio::net::TcpListener;
 /// Serves `app` on `listener` (HTTP/1.1 and h2c on one port, or HTTPS with HTTP/1.1 and h2 when
 /// `tls` is set) until `stop` fires, then lets open connections finish (bounded: 10 s). A client
 /// that has not completed its TLS handshake and request headers within `header_timeout` is
-/// disconnected (slow-header attacks), and small SSE frames are not held back by Nagle.
+/// disconnected (slow-header attacks), and small SSE frames are not held back by Nagle. At most
+/// `max_connections` connections are open at once (0: no limit); past it, new ones wait in the
+/// kernel's accept queue until one closes.
 pub async fn serve_http(
     listener: TcpListener,
     app: axum::Router,
     header_timeout: Duration,
+    max_connections: usize,
     tls: Option<Arc<tokio_rustls::rustls::ServerConfig>>,
     stop: tokio::sync::oneshot::Receiver<()>,
 ) {
@@ -36,12 +39,24 @@ pub async fn serve_http(
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     // TLS handshakes run in their own tasks and hand the stream back here, so every connection is
     // watched by the one graceful-shutdown owner.
-    let (tls_tx, mut tls_rx) =
-        tokio::sync::mpsc::channel::<tokio_rustls::server::TlsStream<tokio::net::TcpStream>>(64);
+    let (tls_tx, mut tls_rx) = tokio::sync::mpsc::channel::<(
+        tokio_rustls::server::TlsStream<tokio::net::TcpStream>,
+        Option<tokio::sync::OwnedSemaphorePermit>,
+    )>(64);
+    let slots =
+        (max_connections > 0).then(|| Arc::new(tokio::sync::Semaphore::new(max_connections)));
+    // A connection slot first, then the connection: the slot goes with it and frees when it ends.
+    let accept = || async {
+        let slot = match &slots {
+            Some(s) => s.clone().acquire_owned().await.ok(),
+            None => None,
+        };
+        (slot, listener.accept().await)
+    };
     tokio::pin!(stop);
     loop {
         tokio::select! {
-            accepted = listener.accept() => {
+            (slot, accepted) = accept() => {
                 let stream = match accepted {
                     Ok((s, _)) => s,
                     Err(e) => {
@@ -58,6 +73,7 @@ pub async fn serve_http(
                         let conn = graceful.watch(conn.into_owned());
                         tokio::spawn(async move {
                             let _ = conn.await;
+                            drop(slot);
                         });
                     }
                     Some(acceptor) => {
@@ -65,7 +81,7 @@ pub async fn serve_http(
                         tokio::spawn(async move {
                             match tokio::time::timeout(header_timeout, acceptor.accept(stream)).await {
                                 Ok(Ok(t)) => {
-                                    let _ = tx.send(t).await;
+                                    let _ = tx.send((t, slot)).await;
                                 }
                                 Ok(Err(e)) => tracing::debug!(error = %e, "TLS handshake failed"),
                                 Err(_) => tracing::debug!("TLS handshake timed out"),
@@ -74,12 +90,13 @@ pub async fn serve_http(
                     }
                 }
             }
-            Some(tls) = tls_rx.recv() => {
+            Some((tls, slot)) = tls_rx.recv() => {
                 let svc = hyper_util::service::TowerToHyperService::new(app.clone());
                 let conn = builder.serve_connection_with_upgrades(TokioIo::new(tls), svc);
                 let conn = graceful.watch(conn.into_owned());
                 tokio::spawn(async move {
                     let _ = conn.await;
+                    drop(slot);
                 });
             }
             _ = &mut stop => break,

@@ -100,6 +100,8 @@ impl RunningWorker {
             listener,
             router(service.clone()),
             Duration::from_secs(10),
+            // Routers and peer workers only: a handful of long-lived h2 connections.
+            1_024,
             None,
             rx,
         ));

@@ -27,6 +27,9 @@ pub struct ServerConfig {
     pub drain_grace_ms: u64,
     /// A connection that has not sent its request headers within this many ms is closed.
     pub header_timeout_ms: u64,
+    /// Connections the HTTP listener holds open at once (0: no limit); past it, new ones wait
+    /// in the kernel's accept queue until one closes.
+    pub max_connections: usize,
     /// PEM certificate chain: with `tls_key_file`, both listeners speak HTTPS.
     pub tls_cert_file: Option<PathBuf>,
     /// PEM private key of `tls_cert_file`.
@@ -50,6 +53,7 @@ impl Default for ServerConfig {
             audit_log: String::new(),
             drain_grace_ms: 30_000,
             header_timeout_ms: 10_000,
+            max_connections: 10_000,
             tls_cert_file: None,
             tls_key_file: None,
             upstream_ca_file: None,
