@@ -128,11 +128,7 @@ async fn server_info(
         Side::Prefill => &m.prefill,
         Side::Decode => &m.decode,
     };
-    let auth: Vec<_> = pool
-        .auth()
-        .map(|v| (http::header::AUTHORIZATION, v))
-        .into_iter()
-        .collect();
+    let auth = pool.auth_headers();
     let base = w.url.trim_end_matches('/');
     let mut last = String::new();
     for path in ["/server_info", "/get_server_info"] {

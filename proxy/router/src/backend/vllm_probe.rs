@@ -43,11 +43,7 @@ pub async fn reported_capacity(
         .chain(m.decode.workers.iter().map(|w| (w, &m.decode)));
     for (w, pool) in workers {
         let base = w.url.trim_end_matches('/');
-        let auth: Vec<_> = pool
-            .auth()
-            .map(|v| (http::header::AUTHORIZATION, v))
-            .into_iter()
-            .collect();
+        let auth = pool.auth_headers();
         match probe(client, base, &auth, served).await {
             Ok(r) => reports.push((w.url.as_str(), r)),
             Err(Some(e)) => problems.push(format!("model `{}`: worker {}: {e}", m.name, w.url)),

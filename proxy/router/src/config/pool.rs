@@ -100,6 +100,14 @@ impl PoolConfig {
         self.api_key.as_ref().and_then(Secret::bearer)
     }
 
+    /// [`PoolConfig::auth`] as the extra headers of a call (none without a key).
+    pub fn auth_headers(&self) -> Vec<(http::HeaderName, http::HeaderValue)> {
+        self.auth()
+            .map(|v| (http::header::AUTHORIZATION, v))
+            .into_iter()
+            .collect()
+    }
+
     /// The `Authorization` header of admin calls (SGLang `/abort_request`: the admin key where
     /// one is set, else the API key; SGLang 0.5.23 `srt/utils/auth.py`, `ADMIN_OPTIONAL`).
     pub fn admin_auth(&self) -> Option<http::HeaderValue> {

@@ -151,7 +151,8 @@ pub(crate) const GENERATE: &[&[Known]] = &[&[
     known("bootstrap_port", any, ""),
     known("bootstrap_room", any, ""),
     known("return_logprob", falsy, LOGPROBS),
-    known("logprob_start_len", any_if_no_logprob, LOGPROBS),
+    // Read by SGLang only with `return_logprob`, which is refused unless false.
+    known("logprob_start_len", any, ""),
     known("top_logprobs_num", zero, LOGPROBS),
     known("token_ids_logprob", empty, LOGPROBS),
     known("return_text_in_logprobs", any, ""),
@@ -173,11 +174,6 @@ pub(crate) const GENERATE: &[&[Known]] = &[&[
     known("session_params", null, "sessions are not supported"),
     known("cache_salt", null, SALT),
 ]];
-
-fn any_if_no_logprob(_: &Value) -> bool {
-    // Only read by SGLang together with `return_logprob`, which is refused unless false.
-    true
-}
 
 /// `sampling_params` keys of `/generate` beyond the ones it honours.
 pub(crate) const GENERATE_SAMPLING: &[&[Known]] = &[&[
