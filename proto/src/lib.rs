@@ -21,17 +21,3 @@ pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("lock
 /// Largest gRPC message either side of the worker API sends or accepts (one KV page of a large
 /// model is a few MiB).
 pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
-
-/// A lazily connecting channel to a worker endpoint (`http://host:port`): h2 with no Nagle delay
-/// and adaptive windows (KV pushes are bulk streams). The router and the workers both use it.
-pub fn worker_channel(
-    url: &str,
-    connect_timeout: std::time::Duration,
-) -> Result<tonic::transport::Channel, String> {
-    Ok(tonic::transport::Endpoint::from_shared(url.to_string())
-        .map_err(|e| format!("bad worker endpoint `{url}`: {e}"))?
-        .connect_timeout(connect_timeout)
-        .tcp_nodelay(true)
-        .http2_adaptive_window(true)
-        .connect_lazy())
-}

@@ -163,6 +163,7 @@ pub struct Engine {
     handle: EngineHandle,
     stats: Arc<EngineStats>,
     thread: Option<std::thread::JoinHandle<()>>,
+    page_bytes: usize,
 }
 
 impl std::fmt::Debug for Engine {
@@ -187,6 +188,7 @@ impl Engine {
             dtype: cfg.dtype,
             ..c.kv_pool(cfg.pages, cfg.page_size)
         })?;
+        let page_bytes = pool.config().page_bytes();
         let stats = Arc::new(EngineStats::default());
         stats
             .total_pages
@@ -205,6 +207,7 @@ impl Engine {
             handle: EngineHandle { tx },
             stats,
             thread: Some(thread),
+            page_bytes,
         })
     }
 
@@ -237,6 +240,17 @@ impl Engine {
     /// Live counters.
     pub fn stats(&self) -> &EngineStats {
         &self.stats
+    }
+
+    /// Bytes in one KV page of this engine's pool (every page of a KV set it imports).
+    pub fn page_bytes(&self) -> usize {
+        self.page_bytes
+    }
+
+    /// Whether the engine thread still runs (a panic in it ends it: nothing more will be
+    /// served, so health must say so).
+    pub fn is_alive(&self) -> bool {
+        self.thread.as_ref().is_some_and(|t| !t.is_finished())
     }
 }
 

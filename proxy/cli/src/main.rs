@@ -129,7 +129,9 @@ async fn run(cli: Cli) -> ExitCode {
                 let client = match UpstreamClient::with_ca(
                     std::time::Duration::from_millis(cfg.server.connect_timeout_ms),
                     cfg.server.upstream_ca_file.as_deref(),
-                ) {
+                )
+                .and_then(|c| c.with_plane(&cfg.worker_plane))
+                {
                     Ok(c) => c,
                     Err(e) => {
                         eprintln!("{}: {e}", shown(config.as_ref()));
@@ -211,8 +213,20 @@ async fn run(cli: Cli) -> ExitCode {
                     return ExitCode::FAILURE;
                 }
             };
-            // A worker has nothing to reload: SIGHUP is ignored.
-            signals.until_stop(|| async {}).await;
+            // SIGHUP re-reads the worker plane's certificate files (rotation); the rest of the
+            // file needs a restart.
+            let service = running.service.clone();
+            signals
+                .until_stop(|| {
+                    let service = service.clone();
+                    async move {
+                        match service.reload_tls() {
+                            Ok(()) => tracing::info!("worker plane TLS files reloaded"),
+                            Err(e) => tracing::error!(error = %e, "TLS reload refused; the old certificates stay"),
+                        }
+                    }
+                })
+                .await;
             tracing::info!("worker shutting down");
             running.shutdown().await;
             ExitCode::SUCCESS

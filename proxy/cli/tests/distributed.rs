@@ -402,6 +402,7 @@ async fn leases_free_what_a_lost_peer_leaves_behind() {
             input_ids: prompt.clone(),
             decode_endpoint: format!("http://{}", d.addr),
             cache_salt: None,
+            kv_key: vec![1; 32],
         })
         .await
         .expect("prefill")
@@ -429,6 +430,7 @@ async fn leases_free_what_a_lost_peer_leaves_behind() {
             }),
             expect_kv: true,
             cache_salt: None,
+            kv_key: vec![1; 32],
         })
         .await
         .expect_err("no KV, no decode");
@@ -443,6 +445,7 @@ async fn leases_free_what_a_lost_peer_leaves_behind() {
             input_ids: prompt.clone(),
             decode_endpoint: format!("http://{}", d.addr),
             cache_salt: None,
+            kv_key: vec![1; 32],
         })
         .await
         .expect_err("a decode worker does not prefill");
@@ -461,6 +464,7 @@ async fn leases_free_what_a_lost_peer_leaves_behind() {
             }),
             expect_kv: false,
             cache_salt: None,
+            kv_key: vec![1; 32],
         })
         .await
         .expect("decode")
@@ -476,13 +480,197 @@ async fn leases_free_what_a_lost_peer_leaves_behind() {
     wait_idle(&d.addr).await;
 }
 
+/// One raw set on the KV data listener (MAC, head, then whatever `body` holds); the answer's
+/// status byte and message (the listener closes after a refusal).
+async fn raw_push(data: &str, tag: &[u8; 32], head: &[u8], body: &[u8]) -> (u8, String) {
+    let mut c = tokio::net::TcpStream::connect(data).await.expect("connect");
+    c.write_all(tag).await.expect("write");
+    c.write_all(head).await.expect("write");
+    // The listener may refuse before it reads everything: a failed write is fine.
+    let _ = c.write_all(body).await;
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), c.read_to_end(&mut answer))
+        .await
+        .expect("answer in time");
+    let status = *answer.first().expect("an answer");
+    (status, String::from_utf8_lossy(&answer).into_owned())
+}
+
+/// A decode call for `pair` (a KV set expected, `key` its pair key), run until its stream ends:
+/// the token ids, or the status it failed with.
+async fn decode_pair(
+    d: &str,
+    pair: u64,
+    prompt: &[u32],
+    key: &[u8],
+) -> Result<Vec<u32>, tonic::Status> {
+    let mut events = client(d)
+        .await
+        .decode(pb::DecodeRequest {
+            pair_id: pair,
+            input_ids: prompt.to_vec(),
+            sampling: Some(pb::Sampling {
+                max_tokens: 4,
+                ..Default::default()
+            }),
+            expect_kv: true,
+            cache_salt: None,
+            kv_key: key.to_vec(),
+        })
+        .await?
+        .into_inner();
+    let mut ids = Vec::new();
+    while let Some(ev) = events.message().await? {
+        if let Some(pb::decode_event::Event::Token(t)) = ev.event {
+            ids.push(t.id);
+        }
+    }
+    Ok(ids)
+}
+
+fn prefill_req(pair: u64, prompt: &[u32], decode: &str, key: &[u8]) -> pb::PrefillRequest {
+    pb::PrefillRequest {
+        pair_id: pair,
+        input_ids: prompt.to_vec(),
+        decode_endpoint: format!("http://{decode}"),
+        cache_salt: None,
+        kv_key: key.to_vec(),
+    }
+}
+
+/// One whole pair straight through the workers: the decode call and the prefill at once.
+async fn run_pair(p: &str, d: &str, pair: u64, prompt: &[u32]) -> Vec<u32> {
+    let key = [pair as u8; 32];
+    let (dec, pre) = tokio::join!(decode_pair(d, pair, prompt, &key), async {
+        client(p)
+            .await
+            .prefill(prefill_req(pair, prompt, d, &key))
+            .await
+    });
+    pre.unwrap_or_else(|e| panic!("pair {pair}: prefill: {e:?}"));
+    let ids = dec.unwrap_or_else(|e| panic!("pair {pair}: decode: {e:?}"));
+    assert_eq!(ids.len(), 4, "pair {pair}");
+    ids
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_pair_key_holder_can_feed_a_decode_and_pushes_go_only_to_decode_workers() {
+    use lockstep_engine::transfer::{KvManifest, wire};
+    let Some(model) = model_path() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = worker_config(dir.path(), "worker.toml", &model, "", "");
+    let (p, d) = tokio::join!(worker("prefill", &cfg), worker("decode", &cfg));
+    let prompt: Vec<u32> = (0..40).map(|i| 200 + i).collect();
+    let reference = run_pair(&p.addr, &d.addr, 30, &prompt).await;
+
+    // A decode call waits for pair 31 (key K). Someone on the worker network pushes a set for
+    // pair 31 first, well formed but signed with another key: refused as a forgery, and the
+    // decode keeps waiting for the real one.
+    let key = [31u8; 32];
+    let waiting = tokio::spawn({
+        let (d, prompt) = (d.addr.clone(), prompt.clone());
+        async move { decode_pair(&d, 31, &prompt, &key).await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let c = capacity(&d.addr).await;
+    let mut m = KvManifest {
+        pair_id: 31,
+        model: lockstep_engine::transfer::ModelFingerprint(c.model_fingerprint),
+        tokens: 39,
+        page_size: 16,
+        dtype: lockstep_engine::pool::KvDtype::F16,
+        page_count: 3,
+        page_checksums: vec![0; 3],
+        manifest_checksum: 0,
+    };
+    m.manifest_checksum = m.compute_checksum();
+    let data = format!("127.0.0.1:{}", c.kv_data_port);
+    let (status, msg) = raw_push(&data, &[9; 32], &wire::head(&m, 0), &[]).await;
+    assert_eq!(status, 1, "refused: {msg}");
+    assert!(msg.contains("MAC"), "{msg}");
+    // The real prefill, with the pair's key, feeds it: same tokens as an undisturbed pair.
+    client(&p.addr)
+        .await
+        .prefill(prefill_req(31, &prompt, &d.addr, &key))
+        .await
+        .expect("prefill");
+    let ids = waiting.await.expect("join").expect("decode");
+    assert_eq!(ids, reference, "greedy: the forgery changed nothing");
+
+    // A decode endpoint that is not a decode worker of this model gets nothing pushed (here the
+    // prefill worker itself); no key, or a short one, is refused on both sides.
+    let err = client(&p.addr)
+        .await
+        .prefill(prefill_req(32, &prompt, &p.addr, &[32; 32]))
+        .await
+        .expect_err("not a decode worker");
+    assert!(err.message().contains("not a decode worker"), "{err:?}");
+    for key in [Vec::new(), vec![1; 16]] {
+        let err = client(&p.addr)
+            .await
+            .prefill(prefill_req(33, &prompt, &d.addr, &key))
+            .await
+            .expect_err("no key");
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+        let err = decode_pair(&d.addr, 33, &prompt, &key)
+            .await
+            .expect_err("no key");
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    }
+    wait_idle(&p.addr).await;
+    wait_idle(&d.addr).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_worker_restarted_in_place_is_reached_without_restarting_prefill_workers() {
+    let Some(model) = model_path() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = worker_config(dir.path(), "worker.toml", &model, "", "");
+    let (p, mut d) = tokio::join!(worker("prefill", &cfg), worker("decode", &cfg));
+    let prompt: Vec<u32> = (0..40).map(|i| 300 + i).collect();
+    let before = run_pair(&p.addr, &d.addr, 40, &prompt).await;
+    let old_port = capacity(&d.addr).await.kv_data_port;
+    // Kill it; a new decode worker comes up on the same service address, its data listener on
+    // another port.
+    d.child.kill().await.expect("kill");
+    let addr = d.addr.clone();
+    let d2 = spawn(
+        &[
+            "worker",
+            "--role",
+            "decode",
+            "--config",
+            cfg.to_str().expect("utf-8"),
+            "--listen",
+            &addr,
+        ],
+        "worker listening",
+    )
+    .await;
+    assert_eq!(d2.addr, addr);
+    assert_ne!(capacity(&addr).await.kv_data_port, old_port);
+    // The prefill worker's cached address is stale: it asks again within the same push.
+    let after = run_pair(&p.addr, &addr, 41, &prompt).await;
+    assert_eq!(after, before);
+    wait_idle(&p.addr).await;
+    wait_idle(&addr).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_kv_data_listener_refuses_malformed_sets_and_keeps_nothing() {
     use lockstep_engine::pool::KvDtype;
     use lockstep_engine::transfer::{KvManifest, ModelFingerprint, wire};
     let Some(model) = model_path() else { return };
     let dir = tempfile::tempdir().expect("tempdir");
-    let cfg = worker_config(dir.path(), "worker.toml", &model, "", "");
+    // Pushed KV may hold at most two pages' bytes (SmolLM2 f16, 16-token pages).
+    let page = 30 * 3 * 64 * 2 * 16 * 2;
+    let cfg = worker_config(
+        dir.path(),
+        "worker.toml",
+        &model,
+        &format!("max_pending_kv_bytes = {}", 2 * page),
+        "",
+    );
     let d = worker("decode", &cfg).await;
     let port = capacity(&d.addr).await.kv_data_port;
     assert!(port > 0, "a decode worker has a KV data listener");
@@ -501,47 +689,255 @@ async fn the_kv_data_listener_refuses_malformed_sets_and_keeps_nothing() {
         m.manifest_checksum = m.compute_checksum();
         m
     };
+    let tag = [0u8; 32];
     // More pages than the pool holds: refused with a reason, before anything is read.
-    let mut c = tokio::net::TcpStream::connect(&data)
-        .await
-        .expect("connect");
     let mut head = wire::head(&manifest(2), 0);
     head[29..33].copy_from_slice(&1_000_000u32.to_le_bytes());
-    c.write_all(&head[..wire::HEAD_FIXED]).await.expect("write");
-    let mut answer = Vec::new();
-    tokio::time::timeout(Duration::from_secs(5), c.read_to_end(&mut answer))
-        .await
-        .expect("answer in time")
-        .expect("read");
-    assert_eq!(answer.first(), Some(&1), "refused");
-    assert!(String::from_utf8_lossy(&answer).contains("cannot fit"));
+    let (status, msg) = raw_push(&data, &tag, &head[..wire::HEAD_FIXED], &[]).await;
+    assert_eq!(status, 1, "refused: {msg}");
+    assert!(msg.contains("cannot fit"), "{msg}");
     // More pages sent than the manifest names: refused.
+    let (status, _) = raw_push(&data, &tag, &wire::head(&manifest(1), 2), &[]).await;
+    assert_eq!(status, 1, "refused");
+    // A page of another size than the model's: refused before its bytes are read.
+    let mut ph = [0u8; wire::PAGE_HEAD];
+    ph[4..12].copy_from_slice(&5u64.to_le_bytes());
+    ph[12..].copy_from_slice(&(64u32 << 20).to_le_bytes());
+    let (status, msg) = raw_push(&data, &tag, &wire::head(&manifest(1), 1), &ph).await;
+    assert_eq!(status, 1, "refused: {msg}");
+    assert!(msg.contains("bytes"), "{msg}");
+    // Three pages' bytes would exceed the two-page bound: busy (retry-safe), nothing read.
+    let (status, msg) = raw_push(&data, &tag, &wire::head(&manifest(3), 3), &[]).await;
+    assert_eq!(status, 2, "busy: {msg}");
+    assert!(msg.contains("bound"), "{msg}");
+    // The same bound on the gRPC push: RESOURCE_EXHAUSTED before any page.
+    let m = manifest(3);
+    let first = pb::KvPush {
+        item: Some(pb::kv_push::Item::Manifest(pb::KvManifest {
+            pair_id: m.pair_id,
+            model_fingerprint: m.model.0,
+            tokens: m.tokens,
+            page_size: 16,
+            dtype: 1,
+            page_count: 3,
+            page_checksums: m.page_checksums.clone(),
+            manifest_checksum: m.manifest_checksum,
+            mac: vec![0; 32],
+        })),
+    };
+    let err = client(&d.addr)
+        .await
+        .push_kv(futures_util::stream::iter(vec![first]))
+        .await
+        .expect_err("over the bound");
+    assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
+    // A set cut off inside a page: nothing is kept, its reservation given back.
+    let mut ph = [0u8; wire::PAGE_HEAD];
+    ph[4..12].copy_from_slice(&5u64.to_le_bytes());
+    ph[12..].copy_from_slice(&(page as u32).to_le_bytes());
     let mut c = tokio::net::TcpStream::connect(&data)
         .await
         .expect("connect");
-    c.write_all(&wire::head(&manifest(1), 2))
-        .await
-        .expect("write");
-    let mut answer = Vec::new();
-    tokio::time::timeout(Duration::from_secs(5), c.read_to_end(&mut answer))
-        .await
-        .expect("answer in time")
-        .expect("read");
-    assert_eq!(answer.first(), Some(&1), "refused");
-    // A set cut off inside a page: nothing is kept.
-    let mut c = tokio::net::TcpStream::connect(&data)
-        .await
-        .expect("connect");
+    c.write_all(&tag).await.expect("write");
     c.write_all(&wire::head(&manifest(1), 1))
         .await
         .expect("write");
-    let mut ph = [0u8; wire::PAGE_HEAD];
-    ph[4..12].copy_from_slice(&5u64.to_le_bytes());
-    ph[12..].copy_from_slice(&4096u32.to_le_bytes());
     c.write_all(&ph).await.expect("write");
     c.write_all(&[7u8; 100]).await.expect("write");
     drop(c);
     tokio::time::sleep(Duration::from_millis(200)).await;
-    assert_eq!(capacity(&d.addr).await.pending_kv_sets, 0);
+    let c = capacity(&d.addr).await;
+    assert_eq!((c.pending_kv_sets, c.pending_kv_bytes), (0, 0));
     wait_idle(&d.addr).await;
+}
+
+/// A CA, and leaf certificates (for 127.0.0.1 and localhost) it signs, as PEM files in `dir`.
+struct Ca {
+    issuer: rcgen::CertifiedIssuer<'static, rcgen::KeyPair>,
+    pem: PathBuf,
+}
+
+impl Ca {
+    fn new(dir: &Path, name: &str) -> Ca {
+        let mut p = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
+        p.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        let issuer =
+            rcgen::CertifiedIssuer::self_signed(p, rcgen::KeyPair::generate().expect("key"))
+                .expect("CA");
+        let pem = dir.join(format!("{name}-ca.pem"));
+        std::fs::write(&pem, issuer.pem()).expect("write");
+        Ca { issuer, pem }
+    }
+
+    /// A leaf's files: (cert, key, this CA).
+    fn leaf(&self, dir: &Path, name: &str) -> lockstep_serve::tls::PlaneTlsFiles {
+        let key = rcgen::KeyPair::generate().expect("key");
+        let cert = rcgen::CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".into()])
+            .expect("params")
+            .signed_by(&key, &self.issuer)
+            .expect("cert");
+        let (c, k) = (
+            dir.join(format!("{name}.pem")),
+            dir.join(format!("{name}-key.pem")),
+        );
+        std::fs::write(&c, cert.pem()).expect("write");
+        std::fs::write(&k, key.serialize_pem()).expect("write");
+        lockstep_serve::tls::PlaneTlsFiles {
+            cert_file: c,
+            key_file: k,
+            ca_file: self.pem.clone(),
+        }
+    }
+}
+
+fn tls_table(f: &lockstep_serve::tls::PlaneTlsFiles) -> String {
+    format!(
+        "tls = {{ cert_file = \"{}\", key_file = \"{}\", ca_file = \"{}\" }}",
+        f.cert_file.display(),
+        f.key_file.display(),
+        f.ca_file.display()
+    )
+}
+
+/// `Capacity` from a worker over the plane's TLS with `files` as this client's identity.
+async fn tls_capacity(
+    addr: &str,
+    files: &lockstep_serve::tls::PlaneTlsFiles,
+) -> Result<pb::CapacityResponse, tonic::Status> {
+    let plane = lockstep_serve::tls::PlaneTls::load(files).expect("client TLS files");
+    let ch = lockstep_serve::tls::worker_channel(
+        &format!("https://{addr}"),
+        Duration::from_secs(5),
+        Some(&plane),
+    )
+    .expect("channel");
+    let mut req = tonic::Request::new(pb::CapacityRequest {});
+    req.set_timeout(Duration::from_secs(5));
+    WorkerClient::new(ch)
+        .capacity(req)
+        .await
+        .map(tonic::Response::into_inner)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_worker_plane_is_mutual_tls_end_to_end_and_rotates_on_sighup() {
+    let Some(model) = model_path() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ca = Ca::new(dir.path(), "plane");
+    let (wfiles, rfiles) = (ca.leaf(dir.path(), "worker"), ca.leaf(dir.path(), "router"));
+    let wcfg = worker_config(dir.path(), "worker.toml", &model, &tls_table(&wfiles), "");
+    let (p, d) = tokio::join!(worker("prefill", &wcfg), worker("decode", &wcfg));
+
+    // A router with the plane's TLS serves through them: the prefill pushes to the decode worker
+    // over the data listener's TLS.
+    let text = model_section(
+        "lockstep",
+        &model,
+        &format!(
+            "[models.prefill]\nworkers = [{{ url = \"https://{}\" }}]\n\n[models.decode]\nworkers = [{{ url = \"https://{}\" }}]\n",
+            p.addr, d.addr
+        ),
+    ) + &format!("\n[worker_plane]\n{}\n", tls_table(&rfiles));
+    let rp = dir.path().join("router.toml");
+    std::fs::write(&rp, text).expect("write");
+    let r = spawn(
+        &["serve", "--config", rp.to_str().expect("utf-8")],
+        "lockstep listening",
+    )
+    .await;
+    let (status, body) = post(&r.addr, "/v1/completions", &completion(PROMPTS[0], 6)).await;
+    assert_eq!(status, 200, "{body}");
+    assert!(!text_of(&body).is_empty());
+    let port = tls_capacity(&d.addr, &rfiles)
+        .await
+        .expect("the router's identity is accepted")
+        .kv_data_port;
+
+    // No certificate from the plane's CA, no service: plaintext h2c, and a client certificate
+    // from another CA (trusting the right one), are both turned away.
+    let mut plain = tonic::transport::Endpoint::from_shared(format!("http://{}", d.addr))
+        .expect("endpoint")
+        .connect_timeout(Duration::from_secs(5))
+        .connect_lazy();
+    let mut req = tonic::Request::new(pb::CapacityRequest {});
+    req.set_timeout(Duration::from_secs(5));
+    assert!(
+        WorkerClient::new(&mut plain).capacity(req).await.is_err(),
+        "plaintext refused"
+    );
+    let rogue_ca = Ca::new(dir.path(), "rogue");
+    let mut rogue = rogue_ca.leaf(dir.path(), "rogue");
+    rogue.ca_file = ca.pem.clone();
+    assert!(
+        tls_capacity(&d.addr, &rogue).await.is_err(),
+        "a certificate from another CA is refused"
+    );
+    // The KV data listener too: a plaintext push gets no answer of the data protocol.
+    let mut c = tokio::net::TcpStream::connect(format!("127.0.0.1:{port}"))
+        .await
+        .expect("connect");
+    let _ = c.write_all(&[0u8; 32 + 33]).await;
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), c.read_to_end(&mut answer)).await;
+    assert!(
+        answer.is_empty() || answer[0] == 0x15,
+        "a TLS alert or nothing, never a data-protocol answer: {answer:?}"
+    );
+
+    // Rotation: the decode worker's files now hold a new CA's certificate; after SIGHUP new
+    // connections need the new CA, and the old identity is refused.
+    let next = Ca::new(dir.path(), "next");
+    let nfiles = next.leaf(dir.path(), "next-worker");
+    for (from, to) in [
+        (&nfiles.cert_file, &wfiles.cert_file),
+        (&nfiles.key_file, &wfiles.key_file),
+        (&nfiles.ca_file, &wfiles.ca_file),
+    ] {
+        std::fs::copy(from, to).expect("rotate");
+    }
+    let pid = d.child.id().expect("pid").to_string();
+    let hup = std::process::Command::new("kill")
+        .args(["-HUP", &pid])
+        .status()
+        .expect("kill -HUP");
+    assert!(hup.success());
+    let client = next.leaf(dir.path(), "next-client");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while tls_capacity(&d.addr, &client).await.is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "the rotated certificate is served"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        tls_capacity(&d.addr, &rfiles).await.is_err(),
+        "the old CA is out"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_refuses_plaintext_on_a_non_loopback_address() {
+    let Some(model) = model_path() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = worker_config(dir.path(), "w.toml", &model, "", "");
+    let out = tokio::time::timeout(
+        Duration::from_secs(60),
+        tokio::process::Command::new(BIN)
+            .args(["worker", "--role", "decode", "--config"])
+            .arg(&cfg)
+            .args(["--listen", "0.0.0.0:0"])
+            .env("NO_COLOR", "1")
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("exits in time")
+    .expect("run");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("TLS is required") && err.contains("insecure_plaintext"),
+        "{err}"
+    );
 }

@@ -74,7 +74,9 @@ impl Lockstep {
         let app = crate::http::router(state.clone()).merge(grpc);
         let header_timeout = Duration::from_millis(cfg.server.header_timeout_ms);
         let tls = match (&cfg.server.tls_cert_file, &cfg.server.tls_key_file) {
-            (Some(c), Some(k)) => Some(lockstep_serve::tls::server_config(c, k)?),
+            (Some(c), Some(k)) => Some(lockstep_serve::tls::ServerTls::Fixed(
+                lockstep_serve::tls::server_config(c, k)?,
+            )),
             _ => None,
         };
         tasks.push(tokio::spawn(serve_http(

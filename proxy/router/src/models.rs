@@ -43,6 +43,7 @@ pub fn remote_backend(m: &ModelConfig, client: &UpstreamClient) -> Option<Arc<dy
         )),
         BackendKind::Lockstep => Arc::new(crate::backend::lockstep::LockstepBackend::new(
             client.connect_timeout(),
+            client.plane().cloned(),
         )),
         BackendKind::Embedded => return None,
     })
@@ -95,6 +96,8 @@ pub(crate) async fn build_models(
     if !problems.is_empty() {
         return Err(crate::config::lines(&problems).join("\n"));
     }
+    // The worker plane's certificates are read again at every build (start and reload).
+    let client = &client.with_plane(&cfg.worker_plane)?;
     let mut models = Models::default();
     let mut errors = Vec::new();
     for m in &cfg.models {
@@ -137,8 +140,9 @@ pub(crate) async fn build_models(
                     limits.clone(),
                 )));
             }
+            let (b, c) = (backend.clone(), client.clone());
             models.health.push(tokio::spawn(health_loop(
-                client.clone(),
+                move |url: String, timeout| b.health(&c, &url, timeout),
                 workers,
                 m.health.clone(),
             )));

@@ -18,7 +18,7 @@ pub async fn serve_http(
     app: axum::Router,
     header_timeout: Duration,
     max_connections: usize,
-    tls: Option<Arc<tokio_rustls::rustls::ServerConfig>>,
+    tls: Option<crate::tls::ServerTls>,
     stop: tokio::sync::oneshot::Receiver<()>,
 ) {
     use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -35,7 +35,6 @@ pub async fn serve_http(
         .initial_stream_window_size(8 << 20)
         .initial_connection_window_size(16 << 20)
         .max_frame_size(1 << 20);
-    let acceptor = tls.map(tokio_rustls::TlsAcceptor::from);
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     // TLS handshakes run in their own tasks and hand the stream back here, so every connection is
     // watched by the one graceful-shutdown owner.
@@ -66,7 +65,7 @@ pub async fn serve_http(
                     }
                 };
                 let _ = stream.set_nodelay(true);
-                match &acceptor {
+                match &tls {
                     None => {
                         let svc = hyper_util::service::TowerToHyperService::new(app.clone());
                         let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
@@ -76,8 +75,11 @@ pub async fn serve_http(
                             drop(slot);
                         });
                     }
-                    Some(acceptor) => {
-                        let (acceptor, tx) = (acceptor.clone(), tls_tx.clone());
+                    Some(tls) => {
+                        // The current configuration: a plane certificate reloaded since start
+                        // applies to new connections.
+                        let acceptor = tokio_rustls::TlsAcceptor::from(tls.current());
+                        let tx = tls_tx.clone();
                         tokio::spawn(async move {
                             match tokio::time::timeout(header_timeout, acceptor.accept(stream)).await {
                                 Ok(Ok(t)) => {

@@ -18,6 +18,7 @@ use lockstep_engine::transfer::{KvManifest, KvTransfer, ModelFingerprint, PageDa
 use lockstep_proto::MAX_MESSAGE_BYTES;
 use lockstep_proto::v1 as pb;
 use lockstep_proto::v1::worker_client::WorkerClient;
+use lockstep_worker::kvmac::KvKey;
 use lockstep_worker::pb::push_messages;
 use lockstep_worker::{Role, RunningWorker, WorkerFile};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -38,7 +39,7 @@ fn arg(name: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
-fn set(pair_id: u64, pages: usize) -> KvTransfer {
+fn set(pair_id: u64, pages: usize, model: ModelFingerprint) -> KvTransfer {
     let mut seed = pair_id.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
     let pages: Vec<PageData> = (0..pages)
         .map(|i| {
@@ -60,7 +61,7 @@ fn set(pair_id: u64, pages: usize) -> KvTransfer {
         .collect();
     let mut manifest = KvManifest {
         pair_id,
-        model: ModelFingerprint(1),
+        model,
         tokens: (pages.len() * 16) as u64,
         page_size: 16,
         dtype: KvDtype::F16,
@@ -91,13 +92,24 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .connect()
         .await?;
     let mut client = WorkerClient::new(ch).max_encoding_message_size(MAX_MESSAGE_BYTES);
-    let transfers: Vec<KvTransfer> = (0..sets as u64 + 1).map(|i| set(i + 1, pages)).collect();
+    let model = ModelFingerprint(
+        client
+            .capacity(pb::CapacityRequest {})
+            .await?
+            .into_inner()
+            .model_fingerprint,
+    );
+    let transfers: Vec<KvTransfer> = (0..sets as u64 + 1)
+        .map(|i| set(i + 1, pages, model))
+        .collect();
+    // Any 32 bytes: nothing claims these sets; each is aborted after its push.
+    let key = KvKey::from_request(&[7; 32])?;
     let set_bytes = (pages * PAGE_BYTES) as f64;
 
     // gRPC push (first set warms the connection and is not counted).
     let mut grpc_s = 0.0;
     for (i, t) in transfers.iter().enumerate() {
-        let msgs = push_messages(t.clone());
+        let msgs = push_messages(t.clone(), &key.sign(&t.manifest));
         let pair_id = t.manifest.pair_id;
         let t0 = Instant::now();
         let ack = client.push_kv(tokio_stream::iter(msgs)).await?.into_inner();
@@ -114,7 +126,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     for (i, t) in transfers.iter().enumerate() {
         let pair_id = t.manifest.pair_id;
         let t0 = Instant::now();
-        prefill.service.push_set(&url, t.clone()).await?;
+        prefill.service.push_set(&url, t.clone(), &key).await?;
         let dt = t0.elapsed().as_secs_f64();
         client.abort(pb::WorkerAbortRequest { pair_id }).await?;
         if i > 0 {

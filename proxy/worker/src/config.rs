@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::path::Path;
 
 use lockstep_serve::engine_section::EngineSection;
+use lockstep_serve::tls::PlaneTlsFiles;
 use lockstep_serve::toml_file::{self, ConfigError, ConfigFile, Problem, Problems, Section};
 use serde::Deserialize;
 
@@ -62,6 +63,18 @@ pub struct WorkerSection {
     /// The KV data listener of a decode or unified worker (`host:0`: any free port on that
     /// host). Absent: the `listen` address's host, any free port. Bind it privately.
     pub kv_listen: Option<SocketAddr>,
+    /// Bytes of pushed KV that may wait for their decode calls at once (0: the pool's bytes);
+    /// past it a push is refused as busy (retry-safe: nothing kept).
+    pub max_pending_kv_bytes: u64,
+    /// Open connections on the KV data listener (prefill workers pool a few each).
+    pub max_data_connections: usize,
+    /// Mutual TLS on the worker plane (the service listener, the KV data listener, pushes to
+    /// peers): `cert_file`, `key_file`, `ca_file`. Reloaded on SIGHUP.
+    pub tls: Option<PlaneTlsFiles>,
+    /// Serve in plaintext on a non-loopback address. UNSAFE: anyone who reaches the worker can
+    /// run prefills and decodes, abort pairs and push KV. Without it, such a worker refuses to
+    /// start unless `tls` is set.
+    pub insecure_plaintext: bool,
 }
 
 /// How KV pages travel from a prefill worker to a decode worker.
@@ -83,6 +96,10 @@ impl Default for WorkerSection {
             log_level: "info".into(),
             kv_transport: KvTransport::Tcp,
             kv_listen: None,
+            max_pending_kv_bytes: 0,
+            max_data_connections: 256,
+            tls: None,
+            insecure_plaintext: false,
         }
     }
 }
@@ -90,6 +107,9 @@ impl Default for WorkerSection {
 impl ConfigFile for WorkerFile {
     fn resolve_paths(&mut self, base: &Path) {
         self.engine.resolve_paths(base);
+        if let Some(t) = &mut self.worker.tls {
+            t.resolve_paths(base);
+        }
     }
 
     fn problems(&self) -> Vec<Problem> {
@@ -114,10 +134,39 @@ impl WorkerFile {
     }
 }
 
+impl WorkerSection {
+    /// Why this worker may not serve as configured: plaintext on a non-loopback address without
+    /// `insecure_plaintext`.
+    pub fn plaintext_refusal(&self) -> Option<String> {
+        if self.tls.is_some() || self.insecure_plaintext {
+            return None;
+        }
+        let exposed: Vec<String> = std::iter::once(self.listen)
+            .chain(self.kv_listen)
+            .filter(|a| !a.ip().is_loopback())
+            .map(|a| a.to_string())
+            .collect();
+        (!exposed.is_empty()).then(|| {
+            format!(
+                "TLS is required: the worker would listen on {} (not loopback) in plaintext, where \
+                 anyone who reaches it could run and abort pairs and push KV. Set [worker.tls] \
+                 (cert_file, key_file, ca_file), or insecure_plaintext = true (UNSAFE)",
+                exposed.join(", ")
+            )
+        })
+    }
+}
+
 impl Section for WorkerSection {
     fn validate(&self, at: &str, out: &mut Problems) {
         if self.lease_ms == 0 {
             out.push(format!("{at}.lease_ms"), "must be greater than 0");
+        }
+        if self.max_data_connections == 0 {
+            out.push(
+                format!("{at}.max_data_connections"),
+                "must be greater than 0",
+            );
         }
         if self.connect_timeout_ms == 0 {
             out.push(format!("{at}.connect_timeout_ms"), "must be greater than 0");

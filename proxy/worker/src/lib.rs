@@ -16,13 +16,14 @@
 
 //!
 //! Modules: [`config`] (the worker's file), [`service`] (the gRPC service), [`rooms`] (where
-//! pushed sets wait), [`push`] and [`data`] (the KV data plane, both ends), [`pb`] (wire
+//! pushed sets wait), [`kvmac`] (the per-pair manifest MAC), [`push`] and [`data`] (the KV data plane, both ends), [`pb`] (wire
 //! conversions), [`run`] (listeners and background tasks). The router never depends on this crate
 //! (nor this crate on the router): they meet only through `lockstep-proto`. The crate map:
 //! `docs/ARCHITECTURE.md`.
 
 pub mod config;
 pub mod data;
+pub mod kvmac;
 pub mod pb;
 pub mod push;
 pub mod rooms;

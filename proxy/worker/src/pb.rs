@@ -8,6 +8,8 @@ use lockstep_engine::transfer::{KvManifest, KvTransfer, ModelFingerprint};
 use lockstep_proto::v1 as pb;
 use tonic::Status;
 
+use crate::kvmac::Tag;
+
 /// An engine error as a gRPC status (the router maps the code back to its own error).
 pub fn engine_status(e: EngineError) -> Status {
     match e {
@@ -21,8 +23,8 @@ pub fn engine_status(e: EngineError) -> Status {
     }
 }
 
-/// The manifest on the wire.
-pub fn manifest_to_pb(m: &KvManifest) -> pb::KvManifest {
+/// The manifest on the wire, with its MAC.
+pub fn manifest_to_pb(m: &KvManifest, tag: &Tag) -> pb::KvManifest {
     pb::KvManifest {
         pair_id: m.pair_id,
         model_fingerprint: m.model.0,
@@ -35,6 +37,7 @@ pub fn manifest_to_pb(m: &KvManifest) -> pb::KvManifest {
         page_count: m.page_count,
         page_checksums: m.page_checksums.clone(),
         manifest_checksum: m.manifest_checksum,
+        mac: tag.to_vec(),
     }
 }
 
@@ -56,12 +59,12 @@ pub fn manifest_from_pb(m: pb::KvManifest) -> Result<KvManifest, Status> {
     })
 }
 
-/// The messages of one KV push: the manifest, then each page.
-pub fn push_messages(t: KvTransfer) -> Vec<pb::KvPush> {
+/// The messages of one KV push: the manifest and its MAC, then each page.
+pub fn push_messages(t: KvTransfer, tag: &Tag) -> Vec<pb::KvPush> {
     use pb::kv_push::Item;
     let mut out = Vec::with_capacity(t.pages.len() + 1);
     out.push(pb::KvPush {
-        item: Some(Item::Manifest(manifest_to_pb(&t.manifest))),
+        item: Some(Item::Manifest(manifest_to_pb(&t.manifest, tag))),
     });
     out.extend(t.pages.into_iter().map(|p| pb::KvPush {
         item: Some(Item::Page(pb::KvPage {

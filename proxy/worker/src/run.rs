@@ -14,6 +14,9 @@ use crate::config::{Role, WorkerFile};
 use crate::data;
 use crate::service::WorkerService;
 
+/// Bound on a connection's TLS handshake and request headers.
+const HANDSHAKE: Duration = Duration::from_secs(10);
+
 /// The worker's routes: the gRPC service and `GET /health` (for HTTP health checkers).
 pub fn router(svc: Arc<WorkerService>) -> axum::Router {
     let health = svc.clone();
@@ -69,22 +72,47 @@ impl RunningWorker {
                 .map_err(|e| format!("cannot listen on {at} (KV data): {e}"))?;
             let data_addr = data.local_addr().map_err(|e| e.to_string())?;
             service.set_data_port(data_addr.port());
-            let (rooms, serving, total) = (
-                service.rooms().clone(),
-                service.serving_flag().clone(),
-                service.total_pages(),
-            );
+            let receiver = data::Receiver {
+                rooms: service.rooms().clone(),
+                serving: service.serving_flag().clone(),
+                total_pages: service.total_pages(),
+                page_bytes: service.page_bytes(),
+            };
+            // A slot first, then the connection: past the cap, new ones wait in the kernel's
+            // accept queue.
+            let slots = Arc::new(tokio::sync::Semaphore::new(
+                file.worker.max_data_connections,
+            ));
+            let tls = service.tls().cloned();
             tasks.push(tokio::spawn(async move {
                 loop {
+                    let Ok(slot) = slots.clone().acquire_owned().await else {
+                        return;
+                    };
                     match data.accept().await {
                         Ok((c, _)) => {
                             let _ = c.set_nodelay(true);
-                            tokio::spawn(data::serve_connection(
-                                c,
-                                rooms.clone(),
-                                serving.clone(),
-                                total,
-                            ));
+                            let r = receiver.clone();
+                            let tls = tls.clone();
+                            tokio::spawn(async move {
+                                match tls {
+                                    None => data::serve_connection(c, r).await,
+                                    Some(tls) => {
+                                        let accept =
+                                            tokio_rustls::TlsAcceptor::from(tls.server()).accept(c);
+                                        match tokio::time::timeout(HANDSHAKE, accept).await {
+                                            Ok(Ok(c)) => data::serve_connection(c, r).await,
+                                            Ok(Err(e)) => {
+                                                tracing::debug!(error = %e, "KV data: TLS handshake failed")
+                                            }
+                                            Err(_) => {
+                                                tracing::debug!("KV data: TLS handshake timed out")
+                                            }
+                                        }
+                                    }
+                                }
+                                drop(slot);
+                            });
                         }
                         Err(e) => {
                             tracing::warn!(error = %e, "KV data accept failed");
@@ -99,10 +127,12 @@ impl RunningWorker {
         let serve = tokio::spawn(serve_http(
             listener,
             router(service.clone()),
-            Duration::from_secs(10),
+            HANDSHAKE,
             // Routers and peer workers only: a handful of long-lived h2 connections.
             1_024,
-            None,
+            service
+                .tls()
+                .map(|t| lockstep_serve::tls::ServerTls::Plane(t.clone())),
             rx,
         ));
         let sweeper = {
@@ -122,7 +152,16 @@ impl RunningWorker {
                 }
             })
         };
-        tracing::info!(%addr, role = role.as_str(), "lockstep worker listening (gRPC, h2c)");
+        if service.tls().is_some() {
+            tracing::info!(%addr, role = role.as_str(), "lockstep worker listening (gRPC, h2 over mutual TLS)");
+        } else {
+            if file.worker.insecure_plaintext {
+                tracing::warn!(
+                    "worker.insecure_plaintext: the worker plane is unauthenticated and unencrypted (UNSAFE)"
+                );
+            }
+            tracing::info!(%addr, role = role.as_str(), "lockstep worker listening (gRPC, h2c)");
+        }
         tasks.push(sweeper);
         tasks.push(serve);
         Ok(RunningWorker {

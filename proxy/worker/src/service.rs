@@ -18,9 +18,10 @@ use lockstep_proto::v1::worker_server::Worker;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::config::{Role, WorkerFile};
+use crate::kvmac::{KEY_BYTES, KvKey, Tag};
 use crate::pb::{decode_event, engine_status, manifest_from_pb, sampling_from_pb};
 use crate::push::KvPusher;
-use crate::rooms::Rooms;
+use crate::rooms::{PendingSet, Refusal, Rooms};
 
 /// The worker service over one engine.
 pub struct WorkerService {
@@ -36,6 +37,8 @@ pub struct WorkerService {
     serving: Arc<AtomicBool>,
     /// The KV data listener's port (0: none).
     data_port: AtomicU32,
+    /// Mutual TLS on the worker plane, where configured.
+    tls: Option<Arc<lockstep_serve::tls::PlaneTls>>,
 }
 
 impl std::fmt::Debug for WorkerService {
@@ -71,6 +74,15 @@ impl Drop for AbortOnDrop<'_> {
 impl WorkerService {
     /// Loads the model and starts the engine for `role`.
     pub fn start(role: Role, file: &WorkerFile) -> Result<WorkerService, String> {
+        if let Some(why) = file.worker.plaintext_refusal() {
+            return Err(why);
+        }
+        let tls = match &file.worker.tls {
+            Some(f) => {
+                Some(lockstep_serve::tls::PlaneTls::load(f).map_err(|e| format!("worker.{e}"))?)
+            }
+            None => None,
+        };
         let e = &file.engine;
         let path = lockstep_serve::model_file::ensure_model(e.model_file())?;
         let device = e.device().map_err(|err| format!("engine.{err}"))?;
@@ -83,22 +95,48 @@ impl WorkerService {
         if faults.is_some() {
             tracing::warn!(fault = ?e.fault, "KV push FAULT INJECTION is on: unsafe, for tests only");
         }
+        let pool_bytes =
+            engine.page_bytes() as u64 * engine.stats().total_pages.load(Ordering::Relaxed) as u64;
+        let max_pending = match file.worker.max_pending_kv_bytes {
+            0 => pool_bytes,
+            n => n,
+        };
         Ok(WorkerService {
             role,
             engine,
             fingerprint,
             page_size: e.page_size as u32,
-            rooms: Arc::new(Rooms::new(Duration::from_millis(file.worker.lease_ms))),
+            rooms: Arc::new(Rooms::new(
+                Duration::from_millis(file.worker.lease_ms),
+                max_pending,
+            )),
             pusher: KvPusher::new(
                 file.worker.kv_transport,
                 Duration::from_millis(file.worker.connect_timeout_ms),
+                fingerprint,
+                tls.clone(),
             ),
             faults,
             pairs: AtomicU64::new(0),
             swap_stash: Mutex::new(None),
             serving: Arc::new(AtomicBool::new(true)),
             data_port: AtomicU32::new(0),
+            tls,
         })
+    }
+
+    /// The worker plane's mutual TLS, where configured.
+    pub fn tls(&self) -> Option<&Arc<lockstep_serve::tls::PlaneTls>> {
+        self.tls.as_ref()
+    }
+
+    /// Reads the plane's certificate files again (SIGHUP): new connections, both ways, use the
+    /// new ones; on an error the old ones stay.
+    pub fn reload_tls(&self) -> Result<(), String> {
+        match &self.tls {
+            Some(t) => t.reload(),
+            None => Ok(()),
+        }
     }
 
     /// The engine's live counters.
@@ -121,12 +159,20 @@ impl WorkerService {
         if !self.serving.load(Ordering::Acquire) {
             return Err(Status::unavailable("worker is draining"));
         }
+        if !self.engine.is_alive() {
+            return Err(Status::unavailable("the worker's engine has stopped"));
+        }
         Ok(())
     }
 
-    /// Whether it takes new pairs.
+    /// Whether it takes new pairs: not draining, and the engine thread alive.
     pub fn is_serving(&self) -> bool {
-        self.serving.load(Ordering::Acquire)
+        self.serving.load(Ordering::Acquire) && self.engine.is_alive()
+    }
+
+    /// Bytes in one KV page of this worker's model and pool.
+    pub fn page_bytes(&self) -> usize {
+        self.engine.page_bytes()
     }
 
     /// The rooms (for the data listener).
@@ -154,13 +200,14 @@ impl WorkerService {
         self.rooms.sweep()
     }
 
-    /// Pushes a set to the decode worker at `endpoint` the way a prefill does (benchmarks).
-    pub async fn push_set(&self, endpoint: &str, t: KvTransfer) -> Result<(), String> {
-        let peer = self
-            .pusher
-            .peer(endpoint)
-            .map_err(|s| s.message().to_string())?;
-        self.pusher.push(peer, endpoint, t).await
+    /// Pushes a set, signed with `key`, to the decode worker at `endpoint` the way a prefill
+    /// does (benchmarks, tests).
+    pub async fn push_set(&self, endpoint: &str, t: KvTransfer, key: &KvKey) -> Result<(), String> {
+        let tag = key.sign(&t.manifest);
+        self.pusher
+            .push(endpoint, &t, &tag)
+            .await
+            .map_err(|e| e.message)
     }
 
     fn injected_fault(&self) -> Option<Fault> {
@@ -171,6 +218,17 @@ impl WorkerService {
                     .is_multiple_of(f.every.max(1))
             })
             .map(|f| f.fault)
+    }
+}
+
+/// A room's refusal as a status: busy is retry-safe (RESOURCE_EXHAUSTED), a forgery is a
+/// verification failure (DATA_LOSS).
+fn refusal_status(r: Refusal) -> Status {
+    match r {
+        Refusal::Busy(_) => Status::resource_exhausted(r.to_string()),
+        Refusal::Forged => Status::data_loss(r.to_string()),
+        Refusal::Invalid(_) => Status::invalid_argument(r.to_string()),
+        Refusal::Closed => Status::aborted(r.to_string()),
     }
 }
 
@@ -187,7 +245,7 @@ impl Worker for WorkerService {
         if r.input_ids.is_empty() {
             return Err(Status::invalid_argument("empty prompt"));
         }
-        let peer = self.pusher.peer(&r.decode_endpoint)?;
+        let key = KvKey::from_request(&r.kv_key)?;
         let n = r.input_ids.len();
         let head: Arc<[u32]> = r.input_ids[..n - 1].into();
         let (tx, rx) = tokio::sync::oneshot::channel::<KvTransfer>();
@@ -216,17 +274,22 @@ impl Worker for WorkerService {
         if let Some(f) = fault {
             f.apply(&mut t, &self.swap_stash);
         }
+        // Signed as sent (an injected fault is the wire's or a bug's, which the decode's own
+        // verification must catch).
+        let tag = key.sign(&t.manifest);
         let pushed = tokio::time::timeout(
             self.rooms.lease(),
-            self.pusher.push(peer, &r.decode_endpoint, t),
+            self.pusher.push(&r.decode_endpoint, &t, &tag),
         )
         .await
-        .unwrap_or_else(|_| Err("timed out (lease)".into()));
+        .unwrap_or_else(|_| {
+            Err(crate::push::PushError {
+                busy: false,
+                message: "timed out (lease)".into(),
+            })
+        });
         if let Err(e) = pushed {
-            return Err(Status::unavailable(format!(
-                "KV push to {} failed: {e}",
-                r.decode_endpoint
-            )));
+            return Err(e.status(&r.decode_endpoint));
         }
         if fault == Some(Fault::RejectWithDecoy) {
             return Err(Status::invalid_argument(
@@ -253,12 +316,22 @@ impl Worker for WorkerService {
             return Err(Status::invalid_argument("empty prompt"));
         }
         let kv = if r.expect_kv {
-            let room = self.rooms.room(r.pair_id);
-            let got = tokio::time::timeout(self.rooms.lease(), room.take()).await;
+            let key = KvKey::from_request(&r.kv_key)?;
+            let room = self.rooms.room(r.pair_id).map_err(refusal_status)?;
+            let got = tokio::time::timeout(self.rooms.lease(), room.take(key)).await;
             self.rooms.remove(r.pair_id);
             match got {
-                Ok(Some(t)) => Some(t),
-                Ok(None) => return Err(Status::aborted("pair aborted before its KV arrived")),
+                Ok(Ok((t, forged))) => {
+                    if forged > 0 {
+                        tracing::warn!(
+                            pair = r.pair_id,
+                            sets = forged,
+                            "dropped KV sets pushed for this pair without its MAC (forged or replayed)"
+                        );
+                    }
+                    Some(t)
+                }
+                Ok(Err(_)) => return Err(Status::aborted("pair aborted before its KV arrived")),
                 Err(_) => {
                     return Err(Status::deadline_exceeded(format!(
                         "no KV arrived for pair {} within the lease ({} ms)",
@@ -300,10 +373,17 @@ impl Worker for WorkerService {
         use pb::kv_push::Item;
         self.admit(&[Role::Decode, Role::Unified], "KV pushes")?;
         let mut s = req.into_inner();
-        let manifest = match s.message().await? {
+        let (manifest, tag) = match s.message().await? {
             Some(pb::KvPush {
                 item: Some(Item::Manifest(m)),
-            }) => manifest_from_pb(m)?,
+            }) => {
+                let tag = Tag::try_from(m.mac.as_slice()).map_err(|_| {
+                    Status::invalid_argument(format!(
+                        "a KV manifest carries its {KEY_BYTES}-byte MAC"
+                    ))
+                })?;
+                (manifest_from_pb(m)?, tag)
+            }
             _ => {
                 return Err(Status::invalid_argument(
                     "a KV push starts with its manifest",
@@ -317,10 +397,21 @@ impl Worker for WorkerService {
                 manifest.page_count
             )));
         }
+        let page_bytes = self.page_bytes();
+        let hold = self
+            .rooms
+            .reserve(u64::from(manifest.page_count) * page_bytes as u64)
+            .map_err(refusal_status)?;
         let mut pages = Vec::with_capacity(manifest.page_count as usize);
         let mut bytes = 0u64;
         while let Some(m) = s.message().await? {
             match m.item {
+                Some(Item::Page(p)) if p.data.len() != page_bytes => {
+                    return Err(Status::invalid_argument(format!(
+                        "a {}-byte page; this model's pages have {page_bytes} bytes",
+                        p.data.len()
+                    )));
+                }
                 Some(Item::Page(p)) if pages.len() < manifest.page_count as usize => {
                     bytes += p.data.len() as u64;
                     pages.push(PageData {
@@ -337,9 +428,19 @@ impl Worker for WorkerService {
                 _ => return Err(Status::invalid_argument("a second manifest in one push")),
             }
         }
-        // Verification happens on import, against the decode call's own expectation.
+        // The MAC is checked against the pair's key (now, or when its decode call brings it);
+        // the rest on import, against the decode call's own expectation.
         let pair = manifest.pair_id;
-        self.rooms.room(pair).put(KvTransfer { manifest, pages });
+        self.rooms
+            .room(pair)
+            .and_then(|room| {
+                room.put(PendingSet {
+                    set: KvTransfer { manifest, pages },
+                    tag,
+                    hold,
+                })
+            })
+            .map_err(refusal_status)?;
         Ok(Response::new(pb::KvPushAck { bytes }))
     }
 
@@ -360,6 +461,7 @@ impl Worker for WorkerService {
             model_fingerprint: self.fingerprint.0,
             kv_capacity_tokens: u64::from(total) * u64::from(self.page_size),
             kv_data_port: self.data_port.load(Ordering::Relaxed),
+            pending_kv_bytes: self.rooms.pending_bytes(),
         }))
     }
 
@@ -368,7 +470,7 @@ impl Worker for WorkerService {
         _req: Request<pb::HealthRequest>,
     ) -> Result<Response<pb::HealthResponse>, Status> {
         Ok(Response::new(pb::HealthResponse {
-            serving: self.serving.load(Ordering::Acquire),
+            serving: self.is_serving(),
         }))
     }
 }

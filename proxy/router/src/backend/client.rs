@@ -24,6 +24,8 @@ type Connector = hyper_rustls::HttpsConnector<HttpConnector>;
 pub struct UpstreamClient {
     inner: Client<Connector, Full<Bytes>>,
     connect_timeout: Duration,
+    /// Mutual TLS to lockstep workers (`[worker_plane.tls]`), read at start and every reload.
+    plane: Option<std::sync::Arc<lockstep_serve::tls::PlaneTls>>,
 }
 
 impl CallError {
@@ -98,12 +100,35 @@ impl UpstreamClient {
         UpstreamClient {
             inner,
             connect_timeout,
+            plane: None,
         }
     }
 
     /// The bound on connecting to a worker.
     pub fn connect_timeout(&self) -> Duration {
         self.connect_timeout
+    }
+
+    /// This client with the worker plane's TLS read from `cfg` (none where it has none).
+    pub fn with_plane(
+        &self,
+        cfg: &crate::config::WorkerPlaneConfig,
+    ) -> Result<UpstreamClient, String> {
+        let plane = match &cfg.tls {
+            Some(f) => Some(
+                lockstep_serve::tls::PlaneTls::load(f).map_err(|e| format!("worker_plane.{e}"))?,
+            ),
+            None => None,
+        };
+        Ok(UpstreamClient {
+            plane,
+            ..self.clone()
+        })
+    }
+
+    /// The worker plane's TLS, where configured.
+    pub fn plane(&self) -> Option<&std::sync::Arc<lockstep_serve::tls::PlaneTls>> {
+        self.plane.as_ref()
     }
 
     /// Sends a request and returns the response head (the body streams).

@@ -22,21 +22,28 @@ use super::{
     PdBackend, PrefillReport, SamplingParams, Side,
 };
 use crate::config::ModelConfig;
-use lockstep_proto::{MAX_MESSAGE_BYTES, worker_channel};
+use lockstep_proto::MAX_MESSAGE_BYTES;
+use lockstep_serve::tls::{PlaneTls, worker_channel};
 
 /// The backend over lockstep workers.
 #[derive(Debug, Clone)]
 pub struct LockstepBackend {
     clients: std::sync::Arc<DashMap<String, WorkerClient<Channel>>>,
     connect_timeout: Duration,
+    tls: Option<std::sync::Arc<PlaneTls>>,
 }
 
 impl LockstepBackend {
-    /// A backend whose connections to workers are bounded by `connect_timeout`.
-    pub fn new(connect_timeout: Duration) -> LockstepBackend {
+    /// A backend whose connections to workers are bounded by `connect_timeout`, over the
+    /// worker plane's mutual TLS when `tls` is set (`https://` workers).
+    pub fn new(
+        connect_timeout: Duration,
+        tls: Option<std::sync::Arc<PlaneTls>>,
+    ) -> LockstepBackend {
         LockstepBackend {
             clients: Default::default(),
             connect_timeout,
+            tls,
         }
     }
 
@@ -45,11 +52,29 @@ impl LockstepBackend {
         if let Some(c) = self.clients.get(url) {
             return Ok(c.clone());
         }
-        let c = WorkerClient::new(worker_channel(url, self.connect_timeout)?)
-            .max_decoding_message_size(MAX_MESSAGE_BYTES);
+        let c = WorkerClient::new(worker_channel(
+            url,
+            self.connect_timeout,
+            self.tls.as_ref(),
+        )?)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES);
         self.clients.insert(url.to_string(), c.clone());
         Ok(c)
     }
+}
+
+/// The pair's KV key, given to both of its workers: the prefill signs the manifest it pushes
+/// with it, the decode imports only a set that verifies (`lockstep-worker`'s `kvmac`). Derived,
+/// HMAC-SHA256, from a secret drawn at process start and the pair id (ids are never reused), so it
+/// is fresh per pair, the same for both halves and for aborts, and unguessable off this process.
+fn kv_key(pair: u64) -> Vec<u8> {
+    use hmac::Mac;
+    static SECRET: std::sync::OnceLock<[u8; 32]> = std::sync::OnceLock::new();
+    let secret = SECRET.get_or_init(rand::random);
+    let mut h = <hmac::Hmac<sha2::Sha256> as Mac>::new_from_slice(secret).expect("any key");
+    h.update(b"lockstep pair kv key\0");
+    h.update(&pair.to_le_bytes());
+    h.finalize().into_bytes().to_vec()
 }
 
 /// A request with the current span's trace context in its metadata.
@@ -123,6 +148,7 @@ impl PdBackend for LockstepBackend {
             input_ids: d.input_ids.to_vec(),
             decode_endpoint: d.decode.url.clone(),
             cache_salt: Some(d.cache_salt()),
+            kv_key: kv_key(d.pair_id.raw()),
         };
         let req = traced(req);
         async move {
@@ -149,6 +175,7 @@ impl PdBackend for LockstepBackend {
             sampling: Some(sampling(&d.sampling)),
             expect_kv: true,
             cache_salt: Some(d.cache_salt()),
+            kv_key: kv_key(d.pair_id.raw()),
         });
         let start = async move {
             let mut c = client.map_err(|e| unreachable(Side::Decode, e))?;
@@ -225,6 +252,27 @@ impl PdBackend for LockstepBackend {
 
     fn decode_counts_prompt(&self) -> bool {
         true
+    }
+
+    /// The worker service's `Health` (over the plane's mutual TLS where configured): serving,
+    /// which a worker answers only while it is not draining and its engine thread lives.
+    fn health(
+        &self,
+        _client: &super::UpstreamClient,
+        url: &str,
+        timeout: Duration,
+    ) -> BoxFuture<'static, bool> {
+        let client = self.client(url);
+        async move {
+            let Ok(mut c) = client else { return false };
+            let mut req = tonic::Request::new(pb::HealthRequest {});
+            req.set_timeout(timeout);
+            matches!(
+                tokio::time::timeout(timeout, c.health(req)).await,
+                Ok(Ok(r)) if r.get_ref().serving
+            )
+        }
+        .boxed()
     }
 
     fn abort(&self, d: &Dispatch, side: Side) -> BoxFuture<'static, Result<(), HalfError>> {

@@ -287,6 +287,17 @@ pub trait PdBackend: Send + Sync + 'static {
     fn decode_counts_prompt(&self) -> bool {
         false
     }
+    /// Whether the worker at `url` is healthy (the health loop's probe). Default: `GET
+    /// {url}/health` through the upstream client, answered 2xx within `timeout`.
+    fn health(
+        &self,
+        client: &UpstreamClient,
+        url: &str,
+        timeout: std::time::Duration,
+    ) -> BoxFuture<'static, bool> {
+        let (client, url) = (client.clone(), url.to_string());
+        Box::pin(async move { client.health(&url, timeout).await })
+    }
     /// **After start, for a worker [`Deployment::unverified`] named**: checks it now that it may
     /// answer, together with the workers already verified; `Ok` lets it take pairs and gives the
     /// limits of the whole set (admission lowers its own to them). Called every health interval

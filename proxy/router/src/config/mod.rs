@@ -5,6 +5,7 @@
 //! can show them all.
 
 mod model;
+mod plane;
 mod pool;
 mod server;
 mod tenant;
@@ -25,6 +26,7 @@ pub use model::{
     BackendKind, ChatTemplateConfig, ModelConfig, SglangSection, VllmConnector, VllmSection,
     deployment_check,
 };
+pub use plane::WorkerPlaneConfig;
 pub use pool::{HealthConfig, PolicyKind, PoolConfig, PrefixRouting, WorkerConfig};
 pub use server::ServerConfig;
 pub use tenant::TenantConfig;
@@ -45,6 +47,9 @@ pub struct Config {
     /// Trace export (needs a restart to change).
     #[serde(default)]
     pub telemetry: TelemetryConfig,
+    /// How the router reaches lockstep workers (`backend = "lockstep"`).
+    #[serde(default)]
+    pub worker_plane: WorkerPlaneConfig,
     /// The file this configuration was read from (admin reload re-reads it).
     #[serde(skip)]
     pub source: Option<PathBuf>,
@@ -64,6 +69,9 @@ impl ConfigFile for Config {
         }
         for m in &mut self.models {
             m.resolve_paths(base);
+        }
+        if let Some(t) = &mut self.worker_plane.tls {
+            t.resolve_paths(base);
         }
     }
 
@@ -86,6 +94,9 @@ impl ConfigFile for Config {
                 out.push(format!("{at}.name"), "duplicate model name");
             }
             m.validate(&at, &mut out);
+            if m.backend == BackendKind::Lockstep {
+                self.worker_plane.validate_workers(i, m, &mut out);
+            }
         }
         out.into_vec()
     }
@@ -131,6 +142,15 @@ impl Config {
             if let Some(f) = m.engine.as_ref().and_then(|e| e.fault) {
                 out.push(format!(
                     "model `{}`: engine.fault = {f:?} injects KV transfer faults: UNSAFE, for tests only",
+                    m.name
+                ));
+            }
+            if m.backend == BackendKind::Lockstep
+                && self.worker_plane.insecure_plaintext
+                && plane::plaintext_workers(m).next().is_some()
+            {
+                out.push(format!(
+                    "model `{}`: worker_plane.insecure_plaintext = true: its workers are reached without TLS on a non-loopback network, where anyone who reaches them can drive them: UNSAFE",
                     m.name
                 ));
             }
