@@ -582,6 +582,54 @@ async fn the_prefix_cache_is_shared_within_a_tenant_only_and_changes_no_answer()
     }
 }
 
+/// A job naming a token id outside the vocabulary fails on its own (it never reaches the batch, so
+/// the requests batched beside it are untouched), the engine lives on, and a stopped engine says
+/// so (what `/ready` and the worker's `Health` read).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_token_id_fails_only_its_own_request_and_a_stopped_engine_says_so() {
+    let Some(b) = bundle() else { return };
+    let vocab = b.model.cfg.vocab as u32;
+    let e = Engine::start("t", b, small(32)).expect("engine");
+    let submit = |id: u64, prompt: Vec<u32>| {
+        e.generate(Generate {
+            id,
+            prompt: prompt.into(),
+            sampling: greedy(8),
+            kv: None,
+            cache_salt: None,
+        })
+    };
+    let alone = collect(submit(1, PLAIN.to_vec())).await;
+    assert!(alone.error.is_none(), "{alone:?}");
+    let mut bad_prompt = PLAIN.to_vec();
+    bad_prompt[1] = vocab;
+    let (good, bad) = (submit(2, PLAIN.to_vec()), submit(3, bad_prompt.clone()));
+    let (good, bad) = tokio::join!(collect(good), collect(bad));
+    assert!(
+        matches!(&bad.error, Some(EngineError::BadRequest(m)) if m.contains("outside the vocabulary")),
+        "{bad:?}"
+    );
+    assert_eq!(
+        good.ids, alone.ids,
+        "the good request beside it is untouched"
+    );
+    let report = e
+        .prefill(4, bad_prompt.into(), None, Box::new(|_| {}))
+        .await
+        .expect("a report");
+    assert!(
+        matches!(report, Err(EngineError::BadRequest(_))),
+        "{report:?}"
+    );
+    assert!(e.is_alive());
+    e.stop();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while e.is_alive() {
+        assert!(std::time::Instant::now() < deadline, "the thread ends");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 #[test]
 fn an_engine_stops_cleanly_with_work_queued() {
     let Some(b) = bundle() else { return };

@@ -328,3 +328,35 @@ async fn prefix_cache_keys_are_salted_by_tenant() {
     );
     s.wait_released().await;
 }
+
+/// `/ready` watches the engine threads: an engine that stopped (a panic would end it the same
+/// way) takes the instance out of rotation, naming the engine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ready_fails_when_an_engine_thread_has_stopped() {
+    let Some(split) = start("").await else { return };
+    let ready = || async {
+        TestClient::default()
+            .get(&format!("{}/ready", split.url), Duration::from_secs(5))
+            .await
+    };
+    assert_eq!(ready().await.status, 200);
+    let models = split.lockstep.state.models.load();
+    let pd = models.by_name[MODEL].engine.clone().expect("embedded");
+    drop(models);
+    let (name, e) = pd.engines()[1];
+    e.stop();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = ready().await;
+        if r.status == 503 {
+            assert!(
+                r.body.contains(&format!("its {name} engine has stopped")),
+                "{}",
+                r.body
+            );
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{}", r.body);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

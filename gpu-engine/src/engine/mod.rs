@@ -156,6 +156,9 @@ pub struct EngineStats {
 #[derive(Debug, Clone)]
 pub struct EngineHandle {
     tx: mpsc::Sender<Cmd>,
+    /// The model's vocabulary: a job with a token id outside it is refused on its own, before
+    /// it can reach (and fail) a batch.
+    vocab: usize,
 }
 
 /// An engine thread. Dropping it stops the thread.
@@ -204,7 +207,7 @@ impl Engine {
             .spawn(move || scheduler.run(rx))
             .map_err(|e| EngineError::BadRequest(format!("cannot start engine thread: {e}")))?;
         Ok(Engine {
-            handle: EngineHandle { tx },
+            handle: EngineHandle { tx, vocab: c.vocab },
             stats,
             thread: Some(thread),
             page_bytes,
@@ -247,6 +250,12 @@ impl Engine {
         self.page_bytes
     }
 
+    /// Asks the engine thread to stop (queued and running work fails with `Stopped`) without
+    /// waiting for it; dropping the engine waits.
+    pub fn stop(&self) {
+        let _ = self.handle.tx.send(Cmd::Stop);
+    }
+
     /// Whether the engine thread still runs (a panic in it ends it: nothing more will be
     /// served, so health must say so).
     pub fn is_alive(&self) -> bool {
@@ -258,11 +267,25 @@ impl EngineHandle {
     /// Queues a generation request; events arrive on the receiver. Dropping the receiver aborts.
     pub fn generate(&self, req: Generate) -> tmpsc::UnboundedReceiver<Event> {
         let (tx, rx) = tmpsc::unbounded_channel();
+        if let Err(e) = self.check_ids(&req.prompt) {
+            let _ = tx.send(Event::Failed(e));
+            return rx;
+        }
         if let Err(mpsc::SendError(Cmd::Submit(job))) = self.tx.send(Cmd::Submit(Job::Gen(req, tx)))
         {
             job.fail(EngineError::Stopped);
         }
         rx
+    }
+
+    fn check_ids(&self, ids: &[u32]) -> Result<(), EngineError> {
+        match ids.iter().find(|&&t| t as usize >= self.vocab) {
+            Some(t) => Err(EngineError::BadRequest(format!(
+                "token id {t} is outside the vocabulary of {} tokens",
+                self.vocab
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// Queues a prefill: computes the KV of `tokens`, exports it for pair `id` into `sink` (from
@@ -276,6 +299,10 @@ impl EngineHandle {
         sink: KvSink,
     ) -> oneshot::Receiver<Result<KvReport, EngineError>> {
         let (reply, rx) = oneshot::channel();
+        if let Err(e) = self.check_ids(&tokens) {
+            let _ = reply.send(Err(e));
+            return rx;
+        }
         let _ = self.tx.send(Cmd::Submit(Job::Prefill {
             id,
             tokens,

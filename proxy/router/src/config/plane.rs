@@ -114,7 +114,10 @@ workers = [{{ url = "http://127.0.0.1:9101" }}]
     #[test]
     fn plaintext_off_loopback_needs_tls_or_an_explicit_unsafe_switch() {
         let (p, w) = problems_and_warnings("http://127.0.0.1:9100", "");
-        assert!(!p.contains("TLS") && w.is_empty(), "loopback is fine: {p} {w}");
+        assert!(
+            !p.contains("TLS") && w.is_empty(),
+            "loopback is fine: {p} {w}"
+        );
         let (p, _) = problems_and_warnings("http://10.0.0.5:9100", "");
         assert!(
             p.contains("TLS is required to reach http://10.0.0.5:9100"),

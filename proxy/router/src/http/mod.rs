@@ -61,7 +61,8 @@ async fn health() -> Response {
     axum::Json(json!({ "status": "ok" })).into_response()
 }
 
-/// Ready when not draining and every model has a healthy prefill and a healthy decode worker.
+/// Ready when not draining, every model has a healthy prefill and a healthy decode worker, and
+/// every embedded engine thread is alive.
 async fn ready(State(state): State<Arc<AppState>>) -> Response {
     let mut not_ready = Vec::new();
     if state.draining.load(Ordering::Acquire) {
@@ -71,6 +72,11 @@ async fn ready(State(state): State<Arc<AppState>>) -> Response {
         for (side, pool) in [("prefill", &m.pairs.prefill), ("decode", &m.pairs.decode)] {
             if !pool.any_healthy() {
                 not_ready.push(format!("model `{}` has no healthy {side} worker", m.name));
+            }
+        }
+        for (name, e) in m.engine.iter().flat_map(|pd| pd.engines()) {
+            if !e.is_alive() {
+                not_ready.push(format!("model `{}`: its {name} engine has stopped", m.name));
             }
         }
     }
