@@ -173,13 +173,25 @@ pub(crate) fn config_of(g: &Gguf<impl AsRef<[u8]>>) -> Result<LlamaConfig, Model
         )));
     }
     let heads = meta(g, "llama.attention.head_count")? as usize;
+    let kv_heads = meta(g, "llama.attention.head_count_kv")? as usize;
     let dim = meta(g, "llama.embedding_length")? as usize;
+    // Shapes the kernels divide by and pair up: refused here, never a panic later.
+    if heads == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+        return Err(ModelError::Format(format!(
+            "{heads} attention heads over {kv_heads} KV heads (both > 0, heads a multiple of KV heads)"
+        )));
+    }
+    if dim == 0 || !dim.is_multiple_of(heads) || !(dim / heads).is_multiple_of(2) {
+        return Err(ModelError::Format(format!(
+            "embedding length {dim} over {heads} heads: not an even head dimension"
+        )));
+    }
     Ok(LlamaConfig {
         layers: meta(g, "llama.block_count")? as usize,
         dim,
         heads,
-        kv_heads: meta(g, "llama.attention.head_count_kv")? as usize,
-        head_dim: dim / heads.max(1),
+        kv_heads,
+        head_dim: dim / heads,
         ffn: meta(g, "llama.feed_forward_length")? as usize,
         vocab: g
             .tensor("token_embd.weight")

@@ -213,3 +213,43 @@ fn teacher_forced_256_positions_agree_with_llama_cpp() {
         );
     }
 }
+
+/// Head counts the kernels would divide by zero with, or could not pair up, are refused with a
+/// format error when the file is read: a hostile or broken GGUF never panics the loader.
+#[test]
+fn impossible_head_shapes_are_refused_not_panicked_on() {
+    use lockstep_engine::gguf::Gguf;
+    use lockstep_engine::model::{Llama, LlamaConfig};
+    use lockstep_engine::synthetic::llama_gguf;
+    let ok = LlamaConfig {
+        layers: 1,
+        dim: 8,
+        heads: 2,
+        kv_heads: 1,
+        head_dim: 4,
+        ffn: 16,
+        vocab: 16,
+        rope_base: 10000.0,
+        eps: 1e-5,
+        context: 32,
+    };
+    let load = |c: &LlamaConfig| {
+        let bytes = llama_gguf(c, 1);
+        let g = Gguf::parse(bytes).expect("parses");
+        Llama::load(&g).map(|_| ())
+    };
+    load(&ok).expect("a sound shape loads");
+    for (heads, kv_heads, dim) in [(0, 1, 8), (2, 0, 8), (3, 2, 12), (3, 1, 8), (8, 1, 8)] {
+        let c = LlamaConfig {
+            heads,
+            kv_heads,
+            dim,
+            ..ok
+        };
+        let e = load(&c).expect_err("refused");
+        assert!(
+            e.to_string().contains("head"),
+            "{heads}/{kv_heads}/{dim}: {e}"
+        );
+    }
+}

@@ -264,3 +264,40 @@ async fn operators_drain_workers_and_reload_the_config_file() {
         "still the 256-token window"
     );
 }
+
+/// `server.metrics_on_admin`: `/metrics` leaves the API listener (404 there) and is served on the
+/// admin listener behind the admin key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_can_move_behind_the_admin_key() {
+    let server = format!(
+        "admin_listen = \"127.0.0.1:0\"\nadmin_key_sha256 = \"{}\"\nmetrics_on_admin = true",
+        key_hash_hex("admin-key")
+    );
+    let stack = Stack::start_full(MockConfig::default(), &server, "", TEST_TIMEOUTS).await;
+    assert_eq!(complete(&stack, "red").await.status, 200);
+    let public = TestClient::default()
+        .get(&format!("{}/metrics", stack.url), Duration::from_secs(5))
+        .await;
+    assert_eq!(public.status, 404, "{}", public.body);
+    let addr = stack.lockstep.admin_addr.expect("admin listener");
+    let url = format!("http://{addr}/metrics");
+    let anonymous = TestClient::default()
+        .get(&url, Duration::from_secs(5))
+        .await;
+    assert_eq!(anonymous.status, 401);
+    let a = TestClient::default()
+        .send_with(
+            "GET",
+            &url,
+            &[("authorization", "Bearer admin-key")],
+            String::new(),
+            Duration::from_secs(5),
+        )
+        .await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert!(
+        a.body.contains("lockstep_pairs_started_total"),
+        "{}",
+        a.body
+    );
+}

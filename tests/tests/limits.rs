@@ -79,6 +79,23 @@ async fn prompt_max_tokens_and_per_worker_limits_are_enforced() {
         busy.headers.get("retry-after").map(|v| v.as_bytes()),
         Some(&b"1"[..])
     );
+    // A reload while it runs carries the worker's pair count over: still busy. Two reloads at
+    // once run one after the other, and both succeed.
+    let reload = || async {
+        stack
+            .lockstep
+            .reload(Config::load(&stack.config_path).expect("loads"))
+            .await
+    };
+    let (a, b) = tokio::join!(reload(), reload());
+    a.expect("reloads");
+    b.expect("reloads");
+    let busy = complete(&stack, "green", 2).await;
+    assert_eq!(
+        busy.status, 503,
+        "the count survived the reload: {}",
+        busy.body
+    );
     assert_eq!(slow.await.expect("task").status, 200);
     assert_eq!(
         complete(&stack, "green", 2).await.status,

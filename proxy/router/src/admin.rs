@@ -36,10 +36,18 @@ pub struct AdminState {
     pub key_sha256: [u8; 32],
 }
 
-/// The admin router.
-pub fn router(state: AdminState) -> Router {
-    Router::new()
-        .route("/admin/pairs", get(pairs))
+/// The admin router (with `/metrics` when `server.metrics_on_admin` is set).
+pub fn router(state: AdminState, with_metrics: bool) -> Router {
+    let r = Router::new();
+    let r = if with_metrics {
+        r.route(
+            "/metrics",
+            get(|State(st): State<AdminState>| crate::http::metrics(State(st.app))),
+        )
+    } else {
+        r
+    };
+    r.route("/admin/pairs", get(pairs))
         .route("/admin/pairs/{id}/abort", post(abort_pair))
         .route("/admin/workers", get(workers))
         .route("/admin/workers/drain", post(drain_worker))

@@ -46,9 +46,12 @@ impl Lockstep {
         )?;
         let registry = Arc::new(PairRegistry::default());
         let stats = Arc::new(PairStats::default());
+        if let Some(s) = &cfg.server.cache_salt_secret {
+            crate::tenant::set_salt_secret(s.expose().as_bytes());
+        }
         let metrics = Arc::new(Metrics::new());
         let audit = Arc::new(Audit::open(&cfg.server.audit_log)?);
-        let models = build_models(&cfg, &client, &registry, &stats, &metrics, &audit).await?;
+        let models = build_models(&cfg, &client, &registry, &stats, &metrics, &audit, None).await?;
         let state = Arc::new(AppState {
             models: ArcSwap::from_pointee(models),
             registry,
@@ -61,6 +64,7 @@ impl Lockstep {
             config_path: cfg.source.clone(),
             drained: dashmap::DashSet::new(),
             client,
+            reload_lock: tokio::sync::Mutex::new(()),
         });
         let listener = TcpListener::bind(cfg.server.http_listen)
             .await
@@ -71,7 +75,7 @@ impl Lockstep {
         // The gRPC front end shares the listener (h2c, or h2 by ALPN under TLS).
         let (grpc, health) = crate::http::grpc::services(state.clone());
         crate::http::grpc::set_serving(&health, true).await;
-        let app = crate::http::router(state.clone()).merge(grpc);
+        let app = crate::http::router(state.clone(), !cfg.server.metrics_on_admin).merge(grpc);
         let header_timeout = Duration::from_millis(cfg.server.header_timeout_ms);
         let tls = match (&cfg.server.tls_cert_file, &cfg.server.tls_key_file) {
             (Some(c), Some(k)) => Some(lockstep_serve::tls::ServerTls::Fixed(
@@ -97,10 +101,13 @@ impl Lockstep {
                     .await
                     .map_err(|e| format!("cannot listen on {addr} (admin): {e}"))?;
                 let bound = l.local_addr().map_err(|e| e.to_string())?;
-                let router = crate::admin::router(crate::admin::AdminState {
-                    app: state.clone(),
-                    key_sha256: key,
-                });
+                let router = crate::admin::router(
+                    crate::admin::AdminState {
+                        app: state.clone(),
+                        key_sha256: key,
+                    },
+                    cfg.server.metrics_on_admin,
+                );
                 // The admin server is spawned first so the main server stays the last task
                 // (shutdown awaits that one).
                 tasks.insert(

@@ -54,6 +54,10 @@ pub fn remote_backend(m: &ModelConfig, client: &UpstreamClient) -> Option<Arc<dy
 /// configuration stays and the reasons are returned. Pairs in flight finish on the configuration
 /// they started with; workers an operator drains stay drained.
 pub async fn reload_state(st: &AppState, cfg: Config) -> Result<(), String> {
+    // One reload at a time (SIGHUP and the admin API may race): each builds against, and
+    // replaces, the generation the previous one stored.
+    let _one = st.reload_lock.lock().await;
+    let previous = st.models.load_full();
     let models = build_models(
         &cfg,
         &st.client,
@@ -61,6 +65,7 @@ pub async fn reload_state(st: &AppState, cfg: Config) -> Result<(), String> {
         &st.stats,
         &st.metrics,
         &st.audit,
+        Some(&previous),
     )
     .await?;
     for m in models.by_name.values() {
@@ -91,6 +96,7 @@ pub(crate) async fn build_models(
     stats: &Arc<PairStats>,
     metrics: &Arc<Metrics>,
     audit: &Arc<Audit>,
+    previous: Option<&Models>,
 ) -> Result<Models, String> {
     let problems = cfg.problems();
     if !problems.is_empty() {
@@ -109,8 +115,8 @@ pub(crate) async fn build_models(
             deployment,
             codec,
             backend,
-            prefill,
-            decode,
+            mut prefill,
+            mut decode,
             engine,
         } = match built {
             Ok(b) => b,
@@ -119,6 +125,16 @@ pub(crate) async fn build_models(
                 continue;
             }
         };
+        if let Some(old) = previous.and_then(|p| p.by_name.get(&m.name)) {
+            for (new, old) in [
+                (&mut prefill, &old.pairs.prefill),
+                (&mut decode, &old.pairs.decode),
+            ] {
+                if let Some(new) = Arc::get_mut(new) {
+                    new.carry_from(old);
+                }
+            }
+        }
         let limits = Arc::new(WorkerLimits::new(&deployment));
         if engine.is_none() {
             let workers: Vec<_> = prefill

@@ -113,6 +113,8 @@ pub struct AppState {
     /// Worker URLs an operator is draining (re-applied to the workers of a reloaded config).
     pub drained: dashmap::DashSet<String>,
     pub(crate) client: UpstreamClient,
+    /// Held for the whole of a reload: reloads run one at a time.
+    pub(crate) reload_lock: tokio::sync::Mutex<()>,
 }
 
 impl AppState {

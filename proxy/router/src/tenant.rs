@@ -16,17 +16,35 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use crate::config::TenantConfig;
 use crate::error::LockstepError;
 
+/// The secret tenant salts are keyed with: `server.cache_salt_secret` where set (the first
+/// router of the process to start sets it; share it between replicas in front of the same
+/// workers), else drawn at random once per process.
+static SALT_SECRET: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
+
+/// Sets the salt secret from the configuration (ignored once salts have been derived).
+pub fn set_salt_secret(secret: &[u8]) {
+    if SALT_SECRET.set(secret.to_vec()).is_err() {
+        tracing::debug!("cache salt secret already set in this process");
+    }
+}
+
 /// The prefix-cache namespace of a tenant (`None`: lockstep runs without tenants): the first 8
-/// bytes of a domain-separated sha256 of its name, so no tenant can choose another's.
+/// bytes of an HMAC-SHA256 of its name under the server's secret, so no one who knows a tenant's
+/// name (every tenant knows its own) can compute, choose or probe another's namespace.
 pub fn cache_salt(tenant: Option<&str>) -> u64 {
-    use sha2::Digest;
-    let mut h = sha2::Sha256::new();
+    let secret = SALT_SECRET.get_or_init(|| rand::random::<[u8; 32]>().to_vec());
+    salt_with(secret, tenant)
+}
+
+fn salt_with(secret: &[u8], tenant: Option<&str>) -> u64 {
+    use hmac::Mac;
+    let mut h = <hmac::Hmac<Sha256> as Mac>::new_from_slice(secret).expect("any key");
     h.update(b"lockstep prefix cache\0");
     if let Some(t) = tenant {
         h.update(b"tenant\0");
         h.update(t.as_bytes());
     }
-    let d = h.finalize();
+    let d = h.finalize().into_bytes();
     u64::from_le_bytes([d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]])
 }
 
@@ -214,6 +232,24 @@ impl Tenant {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn salts_are_keyed_by_the_server_secret() {
+        let (a, b) = (
+            salt_with(b"one", Some("acme")),
+            salt_with(b"two", Some("acme")),
+        );
+        assert_ne!(a, b, "the name alone does not decide the salt");
+        assert_ne!(salt_with(b"one", Some("other")), a);
+        assert_ne!(salt_with(b"one", None), a);
+        assert_eq!(salt_with(b"one", Some("acme")), a, "stable for one secret");
+        // The unkeyed derivation of earlier versions, which anyone could compute.
+        let mut h = Sha256::new();
+        h.update(b"lockstep prefix cache\0tenant\0acme");
+        let d = h.finalize();
+        let unkeyed = u64::from_le_bytes([d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]]);
+        assert_ne!(cache_salt(Some("acme")), unkeyed);
+    }
 
     fn cfg(name: &str, key: &str) -> TenantConfig {
         TenantConfig {

@@ -79,6 +79,11 @@ pub struct PoolConfig {
 pub struct Secret(String);
 
 impl Secret {
+    /// The secret itself (for keying, never for printing).
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
     /// The `Authorization: Bearer` value, marked sensitive (kept out of HPACK tables and logs).
     pub fn bearer(&self) -> Option<http::HeaderValue> {
         let mut v = http::HeaderValue::from_str(&format!("Bearer {}", self.0)).ok()?;

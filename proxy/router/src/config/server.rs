@@ -38,8 +38,15 @@ pub struct ServerConfig {
     pub upstream_ca_file: Option<PathBuf>,
     /// The admin API's listener (off when absent). Bind it to a private address.
     pub admin_listen: Option<SocketAddr>,
+    /// Serve `/metrics` on the admin listener (behind the admin key) instead of the API
+    /// listener, so clients cannot read per-worker load and pair counts.
+    pub metrics_on_admin: bool,
     /// sha256 (hex) of the admin API's key; required with `admin_listen`.
     pub admin_key_sha256: String,
+    /// The secret tenants' prefix-cache salts are keyed with. Unset: random per process (a
+    /// restart starts every namespace cold). Give replicas in front of the same workers the same
+    /// one so their tenants' prefixes are shared.
+    pub cache_salt_secret: Option<super::pool::Secret>,
 }
 
 impl Default for ServerConfig {
@@ -58,6 +65,8 @@ impl Default for ServerConfig {
             tls_key_file: None,
             upstream_ca_file: None,
             admin_listen: None,
+            metrics_on_admin: false,
+            cache_salt_secret: None,
             admin_key_sha256: String::new(),
         }
     }
@@ -65,6 +74,12 @@ impl Default for ServerConfig {
 
 impl Section for ServerConfig {
     fn validate(&self, at: &str, out: &mut Problems) {
+        if self.metrics_on_admin && self.admin_listen.is_none() {
+            out.push(
+                format!("{at}.metrics_on_admin"),
+                "needs server.admin_listen",
+            );
+        }
         if self.connect_timeout_ms == 0 {
             out.push(format!("{at}.connect_timeout_ms"), "must be greater than 0");
         }

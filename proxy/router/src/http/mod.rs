@@ -22,16 +22,21 @@ use crate::state::AppState;
 use extract::Authenticated;
 
 /// The router of all HTTP routes.
-pub fn router(state: Arc<AppState>) -> Router {
-    Router::new()
+pub fn router(state: Arc<AppState>, with_metrics: bool) -> Router {
+    let r = Router::new()
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/completions", post(openai::completions))
         .route("/v1/models", get(models))
         .route("/generate", post(generate::generate))
         .route("/health", get(health))
-        .route("/ready", get(ready))
-        .route("/metrics", get(metrics))
-        .fallback(not_found)
+        .route("/ready", get(ready));
+    // `server.metrics_on_admin` moves it behind the admin key.
+    let r = if with_metrics {
+        r.route("/metrics", get(metrics))
+    } else {
+        r
+    };
+    r.fallback(not_found)
         .layer(axum::middleware::from_fn(trace_request))
         .with_state(state)
 }
@@ -92,7 +97,7 @@ async fn ready(State(state): State<Arc<AppState>>) -> Response {
 }
 
 /// Prometheus text exposition ([`AppState::render_metrics`]).
-async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+pub(crate) async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     (
         [(
             http::header::CONTENT_TYPE,

@@ -39,7 +39,7 @@ pub struct Upstream {
     pub auth: Option<http::HeaderValue>,
     /// `Authorization` of admin calls (aborts), from `admin_api_key` or `api_key`.
     pub admin_auth: Option<http::HeaderValue>,
-    in_flight: AtomicUsize,
+    in_flight: Arc<AtomicUsize>,
     healthy: AtomicBool,
     verified: AtomicBool,
     draining: AtomicBool,
@@ -63,7 +63,7 @@ impl Upstream {
             bootstrap_port: cfg.bootstrap_port,
             auth: None,
             admin_auth: None,
-            in_flight: AtomicUsize::new(0),
+            in_flight: Arc::new(AtomicUsize::new(0)),
             healthy: AtomicBool::new(true),
             verified: AtomicBool::new(true),
             draining: AtomicBool::new(false),
@@ -191,6 +191,21 @@ pub struct WorkerPool {
 }
 
 impl WorkerPool {
+    /// Carries over, from the pool of the configuration this one replaces, each same-URL
+    /// worker's pair count (shared: pairs started before the reload still count against
+    /// `max_pairs_per_worker`, and give their slot back when they end) and health.
+    pub fn carry_from(&mut self, old: &WorkerPool) {
+        for w in &mut self.workers {
+            if let (Some(o), Some(w)) =
+                (old.workers.iter().find(|o| o.url == w.url), Arc::get_mut(w))
+            {
+                w.in_flight = o.in_flight.clone();
+                w.healthy
+                    .store(o.healthy.load(Ordering::Acquire), Ordering::Release);
+            }
+        }
+    }
+
     /// A pool from configuration.
     pub fn new(cfg: &PoolConfig) -> WorkerPool {
         WorkerPool {
