@@ -140,6 +140,33 @@ impl Sampler {
     }
 }
 
+/// Most stop strings one request may carry (every entry point: the router's APIs, the worker
+/// service, the embedded engine).
+pub const MAX_STOPS: usize = 16;
+
+/// Longest stop string, in bytes.
+pub const MAX_STOP_BYTES: usize = 256;
+
+impl SamplingConfig {
+    /// Refuses stop strings over [`MAX_STOPS`] or [`MAX_STOP_BYTES`] (each generated token scans
+    /// for them: unbounded, they would be a cost every request of the batch pays).
+    pub fn check(&self) -> Result<(), String> {
+        if self.stop.len() > MAX_STOPS {
+            return Err(format!(
+                "at most {MAX_STOPS} stop sequences, got {}",
+                self.stop.len()
+            ));
+        }
+        match self.stop.iter().find(|s| s.len() > MAX_STOP_BYTES) {
+            Some(s) => Err(format!(
+                "each stop sequence must be at most {MAX_STOP_BYTES} bytes, got {}",
+                s.len()
+            )),
+            None => Ok(()),
+        }
+    }
+}
+
 /// Turns generated token ids into text deltas and applies the stop conditions.
 #[derive(Debug)]
 pub struct TextStream {
@@ -151,6 +178,8 @@ pub struct TextStream {
     /// Produced but held back: it might be the start of a stop string.
     held: String,
     stop: Vec<String>,
+    /// One automaton over every stop string: the leftmost match in the held text.
+    stops: Option<aho_corasick::AhoCorasick>,
     /// The model's end-of-generation tokens (ignored with `ignore_eos`).
     eog: Vec<u32>,
     /// The request's stop tokens (always honoured).
@@ -171,12 +200,22 @@ pub struct Emit {
 impl TextStream {
     /// A stream for one request; `eog` are the model's end-of-generation tokens.
     pub fn new(cfg: &SamplingConfig, eog: &[u32]) -> TextStream {
+        let stop: Vec<String> = cfg.stop.iter().filter(|s| !s.is_empty()).cloned().collect();
+        let stops = (!stop.is_empty())
+            .then(|| {
+                aho_corasick::AhoCorasick::builder()
+                    .match_kind(aho_corasick::MatchKind::LeftmostFirst)
+                    .build(&stop)
+                    .ok()
+            })
+            .flatten();
         TextStream {
             ids: Vec::new(),
             read: 0,
             prefix: 0,
             held: String::new(),
-            stop: cfg.stop.iter().filter(|s| !s.is_empty()).cloned().collect(),
+            stops,
+            stop,
             eog: eog.to_vec(),
             stop_ids: cfg.stop_token_ids.clone(),
             max_tokens: cfg.max_tokens.max(1),
@@ -211,10 +250,10 @@ impl TextStream {
             self.read = self.ids.len();
         }
         if let Some(at) = self
-            .stop
-            .iter()
-            .filter_map(|s| self.held.find(s.as_str()))
-            .min()
+            .stops
+            .as_ref()
+            .and_then(|a| a.find(&self.held))
+            .map(|m| m.start())
         {
             self.held.truncate(at);
             return Emit {

@@ -613,6 +613,22 @@ async fn a_bad_token_id_fails_only_its_own_request_and_a_stopped_engine_says_so(
         good.ids, alone.ids,
         "the good request beside it is untouched"
     );
+    // Stop strings are bounded at the engine itself (a worker's callers reach it directly).
+    let too_many = e.generate(Generate {
+        id: 5,
+        prompt: PLAIN.into(),
+        sampling: SamplingConfig {
+            stop: (0..17).map(|i| format!("s{i}")).collect(),
+            ..greedy(8)
+        },
+        kv: None,
+        cache_salt: None,
+    });
+    let out = collect(too_many).await;
+    assert!(
+        matches!(&out.error, Some(EngineError::BadRequest(m)) if m.contains("at most 16 stop")),
+        "{out:?}"
+    );
     let report = e
         .prefill(4, bad_prompt.into(), None, Box::new(|_| {}))
         .await

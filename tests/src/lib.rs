@@ -4,6 +4,7 @@
 
 pub mod client;
 pub mod embedded;
+pub mod fuzz;
 pub mod harness;
 pub mod sglang_mock;
 pub mod tokenizer;

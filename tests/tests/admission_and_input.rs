@@ -466,3 +466,25 @@ async fn special_tokens_in_chat_content_stay_text() {
         1
     );
 }
+
+/// Long prompts: one whose bytes alone prove it cannot fit is refused before tokenizing; one past
+/// the inline threshold is tokenized on the blocking pool and counted exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_prompts_are_refused_by_bytes_or_tokenized_off_the_async_threads() {
+    let stack = Stack::start().await;
+    let c = TestClient::default();
+    let url = format!("{}/v1/completions", stack.url);
+    let huge = json!({"model": MODEL, "prompt": "x".repeat(60_000), "max_tokens": 1});
+    let a = c.post(&url, &huge, Duration::from_secs(10)).await;
+    assert_eq!(a.status, 400, "{}", a.body);
+    assert_eq!(a.error_code().as_deref(), Some("context_length_exceeded"));
+    assert!(a.body.contains("refused before tokenizing"), "{}", a.body);
+    // 20,000 bytes: over the inline threshold, under the byte floor; the exact count comes back.
+    let long = json!({"model": MODEL, "prompt": "red ".repeat(5_000), "max_tokens": 1});
+    let a = c.post(&url, &long, Duration::from_secs(10)).await;
+    assert_eq!(a.status, 400, "{}", a.body);
+    assert_eq!(a.error_code().as_deref(), Some("context_length_exceeded"));
+    assert!(!a.body.contains("before tokenizing"), "{}", a.body);
+    assert!(a.body.contains("5000"), "the exact count: {}", a.body);
+    assert_eq!(stack.mock.request_count(), 0);
+}

@@ -195,3 +195,63 @@ async fn connections_past_the_cap_wait_until_one_closes() {
         .expect("read");
     assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
 }
+
+/// Reads from `s` until `needle` shows up or `secs` pass; what arrived.
+async fn read_until(s: &mut tokio::net::TcpStream, needle: &str, secs: u64) -> String {
+    use tokio::io::AsyncReadExt;
+    let mut seen = String::new();
+    let mut buf = [0u8; 4096];
+    let _ = tokio::time::timeout(Duration::from_secs(secs), async {
+        while !seen.contains(needle) {
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => seen.push_str(&String::from_utf8_lossy(&buf[..n])),
+            }
+        }
+    })
+    .await;
+    seen
+}
+
+/// A body that trickles in past `server.body_timeout_ms` gets 408 `body_timeout` (no connection
+/// or tenant slot held for long), and an unauthenticated request is answered 401 at once, its
+/// body never read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_bodies_time_out_and_unauthenticated_bodies_are_never_read() {
+    use lockstep_router::tenant::key_hash_hex;
+    use tokio::io::AsyncWriteExt;
+    let server = format!(
+        "body_timeout_ms = 300\n\n[[tenants]]\nname = \"t\"\napi_keys_sha256 = [\"{}\"]\n",
+        key_hash_hex("k")
+    );
+    let stack = Stack::start_full(MockConfig::default(), &server, "", TEST_TIMEOUTS).await;
+    let addr = stack.lockstep.http_addr;
+
+    let mut slow = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    slow.write_all(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer k\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"model\"")
+        .await
+        .expect("write");
+    let t = tokio::time::Instant::now();
+    let answer = read_until(&mut slow, "body_timeout", 5).await;
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(
+        t.elapsed() >= Duration::from_millis(250),
+        "{:?}",
+        t.elapsed()
+    );
+
+    // 8 MB announced, 10 bytes sent, a wrong key: the 401 comes without waiting for the rest.
+    let mut anon = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    anon.write_all(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer wrong\r\ncontent-type: application/json\r\ncontent-length: 8000000\r\n\r\n{\"model\":")
+        .await
+        .expect("write");
+    let t = tokio::time::Instant::now();
+    let answer = read_until(&mut anon, "invalid_api_key", 5).await;
+    assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
+    assert!(
+        t.elapsed() < Duration::from_millis(1500),
+        "answered at once, not after draining: {:?}",
+        t.elapsed()
+    );
+    assert_eq!(stack.mock.request_count(), 0);
+}

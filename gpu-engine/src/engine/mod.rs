@@ -267,7 +267,12 @@ impl EngineHandle {
     /// Queues a generation request; events arrive on the receiver. Dropping the receiver aborts.
     pub fn generate(&self, req: Generate) -> tmpsc::UnboundedReceiver<Event> {
         let (tx, rx) = tmpsc::unbounded_channel();
-        if let Err(e) = self.check_ids(&req.prompt) {
+        let checked = self.check_ids(&req.prompt).and_then(|()| {
+            req.sampling
+                .check()
+                .map_err(|m| EngineError::BadRequest(format!("stop: {m}")))
+        });
+        if let Err(e) = checked {
             let _ = tx.send(Event::Failed(e));
             return rx;
         }

@@ -59,12 +59,16 @@ impl Lockstep {
             metrics,
             audit,
             max_body_bytes: cfg.server.max_body_bytes,
+            body_timeout: Duration::from_millis(cfg.server.body_timeout_ms),
             draining: AtomicBool::new(false),
             tenants: ArcSwap::from_pointee(Tenants::new(&cfg.tenants)),
             config_path: cfg.source.clone(),
             drained: dashmap::DashSet::new(),
             client,
             reload_lock: tokio::sync::Mutex::new(()),
+            tokenize_slots: Arc::new(tokio::sync::Semaphore::new(
+                std::thread::available_parallelism().map_or(2, |n| n.get()),
+            )),
         });
         let listener = TcpListener::bind(cfg.server.http_listen)
             .await

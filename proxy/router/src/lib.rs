@@ -12,6 +12,8 @@ pub mod audit;
 pub mod backend;
 pub mod config;
 pub mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod http;
 pub mod metrics;
 pub mod models;

@@ -104,6 +104,8 @@ pub struct AppState {
     pub audit: Arc<Audit>,
     /// Largest accepted body.
     pub max_body_bytes: usize,
+    /// Bound on receiving a body (`server.body_timeout_ms`).
+    pub body_timeout: std::time::Duration,
     /// Set while shutting down: `/ready` fails.
     pub draining: AtomicBool,
     /// Tenants and their keys and limits (swapped on reload).
@@ -113,6 +115,8 @@ pub struct AppState {
     /// Worker URLs an operator is draining (re-applied to the workers of a reloaded config).
     pub drained: dashmap::DashSet<String>,
     pub(crate) client: UpstreamClient,
+    /// Long prompts tokenizing on the blocking pool at once (one per core).
+    pub(crate) tokenize_slots: Arc<tokio::sync::Semaphore>,
     /// Held for the whole of a reload: reloads run one at a time.
     pub(crate) reload_lock: tokio::sync::Mutex<()>,
 }

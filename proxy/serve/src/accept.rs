@@ -29,9 +29,13 @@ pub async fn serve_http(
         .header_read_timeout(header_timeout);
     // h2 (gRPC, KV pushes of many MiB): windows and frames sized for bulk streams, so a
     // sender is never stalled waiting for window updates on a fast link.
+    // Keepalive pings find h2 peers that vanished without a FIN (a dead router, a cut link): no
+    // answer within the timeout closes the connection and everything on it.
     builder
         .http2()
         .timer(TokioTimer::new())
+        .keep_alive_interval(Some(Duration::from_secs(20)))
+        .keep_alive_timeout(Duration::from_secs(20))
         .initial_stream_window_size(8 << 20)
         .initial_connection_window_size(16 << 20)
         .max_frame_size(1 << 20);

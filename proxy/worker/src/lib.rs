@@ -23,6 +23,8 @@
 
 pub mod config;
 pub mod data;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod kvmac;
 pub mod pb;
 pub mod push;

@@ -30,6 +30,8 @@ pub struct PromptCodec {
     env: Environment<'static>,
     bos_token: String,
     eos_token: String,
+    /// The longest vocabulary entry in bytes: no token covers more input than that.
+    max_token_bytes: usize,
 }
 
 impl std::fmt::Debug for PromptCodec {
@@ -87,6 +89,15 @@ impl PromptCodec {
             .then(|| aho_corasick::AhoCorasick::new(&texts))
             .transpose()
             .map_err(|e| format!("model `{name}`: special tokens: {e}"))?;
+        // Byte-level BPE and SentencePiece spell every input byte with at least one byte of the
+        // vocabulary entry, so an entry's length bounds the input one token can cover.
+        let max_token_bytes = tokenizer
+            .get_vocab(true)
+            .keys()
+            .map(String::len)
+            .max()
+            .unwrap_or(1)
+            .max(1);
         Ok(Arc::new(PromptCodec {
             tokenizer,
             literal,
@@ -94,7 +105,15 @@ impl PromptCodec {
             env,
             bos_token,
             eos_token,
+            max_token_bytes,
         }))
+    }
+
+    /// A floor on the tokens `bytes` of prompt text make, known without tokenizing: a token
+    /// covers at most the longest vocabulary entry's bytes, with a factor of 4 to spare for
+    /// normalizers that shrink text (composition, compatibility forms).
+    pub fn min_tokens(&self, bytes: usize) -> u64 {
+        (bytes / (4 * self.max_token_bytes)) as u64
     }
 
     /// Renders the chat template with `add_generation_prompt = true`.

@@ -63,6 +63,23 @@ pub enum Input {
     Prompt(Prompt),
 }
 
+impl Input {
+    /// Bytes of text the tokenizer would read (0 for token ids).
+    pub fn text_bytes(&self) -> usize {
+        match self {
+            Input::Chat(m) => m.iter().map(|m| m.content.len() + m.role.len()).sum(),
+            Input::Prompt(Prompt::Text(s)) => s.len(),
+            Input::Prompt(Prompt::Texts(v)) => v.iter().map(String::len).sum(),
+            Input::Prompt(_) => 0,
+        }
+    }
+}
+
+/// Prompts up to this many bytes of text are templated and tokenized inline (microseconds);
+/// longer ones on the blocking pool, at most one per core at a time, so they never stall the
+/// async threads that serve every other request.
+const INLINE_TOKENIZE_BYTES: usize = 16 * 1024;
+
 /// A front end's request once parsed (step 3 is the front end's own: its shape, its fields).
 pub trait FrontRequest {
     /// How the front end answers (API shape, streaming).
@@ -159,17 +176,61 @@ pub fn find_model(
 }
 
 /// Steps 3 to 6 for a parsed request of an authorized caller.
-pub fn admit<R: FrontRequest>(
-    state: &AppState,
+pub async fn admit<R: FrontRequest>(
+    state: &Arc<AppState>,
     caller: Caller,
     req: R,
 ) -> Result<(Admitted, R::Shape), Refusal> {
-    let _span = tracing::info_span!("admission").entered();
-    let model =
-        find_model(state, &caller, req.model()).map_err(|e| Refusal::count(state, "", e))?;
+    use tracing::Instrument;
+    let span = tracing::info_span!("admission");
+    let (model, input, sampling, shape) = {
+        let _in = span.enter();
+        let model =
+            find_model(state, &caller, req.model()).map_err(|e| Refusal::count(state, "", e))?;
+        let (input, sampling, shape) = req
+            .validate(&model)
+            .map_err(|e| Refusal::count(state, &model.name, e))?;
+        (model, input, sampling, shape)
+    };
     let refuse = |e| Refusal::count(state, &model.name, e);
-    let (input, sampling, shape) = req.validate(&model).map_err(refuse)?;
-    let ids = tokenize(&model, input).map_err(refuse)?;
+    // A prompt whose bytes alone prove it cannot fit is refused before any tokenizing.
+    let bytes = input.text_bytes();
+    let limit = model.cfg.context_window.min(model.kv_capacity());
+    let floor = model.codec.min_tokens(bytes);
+    if floor > limit {
+        return Err(refuse(LockstepError::PromptBytesTooLong {
+            bytes: bytes as u64,
+            min_tokens: floor,
+            limit,
+        }));
+    }
+    let ids = if bytes <= INLINE_TOKENIZE_BYTES {
+        tokenize(&model, input)
+    } else {
+        let slot = state
+            .tokenize_slots
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| {
+                refuse(LockstepError::Unavailable {
+                    message: "lockstep is shutting down".into(),
+                })
+            })?;
+        let m = model.clone();
+        tokio::task::spawn_blocking(move || {
+            let _slot = slot;
+            tokenize(&m, input)
+        })
+        .instrument(span.clone())
+        .await
+        .unwrap_or_else(|e| {
+            Err(LockstepError::Unavailable {
+                message: format!("tokenizer task failed: {e}"),
+            })
+        })
+    }
+    .map_err(refuse)?;
     fit(&model, &ids, &sampling).map_err(refuse)?;
     Ok((
         Admitted {

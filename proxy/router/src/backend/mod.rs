@@ -8,10 +8,10 @@ pub mod embedded;
 pub mod lockstep;
 pub mod sglang;
 pub mod sglang_info;
-mod sse;
+pub(crate) mod sse;
 pub mod vllm;
 mod vllm_params;
-mod vllm_probe;
+pub(crate) mod vllm_probe;
 
 pub use client::UpstreamClient;
 

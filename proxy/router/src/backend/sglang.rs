@@ -120,7 +120,7 @@ struct GenerateBody<'a> {
 
 /// Extracts a worker's error message from an error body (SGLang: `{"error":{"message"}}` or
 /// `{"object":"error","message"}`), falling back to the raw text.
-fn error_message(body: &[u8]) -> String {
+pub(crate) fn error_message(body: &[u8]) -> String {
     let v: Option<Value> = serde_json::from_slice(body).ok();
     v.as_ref()
         .and_then(|v| {
@@ -158,7 +158,7 @@ fn status_failure(status: u16, body: &[u8]) -> HalfFailure {
 }
 
 /// Checks one `/generate` JSON object for an in-band failure; returns its finish reason.
-fn inspect(side: Side, v: &Value) -> Result<Option<FinishReason>, HalfError> {
+pub(crate) fn inspect(side: Side, v: &Value) -> Result<Option<FinishReason>, HalfError> {
     let fail = |m: String| HalfError {
         side,
         failure: refusal(m),
@@ -202,7 +202,7 @@ fn inspect(side: Side, v: &Value) -> Result<Option<FinishReason>, HalfError> {
 /// request (SGLang 0.5.23 always sets `meta_info.finish_reason` on a finished request,
 /// `srt/managers/schedule_batch.py`; the prefill of a PD pair finishes with `length`), with no
 /// in-band abort, a prompt count, and, where it names one, this pair's rid (`meta_info.id`).
-fn prefill_report(v: &Value, rid: &str) -> Result<PrefillReport, HalfError> {
+pub(crate) fn prefill_report(v: &Value, rid: &str) -> Result<PrefillReport, HalfError> {
     let side = Side::Prefill;
     let protocol = |m: String| HalfError {
         side,

@@ -76,10 +76,11 @@ where
     /// at a clean end of the body. A body that breaks, or ends inside an event, is an error.
     pub(crate) async fn next_data(&mut self) -> Result<Option<String>, HalfError> {
         loop {
-            // An event end may straddle the previous search's last byte.
-            let from = self.scanned.saturating_sub(1);
-            if let Some(pos) = self.buf[from..].windows(2).position(|w| w == b"\n\n") {
-                let raw = self.buf.split_to(from + pos + 2);
+            // An event end (a blank line: LF LF, or LF CR LF when lines end in CRLF) may straddle
+            // the previous search's last bytes.
+            let from = self.scanned.saturating_sub(2);
+            if let Some(end) = event_end(&self.buf, from) {
+                let raw = self.buf.split_to(end);
                 self.scanned = 0;
                 let text = String::from_utf8_lossy(&raw);
                 let data = text
@@ -131,6 +132,16 @@ where
     }
 }
 
+/// Where the first event in `buf` (searched from `from`) ends: just past its blank line.
+fn event_end(buf: &[u8], from: usize) -> Option<usize> {
+    let at = |i: usize| buf.get(i).copied();
+    (from..buf.len()).find_map(|i| match (at(i), at(i + 1), at(i + 2)) {
+        (Some(b'\n'), Some(b'\n'), _) => Some(i + 2),
+        (Some(b'\n'), Some(b'\r'), Some(b'\n')) => Some(i + 3),
+        _ => None,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -159,6 +170,22 @@ mod tests {
             b":1}\n",
             b"\ndata: two\n\n",
             b"data: [DONE]\n\n",
+        ]);
+        assert_eq!(
+            r.next_data().await.expect("one").as_deref(),
+            Some("{\"a\":1}")
+        );
+        assert_eq!(r.next_data().await.expect("two").as_deref(), Some("two"));
+        assert_eq!(r.next_data().await.expect("done"), None);
+    }
+
+    #[tokio::test]
+    async fn crlf_line_ends_are_read_too_even_split_across_frames() {
+        let mut r = reader(vec![
+            b"data: {\"a\":1}\r\n\r",
+            b"\ndata: two\r\n",
+            b"\r\n",
+            b"data: [DONE]\r\n\r\n",
         ]);
         assert_eq!(
             r.next_data().await.expect("one").as_deref(),

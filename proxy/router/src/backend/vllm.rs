@@ -150,7 +150,7 @@ fn half_headers(id: PairId) -> Vec<(http::HeaderName, http::HeaderValue)> {
 }
 
 /// vLLM's error bodies: `{"object":"error","message"}` or `{"error":{"message"}}`.
-fn error_in(v: &Value) -> Option<String> {
+pub(crate) fn error_in(v: &Value) -> Option<String> {
     if v.get("object").and_then(Value::as_str) == Some("error") {
         return Some(
             v.get("message")
@@ -168,7 +168,7 @@ fn error_in(v: &Value) -> Option<String> {
 }
 
 /// A choice's finish reason; `abort` or anything unknown is a failure.
-fn finish_of(side: Side, c: &Value) -> Result<Option<FinishReason>, HalfError> {
+pub(crate) fn finish_of(side: Side, c: &Value) -> Result<Option<FinishReason>, HalfError> {
     match c.get("finish_reason") {
         None | Some(Value::Null) => Ok(None),
         Some(f) => match f.as_str() {
@@ -185,7 +185,7 @@ fn finish_of(side: Side, c: &Value) -> Result<Option<FinishReason>, HalfError> {
     }
 }
 
-fn usage(v: &Value, key: &str) -> Option<u64> {
+pub(crate) fn usage(v: &Value, key: &str) -> Option<u64> {
     v.get("usage")
         .and_then(|u| u.get(key))
         .and_then(Value::as_u64)

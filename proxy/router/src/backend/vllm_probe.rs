@@ -108,7 +108,7 @@ async fn probe(
 }
 
 /// The value of label `name` in a Prometheus sample line, as an integer.
-fn label(line: &str, name: &str) -> Option<u64> {
+pub(crate) fn label(line: &str, name: &str) -> Option<u64> {
     let mut rest = line.split_once('{')?.1.rsplit_once('}')?.0;
     while let Some((key, after)) = rest.split_once("=\"") {
         let (value, tail) = after.split_once('"')?;

@@ -16,6 +16,9 @@ pub struct ServerConfig {
     pub log_level: String,
     /// Largest request body accepted, in bytes.
     pub max_body_bytes: usize,
+    /// Bound on receiving a request's whole body once its headers are in, in ms (a client that
+    /// trickles its body gets 408 `body_timeout`).
+    pub body_timeout_ms: u64,
     /// Bound on connecting to a worker, in milliseconds.
     pub connect_timeout_ms: u64,
     /// Runtime worker threads; 0 means one per core.
@@ -55,6 +58,7 @@ impl Default for ServerConfig {
             http_listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
             log_level: "info".into(),
             max_body_bytes: 4 * 1024 * 1024,
+            body_timeout_ms: 30_000,
             connect_timeout_ms: 2_000,
             worker_threads: 0,
             audit_log: String::new(),
@@ -91,6 +95,9 @@ impl Section for ServerConfig {
         }
         if self.header_timeout_ms == 0 {
             out.push(format!("{at}.header_timeout_ms"), "must be greater than 0");
+        }
+        if self.body_timeout_ms == 0 {
+            out.push(format!("{at}.body_timeout_ms"), "must be greater than 0");
         }
         if self.max_body_bytes == 0 {
             out.push(format!("{at}.max_body_bytes"), "must be greater than 0");

@@ -11,7 +11,7 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http::HeaderMap;
 use http::request::Parts;
-use http_body_util::{BodyExt, Limited};
+use http_body_util::BodyExt;
 use serde::de::DeserializeOwned;
 
 use crate::admission::{Admitted, FrontRequest, Refusal, admit, authorize};
@@ -61,15 +61,18 @@ where
         let (parts, body) = req.into_parts();
         let caller = match authorize(state, &parts.headers) {
             Ok(c) => c,
+            // An unauthenticated body is never read: the answer goes out now and the connection
+            // closes after it (HTTP/1.1; h2 resets the stream).
+            Err(r @ Refusal(LockstepError::Unauthorized { .. })) => return Err(r),
             Err(r) => {
-                linger(body).await;
+                discard(body).await;
                 return Err(r);
             }
         };
         let parsed: R = read_json(state, &parts.headers, body)
             .await
             .map_err(|e| Refusal::count(state, "", e))?;
-        let (admitted, shape) = admit(state, caller, parsed)?;
+        let (admitted, shape) = admit(state, caller, parsed).await?;
         Ok(Admit(admitted, shape))
     }
 }
@@ -88,18 +91,28 @@ async fn read_json<T: DeserializeOwned>(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > limit as u64) {
-        linger(body).await;
+        discard(body).await;
         return Err(LockstepError::BodyTooLarge { limit });
     }
     let mut body = body;
     let mut buf = bytes::BytesMut::new();
-    while let Some(frame) = body.frame().await {
+    let deadline = tokio::time::Instant::now() + state.body_timeout;
+    loop {
+        let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
+            Ok(Some(f)) => f,
+            Ok(None) => break,
+            Err(_) => {
+                return Err(LockstepError::BodyTimeout {
+                    ms: state.body_timeout.as_millis() as u64,
+                });
+            }
+        };
         let frame = frame.map_err(|e| LockstepError::InvalidJson {
             message: format!("cannot read body: {e}"),
         })?;
         if let Ok(data) = frame.into_data() {
             if buf.len() + data.len() > limit {
-                linger(body).await;
+                discard(body).await;
                 return Err(LockstepError::BodyTooLarge { limit });
             }
             buf.extend_from_slice(&data);
@@ -128,14 +141,19 @@ async fn read_json<T: DeserializeOwned>(
     })
 }
 
-/// Reads and discards what is left of a refused body (bounded in bytes and time) before the error
-/// is sent, so the client, still writing, gets the 413 instead of a broken pipe (nginx calls
-/// this a lingering close).
-async fn linger(body: Body) {
+/// Reads and drops, frame by frame as it arrives (nothing is kept), what is left of a refused
+/// body, bounded in bytes and time, before the error is sent, so the client, still writing, gets
+/// the 413 or 429 instead of a broken pipe (nginx calls this a lingering close).
+async fn discard(mut body: Body) {
     const DRAIN_BYTES: usize = 16 * 1024 * 1024;
-    let _ = tokio::time::timeout(
-        std::time::Duration::from_secs(2),
-        Limited::new(body, DRAIN_BYTES).collect(),
-    )
-    .await;
+    let drain = async {
+        let mut seen = 0usize;
+        while let Some(Ok(frame)) = body.frame().await {
+            seen += frame.data_ref().map_or(0, |d| d.len());
+            if seen > DRAIN_BYTES {
+                return;
+            }
+        }
+    };
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(2), drain).await;
 }

@@ -143,8 +143,9 @@ impl Front {
         let headers = req.metadata().clone().into_headers();
         let deadline = grpc_timeout(req.metadata()).map(|d| Instant::now() + d);
         let caller = authorize(&self.state, &headers).map_err(|r| r.0.to_status())?;
-        let (admitted, ()) =
-            admit(&self.state, caller, req.into_inner()).map_err(|r| r.0.to_status())?;
+        let (admitted, ()) = admit(&self.state, caller, req.into_inner())
+            .await
+            .map_err(|r| r.0.to_status())?;
         self.run(deadline, admitted).await
     }
 
@@ -214,9 +215,11 @@ impl Front {
                                         FinishReason::Length => pb::FinishReason::Length,
                                     } as i32,
                                     usage: Some(pb::Usage {
-                                        prompt_tokens: prompt as u32,
-                                        completion_tokens: c.completion_tokens as u32,
-                                        total_tokens: (prompt + c.completion_tokens) as u32,
+                                        prompt_tokens: clamp_u32(prompt),
+                                        completion_tokens: clamp_u32(c.completion_tokens),
+                                        total_tokens: clamp_u32(
+                                            prompt.saturating_add(c.completion_tokens),
+                                        ),
                                     }),
                                 })),
                             });
@@ -384,6 +387,11 @@ impl Lockstep for Front {
             .collect();
         Ok(Response::new(pb::ListModelsResponse { models }))
     }
+}
+
+/// An upstream's count on the wire's u32 (saturating: a lying worker cannot wrap it).
+fn clamp_u32(n: u64) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
 }
 
 #[cfg(test)]

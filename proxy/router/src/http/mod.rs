@@ -2,9 +2,9 @@
 
 mod extract;
 mod fields;
-mod generate;
+pub(crate) mod generate;
 pub mod grpc;
-mod openai;
+pub(crate) mod openai;
 mod respond;
 
 use std::sync::Arc;

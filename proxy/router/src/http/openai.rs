@@ -63,12 +63,10 @@ pub(crate) fn bad(param: &str, message: String) -> LockstepError {
     }
 }
 
-/// Most stop sequences a request may give, and the longest one, in bytes: each generated token
-/// is checked against every one, on the decode's hot path (a worker's or the engine's single
-/// thread), so they are bounded like any other input.
-pub(crate) const MAX_STOPS: usize = 16;
-/// See [`MAX_STOPS`].
-pub(crate) const MAX_STOP_BYTES: usize = 256;
+/// Most stop sequences a request may give, and the longest one, in bytes: the engine's bounds
+/// (it enforces them itself for every entry point), checked here first so a request to a remote
+/// backend is refused the same way.
+pub(crate) use lockstep_engine::sample::{MAX_STOP_BYTES, MAX_STOPS};
 
 /// The stop sequences of a request, bounded in number and length, none empty.
 pub(crate) fn check_stop(param: &str, stop: Option<Stop>) -> Result<Vec<String>, LockstepError> {

@@ -1,0 +1,164 @@
+//! Writes a few well-formed seed inputs for every fuzz target into `DIR/TARGET/` (what
+//! `bench/fuzz.sh` starts a new corpus from): a small llama GGUF, a KV set on the wire, worker
+//! messages, a data-listener push, SSE and upstream JSON answers, request bodies, chat turns.
+//!
+//! ```text
+//! cargo run -p lockstep-tests --example fuzz_seeds -- fuzz/corpus
+//! ```
+
+use std::path::Path;
+
+use lockstep_engine::model::LlamaConfig;
+use lockstep_engine::pool::KvDtype;
+use lockstep_engine::transfer::{KvManifest, KvTransfer, ModelFingerprint, PageData, wire};
+use lockstep_proto::v1 as pb;
+use prost::Message;
+
+fn write(dir: &Path, target: &str, name: &str, bytes: &[u8]) {
+    let d = dir.join(target);
+    std::fs::create_dir_all(&d).expect("corpus folder");
+    std::fs::write(d.join(format!("seed-{name}")), bytes).expect("write seed");
+}
+
+fn kv_set() -> KvTransfer {
+    let pages: Vec<PageData> = (0..2)
+        .map(|i| PageData {
+            index: i,
+            pair_id: 7,
+            bytes: vec![i as u8; 64].into(),
+        })
+        .collect();
+    let mut m = KvManifest {
+        pair_id: 7,
+        model: ModelFingerprint(3),
+        tokens: 20,
+        page_size: 16,
+        dtype: KvDtype::F16,
+        page_count: 2,
+        page_checksums: pages
+            .iter()
+            .map(|p| xxhash_rust::xxh3::xxh3_64(&p.bytes))
+            .collect(),
+        manifest_checksum: 0,
+    };
+    m.manifest_checksum = m.compute_checksum();
+    KvTransfer { manifest: m, pages }
+}
+
+fn main() {
+    let dir = std::env::args()
+        .nth(1)
+        .unwrap_or_else(|| "fuzz/corpus".into());
+    let dir = Path::new(&dir);
+    let tiny = LlamaConfig {
+        layers: 1,
+        dim: 8,
+        heads: 2,
+        kv_heads: 1,
+        head_dim: 4,
+        ffn: 16,
+        vocab: 16,
+        rope_base: 10000.0,
+        eps: 1e-5,
+        context: 32,
+    };
+    write(
+        dir,
+        "gguf",
+        "tiny-llama",
+        &lockstep_engine::synthetic::llama_gguf(&tiny, 1),
+    );
+
+    let t = kv_set();
+    write(dir, "kv_transfer", "two-pages", &t.to_bytes());
+
+    let mut push = vec![0u8; 32];
+    push.extend(wire::head(&t.manifest, 2));
+    for p in &t.pages {
+        push.extend(wire::page_head(p));
+        push.extend_from_slice(&p.bytes);
+    }
+    write(dir, "data_stream", "two-pages", &push);
+
+    let prefill = pb::PrefillRequest {
+        pair_id: 7,
+        input_ids: vec![1, 2, 3],
+        decode_endpoint: "https://127.0.0.1:9102".into(),
+        cache_salt: Some(5),
+        kv_key: vec![1; 32],
+    };
+    let decode = pb::DecodeRequest {
+        pair_id: 7,
+        input_ids: vec![1, 2, 3],
+        sampling: Some(pb::Sampling {
+            max_tokens: 4,
+            stop: vec!["\n".into()],
+            ..Default::default()
+        }),
+        expect_kv: true,
+        cache_salt: None,
+        kv_key: vec![1; 32],
+    };
+    let manifest = pb::KvPush {
+        item: Some(pb::kv_push::Item::Manifest(pb::KvManifest {
+            pair_id: 7,
+            model_fingerprint: 3,
+            tokens: 20,
+            page_size: 16,
+            dtype: 1,
+            page_count: 2,
+            page_checksums: t.manifest.page_checksums.clone(),
+            manifest_checksum: t.manifest.manifest_checksum,
+            mac: vec![0; 32],
+        })),
+    };
+    for (i, body) in [
+        prefill.encode_to_vec(),
+        decode.encode_to_vec(),
+        manifest.encode_to_vec(),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut m = vec![i as u8];
+        m.extend(body);
+        write(dir, "worker_messages", &format!("kind{i}"), &m);
+    }
+
+    write(
+        dir,
+        "sse",
+        "sglang-chunks",
+        b"data: {\"text\":\"a\",\"output_ids\":[1],\"meta_info\":{\"id\":\"x\",\"prompt_tokens\":3,\"completion_tokens\":1,\"finish_reason\":null}}\n\n\xffdata: {\"text\":\"ab\"}\r\n\r\ndata: [DONE]\n\n",
+    );
+    for (name, body) in [
+        ("sglang-final", &br#"{"text":"hi","output_ids":[5,6],"meta_info":{"id":"0000000000000000001","prompt_tokens":3,"completion_tokens":2,"cached_tokens":0,"finish_reason":{"type":"length","length":2}}}"#[..]),
+        ("sglang-abort", br#"{"text":"","meta_info":{"finish_reason":{"type":"abort","message":"KV checksum mismatch"}}}"#),
+        ("vllm-chunk", br#"{"id":"cmpl-1","choices":[{"index":0,"text":"a","finish_reason":null}],"usage":{"prompt_tokens":3,"completion_tokens":1},"kv_transfer_params":{"remote_request_id":"cmpl-x-0"}}"#),
+        ("vllm-error", br#"{"object":"error","message":"bad","type":"BadRequestError","code":400}"#),
+        ("vllm-metrics", b"vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"100\"} 1.0\n"),
+    ] {
+        write(dir, "upstream_json", name, body);
+    }
+
+    for (i, body) in [
+        r#"{"model":"fuzz","messages":[{"role":"system","content":"be brief"},{"role":"user","content":"hi <|im_start|>"}],"max_tokens":4,"stop":["x"],"stream":true}"#,
+        r#"{"model":"fuzz","prompt":"red green","max_tokens":2,"temperature":0,"response_format":{"type":"text"}}"#,
+        r#"{"text":"red","sampling_params":{"max_new_tokens":3,"stop":["a"]},"stream":false}"#,
+    ]
+    .iter()
+    .enumerate()
+    {
+        let mut b = vec![i as u8];
+        b.extend_from_slice(body.as_bytes());
+        write(dir, "admission", &format!("route{i}"), &b);
+    }
+
+    write(
+        dir,
+        "chat_template",
+        "turns",
+        b"system\0be brief\0user\0hi <|im_end|>\0assistant\0ok",
+    );
+    println!("seeds written under {}", dir.display());
+}
