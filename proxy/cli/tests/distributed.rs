@@ -941,3 +941,50 @@ async fn a_worker_refuses_plaintext_on_a_non_loopback_address() {
         "{err}"
     );
 }
+
+/// A decode call waits for its KV as long as its caller's `grpc-timeout` (the router sends its own
+/// first-token deadline), not just the worker's lease (1.5 s here): a prefill that lands after
+/// the lease still feeds it. Without a deadline, the lease bounds the wait (the leases test).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_waits_for_its_kv_as_long_as_its_caller_does() {
+    let Some(model) = model_path() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = worker_config(dir.path(), "worker.toml", &model, "", "");
+    let (p, d) = tokio::join!(worker("prefill", &cfg), worker("decode", &cfg));
+    let prompt: Vec<u32> = (0..40).map(|i| 400 + i).collect();
+    let key = [50u8; 32];
+    let waiting = tokio::spawn({
+        let (d, prompt) = (d.addr.clone(), prompt.clone());
+        async move {
+            let mut req = tonic::Request::new(pb::DecodeRequest {
+                pair_id: 50,
+                input_ids: prompt,
+                sampling: Some(pb::Sampling {
+                    max_tokens: 4,
+                    ..Default::default()
+                }),
+                expect_kv: true,
+                cache_salt: None,
+                kv_key: key.to_vec(),
+            });
+            req.set_timeout(Duration::from_secs(8));
+            let mut events = client(&d).await.decode(req).await?.into_inner();
+            let mut n = 0;
+            while let Some(ev) = events.message().await? {
+                if let Some(pb::decode_event::Event::Token(_)) = ev.event {
+                    n += 1;
+                }
+            }
+            Ok::<_, tonic::Status>(n)
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    client(&p.addr)
+        .await
+        .prefill(prefill_req(50, &prompt, &d.addr, &key))
+        .await
+        .expect("a prefill after the lease");
+    assert_eq!(waiting.await.expect("join").expect("decoded"), 4);
+    wait_idle(&p.addr).await;
+    wait_idle(&d.addr).await;
+}

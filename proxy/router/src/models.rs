@@ -44,6 +44,7 @@ pub fn remote_backend(m: &ModelConfig, client: &UpstreamClient) -> Option<Arc<dy
         BackendKind::Lockstep => Arc::new(crate::backend::lockstep::LockstepBackend::new(
             client.connect_timeout(),
             client.plane().cloned(),
+            &m.timeouts,
         )),
         BackendKind::Embedded => return None,
     })

@@ -78,6 +78,9 @@ struct RoomState {
     key: Option<KvKey>,
     sets: Vec<PendingSet>,
     closed: bool,
+    /// Until when a decode call waits here (its caller's deadline): the sweep leaves the room
+    /// open that long even past the lease.
+    waited_until: Option<Instant>,
 }
 
 /// One pair's room.
@@ -142,8 +145,9 @@ impl Room {
     }
 
     /// Waits for a set whose MAC verifies under `key` (sets that do not are dropped; their
-    /// count is returned with the set). Taking closes the room.
-    pub async fn take(&self, key: KvKey) -> Result<(KvTransfer, usize), Refusal> {
+    /// count is returned with the set), until `until` at the latest (the caller bounds the wait;
+    /// the sweep respects it). Taking closes the room.
+    pub async fn take(&self, key: KvKey, until: Instant) -> Result<(KvTransfer, usize), Refusal> {
         let mut forged = 0;
         loop {
             {
@@ -152,6 +156,7 @@ impl Room {
                     return Err(Refusal::Closed);
                 }
                 s.key = Some(key);
+                s.waited_until = Some(until);
                 let before = s.sets.len();
                 s.sets.retain(|p| key.verifies(&p.set.manifest, &p.tag));
                 forged += before - s.sets.len();
@@ -169,6 +174,11 @@ impl Room {
     /// How long ago the room was opened.
     pub fn age(&self) -> Duration {
         self.created.elapsed()
+    }
+
+    /// Whether the sweep may drop it: older than `lease`, and no decode call still waiting in it.
+    fn expired(&self, lease: Duration) -> bool {
+        self.age() >= lease && self.lock().waited_until.is_none_or(|t| Instant::now() >= t)
     }
 
     /// Whether a set is waiting in the room.
@@ -260,7 +270,7 @@ impl Rooms {
     pub fn sweep(&self) -> usize {
         let mut n = 0;
         self.by_pair.retain(|_, r| {
-            let keep = r.age() < self.lease;
+            let keep = !r.expired(self.lease);
             if !keep {
                 r.close();
                 n += 1;
@@ -309,6 +319,10 @@ mod tests {
         }
     }
 
+    fn far() -> Instant {
+        Instant::now() + Duration::from_secs(60)
+    }
+
     fn key(b: u8) -> KvKey {
         KvKey::from_request(&[b; 32]).expect("key")
     }
@@ -330,7 +344,7 @@ mod tests {
         // taken; a later forgery is refused as such.
         let taker = {
             let room = room.clone();
-            tokio::spawn(async move { room.take(key(1)).await })
+            tokio::spawn(async move { room.take(key(1), far()).await })
         };
         tokio::time::sleep(Duration::from_millis(20)).await;
         assert_eq!(
@@ -360,7 +374,7 @@ mod tests {
         let room = rooms.room(4).expect("room");
         // Another pair's genuine set (its own manifest, its own key), replayed here.
         room.put(pending(&rooms, set(5), key(5))).expect("kept");
-        let r = tokio::time::timeout(Duration::from_millis(100), room.take(key(4))).await;
+        let r = tokio::time::timeout(Duration::from_millis(100), room.take(key(4), far())).await;
         assert!(r.is_err(), "still waiting: the replay was dropped");
         assert_eq!(rooms.pending_bytes(), 0);
     }
@@ -389,5 +403,28 @@ mod tests {
         short.room(3).expect("room");
         std::thread::sleep(Duration::from_millis(5));
         assert_eq!(short.sweep(), 1);
+    }
+
+    #[tokio::test]
+    async fn the_sweep_leaves_a_room_open_while_its_decode_call_may_still_wait() {
+        let rooms = Arc::new(Rooms::new(Duration::from_millis(1), 1_000));
+        let room = rooms.room(6).expect("room");
+        let waiting = tokio::spawn({
+            let room = room.clone();
+            async move {
+                room.take(key(6), Instant::now() + Duration::from_millis(300))
+                    .await
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(
+            rooms.sweep(),
+            0,
+            "past the lease, within the caller's deadline"
+        );
+        room.put(pending(&rooms, set(6), key(6))).expect("late set");
+        assert!(waiting.await.expect("join").is_ok());
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(rooms.sweep(), 1, "then it goes");
     }
 }

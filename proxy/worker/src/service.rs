@@ -23,6 +23,9 @@ use crate::pb::{decode_event, engine_status, manifest_from_pb, sampling_from_pb}
 use crate::push::KvPusher;
 use crate::rooms::{PendingSet, Refusal, Rooms};
 
+/// The longest a call waits, whatever deadline its caller names.
+pub const MAX_WAIT: Duration = Duration::from_secs(600);
+
 /// The worker service over one engine.
 pub struct WorkerService {
     role: Role,
@@ -200,6 +203,13 @@ impl WorkerService {
         self.rooms.sweep()
     }
 
+    /// How long a call may wait (for its KV, or for its push): the caller's `grpc-timeout` (the
+    /// router sends its own prefill and first-token deadlines), at most [`MAX_WAIT`]; the lease
+    /// when the caller names none.
+    fn wait_bound(&self, meta: &tonic::metadata::MetadataMap) -> Duration {
+        lockstep_serve::grpc_timeout(meta).map_or(self.rooms.lease(), |d| d.min(MAX_WAIT))
+    }
+
     /// Pushes a set, signed with `key`, to the decode worker at `endpoint` the way a prefill
     /// does (benchmarks, tests).
     pub async fn push_set(&self, endpoint: &str, t: KvTransfer, key: &KvKey) -> Result<(), String> {
@@ -241,6 +251,7 @@ impl Worker for WorkerService {
         req: Request<pb::PrefillRequest>,
     ) -> Result<Response<pb::PrefillResponse>, Status> {
         self.admit(&[Role::Prefill, Role::Unified], "prefill")?;
+        let wait = self.wait_bound(req.metadata());
         let r = req.into_inner();
         if r.input_ids.is_empty() {
             return Err(Status::invalid_argument("empty prompt"));
@@ -277,17 +288,14 @@ impl Worker for WorkerService {
         // Signed as sent (an injected fault is the wire's or a bug's, which the decode's own
         // verification must catch).
         let tag = key.sign(&t.manifest);
-        let pushed = tokio::time::timeout(
-            self.rooms.lease(),
-            self.pusher.push(&r.decode_endpoint, &t, &tag),
-        )
-        .await
-        .unwrap_or_else(|_| {
-            Err(crate::push::PushError {
-                busy: false,
-                message: "timed out (lease)".into(),
-            })
-        });
+        let pushed = tokio::time::timeout(wait, self.pusher.push(&r.decode_endpoint, &t, &tag))
+            .await
+            .unwrap_or_else(|_| {
+                Err(crate::push::PushError {
+                    busy: false,
+                    message: format!("timed out ({} ms)", wait.as_millis()),
+                })
+            });
         if let Err(e) = pushed {
             return Err(e.status(&r.decode_endpoint));
         }
@@ -311,6 +319,7 @@ impl Worker for WorkerService {
         req: Request<pb::DecodeRequest>,
     ) -> Result<Response<EventStream>, Status> {
         self.admit(&[Role::Decode, Role::Unified], "decode")?;
+        let wait = self.wait_bound(req.metadata());
         let r = req.into_inner();
         if r.input_ids.is_empty() {
             return Err(Status::invalid_argument("empty prompt"));
@@ -318,7 +327,8 @@ impl Worker for WorkerService {
         let kv = if r.expect_kv {
             let key = KvKey::from_request(&r.kv_key)?;
             let room = self.rooms.room(r.pair_id).map_err(refusal_status)?;
-            let got = tokio::time::timeout(self.rooms.lease(), room.take(key)).await;
+            let until = tokio::time::Instant::now() + wait;
+            let got = tokio::time::timeout_at(until, room.take(key, until.into_std())).await;
             self.rooms.remove(r.pair_id);
             match got {
                 Ok(Ok((t, forged))) => {
@@ -334,9 +344,9 @@ impl Worker for WorkerService {
                 Ok(Err(_)) => return Err(Status::aborted("pair aborted before its KV arrived")),
                 Err(_) => {
                     return Err(Status::deadline_exceeded(format!(
-                        "no KV arrived for pair {} within the lease ({} ms)",
+                        "no KV arrived for pair {} within {} ms",
                         r.pair_id,
-                        self.rooms.lease().as_millis()
+                        wait.as_millis()
                     )));
                 }
             }

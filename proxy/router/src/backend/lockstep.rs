@@ -31,19 +31,29 @@ pub struct LockstepBackend {
     clients: std::sync::Arc<DashMap<String, WorkerClient<Channel>>>,
     connect_timeout: Duration,
     tls: Option<std::sync::Arc<PlaneTls>>,
+    /// Carried to the workers as `grpc-timeout`: how long a prefill may take, and how long a
+    /// decode may wait for its KV and first token (the router's own deadlines, so a worker's
+    /// shorter lease never ends a pair the router would still wait for).
+    deadlines: (Duration, Duration),
 }
 
 impl LockstepBackend {
     /// A backend whose connections to workers are bounded by `connect_timeout`, over the
     /// worker plane's mutual TLS when `tls` is set (`https://` workers).
+    /// `timeouts` are the model's: their prefill and first-token bounds go to the workers.
     pub fn new(
         connect_timeout: Duration,
         tls: Option<std::sync::Arc<PlaneTls>>,
+        timeouts: &crate::config::TimeoutConfig,
     ) -> LockstepBackend {
         LockstepBackend {
             clients: Default::default(),
             connect_timeout,
             tls,
+            deadlines: (
+                Duration::from_millis(timeouts.prefill_ms),
+                Duration::from_millis(timeouts.first_token_ms),
+            ),
         }
     }
 
@@ -150,7 +160,8 @@ impl PdBackend for LockstepBackend {
             cache_salt: Some(d.cache_salt()),
             kv_key: kv_key(d.pair_id.raw()),
         };
-        let req = traced(req);
+        let mut req = traced(req);
+        req.set_timeout(self.deadlines.0);
         async move {
             let mut c = client.map_err(|e| unreachable(Side::Prefill, e))?;
             let r = c
@@ -169,7 +180,7 @@ impl PdBackend for LockstepBackend {
 
     fn decode(&self, d: &Dispatch) -> DecodeStream {
         let client = self.client(&d.decode.url);
-        let req = traced(pb::DecodeRequest {
+        let mut req = traced(pb::DecodeRequest {
             pair_id: d.pair_id.raw(),
             input_ids: d.input_ids.to_vec(),
             sampling: Some(sampling(&d.sampling)),
@@ -177,6 +188,7 @@ impl PdBackend for LockstepBackend {
             cache_salt: Some(d.cache_salt()),
             kv_key: kv_key(d.pair_id.raw()),
         });
+        req.set_timeout(self.deadlines.1);
         let start = async move {
             let mut c = client.map_err(|e| unreachable(Side::Decode, e))?;
             c.decode(req)

@@ -9,7 +9,6 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
 
 use futures_util::Stream;
 use lockstep_proto::v1 as pb;
@@ -78,25 +77,6 @@ struct Front {
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;
 
-/// `grpc-timeout`: an integer of at most 8 digits and a unit (H, M, S, m, u, n).
-fn grpc_timeout(meta: &tonic::metadata::MetadataMap) -> Option<Duration> {
-    let v = meta.get("grpc-timeout")?.to_str().ok()?;
-    let (digits, unit) = v.split_at(v.len().checked_sub(1)?);
-    if digits.is_empty() || digits.len() > 8 {
-        return None;
-    }
-    let n: u64 = digits.parse().ok()?;
-    Some(match unit {
-        "H" => Duration::from_secs(n * 3600),
-        "M" => Duration::from_secs(n * 60),
-        "S" => Duration::from_secs(n),
-        "m" => Duration::from_millis(n),
-        "u" => Duration::from_micros(n),
-        "n" => Duration::from_nanos(n),
-        _ => return None,
-    })
-}
-
 fn common(s: Option<pb::SamplingParams>) -> CommonParams {
     let s = s.unwrap_or_default();
     CommonParams {
@@ -141,7 +121,7 @@ impl Front {
         req: Request<R>,
     ) -> Result<Response<EventStream>, Status> {
         let headers = req.metadata().clone().into_headers();
-        let deadline = grpc_timeout(req.metadata()).map(|d| Instant::now() + d);
+        let deadline = lockstep_serve::grpc_timeout(req.metadata()).map(|d| Instant::now() + d);
         let caller = authorize(&self.state, &headers).map_err(|r| r.0.to_status())?;
         let (admitted, ()) = admit(&self.state, caller, req.into_inner())
             .await
@@ -392,28 +372,4 @@ impl Lockstep for Front {
 /// An upstream's count on the wire's u32 (saturating: a lying worker cannot wrap it).
 fn clamp_u32(n: u64) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn grpc_timeout_parses_every_unit_and_refuses_malformed_values() {
-        let parse = |v: &str| {
-            let mut m = tonic::metadata::MetadataMap::new();
-            m.insert("grpc-timeout", v.parse().expect("ascii"));
-            grpc_timeout(&m)
-        };
-        assert_eq!(parse("2H"), Some(Duration::from_secs(7200)));
-        assert_eq!(parse("3M"), Some(Duration::from_secs(180)));
-        assert_eq!(parse("5S"), Some(Duration::from_secs(5)));
-        assert_eq!(parse("250m"), Some(Duration::from_millis(250)));
-        assert_eq!(parse("7u"), Some(Duration::from_micros(7)));
-        assert_eq!(parse("9n"), Some(Duration::from_nanos(9)));
-        for bad in ["", "S", "5", "5x", "123456789S", "-1S", "1.5S"] {
-            assert_eq!(parse(bad), None, "{bad:?}");
-        }
-        assert_eq!(grpc_timeout(&tonic::metadata::MetadataMap::new()), None);
-    }
 }
