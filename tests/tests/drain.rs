@@ -219,3 +219,46 @@ async fn drain_waits_for_the_abort_calls_to_land() {
     let a = client.await.expect("client");
     assert!(a.status >= 500, "{}", a.body);
 }
+
+/// A drain that begins while a failed pair waits out its retry backoff stops the retry: the
+/// client gets the failure, and no new pair reaches the workers after the drain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_during_a_retry_backoff_starts_no_new_pair() {
+    let stack = Stack::start().await;
+    let text = std::fs::read_to_string(&stack.config_path).expect("config");
+    assert!(text.contains("backoff_ms = 5"));
+    std::fs::write(
+        &stack.config_path,
+        text.replace("backoff_ms = 5", "backoff_ms = 600"),
+    )
+    .expect("write");
+    stack
+        .lockstep
+        .reload(lockstep_router::config::Config::load(&stack.config_path).expect("loads"))
+        .await
+        .expect("reloads");
+    stack.mock.set_fault(Fault::PrefillStatus(503));
+    let prefills = || {
+        stack
+            .mock
+            .requests()
+            .iter()
+            .filter(|(r, _)| *r == Role::Prefill)
+            .count()
+    };
+    let answer = post(&stack, "red", false, 2);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while prefills() == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the first attempt reaches the prefill"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // The first attempt failed (503, retry-safe); the retry waits 600 ms. Drain now.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    stack.lockstep.drain(Duration::from_secs(2)).await;
+    let a = answer.await.expect("task");
+    assert_eq!(a.status, 502, "{}", a.body);
+    assert_eq!(prefills(), 1, "no retry after the drain began");
+}

@@ -160,6 +160,7 @@ impl Lockstep {
         use crate::pair::{CancelReason, PairState};
         let st = &self.state;
         st.draining.store(true, Ordering::Release);
+        st.registry.set_draining();
         crate::http::grpc::set_serving(&self.health, false).await;
         let live = st.registry.len();
         tracing::info!(

@@ -56,6 +56,9 @@ impl PushError {
     }
 }
 
+/// Peers (and their data addresses and idle connections) one worker remembers at most.
+const MAX_PEERS: usize = 4_096;
+
 /// A data connection: plain TCP, or the plane's mutual TLS.
 trait DataIo: AsyncRead + AsyncWrite + Send + Sync + Unpin {}
 impl<T: AsyncRead + AsyncWrite + Send + Sync + Unpin> DataIo for T {}
@@ -115,6 +118,12 @@ impl KvPusher {
         let ch = lockstep_serve::tls::worker_channel(url, self.connect_timeout, self.tls.as_ref())
             .map_err(Status::invalid_argument)?;
         let c = WorkerClient::new(ch).max_encoding_message_size(MAX_MESSAGE_BYTES);
+        // Bounded: endpoints come from callers; past the bound, start the cache over.
+        if self.peers.len() >= MAX_PEERS {
+            self.peers.clear();
+            self.data_addrs.clear();
+            self.data_conns.clear();
+        }
         self.peers.insert(url.to_string(), c.clone());
         Ok(c)
     }

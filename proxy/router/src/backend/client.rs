@@ -183,12 +183,9 @@ impl UpstreamClient {
     ) -> Result<(u16, Bytes), CallError> {
         let resp = self.send_with(Method::POST, url, body, extra).await?;
         let status = resp.status().as_u16();
-        let body = resp
-            .into_body()
-            .collect()
+        let body = collect_bounded(resp.into_body())
             .await
-            .map_err(|e| CallError::Transport(format!("{url}: {}", error_chain(&e))))?
-            .to_bytes();
+            .map_err(|e| CallError::Transport(format!("{url}: {e}")))?;
         Ok((status, body))
     }
 
@@ -207,12 +204,9 @@ impl UpstreamClient {
             .send_with(Method::GET, url, Bytes::new(), extra)
             .await?;
         let status = resp.status().as_u16();
-        let body = resp
-            .into_body()
-            .collect()
+        let body = collect_bounded(resp.into_body())
             .await
-            .map_err(|e| CallError::Transport(format!("{url}: {}", error_chain(&e))))?
-            .to_bytes();
+            .map_err(|e| CallError::Transport(format!("{url}: {e}")))?;
         Ok((status, body))
     }
 
@@ -230,6 +224,29 @@ fn unreachable_tls(e: rustls::Error) -> ! {
     panic!("rustls rejected its own default protocol versions: {e}")
 }
 
+/// The largest upstream answer lockstep reads whole (JSON answers, error bodies, probes); streams
+/// are read event by event, each event bounded on its own (`sse.rs`).
+pub(crate) const MAX_UPSTREAM_BODY: usize = 16 << 20;
+
+/// Collects an upstream body of at most [`MAX_UPSTREAM_BODY`] bytes; a larger one is an error
+/// (never buffered past the bound).
+pub(crate) async fn collect_bounded<B>(body: B) -> Result<Bytes, String>
+where
+    B: hyper::body::Body<Data = Bytes>,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    http_body_util::Limited::new(body, MAX_UPSTREAM_BODY)
+        .collect()
+        .await
+        .map(|c| c.to_bytes())
+        .map_err(|e| {
+            format!(
+                "answer unreadable or over {} MiB: {e}",
+                MAX_UPSTREAM_BODY >> 20
+            )
+        })
+}
+
 /// An error and its sources, on one line.
 pub fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
@@ -240,4 +257,18 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
         src = c.source();
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn upstream_bodies_are_read_only_up_to_the_bound() {
+        let small = Full::new(Bytes::from(vec![b'x'; 1024]));
+        assert_eq!(collect_bounded(small).await.expect("small").len(), 1024);
+        let huge = Full::new(Bytes::from(vec![b'x'; MAX_UPSTREAM_BODY + 1]));
+        let e = collect_bounded(huge).await.expect_err("over the bound");
+        assert!(e.contains("16 MiB"), "{e}");
+    }
 }

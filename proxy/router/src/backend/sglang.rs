@@ -7,7 +7,6 @@ use std::sync::{Arc, RwLock};
 use bytes::Bytes;
 use futures_util::future::BoxFuture;
 use http::Method;
-use http_body_util::BodyExt;
 use serde_json::{Value, json};
 
 use super::client::UpstreamClient;
@@ -316,11 +315,8 @@ impl PdBackend for SglangBackend {
                 .map_err(|e| e.of(side))?;
             let status = resp.status().as_u16();
             if !(200..300).contains(&status) {
-                let body = resp
-                    .into_body()
-                    .collect()
+                let body = super::client::collect_bounded(resp.into_body())
                     .await
-                    .map(|c| c.to_bytes())
                     .unwrap_or_default();
                 return Err(HalfError {
                     side,

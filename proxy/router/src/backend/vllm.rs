@@ -25,7 +25,6 @@ use bytes::Bytes;
 use dashmap::DashMap;
 use futures_util::future::BoxFuture;
 use http::Method;
-use http_body_util::BodyExt;
 use serde_json::{Value, json};
 use tokio::sync::watch;
 
@@ -359,11 +358,8 @@ impl PdBackend for VllmBackend {
                 .map_err(|e| e.of(side))?;
             let status = resp.status().as_u16();
             if !(200..300).contains(&status) {
-                let body = resp
-                    .into_body()
-                    .collect()
+                let body = super::client::collect_bounded(resp.into_body())
                     .await
-                    .map(|c| c.to_bytes())
                     .unwrap_or_default();
                 let message = serde_json::from_slice::<Value>(&body)
                     .ok()

@@ -160,6 +160,7 @@ impl PairRuntime {
                         && f.retry_safe
                         && attempt < self.retry.max_retries
                         && !tx.is_closed()
+                        && !self.registry.is_draining()
                     {
                         attempt += 1;
                         self.observe().retried();
@@ -170,7 +171,11 @@ impl PairRuntime {
                         };
                         drop((guard, pg, dg));
                         sleep(Duration::from_millis(self.retry.backoff_ms)).await;
-                        continue;
+                        // A drain that began during the backoff starts nothing new: the client
+                        // gets this failure instead.
+                        if !self.registry.is_draining() {
+                            continue;
+                        }
                     }
                     if f.reason != AbortReason::ClientGone {
                         // On a committed stream this becomes one error event; before, an error status.

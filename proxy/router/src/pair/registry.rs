@@ -75,6 +75,8 @@ pub struct PairRegistry {
     /// Abort calls still on their way to workers (pairs already gone from `live`): a drain waits
     /// for them, or a shutdown would cancel them and leave the halves held.
     aborts: Arc<std::sync::atomic::AtomicUsize>,
+    /// Set by a drain: no failed pair is retried on a new one after it.
+    draining: std::sync::atomic::AtomicBool,
 }
 
 /// Counts one pair's abort calls as in flight while alive.
@@ -93,6 +95,17 @@ impl PairRegistry {
         self.aborts
             .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
         AbortsInFlight(self.aborts.clone())
+    }
+
+    /// Marks the process as draining: failed pairs are no longer retried.
+    pub fn set_draining(&self) {
+        self.draining
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Whether a drain has begun.
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// Pairs whose abort calls have not all answered (or timed out) yet.
