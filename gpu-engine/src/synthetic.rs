@@ -96,6 +96,23 @@ impl GgufWriter {
     }
 }
 
+/// The smallest sound llama shape (1 layer, 8 wide, 2 query heads over 1 KV head of 4, MLP 16,
+/// 16 tokens): for tests and fuzz seeds that need a model file, not a model.
+pub fn tiny_shape() -> LlamaConfig {
+    LlamaConfig {
+        layers: 1,
+        dim: 8,
+        heads: 2,
+        kv_heads: 1,
+        head_dim: 4,
+        ffn: 16,
+        vocab: 16,
+        rope_base: 10000.0,
+        eps: 1e-5,
+        context: 32,
+    }
+}
+
 /// SmolLM2-135M's shape (30 layers, 576 wide, 9 query and 3 KV heads of 64, MLP 1536, 49152
 /// tokens, RoPE base 100000, tied output embedding).
 pub fn smollm2_shape() -> LlamaConfig {

@@ -220,19 +220,8 @@ fn teacher_forced_256_positions_agree_with_llama_cpp() {
 fn impossible_head_shapes_are_refused_not_panicked_on() {
     use lockstep_engine::gguf::Gguf;
     use lockstep_engine::model::{Llama, LlamaConfig};
-    use lockstep_engine::synthetic::llama_gguf;
-    let ok = LlamaConfig {
-        layers: 1,
-        dim: 8,
-        heads: 2,
-        kv_heads: 1,
-        head_dim: 4,
-        ffn: 16,
-        vocab: 16,
-        rope_base: 10000.0,
-        eps: 1e-5,
-        context: 32,
-    };
+    use lockstep_engine::synthetic::{llama_gguf, tiny_shape};
+    let ok = tiny_shape();
     let load = |c: &LlamaConfig| {
         let bytes = llama_gguf(c, 1);
         let g = Gguf::parse(bytes).expect("parses");

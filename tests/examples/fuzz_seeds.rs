@@ -8,7 +8,6 @@
 
 use std::path::Path;
 
-use lockstep_engine::model::LlamaConfig;
 use lockstep_engine::pool::KvDtype;
 use lockstep_engine::transfer::{KvManifest, KvTransfer, ModelFingerprint, PageData, wire};
 use lockstep_proto::v1 as pb;
@@ -50,18 +49,7 @@ fn main() {
         .nth(1)
         .unwrap_or_else(|| "fuzz/corpus".into());
     let dir = Path::new(&dir);
-    let tiny = LlamaConfig {
-        layers: 1,
-        dim: 8,
-        heads: 2,
-        kv_heads: 1,
-        head_dim: 4,
-        ffn: 16,
-        vocab: 16,
-        rope_base: 10000.0,
-        eps: 1e-5,
-        context: 32,
-    };
+    let tiny = lockstep_engine::synthetic::tiny_shape();
     write(
         dir,
         "gguf",

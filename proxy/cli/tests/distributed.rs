@@ -242,6 +242,13 @@ async fn wait_idle(addr: &str) {
     }
 }
 
+/// [`wait_idle`] on every worker.
+async fn wait_idle_all(workers: &[&Proc]) {
+    for w in workers {
+        wait_idle(&w.addr).await;
+    }
+}
+
 const PROMPTS: [&str; 6] = [
     "The capital of France is",
     "One, two, three,",
@@ -617,8 +624,7 @@ async fn only_the_pair_key_holder_can_feed_a_decode_and_pushes_go_only_to_decode
             .expect_err("no key");
         assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
     }
-    wait_idle(&p.addr).await;
-    wait_idle(&d.addr).await;
+    wait_idle_all(&[&p, &d]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -985,6 +991,5 @@ async fn a_decode_waits_for_its_kv_as_long_as_its_caller_does() {
         .await
         .expect("a prefill after the lease");
     assert_eq!(waiting.await.expect("join").expect("decoded"), 4);
-    wait_idle(&p.addr).await;
-    wait_idle(&d.addr).await;
+    wait_idle_all(&[&p, &d]).await;
 }
