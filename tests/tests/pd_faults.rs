@@ -94,6 +94,15 @@ async fn assert_fault(fault: Fault, expected_codes: &[&str]) {
                     a.body
                 );
             }
+            // No worker address in what the client reads.
+            for url in [stack.mock.prefill_url(), stack.mock.decode_url()] {
+                let host_port = url.trim_start_matches("http://");
+                assert!(
+                    !a.body.contains(host_port),
+                    "{case}: a worker address reached the client: {}",
+                    a.body
+                );
+            }
             // Both halves of every pair this request dispatched were aborted, and released.
             stack.mock.set_fault(Fault::None);
             assert!(

@@ -45,9 +45,11 @@ impl PushError {
         }
     }
 
-    /// As the status the prefill call answers with.
+    /// As the status the prefill call answers with (the endpoint goes to this worker's log, not
+    /// into the status, which may reach an API client's error message).
     pub fn status(&self, endpoint: &str) -> Status {
-        let m = format!("KV push to {endpoint} failed: {}", self.message);
+        tracing::warn!(endpoint, error = %self.message, busy = self.busy, "KV push failed");
+        let m = format!("KV push to the decode worker failed: {}", self.message);
         if self.busy {
             Status::resource_exhausted(m)
         } else {
@@ -116,7 +118,12 @@ impl KvPusher {
             return Ok(c.clone());
         }
         let ch = lockstep_serve::tls::worker_channel(url, self.connect_timeout, self.tls.as_ref())
-            .map_err(Status::invalid_argument)?;
+            .map_err(|e| {
+                tracing::warn!(error = %e, "unusable decode endpoint");
+                Status::invalid_argument(
+                    "the decode endpoint is not usable here (the worker's log says why)",
+                )
+            })?;
         let c = WorkerClient::new(ch).max_encoding_message_size(MAX_MESSAGE_BYTES);
         // Bounded: endpoints come from callers; past the bound, start the cache over.
         if self.peers.len() >= MAX_PEERS {
@@ -278,8 +285,14 @@ impl KvPusher {
         };
         tokio::time::timeout(self.connect_timeout, connect)
             .await
-            .map_err(|_| PushError::other(format!("connecting to {host}:{port} timed out")))?
-            .map_err(|e| PushError::other(format!("cannot connect to {host}:{port}: {e}")))
+            .map_err(|_| {
+                tracing::warn!(%host, port, "connecting to a KV data listener timed out");
+                PushError::other("connecting to its data listener timed out".into())
+            })?
+            .map_err(|e| {
+                tracing::warn!(%host, port, error = %e, "cannot connect to a KV data listener");
+                PushError::other(format!("cannot connect to its data listener: {e}"))
+            })
     }
 }
 

@@ -233,6 +233,27 @@ impl HalfError {
     }
 }
 
+impl HalfError {
+    /// What an API client may read of this failure: its class, and the worker's own words only
+    /// for a 4xx (the request's fault, worth showing); never an address or another internal
+    /// detail (connect and transport errors carry the URLs lockstep dialed, verification and
+    /// abort texts name hosts and ids). The whole text goes to the log and the audit.
+    pub fn public_message(&self) -> String {
+        let side = self.side.as_str();
+        match &self.failure {
+            HalfFailure::Connect(_) => format!("{side} worker unreachable"),
+            HalfFailure::Transport(_) => format!("{side} worker's connection broke mid-answer"),
+            HalfFailure::Protocol(_) => format!("{side} worker's answer could not be understood"),
+            HalfFailure::Integrity(_) => format!("{side} worker's KV failed verification"),
+            HalfFailure::InBandAbort(_) => format!("{side} worker aborted the request"),
+            HalfFailure::Status { status, .. } if !(400..500).contains(status) => {
+                format!("{side} worker answered {status}")
+            }
+            HalfFailure::Status { .. } => self.to_string(),
+        }
+    }
+}
+
 impl std::fmt::Display for HalfError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let side = self.side.as_str();

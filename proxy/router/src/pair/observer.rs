@@ -100,7 +100,7 @@ impl PairObserver<'_> {
         f: &Failure,
         at: &AbortContext<'_>,
     ) {
-        tracing::warn!(parent: span, pair = %d.pair_id, model = %self.model, reason = f.reason.as_str(), side = f.failed_side.map_or("none", Side::as_str), error = %f.error, "pair aborted on both halves");
+        tracing::warn!(parent: span, pair = %d.pair_id, model = %self.model, reason = f.reason.as_str(), side = f.failed_side.map_or("none", Side::as_str), error = %f.error, detail = f.detail.as_deref().unwrap_or(""), "pair aborted on both halves");
         let model = self.model;
         let side = f.failed_side.map_or("none", Side::as_str);
         self.metrics

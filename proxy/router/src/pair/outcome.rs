@@ -101,15 +101,20 @@ pub(super) struct Failure {
     pub(super) failed_side: Option<Side>,
     /// For integrity failures: which check failed (a metric label and audit field).
     pub(super) integrity: Option<&'static str>,
+    /// The whole story for the log, where the client's message leaves some out (worker
+    /// addresses).
+    pub(super) detail: Option<String>,
 }
 
 impl Failure {
     pub(super) fn from_half(pair_id: PairId, e: HalfError) -> Failure {
         let retry_safe = e.retry_safe();
-        let message = e.to_string();
+        let message = e.public_message();
+        let detail = Some(e.to_string()).filter(|d| *d != message);
         if matches!(e.failure, HalfFailure::Integrity(_)) {
             return Failure {
                 failed_side: Some(e.side),
+                detail,
                 ..Failure::integrity(pair_id, "kv_transfer", message)
             };
         }
@@ -129,6 +134,7 @@ impl Failure {
             retry_safe,
             failed_side: Some(e.side),
             integrity: None,
+            detail,
         }
     }
     pub(super) fn plain(error: LockstepError, reason: AbortReason) -> Failure {
@@ -138,6 +144,7 @@ impl Failure {
             retry_safe: false,
             failed_side: None,
             integrity: None,
+            detail: None,
         }
     }
     pub(super) fn deadline(pair_id: PairId, phase: Phase) -> Failure {
