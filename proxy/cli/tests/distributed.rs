@@ -511,21 +511,32 @@ async fn decode_pair(
     prompt: &[u32],
     key: &[u8],
 ) -> Result<Vec<u32>, tonic::Status> {
-    let mut events = client(d)
-        .await
-        .decode(pb::DecodeRequest {
-            pair_id: pair,
-            input_ids: prompt.to_vec(),
-            sampling: Some(pb::Sampling {
-                max_tokens: 4,
-                ..Default::default()
-            }),
-            expect_kv: true,
-            cache_salt: None,
-            kv_key: key.to_vec(),
-        })
-        .await?
-        .into_inner();
+    decode_pair_within(d, pair, prompt, key, None).await
+}
+
+/// [`decode_pair`] with the caller's deadline sent as `grpc-timeout`.
+async fn decode_pair_within(
+    d: &str,
+    pair: u64,
+    prompt: &[u32],
+    key: &[u8],
+    timeout: Option<Duration>,
+) -> Result<Vec<u32>, tonic::Status> {
+    let mut req = tonic::Request::new(pb::DecodeRequest {
+        pair_id: pair,
+        input_ids: prompt.to_vec(),
+        sampling: Some(pb::Sampling {
+            max_tokens: 4,
+            ..Default::default()
+        }),
+        expect_kv: true,
+        cache_salt: None,
+        kv_key: key.to_vec(),
+    });
+    if let Some(t) = timeout {
+        req.set_timeout(t);
+    }
+    let mut events = client(d).await.decode(req).await?.into_inner();
     let mut ids = Vec::new();
     while let Some(ev) = events.message().await? {
         if let Some(pb::decode_event::Event::Token(t)) = ev.event {
@@ -962,26 +973,9 @@ async fn a_decode_waits_for_its_kv_as_long_as_its_caller_does() {
     let waiting = tokio::spawn({
         let (d, prompt) = (d.addr.clone(), prompt.clone());
         async move {
-            let mut req = tonic::Request::new(pb::DecodeRequest {
-                pair_id: 50,
-                input_ids: prompt,
-                sampling: Some(pb::Sampling {
-                    max_tokens: 4,
-                    ..Default::default()
-                }),
-                expect_kv: true,
-                cache_salt: None,
-                kv_key: key.to_vec(),
-            });
-            req.set_timeout(Duration::from_secs(8));
-            let mut events = client(&d).await.decode(req).await?.into_inner();
-            let mut n = 0;
-            while let Some(ev) = events.message().await? {
-                if let Some(pb::decode_event::Event::Token(_)) = ev.event {
-                    n += 1;
-                }
-            }
-            Ok::<_, tonic::Status>(n)
+            decode_pair_within(&d, 50, &prompt, &key, Some(Duration::from_secs(8)))
+                .await
+                .map(|ids| ids.len())
         }
     });
     tokio::time::sleep(Duration::from_millis(2_500)).await;

@@ -253,17 +253,12 @@ impl Rooms {
             .clone())
     }
 
-    /// Forgets the room of `pair_id` (its decode call took what it needed, or gave up).
-    pub fn remove(&self, pair_id: u64) {
+    /// Closes and forgets the room of `pair_id` (its decode call is done with it, or an abort): a
+    /// waiting decode call ends, a pushed set is dropped.
+    pub fn close(&self, pair_id: u64) {
         if let Some((_, room)) = self.by_pair.remove(&pair_id) {
             room.close();
         }
-    }
-
-    /// Closes and forgets the room of `pair_id` (an abort): a waiting decode call ends, a pushed
-    /// set is dropped.
-    pub fn close(&self, pair_id: u64) {
-        self.remove(pair_id);
     }
 
     /// Drops rooms older than the lease (their pushed KV, or the wait for it); returns how many.

@@ -329,7 +329,7 @@ impl Worker for WorkerService {
             let room = self.rooms.room(r.pair_id).map_err(refusal_status)?;
             let until = tokio::time::Instant::now() + wait;
             let got = tokio::time::timeout_at(until, room.take(key, until.into_std())).await;
-            self.rooms.remove(r.pair_id);
+            self.rooms.close(r.pair_id);
             match got {
                 Ok(Ok((t, forged))) => {
                     if forged > 0 {
