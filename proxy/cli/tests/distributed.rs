@@ -481,8 +481,17 @@ async fn leases_free_what_a_lost_peer_leaves_behind() {
         first.event,
         Some(pb::decode_event::Event::Started(_))
     ));
-    let c = capacity(&d.addr).await;
-    assert!(c.free_pages < c.total_pages, "pages held while running");
+    // The engine publishes its page count just after it sends `Started`: poll briefly.
+    let mut held = false;
+    for _ in 0..100 {
+        let c = capacity(&d.addr).await;
+        if c.free_pages < c.total_pages {
+            held = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(held, "pages held while running");
     drop(events);
     wait_idle(&d.addr).await;
 }
