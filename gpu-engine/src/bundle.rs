@@ -4,9 +4,14 @@
 use std::path::Path;
 
 use crate::cuda::{CudaLlama, DeviceChoice};
+use crate::gguf::Gguf;
 use crate::model::{Llama, ModelError};
 use crate::tokenizer::ModelTokenizer;
 use crate::transfer::ModelFingerprint;
+
+/// A device chosen for a bundle (the CPU, or an opened GPU).
+#[derive(Debug)]
+pub struct ChosenDevice(Option<std::sync::Arc<crate::cuda::Gpu>>);
 
 /// A model with its tokenizer, loaded once and shared by the engines that serve it.
 pub struct ModelBundle {
@@ -45,13 +50,37 @@ impl ModelBundle {
         // The device first: an explicit device that cannot be used fails before any loading.
         let dev = crate::cuda::select(device).map_err(|e| ModelError::Device(e.to_string()))?;
         let g = crate::gguf::open(path).map_err(|e| ModelError::Format(e.to_string()))?;
-        let model = Llama::load(&g)?;
+        ModelBundle::load(&g, dev)
+    }
+
+    /// Chooses where a bundle will compute, before anything is loaded: an explicit device that
+    /// cannot be used fails here, and `auto` falls back to the CPU with the reason logged.
+    pub fn choose_device(device: DeviceChoice) -> Result<ChosenDevice, ModelError> {
+        crate::cuda::select(device)
+            .map(ChosenDevice)
+            .map_err(|e| ModelError::Device(e.to_string()))
+    }
+
+    /// Loads a parsed GGUF file (a map, or bytes read and verified by the caller) onto a device
+    /// from [`ModelBundle::choose_device`].
+    pub fn from_gguf(
+        g: &Gguf<impl AsRef<[u8]>>,
+        device: ChosenDevice,
+    ) -> Result<ModelBundle, ModelError> {
+        ModelBundle::load(g, device.0)
+    }
+
+    fn load(
+        g: &Gguf<impl AsRef<[u8]>>,
+        dev: Option<std::sync::Arc<crate::cuda::Gpu>>,
+    ) -> Result<ModelBundle, ModelError> {
+        let model = Llama::load(g)?;
         let gpu = match dev {
-            Some(dev) => Some(CudaLlama::load(dev, &g)?),
+            Some(dev) => Some(CudaLlama::load(dev, g)?),
             None => None,
         };
         let tokenizer =
-            ModelTokenizer::from_gguf(&g).map_err(|e| ModelError::Format(e.to_string()))?;
+            ModelTokenizer::from_gguf(g).map_err(|e| ModelError::Format(e.to_string()))?;
         let weights = xxhash_rust::xxh3::xxh3_64(g.bytes());
         let fingerprint =
             ModelFingerprint::derive(&format!("{:?}", model.cfg), &format!("{weights:016x}"));

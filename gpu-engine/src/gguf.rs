@@ -361,6 +361,11 @@ impl<B: AsRef<[u8]>> Gguf<B> {
         &self.bytes.as_ref()[start..start + t.size as usize]
     }
 
+    /// What holds the file's bytes (a map, or a buffer).
+    pub fn backing(&self) -> &B {
+        &self.bytes
+    }
+
     /// The whole file.
     pub fn bytes(&self) -> &[u8] {
         self.bytes.as_ref()
@@ -372,8 +377,27 @@ impl<B: AsRef<[u8]>> Gguf<B> {
     }
 }
 
+/// A GGUF file's bytes: mapped, or read into memory (what a caller that verifies the bytes
+/// it loads uses, so nothing can change them between the check and the load).
+#[derive(Debug)]
+pub enum FileBytes {
+    /// A read-only memory map.
+    Mapped(memmap2::Mmap),
+    /// Read once into memory.
+    Read(Vec<u8>),
+}
+
+impl AsRef<[u8]> for FileBytes {
+    fn as_ref(&self) -> &[u8] {
+        match self {
+            FileBytes::Mapped(m) => m,
+            FileBytes::Read(v) => v,
+        }
+    }
+}
+
 /// Opens a GGUF file through a read-only memory map.
-pub fn open(path: &Path) -> Result<Gguf<memmap2::Mmap>, GgufError> {
+pub fn open(path: &Path) -> Result<Gguf<FileBytes>, GgufError> {
     let io = |e: std::io::Error| GgufError::Io {
         path: path.display().to_string(),
         message: e.to_string(),
@@ -384,5 +408,5 @@ pub fn open(path: &Path) -> Result<Gguf<memmap2::Mmap>, GgufError> {
     // mapped; model files are immutable artifacts, verified by hash when fetched.
     #[allow(unsafe_code)]
     let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
-    Gguf::parse(map)
+    Gguf::parse(FileBytes::Mapped(map))
 }

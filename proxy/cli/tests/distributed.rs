@@ -968,6 +968,38 @@ async fn a_worker_refuses_plaintext_on_a_non_loopback_address() {
     );
 }
 
+#[tokio::test]
+async fn a_worker_refuses_a_model_file_whose_hash_differs() {
+    let Some(model) = model_path() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = worker_config(
+        dir.path(),
+        "w.toml",
+        &model,
+        "",
+        &format!("sha256 = \"{}\"", "0".repeat(64)),
+    );
+    let out = tokio::time::timeout(
+        Duration::from_secs(60),
+        tokio::process::Command::new(BIN)
+            .args(["worker", "--role", "decode", "--config"])
+            .arg(&cfg)
+            .args(["--listen", "127.0.0.1:0"])
+            .env("NO_COLOR", "1")
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("exits in time")
+    .expect("run");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("does not match") && err.contains("refusing to load it"),
+        "{err}"
+    );
+}
+
 /// A decode call waits for its KV as long as its caller's `grpc-timeout` (the router sends its own
 /// first-token deadline), not just the worker's lease (1.5 s here): a prefill that lands after
 /// the lease still feeds it. Without a deadline, the lease bounds the wait (the leases test).

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use lockstep_serve::accept::serve_http;
+use lockstep_serve::accept::{ConnLimits, serve_http};
 use lockstep_serve::tasks::ServerTasks;
 use tokio::net::TcpListener;
 
@@ -87,11 +87,15 @@ impl Lockstep {
             )),
             _ => None,
         };
+        let limits = ConnLimits {
+            header_timeout,
+            max_connections: cfg.server.max_connections,
+            idle_timeout: Duration::from_millis(cfg.server.idle_timeout_ms),
+        };
         tasks.push(tokio::spawn(serve_http(
             listener,
             app,
-            header_timeout,
-            cfg.server.max_connections,
+            limits,
             tls.clone(),
             rx,
         )));
@@ -120,8 +124,10 @@ impl Lockstep {
                     tokio::spawn(serve_http(
                         l,
                         router,
-                        header_timeout,
-                        64,
+                        ConnLimits {
+                            max_connections: 64,
+                            ..limits
+                        },
                         tls.clone(),
                         admin_rx,
                     )),

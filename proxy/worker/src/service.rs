@@ -89,7 +89,10 @@ impl WorkerService {
         let e = &file.engine;
         let path = lockstep_serve::model_file::ensure_model(e.model_file())?;
         let device = e.device().map_err(|err| format!("engine.{err}"))?;
-        let bundle = Arc::new(ModelBundle::open_on(&path, device).map_err(|e| e.to_string())?);
+        let device = ModelBundle::choose_device(device).map_err(|e| e.to_string())?;
+        let g = lockstep_serve::model_file::open_model(e.model_file(), &path)?;
+        let bundle = Arc::new(ModelBundle::from_gguf(&g, device).map_err(|e| e.to_string())?);
+        drop(g);
         tracing::info!(role = role.as_str(), device = %bundle.device(), file = %path.display(), "worker engine device");
         let fingerprint = bundle.fingerprint;
         let engine =

@@ -33,6 +33,10 @@ pub struct ServerConfig {
     /// Connections the HTTP listener holds open at once (0: no limit); past it, new ones wait
     /// in the kernel's accept queue until one closes.
     pub max_connections: usize,
+    /// A connection with no request in flight for this many ms is closed (h2: GOAWAY). Keep it
+    /// above the idle timeout of any load balancer in front (AWS ALB 60 s, nginx 75 s), so
+    /// the balancer, not lockstep, ends idle connections.
+    pub idle_timeout_ms: u64,
     /// PEM certificate chain: with `tls_key_file`, both listeners speak HTTPS.
     pub tls_cert_file: Option<PathBuf>,
     /// PEM private key of `tls_cert_file`.
@@ -65,6 +69,7 @@ impl Default for ServerConfig {
             drain_grace_ms: 30_000,
             header_timeout_ms: 10_000,
             max_connections: 10_000,
+            idle_timeout_ms: 300_000,
             tls_cert_file: None,
             tls_key_file: None,
             upstream_ca_file: None,
@@ -95,6 +100,9 @@ impl Section for ServerConfig {
         }
         if self.header_timeout_ms == 0 {
             out.push(format!("{at}.header_timeout_ms"), "must be greater than 0");
+        }
+        if self.idle_timeout_ms == 0 {
+            out.push(format!("{at}.idle_timeout_ms"), "must be greater than 0");
         }
         if self.body_timeout_ms == 0 {
             out.push(format!("{at}.body_timeout_ms"), "must be greater than 0");
