@@ -263,6 +263,7 @@ async fn remote_codec(m: &ModelConfig) -> Result<Arc<PromptCodec>, String> {
         return PromptCodec::load(m);
     };
     let (e, name) = (e.clone(), m.name.clone());
+    let content_specials = m.special_tokens_in_content;
     tokio::task::spawn_blocking(move || {
         let path = lockstep_serve::model_file::ensure_model(e.model_file())
             .map_err(|err| format!("model `{name}`: {err}"))?;
@@ -270,7 +271,7 @@ async fn remote_codec(m: &ModelConfig) -> Result<Arc<PromptCodec>, String> {
             .map_err(|err| format!("model `{name}`: {err}"))?;
         let t = lockstep_engine::tokenizer::ModelTokenizer::from_gguf(&g)
             .map_err(|err| format!("model `{name}`: {}: {err}", path.display()))?;
-        model_file_codec(&name, &t)
+        model_file_codec(&name, &t, content_specials)
     })
     .await
     .map_err(|err| format!("model `{}`: tokenizer load panicked: {err}", m.name))?
@@ -281,12 +282,14 @@ async fn remote_codec(m: &ModelConfig) -> Result<Arc<PromptCodec>, String> {
 fn model_file_codec(
     name: &str,
     t: &lockstep_engine::tokenizer::ModelTokenizer,
+    special_tokens_in_content: bool,
 ) -> Result<Arc<PromptCodec>, String> {
     let template = t
         .chat_template
         .clone()
         .ok_or_else(|| format!("model `{name}`: the model file has no chat template"))?;
-    PromptCodec::new(
+    PromptCodec::new_with(
+        special_tokens_in_content,
         name,
         t.inner.clone(),
         template,
@@ -303,6 +306,7 @@ async fn build_embedded(m: &ModelConfig) -> Result<Built, String> {
         .clone()
         .ok_or_else(|| format!("model `{}`: no [models.engine] section", m.name))?;
     let name = m.name.clone();
+    let content_specials = m.special_tokens_in_content;
     let (pd, codec) = tokio::task::spawn_blocking(move || {
         let path = lockstep_serve::model_file::ensure_model(e.model_file()).map_err(|err| format!("model `{name}`: {err}"))?;
         let device = e
@@ -317,7 +321,7 @@ async fn build_embedded(m: &ModelConfig) -> Result<Built, String> {
         );
         drop(g);
         tracing::info!(model = %name, device = %bundle.device(), "embedded engine device");
-        let codec = model_file_codec(&name, &bundle.tokenizer)?;
+        let codec = model_file_codec(&name, &bundle.tokenizer, content_specials)?;
         let cfg = e.engine_config();
         let faults = e.fault_plan();
         if faults.is_some() {

@@ -56,7 +56,8 @@ impl PromptCodec {
                 .map_err(|e| format!("model `{name}`: chat template {}: {e}", p.display()))?,
             None => return Err(format!("model `{name}`: no chat template configured")),
         };
-        PromptCodec::new(
+        PromptCodec::new_with(
+            model.special_tokens_in_content,
             name,
             tokenizer,
             source,
@@ -74,6 +75,20 @@ impl PromptCodec {
         bos_token: String,
         eos_token: String,
     ) -> Result<Arc<PromptCodec>, String> {
+        PromptCodec::new_with(false, name, tokenizer, template, bos_token, eos_token)
+    }
+
+    /// [`PromptCodec::new`]; with `special_tokens_in_content`, special-token text in chat
+    /// message content is parsed as special tokens (the model's `special_tokens_in_content`:
+    /// only for deployments whose every caller may write raw turns).
+    pub fn new_with(
+        special_tokens_in_content: bool,
+        name: &str,
+        tokenizer: Tokenizer,
+        template: String,
+        bos_token: String,
+        eos_token: String,
+    ) -> Result<Arc<PromptCodec>, String> {
         let mut env = Environment::new();
         env.add_template_owned("chat", template)
             .map_err(|e| format!("model `{name}`: chat template: {e}"))?;
@@ -85,7 +100,8 @@ impl PromptCodec {
             .filter(|t| t.special && !t.content.is_empty())
             .map(|t| t.content)
             .collect();
-        let specials = (!texts.is_empty())
+        // No automaton: `encode_chat` parses the whole rendered prompt for special tokens.
+        let specials = (!texts.is_empty() && !special_tokens_in_content)
             .then(|| aho_corasick::AhoCorasick::new(&texts))
             .transpose()
             .map_err(|e| format!("model `{name}`: special tokens: {e}"))?;

@@ -72,6 +72,11 @@ pub struct ModelConfig {
     /// End-of-sequence token text given to the template as `eos_token`.
     #[serde(default)]
     pub eos_token: String,
+    /// Parse special-token text in chat message content as special tokens. Off by default:
+    /// content is text, so no caller can forge a turn of another role (`<|im_start|>system`).
+    /// Turn it on only where every caller may write raw turns.
+    #[serde(default)]
+    pub special_tokens_in_content: bool,
     /// Prefill workers (remote backends).
     #[serde(default)]
     pub prefill: PoolConfig,
