@@ -35,6 +35,7 @@ wait_ready() {
 }
 
 KV=$(target/release/examples/kv_transfer_bench --pages 64 --sets 20 | tail -n 1)
+KV_TLS=$(target/release/examples/kv_transfer_bench --pages 64 --sets 20 --tls | tail -n 1)
 
 ENGINE="kv_pages = 640
 page_size = 16
@@ -90,13 +91,16 @@ PORT=$(free_port)
 wait_ready "http://127.0.0.1:$PORT/ready"
 DIST=$(python3 bench/e2e_http.py "http://127.0.0.1:$PORT" SmolLM2-135M-Instruct)
 
-python3 - "$KV" "$SINGLE" "$DIST" <<'PY'
+python3 - "$KV" "$SINGLE" "$DIST" "$KV_TLS" <<'PY'
 import json, sys
-kv, single, dist = (json.loads(a) for a in sys.argv[1:4])
+kv, single, dist, kv_tls = (json.loads(a) for a in sys.argv[1:5])
 print(f"KV transfer, {kv['pages']} pages of 368,640 B per set, {kv['sets']} sets:")
 print(f"  worker data plane {kv['data_plane_gbps']:.2f} GB/s, gRPC PushKv {kv['grpc_gbps']:.2f} GB/s, "
       f"plain TCP copy {kv['tcp_gbps']:.2f} GB/s -> data plane {100 * kv['data_plane_ratio']:.0f}%, "
       f"PushKv {100 * kv['grpc_ratio']:.0f}% of TCP")
+print(f"  under mutual TLS: worker data plane {kv_tls['data_plane_gbps']:.2f} GB/s, gRPC PushKv "
+      f"{kv_tls['grpc_gbps']:.2f} GB/s ({kv_tls['data_plane_gbps'] / kv['data_plane_gbps']:.2f}x and "
+      f"{kv_tls['grpc_gbps'] / kv['grpc_gbps']:.2f}x plaintext)")
 print(f"{'end to end (HTTP)':<34}{'single':>10}{'distributed':>13}{'ratio':>8}")
 for k in single:
     if isinstance(single[k], (int, float)) and k in dist and single[k]:

@@ -5,8 +5,11 @@
 //! reply). Same process, same runtime, same loopback.
 //!
 //! ```text
-//! cargo run --release -p lockstep --example kv_transfer_bench -- [--pages 64] [--sets 20]
+//! cargo run --release -p lockstep-worker --example kv_transfer_bench -- [--pages 64] [--sets 20] [--tls]
 //! ```
+//!
+//! `--tls`: the worker plane under mutual TLS (a CA and a leaf made here), as deployed off
+//! loopback; the plain TCP copy stays plaintext, as the floor.
 //!
 //! Needs the model file (the decode worker loads it): `scripts/fetch-model.sh`. Prints a table
 //! and one JSON line.
@@ -76,21 +79,47 @@ fn set(pair_id: u64, pages: usize, model: ModelFingerprint) -> KvTransfer {
     KvTransfer { manifest, pages }
 }
 
+/// A CA and one leaf for 127.0.0.1 it signs, as the plane's files in `dir`.
+fn plane_files(
+    dir: &std::path::Path,
+) -> Result<lockstep_serve::tls::PlaneTlsFiles, Box<dyn std::error::Error>> {
+    let mut ca = rcgen::CertificateParams::new(Vec::<String>::new())?;
+    ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let issuer = rcgen::CertifiedIssuer::self_signed(ca, rcgen::KeyPair::generate()?)?;
+    let key = rcgen::KeyPair::generate()?;
+    let leaf =
+        rcgen::CertificateParams::new(vec!["127.0.0.1".to_string()])?.signed_by(&key, &issuer)?;
+    let files = lockstep_serve::tls::PlaneTlsFiles {
+        cert_file: dir.join("leaf.pem"),
+        key_file: dir.join("leaf-key.pem"),
+        ca_file: dir.join("ca.pem"),
+    };
+    std::fs::write(&files.ca_file, issuer.pem())?;
+    std::fs::write(&files.cert_file, leaf.pem())?;
+    std::fs::write(&files.key_file, key.serialize_pem())?;
+    Ok(files)
+}
+
 #[tokio::main(flavor = "multi_thread")]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let pages = arg("--pages", 64);
     let sets = arg("--sets", 20);
+    let tls = std::env::args().any(|a| a == "--tls");
     let mut file = WorkerFile::defaults(std::path::Path::new("."));
     file.worker.listen = "127.0.0.1:0".parse()?;
     file.worker.log_level = "warn".into();
+    let dir = tempfile::tempdir()?;
+    if tls {
+        file.worker.tls = Some(plane_files(dir.path())?);
+    }
     let decode = RunningWorker::start(Role::Decode, file.clone()).await?;
-    let prefill = RunningWorker::start(Role::Prefill, file).await?;
-    let url = format!("http://{}", decode.addr);
-    let ch = tonic::transport::Endpoint::from_shared(url.clone())?
-        .tcp_nodelay(true)
-        .http2_adaptive_window(true)
-        .connect()
-        .await?;
+    let prefill = RunningWorker::start(Role::Prefill, file.clone()).await?;
+    let url = format!("{}://{}", if tls { "https" } else { "http" }, decode.addr);
+    let plane = match &file.worker.tls {
+        Some(f) => Some(lockstep_serve::tls::PlaneTls::load(f)?),
+        None => None,
+    };
+    let ch = lockstep_serve::tls::worker_channel(&url, Duration::from_secs(2), plane.as_ref())?;
     let mut client = WorkerClient::new(ch).max_encoding_message_size(MAX_MESSAGE_BYTES);
     let model = ModelFingerprint(
         client
