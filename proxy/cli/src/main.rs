@@ -1,5 +1,5 @@
 //! The `lockstep` command line: `serve` (the router, `lockstep-router`), `check`, `worker` (a
-//! `lockstep-worker` process) and `hash-key`, composed over the shared serving pieces of
+//! `lockstep-worker` process), `probe` (the canary prober, `lockstep-probe`) and `hash-key`, composed over the shared serving pieces of
 //! `lockstep-serve`. The crate map: `docs/ARCHITECTURE.md`.
 
 use std::net::SocketAddr;
@@ -70,6 +70,11 @@ enum Command {
         #[arg(long)]
         listen: Option<SocketAddr>,
     },
+    /// Watch an OpenAI-compatible endpoint (any gateway, or lockstep over gRPC) for one request's
+    /// content in another's answer: canary secrets from several tenants, over-long prompts and
+    /// clients that leave mid-stream. Exit 1 on a foreign secret or an over-long prompt answered
+    /// as if it fit, 2 when nothing ever answered, else 0.
+    Probe(lockstep_probe::ProbeArgs),
 }
 
 /// Loads `path`, or the built-in default configuration.
@@ -96,7 +101,7 @@ fn main() -> ExitCode {
             .map(|c| c.server.worker_threads)
             .unwrap_or(0),
         Command::Check { .. } | Command::HashKey => 1,
-        Command::Worker { .. } => 0,
+        Command::Worker { .. } | Command::Probe(_) => 0,
     };
     let mut rt = tokio::runtime::Builder::new_multi_thread();
     if threads > 0 {
@@ -113,6 +118,7 @@ fn main() -> ExitCode {
 
 async fn run(cli: Cli) -> ExitCode {
     match cli.command {
+        Command::Probe(args) => ExitCode::from(lockstep_probe::run(args).await),
         Command::Check { config, offline } => {
             init_logs("warn");
             let cfg = match load(config.as_ref()) {
