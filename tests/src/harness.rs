@@ -111,12 +111,33 @@ impl Stack {
         model_extra: &str,
         timeouts: &str,
     ) -> Stack {
+        Stack::start_with_tokenizer(
+            tokenizer::build(),
+            mock_cfg,
+            server_extra,
+            model_extra,
+            timeouts,
+        )
+        .await
+    }
+
+    /// [`Stack::start_full`] with another tokenizer, shared by the mock and lockstep (the
+    /// canary tokenizer of the probe tests).
+    pub async fn start_with_tokenizer(
+        tok: tokenizers::Tokenizer,
+        mock_cfg: MockConfig,
+        server_extra: &str,
+        model_extra: &str,
+        timeouts: &str,
+    ) -> Stack {
         let dir = tempfile::tempdir().expect("tempdir");
         let tok_path: PathBuf = dir.path().join("tokenizer.json");
-        tokenizer::write(&tok_path).expect("write tokenizer");
-        let mock = PdMock::start(mock_cfg, tokenizer::build())
-            .await
-            .expect("mock starts");
+        std::fs::write(
+            &tok_path,
+            tok.to_string(true).expect("tokenizer serialises"),
+        )
+        .expect("write tokenizer");
+        let mock = PdMock::start(mock_cfg, tok).await.expect("mock starts");
         let text = config_text_with(&mock, &tok_path, server_extra, model_extra, timeouts);
         // From a file, as in production: the admin API's reload re-reads it.
         let config_path = dir.path().join("lockstep.toml");

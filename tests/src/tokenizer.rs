@@ -65,3 +65,59 @@ pub fn to_json() -> String {
 pub fn write(path: &Path) -> std::io::Result<()> {
     std::fs::write(path, to_json())
 }
+
+/// The canary tokenizer of the probe tests: the same words (one token each) plus `cnry` and
+/// every pair of hex digits as a continuing piece (WordPiece), so a probe secret such as
+/// `cnry0123456789abcdef` is 9 tokens and decodes back whole; the mock's decoy answer then
+/// carries another request's secret verbatim, as a real model's would.
+pub fn build_canary() -> Tokenizer {
+    use tokenizers::decoders::wordpiece::WordPiece as WordPieceDecoder;
+    use tokenizers::models::wordpiece::WordPiece;
+    let mut vocab = vocab();
+    let mut add = |w: String| {
+        let n = vocab.len() as u32;
+        vocab.entry(w).or_insert(n);
+    };
+    add("cnry".into());
+    for i in 0..256u32 {
+        add(format!("##{i:02x}"));
+    }
+    for i in 0..16u32 {
+        add(format!("##{i:x}"));
+    }
+    // Through its serialized form: the builder wants the crate's own hash map type.
+    let model: WordPiece = serde_json::from_str(
+        &serde_json::json!({
+        "type": "WordPiece",
+        "unk_token": "[UNK]",
+        "continuing_subword_prefix": "##",
+        "max_input_chars_per_word": 100,
+        "vocab": vocab,
+        })
+        .to_string(),
+    )
+    .expect("static word-piece vocabulary is valid");
+    let mut tok = Tokenizer::new(model);
+    tok.with_pre_tokenizer(Some(Whitespace {}));
+    tok.with_decoder(Some(WordPieceDecoder::new("##".to_string(), false)));
+    let specials: Vec<AddedToken> = SPECIALS
+        .iter()
+        .map(|s| AddedToken::from(*s, true))
+        .collect();
+    tok.add_special_tokens(&specials);
+    tok
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn canary_secrets_round_trip_through_the_canary_tokenizer() {
+        let t = super::build_canary();
+        let enc = t
+            .encode("<|im_start|> user cnry0123456789abcdef is a secret", false)
+            .expect("encode");
+        assert_eq!(enc.get_ids().len(), 2 + 9 + 3);
+        let text = t.decode(enc.get_ids(), false).expect("decode");
+        assert!(text.contains(" cnry0123456789abcdef is a secret"), "{text}");
+    }
+}

@@ -96,6 +96,44 @@ fn help_on_every_subcommand() {
     );
     let (ok, out) = run(&["check", "--help"]);
     assert!(ok && out.contains("--offline"), "{out}");
+    let (ok, out) = run(&["probe", "--help"]);
+    assert!(ok, "{out}");
+    for flag in [
+        "--target",
+        "--model",
+        "--api-key",
+        "--duration",
+        "--once",
+        "--concurrency",
+        "--long-prompt-words",
+        "--metrics-listen",
+        "--grpc",
+    ] {
+        assert!(out.contains(flag), "{flag}: {out}");
+    }
+}
+
+/// The probe's exit code reaches the shell: 2 when nothing ever answered.
+#[test]
+fn probe_exits_2_when_nothing_answers() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("free port")
+        .local_addr()
+        .expect("addr")
+        .port();
+    let out = Command::new(BIN)
+        .args([
+            "probe",
+            "--target",
+            &format!("http://127.0.0.1:{port}"),
+            "--model",
+            "m",
+            "--once",
+        ])
+        .output()
+        .expect("run lockstep");
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("no response ever arrived"));
 }
 
 #[test]

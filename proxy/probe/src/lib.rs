@@ -148,8 +148,26 @@ impl Run {
     }
 }
 
-/// Runs the probe and returns its exit code, printing the summary table to stdout.
+/// What a probe run ends with.
+#[derive(Debug, Clone)]
+pub struct Report {
+    /// The exit code (0, 1 or 2).
+    pub code: u8,
+    /// The summary (what `lockstep probe` prints).
+    pub text: String,
+}
+
+/// Runs the probe, prints its summary to stdout and returns its exit code.
 pub async fn run(args: ProbeArgs) -> u8 {
+    let r = probe(args).await;
+    print!("{}", r.text);
+    r.code
+}
+
+/// Runs the probe and returns its exit code and summary.
+pub async fn probe(args: ProbeArgs) -> Report {
+    use std::fmt::Write as _;
+    let mut text = String::new();
     let target = if args.grpc {
         grpc::GrpcTarget::new(&args.target).map(Target::Grpc)
     } else {
@@ -158,8 +176,10 @@ pub async fn run(args: ProbeArgs) -> u8 {
     let target = match target {
         Ok(t) => t,
         Err(e) => {
-            eprintln!("lockstep probe: {e}");
-            return 2;
+            return Report {
+                code: 2,
+                text: format!("lockstep probe: {e}\n"),
+            };
         }
     };
     let stats = Arc::new(Stats::default());
@@ -167,8 +187,10 @@ pub async fn run(args: ProbeArgs) -> u8 {
         Some(addr) => match serve_metrics(addr, stats.clone()).await {
             Ok(h) => Some(h),
             Err(e) => {
-                eprintln!("lockstep probe: --metrics-listen {addr}: {e}");
-                return 2;
+                return Report {
+                    code: 2,
+                    text: format!("lockstep probe: --metrics-listen {addr}: {e}\n"),
+                };
             }
         },
         None => None,
@@ -180,7 +202,8 @@ pub async fn run(args: ProbeArgs) -> u8 {
         stats.responded();
     }
     let Some(model) = args.model.clone().or(found.first.clone()) else {
-        println!(
+        let _ = writeln!(
+            text,
             "lockstep probe: {}: {}; give --model",
             args.target,
             if found.responded {
@@ -189,7 +212,10 @@ pub async fn run(args: ProbeArgs) -> u8 {
                 "no answer to the model list"
             }
         );
-        return stats.exit_code();
+        return Report {
+            code: stats.exit_code(),
+            text,
+        };
     };
     let long_words = args.long_prompt_words.or_else(|| {
         found
@@ -252,7 +278,8 @@ pub async fn run(args: ProbeArgs) -> u8 {
         let _ = w.await;
     }
     let code = stats.exit_code();
-    println!(
+    let _ = writeln!(
+        text,
         "lockstep probe: {} ({}), model {model}, {:.1} s, over-long prompts: {}",
         args.target,
         if args.grpc { "gRPC" } else { "HTTP" },
@@ -262,8 +289,9 @@ pub async fn run(args: ProbeArgs) -> u8 {
             None => "off (no max_model_len and no --long-prompt-words)".into(),
         }
     );
-    print!("{}", stats.table());
-    println!(
+    text.push_str(&stats.table());
+    let _ = writeln!(
+        text,
         "result: {} (exit {code})",
         match code {
             0 => "no foreign content seen",
@@ -271,7 +299,7 @@ pub async fn run(args: ProbeArgs) -> u8 {
             _ => "no response ever arrived",
         }
     );
-    code
+    Report { code, text }
 }
 
 async fn serve_metrics(
