@@ -10,10 +10,22 @@ cd "$(dirname "$0")/.."
 THREADS=${THREADS:-2}
 MODEL=$(bash scripts/fetch-model.sh)
 VENV=${LLAMA_VENV:-$HOME/.cache/lockstep-bench/venv-llama}
-if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import llama_cpp" 2>/dev/null; then
-  echo "building llama-cpp-python 0.3.36 from source into $VENV (about 10 minutes)" >&2
+# llama.cpp built for this CPU with explicit flags: every SIMD extension the CPU reports, AMX
+# always off (these VMs report AMX, but AMX tile use segfaults, so GGML_NATIVE=ON crashes).
+FLAGS=$(grep -m1 '^flags' /proc/cpuinfo)
+on() { case " $FLAGS " in *" $1 "*) echo ON ;; *) echo OFF ;; esac; }
+CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=$(on avx) -DGGML_AVX2=$(on avx2) -DGGML_FMA=$(on fma) \
+-DGGML_F16C=$(on f16c) -DGGML_AVX512=$(on avx512f) -DGGML_AVX512_VNNI=$(on avx512_vnni) \
+-DGGML_AVX512_VBMI=$(on avx512vbmi) -DGGML_AVX512_BF16=$(on avx512_bf16) -DGGML_AVX_VNNI=$(on avx_vnni) \
+-DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_BF16=OFF"
+export CMAKE_ARGS
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import llama_cpp" 2>/dev/null \
+   || [ "$(cat "$VENV/lockstep-cmake-args" 2>/dev/null)" != "$CMAKE_ARGS" ]; then
+  echo "building llama-cpp-python 0.3.36 from source into $VENV (about 10 minutes): $CMAKE_ARGS" >&2
   python3 -m venv "$VENV"
-  "$VENV/bin/pip" install --quiet llama-cpp-python==0.3.36 numpy
+  # --no-cache-dir: pip would otherwise reuse a wheel built with other flags.
+  "$VENV/bin/pip" install --quiet --no-cache-dir --force-reinstall llama-cpp-python==0.3.36 numpy
+  echo "$CMAKE_ARGS" > "$VENV/lockstep-cmake-args"
 fi
 cargo build --release --quiet -p lockstep-engine --example bench_model
 cargo build --release --quiet -p lockstep --bin lockstep
@@ -32,9 +44,11 @@ done
 E2E=$(python3 bench/e2e_http.py "http://127.0.0.1:$PORT" SmolLM2-135M-Instruct)
 
 python3 - "$OURS" "$THEIRS" "$E2E" "$THREADS" <<'PY'
-import json, sys
+import json, os, sys
 ours, theirs, e2e, threads = json.loads(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]
 print(f"SmolLM2-135M-Instruct Q4_1, {threads} threads, {theirs.pop('llama_cpp_python', '?')} llama-cpp-python")
+print(f"llama.cpp build: {os.environ.get('CMAKE_ARGS', '?')}")
+print(f"lockstep kernels (chosen at run time): {ours.get('kernels', '?')}")
 print(f"{'measure':<28}{'lockstep':>12}{'llama.cpp':>12}{'ratio':>8}")
 for k, name in [("prefill512_tok_s", "prefill 512 tokens, tok/s"), ("decode_b1_tok_s", "decode batch 1, tok/s"),
                 ("decode_b8_tok_s", "decode batch 8, tok/s")]:

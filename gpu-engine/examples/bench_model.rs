@@ -73,10 +73,11 @@ fn main() -> Result<(), String> {
         }
     }
     println!(
-        "{{\"prefill512_tok_s\": {:.1}, \"decode_b1_tok_s\": {:.1}, \"decode_b8_tok_s\": {:.1}}}",
+        "{{\"prefill512_tok_s\": {:.1}, \"decode_b1_tok_s\": {:.1}, \"decode_b8_tok_s\": {:.1}, \"kernels\": \"{}\"}}",
         best(&mut pre),
         best(&mut d1),
-        best(&mut d8)
+        best(&mut d8),
+        lockstep_engine::cpu::Kernels::chosen().name()
     );
     Ok(())
 }

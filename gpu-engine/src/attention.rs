@@ -7,18 +7,34 @@ use half::f16;
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
+use crate::cpu::{Kernels, Level};
 use crate::matmul::dot_f32;
 use crate::pool::{IntegrityError, KvData, PagePool, PoolConfig, Sequence};
 
-/// A block of stored KV as f32: the storage itself for f32, converted into `scratch` (in bulk,
-/// with F16C) for f16.
+/// A block of stored KV as f32: the storage itself for f32, converted into `scratch` (in bulk)
+/// for f16; with `F16C` (only inside [`attend_avx2`]) by inline F16C instructions, else through
+/// `half` (which checks the CPU per call).
 #[inline(always)]
-fn block<'a>(data: &'a KvData, range: std::ops::Range<usize>, scratch: &'a mut [f32]) -> &'a [f32] {
+fn block<'a, const F16C: bool>(
+    data: &'a KvData,
+    range: std::ops::Range<usize>,
+    scratch: &'a mut [f32],
+) -> &'a [f32] {
     match data {
         KvData::F32(d) => &d[range],
         KvData::F16(d) => {
             let src: &[f16] = &d[range];
             let dst = &mut scratch[..src.len()];
+            #[cfg(target_arch = "x86_64")]
+            if F16C {
+                // SAFETY: `F16C` is true only in `attend_avx2`, whose callers hold a `Kernels`
+                // proving the CPU has F16C and AVX.
+                #[allow(unsafe_code)]
+                unsafe {
+                    f16c::to_f32(src, dst)
+                };
+                return dst;
+            }
             src.convert_to_f32_slice(dst);
             dst
         }
@@ -44,13 +60,77 @@ fn scores_t<const W: usize>(q: &[f32], kt: &[f32], scores: &mut [f32; 32]) {
     scores[..W].copy_from_slice(&acc);
 }
 
-/// Rounds every value to the nearest f16 (in bulk, F16C).
-fn round_f16(x: &mut [f32]) {
+/// Rounds every value to the nearest f16 (in bulk; inline F16C under `F16C`, as in [`block`]).
+#[inline(always)]
+fn round_f16<const F16C: bool>(x: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if F16C {
+        // SAFETY: as in `block`.
+        #[allow(unsafe_code)]
+        unsafe {
+            f16c::round(x)
+        };
+        return;
+    }
     let mut h = [f16::ZERO; 128];
     for c in x.chunks_mut(128) {
         let h = &mut h[..c.len()];
         h.convert_from_f32_slice(c);
         h.convert_to_f32_slice(c);
+    }
+}
+
+/// Bulk f16 conversions with F16C, eight values per instruction.
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+mod f16c {
+    use std::arch::x86_64::*;
+
+    use half::f16;
+
+    /// `dst = src` as f32.
+    ///
+    /// # Safety
+    /// The CPU must have AVX and F16C.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn to_f32(src: &[f16], dst: &mut [f32]) {
+        let n = src.len().min(dst.len());
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: `i + 8 <= n` bounds both unaligned accesses.
+            unsafe {
+                let h = _mm_loadu_si128(src.as_ptr().add(i).cast());
+                _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+            }
+            i += 8;
+        }
+        for j in i..n {
+            dst[j] = src[j].to_f32();
+        }
+    }
+
+    /// Every value rounded to the nearest f16 (round to nearest even), in place.
+    ///
+    /// # Safety
+    /// The CPU must have AVX and F16C.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn round(x: &mut [f32]) {
+        let n = x.len();
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: `i + 8 <= n` bounds the unaligned load and store.
+            unsafe {
+                let v = _mm256_loadu_ps(x.as_ptr().add(i));
+                let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v);
+                _mm256_storeu_ps(x.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+            }
+            i += 8;
+        }
+        for v in &mut x[i..] {
+            *v = f16::from_f32(*v).to_f32();
+        }
     }
 }
 
@@ -61,8 +141,8 @@ const QUERY_TILE: usize = 16;
 /// `seq` (query `i` attends over the first `lens[i]` positions). Each K/V block is read and
 /// converted once for every head and query of the tile. `q` and `out` are
 /// `queries × group × head_dim`.
-#[inline]
-fn attend_group(
+#[inline(always)]
+fn attend_group<const F16C: bool>(
     pool: &PagePool,
     layer: usize,
     seq: &Sequence,
@@ -88,7 +168,7 @@ fn attend_group(
     let half = matches!(data, KvData::F16(_));
     let mut qh = q.to_vec();
     if half {
-        round_f16(&mut qh);
+        round_f16::<F16C>(&mut qh);
     }
     let width = if ps <= 16 { 16 } else { 32 };
     let transposed = nq * group >= 8;
@@ -102,8 +182,8 @@ fn attend_group(
         let base = r.page as usize * page_elems;
         let ko = base + cfg.k_offset(layer, kv_head, 0);
         let vo = base + cfg.v_offset(layer, kv_head, 0);
-        let k = block(data, ko..ko + n * hd, &mut k_scratch);
-        let v = block(data, vo..vo + n * hd, &mut v_scratch);
+        let k = block::<F16C>(data, ko..ko + n * hd, &mut k_scratch);
+        let v = block::<F16C>(data, vo..vo + n * hd, &mut v_scratch);
         // With many query rows per page (prefill tiles), K transposed (head_dim × slots): a
         // page's scores come from one broadcast-FMA pass over the head dimension, with no
         // horizontal sums. A decode step's few rows do not repay the transpose.
@@ -152,7 +232,7 @@ fn attend_group(
                     l[row] += p;
                 }
                 if half {
-                    round_f16(&mut probs[..n]);
+                    round_f16::<F16C>(&mut probs[..n]);
                 }
                 for (s, p) in probs.iter().enumerate().take(n) {
                     for (o, x) in og.iter_mut().zip(&v[s * hd..(s + 1) * hd]) {
@@ -173,6 +253,48 @@ fn attend_group(
     }
 }
 
+/// [`attend_group`] compiled for the kernel set chosen at run time: its loops vectorise with
+/// AVX2 + FMA where the CPU has them, and stay SSE2 (baseline x86-64) otherwise.
+#[allow(clippy::too_many_arguments)]
+fn attend(
+    k: Kernels,
+    pool: &PagePool,
+    layer: usize,
+    seq: &Sequence,
+    kv_head: usize,
+    lens: &[usize],
+    q: &[f32],
+    out: &mut [f32],
+) {
+    match k.level() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: a `Kernels` value at AVX2 or above exists only when the CPU has AVX2, FMA and
+        // F16C (`Kernels::available`).
+        #[allow(unsafe_code)]
+        Level::Avx2 | Level::Avx512Vnni => unsafe {
+            attend_avx2(pool, layer, seq, kv_head, lens, q, out)
+        },
+        _ => attend_group::<false>(pool, layer, seq, kv_head, lens, q, out),
+    }
+}
+
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(unsafe_code)]
+unsafe fn attend_avx2(
+    pool: &PagePool,
+    layer: usize,
+    seq: &Sequence,
+    kv_head: usize,
+    lens: &[usize],
+    q: &[f32],
+    out: &mut [f32],
+) {
+    attend_group::<true>(pool, layer, seq, kv_head, lens, q, out)
+}
+
 fn check_shape(cfg: &PoolConfig, heads: usize) {
     assert!(
         heads.is_multiple_of(cfg.kv_heads) && heads / cfg.kv_heads <= MAX_GROUP,
@@ -189,6 +311,7 @@ fn run_groups<'s>(
     heads: usize,
     q: &[f32],
     out: &mut [f32],
+    k: Kernels,
     target: impl Fn(usize) -> (&'s Sequence, usize) + Sync,
 ) {
     let cfg = pool.config();
@@ -199,7 +322,7 @@ fn run_groups<'s>(
         .enumerate()
         .for_each(|(i, (o, qv))| {
             let (seq, len) = target(i / kvh);
-            attend_group(pool, layer, seq, i % kvh, &[len], qv, o);
+            attend(k, pool, layer, seq, i % kvh, &[len], qv, o);
         });
 }
 
@@ -213,17 +336,45 @@ pub fn decode_attention(
     q: &[f32],
     out: &mut [f32],
 ) -> Result<(), IntegrityError> {
+    decode_attention_with(Kernels::chosen(), pool, seqs, layer, heads, q, out)
+}
+
+/// [`decode_attention`] with kernel set `k` (tests run every set the CPU has).
+pub fn decode_attention_with(
+    k: Kernels,
+    pool: &PagePool,
+    seqs: &[&Sequence],
+    layer: usize,
+    heads: usize,
+    q: &[f32],
+    out: &mut [f32],
+) -> Result<(), IntegrityError> {
     check_shape(pool.config(), heads);
     for s in seqs {
         pool.verify_read(s)?;
     }
-    run_groups(pool, layer, heads, q, out, |b| (seqs[b], seqs[b].len));
+    run_groups(pool, layer, heads, q, out, k, |b| (seqs[b], seqs[b].len));
     Ok(())
 }
 
 /// Causal prefill attention for the `n` query tokens at positions `start..start + n` of `seq`
 /// (whose KV for positions `0..start + n` is written). `q` and `out` are `n × heads × head_dim`.
 pub fn prefill_attention(
+    pool: &PagePool,
+    seq: &Sequence,
+    layer: usize,
+    heads: usize,
+    start: usize,
+    q: &[f32],
+    out: &mut [f32],
+) -> Result<(), IntegrityError> {
+    prefill_attention_with(Kernels::chosen(), pool, seq, layer, heads, start, q, out)
+}
+
+/// [`prefill_attention`] with kernel set `k` (tests run every set the CPU has).
+#[allow(clippy::too_many_arguments)]
+pub fn prefill_attention_with(
+    k: Kernels,
     pool: &PagePool,
     seq: &Sequence,
     layer: usize,
@@ -254,7 +405,7 @@ pub fn prefill_attention(
             }
             let lens: Vec<usize> = (t0..t0 + nq).map(|t| start + t + 1).collect();
             let mut o = vec![0.0f32; nq * width];
-            attend_group(pool, layer, seq, h, &lens, &qt, &mut o);
+            attend(k, pool, layer, seq, h, &lens, &qt, &mut o);
             (t0, h, o)
         })
         .collect();

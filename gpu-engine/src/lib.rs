@@ -28,6 +28,7 @@
 
 pub mod attention;
 pub mod bundle;
+pub mod cpu;
 pub mod cuda;
 pub mod device;
 pub mod engine;

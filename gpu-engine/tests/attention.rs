@@ -2,7 +2,8 @@
 //! (the seed is printed on failure): page sizes 8/16/32, sequences ending mid-page, batches of
 //! mixed lengths, GQA, head_dim 64 and 128, f32 and f16 storage.
 
-use lockstep_engine::attention::{decode_attention, prefill_attention};
+use lockstep_engine::attention::{decode_attention, decode_attention_with, prefill_attention_with};
+use lockstep_engine::cpu::Kernels;
 use lockstep_engine::pool::*;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -120,17 +121,27 @@ fn decode_matches_dense_f64() {
                     .collect();
                 let mut out = vec![0.0f32; q.len()];
                 let refs: Vec<&Sequence> = case.seqs.iter().collect();
-                decode_attention(&case.pool, &refs, layer, heads, &q, &mut out).expect("attention");
-                for (b, &len) in lens.iter().enumerate() {
-                    for h in 0..heads {
-                        let o = (b * heads + h) * hd;
-                        let want =
-                            reference(&case.kv[b], h / (heads / kv_heads), hd, len, &q[o..o + hd]);
-                        let err = max_rel_err(&out[o..o + hd], &want);
-                        assert!(
-                            err < threshold(dtype),
-                            "seed {seed}: {dtype:?} ps {page_size} heads {heads}/{kv_heads} hd {hd} seq {b} head {h}: rel err {err}"
-                        );
+                // Every kernel set this CPU has, each against the f64 reference.
+                for k in Kernels::available() {
+                    decode_attention_with(k, &case.pool, &refs, layer, heads, &q, &mut out)
+                        .expect("attention");
+                    for (b, &len) in lens.iter().enumerate() {
+                        for h in 0..heads {
+                            let o = (b * heads + h) * hd;
+                            let want = reference(
+                                &case.kv[b],
+                                h / (heads / kv_heads),
+                                hd,
+                                len,
+                                &q[o..o + hd],
+                            );
+                            let err = max_rel_err(&out[o..o + hd], &want);
+                            assert!(
+                                err < threshold(dtype),
+                                "seed {seed}: {} {dtype:?} ps {page_size} heads {heads}/{kv_heads} hd {hd} seq {b} head {h}: rel err {err}",
+                                k.name()
+                            );
+                        }
                     }
                 }
             }
@@ -164,23 +175,26 @@ fn prefill_is_causal_and_matches_dense_f64() {
                 .map(|_| rng.random_range(-1.0..1.0))
                 .collect();
             let mut out = vec![0.0f32; q.len()];
-            prefill_attention(&case.pool, &case.seqs[0], 0, heads, start, &q, &mut out)
-                .expect("attention");
-            for t in 0..n {
-                for h in 0..heads {
-                    let o = (t * heads + h) * hd;
-                    let want = reference(
-                        &case.kv[0],
-                        h / (heads / kv_heads),
-                        hd,
-                        start + t + 1,
-                        &q[o..o + hd],
-                    );
-                    let err = max_rel_err(&out[o..o + hd], &want);
-                    assert!(
-                        err < threshold(dtype),
-                        "seed {seed}: {dtype:?} ps {page_size} token {t} head {h}: rel err {err}"
-                    );
+            for k in Kernels::available() {
+                prefill_attention_with(k, &case.pool, &case.seqs[0], 0, heads, start, &q, &mut out)
+                    .expect("attention");
+                for t in 0..n {
+                    for h in 0..heads {
+                        let o = (t * heads + h) * hd;
+                        let want = reference(
+                            &case.kv[0],
+                            h / (heads / kv_heads),
+                            hd,
+                            start + t + 1,
+                            &q[o..o + hd],
+                        );
+                        let err = max_rel_err(&out[o..o + hd], &want);
+                        assert!(
+                            err < threshold(dtype),
+                            "seed {seed}: {} {dtype:?} ps {page_size} token {t} head {h}: rel err {err}",
+                            k.name()
+                        );
+                    }
                 }
             }
         }

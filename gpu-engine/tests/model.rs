@@ -242,3 +242,40 @@ fn impossible_head_shapes_are_refused_not_panicked_on() {
         );
     }
 }
+
+/// The two llama.cpp comparisons above, run again in a child process for every other kernel set
+/// this CPU has (`LOCKSTEP_CPU_KERNELS`; the set is chosen once per process), so the portable
+/// kernels and every SIMD set a CPU may pick are each held to llama.cpp, not only the best one.
+#[test]
+fn every_kernel_set_matches_llama_cpp() {
+    if std::env::var_os("LOCKSTEP_CPU_KERNELS").is_some() || common::model_path().is_none() {
+        return;
+    }
+    let chosen = lockstep_engine::cpu::Kernels::chosen();
+    let exe = std::env::current_exe().expect("test binary");
+    for k in lockstep_engine::cpu::Kernels::available() {
+        if k == chosen {
+            continue;
+        }
+        for test in [
+            "greedy_steps_match_llama_cpp",
+            "teacher_forced_256_positions_agree_with_llama_cpp",
+        ] {
+            let out = std::process::Command::new(&exe)
+                .args([test, "--exact", "--nocapture"])
+                .env("LOCKSTEP_CPU_KERNELS", k.name())
+                .output()
+                .expect("run the test binary");
+            let text = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert!(
+                out.status.success() && text.contains("1 passed"),
+                "{} kernels, {test}:\n{text}",
+                k.name()
+            );
+        }
+    }
+}
