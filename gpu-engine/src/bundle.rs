@@ -74,6 +74,8 @@ impl ModelBundle {
         g: &Gguf<impl AsRef<[u8]>>,
         dev: Option<std::sync::Arc<crate::cuda::Gpu>>,
     ) -> Result<ModelBundle, ModelError> {
+        // The CPU kernel set is chosen (and logged) at load, not at the first request.
+        let _ = crate::cpu::Kernels::chosen();
         let model = Llama::load(g)?;
         let gpu = match dev {
             Some(dev) => Some(CudaLlama::load(dev, g)?),
