@@ -48,6 +48,11 @@ pub fn build() -> Tokenizer {
         .expect("static word-level vocabulary is valid");
     let mut tok = Tokenizer::new(model);
     tok.with_pre_tokenizer(Some(Whitespace {}));
+    with_specials(tok)
+}
+
+/// `tok` with the mock chat format's special tokens.
+fn with_specials(mut tok: Tokenizer) -> Tokenizer {
     let specials: Vec<AddedToken> = SPECIALS
         .iter()
         .map(|s| AddedToken::from(*s, true))
@@ -100,12 +105,7 @@ pub fn build_canary() -> Tokenizer {
     let mut tok = Tokenizer::new(model);
     tok.with_pre_tokenizer(Some(Whitespace {}));
     tok.with_decoder(Some(WordPieceDecoder::new("##".to_string(), false)));
-    let specials: Vec<AddedToken> = SPECIALS
-        .iter()
-        .map(|s| AddedToken::from(*s, true))
-        .collect();
-    tok.add_special_tokens(&specials);
-    tok
+    with_specials(tok)
 }
 
 #[cfg(test)]

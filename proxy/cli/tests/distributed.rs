@@ -942,17 +942,15 @@ async fn the_worker_plane_is_mutual_tls_end_to_end_and_rotates_on_sighup() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_worker_refuses_plaintext_on_a_non_loopback_address() {
-    let Some(model) = model_path() else { return };
-    let dir = tempfile::tempdir().expect("tempdir");
-    let cfg = worker_config(dir.path(), "w.toml", &model, "", "");
+/// Starts a decode worker from `cfg` listening on `listen`, expecting it to refuse to start; its
+/// stderr.
+async fn refused_start(cfg: &Path, listen: &str) -> String {
     let out = tokio::time::timeout(
         Duration::from_secs(60),
         tokio::process::Command::new(BIN)
             .args(["worker", "--role", "decode", "--config"])
-            .arg(&cfg)
-            .args(["--listen", "0.0.0.0:0"])
+            .arg(cfg)
+            .args(["--listen", listen])
             .env("NO_COLOR", "1")
             .kill_on_drop(true)
             .output(),
@@ -960,8 +958,16 @@ async fn a_worker_refuses_plaintext_on_a_non_loopback_address() {
     .await
     .expect("exits in time")
     .expect("run");
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "it started");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_refuses_plaintext_on_a_non_loopback_address() {
+    let Some(model) = model_path() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = worker_config(dir.path(), "w.toml", &model, "", "");
+    let err = refused_start(&cfg, "0.0.0.0:0").await;
     assert!(
         err.contains("TLS is required") && err.contains("insecure_plaintext"),
         "{err}"
@@ -979,21 +985,7 @@ async fn a_worker_refuses_a_model_file_whose_hash_differs() {
         "",
         &format!("sha256 = \"{}\"", "0".repeat(64)),
     );
-    let out = tokio::time::timeout(
-        Duration::from_secs(60),
-        tokio::process::Command::new(BIN)
-            .args(["worker", "--role", "decode", "--config"])
-            .arg(&cfg)
-            .args(["--listen", "127.0.0.1:0"])
-            .env("NO_COLOR", "1")
-            .kill_on_drop(true)
-            .output(),
-    )
-    .await
-    .expect("exits in time")
-    .expect("run");
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = refused_start(&cfg, "127.0.0.1:0").await;
     assert!(
         err.contains("does not match") && err.contains("refusing to load it"),
         "{err}"

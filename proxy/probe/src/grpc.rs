@@ -123,14 +123,7 @@ impl GrpcTarget {
                 .await
             }
         };
-        let mut a = Answer {
-            outcome: Outcome::Error("transport"),
-            responded: false,
-            status: None,
-            raw: String::new(),
-            text: String::new(),
-            latency: Duration::ZERO,
-        };
+        let mut a = Answer::unanswered();
         let mut stream = match started {
             Ok(s) => s.into_inner(),
             Err(s) => {

@@ -58,6 +58,20 @@ pub struct Answer {
     pub latency: Duration,
 }
 
+impl Answer {
+    /// No answer yet: a transport error until something arrives.
+    pub fn unanswered() -> Answer {
+        Answer {
+            outcome: Outcome::Error("transport"),
+            responded: false,
+            status: None,
+            raw: String::new(),
+            text: String::new(),
+            latency: Duration::ZERO,
+        }
+    }
+}
+
 impl HttpTarget {
     /// A client for `base` (`http://host:port` or `https://...`, no trailing path).
     pub fn new(base: &str) -> Result<HttpTarget, String> {
@@ -171,14 +185,7 @@ impl HttpTarget {
                 json!({"model": model, "text": job.prompt, "sampling_params": {"max_new_tokens": max}, "stream": job.stream})
             }
         };
-        let mut a = Answer {
-            outcome: Outcome::Error("transport"),
-            responded: false,
-            status: None,
-            raw: String::new(),
-            text: String::new(),
-            latency: Duration::ZERO,
-        };
+        let mut a = Answer::unanswered();
         let work = async {
             let resp = match self.send(job.api.path(), Some(&body), key).await {
                 Ok(r) => r,
