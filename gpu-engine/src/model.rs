@@ -264,6 +264,39 @@ impl Llama {
         pool: &mut PagePool,
         items: &mut [Step<'_>],
     ) -> Result<Vec<Vec<f32>>, ModelError> {
+        use crate::cpu::{Kernels, Level};
+        match Kernels::chosen().level() {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: a `Kernels` value at AVX2 or above exists only when the CPU has AVX2, FMA
+            // and F16C.
+            #[allow(unsafe_code)]
+            Level::Avx2 | Level::Avx512Vnni => unsafe { self.forward_batch_avx2(pool, items) },
+            _ => self.forward_batch_body(pool, items),
+        }
+    }
+
+    /// [`Llama::forward_batch`] with its per-token loops (norms, RoPE, SwiGLU, residuals)
+    /// compiled for AVX2 + FMA; the matrix products and attention dispatch on their own.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2, FMA and F16C.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(unsafe_code)]
+    unsafe fn forward_batch_avx2(
+        &self,
+        pool: &mut PagePool,
+        items: &mut [Step<'_>],
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        self.forward_batch_body(pool, items)
+    }
+
+    #[inline(always)]
+    fn forward_batch_body(
+        &self,
+        pool: &mut PagePool,
+        items: &mut [Step<'_>],
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
         let c = &self.cfg;
         let (d, hd) = (c.dim, c.head_dim);
         let kvd = c.kv_heads * hd;
@@ -393,6 +426,7 @@ pub struct Step<'a> {
     pub logits: bool,
 }
 
+#[inline(always)]
 fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let ms = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
     let inv = 1.0 / (ms + eps).sqrt();
@@ -402,6 +436,7 @@ fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
 }
 
 /// RoPE, GGUF "normal" layout: pairs (2i, 2i+1) of each head rotate by `pos × base^(-2i/hd)`.
+#[inline(always)]
 fn rope(x: &mut [f32], hd: usize, pos: usize, base: f32) {
     for head in x.chunks_exact_mut(hd) {
         for i in 0..hd / 2 {
