@@ -1,6 +1,9 @@
 //! A naive PD front over the SGLang mock, pairing the halves the way a peer gateway does: both
 //! halves sent at once with a bootstrap room, the decode's answer returned, the prefill's result
-//! never looked at (no barrier, no prompt-count check, no abort of the other half). It exists so
+//! never looked at (no barrier, no prompt-count check, no abort of the other half). This is the
+//! SGLang model gateway's HTTP PD path as `../shared/docs/peers.md` reads it: bootstrap fields
+//! injected, both halves concurrent, the decode response returned, status codes the only check
+//! (an in-band abort inside a 200 passes), no `/abort_request`, no tokenizing before dispatch. It exists so
 //! `lockstep probe` can be shown to catch the incident's leak through it (and not through
 //! lockstep, over the same mock and fault). OpenAI chat and completions, streamed and not;
 //! `/v1/models` without `max_model_len` (as many gateways answer); no `/generate` (404).
