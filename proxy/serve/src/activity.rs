@@ -6,59 +6,61 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use http_body_util::BodyExt;
-use tokio::sync::Notify;
 
-/// One connection's requests in flight and when the last one ended.
+/// One connection's requests in flight and when the last one ended. Nothing here wakes the
+/// connection's task per request: the idle check sleeps and re-reads, so a busy connection pays
+/// two atomic adds and a store per request.
 pub(crate) struct Activity {
     active: AtomicUsize,
-    last: Mutex<Instant>,
-    changed: Notify,
+    /// When the last request ended (or the connection opened), in ms since `epoch`.
+    last_ms: AtomicU64,
+    epoch: Instant,
 }
 
 impl Activity {
     pub(crate) fn new() -> Activity {
         Activity {
             active: AtomicUsize::new(0),
-            last: Mutex::new(Instant::now()),
-            changed: Notify::new(),
+            last_ms: AtomicU64::new(0),
+            epoch: Instant::now(),
         }
     }
 
     fn enter(self: &Arc<Self>) -> InFlight {
         self.active.fetch_add(1, Ordering::SeqCst);
-        self.changed.notify_waiters();
         InFlight(self.clone())
     }
 
-    fn last(&self) -> Instant {
-        *self.last.lock().unwrap_or_else(|p| p.into_inner())
+    fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
     }
 
-    /// Resolves once nothing has been in flight for `idle`.
+    /// Resolves once nothing has been in flight for `idle`: between `idle` and twice `idle`
+    /// after the last request ended when one was in flight at a check, exactly `idle` after it
+    /// otherwise.
     pub(crate) async fn idle_for(&self, idle: Duration) {
+        let idle_ms = idle.as_millis().max(1) as u64;
         loop {
-            let changed = self.changed.notified();
-            tokio::pin!(changed);
-            // Registered before the check, so a change between the check and the wait is seen.
-            changed.as_mut().enable();
             if self.active.load(Ordering::SeqCst) == 0 {
-                let since = self.last().elapsed();
-                if since >= idle {
-                    return;
+                let since = self
+                    .now_ms()
+                    .saturating_sub(self.last_ms.load(Ordering::SeqCst));
+                if since >= idle_ms {
+                    // Re-read: a request may have started while we looked.
+                    if self.active.load(Ordering::SeqCst) == 0 {
+                        return;
+                    }
+                    continue;
                 }
-                tokio::select! {
-                    _ = tokio::time::sleep(idle - since) => {}
-                    _ = changed => {}
-                }
+                tokio::time::sleep(Duration::from_millis(idle_ms - since)).await;
             } else {
-                changed.await;
+                tokio::time::sleep(idle).await;
             }
         }
     }
@@ -69,9 +71,8 @@ struct InFlight(Arc<Activity>);
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        *self.0.last.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
+        self.0.last_ms.store(self.0.now_ms(), Ordering::SeqCst);
         self.0.active.fetch_sub(1, Ordering::SeqCst);
-        self.0.changed.notify_waiters();
     }
 }
 
