@@ -139,6 +139,12 @@ pub struct MockConfig {
     /// How long an `/abort_request` takes to reach the scheduler and act (a slow network or a
     /// busy server); 0 by default.
     pub abort_delay: Duration,
+    /// How long the decode server takes to register a `/generate` it received (the tokenizer
+    /// manager still tokenizing, or the request queued behind others); 0 by default. An abort
+    /// for its rid arriving meanwhile finds nothing and is dropped, as SGLang 0.5.23 drops an
+    /// abort for an rid not yet in `rid_to_state` (`srt/managers/tokenizer_manager.py`,
+    /// `abort_request`), and the half then lives on.
+    pub decode_register_delay: Duration,
 }
 
 impl Default for MockConfig {
@@ -154,6 +160,7 @@ impl Default for MockConfig {
             api_key: None,
             admin_api_key: None,
             abort_delay: Duration::ZERO,
+            decode_register_delay: Duration::ZERO,
         }
     }
 }
@@ -676,10 +683,12 @@ async fn generate(State(ctx): State<Ctx>, headers: axum::http::HeaderMap, body: 
         Ok(h) => h,
         Err(m) => return sglang_error(StatusCode::BAD_REQUEST, m),
     };
-    lock(&ctx.inner.rid_rooms).insert(half.rid.clone(), half.room);
     let fault = *lock(&ctx.inner.fault);
     match ctx.role {
-        Role::Prefill => prefill(ctx.inner, half, fault).await,
+        Role::Prefill => {
+            lock(&ctx.inner.rid_rooms).insert(half.rid.clone(), half.room);
+            prefill(ctx.inner, half, fault).await
+        }
         Role::Decode => decode(ctx.inner, half, fault).await,
     }
 }
@@ -864,11 +873,25 @@ async fn decode(inner: Arc<Inner>, h: Half, fault: Fault) -> Response {
         let status = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         return sglang_error(status, "injected decode failure");
     }
-    let cancel = register(&inner, Role::Decode, &h.rid);
     let (tx, mut rx) = mpsc::unbounded_channel::<DecodeMsg>();
     let work = inner.clone();
     let (rid, stream) = (h.rid.clone(), h.stream);
+    // The scheduler's work, independent of the HTTP connection (a client that leaves does not
+    // stop it); registered after `decode_register_delay`.
+    let delay = inner.cfg.decode_register_delay;
+    let register_now = delay.is_zero().then(|| {
+        lock(&inner.rid_rooms).insert(h.rid.clone(), h.room);
+        register(&inner, Role::Decode, &h.rid)
+    });
     tokio::spawn(async move {
+        let cancel = match register_now {
+            Some(c) => c,
+            None => {
+                tokio::time::sleep(delay).await;
+                lock(&work.rid_rooms).insert(h.rid.clone(), h.room);
+                register(&work, Role::Decode, &h.rid)
+            }
+        };
         decode_work(work.clone(), h, fault, cancel, tx).await;
         unregister(&work, Role::Decode, &rid);
     });

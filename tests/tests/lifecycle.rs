@@ -377,3 +377,105 @@ async fn idle_and_total_deadlines_abort_both() {
         }
     }
 }
+
+/// An abort that overtakes its half: the decode server registers the request only 300 ms after it
+/// arrived, so the first `/abort_request` finds no such rid and is dropped (as SGLang drops it).
+/// lockstep keeps the aborted half's request open and sends the abort again until the half's own
+/// answer ends; the decode is released instead of waiting 300 s for KV that never comes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abort_that_overtakes_its_half_is_sent_again() {
+    let cfg = MockConfig {
+        decode_register_delay: Duration::from_millis(300),
+        ..MockConfig::default()
+    };
+    let stack = Stack::start_with(cfg, "", LONG_TIMEOUTS).await;
+    stack.mock.set_fault(Fault::PrefillStatus(500));
+    let a = TestClient::default()
+        .post(
+            &format!("{}/v1/completions", stack.url),
+            &json!({"model": MODEL, "prompt": "red", "stream": true}),
+            Duration::from_secs(5),
+        )
+        .await;
+    assert_eq!(a.status, 502, "{}", a.body);
+    // Past the registration delay: the decode half exists on the server by now.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert!(
+        stack.wait_all_idle(Duration::from_secs(3)).await,
+        "live: {:?}, aborts: {:?}",
+        stack.mock.live_halves(),
+        stack.mock.aborts()
+    );
+    let decode_aborts: Vec<_> = stack
+        .mock
+        .aborts()
+        .into_iter()
+        .filter(|a| a.role == Role::Decode)
+        .collect();
+    assert!(
+        decode_aborts.len() >= 2 && !decode_aborts[0].released_live,
+        "the first abort overtook the half: {decode_aborts:?}"
+    );
+    assert!(
+        decode_aborts.last().is_some_and(|a| a.released_live),
+        "a later abort released it: {decode_aborts:?}"
+    );
+    let m = TestClient::default()
+        .get(&format!("{}/metrics", stack.url), Duration::from_secs(5))
+        .await
+        .body;
+    let resent = format!("lockstep_abort_resent_total{{model=\"{MODEL}\",side=\"decode\"}}");
+    assert!(m.contains(&resent), "{m}");
+}
+
+/// An abort that never takes (here every `/abort_request` is refused 401: the worker wants an
+/// admin key lockstep lacks) is sent again until `abort_confirm_ms`, then the half is dropped and
+/// counted unconfirmed: lockstep holds nothing past the bound, and the metric says a half may be
+/// stranded on the worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abort_that_never_takes_is_counted_unconfirmed_at_the_bound() {
+    let cfg = MockConfig {
+        admin_api_key: Some("k-admin".into()),
+        kv_wait_timeout: Duration::from_secs(4),
+        ..MockConfig::default()
+    };
+    let timeouts = format!("{LONG_TIMEOUTS}\nabort_confirm_ms = 1000");
+    let stack = Stack::start_with(cfg, "", &timeouts).await;
+    stack.mock.set_fault(Fault::PrefillStatus(500));
+    let failed_at = Instant::now();
+    let a = TestClient::default()
+        .post(
+            &format!("{}/v1/completions", stack.url),
+            &json!({"model": MODEL, "prompt": "red", "stream": true}),
+            Duration::from_secs(5),
+        )
+        .await;
+    assert_eq!(a.status, 502, "{}", a.body);
+    let registry = &stack.lockstep.state.registry;
+    assert!(
+        wait_for(Duration::from_secs(3), || registry.aborts_in_flight() == 0).await,
+        "the confirmation is bounded"
+    );
+    let took = failed_at.elapsed();
+    assert!(
+        took >= Duration::from_millis(900),
+        "kept open until the bound: {took:?}"
+    );
+    assert!(
+        stack
+            .mock
+            .live_halves()
+            .iter()
+            .any(|(r, _)| *r == Role::Decode),
+        "the worker still holds the decode (its aborts were refused)"
+    );
+    let m = TestClient::default()
+        .get(&format!("{}/metrics", stack.url), Duration::from_secs(5))
+        .await
+        .body;
+    let unconfirmed =
+        format!("lockstep_abort_unconfirmed_total{{model=\"{MODEL}\",side=\"decode\"}} 1");
+    assert!(m.contains(&unconfirmed), "{m}");
+    // The worker's own KV wait ends it later; nothing of lockstep's is left meanwhile.
+    assert!(stack.wait_all_idle(Duration::from_secs(6)).await);
+}

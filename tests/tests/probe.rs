@@ -143,15 +143,20 @@ async fn the_probe_finds_the_incident_through_a_naive_front_and_nothing_through_
         "{}",
         r.text
     );
-    // lockstep holds nothing afterwards (no pair, every load counter back to zero). The mock's
-    // side is not asserted here: under this fault an abort can overtake its decode request on
-    // another connection and leave that half waiting (the stranded-KV item of the proving
-    // issue measures and fixes this).
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while !stack.lockstep_idle() && tokio::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert!(stack.lockstep_idle(), "lockstep holds nothing");
+    // Nothing is held afterwards, by lockstep or the workers: under this fault an abort can
+    // overtake its decode request on another connection, and lockstep sends it again until the
+    // half's answer ends.
+    assert!(
+        stack.wait_all_idle(Duration::from_secs(10)).await,
+        "live: {:?}, aborts: {:?}",
+        stack.mock.live_halves(),
+        stack
+            .mock
+            .aborts()
+            .iter()
+            .filter(|a| !a.released_live)
+            .count()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -30,6 +30,14 @@ pub struct Metrics {
     pub pairs_aborted: IntCounterVec,
     /// First failure seen → both halves' aborts acknowledged (or timed out), by model.
     pub abort_both_seconds: HistogramVec,
+    /// Aborts sent again because the aborted half's answer had not ended, by model and side.
+    pub abort_resent: IntCounterVec,
+    /// Aborted halves dropped after `abort_confirm_ms` with their answer still open, by model
+    /// and side.
+    pub abort_unconfirmed: IntCounterVec,
+    /// A pair's failure → an aborted half's own answer ended (the worker let go of it), by
+    /// model and side; for backends whose answer shows it (SGLang).
+    pub half_release_seconds: HistogramVec,
     /// Dispatch → commit barrier passed, by model.
     pub barrier_wait_seconds: HistogramVec,
     /// Request start → first token released to the client, by model.
@@ -127,6 +135,25 @@ impl Metrics {
                 "lockstep_abort_both_seconds",
                 "From the first failure seen to both halves' aborts acknowledged or timed out.",
                 &["model"],
+                LATENCY,
+            ),
+            abort_resent: counter(
+                &r,
+                "lockstep_abort_resent_total",
+                "Aborts sent again because the aborted half's own answer had not ended yet.",
+                &["model", "side"],
+            ),
+            abort_unconfirmed: counter(
+                &r,
+                "lockstep_abort_unconfirmed_total",
+                "Aborted halves dropped after abort_confirm_ms with their answer still open.",
+                &["model", "side"],
+            ),
+            half_release_seconds: histogram(
+                &r,
+                "lockstep_half_release_seconds",
+                "From a pair's failure to an aborted half's own answer ending (its worker let go).",
+                &["model", "side"],
                 LATENCY,
             ),
             barrier_wait_seconds: histogram(

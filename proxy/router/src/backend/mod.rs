@@ -301,6 +301,16 @@ pub trait PdBackend: Send + Sync + 'static {
     /// half's worker to release what it holds for the pair. Called for both halves, in the
     /// background, bounded by `timeouts.abort_ms`; the client's error never waits for it.
     fn abort(&self, d: &Dispatch, side: Side) -> BoxFuture<'static, Result<(), HalfError>>;
+    /// Whether an aborted half's own answer shows that the abort took (SGLang ends an aborted
+    /// request's answer with `finish_reason: abort`) while dropping its connection does not
+    /// release it promptly (SGLang notices a gone client only at its next 4 s check, and drops an
+    /// abort for an rid it has not registered yet). Then the lifecycle keeps an aborted half's
+    /// request open, sends the abort again while that answer has not ended, and drops it after
+    /// `timeouts.abort_confirm_ms`. Default false: the half's request is dropped at once, which
+    /// is itself the abort for vLLM, lockstep workers and the embedded engine.
+    fn confirms_abort(&self) -> bool {
+        false
+    }
     /// Whether the decode's first chunk always carries the prompt count it was given (SGLang's
     /// `meta_info.prompt_tokens`, vLLM's per-chunk usage, lockstep's own workers and engine):
     /// then a first chunk without one fails the pair instead of passing the count check

@@ -335,6 +335,10 @@ impl PdBackend for SglangBackend {
         true
     }
 
+    fn confirms_abort(&self) -> bool {
+        true
+    }
+
     fn abort(&self, d: &Dispatch, side: Side) -> BoxFuture<'static, Result<(), HalfError>> {
         let client = self.client.clone();
         let worker = match side {

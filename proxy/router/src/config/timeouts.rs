@@ -22,6 +22,11 @@ pub struct TimeoutConfig {
     pub idle_ms: u64,
     /// Bound on each `/abort_request` call (never delays the client's error).
     pub abort_ms: u64,
+    /// For backends whose aborted half's own answer shows the abort took (SGLang): how long
+    /// lockstep keeps that half's request open after the pair failed, sending the abort again
+    /// while the answer has not ended (an abort that overtook its request is dropped by the
+    /// worker). Then the request is dropped and the half counted unconfirmed.
+    pub abort_confirm_ms: u64,
     /// Longest a committed stream waits for its client to take the next chunk (a reader that
     /// stalled, or reads too slowly to ever finish); then both halves are aborted.
     pub client_idle_ms: u64,
@@ -35,6 +40,7 @@ impl Default for TimeoutConfig {
             first_token_ms: 90_000,
             idle_ms: 30_000,
             abort_ms: 2_000,
+            abort_confirm_ms: 5_000,
             client_idle_ms: 30_000,
         }
     }
@@ -60,6 +66,10 @@ impl TimeoutConfig {
     /// `abort_ms` as a duration.
     pub fn abort(&self) -> Duration {
         Duration::from_millis(self.abort_ms)
+    }
+    /// `abort_confirm_ms` as a duration.
+    pub fn abort_confirm(&self) -> Duration {
+        Duration::from_millis(self.abort_confirm_ms)
     }
     /// `client_idle_ms` as a duration.
     pub fn client_idle(&self) -> Duration {
@@ -94,6 +104,7 @@ impl Section for TimeoutConfig {
             ("first_token_ms", self.first_token_ms),
             ("idle_ms", self.idle_ms),
             ("abort_ms", self.abort_ms),
+            ("abort_confirm_ms", self.abort_confirm_ms),
             ("client_idle_ms", self.client_idle_ms),
         ] {
             if v == 0 {

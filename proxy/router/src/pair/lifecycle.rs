@@ -4,11 +4,11 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures_util::StreamExt;
 use tokio::sync::mpsc;
 use tokio::time::{Instant as TokioInstant, sleep, sleep_until};
 use tracing::Instrument;
 
+use super::abort::{AbortPlan, Halves, abort_both, decode_chunk, prefill_answer};
 use super::observer::{AbortContext, PairObserver};
 use super::outcome::Failure;
 use super::{
@@ -135,8 +135,17 @@ impl PairRuntime {
                 decode = %d.decode.url,
                 attempt,
             );
+            let mut halves = Halves::default();
             match self
-                .attempt(&d, &tx, started, &guard, &mut committed, &mut barrier)
+                .attempt(
+                    &d,
+                    &mut halves,
+                    &tx,
+                    started,
+                    &guard,
+                    &mut committed,
+                    &mut barrier,
+                )
                 .instrument(pair_span.clone())
                 .await
             {
@@ -146,7 +155,7 @@ impl PairRuntime {
                 }
                 Err(f) => {
                     guard.set_state(PairState::Aborting);
-                    self.abort_both(&d, TokioInstant::now());
+                    self.abort_both(&d, halves, TokioInstant::now());
                     let at = AbortContext {
                         tenant: tenant.as_deref(),
                         attempt,
@@ -193,36 +202,23 @@ impl PairRuntime {
         outcome
     }
 
-    /// Sends the abort to both halves in the background, each bounded by `abort_ms`, never
+    /// Sends the abort to both halves in the background, each call bounded by `abort_ms`, never
     /// delaying the client's error; the time from `failed_at` to both answered (or timed out) is
-    /// the abort-both latency.
-    fn abort_both(&self, d: &Dispatch, failed_at: TokioInstant) {
-        let bound = self.timeouts.abort();
-        let pair = d.pair_id;
-        let call = |side: Side| {
-            let fut = self.backend.abort(d, side);
-            self.observe().abort_call();
-            async move {
-                match tokio::time::timeout(bound, fut).await {
-                    Ok(Ok(())) => {}
-                    Ok(Err(e)) => {
-                        tracing::warn!(pair = %pair, side = side.as_str(), error = %e, "abort call failed")
-                    }
-                    Err(_) => {
-                        tracing::warn!(pair = %pair, side = side.as_str(), "abort call timed out")
-                    }
-                }
-            }
+    /// the abort-both latency. Halves still open are kept until their answers end where the
+    /// backend confirms aborts ([`super::abort`]).
+    fn abort_both(&self, d: &Dispatch, halves: Halves, failed_at: TokioInstant) {
+        self.observe().abort_call();
+        self.observe().abort_call();
+        let plan = AbortPlan {
+            model: &self.model,
+            call_bound: self.timeouts.abort(),
+            confirm_bound: self.timeouts.abort_confirm(),
+            failed_at,
+            latency: self.observe().abort_both_latency(),
+            // Counted until every call answered, so a drain waits for them (the pair is gone).
+            in_flight: self.registry.aborts_started(),
         };
-        let (p, dd) = (call(Side::Prefill), call(Side::Decode));
-        let latency = self.observe().abort_both_latency();
-        // Counted until both answered, so a drain waits for them (the pair itself is gone).
-        let in_flight = self.registry.aborts_started();
-        tokio::spawn(async move {
-            tokio::join!(p, dd);
-            latency.observe(failed_at.elapsed().as_secs_f64());
-            drop(in_flight);
-        });
+        abort_both(&self.backend, &self.metrics, d, halves, plan);
     }
 
     /// The refusal when a side has no worker to take the pair: all at their pair limit, or
@@ -239,9 +235,11 @@ impl PairRuntime {
     }
 
     /// One attempt: barrier, then streaming. `Err` means both halves must be aborted.
+    #[allow(clippy::too_many_arguments)]
     async fn attempt(
         &self,
         d: &Dispatch,
+        halves: &mut Halves,
         tx: &mpsc::Sender<PairEvent>,
         started: TokioInstant,
         guard: &super::PairGuard,
@@ -260,9 +258,9 @@ impl PairRuntime {
         // for their upstream requests from the span current when they are created.
         let prefill_span = tracing::info_span!("prefill", worker = %d.prefill.url);
         let decode_span = tracing::info_span!("decode", worker = %d.decode.url);
-        let mut prefill = prefill_span.in_scope(|| self.backend.prefill(d));
+        halves.prefill = Some(prefill_span.in_scope(|| self.backend.prefill(d)));
         let mut prefill_span = Some(prefill_span);
-        let mut decode = decode_span.in_scope(|| self.backend.decode(d));
+        halves.decode = Some(decode_span.in_scope(|| self.backend.decode(d)));
         let barrier_span = tracing::info_span!("commit_barrier");
         let mut kv_transfer: Option<tracing::Span> = None;
         let mut prefill_ok = false;
@@ -279,7 +277,7 @@ impl PairRuntime {
                 _ = sleep_until(total_at) => return Err(Failure::deadline(id, Phase::Total)),
                 _ = sleep_until(prefill_at), if !prefill_ok => return Err(Failure::deadline(id, Phase::Prefill)),
                 _ = sleep_until(first_at), if first.is_none() => return Err(Failure::deadline(id, Phase::FirstToken)),
-                r = &mut prefill, if !prefill_ok => {
+                r = prefill_answer(&mut halves.prefill), if !prefill_ok => {
                     prefill_span = None;
                     let report = r.map_err(|e| Failure::from_half(id, e))?;
                     if report.prompt_tokens != expected {
@@ -297,7 +295,7 @@ impl PairRuntime {
                         kv_transfer = Some(tracing::info_span!(parent: &barrier_span, "kv_transfer"));
                     }
                 }
-                c = decode.next(), if first.is_none() => {
+                c = decode_chunk(&mut halves.decode), if first.is_none() => {
                     let chunk = match c {
                         Some(Ok(chunk)) => chunk,
                         Some(Err(e)) => return Err(Failure::from_half(id, e)),
@@ -388,7 +386,7 @@ impl PairRuntime {
                 _ = tx.closed() => return Err(gone()),
                 _ = sleep_until(total_at) => return Err(Failure::deadline(id, Phase::Total)),
                 _ = sleep(t.idle()) => return Err(Failure::deadline(id, Phase::Idle)),
-                c = decode.next() => match c {
+                c = decode_chunk(&mut halves.decode) => match c {
                     Some(Ok(c)) => {
                         check_decode_count(id, &c, expected)?;
                         chunk = c;

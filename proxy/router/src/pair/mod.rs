@@ -1,5 +1,6 @@
 //! The pair: its id, the registry of live pairs, and the lifecycle that owns each one.
 
+mod abort;
 mod lifecycle;
 mod observer;
 mod outcome;

@@ -254,6 +254,7 @@ fn setup(script: &Script) -> Setup {
             first_token_ms: 350,
             idle_ms: 120,
             abort_ms: 50,
+            abort_confirm_ms: 200,
             client_idle_ms: 150,
         },
         retry: RetryConfig {
