@@ -195,6 +195,8 @@ pub struct Emit {
     pub text: String,
     /// Set when generation is over.
     pub finish: Option<Finish>,
+    /// The stop string that ended generation, when one did.
+    pub matched_stop: Option<String>,
 }
 
 impl TextStream {
@@ -237,6 +239,7 @@ impl TextStream {
             return Emit {
                 text,
                 finish: Some(Finish::Stop),
+                matched_stop: None,
             };
         }
         // Incremental decode: text of ids[prefix..] minus text of ids[prefix..read]; special
@@ -249,16 +252,12 @@ impl TextStream {
             self.prefix = self.read;
             self.read = self.ids.len();
         }
-        if let Some(at) = self
-            .stops
-            .as_ref()
-            .and_then(|a| a.find(&self.held))
-            .map(|m| m.start())
-        {
-            self.held.truncate(at);
+        if let Some(m) = self.stops.as_ref().and_then(|a| a.find(&self.held)) {
+            self.held.truncate(m.start());
             return Emit {
                 text: std::mem::take(&mut self.held),
                 finish: Some(Finish::Stop),
+                matched_stop: self.stop.get(m.pattern().as_usize()).cloned(),
             };
         }
         let finish = (self.ids.len() >= self.max_tokens).then_some(Finish::Length);
@@ -282,7 +281,11 @@ impl TextStream {
         let cut = self.held.len() - keep;
         let text = self.held[..cut].to_string();
         self.held.drain(..cut);
-        Emit { text, finish }
+        Emit {
+            text,
+            finish,
+            matched_stop: None,
+        }
     }
 
     fn ends_generation(&self, id: u32) -> bool {

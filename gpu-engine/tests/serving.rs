@@ -44,6 +44,7 @@ struct Output {
     ids: Vec<u32>,
     text: String,
     finish: Option<Finish>,
+    matched_stop: Option<String>,
     error: Option<EngineError>,
 }
 
@@ -56,11 +57,17 @@ async fn collect(mut rx: UnboundedReceiver<Event>) -> Output {
                 prompt_tokens,
                 kv_digest,
             } => out.started = Some((prompt_tokens, kv_digest)),
-            Event::Token { id, text, finish } => {
+            Event::Token {
+                id,
+                text,
+                finish,
+                matched_stop,
+            } => {
                 out.ids.push(id);
                 out.text.push_str(&text);
                 if finish.is_some() {
                     out.finish = finish;
+                    out.matched_stop = matched_stop;
                     break;
                 }
             }
@@ -282,20 +289,26 @@ async fn sampling_seeds_stops_and_limits() {
     .1;
     assert_eq!(o.finish, Some(Finish::Stop));
     assert_eq!(o.text, full.text[..cut]);
-    // A multi-character stop string spanning tokens.
+    assert_eq!(
+        o.matched_stop.as_deref(),
+        Some("."),
+        "the engine says which stop matched"
+    );
+    // A multi-character stop string spanning tokens, among others that never match.
     let stop = full.text[cut - 3..cut + 1].to_string();
     let o = run_pd(
         &pd,
         23,
         PLAIN,
         SamplingConfig {
-            stop: vec![stop.clone()],
+            stop: vec!["@@never@@".into(), stop.clone()],
             ..greedy(12)
         },
     )
     .await
     .1;
     assert_eq!(o.text, full.text[..cut - 3], "stop {stop:?}");
+    assert_eq!(o.matched_stop, Some(stop), "the second stop string matched");
 
     // A stop token id: the third greedy token ends it and is not part of the text.
     let o = run_pd(

@@ -189,6 +189,18 @@ pub fn request(
 /// (`$PYTHON` or `python3`; killed if it outlives `bound`) and fails the test unless it exits 0
 /// and prints `done`.
 pub async fn run_python_checks(script: &str, url: &str, model: &str, bound: Duration, done: &str) {
+    run_python_checks_with(script, url, model, &[], bound, done).await
+}
+
+/// [`run_python_checks`] with more environment variables for the script.
+pub async fn run_python_checks_with(
+    script: &str,
+    url: &str,
+    model: &str,
+    env: &[(&str, &str)],
+    bound: Duration,
+    done: &str,
+) {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("python")
         .join(script);
@@ -197,6 +209,7 @@ pub async fn run_python_checks(script: &str, url: &str, model: &str, bound: Dura
         .arg(&path)
         .env("LOCKSTEP_URL", url)
         .env("LOCKSTEP_MODEL", model)
+        .envs(env.iter().copied())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .kill_on_drop(true)

@@ -137,6 +137,22 @@ async fn official_openai_client_gets_coherent_answers() {
     s.wait_released().await;
 }
 
+/// The Responses and Messages APIs against the embedded model, through the official `openai`
+/// and `anthropic` packages.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn official_responses_and_anthropic_clients_against_the_model() {
+    let Some(s) = start("").await else { return };
+    client::run_python_checks(
+        "apis_client.py",
+        &s.url,
+        MODEL,
+        Duration::from_secs(240),
+        "all api client checks passed",
+    )
+    .await;
+    s.wait_released().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transfer_faults_end_in_errors_and_free_every_page() {
     let prompt = "A prompt long enough to fill several pages of the pool, so that a page can be lost, \
@@ -308,24 +324,72 @@ async fn prefix_cache_keys_are_salted_by_tenant() {
                 )
                 .await;
             assert_eq!(a.status, 200, "{}", a.body);
-            a.json()["choices"][0]["text"]
-                .as_str()
-                .expect("text")
-                .to_string()
+            let v = a.json();
+            let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .expect("cached tokens in usage");
+            let text = v["choices"][0]["text"].as_str().expect("text").to_string();
+            (text, cached)
         }
     };
-    let first = ask("acme-key").await;
-    assert_eq!(hits().await, 0, "nothing cached before the first request");
-    let second = ask("acme-key").await;
-    assert_eq!(hits().await, 32, "the same tenant reuses two pages");
-    let other = ask("globex-key").await;
-    assert_eq!(hits().await, 32, "another tenant reuses nothing");
-    let other_again = ask("globex-key").await;
-    assert_eq!(hits().await, 64, "and then reuses its own");
+    // Each answer's usage tells its tenant what its own prefill reused.
+    let (first, cached) = ask("acme-key").await;
+    assert_eq!(
+        (hits().await, cached),
+        (0, 0),
+        "nothing cached before the first request"
+    );
+    let (second, cached) = ask("acme-key").await;
+    assert_eq!(
+        (hits().await, cached),
+        (32, 32),
+        "the same tenant reuses two pages"
+    );
+    let (other, cached) = ask("globex-key").await;
+    assert_eq!(
+        (hits().await, cached),
+        (32, 0),
+        "another tenant reuses nothing"
+    );
+    let (other_again, cached) = ask("globex-key").await;
+    assert_eq!((hits().await, cached), (64, 32), "and then reuses its own");
     assert!(
         [&second, &other, &other_again].iter().all(|t| **t == first),
         "the cache changes no answer: {first:?} {second:?} {other:?} {other_again:?}"
     );
+    s.wait_released().await;
+}
+
+/// Without tenants the prefix cache is shared by every caller, so the cached count would tell one
+/// caller what another sent: usage reports 0 cached tokens although the engine reused pages.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cached_tokens_are_not_reported_without_a_tenant() {
+    let Some(s) = start("").await else { return };
+    let prompt: Vec<u32> = (0..40).map(|i| 1000 + 7 * i).collect();
+    let body = json!({ "model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0 });
+    let url = format!("{}/v1/completions", s.url);
+    for _ in 0..2 {
+        let a = TestClient::default()
+            .post(&url, &body, Duration::from_secs(60))
+            .await;
+        assert_eq!(a.status, 200, "{}", a.body);
+        assert_eq!(
+            a.json()["usage"]["prompt_tokens_details"]["cached_tokens"],
+            0,
+            "{}",
+            a.body
+        );
+    }
+    let m = TestClient::default()
+        .get(&format!("{}/metrics", s.url), Duration::from_secs(5))
+        .await
+        .body;
+    let reused: u64 = m
+        .lines()
+        .filter(|l| l.starts_with("lockstep_prefix_cache_hit_tokens_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum();
+    assert_eq!(reused, 32, "the engine did reuse the pages");
     s.wait_released().await;
 }
 

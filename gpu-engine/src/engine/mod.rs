@@ -93,9 +93,23 @@ pub enum Event {
         text: String,
         /// Set on the last token.
         finish: Option<Finish>,
+        /// On the last token, the stop string that ended generation, when one did.
+        matched_stop: Option<String>,
     },
     /// The request ended with an error; its pages are free.
     Failed(EngineError),
+}
+
+impl Event {
+    /// The event of one sampled token and what it did to the output.
+    pub(crate) fn token(id: u32, emit: crate::sample::Emit) -> Event {
+        Event::Token {
+            id,
+            text: emit.text,
+            finish: emit.finish,
+            matched_stop: emit.matched_stop,
+        }
+    }
 }
 
 /// A generation request.

@@ -577,11 +577,7 @@ impl Scheduler {
                 let emit = text.push(&self.bundle.tokenizer, id);
                 self.stats.generated.fetch_add(1, Ordering::Relaxed);
                 let finished = emit.finish.is_some();
-                let sent = events.send(Event::Token {
-                    id,
-                    text: emit.text,
-                    finish: emit.finish,
-                });
+                let sent = events.send(Event::token(id, emit));
                 if finished || sent.is_err() {
                     done.push(i);
                 }

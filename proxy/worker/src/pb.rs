@@ -106,10 +106,16 @@ pub fn decode_event(ev: Event) -> Result<pb::DecodeEvent, Status> {
                 kv_digest,
             })),
         }),
-        Event::Token { id, text, finish } => Ok(pb::DecodeEvent {
+        Event::Token {
+            id,
+            text,
+            finish,
+            matched_stop,
+        } => Ok(pb::DecodeEvent {
             event: Some(E::Token(pb::DecodeToken {
                 id,
                 text,
+                matched_stop: matched_stop.unwrap_or_default(),
                 finish: match finish {
                     None => 0,
                     Some(Finish::Stop) => 1,

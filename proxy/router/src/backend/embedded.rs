@@ -133,7 +133,12 @@ impl PdBackend for EmbeddedBackend {
                                 prompt_tokens,
                                 kv_digest,
                             }) => started = Some((prompt_tokens, kv_digest)),
-                            Some(Event::Token { id, text, finish }) => {
+                            Some(Event::Token {
+                                id,
+                                text,
+                                finish,
+                                matched_stop,
+                            }) => {
                                 let chunk = DecodeChunk {
                                     delta: text,
                                     token_ids: vec![id],
@@ -144,6 +149,7 @@ impl PdBackend for EmbeddedBackend {
                                         Finish::Stop => FinishReason::Stop,
                                         Finish::Length => FinishReason::Length,
                                     }),
+                                    matched_stop,
                                 };
                                 let last = finish.is_some();
                                 return Some((Ok(chunk), (rx, started, n + 1, last)));

@@ -232,6 +232,9 @@ impl PdBackend for LockstepBackend {
                                         prompt_tokens: started.map(|s| s.0),
                                         kv_digest: started.and_then(|s| s.1),
                                         completion_tokens: n + 1,
+                                        matched_stop: finish
+                                            .filter(|_| !t.matched_stop.is_empty())
+                                            .map(|_| t.matched_stop.clone()),
                                         finish,
                                     };
                                     let last = finish.is_some();

@@ -190,6 +190,10 @@ pub struct DecodeChunk {
     pub completion_tokens: u64,
     /// Set on the last chunk.
     pub finish: Option<FinishReason>,
+    /// On the last chunk, the request's stop string that ended generation, where one did and
+    /// the worker says which (SGLang `finish_reason.matched`, vLLM `stop_reason`, lockstep's
+    /// engine and workers).
+    pub matched_stop: Option<String>,
 }
 
 /// How one half failed, as the protocol saw it.

@@ -452,6 +452,11 @@ impl ChunkSource for SseDecoder {
             token_ids: Vec::new(),
             prompt_tokens: meta_u64(&v, "prompt_tokens"),
             completion_tokens: meta_u64(&v, "completion_tokens").unwrap_or(0),
+            // SGLang's `finish_reason.matched`: the stop string (a token id otherwise).
+            matched_stop: finish
+                .and(v.pointer("/meta_info/finish_reason/matched"))
+                .and_then(Value::as_str)
+                .map(str::to_string),
             finish,
         }))
     }

@@ -430,6 +430,11 @@ impl ChunkSource for Sse {
                 prompt_tokens: usage(&v, "prompt_tokens"),
                 kv_digest: None,
                 completion_tokens: usage(&v, "completion_tokens").unwrap_or(self.chunks),
+                // vLLM's `stop_reason`: the stop string that matched (a token id otherwise).
+                matched_stop: finish
+                    .and(choice.get("stop_reason"))
+                    .and_then(Value::as_str)
+                    .map(str::to_string),
                 finish,
             }));
         }

@@ -383,10 +383,44 @@ fn capped(mut message: String) -> String {
     message
 }
 
-impl IntoResponse for LockstepError {
-    fn into_response(self) -> Response {
-        let mut r = (self.status(), axum::Json(self.body())).into_response();
-        match &self {
+impl LockstepError {
+    /// The Anthropic error `type` for this error's status (Anthropic's Messages API errors).
+    pub fn anthropic_type(&self) -> &'static str {
+        match self.status().as_u16() {
+            400 | 408 => "invalid_request_error",
+            401 => "authentication_error",
+            403 => "permission_error",
+            404 => "not_found_error",
+            413 => "request_too_large",
+            429 => "rate_limit_error",
+            503 => "overloaded_error",
+            _ => "api_error",
+        }
+    }
+
+    /// The Anthropic error body, `{"type":"error","error":{"type","message"}}`, with lockstep's
+    /// stable `code` (and `pair_id` when a pair was dispatched) inside `error` as well.
+    pub fn anthropic_body(&self) -> serde_json::Value {
+        let mut error = json!({
+            "type": self.anthropic_type(),
+            "message": self.to_string(),
+            "code": self.code(),
+        });
+        if let Some(id) = self.pair_id() {
+            error["pair_id"] = json!(id.to_string());
+        }
+        json!({ "type": "error", "error": error })
+    }
+
+    /// The HTTP response with `body` in place of the OpenAI body: same status and headers.
+    pub fn into_response_with(self, body: serde_json::Value) -> Response {
+        let mut r = (self.status(), axum::Json(body)).into_response();
+        self.add_headers(&mut r);
+        r
+    }
+
+    fn add_headers(&self, r: &mut Response) {
+        match self {
             LockstepError::RateLimited { retry_after_s, .. } => {
                 r.headers_mut().insert(
                     http::header::RETRY_AFTER,
@@ -405,7 +439,13 @@ impl IntoResponse for LockstepError {
             }
             _ => {}
         }
-        r
+    }
+}
+
+impl IntoResponse for LockstepError {
+    fn into_response(self) -> Response {
+        let body = self.body();
+        self.into_response_with(body)
     }
 }
 

@@ -16,20 +16,24 @@ pub(crate) struct Known {
     why: &'static str,
 }
 
-const fn known(name: &'static str, noop: fn(&Value) -> bool, why: &'static str) -> Known {
+pub(crate) const fn known(
+    name: &'static str,
+    noop: fn(&Value) -> bool,
+    why: &'static str,
+) -> Known {
     Known { name, noop, why }
 }
 
-fn null(v: &Value) -> bool {
+pub(crate) fn null(v: &Value) -> bool {
     v.is_null()
 }
-fn any(_: &Value) -> bool {
+pub(crate) fn any(_: &Value) -> bool {
     true
 }
-fn falsy(v: &Value) -> bool {
+pub(crate) fn falsy(v: &Value) -> bool {
     matches!(v, Value::Null | Value::Bool(false))
 }
-fn empty(v: &Value) -> bool {
+pub(crate) fn empty(v: &Value) -> bool {
     match v {
         Value::Null => true,
         Value::Array(a) => a.is_empty(),
@@ -37,25 +41,25 @@ fn empty(v: &Value) -> bool {
         _ => false,
     }
 }
-fn zero(v: &Value) -> bool {
+pub(crate) fn zero(v: &Value) -> bool {
     v.is_null() || v.as_f64() == Some(0.0)
 }
-fn one(v: &Value) -> bool {
+pub(crate) fn one(v: &Value) -> bool {
     v.is_null() || v.as_f64() == Some(1.0)
 }
-fn truthy(v: &Value) -> bool {
+pub(crate) fn truthy(v: &Value) -> bool {
     matches!(v, Value::Null | Value::Bool(true))
 }
-fn text_format(v: &Value) -> bool {
+pub(crate) fn text_format(v: &Value) -> bool {
     v.is_null() || v.get("type").and_then(Value::as_str) == Some("text")
 }
-fn no_tool_choice(v: &Value) -> bool {
+pub(crate) fn no_tool_choice(v: &Value) -> bool {
     matches!(v.as_str(), Some("none" | "auto")) || v.is_null()
 }
-fn text_modality(v: &Value) -> bool {
+pub(crate) fn text_modality(v: &Value) -> bool {
     v.is_null() || *v == Value::from(vec!["text"])
 }
-fn default_tier(v: &Value) -> bool {
+pub(crate) fn default_tier(v: &Value) -> bool {
     matches!(v.as_str(), Some("auto" | "default")) || v.is_null()
 }
 
@@ -237,35 +241,50 @@ pub(crate) fn response_format(
     rest: &mut Map<String, Value>,
     backend: BackendKind,
 ) -> Result<Option<Constraint>, LockstepError> {
-    let Some(rf) = rest.remove("response_format").filter(|v| !v.is_null()) else {
-        return Ok(None);
-    };
-    let param = "response_format";
-    let invalid = |message: &str| LockstepError::InvalidRequest {
-        message: message.into(),
+    match rest.remove("response_format").filter(|v| !v.is_null()) {
+        None => Ok(None),
+        Some(rf) => format_constraint(&rf, "response_format", "/json_schema/schema", backend),
+    }
+}
+
+/// The constraint a structured-output format asks for (`{"type": "text" | "json_object" |
+/// "json_schema", ...}`, the schema at `schema_at`: chat's `response_format` nests it under
+/// `json_schema`, the Responses API's `text.format` holds it directly); `param` names the field
+/// in errors.
+pub(crate) fn format_constraint(
+    format: &Value,
+    param: &str,
+    schema_at: &str,
+    backend: BackendKind,
+) -> Result<Option<Constraint>, LockstepError> {
+    let invalid = |message: String| LockstepError::InvalidRequest {
+        message,
         param: Some(param.into()),
     };
-    let c = match rf.get("type").and_then(Value::as_str) {
+    let c = match format.get("type").and_then(Value::as_str) {
         Some("text") => return Ok(None),
         Some("json_object") => Constraint::JsonObject,
         Some("json_schema") => {
-            let schema = rf
-                .pointer("/json_schema/schema")
+            let schema = format
+                .pointer(schema_at)
                 .filter(|s| s.is_object() || s.is_boolean())
                 .ok_or_else(|| {
-                    invalid("`response_format.json_schema.schema` must be a JSON schema object")
+                    invalid(format!(
+                        "`{param}{}` must be a JSON schema object",
+                        schema_at.replace('/', ".")
+                    ))
                 })?;
             Constraint::JsonSchema(schema.to_string())
         }
         Some(other) => {
             return Err(LockstepError::Unsupported {
                 message: format!(
-                    "`response_format` type `{other}` is not supported (text, json_object, json_schema)"
+                    "`{param}` type `{other}` is not supported (text, json_object, json_schema)"
                 ),
                 param: Some(param.into()),
             });
         }
-        None => return Err(invalid("`response_format.type` is required")),
+        None => return Err(invalid(format!("`{param}.type` is required"))),
     };
     enforceable(c, param, backend).map(Some)
 }

@@ -149,6 +149,7 @@ impl Front {
             rx,
             pair_id,
             prompt_tokens,
+            cached_tokens,
             permit,
         } = committed;
         let started = pb::GenerateResponse {
@@ -200,6 +201,7 @@ impl Front {
                                         total_tokens: clamp_u32(
                                             prompt.saturating_add(c.completion_tokens),
                                         ),
+                                        cached_tokens: clamp_u32(cached_tokens),
                                     }),
                                 })),
                             });

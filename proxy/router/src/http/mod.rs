@@ -1,11 +1,13 @@
 //! The HTTP front end: OpenAI-compatible and SGLang-native routes, health and readiness.
 
+pub(crate) mod anthropic;
 mod extract;
 mod fields;
 pub(crate) mod generate;
 pub mod grpc;
 pub(crate) mod openai;
 mod respond;
+pub(crate) mod responses;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -26,6 +28,8 @@ pub fn router(state: Arc<AppState>, with_metrics: bool) -> Router {
     let r = Router::new()
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/completions", post(openai::completions))
+        .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/responses", post(responses::responses))
         .route("/v1/models", get(models))
         .route("/generate", post(generate::generate))
         .route("/health", get(health))

@@ -1,5 +1,6 @@
-//! Turning a pair's events into the client's response shape: OpenAI chat, OpenAI completion or
-//! SGLang-native, streamed (SSE) or not. Nothing is written before the pair commits.
+//! Turning a pair's events into the client's response shape, streamed (SSE) or not: OpenAI chat,
+//! OpenAI completion and SGLang-native here ([`Shape`]); the Responses API and Anthropic Messages
+//! in their own modules, each a [`Render`]. Nothing is written before the pair commits.
 
 use std::convert::Infallible;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -11,6 +12,7 @@ use serde_json::{Value, json};
 
 use crate::admission::Admitted;
 use crate::backend::{DecodeChunk, FinishReason};
+use crate::error::LockstepError as Error;
 use crate::error::LockstepError;
 use crate::pair::{PairEvent, PairId};
 
@@ -27,6 +29,8 @@ pub(crate) struct Shape {
     api: Api,
     stream: bool,
     include_usage: bool,
+    /// Whether the stream's first event went out.
+    started: bool,
 }
 
 impl Shape {
@@ -35,6 +39,7 @@ impl Shape {
             api: Api::Chat,
             stream,
             include_usage,
+            started: false,
         }
     }
     pub(crate) fn completion(stream: bool, include_usage: bool) -> Shape {
@@ -42,6 +47,7 @@ impl Shape {
             api: Api::Completion,
             stream,
             include_usage,
+            started: false,
         }
     }
     pub(crate) fn generate(stream: bool) -> Shape {
@@ -49,6 +55,7 @@ impl Shape {
             api: Api::Generate,
             stream,
             include_usage: false,
+            started: false,
         }
     }
 }
@@ -59,6 +66,7 @@ pub(crate) struct Committed {
     pub(crate) rx: tokio::sync::mpsc::Receiver<PairEvent>,
     pub(crate) pair_id: PairId,
     pub(crate) prompt_tokens: u64,
+    pub(crate) cached_tokens: u64,
     pub(crate) permit: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
@@ -81,10 +89,12 @@ pub(crate) async fn commit(admitted: Admitted) -> Result<Committed, LockstepErro
         Some(PairEvent::Committed {
             pair_id,
             prompt_tokens,
+            cached_tokens,
         }) => Ok(Committed {
             rx,
             pair_id,
             prompt_tokens,
+            cached_tokens,
             permit: caller.permit,
         }),
         Some(PairEvent::Failed(e)) => Err(e),
@@ -94,53 +104,105 @@ pub(crate) async fn commit(admitted: Admitted) -> Result<Committed, LockstepErro
     }
 }
 
+/// How one API answers: its whole response, its stream events and its errors. The pair's
+/// progress ([`Progress`]) is kept by [`serve_pair`]; a renderer only shapes it.
+pub(crate) trait Render: Send + 'static {
+    /// Whether the client asked for a stream.
+    fn stream(&self) -> bool;
+    /// The non-streamed answer once the pair finished.
+    fn full(&self, p: &Progress, finish: FinishReason) -> Value;
+    /// SSE bytes for one chunk, already absorbed into `p`; the last chunk ends the stream.
+    fn chunk(&mut self, p: &Progress, c: &DecodeChunk) -> Bytes;
+    /// The SSE bytes that end a committed stream with this failure (never a success ending).
+    fn stream_error(&mut self, p: &Progress, e: &Error) -> Bytes {
+        let _ = p;
+        sse(&e.body())
+    }
+    /// The answer to a failure before anything was sent (the status and this API's error body).
+    fn error(&self, e: Error) -> Response {
+        e.into_response()
+    }
+}
+
+/// What a committed pair produced so far.
+pub(crate) struct Progress {
+    /// The model's name.
+    pub(crate) model: String,
+    /// The pair answering.
+    pub(crate) pair_id: PairId,
+    /// The verified prompt token count.
+    pub(crate) prompt_tokens: u64,
+    /// Of those, tokens the prefill reused from its cache (0 without a tenant).
+    pub(crate) cached_tokens: u64,
+    /// Seconds since the epoch at commit.
+    pub(crate) created: u64,
+    /// The text so far.
+    pub(crate) text: String,
+    /// Completion tokens so far.
+    pub(crate) completion_tokens: u64,
+    /// The stop string that ended generation, once one did and the worker said which.
+    pub(crate) matched_stop: Option<String>,
+}
+
+impl Progress {
+    fn absorb(&mut self, c: &DecodeChunk) {
+        self.text.push_str(&c.delta);
+        self.completion_tokens = self.completion_tokens.max(c.completion_tokens);
+        if c.matched_stop.is_some() {
+            self.matched_stop.clone_from(&c.matched_stop);
+        }
+    }
+}
+
 /// Starts the admitted request's pair, waits for the commit barrier, then answers in the client's
 /// shape.
-pub(crate) async fn serve_pair(admitted: Admitted, shape: Shape) -> Response {
+pub(crate) async fn serve_pair<R: Render>(admitted: Admitted, shape: R) -> Response {
     let model = admitted.model.name.clone();
     let Committed {
         rx,
         pair_id,
         prompt_tokens,
+        cached_tokens,
         permit,
     } = match commit(admitted).await {
         Ok(c) => c,
-        Err(e) => return e.into_response(),
+        Err(e) => return shape.error(e),
     };
-    let mut w = Writer {
-        shape,
+    let mut p = Progress {
         model: model.to_string(),
         pair_id,
         prompt_tokens,
+        cached_tokens,
         created: now(),
         text: String::new(),
         completion_tokens: 0,
-        started: false,
+        matched_stop: None,
     };
     let mut rx = rx;
-    if shape.stream {
+    if shape.stream() {
         let body =
             // The tenant's permit travels with the stream: released when the stream ends.
-            futures_util::stream::unfold((rx, w, false, permit), |(mut rx, mut w, done, permit)| async move {
+            futures_util::stream::unfold((rx, p, shape, false, permit), |(mut rx, mut p, mut shape, done, permit)| async move {
                 if done {
                     return None;
                 }
-                match rx.recv().await {
+                let (out, last) = match rx.recv().await {
                     Some(PairEvent::Chunk(c)) => {
-                        let last = c.finish.is_some();
-                        let out = w.stream_chunk(&c);
-                        Some((Ok::<_, Infallible>(out), (rx, w, last, permit)))
+                        p.absorb(&c);
+                        (shape.chunk(&p, &c), c.finish.is_some())
                     }
-                    Some(PairEvent::Failed(e)) => Some((Ok(sse(&e.body())), (rx, w, true, permit))),
-                    // The task ended without a finish or an error: fail closed, never `[DONE]`.
+                    Some(PairEvent::Failed(e)) => (shape.stream_error(&p, &e), true),
+                    // The task ended without a finish or an error: fail closed, never a success
+                    // ending.
                     Some(PairEvent::Committed { .. }) | None => {
-                        let e = LockstepError::DecodeFailed {
-                            pair_id: w.pair_id,
+                        let e = Error::DecodeFailed {
+                            pair_id: p.pair_id,
                             message: "pair ended without finishing".into(),
                         };
-                        Some((Ok(sse(&e.body())), (rx, w, true, permit)))
+                        (shape.stream_error(&p, &e), true)
                     }
-                }
+                };
+                Some((Ok::<_, Infallible>(out), (rx, p, shape, last, permit)))
             });
         return Response::builder()
             .header(http::header::CONTENT_TYPE, "text/event-stream")
@@ -157,106 +219,111 @@ pub(crate) async fn serve_pair(admitted: Admitted, shape: Shape) -> Response {
     loop {
         match rx.recv().await {
             Some(PairEvent::Chunk(c)) => {
-                w.absorb(&c);
+                p.absorb(&c);
                 if let Some(finish) = c.finish {
-                    let mut resp = axum::Json(w.full(finish)).into_response();
+                    let mut resp = axum::Json(shape.full(&p, finish)).into_response();
                     if let Ok(v) = http::HeaderValue::from_str(&pair_id.to_string()) {
                         resp.headers_mut().insert("x-lockstep-pair-id", v);
                     }
                     return resp;
                 }
             }
-            Some(PairEvent::Failed(e)) => return e.into_response(),
+            Some(PairEvent::Failed(e)) => return shape.error(e),
             Some(PairEvent::Committed { .. }) | None => {
-                return LockstepError::DecodeFailed {
+                return shape.error(LockstepError::DecodeFailed {
                     pair_id,
                     message: "pair ended without finishing".into(),
-                }
-                .into_response();
+                });
             }
         }
     }
 }
 
-fn now() -> u64 {
+/// Seconds since the Unix epoch.
+pub(crate) fn now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0)
 }
 
-fn sse(v: &Value) -> Bytes {
+/// One SSE `data:` event.
+pub(crate) fn sse(v: &Value) -> Bytes {
     Bytes::from(format!("data: {v}\n\n"))
 }
 
-struct Writer {
-    shape: Shape,
-    model: String,
-    pair_id: PairId,
-    prompt_tokens: u64,
-    created: u64,
-    text: String,
-    completion_tokens: u64,
-    started: bool,
+/// One SSE event with a type line (`event: NAME`), as the Responses and Messages APIs send.
+pub(crate) fn sse_named(out: &mut String, name: &str, v: &Value) {
+    out.push_str("event: ");
+    out.push_str(name);
+    out.push_str("\ndata: ");
+    out.push_str(&v.to_string());
+    out.push_str("\n\n");
 }
 
-impl Writer {
-    fn absorb(&mut self, c: &DecodeChunk) {
-        self.text.push_str(&c.delta);
-        self.completion_tokens = self.completion_tokens.max(c.completion_tokens);
-    }
+/// Usage in the OpenAI chat and completion shape; cached prompt tokens under
+/// `prompt_tokens_details`.
+fn usage(p: &Progress) -> Value {
+    json!({
+        "prompt_tokens": p.prompt_tokens,
+        "completion_tokens": p.completion_tokens,
+        "total_tokens": p.prompt_tokens.saturating_add(p.completion_tokens),
+        "prompt_tokens_details": { "cached_tokens": p.cached_tokens },
+    })
+}
 
-    fn id(&self) -> String {
-        match self.shape.api {
-            Api::Chat => format!("chatcmpl-{}", self.pair_id),
-            _ => format!("cmpl-{}", self.pair_id),
+impl Shape {
+    fn id(&self, p: &Progress) -> String {
+        match self.api {
+            Api::Chat => format!("chatcmpl-{}", p.pair_id),
+            _ => format!("cmpl-{}", p.pair_id),
         }
     }
 
-    fn usage(&self) -> Value {
-        json!({
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens.saturating_add(self.completion_tokens),
-        })
-    }
-
-    fn native_meta(&self, finish: Option<FinishReason>) -> Value {
+    fn native_meta(p: &Progress, finish: Option<FinishReason>) -> Value {
         let finish = finish.map(|f| match f {
-            FinishReason::Length => json!({ "type": "length", "length": self.completion_tokens }),
-            FinishReason::Stop => json!({ "type": "stop" }),
+            FinishReason::Length => json!({ "type": "length", "length": p.completion_tokens }),
+            FinishReason::Stop => match &p.matched_stop {
+                Some(m) => json!({ "type": "stop", "matched": m }),
+                None => json!({ "type": "stop" }),
+            },
         });
         json!({
-            "id": self.pair_id.to_string(),
+            "id": p.pair_id.to_string(),
             "finish_reason": finish,
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
+            "prompt_tokens": p.prompt_tokens,
+            "completion_tokens": p.completion_tokens,
+            "cached_tokens": p.cached_tokens,
         })
     }
+}
 
-    /// The non-streamed answer.
-    fn full(&self, finish: FinishReason) -> Value {
-        match self.shape.api {
+impl Render for Shape {
+    fn stream(&self) -> bool {
+        self.stream
+    }
+
+    fn full(&self, p: &Progress, finish: FinishReason) -> Value {
+        match self.api {
             Api::Chat => json!({
-                "id": self.id(), "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [{ "index": 0, "message": { "role": "assistant", "content": self.text },
+                "id": self.id(p), "object": "chat.completion", "created": p.created, "model": p.model,
+                "choices": [{ "index": 0, "message": { "role": "assistant", "content": p.text },
                               "logprobs": null, "finish_reason": finish.as_str() }],
-                "usage": self.usage(),
+                "usage": usage(p),
             }),
             Api::Completion => json!({
-                "id": self.id(), "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{ "index": 0, "text": self.text, "logprobs": null, "finish_reason": finish.as_str() }],
-                "usage": self.usage(),
+                "id": self.id(p), "object": "text_completion", "created": p.created, "model": p.model,
+                "choices": [{ "index": 0, "text": p.text, "logprobs": null, "finish_reason": finish.as_str() }],
+                "usage": usage(p),
             }),
             Api::Generate => {
-                json!({ "text": self.text, "meta_info": self.native_meta(Some(finish)) })
+                json!({ "text": p.text, "meta_info": Self::native_meta(p, Some(finish)) })
             }
         }
     }
 
     /// SSE events for one chunk; the last chunk also carries usage (when asked) and `[DONE]`.
-    fn stream_chunk(&mut self, c: &DecodeChunk) -> Bytes {
-        self.absorb(c);
+    fn chunk(&mut self, p: &Progress, c: &DecodeChunk) -> Bytes {
         let mut out = String::new();
         let finish = c.finish.map(FinishReason::as_str);
         let mut push = |v: Value| {
@@ -264,10 +331,11 @@ impl Writer {
             out.push_str(&v.to_string());
             out.push_str("\n\n");
         };
-        match self.shape.api {
+        let id = self.id(p);
+        match self.api {
             Api::Chat => {
                 let base = |delta: Value, finish: Option<&str>| {
-                    json!({ "id": self.id(), "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                    json!({ "id": id, "object": "chat.completion.chunk", "created": p.created, "model": p.model,
                             "choices": [{ "index": 0, "delta": delta, "logprobs": null, "finish_reason": finish }] })
                 };
                 if !self.started {
@@ -283,26 +351,26 @@ impl Writer {
             Api::Completion => {
                 if !c.delta.is_empty() || finish.is_some() {
                     push(
-                        json!({ "id": self.id(), "object": "text_completion", "created": self.created, "model": self.model,
+                        json!({ "id": id, "object": "text_completion", "created": p.created, "model": p.model,
                                  "choices": [{ "index": 0, "text": c.delta, "logprobs": null, "finish_reason": finish }] }),
                     );
                 }
             }
             Api::Generate => {
-                push(json!({ "text": self.text, "meta_info": self.native_meta(c.finish) }))
+                push(json!({ "text": p.text, "meta_info": Self::native_meta(p, c.finish) }))
             }
         }
         self.started = true;
         if finish.is_some() {
-            if self.shape.include_usage {
-                let object = if self.shape.api == Api::Chat {
+            if self.include_usage {
+                let object = if self.api == Api::Chat {
                     "chat.completion.chunk"
                 } else {
                     "text_completion"
                 };
                 push(
-                    json!({ "id": self.id(), "object": object, "created": self.created, "model": self.model,
-                             "choices": [], "usage": self.usage() }),
+                    json!({ "id": id, "object": object, "created": p.created, "model": p.model,
+                             "choices": [], "usage": usage(p) }),
                 );
             }
             out.push_str("data: [DONE]\n\n");

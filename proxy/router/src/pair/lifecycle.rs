@@ -265,6 +265,7 @@ impl PairRuntime {
         let mut kv_transfer: Option<tracing::Span> = None;
         let mut prefill_ok = false;
         let mut prefill_digest = None;
+        let mut cached_tokens = 0;
         let mut first: Option<DecodeChunk> = None;
 
         // The commit barrier: no decode byte leaves before the prefill is verified and the decode's
@@ -286,6 +287,9 @@ impl PairRuntime {
                     }
                     if let Some(n) = report.cached_tokens {
                         self.observe().cached_tokens(n);
+                        if d.tenant.is_some() {
+                            cached_tokens = n.min(expected);
+                        }
                     }
                     prefill_ok = true;
                     prefill_digest = report.kv_digest;
@@ -345,6 +349,7 @@ impl PairRuntime {
             .send(PairEvent::Committed {
                 pair_id: id,
                 prompt_tokens: expected,
+                cached_tokens,
             })
             .await
             .is_err()

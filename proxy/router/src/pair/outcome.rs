@@ -17,6 +17,10 @@ pub enum PairEvent {
         pair_id: PairId,
         /// The verified prompt token count.
         prompt_tokens: u64,
+        /// Prompt tokens the prefill took from its prefix cache, as it reported them; 0 for a
+        /// request without a tenant (the cache is shared there, so the count would tell one
+        /// caller what another sent).
+        cached_tokens: u64,
     },
     /// Decode output; the chunk with `finish` set is the last.
     Chunk(DecodeChunk),

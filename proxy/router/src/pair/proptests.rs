@@ -129,6 +129,7 @@ impl PdBackend for Fake {
                     prompt_tokens: Some(if s.count_off_at == Some(i) { n + 2 } else { n }),
                     completion_tokens: i as u64 + 1,
                     finish: (i + 1 == s.chunks).then_some(FinishReason::Length),
+                    matched_stop: None,
                 };
                 Some((Ok(chunk), i + 1))
             }
