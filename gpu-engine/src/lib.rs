@@ -34,6 +34,7 @@ pub mod device;
 pub mod engine;
 pub mod error;
 pub mod gguf;
+pub mod grammar;
 mod matmul;
 pub mod model;
 pub mod pd;

@@ -29,6 +29,8 @@ pub struct SamplingConfig {
     pub presence_penalty: f32,
     /// Subtracted per occurrence from the logit of every token already generated.
     pub frequency_penalty: f32,
+    /// What the output must match (structured outputs), enforced by masking the logits.
+    pub constraint: Option<crate::grammar::OutputConstraint>,
 }
 
 impl Default for SamplingConfig {
@@ -44,6 +46,7 @@ impl Default for SamplingConfig {
             ignore_eos: false,
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
+            constraint: None,
         }
     }
 }
@@ -286,6 +289,21 @@ impl TextStream {
             finish,
             matched_stop: None,
         }
+    }
+
+    /// Ends the output now (a grammar completed): the text held back so far, an incomplete
+    /// character's bytes included.
+    pub fn flush(&mut self, tok: &ModelTokenizer) -> String {
+        if self.read < self.ids.len() {
+            let decode = |ids: &[u32]| tok.inner.decode(ids, true).unwrap_or_default();
+            let before = decode(&self.ids[self.prefix..self.read]);
+            let now = decode(&self.ids[self.prefix..]);
+            self.held
+                .push_str(now.get(before.len()..).unwrap_or_default());
+            self.prefix = self.read;
+            self.read = self.ids.len();
+        }
+        std::mem::take(&mut self.held)
     }
 
     fn ends_generation(&self, id: u32) -> bool {

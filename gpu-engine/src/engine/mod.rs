@@ -10,6 +10,7 @@
 //! reports its digest) and a decode engine verifies and imports it ([`Generate::kv`]) and
 //! generates (the `pd` module pairs two engines in one process).
 
+mod job;
 mod scheduler;
 
 use std::sync::Arc;
@@ -24,7 +25,8 @@ pub use crate::error::EngineError;
 use crate::pool::{KvDtype, PagePool, PoolConfig, ScrubPolicy, VerifyMode};
 use crate::sample::{Finish, SamplingConfig};
 use crate::transfer::KvTransfer;
-use scheduler::{Job, Scheduler};
+use job::Job;
+use scheduler::Scheduler;
 
 /// What to do with a request whose pages are not free now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -8,100 +8,15 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 
-use tokio::sync::{mpsc as tmpsc, oneshot};
-
-use super::{
-    Cmd, EngineConfig, EngineError, EngineStats, Event, Generate, KvReport, KvSink, WhenFull,
-};
+use super::job::{Active, Job, Role, next_token};
+use super::{Cmd, EngineConfig, EngineError, EngineStats, Event, KvReport, WhenFull};
 use crate::bundle::ModelBundle;
 use crate::device::EngineDevice;
+use crate::grammar::{Grammars, Guide, OutputConstraint};
 use crate::model::Step;
 use crate::pool::{OwnerId, PagePool, ScrubPolicy, Sequence};
 use crate::sample::{Sampler, TextStream};
 use crate::transfer::{ImportExpectation, TransferError};
-
-/// What a request is doing.
-#[allow(clippy::large_enum_variant)] // One per running request; boxing buys nothing.
-pub(super) enum Role {
-    Gen {
-        events: tmpsc::UnboundedSender<Event>,
-        sampler: Sampler,
-        text: TextStream,
-        /// The token to feed next, once the prompt is in.
-        next: [u32; 1],
-        sampled: usize,
-    },
-    Prefill {
-        sink: Option<KvSink>,
-        reply: Option<oneshot::Sender<Result<KvReport, EngineError>>>,
-        /// Tokens shared from the prefix cache.
-        cached: usize,
-    },
-}
-
-/// A queued request.
-pub(super) enum Job {
-    Gen(Generate, tmpsc::UnboundedSender<Event>),
-    Prefill {
-        id: u64,
-        tokens: Arc<[u32]>,
-        cache_salt: Option<u64>,
-        sink: KvSink,
-        reply: oneshot::Sender<Result<KvReport, EngineError>>,
-    },
-}
-
-impl Job {
-    fn id(&self) -> u64 {
-        match self {
-            Job::Gen(g, _) => g.id,
-            Job::Prefill { id, .. } => *id,
-        }
-    }
-    fn tokens(&self) -> usize {
-        match self {
-            Job::Gen(g, _) => g.prompt.len() + g.sampling.max_tokens.max(1),
-            Job::Prefill { tokens, .. } => tokens.len(),
-        }
-    }
-    pub(super) fn fail(self, e: EngineError) {
-        match self {
-            Job::Gen(_, events) => {
-                let _ = events.send(Event::Failed(e));
-            }
-            Job::Prefill { reply, .. } => {
-                let _ = reply.send(Err(e));
-            }
-        }
-    }
-    fn abandoned(&self) -> bool {
-        match self {
-            Job::Gen(_, events) => events.is_closed(),
-            Job::Prefill { reply, .. } => reply.is_closed(),
-        }
-    }
-}
-
-/// A request holding pages.
-struct Active {
-    id: u64,
-    seq: Sequence,
-    input: Arc<[u32]>,
-    /// Input tokens whose KV is in `seq`.
-    fed: usize,
-    /// The prefix-cache namespace, while the input's full pages are still to be published.
-    publish: Option<u64>,
-    role: Role,
-}
-
-impl Active {
-    fn abandoned(&self) -> bool {
-        match &self.role {
-            Role::Gen { events, .. } => events.is_closed(),
-            Role::Prefill { reply, .. } => reply.as_ref().is_none_or(|r| r.is_closed()),
-        }
-    }
-}
 
 /// The engine thread's state: its pool, device and requests.
 pub(super) struct Scheduler {
@@ -114,6 +29,8 @@ pub(super) struct Scheduler {
     stats: Arc<EngineStats>,
     waiting: VecDeque<Job>,
     active: Vec<Active>,
+    /// The model's grammar compiler, built at the first constrained request.
+    grammars: Option<Result<Grammars, String>>,
 }
 
 impl Scheduler {
@@ -133,6 +50,19 @@ impl Scheduler {
             stats,
             waiting: VecDeque::new(),
             active: Vec::new(),
+            grammars: None,
+        }
+    }
+
+    /// A guide for a constrained request (the model's grammar compiler is built on first use).
+    fn guide(&mut self, c: &OutputConstraint) -> Result<Guide, String> {
+        let tok = &self.bundle.tokenizer;
+        let grammars = self.grammars.get_or_insert_with(|| Grammars::new(tok));
+        match grammars {
+            Ok(g) => g.guide(c).map_err(|m| format!("output constraint: {m}")),
+            Err(m) => Err(format!(
+                "structured outputs are unavailable for this model: {m}"
+            )),
         }
     }
 
@@ -315,6 +245,11 @@ impl Scheduler {
                         EngineError::BadRequest("empty prompt".into()),
                     ));
                 }
+                let guide = match g.sampling.constraint.take().map(|c| self.guide(&c)) {
+                    None => None,
+                    Some(Ok(guide)) => Some(guide),
+                    Some(Err(m)) => return Err((Job::Gen(g, events), EngineError::BadRequest(m))),
+                };
                 let salt = g.cache_salt.filter(|_| self.prefix_cache());
                 let (seq, digest) = match g.kv.take() {
                     None => match self.new_sequence(owner, &g.prompt, tokens, salt) {
@@ -376,6 +311,7 @@ impl Scheduler {
                         text,
                         next: [0],
                         sampled: 0,
+                        guide,
                     },
                 }))
             }
@@ -563,22 +499,9 @@ impl Scheduler {
             let Some(l) = logits.next() else {
                 continue;
             };
-            if let Role::Gen {
-                events,
-                sampler,
-                text,
-                next,
-                sampled,
-            } = &mut a.role
-            {
-                let id = sampler.sample(&l, *sampled, text.ids());
-                *sampled += 1;
-                next[0] = id;
-                let emit = text.push(&self.bundle.tokenizer, id);
+            if let Some(last) = next_token(&mut a.role, l, &self.bundle.tokenizer) {
                 self.stats.generated.fetch_add(1, Ordering::Relaxed);
-                let finished = emit.finish.is_some();
-                let sent = events.send(Event::token(id, emit));
-                if finished || sent.is_err() {
+                if last {
                     done.push(i);
                 }
             }

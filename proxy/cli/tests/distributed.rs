@@ -304,6 +304,30 @@ async fn distributed_matches_single_process_and_survives_a_lost_decode_worker() 
             PROMPTS[i]
         );
     }
+    // Structured outputs cross the worker plane: the same schema-constrained answer from the
+    // workers as from the single process, and it is valid JSON of that shape.
+    let schema = serde_json::json!({"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
+        "required": ["city"], "additionalProperties": false});
+    let structured = serde_json::json!({ "model": MODEL, "max_tokens": 40, "temperature": 0,
+        "messages": [{"role": "user", "content": "Name a city as JSON."}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema, "strict": true}} });
+    let (ds, db) = post(&r.addr, "/v1/chat/completions", &structured).await;
+    let (rs, rb) = post(&single.addr, "/v1/chat/completions", &structured).await;
+    assert_eq!((ds, rs), (200, 200), "{db} / {rb}");
+    let answer = |b: &str| {
+        let v: serde_json::Value = serde_json::from_str(b).expect("json body");
+        v["choices"][0]["message"]["content"]
+            .as_str()
+            .expect("content")
+            .to_string()
+    };
+    assert_eq!(answer(&db), answer(&rb), "workers and single process agree");
+    let city: serde_json::Value = serde_json::from_str(&answer(&db)).expect("the answer is JSON");
+    assert!(
+        city.as_object()
+            .is_some_and(|o| o.len() == 1 && o["city"].is_string()),
+        "{city}"
+    );
     drop(single);
     for w in [&p, &d1, &d2] {
         wait_idle(&w.addr).await;

@@ -90,6 +90,15 @@ pub fn sampling_from_pb(s: Option<pb::Sampling>) -> SamplingConfig {
         ignore_eos: s.ignore_eos,
         presence_penalty: s.presence_penalty,
         frequency_penalty: s.frequency_penalty,
+        constraint: s.constraint.map(|c| {
+            use lockstep_engine::grammar::OutputConstraint as O;
+            use pb::sampling::Constraint as C;
+            match c {
+                C::JsonObject(_) => O::JsonObject,
+                C::JsonSchema(s) => O::JsonSchema(s),
+                C::Regex(r) => O::Regex(r),
+            }
+        }),
     }
 }
 

@@ -44,6 +44,7 @@ fn sampling(p: &SamplingParams) -> SamplingConfig {
         ignore_eos: p.ignore_eos.unwrap_or(false),
         presence_penalty: p.presence_penalty.unwrap_or(0.0) as f32,
         frequency_penalty: p.frequency_penalty.unwrap_or(0.0) as f32,
+        constraint: p.constraint.as_ref().and_then(|c| c.for_engine()),
     }
 }
 

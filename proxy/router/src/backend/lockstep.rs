@@ -136,6 +136,15 @@ fn sampling(p: &SamplingParams) -> pb::Sampling {
         ignore_eos: p.ignore_eos.unwrap_or(false),
         presence_penalty: p.presence_penalty.unwrap_or(0.0) as f32,
         frequency_penalty: p.frequency_penalty.unwrap_or(0.0) as f32,
+        constraint: p.constraint.as_ref().and_then(|c| {
+            use lockstep_engine::grammar::OutputConstraint as O;
+            use pb::sampling::Constraint as C;
+            Some(match c.for_engine()? {
+                O::JsonObject => C::JsonObject(true),
+                O::JsonSchema(s) => C::JsonSchema(s),
+                O::Regex(r) => C::Regex(r),
+            })
+        }),
     }
 }
 

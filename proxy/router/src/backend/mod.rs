@@ -93,6 +93,20 @@ pub enum Constraint {
     Ebnf(String),
 }
 
+impl Constraint {
+    /// The constraint as lockstep's own engine enforces it (`None` for EBNF, which it does not
+    /// take: admission refuses it for those backends).
+    pub fn for_engine(&self) -> Option<lockstep_engine::grammar::OutputConstraint> {
+        use lockstep_engine::grammar::OutputConstraint as O;
+        match self {
+            Constraint::JsonObject => Some(O::JsonObject),
+            Constraint::JsonSchema(s) => Some(O::JsonSchema(s.clone())),
+            Constraint::Regex(r) => Some(O::Regex(r.clone())),
+            Constraint::Ebnf(_) => None,
+        }
+    }
+}
+
 /// Everything a backend needs to run both halves of one pair.
 #[derive(Debug, Clone)]
 pub struct Dispatch {

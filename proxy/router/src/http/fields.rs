@@ -328,8 +328,10 @@ pub(crate) fn native_constraint(
     Ok(found)
 }
 
-/// `c`, if the backend's workers enforce constraints natively (SGLang, vLLM); else a 400:
-/// answering free text to a request for JSON would be failing open.
+/// `c`, if the backend's workers enforce it: SGLang and vLLM natively (their grammar backends
+/// judge it), lockstep's engine and workers through `llguidance`, where it is compiled here first
+/// so a malformed one is a 400 before any worker sees it. Otherwise a 400: answering free text
+/// to a request for JSON would be failing open.
 fn enforceable(
     c: Constraint,
     param: &str,
@@ -337,13 +339,22 @@ fn enforceable(
 ) -> Result<Constraint, LockstepError> {
     match backend {
         BackendKind::Sglang | BackendKind::Vllm => Ok(c),
-        other => Err(LockstepError::Unsupported {
-            message: format!(
-                "`{param}`: the {} backend does not enforce structured outputs yet (SGLang and vLLM workers do)",
-                other.as_str()
-            ),
-            param: Some(param.into()),
-        }),
+        own => match c.for_engine() {
+            Some(oc) => match lockstep_engine::grammar::check(&oc) {
+                Ok(()) => Ok(c),
+                Err(m) => Err(LockstepError::InvalidRequest {
+                    message: format!("`{param}`: {m}"),
+                    param: Some(param.into()),
+                }),
+            },
+            None => Err(LockstepError::Unsupported {
+                message: format!(
+                    "`{param}`: the {} backend enforces JSON schemas and regular expressions; EBNF grammars are enforced by SGLang workers",
+                    own.as_str()
+                ),
+                param: Some(param.into()),
+            }),
+        },
     }
 }
 

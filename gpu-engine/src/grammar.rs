@@ -1,0 +1,176 @@
+//! Structured outputs: a request's output constraint (a JSON schema, any JSON object, or a
+//! regular expression) enforced while sampling, with `llguidance`, the grammar engine llama.cpp
+//! and vLLM use.
+//!
+//! The token environment comes from the model's own vocabulary (the GGUF's tokenizer, through the
+//! same `tokenizer.json` definition the engine tokenizes with), so every token's bytes are exactly
+//! the ones it decodes to. Before each step the allowed tokens are a mask over the logits; after
+//! it, the sampled token advances the grammar. The next mask is computed on the thread pool
+//! while the batch's forward pass runs ([`Guide`]), so a constrained request does not hold the
+//! others up for its mask, and a grammar that is complete ends the request with `stop`.
+
+use std::sync::{Arc, OnceLock, mpsc};
+
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::{ApproximateTokEnv, SimpleVob, TokEnv, TokRxInfo, TokTrie};
+use llguidance::{Matcher, ParserFactory};
+
+use crate::tokenizer::ModelTokenizer;
+
+/// What a request's output must match.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OutputConstraint {
+    /// Any JSON object.
+    JsonObject,
+    /// JSON valid against this schema (its JSON text).
+    JsonSchema(String),
+    /// Text matching this regular expression.
+    Regex(String),
+}
+
+impl OutputConstraint {
+    fn grammar(&self) -> Result<TopLevelGrammar, String> {
+        Ok(match self {
+            OutputConstraint::JsonObject => {
+                TopLevelGrammar::from_json_schema(serde_json::json!({ "type": "object" }))
+            }
+            OutputConstraint::JsonSchema(s) => {
+                let schema: serde_json::Value =
+                    serde_json::from_str(s).map_err(|e| format!("the schema is not JSON: {e}"))?;
+                TopLevelGrammar::from_json_schema(schema)
+            }
+            OutputConstraint::Regex(r) => TopLevelGrammar::from_regex(r),
+        })
+    }
+}
+
+/// Compiles `c` against a one-byte-per-token vocabulary: whether a constraint is well formed
+/// does not depend on the model's tokens, so a front end can refuse a bad one (400) before any
+/// worker sees it.
+pub fn check(c: &OutputConstraint) -> Result<(), String> {
+    static FACTORY: OnceLock<Result<ParserFactory, String>> = OnceLock::new();
+    let factory = FACTORY
+        .get_or_init(|| {
+            let mut f = ParserFactory::new_simple(&ApproximateTokEnv::single_byte_env())
+                .map_err(|e| e.to_string())?;
+            f.quiet();
+            Ok(f)
+        })
+        .as_ref()?;
+    factory
+        .create_parser(c.grammar()?)
+        .map(drop)
+        .map_err(|e| e.to_string())
+}
+
+/// A model's grammar compiler: its token environment, built once from the vocabulary.
+pub struct Grammars {
+    factory: ParserFactory,
+    vocab: usize,
+}
+
+impl std::fmt::Debug for Grammars {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Grammars")
+            .field("vocab", &self.vocab)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Grammars {
+    /// The token environment of `tok`, whose end of sequence is `eos` (what a complete grammar
+    /// allows).
+    pub fn new(tok: &ModelTokenizer) -> Result<Grammars, String> {
+        let def: serde_json::Value = tok
+            .inner
+            .to_string(false)
+            .map_err(|e| e.to_string())
+            .and_then(|s| serde_json::from_str(&s).map_err(|e| e.to_string()))?;
+        let words = llguidance::token_bytes_from_tokenizer_json(&def).map_err(|e| e.to_string())?;
+        let info = TokRxInfo::new(words.len() as u32, tok.eos);
+        let env: TokEnv = Arc::new(ApproximateTokEnv::new(TokTrie::from(&info, &words)));
+        let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
+        factory.quiet();
+        Ok(Grammars {
+            factory,
+            vocab: words.len(),
+        })
+    }
+
+    /// A guide for one request, its first mask already being computed.
+    pub fn guide(&self, c: &OutputConstraint) -> Result<Guide, String> {
+        let parser = self
+            .factory
+            .create_parser(c.grammar()?)
+            .map_err(|e| e.to_string())?;
+        let mut g = Guide {
+            matcher: None,
+            pending: None,
+            vocab: self.vocab,
+        };
+        g.next_mask(Matcher::new(Ok(parser)));
+        Ok(g)
+    }
+}
+
+/// One request's place in its grammar.
+pub struct Guide {
+    /// The matcher, while no mask is being computed.
+    matcher: Option<Matcher>,
+    /// The mask being computed for the next step, with the matcher it was computed from.
+    pending: Option<mpsc::Receiver<(Matcher, Result<SimpleVob, String>)>>,
+    vocab: usize,
+}
+
+impl std::fmt::Debug for Guide {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Guide").finish_non_exhaustive()
+    }
+}
+
+impl Guide {
+    /// Starts computing the next mask on the thread pool.
+    fn next_mask(&mut self, mut m: Matcher) {
+        let (tx, rx) = mpsc::sync_channel(1);
+        rayon::spawn(move || {
+            let mask = m.compute_mask().map_err(|e| e.to_string());
+            let _ = tx.send((m, mask));
+        });
+        self.pending = Some(rx);
+    }
+
+    /// Sets every token the grammar does not allow now to minus infinity (tokens past the
+    /// vocabulary too: the output layer may be padded). Waits for the mask if it is still being
+    /// computed.
+    pub fn mask(&mut self, logits: &mut [f32]) -> Result<(), String> {
+        let rx = self.pending.take().ok_or("no mask was started")?;
+        let (m, mask) = rx.recv().map_err(|_| "the mask computation was lost")?;
+        self.matcher = Some(m);
+        let mask = mask?;
+        let mut any = false;
+        for (i, l) in logits.iter_mut().enumerate() {
+            if i < self.vocab && mask.is_allowed(i as u32) {
+                any |= l.is_finite() || *l == f32::INFINITY;
+            } else {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+        if any {
+            Ok(())
+        } else {
+            Err("the grammar allows no token here".into())
+        }
+    }
+
+    /// Advances the grammar by the sampled token. Returns whether the grammar is complete (the
+    /// request ends); otherwise the next mask is started.
+    pub fn advance(&mut self, token: u32) -> Result<bool, String> {
+        let mut m = self.matcher.take().ok_or("the grammar is mid-step")?;
+        m.consume_token(token).map_err(|e| e.to_string())?;
+        if m.is_stopped() {
+            return Ok(true);
+        }
+        self.next_mask(m);
+        Ok(false)
+    }
+}
