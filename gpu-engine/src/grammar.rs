@@ -26,6 +26,9 @@ pub enum OutputConstraint {
     JsonSchema(String),
     /// Text matching this regular expression.
     Regex(String),
+    /// Text of this grammar, in llguidance's Lark syntax (which embeds JSON schemas as
+    /// `%json {...}`): what lockstep builds for a forced tool call.
+    Lark(String),
 }
 
 impl OutputConstraint {
@@ -40,6 +43,7 @@ impl OutputConstraint {
                 TopLevelGrammar::from_json_schema(schema)
             }
             OutputConstraint::Regex(r) => TopLevelGrammar::from_regex(r),
+            OutputConstraint::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
         })
     }
 }

@@ -41,6 +41,22 @@ pub struct Embedded {
 /// Starts lockstep on the model (context 512, 48 pages of 16 tokens) with `engine_extra` lines
 /// in `[models.engine]`; `None` when the model is not fetched.
 pub async fn start(engine_extra: &str) -> Option<Embedded> {
+    start_with_model("", engine_extra).await
+}
+
+/// The bundled ChatML template with tools (`config/templates/chatml-tools.jinja`) and the
+/// Hermes tool parser: what a SmolLM2 deployment with tool calling configures.
+pub fn tools_model_extra() -> String {
+    let template = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../config/templates/chatml-tools.jinja");
+    format!(
+        "tool_parser = \"hermes\"\nchat_template = {{ path = \"{}\" }}\n",
+        template.display()
+    )
+}
+
+/// [`start`] with extra keys in the `[[models]]` table itself.
+pub async fn start_with_model(model_extra: &str, engine_extra: &str) -> Option<Embedded> {
     let path = model_path()?;
     let text = format!(
         r#"
@@ -53,6 +69,7 @@ backend = "embedded"
 context_window = 512
 kv_capacity_tokens = 768
 default_max_tokens = 16
+{model_extra}
 
 [models.engine]
 gguf = "{path}"

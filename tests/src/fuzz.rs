@@ -125,10 +125,7 @@ fn chat_template(data: &[u8]) {
     let parts: Vec<&str> = text.split('\0').collect();
     let messages: Vec<ChatMessage> = parts
         .chunks(2)
-        .map(|c| ChatMessage {
-            role: c[0].to_string(),
-            content: c.get(1).copied().unwrap_or_default().to_string(),
-        })
+        .map(|c| ChatMessage::text(c[0], c.get(1).copied().unwrap_or_default()))
         .collect();
     let _ = codec.encode_chat(&messages);
 }

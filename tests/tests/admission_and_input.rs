@@ -252,7 +252,12 @@ async fn fields_lockstep_does_not_honour_are_refused_by_name() {
             ),
             "tools",
         ),
-        (chat(json!({"tool_choice": "required"})), "tool_choice"),
+        (
+            chat(
+                json!({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}),
+            ),
+            "tools",
+        ),
         (
             chat(json!({"logprobs": true, "top_logprobs": 2})),
             "logprobs",

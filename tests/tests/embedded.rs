@@ -186,6 +186,25 @@ async fn structured_outputs_always_validate() {
     s.wait_released().await;
 }
 
+/// A multi-turn tool conversation through the official `openai` package: SmolLM2 with the
+/// bundled tool template and the Hermes parser (`tests/python/tools_client.py`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tool_calling_with_the_official_client() {
+    let extra = lockstep_tests::embedded::tools_model_extra();
+    let Some(s) = lockstep_tests::embedded::start_with_model(&extra, "").await else {
+        return;
+    };
+    client::run_python_checks(
+        "tools_client.py",
+        &s.url,
+        MODEL,
+        Duration::from_secs(300),
+        "all tool checks passed",
+    )
+    .await;
+    s.wait_released().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transfer_faults_end_in_errors_and_free_every_page() {
     let prompt = "A prompt long enough to fill several pages of the pool, so that a page can be lost, \

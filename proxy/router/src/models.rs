@@ -126,6 +126,12 @@ pub(crate) async fn build_models(
                 continue;
             }
         };
+        if m.tool_parser.is_some()
+            && let Err(e) = codec.check_renders_tools()
+        {
+            errors.push(format!("model `{}`: {e}", m.name));
+            continue;
+        }
         if let Some(old) = previous.and_then(|p| p.by_name.get(&m.name)) {
             for (new, old) in [
                 (&mut prefill, &old.pairs.prefill),
@@ -264,6 +270,7 @@ async fn remote_codec(m: &ModelConfig) -> Result<Arc<PromptCodec>, String> {
     };
     let (e, name) = (e.clone(), m.name.clone());
     let content_specials = m.special_tokens_in_content;
+    let template = crate::admission::codec::configured_template(m)?;
     tokio::task::spawn_blocking(move || {
         let path = lockstep_serve::model_file::ensure_model(e.model_file())
             .map_err(|err| format!("model `{name}`: {err}"))?;
@@ -271,22 +278,22 @@ async fn remote_codec(m: &ModelConfig) -> Result<Arc<PromptCodec>, String> {
             .map_err(|err| format!("model `{name}`: {err}"))?;
         let t = lockstep_engine::tokenizer::ModelTokenizer::from_gguf(&g)
             .map_err(|err| format!("model `{name}`: {}: {err}", path.display()))?;
-        model_file_codec(&name, &t, content_specials)
+        model_file_codec(&name, &t, content_specials, template)
     })
     .await
     .map_err(|err| format!("model `{}`: tokenizer load panicked: {err}", m.name))?
 }
 
-/// PromptCodec from a model file's own tokenizer and chat template, so the router and the engine
-/// count and render alike.
+/// PromptCodec from a model file's own tokenizer and chat template (or the configured template,
+/// which replaces it), so the router and the engine count and render alike.
 fn model_file_codec(
     name: &str,
     t: &lockstep_engine::tokenizer::ModelTokenizer,
     special_tokens_in_content: bool,
+    configured: Option<String>,
 ) -> Result<Arc<PromptCodec>, String> {
-    let template = t
-        .chat_template
-        .clone()
+    let template = configured
+        .or_else(|| t.chat_template.clone())
         .ok_or_else(|| format!("model `{name}`: the model file has no chat template"))?;
     PromptCodec::new_with(
         special_tokens_in_content,
@@ -307,6 +314,7 @@ async fn build_embedded(m: &ModelConfig) -> Result<Built, String> {
         .ok_or_else(|| format!("model `{}`: no [models.engine] section", m.name))?;
     let name = m.name.clone();
     let content_specials = m.special_tokens_in_content;
+    let template = crate::admission::codec::configured_template(m)?;
     let (pd, codec) = tokio::task::spawn_blocking(move || {
         let path = lockstep_serve::model_file::ensure_model(e.model_file()).map_err(|err| format!("model `{name}`: {err}"))?;
         let device = e
@@ -321,7 +329,7 @@ async fn build_embedded(m: &ModelConfig) -> Result<Built, String> {
         );
         drop(g);
         tracing::info!(model = %name, device = %bundle.device(), "embedded engine device");
-        let codec = model_file_codec(&name, &bundle.tokenizer, content_specials)?;
+        let codec = model_file_codec(&name, &bundle.tokenizer, content_specials, template)?;
         let cfg = e.engine_config();
         let faults = e.fault_plan();
         if faults.is_some() {

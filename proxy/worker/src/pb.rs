@@ -97,6 +97,7 @@ pub fn sampling_from_pb(s: Option<pb::Sampling>) -> SamplingConfig {
                 C::JsonObject(_) => O::JsonObject,
                 C::JsonSchema(s) => O::JsonSchema(s),
                 C::Regex(r) => O::Regex(r),
+                C::Lark(g) => O::Lark(g),
             }
         }),
     }

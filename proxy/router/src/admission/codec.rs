@@ -10,13 +10,45 @@ use tokenizers::Tokenizer;
 use crate::config::{ChatTemplateConfig, ModelConfig};
 use crate::error::LockstepError;
 
-/// A chat message after validation: role and flattened text content.
-#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+/// A chat message after validation: role and flattened text content, and for tool calling the
+/// assistant's earlier calls and the call a tool message answers.
+#[derive(Debug, Clone, Default, Serialize, PartialEq, Eq)]
 pub struct ChatMessage {
     /// `system`, `user`, `assistant` or `tool`.
     pub role: String,
     /// The text content.
     pub content: String,
+    /// An assistant message's tool calls (`{id, type, function: {name, arguments}}`, the
+    /// arguments as an object, as chat templates read them).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<serde_json::Value>>,
+    /// The call a `tool` message answers.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+}
+
+impl ChatMessage {
+    /// A message of plain text.
+    pub fn text(role: impl Into<String>, content: impl Into<String>) -> ChatMessage {
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+            ..ChatMessage::default()
+        }
+    }
+}
+
+/// The chat template the configuration gives (inline, or read from its file), if any.
+pub fn configured_template(model: &ModelConfig) -> Result<Option<String>, String> {
+    let name = &model.name;
+    Ok(match &model.chat_template {
+        Some(ChatTemplateConfig::Inline(s)) => Some(s.clone()),
+        Some(ChatTemplateConfig::Path(p)) => Some(
+            std::fs::read_to_string(p)
+                .map_err(|e| format!("model `{name}`: chat template {}: {e}", p.display()))?,
+        ),
+        None => None,
+    })
 }
 
 /// The model's tokenizer and chat template, loaded once.
@@ -50,12 +82,8 @@ impl PromptCodec {
             .ok_or_else(|| format!("model `{name}`: no tokenizer configured"))?;
         let tokenizer = Tokenizer::from_file(path)
             .map_err(|e| format!("model `{name}`: tokenizer {}: {e}", path.display()))?;
-        let source = match &model.chat_template {
-            Some(ChatTemplateConfig::Inline(s)) => s.clone(),
-            Some(ChatTemplateConfig::Path(p)) => std::fs::read_to_string(p)
-                .map_err(|e| format!("model `{name}`: chat template {}: {e}", p.display()))?,
-            None => return Err(format!("model `{name}`: no chat template configured")),
-        };
+        let source = configured_template(model)?
+            .ok_or_else(|| format!("model `{name}`: no chat template configured"))?;
         PromptCodec::new_with(
             model.special_tokens_in_content,
             name,
@@ -134,12 +162,23 @@ impl PromptCodec {
 
     /// Renders the chat template with `add_generation_prompt = true`.
     pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, LockstepError> {
+        self.render_chat_with(messages, None)
+    }
+
+    /// [`PromptCodec::render_chat`] with the request's `tools` (OpenAI's definitions) given to
+    /// the template as `tools`.
+    pub fn render_chat_with(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&[serde_json::Value]>,
+    ) -> Result<String, LockstepError> {
         let tmpl = self
             .env
             .get_template("chat")
             .map_err(|e| internal_template(&e))?;
         tmpl.render(minijinja::context! {
             messages => messages,
+            tools => tools,
             add_generation_prompt => true,
             bos_token => &self.bos_token,
             eos_token => &self.eos_token,
@@ -148,6 +187,24 @@ impl PromptCodec {
             message: format!("the chat template cannot render these messages: {e}"),
             param: Some("messages".into()),
         })
+    }
+
+    /// Whether the chat template shows the model the `tools` it is given: a model with a tool
+    /// parser whose template ignored them would answer requests with tools as if there were
+    /// none. Checked once, when the model is built.
+    pub fn check_renders_tools(&self) -> Result<(), String> {
+        let probe = "lockstep_probe_tool";
+        let tools = [
+            serde_json::json!({"type": "function", "function": {"name": probe, "description": "", "parameters": {"type": "object", "properties": {}}}}),
+        ];
+        let text = self
+            .render_chat_with(&[ChatMessage::text("user", "x")], Some(&tools))
+            .map_err(|e| e.to_string())?;
+        if text.contains(probe) {
+            Ok(())
+        } else {
+            Err("the chat template does not render `tools`; configure one that does (`chat_template`, e.g. config/templates/chatml-tools.jinja) or remove `tool_parser`".into())
+        }
     }
 
     /// Tokenizes text exactly as the workers would (special tokens written in the text are parsed
@@ -162,7 +219,16 @@ impl PromptCodec {
     /// parsed for special tokens. Content the template changed on its way (so that it cannot be
     /// found verbatim) is refused when it holds special-token text.
     pub fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, LockstepError> {
-        let text = self.render_chat(messages)?;
+        self.encode_chat_with(messages, None)
+    }
+
+    /// [`PromptCodec::encode_chat`] with the request's tools rendered by the template.
+    pub fn encode_chat_with(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&[serde_json::Value]>,
+    ) -> Result<Vec<u32>, LockstepError> {
+        let text = self.render_chat_with(messages, tools)?;
         let Some(specials) = &self.specials else {
             return self.encode(&text);
         };
@@ -269,5 +335,73 @@ mod tests {
             Err(LockstepError::ContextLengthExceeded { limit, .. }) => assert_eq!(limit, 20),
             other => panic!("unexpected {other:?}"),
         }
+    }
+
+    /// The bundled tool template renders tools, an assistant's calls and a tool's result in the
+    /// Hermes format the `hermes` parser reads, and plain chat exactly as ChatML.
+    #[test]
+    fn the_tool_template_renders_tools_calls_and_results() {
+        let source = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../config/templates/chatml-tools.jinja"
+        ))
+        .expect("template");
+        let tok = Tokenizer::new(tokenizers::models::bpe::BPE::default());
+        let codec =
+            PromptCodec::new("m", tok, source, String::new(), String::new()).expect("codec");
+        let tools = vec![
+            serde_json::json!({"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}),
+        ];
+        let msgs = vec![
+            ChatMessage::text("user", "Weather?"),
+            ChatMessage {
+                role: "assistant".into(),
+                tool_calls: Some(vec![
+                    serde_json::json!({"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"city": "Paris"}}}),
+                ]),
+                ..ChatMessage::default()
+            },
+            ChatMessage {
+                role: "tool".into(),
+                content: "sunny".into(),
+                tool_call_id: Some("c1".into()),
+                ..ChatMessage::default()
+            },
+        ];
+        assert_eq!(codec.check_renders_tools(), Ok(()));
+        let got = codec
+            .render_chat_with(&msgs, Some(&tools))
+            .expect("renders");
+        let want = concat!(
+            "<|im_start|>system\nYou can call functions. Their signatures, one per line, in <tools></tools>:\n<tools>\n",
+            "{\"function\":{\"name\":\"f\",\"parameters\":{\"type\":\"object\"}},\"type\":\"function\"}\n</tools>\n",
+            "To call one, answer with only:\n<tool_call>\n{\"name\": \"<function name>\", \"arguments\": {<the arguments>}}\n</tool_call><|im_end|>\n",
+            "<|im_start|>user\nWeather?<|im_end|>\n",
+            "<|im_start|>assistant\n<tool_call>\n{\"name\": \"f\", \"arguments\": {\"city\":\"Paris\"}}\n</tool_call><|im_end|>\n",
+            "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n",
+            "<|im_start|>assistant\n",
+        );
+        assert_eq!(got, want);
+        let plain = codec
+            .render_chat(&[
+                ChatMessage::text("system", "Be brief."),
+                ChatMessage::text("user", "Hi"),
+            ])
+            .expect("renders");
+        assert_eq!(
+            plain,
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        );
+        // A template that ignores `tools` is caught.
+        let tok = Tokenizer::new(tokenizers::models::bpe::BPE::default());
+        let plain = PromptCodec::new(
+            "m",
+            tok,
+            "{% for m in messages %}{{ m.content }}{% endfor %}".into(),
+            String::new(),
+            String::new(),
+        )
+        .expect("codec");
+        assert!(plain.check_renders_tools().is_err());
     }
 }

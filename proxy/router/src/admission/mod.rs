@@ -59,6 +59,8 @@ pub enum Prompt {
 pub enum Input {
     /// Chat messages, rendered through the model's chat template (step 4).
     Chat(Vec<ChatMessage>),
+    /// Chat messages and the request's tool definitions, both rendered by the template.
+    ChatTools(Vec<ChatMessage>, Vec<serde_json::Value>),
     /// A prompt, tokenized as it is (special tokens in text are parsed as special).
     Prompt(Prompt),
 }
@@ -68,6 +70,12 @@ impl Input {
     pub fn text_bytes(&self) -> usize {
         match self {
             Input::Chat(m) => m.iter().map(|m| m.content.len() + m.role.len()).sum(),
+            Input::ChatTools(m, t) => {
+                m.iter()
+                    .map(|m| m.content.len() + m.role.len())
+                    .sum::<usize>()
+                    + t.iter().map(|t| t.to_string().len()).sum::<usize>()
+            }
             Input::Prompt(Prompt::Text(s)) => s.len(),
             Input::Prompt(Prompt::Texts(v)) => v.iter().map(String::len).sum(),
             Input::Prompt(_) => 0,
@@ -248,6 +256,9 @@ pub async fn admit<R: FrontRequest>(
 pub fn tokenize(model: &ModelRuntime, input: Input) -> Result<Vec<u32>, LockstepError> {
     let ids = match input {
         Input::Chat(messages) => model.codec.encode_chat(&messages)?,
+        Input::ChatTools(messages, tools) => {
+            model.codec.encode_chat_with(&messages, Some(&tools))?
+        }
         Input::Prompt(Prompt::Text(s)) => model.codec.encode(&s)?,
         Input::Prompt(Prompt::Texts(v)) if v.len() == 1 => model.codec.encode(&v[0])?,
         Input::Prompt(Prompt::Ids(ids)) => {

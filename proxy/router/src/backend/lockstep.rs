@@ -143,6 +143,7 @@ fn sampling(p: &SamplingParams) -> pb::Sampling {
                 O::JsonObject => C::JsonObject(true),
                 O::JsonSchema(s) => C::JsonSchema(s),
                 O::Regex(r) => C::Regex(r),
+                O::Lark(g) => C::Lark(g),
             })
         }),
     }

@@ -91,6 +91,10 @@ pub enum Constraint {
     Regex(String),
     /// Text of this EBNF grammar.
     Ebnf(String),
+    /// A grammar in llguidance's Lark syntax: what lockstep builds to force a tool call
+    /// (`tool_choice` `required` or a named function). Admission sends it only to lockstep's own
+    /// engine and workers; SGLang or vLLM would get it as a grammar they refuse, never dropped.
+    Lark(String),
 }
 
 impl Constraint {
@@ -102,6 +106,7 @@ impl Constraint {
             Constraint::JsonObject => Some(O::JsonObject),
             Constraint::JsonSchema(s) => Some(O::JsonSchema(s.clone())),
             Constraint::Regex(r) => Some(O::Regex(r.clone())),
+            Constraint::Lark(g) => Some(O::Lark(g.clone())),
             Constraint::Ebnf(_) => None,
         }
     }

@@ -63,7 +63,7 @@ impl SglangBackend {
             Some(Constraint::JsonObject) => (Some(r#"{"type": "object"}"#), None, None),
             Some(Constraint::JsonSchema(t)) => (Some(t.as_str()), None, None),
             Some(Constraint::Regex(r)) => (None, Some(r.as_str()), None),
-            Some(Constraint::Ebnf(g)) => (None, None, Some(g.as_str())),
+            Some(Constraint::Ebnf(g) | Constraint::Lark(g)) => (None, None, Some(g.as_str())),
         };
         let body = GenerateBody {
             input_ids: &d.input_ids,

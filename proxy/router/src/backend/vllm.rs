@@ -121,7 +121,7 @@ impl VllmBackend {
                     json!({ "json": serde_json::from_str::<Value>(t).unwrap_or(Value::Null) })
                 }
                 Constraint::Regex(r) => json!({ "regex": r }),
-                Constraint::Ebnf(g) => json!({ "grammar": g }),
+                Constraint::Ebnf(g) | Constraint::Lark(g) => json!({ "grammar": g }),
             };
         }
         Bytes::from(b.to_string())

@@ -23,8 +23,8 @@ pub use lockstep_serve::engine_section::{
 };
 pub use lockstep_serve::toml_file::lines;
 pub use model::{
-    BackendKind, ChatTemplateConfig, ModelConfig, SglangSection, VllmConnector, VllmSection,
-    deployment_check,
+    BackendKind, ChatTemplateConfig, ModelConfig, SglangSection, ToolParserKind, VllmConnector,
+    VllmSection, deployment_check,
 };
 pub use plane::WorkerPlaneConfig;
 pub use pool::{HealthConfig, PolicyKind, PoolConfig, PrefixRouting, WorkerConfig};

@@ -39,6 +39,21 @@ impl BackendKind {
     }
 }
 
+/// A tool-call output format.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolParserKind {
+    /// `<tool_call>{"name", "arguments"}</tool_call>` blocks (Hermes, NousResearch).
+    Hermes,
+    /// Qwen 2.5 and later: the Hermes format.
+    Qwen,
+    /// Llama 3.1+: `{"name", "parameters"}` objects, optionally after `<|python_tag|>`,
+    /// separated by `;`.
+    Llama3Json,
+    /// Mistral: `[TOOL_CALLS]` then a JSON list of `{"name", "arguments"}`.
+    Mistral,
+}
+
 /// One model, its limits and its backend.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -62,8 +77,9 @@ pub struct ModelConfig {
     /// Remote backends only: the embedded engine takes the tokenizer from its model file.
     #[serde(default)]
     pub tokenizer: Option<PathBuf>,
-    /// Chat template (Jinja): inline text or a file. Remote backends only (the embedded engine
-    /// uses the model file's `tokenizer.chat_template`).
+    /// Chat template (Jinja): inline text or a file. Where the model file has a template (the
+    /// embedded engine, or `[models.engine]` for lockstep workers) this one replaces it, e.g.
+    /// to render `tools` for a model whose own template does not.
     #[serde(default)]
     pub chat_template: Option<ChatTemplateConfig>,
     /// Begin-of-sequence token text given to the template as `bos_token`.
@@ -72,6 +88,12 @@ pub struct ModelConfig {
     /// End-of-sequence token text given to the template as `eos_token`.
     #[serde(default)]
     pub eos_token: String,
+    /// How the model writes tool calls, which lockstep parses from its output into `tool_calls`
+    /// (`hermes`, `qwen`: `<tool_call>{json}</tool_call>`; `llama3_json`: a JSON object with
+    /// `name` and `parameters`; `mistral`: `[TOOL_CALLS]` and a JSON list). Without one, a request
+    /// with `tools` is refused. The chat template must render the `tools` it is given.
+    #[serde(default)]
+    pub tool_parser: Option<ToolParserKind>,
     /// Parse special-token text in chat message content as special tokens. Off by default:
     /// content is text, so no caller can forge a turn of another role (`<|im_start|>system`).
     /// Turn it on only where every caller may write raw turns.
@@ -281,7 +303,6 @@ impl ModelConfig {
         }
         for (k, set) in [
             ("tokenizer", self.tokenizer.is_some()),
-            ("chat_template", self.chat_template.is_some()),
             ("prefill", !self.prefill.workers.is_empty()),
             ("decode", !self.decode.workers.is_empty()),
         ] {

@@ -190,6 +190,7 @@ impl MessagesRequest {
             out.push(ChatMessage {
                 role: "system".into(),
                 content: text_of(s, "system")?,
+                ..ChatMessage::default()
             });
         }
         let last = messages.len() - 1;
@@ -212,6 +213,7 @@ impl MessagesRequest {
             out.push(ChatMessage {
                 role: m.role,
                 content: text_of(m.content, &format!("{at}.content"))?,
+                ..ChatMessage::default()
             });
         }
         Ok(out)

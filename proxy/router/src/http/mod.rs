@@ -8,6 +8,7 @@ pub mod grpc;
 pub(crate) mod openai;
 mod respond;
 pub(crate) mod responses;
+mod tools;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;

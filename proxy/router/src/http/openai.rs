@@ -258,7 +258,19 @@ pub(super) fn to_messages(messages: Vec<MessageIn>) -> Result<Vec<ChatMessage>, 
                     format!("unknown role `{}`", m.role),
                 ));
             }
-            refuse_unhonoured(fields::MESSAGE, &m.rest, &format!("messages[{i}]."))?;
+            let mut rest = m.rest;
+            let tool_calls = history_calls(i, &m.role, rest.remove("tool_calls"))?;
+            let tool_call_id = match rest.remove("tool_call_id") {
+                None | Some(Value::Null) => None,
+                Some(Value::String(s)) if m.role == "tool" => Some(s),
+                Some(_) => {
+                    return Err(bad(
+                        &format!("messages[{i}].tool_call_id"),
+                        "`tool_call_id` is a string, on `tool` messages".into(),
+                    ));
+                }
+            };
+            refuse_unhonoured(fields::MESSAGE, &rest, &format!("messages[{i}]."))?;
             let content = match m.content {
                 None => String::new(),
                 Some(Content::Text(s)) => s,
@@ -288,9 +300,56 @@ pub(super) fn to_messages(messages: Vec<MessageIn>) -> Result<Vec<ChatMessage>, 
                     m.role
                 },
                 content,
+                tool_calls,
+                tool_call_id,
             })
         })
         .collect()
+}
+
+/// An assistant message's earlier tool calls, for the template: `{id, type, function: {name,
+/// arguments}}` with the arguments parsed to an object (as chat templates read them).
+fn history_calls(
+    i: usize,
+    role: &str,
+    v: Option<Value>,
+) -> Result<Option<Vec<Value>>, LockstepError> {
+    let at = format!("messages[{i}].tool_calls");
+    let calls = match v {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Array(a)) if a.is_empty() => return Ok(None),
+        Some(Value::Array(a)) if role == "assistant" => a,
+        Some(_) => {
+            return Err(bad(
+                &at,
+                "`tool_calls` is a list, on assistant messages".into(),
+            ));
+        }
+    };
+    calls
+        .into_iter()
+        .enumerate()
+        .map(|(j, c)| {
+            let f = c.get("function");
+            let name = f.and_then(|f| f.get("name")).and_then(Value::as_str);
+            let args = f.and_then(|f| f.get("arguments")).and_then(Value::as_str);
+            let (Some(name), Some(args)) = (name, args) else {
+                return Err(bad(
+                    &format!("{at}[{j}]"),
+                    "a tool call has `function.name` and `function.arguments` (JSON text)".into(),
+                ));
+            };
+            let arguments: Value = serde_json::from_str(args).map_err(|e| {
+                bad(
+                    &format!("{at}[{j}].function.arguments"),
+                    format!("the arguments are not JSON: {e}"),
+                )
+            })?;
+            Ok(serde_json::json!({ "id": c.get("id").cloned().unwrap_or(Value::Null), "type": "function",
+                                   "function": { "name": name, "arguments": arguments } }))
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(Some)
 }
 
 impl FrontRequest for ChatRequest {
@@ -304,14 +363,38 @@ impl FrontRequest for ChatRequest {
         self,
         model: &ModelRuntime,
     ) -> Result<(Input, SamplingParams, Shape), LockstepError> {
-        let (sampling, stream, include_usage) =
-            self.params.with_rest(self.rest, fields::CHAT, model)?;
+        let mut rest = self.rest;
+        let (tools, forced) = super::tools::request(
+            rest.remove("tools"),
+            rest.remove("tool_choice"),
+            model.cfg.tool_parser,
+            model.cfg.backend,
+        )?;
+        let (mut sampling, stream, include_usage) =
+            self.params.with_rest(rest, fields::CHAT, model)?;
+        if forced.is_some() {
+            if sampling.constraint.is_some() {
+                return Err(bad(
+                    "response_format",
+                    "`response_format` and a `tool_choice` that forces a call cannot both shape the answer".into(),
+                ));
+            }
+            sampling.constraint = forced;
+        }
         let messages = to_messages(self.messages)?;
-        Ok((
-            Input::Chat(messages),
-            sampling,
-            Shape::chat(stream, include_usage),
-        ))
+        if model.cfg.tool_parser.is_none() && messages.iter().any(|m| m.tool_calls.is_some()) {
+            return Err(LockstepError::Unsupported {
+                message: "this model has no tool parser configured (`models[].tool_parser`), so its template is not known to render tool calls".into(),
+                param: Some("messages".into()),
+            });
+        }
+        let shape =
+            Shape::chat(stream, include_usage).with_tools(tools.as_ref().and_then(|t| t.parse));
+        let input = match tools {
+            Some(t) => Input::ChatTools(messages, t.defs),
+            None => Input::Chat(messages),
+        };
+        Ok((input, sampling, shape))
     }
 }
 

@@ -10,8 +10,10 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use serde_json::{Value, json};
 
+use super::tools::{self, ToolStream};
 use crate::admission::Admitted;
 use crate::backend::{DecodeChunk, FinishReason};
+use crate::config::ToolParserKind;
 use crate::error::LockstepError as Error;
 use crate::error::LockstepError;
 use crate::pair::{PairEvent, PairId};
@@ -23,14 +25,17 @@ enum Api {
     Generate,
 }
 
-/// What the client asked for: which API shape, streamed or not, usage on the stream or not.
-#[derive(Debug, Clone, Copy)]
+/// What the client asked for: which API shape, streamed or not, usage on the stream or not,
+/// and whether tool calls are parsed from the answer (chat).
+#[derive(Debug)]
 pub(crate) struct Shape {
     api: Api,
     stream: bool,
     include_usage: bool,
     /// Whether the stream's first event went out.
     started: bool,
+    /// The model's tool-call parser and the stream's split between content and calls.
+    tools: Option<ToolStream>,
 }
 
 impl Shape {
@@ -40,6 +45,7 @@ impl Shape {
             stream,
             include_usage,
             started: false,
+            tools: None,
         }
     }
     pub(crate) fn completion(stream: bool, include_usage: bool) -> Shape {
@@ -48,7 +54,13 @@ impl Shape {
             stream,
             include_usage,
             started: false,
+            tools: None,
         }
+    }
+    /// Chat whose answer is parsed for tool calls in `kind`'s format.
+    pub(crate) fn with_tools(mut self, kind: Option<ToolParserKind>) -> Shape {
+        self.tools = kind.map(ToolStream::new);
+        self
     }
     pub(crate) fn generate(stream: bool) -> Shape {
         Shape {
@@ -56,6 +68,7 @@ impl Shape {
             stream,
             include_usage: false,
             started: false,
+            tools: None,
         }
     }
 }
@@ -305,12 +318,31 @@ impl Render for Shape {
 
     fn full(&self, p: &Progress, finish: FinishReason) -> Value {
         match self.api {
-            Api::Chat => json!({
-                "id": self.id(p), "object": "chat.completion", "created": p.created, "model": p.model,
-                "choices": [{ "index": 0, "message": { "role": "assistant", "content": p.text },
-                              "logprobs": null, "finish_reason": finish.as_str() }],
-                "usage": usage(p),
-            }),
+            Api::Chat => {
+                let parsed = self
+                    .tools
+                    .as_ref()
+                    .and_then(|t| tools::parse(t.kind, &p.text));
+                let mut message = json!({ "role": "assistant", "content": p.text });
+                let mut reason = finish.as_str();
+                if let Some((content, calls)) = parsed {
+                    message["content"] = if content.is_empty() {
+                        Value::Null
+                    } else {
+                        json!(content)
+                    };
+                    message["tool_calls"] =
+                        json!(tools::tool_calls_json(&p.pair_id.to_string(), &calls));
+                    if finish == FinishReason::Stop {
+                        reason = "tool_calls";
+                    }
+                }
+                json!({
+                    "id": self.id(p), "object": "chat.completion", "created": p.created, "model": p.model,
+                    "choices": [{ "index": 0, "message": message, "logprobs": null, "finish_reason": reason }],
+                    "usage": usage(p),
+                })
+            }
             Api::Completion => json!({
                 "id": self.id(p), "object": "text_completion", "created": p.created, "model": p.model,
                 "choices": [{ "index": 0, "text": p.text, "logprobs": null, "finish_reason": finish.as_str() }],
@@ -341,11 +373,32 @@ impl Render for Shape {
                 if !self.started {
                     push(base(json!({ "role": "assistant", "content": "" }), None));
                 }
-                if !c.delta.is_empty() {
-                    push(base(json!({ "content": c.delta }), None));
+                let content = match &mut self.tools {
+                    Some(t) => t.push(&c.delta),
+                    None => c.delta.clone(),
+                };
+                if !content.is_empty() {
+                    push(base(json!({ "content": content }), None));
                 }
-                if finish.is_some() {
-                    push(base(json!({}), finish));
+                if let Some(f) = c.finish {
+                    let mut reason = f.as_str();
+                    if let Some(t) = &mut self.tools {
+                        let (rest, calls) = t.finish();
+                        if !rest.is_empty() {
+                            push(base(json!({ "content": rest }), None));
+                        }
+                        if !calls.is_empty() {
+                            let mut deltas = tools::tool_calls_json(&p.pair_id.to_string(), &calls);
+                            for (i, d) in deltas.iter_mut().enumerate() {
+                                d["index"] = json!(i);
+                            }
+                            push(base(json!({ "tool_calls": deltas }), None));
+                            if f == FinishReason::Stop {
+                                reason = "tool_calls";
+                            }
+                        }
+                    }
+                    push(base(json!({}), Some(reason)));
                 }
             }
             Api::Completion => {

@@ -177,6 +177,7 @@ fn to_messages(
         out.push(ChatMessage {
             role: "system".into(),
             content: i,
+            ..ChatMessage::default()
         });
     }
     let items = match input {
@@ -184,6 +185,7 @@ fn to_messages(
             out.push(ChatMessage {
                 role: "user".into(),
                 content: t,
+                ..ChatMessage::default()
             });
             return Ok(out);
         }
@@ -220,6 +222,7 @@ fn to_messages(
                 role
             },
             content: content_text(item.content, &format!("{at}.content"))?,
+            ..ChatMessage::default()
         });
     }
     Ok(out)

@@ -1,0 +1,584 @@
+//! Tool calling on `/v1/chat/completions`: `tools` and `tool_choice` checked and given to the
+//! model's chat template, the model's tool calls parsed from its committed output by the model's
+//! parser (`models[].tool_parser`) and returned as `tool_calls` (streamed as tool-call deltas
+//! once the output ends). `tool_choice: required` or a named function is enforced by
+//! constraining the sampler to the parser's call format (lockstep's engine and workers); a model
+//! without a parser refuses `tools`, never returning a call as plain text with a 200.
+
+use serde_json::{Map, Value, json};
+
+use crate::backend::Constraint;
+use crate::config::{BackendKind, ToolParserKind};
+use crate::error::LockstepError;
+
+fn invalid(param: &str, message: String) -> LockstepError {
+    LockstepError::InvalidRequest {
+        message,
+        param: Some(param.into()),
+    }
+}
+
+/// A request's checked tools.
+#[derive(Debug)]
+pub(crate) struct Tools {
+    /// The definitions as the chat template reads them (`{type, function: {name, description,
+    /// parameters}}`).
+    pub(crate) defs: Vec<Value>,
+    /// The parser of the model's calls; `None` with `tool_choice: none` (the answer is text).
+    pub(crate) parse: Option<ToolParserKind>,
+}
+
+enum Choice {
+    None,
+    Auto,
+    Required,
+    Named(String),
+}
+
+fn choice_of(v: Option<Value>) -> Result<Option<Choice>, LockstepError> {
+    let bad = || {
+        invalid(
+            "tool_choice",
+            "`tool_choice` must be `none`, `auto`, `required` or {\"type\": \"function\", \"function\": {\"name\": ...}}".into(),
+        )
+    };
+    Ok(match v {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(match s.as_str() {
+            "none" => Choice::None,
+            "auto" => Choice::Auto,
+            "required" => Choice::Required,
+            _ => return Err(bad()),
+        }),
+        Some(Value::Object(o)) => {
+            let name = o
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(Value::as_str)
+                .filter(|_| o.get("type").and_then(Value::as_str) == Some("function"))
+                .ok_or_else(bad)?;
+            Some(Choice::Named(name.to_string()))
+        }
+        Some(_) => return Err(bad()),
+    })
+}
+
+fn valid_name(n: &str) -> bool {
+    (1..=64).contains(&n.len())
+        && n.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+/// One tool definition, checked and normalised; its name and parameter schema.
+fn definition(i: usize, v: Value) -> Result<(Value, String, Value), LockstepError> {
+    let at = format!("tools[{i}]");
+    let Value::Object(mut o) = v else {
+        return Err(invalid(&at, format!("`{at}` must be an object")));
+    };
+    if o.remove("type").as_ref().and_then(Value::as_str) != Some("function") {
+        return Err(LockstepError::Unsupported {
+            message: format!("`{at}.type`: only `function` tools are supported"),
+            param: Some(format!("{at}.type")),
+        });
+    }
+    let Some(Value::Object(mut f)) = o.remove("function") else {
+        return Err(invalid(
+            &format!("{at}.function"),
+            format!("`{at}.function` is required"),
+        ));
+    };
+    super::fields::refuse_unhonoured(&[], &o, &format!("{at}."))?;
+    let name = f
+        .remove("name")
+        .and_then(|n| n.as_str().map(str::to_string))
+        .filter(|n| valid_name(n))
+        .ok_or_else(|| {
+            invalid(
+                &format!("{at}.function.name"),
+                "a function name is 1 to 64 letters, digits, `_` or `-`".into(),
+            )
+        })?;
+    let params = match f.remove("parameters") {
+        None | Some(Value::Null) => json!({ "type": "object", "properties": {} }),
+        Some(p @ Value::Object(_)) => p,
+        Some(_) => {
+            return Err(invalid(
+                &format!("{at}.function.parameters"),
+                "`parameters` must be a JSON schema object".into(),
+            ));
+        }
+    };
+    let mut out = Map::new();
+    out.insert("name".into(), json!(name));
+    match f.remove("description") {
+        None | Some(Value::Null) => {}
+        Some(d @ Value::String(_)) => {
+            out.insert("description".into(), d);
+        }
+        Some(_) => {
+            return Err(invalid(
+                &format!("{at}.function.description"),
+                "`description` must be a string".into(),
+            ));
+        }
+    }
+    out.insert("parameters".into(), params.clone());
+    // `strict` asks for arguments valid against the schema: what a forced call guarantees, and
+    // what lockstep checks of every call it returns (the arguments must be JSON).
+    f.remove("strict");
+    super::fields::refuse_unhonoured(&[], &f, &format!("{at}.function."))?;
+    Ok((json!({ "type": "function", "function": out }), name, params))
+}
+
+/// Checks `tools` and `tool_choice` for a model with `parser` on `backend`: the tools (none
+/// when the request has none) and the constraint forcing a call, when `tool_choice` asks for one.
+pub(crate) fn request(
+    tools: Option<Value>,
+    choice: Option<Value>,
+    parser: Option<ToolParserKind>,
+    backend: BackendKind,
+) -> Result<(Option<Tools>, Option<Constraint>), LockstepError> {
+    let defs = match tools {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(a)) => a,
+        Some(_) => return Err(invalid("tools", "`tools` must be a list".into())),
+    };
+    let choice = choice_of(choice)?;
+    if defs.is_empty() {
+        return match choice {
+            Some(Choice::Required | Choice::Named(_)) => Err(invalid(
+                "tool_choice",
+                "`tool_choice` asks for a call but the request has no `tools`".into(),
+            )),
+            _ => Ok((None, None)),
+        };
+    }
+    let Some(kind) = parser else {
+        return Err(LockstepError::Unsupported {
+            message: "this model has no tool parser configured (`models[].tool_parser`), so lockstep could not return its tool calls".into(),
+            param: Some("tools".into()),
+        });
+    };
+    let mut checked = Vec::with_capacity(defs.len());
+    let mut calls = Vec::with_capacity(defs.len());
+    for (i, d) in defs.into_iter().enumerate() {
+        let (def, name, params) = definition(i, d)?;
+        if calls.iter().any(|(n, _): &(String, Value)| *n == name) {
+            return Err(invalid(
+                &format!("tools[{i}].function.name"),
+                format!("two tools are named `{name}`"),
+            ));
+        }
+        checked.push(def);
+        calls.push((name, params));
+    }
+    let forced: Vec<&(String, Value)> = match &choice {
+        Some(Choice::Required) => calls.iter().collect(),
+        Some(Choice::Named(n)) => {
+            let c: Vec<_> = calls.iter().filter(|(name, _)| name == n).collect();
+            if c.is_empty() {
+                return Err(invalid(
+                    "tool_choice",
+                    format!("`tool_choice` names `{n}`, which is not in `tools`"),
+                ));
+            }
+            c
+        }
+        _ => Vec::new(),
+    };
+    let constraint = if forced.is_empty() {
+        None
+    } else {
+        if !matches!(backend, BackendKind::Embedded | BackendKind::Lockstep) {
+            return Err(LockstepError::Unsupported {
+                message: format!(
+                    "`tool_choice` that forces a call needs a backend whose sampling lockstep constrains (embedded, lockstep workers), not {}",
+                    backend.as_str()
+                ),
+                param: Some("tool_choice".into()),
+            });
+        }
+        let g = call_grammar(kind, &forced);
+        let c = lockstep_engine::grammar::OutputConstraint::Lark(g.clone());
+        lockstep_engine::grammar::check(&c).map_err(|m| {
+            invalid(
+                "tools",
+                format!("a tool's parameters cannot be enforced: {m}"),
+            )
+        })?;
+        Some(Constraint::Lark(g))
+    };
+    let parse = (!matches!(choice, Some(Choice::None))).then_some(kind);
+    Ok((
+        Some(Tools {
+            defs: checked,
+            parse,
+        }),
+        constraint,
+    ))
+}
+
+/// The grammar of one call, in the parser's format, to one of `tools`.
+fn call_grammar(kind: ToolParserKind, tools: &[&(String, Value)]) -> String {
+    let key = match kind {
+        ToolParserKind::Llama3Json => "parameters",
+        _ => "arguments",
+    };
+    let one = |(name, params): &&(String, Value)| {
+        json!({ "type": "object", "properties": { "name": { "const": name }, key: params },
+                "required": ["name", key], "additionalProperties": false })
+    };
+    let call = match tools {
+        [t] => one(t),
+        _ => json!({ "anyOf": tools.iter().map(one).collect::<Vec<_>>() }),
+    };
+    match kind {
+        ToolParserKind::Hermes | ToolParserKind::Qwen => {
+            format!("start: \"<tool_call>\\n\" %json {call} \"\\n</tool_call>\"")
+        }
+        ToolParserKind::Llama3Json => format!("start: %json {call}"),
+        ToolParserKind::Mistral => format!(
+            "start: \"[TOOL_CALLS]\" %json {}",
+            json!({ "type": "array", "items": call, "minItems": 1, "maxItems": 1 })
+        ),
+    }
+}
+
+/// One call the model made.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Call {
+    pub(crate) name: String,
+    /// The arguments as JSON text.
+    pub(crate) arguments: String,
+}
+
+/// The call in one JSON value (`name` and the arguments under `key`), if it is one.
+fn call_of(v: &Value, key: &str) -> Option<Call> {
+    let name = v.get("name")?.as_str()?.to_string();
+    let args = v
+        .get(key)
+        .or_else(|| v.get("arguments"))
+        .cloned()
+        .unwrap_or_else(|| json!({}));
+    let arguments = match args {
+        // A string already holding JSON is passed as it is.
+        Value::String(s) if serde_json::from_str::<Value>(&s).is_ok() => s,
+        Value::Object(_) => args.to_string(),
+        _ => return None,
+    };
+    Some(Call { name, arguments })
+}
+
+/// The JSON values in `s` one after another, separated by whitespace or `sep`; `None` unless
+/// that is all `s` holds.
+fn values(s: &str, sep: char) -> Option<Vec<Value>> {
+    let mut out = Vec::new();
+    let mut rest = s.trim();
+    while !rest.is_empty() {
+        let mut it = serde_json::Deserializer::from_str(rest).into_iter::<Value>();
+        let v = it.next()?.ok()?;
+        rest = rest[it.byte_offset()..].trim_start();
+        rest = rest.strip_prefix(sep).unwrap_or(rest).trim_start();
+        out.push(v);
+    }
+    Some(out)
+}
+
+/// The content and calls in a whole output; `None` when it holds no call (it is all content).
+pub(crate) fn parse(kind: ToolParserKind, text: &str) -> Option<(String, Vec<Call>)> {
+    match kind {
+        ToolParserKind::Hermes | ToolParserKind::Qwen => {
+            let (open, close) = ("<tool_call>", "</tool_call>");
+            let mut content = String::new();
+            let mut calls = Vec::new();
+            let mut rest = text;
+            while let Some(at) = rest.find(open) {
+                content.push_str(&rest[..at]);
+                let after = &rest[at + open.len()..];
+                let (inner, next) = match after.find(close) {
+                    Some(end) => (&after[..end], &after[end + close.len()..]),
+                    None => (after, ""),
+                };
+                let v: Value = serde_json::from_str(inner.trim()).ok()?;
+                calls.push(call_of(&v, "arguments")?);
+                rest = next;
+            }
+            content.push_str(rest);
+            (!calls.is_empty()).then(|| (content.trim().to_string(), calls))
+        }
+        ToolParserKind::Llama3Json => {
+            let t = text.trim_start();
+            let t = t.strip_prefix("<|python_tag|>").unwrap_or(t);
+            if !t.trim_start().starts_with('{') {
+                return None;
+            }
+            let calls = values(t, ';')?
+                .iter()
+                .map(|v| call_of(v, "parameters"))
+                .collect::<Option<Vec<_>>>()?;
+            Some((String::new(), calls))
+        }
+        ToolParserKind::Mistral => {
+            let t = text.trim_start();
+            let t = t.strip_prefix("[TOOL_CALLS]")?;
+            let calls = match serde_json::from_str::<Value>(t.trim()).ok()? {
+                Value::Array(a) => a
+                    .iter()
+                    .map(|v| call_of(v, "arguments"))
+                    .collect::<Option<Vec<_>>>()?,
+                v => vec![call_of(&v, "arguments")?],
+            };
+            Some((String::new(), calls))
+        }
+    }
+}
+
+/// A streamed answer's split between content (sent as it comes) and a tool call (held from
+/// where it may begin until the output ends, then parsed).
+#[derive(Debug)]
+pub(crate) struct ToolStream {
+    pub(crate) kind: ToolParserKind,
+    /// Text not sent yet: a tail that may begin a call, or, once one began, all of it.
+    held: String,
+    /// A call may have begun: nothing more is sent as content until the end.
+    holding: bool,
+    /// Whether anything but whitespace came yet (the JSON formats start with their call).
+    started: bool,
+}
+
+impl ToolStream {
+    pub(crate) fn new(kind: ToolParserKind) -> ToolStream {
+        ToolStream {
+            kind,
+            held: String::new(),
+            holding: false,
+            started: false,
+        }
+    }
+
+    /// Content to send now for this delta.
+    pub(crate) fn push(&mut self, delta: &str) -> String {
+        self.held.push_str(delta);
+        if self.holding {
+            return String::new();
+        }
+        match self.kind {
+            ToolParserKind::Hermes | ToolParserKind::Qwen => {
+                let marker = "<tool_call>";
+                if let Some(at) = self.held.find(marker) {
+                    self.holding = true;
+                    let out = self.held[..at].to_string();
+                    self.held.drain(..at);
+                    return out;
+                }
+                // Keep the longest tail that could still grow into the marker.
+                let keep = (1..marker.len().min(self.held.len() + 1))
+                    .rev()
+                    .find(|&n| {
+                        self.held.is_char_boundary(self.held.len() - n)
+                            && self.held.ends_with(&marker[..n])
+                    })
+                    .unwrap_or(0);
+                let cut = self.held.len() - keep;
+                let out = self.held[..cut].to_string();
+                self.held.drain(..cut);
+                out
+            }
+            ToolParserKind::Llama3Json | ToolParserKind::Mistral => {
+                if self.started {
+                    return std::mem::take(&mut self.held);
+                }
+                let t = self.held.trim_start();
+                let Some(first) = t.chars().next() else {
+                    return String::new();
+                };
+                self.started = true;
+                let call = match self.kind {
+                    ToolParserKind::Mistral => first == '[',
+                    _ => first == '{' || first == '<',
+                };
+                if call {
+                    self.holding = true;
+                    String::new()
+                } else {
+                    std::mem::take(&mut self.held)
+                }
+            }
+        }
+    }
+
+    /// At the end of the output: the content still to send, and the calls.
+    pub(crate) fn finish(&mut self) -> (String, Vec<Call>) {
+        let held = std::mem::take(&mut self.held);
+        match self.holding.then(|| parse(self.kind, &held)).flatten() {
+            Some((content, calls)) => (content, calls),
+            None => (held, Vec::new()),
+        }
+    }
+}
+
+/// The `tool_calls` of a response message, ids derived from the pair.
+pub(crate) fn tool_calls_json(pair: &str, calls: &[Call]) -> Vec<Value> {
+    calls
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            json!({ "id": format!("call_{pair}_{i}"), "type": "function",
+                    "function": { "name": c.name, "arguments": c.arguments } })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_format_parses_its_calls_and_leaves_text_alone() {
+        let h = parse(
+            ToolParserKind::Hermes,
+            "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>",
+        )
+        .expect("a call");
+        assert_eq!(h.0, "Let me check.");
+        assert_eq!(
+            h.1,
+            vec![Call {
+                name: "get_weather".into(),
+                arguments: r#"{"city":"Paris"}"#.into()
+            }]
+        );
+        assert!(parse(ToolParserKind::Hermes, "No tools needed.").is_none());
+        assert!(parse(ToolParserKind::Hermes, "<tool_call>{not json</tool_call>").is_none());
+        let l = parse(
+            ToolParserKind::Llama3Json,
+            "<|python_tag|>{\"name\": \"a\", \"parameters\": {\"x\": 1}}; {\"name\": \"b\", \"parameters\": {}}",
+        )
+        .expect("two calls");
+        assert_eq!(l.1.len(), 2);
+        assert_eq!(l.1[1].name, "b");
+        assert!(
+            parse(
+                ToolParserKind::Llama3Json,
+                "{\"name\": \"a\"} and then prose"
+            )
+            .is_none()
+        );
+        let m = parse(
+            ToolParserKind::Mistral,
+            "[TOOL_CALLS] [{\"name\": \"a\", \"arguments\": {\"q\": \"x\"}}]",
+        )
+        .expect("a call");
+        assert_eq!(m.1[0].arguments, r#"{"q":"x"}"#);
+        assert!(parse(ToolParserKind::Mistral, "[1, 2]").is_none());
+    }
+
+    #[test]
+    fn a_stream_sends_content_and_holds_what_may_be_a_call() {
+        let mut s = ToolStream::new(ToolParserKind::Hermes);
+        let mut sent = String::new();
+        for d in [
+            "Sure",
+            ". <tool",
+            "_call>\n{\"name\": \"f\", ",
+            "\"arguments\": {}}\n</tool_call>",
+        ] {
+            sent.push_str(&s.push(d));
+        }
+        assert_eq!(sent, "Sure. ");
+        let (rest, calls) = s.finish();
+        assert_eq!(rest, "");
+        assert_eq!(calls[0].name, "f");
+        // A tail that only looked like the marker is sent in the end.
+        let mut s = ToolStream::new(ToolParserKind::Hermes);
+        let mut sent = s.push("a <tool");
+        sent.push_str(&s.push("box> b"));
+        let (rest, calls) = s.finish();
+        assert_eq!(format!("{sent}{rest}"), "a <toolbox> b");
+        assert!(calls.is_empty());
+        // The JSON formats decide on their first character.
+        let mut s = ToolStream::new(ToolParserKind::Llama3Json);
+        assert_eq!(s.push("  Hello"), "  Hello");
+        let mut s = ToolStream::new(ToolParserKind::Llama3Json);
+        assert_eq!(s.push(" {\"name\": \"f\", \"parameters\": {}}"), "");
+        assert_eq!(s.finish().1.len(), 1);
+    }
+
+    #[test]
+    fn requests_are_checked_and_a_forced_call_gets_its_grammar() {
+        let tools = json!([{"type": "function", "function": {"name": "get_weather", "description": "d",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]);
+        let (t, c) = request(
+            Some(tools.clone()),
+            Some(json!("required")),
+            Some(ToolParserKind::Hermes),
+            BackendKind::Embedded,
+        )
+        .expect("ok");
+        assert_eq!(t.expect("tools").defs.len(), 1);
+        let Some(Constraint::Lark(g)) = c else {
+            panic!("a forced call is constrained")
+        };
+        assert!(g.starts_with("start: \"<tool_call>\\n\" %json"), "{g}");
+        let err = |tools, choice, parser, backend| match request(tools, choice, parser, backend) {
+            Err(
+                LockstepError::InvalidRequest { param, .. }
+                | LockstepError::Unsupported { param, .. },
+            ) => param,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            err(Some(tools.clone()), None, None, BackendKind::Embedded).as_deref(),
+            Some("tools")
+        );
+        assert_eq!(
+            err(
+                Some(tools.clone()),
+                Some(json!("required")),
+                Some(ToolParserKind::Hermes),
+                BackendKind::Sglang
+            )
+            .as_deref(),
+            Some("tool_choice")
+        );
+        assert_eq!(
+            err(
+                Some(tools.clone()),
+                Some(json!({"type": "function", "function": {"name": "nope"}})),
+                Some(ToolParserKind::Hermes),
+                BackendKind::Embedded
+            )
+            .as_deref(),
+            Some("tool_choice")
+        );
+        assert_eq!(
+            err(
+                Some(json!([{"type": "function", "function": {"name": "bad name"}}])),
+                None,
+                Some(ToolParserKind::Hermes),
+                BackendKind::Embedded
+            )
+            .as_deref(),
+            Some("tools[0].function.name")
+        );
+        assert_eq!(
+            err(
+                None,
+                Some(json!("required")),
+                Some(ToolParserKind::Hermes),
+                BackendKind::Embedded
+            )
+            .as_deref(),
+            Some("tool_choice")
+        );
+        // `none`: tools are rendered, nothing is parsed.
+        let (t, c) = request(
+            Some(tools),
+            Some(json!("none")),
+            Some(ToolParserKind::Hermes),
+            BackendKind::Sglang,
+        )
+        .expect("ok");
+        assert!(t.expect("tools").parse.is_none() && c.is_none());
+    }
+}
