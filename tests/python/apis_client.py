@@ -83,8 +83,7 @@ for kwargs, param in [({"store": True}, "store"), ({"previous_response_id": "res
 e = refused(lambda: oa.responses.create(model=MODEL, input="red " * 5000, max_output_tokens=4),
             openai.BadRequestError, "responses over-long prompt")
 check(e.code == "context_length_exceeded", f"over-long code {e.code}")
-e = refused(lambda: oa.responses.create(model=MODEL, input=[{"type": "function_call_output", "call_id": "c",
-                                                                   "output": "x"}]),
+e = refused(lambda: oa.responses.create(model=MODEL, input=[{"type": "item_reference", "id": "msg_1"}]),
             openai.BadRequestError, "a non-message input item")
 check(e.code == "unsupported", f"item type refused: {e.code}")
 

@@ -84,4 +84,25 @@ for kwargs, param in [({"tool_choice": "required"}, "tool_choice"),
     except openai.BadRequestError as e:
         check(e.param == param, f"refused: {e.code} {e.param}")
 
+# The Responses API: flat function tools, a forced call as a `function_call` output item, its
+# result sent back as a `function_call_output` item.
+rtools = [{"type": "function", "name": "get_weather", "description": "The weather in a city.", "parameters": WEATHER}]
+r = oa.responses.create(model=MODEL, input="What is the weather in Paris?", tools=rtools, tool_choice="required",
+                        max_output_tokens=80, temperature=0)
+fcalls = [o for o in r.output if o.type == "function_call"]
+check(r.status == "completed" and len(fcalls) == 1 and fcalls[0].name == "get_weather", f"responses call {r.output}")
+jsonschema.validate(json.loads(fcalls[0].arguments), WEATHER)
+events = list(oa.responses.create(model=MODEL, input="What is the weather in Paris?", tools=rtools,
+                                  tool_choice="required", max_output_tokens=80, temperature=0, stream=True))
+types = [e.type for e in events]
+check("response.function_call_arguments.done" in types and types[-1] == "response.completed", f"streamed {types}")
+done = [e for e in events if e.type == "response.function_call_arguments.done"]
+check(done[0].arguments == fcalls[0].arguments, "streamed arguments equal the non-streamed")
+r2 = oa.responses.create(model=MODEL, tools=rtools, tool_choice="none", max_output_tokens=30, temperature=0, input=[
+    {"role": "user", "content": "What is the weather in Paris?"},
+    {"type": "function_call", "call_id": fcalls[0].call_id, "name": "get_weather", "arguments": fcalls[0].arguments},
+    {"type": "function_call_output", "call_id": fcalls[0].call_id, "output": json.dumps({"temperature": 21})},
+])
+check(r2.output_text and not [o for o in r2.output if o.type == "function_call"], f"responses text answer {r2.output_text!r}")
+
 print("all tool checks passed")

@@ -8,6 +8,7 @@ pub mod grpc;
 pub(crate) mod openai;
 mod respond;
 pub(crate) mod responses;
+mod responses_out;
 mod tools;
 
 use std::sync::Arc;

@@ -6,16 +6,16 @@
 //! and commit barrier as chat; errors in OpenAI's shape.
 
 use axum::response::Response;
-use bytes::Bytes;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
 use super::extract::Admit;
 use super::fields::{self, Known, known, refuse_unhonoured};
 use super::openai::{CommonParams, bad};
-use super::respond::{Progress, Render, serve_pair, sse_named};
+use super::respond::serve_pair;
+use super::responses_out::ResponsesShape;
 use crate::admission::{ChatMessage, FrontRequest, Input};
-use crate::backend::{DecodeChunk, FinishReason, SamplingParams};
+use crate::backend::SamplingParams;
 use crate::error::LockstepError;
 use crate::state::ModelRuntime;
 
@@ -137,6 +137,83 @@ const TEXT: &[&[Known]] = &[&[known(
     "verbosity is not supported",
 )]];
 
+/// The Responses API's flat function tools (`{type, name, description, parameters, strict}`)
+/// in chat's nested form, for the one tool check.
+fn flat_tools(v: Option<Value>) -> Result<Option<Value>, LockstepError> {
+    let Some(Value::Array(tools)) = v else {
+        return Ok(v);
+    };
+    tools
+        .into_iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let Value::Object(mut o) = t else {
+                return Err(bad(&format!("tools[{i}]"), "a tool is an object".into()));
+            };
+            let kind = o.remove("type");
+            if kind.as_ref().and_then(Value::as_str) != Some("function") {
+                return Err(LockstepError::Unsupported {
+                    message: format!("`tools[{i}].type`: only `function` tools are supported"),
+                    param: Some(format!("tools[{i}].type")),
+                });
+            }
+            Ok(json!({ "type": "function", "function": o }))
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(|v| Some(Value::Array(v)))
+}
+
+/// `{"type": "function", "name": ...}` in chat's form; the strings pass as they are.
+fn flat_choice(v: Option<Value>) -> Option<Value> {
+    match v {
+        Some(Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("function") => {
+            Some(
+                json!({ "type": "function", "function": { "name": o.get("name").cloned().unwrap_or(Value::Null) } }),
+            )
+        }
+        other => other,
+    }
+}
+
+/// A `function_call` input item (an earlier call of the model) as an assistant message, or a
+/// `function_call_output` (its result) as a tool message.
+fn call_item(
+    at: &str,
+    kind: &str,
+    mut rest: Map<String, Value>,
+) -> Result<ChatMessage, LockstepError> {
+    let mut take = |k: &str| match rest.remove(k) {
+        Some(Value::String(s)) => Ok(s),
+        _ => Err(bad(&format!("{at}.{k}"), format!("`{at}.{k}` is a string"))),
+    };
+    let call_id = take("call_id")?;
+    let m = if kind == "function_call" {
+        let (name, args) = (take("name")?, take("arguments")?);
+        let arguments: Value = serde_json::from_str(&args).map_err(|e| {
+            bad(
+                &format!("{at}.arguments"),
+                format!("the arguments are not JSON: {e}"),
+            )
+        })?;
+        ChatMessage {
+            role: "assistant".into(),
+            tool_calls: Some(vec![json!({ "id": call_id, "type": "function",
+                "function": { "name": name, "arguments": arguments } })]),
+            ..ChatMessage::default()
+        }
+    } else {
+        ChatMessage {
+            role: "tool".into(),
+            content: take("output")?,
+            tool_call_id: Some(call_id),
+            ..ChatMessage::default()
+        }
+    };
+    rest.retain(|k, _| !matches!(k.as_str(), "id" | "status"));
+    refuse_unhonoured(&[], &rest, &format!("{at}."))?;
+    Ok(m)
+}
+
 fn content_text(content: Option<ItemContent>, at: &str) -> Result<String, LockstepError> {
     match content {
         None => Err(bad(at, format!("`{at}` is required"))),
@@ -198,6 +275,14 @@ fn to_messages(
         let at = format!("input[{i}]");
         match item.kind.as_deref() {
             None | Some("message") => {}
+            Some(kind @ ("function_call" | "function_call_output")) => {
+                let mut rest = item.rest;
+                if let Some(r) = item.role {
+                    rest.insert("role".into(), json!(r));
+                }
+                out.push(call_item(&at, kind, rest)?);
+                continue;
+            }
             Some(kind) => {
                 return Err(LockstepError::Unsupported {
                     message: format!("input item type `{kind}` is not supported (messages only)"),
@@ -239,7 +324,14 @@ impl FrontRequest for ResponsesRequest {
         self,
         model: &ModelRuntime,
     ) -> Result<(Input, SamplingParams, ResponsesShape), LockstepError> {
-        refuse_unhonoured(RESPONSES, &self.rest, "")?;
+        let mut rest = self.rest;
+        let (tools, forced) = super::tools::request(
+            flat_tools(rest.remove("tools"))?,
+            flat_choice(rest.remove("tool_choice")),
+            model.cfg.tool_parser,
+            model.cfg.backend,
+        )?;
+        refuse_unhonoured(RESPONSES, &rest, "")?;
         let (format, constraint) = match self.text {
             None => (json!({ "type": "text" }), None),
             Some(t) => {
@@ -283,183 +375,28 @@ impl FrontRequest for ResponsesRequest {
         })?;
         sampling.constraint = constraint;
         let messages = to_messages(self.instructions.clone(), self.input)?;
-        let shape = ResponsesShape {
-            stream,
-            seq: 0,
-            echo: json!({
-                "instructions": self.instructions,
-                "max_output_tokens": self.max_output_tokens,
-                "temperature": self.temperature.unwrap_or(1.0),
-                "top_p": self.top_p.unwrap_or(1.0),
-                "text": { "format": format },
-            }),
-        };
-        Ok((Input::Chat(messages), sampling, shape))
-    }
-}
-
-/// How a Responses answer looks: one `response` object, or its stream of typed events.
-#[derive(Debug)]
-pub(crate) struct ResponsesShape {
-    stream: bool,
-    /// The next event's `sequence_number`.
-    seq: u64,
-    /// Request settings the response object repeats.
-    echo: Value,
-}
-
-fn ids(p: &Progress) -> (String, String) {
-    (format!("resp_{}", p.pair_id), format!("msg_{}", p.pair_id))
-}
-
-fn usage(p: &Progress) -> Value {
-    json!({
-        "input_tokens": p.prompt_tokens,
-        "input_tokens_details": { "cached_tokens": p.cached_tokens },
-        "output_tokens": p.completion_tokens,
-        "output_tokens_details": { "reasoning_tokens": 0 },
-        "total_tokens": p.prompt_tokens.saturating_add(p.completion_tokens),
-    })
-}
-
-fn output_item(p: &Progress, status: &str, content: Value) -> Value {
-    json!({ "type": "message", "id": ids(p).1, "status": status, "role": "assistant", "content": content })
-}
-
-fn text_part(text: &str) -> Value {
-    json!({ "type": "output_text", "text": text, "annotations": [], "logprobs": [] })
-}
-
-impl ResponsesShape {
-    /// The response object in a given state.
-    fn response(
-        &self,
-        p: &Progress,
-        status: &str,
-        output: Value,
-        finish: Option<FinishReason>,
-        error: Value,
-    ) -> Value {
-        let mut r = json!({
-            "id": ids(p).0,
-            "object": "response",
-            "created_at": p.created,
-            "status": status,
-            "error": error,
-            "incomplete_details": match finish {
-                Some(FinishReason::Length) => json!({ "reason": "max_output_tokens" }),
-                _ => Value::Null,
-            },
-            "model": p.model,
-            "output": output,
-            "parallel_tool_calls": false,
-            "tool_choice": "none",
-            "tools": [],
-            "store": false,
-            "previous_response_id": null,
-            "metadata": {},
-            "usage": if finish.is_some() { usage(p) } else { Value::Null },
+        if forced.is_some() {
+            if sampling.constraint.is_some() {
+                return Err(bad(
+                    "text.format",
+                    "`text.format` and a `tool_choice` that forces a call cannot both shape the answer".into(),
+                ));
+            }
+            sampling.constraint = forced;
+        }
+        let echo = json!({
+            "instructions": self.instructions,
+            "max_output_tokens": self.max_output_tokens,
+            "temperature": self.temperature.unwrap_or(1.0),
+            "top_p": self.top_p.unwrap_or(1.0),
+            "text": { "format": format },
         });
-        if let (Some(r), Some(e)) = (r.as_object_mut(), self.echo.as_object()) {
-            r.extend(e.clone());
-        }
-        r
-    }
-
-    fn finished(&self, p: &Progress, finish: FinishReason) -> Value {
-        let status = match finish {
-            FinishReason::Stop => "completed",
-            FinishReason::Length => "incomplete",
+        let shape = ResponsesShape::new(stream, echo, tools.as_ref().and_then(|t| t.parse));
+        let input = match tools {
+            Some(t) => Input::ChatTools(messages, t.defs),
+            None => Input::Chat(messages),
         };
-        let item = output_item(p, "completed", json!([text_part(&p.text)]));
-        self.response(p, status, json!([item]), Some(finish), Value::Null)
-    }
-
-    fn event(&mut self, out: &mut String, name: &str, mut v: Value) {
-        v["type"] = json!(name);
-        v["sequence_number"] = json!(self.seq);
-        self.seq += 1;
-        sse_named(out, name, &v);
-    }
-}
-
-impl Render for ResponsesShape {
-    fn stream(&self) -> bool {
-        self.stream
-    }
-
-    fn full(&self, p: &Progress, finish: FinishReason) -> Value {
-        self.finished(p, finish)
-    }
-
-    fn chunk(&mut self, p: &Progress, c: &DecodeChunk) -> Bytes {
-        let mut out = String::new();
-        let item_id = ids(p).1;
-        let at = |v: Value| {
-            let mut v = v;
-            v["item_id"] = json!(item_id);
-            v["output_index"] = json!(0);
-            v["content_index"] = json!(0);
-            v
-        };
-        if self.seq == 0 {
-            let r = self.response(p, "in_progress", json!([]), None, Value::Null);
-            self.event(&mut out, "response.created", json!({ "response": r }));
-            self.event(&mut out, "response.in_progress", json!({ "response": r }));
-            let item = output_item(p, "in_progress", json!([]));
-            self.event(
-                &mut out,
-                "response.output_item.added",
-                json!({ "output_index": 0, "item": item }),
-            );
-            self.event(
-                &mut out,
-                "response.content_part.added",
-                at(json!({ "part": text_part("") })),
-            );
-        }
-        if !c.delta.is_empty() {
-            self.event(
-                &mut out,
-                "response.output_text.delta",
-                at(json!({ "delta": c.delta, "logprobs": [] })),
-            );
-        }
-        if let Some(f) = c.finish {
-            self.event(
-                &mut out,
-                "response.output_text.done",
-                at(json!({ "text": p.text, "logprobs": [] })),
-            );
-            self.event(
-                &mut out,
-                "response.content_part.done",
-                at(json!({ "part": text_part(&p.text) })),
-            );
-            let item = output_item(p, "completed", json!([text_part(&p.text)]));
-            self.event(
-                &mut out,
-                "response.output_item.done",
-                json!({ "output_index": 0, "item": item }),
-            );
-            let name = match f {
-                FinishReason::Stop => "response.completed",
-                FinishReason::Length => "response.incomplete",
-            };
-            let r = self.finished(p, f);
-            self.event(&mut out, name, json!({ "response": r }));
-        }
-        Bytes::from(out)
-    }
-
-    /// A committed stream that fails ends with `response.failed` (status `failed`, the error's
-    /// stable code and message), never `response.completed`.
-    fn stream_error(&mut self, p: &Progress, e: &LockstepError) -> Bytes {
-        let mut out = String::new();
-        let error = json!({ "code": e.code(), "message": e.to_string() });
-        let r = self.response(p, "failed", json!([]), None, error);
-        self.event(&mut out, "response.failed", json!({ "response": r }));
-        Bytes::from(out)
+        Ok((input, sampling, shape))
     }
 }
 

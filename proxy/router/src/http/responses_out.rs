@@ -1,0 +1,285 @@
+//! The Responses API's answers: the `response` object, and its stream of typed events
+//! (`response.created` ... `response.completed`). Output items are a `message` (the text) and,
+//! where the request had tools, one `function_call` item per call the model made.
+
+use bytes::Bytes;
+use serde_json::{Value, json};
+
+use super::respond::{Progress, Render, sse_named};
+use super::tools::{self, Call, ToolStream};
+use crate::backend::{DecodeChunk, FinishReason};
+use crate::config::ToolParserKind;
+use crate::error::LockstepError;
+
+/// How a Responses answer looks: one `response` object, or its stream of typed events.
+#[derive(Debug)]
+pub(crate) struct ResponsesShape {
+    stream: bool,
+    /// The next event's `sequence_number`.
+    seq: u64,
+    /// Request settings the response object repeats.
+    echo: Value,
+    /// The model's tool-call parser and the stream's split between text and calls.
+    tools: Option<ToolStream>,
+    /// Whether the stream opened its message item.
+    opened: bool,
+}
+
+impl ResponsesShape {
+    pub(crate) fn new(stream: bool, echo: Value, tools: Option<ToolParserKind>) -> ResponsesShape {
+        ResponsesShape {
+            stream,
+            seq: 0,
+            echo,
+            tools: tools.map(ToolStream::new),
+            opened: false,
+        }
+    }
+}
+
+fn ids(p: &Progress) -> (String, String) {
+    (format!("resp_{}", p.pair_id), format!("msg_{}", p.pair_id))
+}
+
+fn usage(p: &Progress) -> Value {
+    json!({
+        "input_tokens": p.prompt_tokens,
+        "input_tokens_details": { "cached_tokens": p.cached_tokens },
+        "output_tokens": p.completion_tokens,
+        "output_tokens_details": { "reasoning_tokens": 0 },
+        "total_tokens": p.prompt_tokens.saturating_add(p.completion_tokens),
+    })
+}
+
+fn message_item(p: &Progress, status: &str, content: Value) -> Value {
+    json!({ "type": "message", "id": ids(p).1, "status": status, "role": "assistant", "content": content })
+}
+
+fn text_part(text: &str) -> Value {
+    json!({ "type": "output_text", "text": text, "annotations": [], "logprobs": [] })
+}
+
+fn call_item(p: &Progress, i: usize, c: &Call, status: &str, arguments: &str) -> Value {
+    json!({ "type": "function_call", "id": format!("fc_{}_{i}", p.pair_id), "call_id": format!("call_{}_{i}", p.pair_id),
+            "name": c.name, "arguments": arguments, "status": status })
+}
+
+impl ResponsesShape {
+    /// The response object in a given state.
+    fn response(
+        &self,
+        p: &Progress,
+        status: &str,
+        output: Value,
+        finish: Option<FinishReason>,
+        error: Value,
+    ) -> Value {
+        let mut r = json!({
+            "id": ids(p).0,
+            "object": "response",
+            "created_at": p.created,
+            "status": status,
+            "error": error,
+            "incomplete_details": match finish {
+                Some(FinishReason::Length) => json!({ "reason": "max_output_tokens" }),
+                _ => Value::Null,
+            },
+            "model": p.model,
+            "output": output,
+            "parallel_tool_calls": false,
+            "tool_choice": if self.tools.is_some() { "auto" } else { "none" },
+            "tools": [],
+            "store": false,
+            "previous_response_id": null,
+            "metadata": {},
+            "usage": if finish.is_some() { usage(p) } else { Value::Null },
+        });
+        if let (Some(r), Some(e)) = (r.as_object_mut(), self.echo.as_object()) {
+            r.extend(e.clone());
+        }
+        r
+    }
+
+    /// The text and calls of the whole output.
+    fn split(&self, p: &Progress) -> (String, Vec<Call>) {
+        self.tools
+            .as_ref()
+            .and_then(|t| tools::parse(t.kind, &p.text))
+            .unwrap_or_else(|| (p.text.clone(), Vec::new()))
+    }
+
+    /// The output items: the message (unless the output was only calls), then each call.
+    fn items(p: &Progress, text: &str, calls: &[Call]) -> Vec<Value> {
+        let mut out = Vec::new();
+        if !text.is_empty() || calls.is_empty() {
+            out.push(message_item(p, "completed", json!([text_part(text)])));
+        }
+        out.extend(
+            calls
+                .iter()
+                .enumerate()
+                .map(|(i, c)| call_item(p, i, c, "completed", &c.arguments)),
+        );
+        out
+    }
+
+    fn finished(&self, p: &Progress, finish: FinishReason, text: &str, calls: &[Call]) -> Value {
+        let status = match finish {
+            FinishReason::Stop => "completed",
+            FinishReason::Length => "incomplete",
+        };
+        let items = Self::items(p, text, calls);
+        self.response(p, status, json!(items), Some(finish), Value::Null)
+    }
+
+    fn event(&mut self, out: &mut String, name: &str, mut v: Value) {
+        v["type"] = json!(name);
+        v["sequence_number"] = json!(self.seq);
+        self.seq += 1;
+        sse_named(out, name, &v);
+    }
+
+    /// The message item's events for `delta`, opening the item first.
+    fn text_delta(&mut self, out: &mut String, p: &Progress, delta: &str) {
+        let at = |v: Value, p: &Progress| {
+            let mut v = v;
+            v["item_id"] = json!(ids(p).1);
+            v["output_index"] = json!(0);
+            v["content_index"] = json!(0);
+            v
+        };
+        if !self.opened {
+            self.opened = true;
+            let item = message_item(p, "in_progress", json!([]));
+            self.event(
+                out,
+                "response.output_item.added",
+                json!({ "output_index": 0, "item": item }),
+            );
+            self.event(
+                out,
+                "response.content_part.added",
+                at(json!({ "part": text_part("") }), p),
+            );
+        }
+        if !delta.is_empty() {
+            self.event(
+                out,
+                "response.output_text.delta",
+                at(json!({ "delta": delta, "logprobs": [] }), p),
+            );
+        }
+    }
+}
+
+impl Render for ResponsesShape {
+    fn stream(&self) -> bool {
+        self.stream
+    }
+
+    fn full(&self, p: &Progress, finish: FinishReason) -> Value {
+        let (text, calls) = self.split(p);
+        self.finished(p, finish, &text, &calls)
+    }
+
+    fn chunk(&mut self, p: &Progress, c: &DecodeChunk) -> Bytes {
+        let mut out = String::new();
+        if self.seq == 0 {
+            let r = self.response(p, "in_progress", json!([]), None, Value::Null);
+            self.event(&mut out, "response.created", json!({ "response": r }));
+            self.event(&mut out, "response.in_progress", json!({ "response": r }));
+        }
+        let content = match &mut self.tools {
+            Some(t) => t.push(&c.delta),
+            None => c.delta.clone(),
+        };
+        if !content.is_empty() || (self.tools.is_none() && !self.opened) {
+            self.text_delta(&mut out, p, &content);
+        }
+        let Some(f) = c.finish else {
+            return Bytes::from(out);
+        };
+        let (rest, calls) = match &mut self.tools {
+            Some(t) => t.finish(),
+            None => (String::new(), Vec::new()),
+        };
+        if !rest.is_empty() || (calls.is_empty() && !self.opened) {
+            self.text_delta(&mut out, p, &rest);
+        }
+        let (text, calls) = if calls.is_empty() {
+            (p.text.clone(), calls)
+        } else {
+            (self.split(p).0, calls)
+        };
+        let at = |v: Value, id: &str| {
+            let mut v = v;
+            v["item_id"] = json!(id);
+            v["output_index"] = json!(0);
+            v["content_index"] = json!(0);
+            v
+        };
+        let msg_id = ids(p).1;
+        if self.opened {
+            self.event(
+                &mut out,
+                "response.output_text.done",
+                at(json!({ "text": text, "logprobs": [] }), &msg_id),
+            );
+            self.event(
+                &mut out,
+                "response.content_part.done",
+                at(json!({ "part": text_part(&text) }), &msg_id),
+            );
+            let item = message_item(p, "completed", json!([text_part(&text)]));
+            self.event(
+                &mut out,
+                "response.output_item.done",
+                json!({ "output_index": 0, "item": item }),
+            );
+        }
+        let base = usize::from(self.opened);
+        for (i, call) in calls.iter().enumerate() {
+            let index = base + i;
+            let item = call_item(p, i, call, "in_progress", "");
+            let id = item["id"].clone();
+            self.event(
+                &mut out,
+                "response.output_item.added",
+                json!({ "output_index": index, "item": item }),
+            );
+            self.event(
+                &mut out,
+                "response.function_call_arguments.delta",
+                json!({ "item_id": id, "output_index": index, "delta": call.arguments }),
+            );
+            self.event(
+                &mut out,
+                "response.function_call_arguments.done",
+                json!({ "item_id": id, "output_index": index, "arguments": call.arguments }),
+            );
+            let done = call_item(p, i, call, "completed", &call.arguments);
+            self.event(
+                &mut out,
+                "response.output_item.done",
+                json!({ "output_index": index, "item": done }),
+            );
+        }
+        let name = match f {
+            FinishReason::Stop => "response.completed",
+            FinishReason::Length => "response.incomplete",
+        };
+        let r = self.finished(p, f, &text, &calls);
+        self.event(&mut out, name, json!({ "response": r }));
+        Bytes::from(out)
+    }
+
+    /// A committed stream that fails ends with `response.failed` (status `failed`, the error's
+    /// stable code and message), never `response.completed`.
+    fn stream_error(&mut self, p: &Progress, e: &LockstepError) -> Bytes {
+        let mut out = String::new();
+        let error = json!({ "code": e.code(), "message": e.to_string() });
+        let r = self.response(p, "failed", json!([]), None, error);
+        self.event(&mut out, "response.failed", json!({ "response": r }));
+        Bytes::from(out)
+    }
+}

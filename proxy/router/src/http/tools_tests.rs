@@ -1,0 +1,150 @@
+//! Tool-call parsing, streaming and request checks.
+use super::*;
+
+#[test]
+fn each_format_parses_its_calls_and_leaves_text_alone() {
+    let h = parse(
+        ToolParserKind::Hermes,
+        "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>",
+    )
+    .expect("a call");
+    assert_eq!(h.0, "Let me check.");
+    assert_eq!(
+        h.1,
+        vec![Call {
+            name: "get_weather".into(),
+            arguments: r#"{"city":"Paris"}"#.into()
+        }]
+    );
+    assert!(parse(ToolParserKind::Hermes, "No tools needed.").is_none());
+    assert!(parse(ToolParserKind::Hermes, "<tool_call>{not json</tool_call>").is_none());
+    let l = parse(
+        ToolParserKind::Llama3Json,
+        "<|python_tag|>{\"name\": \"a\", \"parameters\": {\"x\": 1}}; {\"name\": \"b\", \"parameters\": {}}",
+    )
+    .expect("two calls");
+    assert_eq!(l.1.len(), 2);
+    assert_eq!(l.1[1].name, "b");
+    assert!(
+        parse(
+            ToolParserKind::Llama3Json,
+            "{\"name\": \"a\"} and then prose"
+        )
+        .is_none()
+    );
+    let m = parse(
+        ToolParserKind::Mistral,
+        "[TOOL_CALLS] [{\"name\": \"a\", \"arguments\": {\"q\": \"x\"}}]",
+    )
+    .expect("a call");
+    assert_eq!(m.1[0].arguments, r#"{"q":"x"}"#);
+    assert!(parse(ToolParserKind::Mistral, "[1, 2]").is_none());
+}
+
+#[test]
+fn a_stream_sends_content_and_holds_what_may_be_a_call() {
+    let mut s = ToolStream::new(ToolParserKind::Hermes);
+    let mut sent = String::new();
+    for d in [
+        "Sure",
+        ". <tool",
+        "_call>\n{\"name\": \"f\", ",
+        "\"arguments\": {}}\n</tool_call>",
+    ] {
+        sent.push_str(&s.push(d));
+    }
+    assert_eq!(sent, "Sure. ");
+    let (rest, calls) = s.finish();
+    assert_eq!(rest, "");
+    assert_eq!(calls[0].name, "f");
+    // A tail that only looked like the marker is sent in the end.
+    let mut s = ToolStream::new(ToolParserKind::Hermes);
+    let mut sent = s.push("a <tool");
+    sent.push_str(&s.push("box> b"));
+    let (rest, calls) = s.finish();
+    assert_eq!(format!("{sent}{rest}"), "a <toolbox> b");
+    assert!(calls.is_empty());
+    // The JSON formats decide on their first character.
+    let mut s = ToolStream::new(ToolParserKind::Llama3Json);
+    assert_eq!(s.push("  Hello"), "  Hello");
+    let mut s = ToolStream::new(ToolParserKind::Llama3Json);
+    assert_eq!(s.push(" {\"name\": \"f\", \"parameters\": {}}"), "");
+    assert_eq!(s.finish().1.len(), 1);
+}
+
+#[test]
+fn requests_are_checked_and_a_forced_call_gets_its_grammar() {
+    let tools = json!([{"type": "function", "function": {"name": "get_weather", "description": "d",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]);
+    let (t, c) = request(
+        Some(tools.clone()),
+        Some(json!("required")),
+        Some(ToolParserKind::Hermes),
+        BackendKind::Embedded,
+    )
+    .expect("ok");
+    assert_eq!(t.expect("tools").defs.len(), 1);
+    let Some(Constraint::Lark(g)) = c else {
+        panic!("a forced call is constrained")
+    };
+    assert!(g.starts_with("start: \"<tool_call>\\n\" %json"), "{g}");
+    let err = |tools, choice, parser, backend| match request(tools, choice, parser, backend) {
+        Err(
+            LockstepError::InvalidRequest { param, .. } | LockstepError::Unsupported { param, .. },
+        ) => param,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(
+        err(Some(tools.clone()), None, None, BackendKind::Embedded).as_deref(),
+        Some("tools")
+    );
+    assert_eq!(
+        err(
+            Some(tools.clone()),
+            Some(json!("required")),
+            Some(ToolParserKind::Hermes),
+            BackendKind::Sglang
+        )
+        .as_deref(),
+        Some("tool_choice")
+    );
+    assert_eq!(
+        err(
+            Some(tools.clone()),
+            Some(json!({"type": "function", "function": {"name": "nope"}})),
+            Some(ToolParserKind::Hermes),
+            BackendKind::Embedded
+        )
+        .as_deref(),
+        Some("tool_choice")
+    );
+    assert_eq!(
+        err(
+            Some(json!([{"type": "function", "function": {"name": "bad name"}}])),
+            None,
+            Some(ToolParserKind::Hermes),
+            BackendKind::Embedded
+        )
+        .as_deref(),
+        Some("tools[0].function.name")
+    );
+    assert_eq!(
+        err(
+            None,
+            Some(json!("required")),
+            Some(ToolParserKind::Hermes),
+            BackendKind::Embedded
+        )
+        .as_deref(),
+        Some("tool_choice")
+    );
+    // `none`: tools are rendered, nothing is parsed.
+    let (t, c) = request(
+        Some(tools),
+        Some(json!("none")),
+        Some(ToolParserKind::Hermes),
+        BackendKind::Sglang,
+    )
+    .expect("ok");
+    assert!(t.expect("tools").parse.is_none() && c.is_none());
+}
