@@ -64,8 +64,7 @@ context_window = 512
 kv_capacity_tokens = 1024
 default_max_tokens = 8
 tokenizer = "{tok}"
-chat_template = {{ inline = '{tmpl}' }}
-{model_extra}
+{template}{model_extra}
 
 [models.prefill]
 workers = [{{ url = "{p}", bootstrap_port = 8998 }}]
@@ -87,7 +86,15 @@ failure_threshold = 2
 success_threshold = 1
 "#,
         tok = tokenizer.display(),
-        tmpl = tokenizer::CHAT_TEMPLATE,
+        // A `model_extra` with its own template replaces the mock's ChatML one.
+        template = if model_extra.contains("chat_template") {
+            String::new()
+        } else {
+            format!(
+                "chat_template = {{ inline = '{}' }}\n",
+                tokenizer::CHAT_TEMPLATE
+            )
+        },
         p = mock.prefill_url(),
         d = mock.decode_url(),
     )

@@ -159,3 +159,70 @@ async fn messages_refusals_take_anthropics_shape() {
         "{v}"
     );
 }
+
+/// Tool calling in front of SGLang workers (the PD mock): the request's tools and an earlier
+/// call with its result reach the workers inside the prompt the template rendered; the answer
+/// (the mock echoes its prompt, whose only `<tool_call>` is the template's instruction, not JSON)
+/// is returned as content, never as an invented call; a forced call is refused, since lockstep
+/// does not constrain SGLang's sampling; and a tool parser with a template that ignores `tools`
+/// is refused when the model is built.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tools_in_front_of_sglang_workers() {
+    let template = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../config/templates/chatml-tools.jinja");
+    let extra = format!(
+        "tool_parser = \"hermes\"\nchat_template = {{ path = \"{}\" }}\n",
+        template.display()
+    );
+    let stack = Stack::start_with(Default::default(), &extra, "").await;
+    let c = TestClient::default();
+    let url = format!("{}/v1/chat/completions", stack.url);
+    let tools = json!([{"type": "function", "function": {"name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
+    let a = c
+        .post(
+            &url,
+            &json!({"model": MODEL, "max_tokens": 6, "tools": tools, "messages": [
+                {"role": "user", "content": "weather in paris"},
+                {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": "{\"city\": \"paris\"}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+            ]}),
+            Duration::from_secs(10),
+        )
+        .await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    let v = a.json();
+    assert!(v["choices"][0]["message"]["tool_calls"].is_null(), "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+    // What the decode worker was sent: the tools, the earlier call and its result.
+    let prompt_ids: Vec<u32> = stack
+        .mock
+        .requests()
+        .iter()
+        .rev()
+        .find(|(r, _)| *r == lockstep_tests::sglang_mock::Role::Decode)
+        .and_then(|(_, b)| serde_json::from_value(b["input_ids"].clone()).ok())
+        .expect("a decode request");
+    let prompt = lockstep_tests::tokenizer::build()
+        .decode(&prompt_ids, false)
+        .expect("decodes");
+    // (The mock's test vocabulary spells few of these words, but the turns and the known words
+    // show the structure: a system turn with the tools' instructions and the `city` parameter,
+    // the earlier call's arguments in an assistant turn, the tool result in a user turn.)
+    assert_eq!(prompt.matches("<|im_start|>").count(), 5, "{prompt}");
+    assert!(prompt.starts_with("<|im_start|> system"), "{prompt}");
+    assert!(prompt.contains("answer with only"), "{prompt}");
+    assert_eq!(prompt.matches("city").count(), 2, "{prompt}");
+    let forced = c
+        .post(
+            &url,
+            &json!({"model": MODEL, "max_tokens": 6, "tools": tools, "tool_choice": "required",
+                    "messages": [{"role": "user", "content": "hi"}]}),
+            Duration::from_secs(10),
+        )
+        .await;
+    assert_eq!(forced.status, 400, "{}", forced.body);
+    assert_eq!(forced.json()["error"]["param"], "tool_choice");
+    assert!(stack.wait_all_idle(Duration::from_secs(3)).await);
+}
