@@ -4,7 +4,10 @@
 //! - **The rendezvous.** Prefill computes "KV" for a `bootstrap_room` into pages of a shared pool
 //!   and publishes the room; decode waits for its room (up to `kv_wait_timeout`), reads the pages
 //!   and generates from them. Work runs in tasks independent of the HTTP connection, as in
-//!   SGLang's scheduler: dropping the connection does not release a half; `/abort_request` does.
+//!   SGLang's scheduler: dropping the connection does not release a half at once;
+//!   `/abort_request` does. A client that went away is noticed as SGLang 0.5.23 notices it
+//!   (`srt/managers/tokenizer_manager.py`): a stream's rid is aborted 2 s after its response
+//!   ended, a non-stream request's at the next 4 s check (`SGLANG_REQUEST_STATE_WAIT_TIMEOUT`).
 //! - **Unscrubbed reuse.** Freed pages keep their contents and are reused last-in first-out, so a
 //!   decode that reads pages it was not given (the incident's decoy) answers with an earlier
 //!   request's tokens.
@@ -693,6 +696,52 @@ async fn generate(State(ctx): State<Ctx>, headers: axum::http::HeaderMap, body: 
     }
 }
 
+/// SGLang's abort of a request whose client went away: armed while the response is owed; if it
+/// is dropped armed (the connection closed first), the half is cancelled `after` later.
+struct GoneClient {
+    inner: Arc<Inner>,
+    role: Role,
+    rid: String,
+    after: Duration,
+    armed: bool,
+}
+
+impl GoneClient {
+    fn new(inner: &Arc<Inner>, role: Role, rid: &str, after: Duration) -> GoneClient {
+        GoneClient {
+            inner: inner.clone(),
+            role,
+            rid: rid.to_string(),
+            after,
+            armed: true,
+        }
+    }
+}
+
+impl Drop for GoneClient {
+    fn drop(&mut self) {
+        if !self.armed || tokio::runtime::Handle::try_current().is_err() {
+            return;
+        }
+        let (inner, key, after) = (
+            self.inner.clone(),
+            (self.role, std::mem::take(&mut self.rid)),
+            self.after,
+        );
+        tokio::spawn(async move {
+            tokio::time::sleep(after).await;
+            if let Some(t) = lock(&inner.live).get(&key) {
+                t.cancel();
+            }
+        });
+    }
+}
+
+/// SGLang 0.5.23's delay before it aborts a streamed request whose client went away.
+const STREAM_GONE_AFTER: Duration = Duration::from_secs(2);
+/// SGLang 0.5.23's check of a non-streamed request's client (`SGLANG_REQUEST_STATE_WAIT_TIMEOUT`).
+const WAIT_GONE_AFTER: Duration = Duration::from_secs(4);
+
 fn register(inner: &Inner, role: Role, rid: &str) -> CancellationToken {
     let token = CancellationToken::new();
     lock(&inner.live).insert((role, rid.to_string()), token.clone());
@@ -746,6 +795,7 @@ async fn prefill(inner: Arc<Inner>, h: Half, fault: Fault) -> Response {
         return sglang_error(status, "injected prefill failure");
     }
     let cancel = register(&inner, Role::Prefill, &h.rid);
+    let h_rid = h.rid.clone();
     let (tx, rx) = oneshot::channel();
     let work = inner.clone();
     // The scheduler's work: independent of the HTTP connection.
@@ -852,7 +902,10 @@ async fn prefill(inner: Arc<Inner>, h: Half, fault: Fault) -> Response {
         let body = json!({ "text": first, "output_ids": [h.ids[0]], "meta_info": meta(&h.rid, reported, 1, json!({"type": "length", "length": 0})) });
         let _ = tx.send((StatusCode::OK, body));
     });
-    match rx.await {
+    let mut gone = GoneClient::new(&inner, Role::Prefill, &h_rid, WAIT_GONE_AFTER);
+    let answer = rx.await;
+    gone.armed = false;
+    match answer {
         Ok((status, body)) => (status, axum::Json(body)).into_response(),
         Err(_) => sglang_error(StatusCode::INTERNAL_SERVER_ERROR, "prefill task lost"),
     }
@@ -876,6 +929,7 @@ async fn decode(inner: Arc<Inner>, h: Half, fault: Fault) -> Response {
     let (tx, mut rx) = mpsc::unbounded_channel::<DecodeMsg>();
     let work = inner.clone();
     let (rid, stream) = (h.rid.clone(), h.stream);
+    let answer_rid = rid.clone();
     // The scheduler's work, independent of the HTTP connection (a client that leaves does not
     // stop it); registered after `decode_register_delay`.
     let delay = inner.cfg.decode_register_delay;
@@ -896,42 +950,56 @@ async fn decode(inner: Arc<Inner>, h: Half, fault: Fault) -> Response {
         unregister(&work, Role::Decode, &rid);
     });
     if stream {
-        let body = futures_util::stream::unfold((rx, 0usize), move |(mut rx, sent)| async move {
-            match rx.recv().await {
-                Some(DecodeMsg::Event(v)) => Some((
-                    Ok::<Bytes, std::io::Error>(Bytes::from(format!("data: {v}\n\n"))),
-                    (rx, sent + 1),
-                )),
-                Some(DecodeMsg::Cut) => Some((
-                    Err(std::io::Error::other("injected stream cut")),
-                    (rx, sent),
-                )),
-                Some(DecodeMsg::Abort(ev, _, _)) => {
-                    Some((Ok(Bytes::from(format!("data: {ev}\n\n"))), (rx, sent + 1)))
-                }
-                Some(DecodeMsg::Fail(_, m)) => Some((
-                    Ok(Bytes::from(format!(
-                        "data: {}\n\n",
-                        json!({"error": {"message": m}})
-                    ))),
-                    (rx, sent),
-                )),
-                None => {
-                    if sent == usize::MAX {
-                        return None;
+        // Dropped when the response ends, however it ends: SGLang aborts the rid 2 s later.
+        let gone = GoneClient::new(&inner, Role::Decode, &answer_rid, STREAM_GONE_AFTER);
+        let body = futures_util::stream::unfold(
+            (rx, 0usize, gone),
+            move |(mut rx, sent, gone)| async move {
+                match rx.recv().await {
+                    Some(DecodeMsg::Event(v)) => Some((
+                        Ok::<Bytes, std::io::Error>(Bytes::from(format!("data: {v}\n\n"))),
+                        (rx, sent + 1, gone),
+                    )),
+                    Some(DecodeMsg::Cut) => Some((
+                        Err(std::io::Error::other("injected stream cut")),
+                        (rx, sent, gone),
+                    )),
+                    Some(DecodeMsg::Abort(ev, _, _)) => Some((
+                        Ok(Bytes::from(format!("data: {ev}\n\n"))),
+                        (rx, sent + 1, gone),
+                    )),
+                    Some(DecodeMsg::Fail(_, m)) => Some((
+                        Ok(Bytes::from(format!(
+                            "data: {}\n\n",
+                            json!({"error": {"message": m}})
+                        ))),
+                        (rx, sent, gone),
+                    )),
+                    None => {
+                        if sent == usize::MAX {
+                            return None;
+                        }
+                        Some((
+                            Ok(Bytes::from_static(b"data: [DONE]\n\n")),
+                            (rx, usize::MAX, gone),
+                        ))
                     }
-                    Some((
-                        Ok(Bytes::from_static(b"data: [DONE]\n\n")),
-                        (rx, usize::MAX),
-                    ))
                 }
-            }
-        });
+            },
+        );
         return Response::builder()
             .header(http::header::CONTENT_TYPE, "text/event-stream")
             .body(Body::from_stream(body))
             .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response());
     }
+    let mut gone = GoneClient::new(&inner, Role::Decode, &answer_rid, WAIT_GONE_AFTER);
+    let answer = decode_answer(&mut rx).await;
+    gone.armed = false;
+    answer
+}
+
+/// A non-streamed decode's whole answer.
+async fn decode_answer(rx: &mut mpsc::UnboundedReceiver<DecodeMsg>) -> Response {
     let mut last = None;
     while let Some(m) = rx.recv().await {
         match m {

@@ -310,6 +310,17 @@ async fn healthy_pairs(shape: BlockIdShape) {
         ..VllmMockConfig::default()
     })
     .await;
+    // The stranded-KV bound for vLLM: the prefill's KV lease (`vllm.kv_lease_ms`, 30 s).
+    let m = TestClient::default()
+        .get(&format!("{}/metrics", s.url), Duration::from_secs(5))
+        .await
+        .body;
+    assert!(
+        m.contains(&format!(
+            "lockstep_stranded_kv_bound_seconds{{model=\"{MODEL}\"}} 30"
+        )),
+        "{m}"
+    );
     for ep in [Endpoint::Completions, Endpoint::Chat] {
         // A client trying to steer the transfer or the cache namespace is refused by name.
         for (field, value) in [

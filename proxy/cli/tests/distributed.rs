@@ -322,6 +322,35 @@ async fn distributed_matches_single_process_and_survives_a_lost_decode_worker() 
             .to_string()
     };
     assert_eq!(answer(&db), answer(&rb), "workers and single process agree");
+    // The stranded-KV bound: the workers' room lease (1.5 s here) for lockstep workers, 0 for
+    // the in-process engine.
+    let scrape = |addr: String| async move {
+        let mut s = tokio::net::TcpStream::connect(&addr)
+            .await
+            .expect("connect");
+        s.write_all(b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            .await
+            .expect("write");
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.expect("read");
+        out
+    };
+    let (dm, sm) = (
+        scrape(r.addr.clone()).await,
+        scrape(single.addr.clone()).await,
+    );
+    assert!(
+        dm.contains(&format!(
+            "lockstep_stranded_kv_bound_seconds{{model=\"{MODEL}\"}} 1.5"
+        )),
+        "{dm}"
+    );
+    assert!(
+        sm.contains(&format!(
+            "lockstep_stranded_kv_bound_seconds{{model=\"{MODEL}\"}} 0"
+        )),
+        "{sm}"
+    );
     let city: serde_json::Value = serde_json::from_str(&answer(&db)).expect("the answer is JSON");
     assert!(
         city.as_object()

@@ -5,7 +5,8 @@
 //! per-pool gauges are read from the live models at each scrape.
 
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder,
+    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry,
+    TextEncoder,
 };
 
 /// Latency buckets, seconds: 1 ms to 5 min.
@@ -38,6 +39,8 @@ pub struct Metrics {
     /// A pair's failure → an aborted half's own answer ended (the worker let go of it), by
     /// model and side; for backends whose answer shows it (SGLang).
     pub half_release_seconds: HistogramVec,
+    /// The longest an aborted pair's KV can stay held on its workers, by model (set at scrape).
+    pub stranded_kv_bound_seconds: GaugeVec,
     /// Dispatch → commit barrier passed, by model.
     pub barrier_wait_seconds: HistogramVec,
     /// Request start → first token released to the client, by model.
@@ -156,6 +159,18 @@ impl Metrics {
                 &["model", "side"],
                 LATENCY,
             ),
+            stranded_kv_bound_seconds: {
+                let g = GaugeVec::new(
+                    Opts::new(
+                        "lockstep_stranded_kv_bound_seconds",
+                        "The longest an aborted pair's KV can stay held on its workers after the failure (by backend: SGLang abort confirmation plus its disconnect check, vLLM the prefill's KV lease, lockstep workers their room lease, embedded 0).",
+                    ),
+                    &["model"],
+                )
+                .expect("valid metric");
+                r.register(Box::new(g.clone())).expect("unique metric");
+                g
+            },
             barrier_wait_seconds: histogram(
                 &r,
                 "lockstep_commit_barrier_wait_seconds",

@@ -40,6 +40,8 @@ pub struct WorkerLimits {
     kv_capacity: AtomicU64,
     /// `u64::MAX`: the workers report no prompt limit.
     prompt_limit: AtomicU64,
+    /// The longest KV lease the workers reported (ms; 0: none reported).
+    kv_lease_ms: AtomicU64,
 }
 
 impl WorkerLimits {
@@ -48,6 +50,7 @@ impl WorkerLimits {
         WorkerLimits {
             kv_capacity: AtomicU64::new(d.kv_capacity),
             prompt_limit: AtomicU64::new(d.max_prompt_tokens.unwrap_or(u64::MAX)),
+            kv_lease_ms: AtomicU64::new(d.kv_lease_ms.unwrap_or(0)),
         }
     }
 
@@ -56,6 +59,9 @@ impl WorkerLimits {
         self.kv_capacity.fetch_min(d.kv_capacity, Ordering::AcqRel);
         if let Some(p) = d.max_prompt_tokens {
             self.prompt_limit.fetch_min(p, Ordering::AcqRel);
+        }
+        if let Some(l) = d.kv_lease_ms {
+            self.kv_lease_ms.fetch_max(l, Ordering::AcqRel);
         }
     }
 }
@@ -69,6 +75,31 @@ impl ModelRuntime {
     /// The longest prompt the workers accept, where they report one.
     pub fn worker_prompt_limit(&self) -> Option<u64> {
         Some(self.limits.prompt_limit.load(Ordering::Acquire)).filter(|l| *l != u64::MAX)
+    }
+
+    /// The longest an aborted pair's KV can stay held on its workers after the failure, by
+    /// backend: SGLang, lockstep's abort confirmation (`abort_confirm_ms`) plus SGLang's own
+    /// notice of a client that went away (4 s for a non-streamed half, 2 s after a stream);
+    /// vLLM, the prefill's KV lease (`vllm.kv_lease_ms`; the decode's dropped request is its
+    /// abort); lockstep workers, the longest room lease they report (the Abort RPC frees at
+    /// once when it lands; a worker it cannot reach lets go at its lease); the embedded engine
+    /// frees at its next step.
+    pub fn stranded_kv_bound(&self) -> std::time::Duration {
+        use std::time::Duration;
+        match self.cfg.backend {
+            crate::config::BackendKind::Sglang => {
+                self.cfg.timeouts.abort_confirm() + Duration::from_secs(4)
+            }
+            crate::config::BackendKind::Vllm => Duration::from_millis(self.cfg.vllm.kv_lease_ms),
+            crate::config::BackendKind::Lockstep => {
+                match self.limits.kv_lease_ms.load(Ordering::Acquire) {
+                    // Not reported yet: the worker's default lease.
+                    0 => Duration::from_secs(30),
+                    l => Duration::from_millis(l),
+                }
+            }
+            crate::config::BackendKind::Embedded => Duration::ZERO,
+        }
     }
 }
 
@@ -131,8 +162,12 @@ impl AppState {
         m.worker_inflight.reset();
         m.worker_healthy.reset();
         m.kv_pages.reset();
+        m.stranded_kv_bound_seconds.reset();
         for model in self.models.load().by_name.values() {
             let name = &*model.name;
+            m.stranded_kv_bound_seconds
+                .with_label_values(&[name])
+                .set(model.stranded_kv_bound().as_secs_f64());
             if let Some(pd) = &model.engine {
                 for (engine, e) in pd.engines() {
                     let s = e.stats();

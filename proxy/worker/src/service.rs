@@ -475,6 +475,7 @@ impl Worker for WorkerService {
             kv_capacity_tokens: u64::from(total) * u64::from(self.page_size),
             kv_data_port: self.data_port.load(Ordering::Relaxed),
             pending_kv_bytes: self.rooms.pending_bytes(),
+            lease_ms: self.rooms.lease().as_millis() as u64,
         }))
     }
 

@@ -158,7 +158,7 @@ fn unreachable(side: Side, e: String) -> HalfError {
 
 impl PdBackend for LockstepBackend {
     fn deployment<'a>(&'a self, m: &'a ModelConfig) -> BoxFuture<'a, Result<Deployment, String>> {
-        Box::pin(async move { check_deployment(self, m).await.map(Deployment::capacity) })
+        Box::pin(check_deployment(self, m))
     }
 
     fn prefill(&self, d: &Dispatch) -> BoxFuture<'static, Result<PrefillReport, HalfError>> {
@@ -325,8 +325,12 @@ impl PdBackend for LockstepBackend {
 /// the smallest of the configured one and every worker's; every worker serves the same model
 /// (fingerprint) and a role that fits its pool. A worker that cannot be reached is a warning
 /// (it is health-checked like any other); a wrong role or a second model is an error.
-async fn check_deployment(backend: &LockstepBackend, m: &ModelConfig) -> Result<u64, String> {
+async fn check_deployment(
+    backend: &LockstepBackend,
+    m: &ModelConfig,
+) -> Result<Deployment, String> {
     let mut capacity = m.kv_capacity_tokens;
+    let mut lease_ms: Option<u64> = None;
     let mut source = "configured kv_capacity_tokens".to_string();
     let mut problems = Vec::new();
     let mut fingerprint: Option<(u64, String)> = None;
@@ -366,6 +370,7 @@ async fn check_deployment(backend: &LockstepBackend, m: &ModelConfig) -> Result<
                 capacity = c.kv_capacity_tokens;
                 source = format!("reported by worker {}", w.url);
             }
+            lease_ms = lease_ms.max(Some(c.lease_ms));
         }
     }
     if let Err(e) =
@@ -374,7 +379,10 @@ async fn check_deployment(backend: &LockstepBackend, m: &ModelConfig) -> Result<
         problems.push(e);
     }
     if problems.is_empty() {
-        Ok(capacity)
+        Ok(Deployment {
+            kv_lease_ms: lease_ms,
+            ..Deployment::capacity(capacity)
+        })
     } else {
         Err(problems.join("\n"))
     }

@@ -149,6 +149,8 @@ pub struct Deployment {
     /// Workers the check could not reach (URL without a trailing slash, and why): they get no
     /// pairs until [`PdBackend::verify_worker`] passes for them.
     pub unverified: Vec<(String, String)>,
+    /// The longest lease the workers report for KV waiting on a pair (lockstep workers).
+    pub kv_lease_ms: Option<u64>,
 }
 
 impl Deployment {
@@ -158,6 +160,7 @@ impl Deployment {
             kv_capacity,
             max_prompt_tokens: None,
             unverified: Vec::new(),
+            kv_lease_ms: None,
         }
     }
 }

@@ -290,6 +290,7 @@ pub fn check(m: &ModelConfig, infos: &[Info]) -> Result<Verified, String> {
                 kv_capacity: capacity,
                 max_prompt_tokens: prompt_limit,
                 unverified: Vec::new(),
+                kv_lease_ms: None,
             },
             stream_modes,
         })
