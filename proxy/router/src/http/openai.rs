@@ -372,29 +372,20 @@ impl FrontRequest for ChatRequest {
         )?;
         let (mut sampling, stream, include_usage) =
             self.params.with_rest(rest, fields::CHAT, model)?;
-        if forced.is_some() {
-            if sampling.constraint.is_some() {
-                return Err(bad(
-                    "response_format",
-                    "`response_format` and a `tool_choice` that forces a call cannot both shape the answer".into(),
-                ));
-            }
-            sampling.constraint = forced;
-        }
         let messages = to_messages(self.messages)?;
-        if model.cfg.tool_parser.is_none() && messages.iter().any(|m| m.tool_calls.is_some()) {
-            return Err(LockstepError::Unsupported {
-                message: "this model has no tool parser configured (`models[].tool_parser`), so its template is not known to render tool calls".into(),
-                param: Some("messages".into()),
-            });
-        }
-        let shape =
-            Shape::chat(stream, include_usage).with_tools(tools.as_ref().and_then(|t| t.parse));
-        let input = match tools {
-            Some(t) => Input::ChatTools(messages, t.defs),
-            None => Input::Chat(messages),
-        };
-        Ok((input, sampling, shape))
+        let (input, parser) = super::tools::settle(
+            tools,
+            forced,
+            &mut sampling,
+            "response_format",
+            messages,
+            model.cfg.tool_parser,
+        )?;
+        Ok((
+            input,
+            sampling,
+            Shape::chat(stream, include_usage).with_tools(parser),
+        ))
     }
 }
 

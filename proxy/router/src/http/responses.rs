@@ -375,15 +375,14 @@ impl FrontRequest for ResponsesRequest {
         })?;
         sampling.constraint = constraint;
         let messages = to_messages(self.instructions.clone(), self.input)?;
-        if forced.is_some() {
-            if sampling.constraint.is_some() {
-                return Err(bad(
-                    "text.format",
-                    "`text.format` and a `tool_choice` that forces a call cannot both shape the answer".into(),
-                ));
-            }
-            sampling.constraint = forced;
-        }
+        let (input, parser) = super::tools::settle(
+            tools,
+            forced,
+            &mut sampling,
+            "text.format",
+            messages,
+            model.cfg.tool_parser,
+        )?;
         let echo = json!({
             "instructions": self.instructions,
             "max_output_tokens": self.max_output_tokens,
@@ -391,12 +390,7 @@ impl FrontRequest for ResponsesRequest {
             "top_p": self.top_p.unwrap_or(1.0),
             "text": { "format": format },
         });
-        let shape = ResponsesShape::new(stream, echo, tools.as_ref().and_then(|t| t.parse));
-        let input = match tools {
-            Some(t) => Input::ChatTools(messages, t.defs),
-            None => Input::Chat(messages),
-        };
-        Ok((input, sampling, shape))
+        Ok((input, sampling, ResponsesShape::new(stream, echo, parser)))
     }
 }
 

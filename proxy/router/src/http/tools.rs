@@ -7,7 +7,8 @@
 
 use serde_json::{Map, Value, json};
 
-use crate::backend::Constraint;
+use crate::admission::{ChatMessage, Input};
+use crate::backend::{Constraint, SamplingParams};
 use crate::config::{BackendKind, ToolParserKind};
 use crate::error::LockstepError;
 
@@ -216,6 +217,42 @@ pub(crate) fn request(
         }),
         constraint,
     ))
+}
+
+/// Settles a request's tools once its messages and sampling are known: a forced call becomes
+/// the sampling constraint (it cannot share the answer with the structured-output format named
+/// `format_param`), tool history needs a model whose template is known to render it, and the
+/// prompt input carries the definitions for the template. Returns the input and the parser of
+/// the answer.
+pub(crate) fn settle(
+    tools: Option<Tools>,
+    forced: Option<Constraint>,
+    sampling: &mut SamplingParams,
+    format_param: &str,
+    messages: Vec<ChatMessage>,
+    parser: Option<ToolParserKind>,
+) -> Result<(Input, Option<ToolParserKind>), LockstepError> {
+    if forced.is_some() {
+        if sampling.constraint.is_some() {
+            return Err(invalid(
+                format_param,
+                format!(
+                    "`{format_param}` and a `tool_choice` that forces a call cannot both shape the answer"
+                ),
+            ));
+        }
+        sampling.constraint = forced;
+    }
+    if parser.is_none() && messages.iter().any(|m| m.tool_calls.is_some()) {
+        return Err(LockstepError::Unsupported {
+            message: "this model has no tool parser configured (`models[].tool_parser`), so its template is not known to render tool calls".into(),
+            param: Some("messages".into()),
+        });
+    }
+    Ok(match tools {
+        Some(t) => (Input::ChatTools(messages, t.defs), t.parse),
+        None => (Input::Chat(messages), None),
+    })
 }
 
 /// The grammar of one call, in the parser's format, to one of `tools`.
