@@ -126,6 +126,8 @@ max_batch_tokens = 128
 }
 
 fn model_section(backend: &str, model: &Path, body: &str) -> String {
+    let template =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../config/templates/chatml-tools.jinja");
     format!(
         r#"
 [server]
@@ -137,6 +139,8 @@ backend = "{backend}"
 context_window = 512
 kv_capacity_tokens = 768
 default_max_tokens = 16
+tool_parser = "hermes"
+chat_template = {{ path = "{template}" }}
 
 [models.engine]
 gguf = "{}"
@@ -153,7 +157,8 @@ idle_ms = 20000
 interval_ms = 100
 failure_threshold = 1
 "#,
-        model.display()
+        model.display(),
+        template = template.display(),
     )
 }
 
@@ -322,6 +327,23 @@ async fn distributed_matches_single_process_and_survives_a_lost_decode_worker() 
             .to_string()
     };
     assert_eq!(answer(&db), answer(&rb), "workers and single process agree");
+    // A forced tool call crosses the worker plane too (its grammar travels as `Sampling.lark`).
+    let tool = serde_json::json!({ "model": MODEL, "max_tokens": 60, "temperature": 0,
+        "messages": [{"role": "user", "content": "Weather in Paris?"}], "tool_choice": "required",
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": schema}}] });
+    let (ts, tb) = post(&r.addr, "/v1/chat/completions", &tool).await;
+    assert_eq!(ts, 200, "{tb}");
+    let v: serde_json::Value = serde_json::from_str(&tb).expect("json");
+    assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
+    let call = &v["choices"][0]["message"]["tool_calls"][0]["function"];
+    assert_eq!(call["name"], "get_weather", "{v}");
+    let args: serde_json::Value =
+        serde_json::from_str(call["arguments"].as_str().expect("arguments")).expect("JSON");
+    assert!(
+        args.as_object()
+            .is_some_and(|o| o.len() == 1 && o["city"].is_string()),
+        "{args}"
+    );
     // The stranded-KV bound: the workers' room lease (1.5 s here) for lockstep workers, 0 for
     // the in-process engine.
     let scrape = |addr: String| async move {

@@ -319,13 +319,13 @@ impl ModelConfig {
         let model_file = self.reads_model_file();
         if let (true, Some(e)) = (model_file, &self.engine) {
             e.validate_model_file(&format!("{at}.engine"), out);
-            for (k, set) in [
-                ("tokenizer", self.tokenizer.is_some()),
-                ("chat_template", self.chat_template.is_some()),
-            ] {
-                if set {
-                    out.push(format!("{at}.{k}"), "give either the model file ([models.engine]) or tokenizer and chat_template, not both");
-                }
+            // A chat template may replace the model file's (to render tools, say); the
+            // tokenizer may not: the workers tokenize with the file's.
+            if self.tokenizer.is_some() {
+                out.push(
+                    format!("{at}.tokenizer"),
+                    "give either the model file ([models.engine]) or a tokenizer, not both",
+                );
             }
         }
         if self.engine.is_some() && !model_file {
