@@ -216,10 +216,10 @@ struct Inner {
     rooms: Mutex<HashMap<u64, Room>>,
     room_ready: Notify,
     live: Mutex<HashMap<(Role, String), CancellationToken>>,
-    rid_rooms: Mutex<HashMap<String, u64>>,
-    aborts: Mutex<Vec<AbortRecord>>,
-    requests: Mutex<Vec<(Role, Value)>>,
-    traceparents: Mutex<Vec<(Role, String)>>,
+    rid_rooms: Mutex<Bounded<(String, u64)>>,
+    aborts: Mutex<Bounded<AbortRecord>>,
+    requests: Mutex<Bounded<(Role, Value)>>,
+    traceparents: Mutex<Bounded<(Role, String)>>,
     /// Per-server overrides of `/server_info` keys.
     server_args: Mutex<HashMap<(Role, String), Value>>,
     /// Prefills waiting for their decode to take the room's KV.
@@ -257,6 +257,50 @@ impl Inner {
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "));
         (got != Some(want.as_str())).then_some(StatusCode::UNAUTHORIZED)
+    }
+}
+
+/// How many of each record the mock keeps: every test's whole history, while a soak of many
+/// thousands of requests stays bounded in memory.
+pub const KEPT: usize = 10_000;
+
+/// The most recent [`KEPT`] records, and how many there were.
+#[derive(Debug)]
+struct Bounded<T> {
+    items: std::collections::VecDeque<T>,
+    total: usize,
+}
+
+impl<T> Default for Bounded<T> {
+    fn default() -> Self {
+        Bounded {
+            items: std::collections::VecDeque::new(),
+            total: 0,
+        }
+    }
+}
+
+impl<T: Clone> Bounded<T> {
+    fn push(&mut self, x: T) {
+        if self.items.len() == KEPT {
+            self.items.pop_front();
+        }
+        self.items.push_back(x);
+        self.total += 1;
+    }
+    fn items(&self) -> Vec<T> {
+        self.items.iter().cloned().collect()
+    }
+}
+
+impl Bounded<(String, u64)> {
+    /// The room of a recent rid.
+    fn room(&self, rid: &str) -> Option<u64> {
+        self.items
+            .iter()
+            .rev()
+            .find(|(r, _)| r == rid)
+            .map(|(_, room)| *room)
     }
 }
 
@@ -324,10 +368,10 @@ impl PdMock {
             rooms: Mutex::new(HashMap::new()),
             room_ready: Notify::new(),
             live: Mutex::new(HashMap::new()),
-            rid_rooms: Mutex::new(HashMap::new()),
-            aborts: Mutex::new(Vec::new()),
-            requests: Mutex::new(Vec::new()),
-            traceparents: Mutex::new(Vec::new()),
+            rid_rooms: Mutex::default(),
+            aborts: Mutex::default(),
+            requests: Mutex::default(),
+            traceparents: Mutex::default(),
             server_args: Mutex::new(
                 cfg.server_args
                     .iter()
@@ -402,21 +446,22 @@ impl PdMock {
     pub fn unauthorized(&self) -> Vec<(Role, String)> {
         lock(&self.inner.unauthorized).clone()
     }
-    /// Every abort call received so far.
+    /// Every abort call received so far (the most recent [`KEPT`]).
     pub fn aborts(&self) -> Vec<AbortRecord> {
-        lock(&self.inner.aborts).clone()
+        lock(&self.inner.aborts).items()
     }
-    /// Every `/generate` body received so far, by server.
+    /// Every `/generate` body received so far, by server (the most recent [`KEPT`]).
     pub fn requests(&self) -> Vec<(Role, Value)> {
-        lock(&self.inner.requests).clone()
+        lock(&self.inner.requests).items()
     }
-    /// The W3C `traceparent` header of each `/generate` request that carried one.
+    /// The W3C `traceparent` header of each `/generate` request that carried one (the most
+    /// recent [`KEPT`]).
     pub fn traceparents(&self) -> Vec<(Role, String)> {
-        lock(&self.inner.traceparents).clone()
+        lock(&self.inner.traceparents).items()
     }
     /// Number of `/generate` requests received.
     pub fn request_count(&self) -> usize {
-        lock(&self.inner.requests).len()
+        lock(&self.inner.requests).total
     }
     /// Free pages in the pool.
     pub fn free_pages(&self) -> usize {
@@ -600,7 +645,7 @@ async fn abort(State(ctx): State<Ctx>, body: Bytes) -> Response {
     let mut released = token.is_some();
     if let Some(t) = &token {
         t.cancel();
-    } else if let Some(room) = lock(&ctx.inner.rid_rooms).get(&rid).copied() {
+    } else if let Some(room) = lock(&ctx.inner.rid_rooms).room(&rid) {
         // The half already ended, but KV it produced may still wait for a transfer that will
         // never happen: the abort frees it (or makes a later publish free it).
         let mut rooms = lock(&ctx.inner.rooms);
@@ -689,7 +734,7 @@ async fn generate(State(ctx): State<Ctx>, headers: axum::http::HeaderMap, body: 
     let fault = *lock(&ctx.inner.fault);
     match ctx.role {
         Role::Prefill => {
-            lock(&ctx.inner.rid_rooms).insert(half.rid.clone(), half.room);
+            lock(&ctx.inner.rid_rooms).push((half.rid.clone(), half.room));
             prefill(ctx.inner, half, fault).await
         }
         Role::Decode => decode(ctx.inner, half, fault).await,
@@ -934,7 +979,7 @@ async fn decode(inner: Arc<Inner>, h: Half, fault: Fault) -> Response {
     // stop it); registered after `decode_register_delay`.
     let delay = inner.cfg.decode_register_delay;
     let register_now = delay.is_zero().then(|| {
-        lock(&inner.rid_rooms).insert(h.rid.clone(), h.room);
+        lock(&inner.rid_rooms).push((h.rid.clone(), h.room));
         register(&inner, Role::Decode, &h.rid)
     });
     tokio::spawn(async move {
@@ -942,7 +987,7 @@ async fn decode(inner: Arc<Inner>, h: Half, fault: Fault) -> Response {
             Some(c) => c,
             None => {
                 tokio::time::sleep(delay).await;
-                lock(&work.rid_rooms).insert(h.rid.clone(), h.room);
+                lock(&work.rid_rooms).push((h.rid.clone(), h.room));
                 register(&work, Role::Decode, &h.rid)
             }
         };

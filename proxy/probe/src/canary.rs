@@ -12,18 +12,33 @@ pub const HEX_DIGITS: usize = 16;
 /// Every secret this run has sent, so an answer can be checked for one that is not its own.
 #[derive(Debug, Default)]
 pub struct Secrets {
-    issued: Mutex<HashSet<String>>,
+    issued: Mutex<Issued>,
 }
+
+/// The most recent secrets, bounded so a probe that runs for weeks stays small: a leak is KV of a
+/// request in flight or just finished, far newer than the oldest of these.
+#[derive(Debug, Default)]
+struct Issued {
+    set: HashSet<String>,
+    order: std::collections::VecDeque<String>,
+}
+
+/// Secrets remembered (about 12 MiB at most).
+const REMEMBERED: usize = 1 << 17;
 
 impl Secrets {
     /// A fresh secret, remembered before it is sent.
     pub fn issue(&self) -> String {
         let n: u64 = rand::random();
         let s = format!("{PREFIX}{n:016x}");
-        self.issued
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(s.clone());
+        let mut g = self.issued.lock().unwrap_or_else(|p| p.into_inner());
+        if g.order.len() == REMEMBERED
+            && let Some(old) = g.order.pop_front()
+        {
+            g.set.remove(&old);
+        }
+        g.set.insert(s.clone());
+        g.order.push_back(s.clone());
         s
     }
 
@@ -37,7 +52,7 @@ impl Secrets {
         let issued = self.issued.lock().unwrap_or_else(|p| p.into_inner());
         let mut out: Vec<String> = found
             .into_iter()
-            .filter(|s| Some(s.as_str()) != own && issued.contains(s))
+            .filter(|s| Some(s.as_str()) != own && issued.set.contains(s))
             .collect();
         out.sort();
         out.dedup();

@@ -155,6 +155,8 @@ pub struct Report {
     pub code: u8,
     /// The summary (what `lockstep probe` prints).
     pub text: String,
+    /// The run's totals.
+    pub totals: stats::Totals,
 }
 
 /// Runs the probe, prints its summary to stdout and returns its exit code.
@@ -179,6 +181,7 @@ pub async fn probe(args: ProbeArgs) -> Report {
             return Report {
                 code: 2,
                 text: format!("lockstep probe: {e}\n"),
+                totals: stats::Totals::default(),
             };
         }
     };
@@ -190,6 +193,7 @@ pub async fn probe(args: ProbeArgs) -> Report {
                 return Report {
                     code: 2,
                     text: format!("lockstep probe: --metrics-listen {addr}: {e}\n"),
+                    totals: stats::Totals::default(),
                 };
             }
         },
@@ -215,6 +219,7 @@ pub async fn probe(args: ProbeArgs) -> Report {
         return Report {
             code: stats.exit_code(),
             text,
+            totals: stats.totals(),
         };
     };
     let long_words = args.long_prompt_words.or_else(|| {
@@ -299,7 +304,11 @@ pub async fn probe(args: ProbeArgs) -> Report {
             _ => "no response ever arrived",
         }
     );
-    Report { code, text }
+    Report {
+        code,
+        text,
+        totals: stats.totals(),
+    }
 }
 
 async fn serve_metrics(

@@ -60,6 +60,21 @@ struct Inner {
     skipped: BTreeMap<String, String>,
 }
 
+/// A run's totals, for callers that judge it (the soak test).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Totals {
+    /// Requests sent (over-long ones included).
+    pub sent: u64,
+    /// Requests that completed normally.
+    pub completed: u64,
+    /// Requests that ended in an error.
+    pub errors: u64,
+    /// Foreign secrets seen.
+    pub leaks: u64,
+    /// p99 latency of completed short requests, seconds.
+    pub p99: Option<f64>,
+}
+
 /// Shared counters.
 #[derive(Debug, Default)]
 pub struct Stats {
@@ -139,6 +154,20 @@ impl Stats {
         }
         let i = ((sorted.len() - 1) as f64 * p).round() as usize;
         Some(sorted[i])
+    }
+
+    /// The totals so far.
+    pub fn totals(&self) -> Totals {
+        let g = self.lock();
+        let mut lat: Vec<f64> = g.latencies.iter().copied().collect();
+        lat.sort_by(f64::total_cmp);
+        Totals {
+            sent: g.rows.values().map(|r| r.sent).sum(),
+            completed: g.rows.values().map(|r| r.completed).sum(),
+            errors: g.rows.values().map(|r| r.errors).sum(),
+            leaks: g.leaks.len() as u64,
+            p99: Stats::percentile(&lat, 0.99),
+        }
     }
 
     /// The summary table.
