@@ -42,7 +42,7 @@ use tokenizers::Tokenizer;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
-use crate::sglang_mock::lock;
+use crate::sglang_mock::{KEPT, lock};
 
 /// Injected faults.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -129,6 +129,15 @@ pub enum VllmRole {
 struct Pool {
     blocks: Vec<Vec<u32>>,
     free: Vec<usize>,
+}
+
+/// Records one request, keeping the most recent [`KEPT`] (a soak stays bounded in memory).
+fn record(inner: &Inner, entry: (VllmRole, Option<String>, Value)) {
+    let mut log = lock(&inner.requests);
+    if log.len() >= KEPT {
+        log.drain(..KEPT / 10);
+    }
+    log.push(entry);
 }
 
 struct Inner {
@@ -357,7 +366,7 @@ async fn completions(
 ) -> Response {
     let _live = Live::new(&inner);
     if let Some(r) = unauthorized(&inner, &headers) {
-        lock(&inner.requests).push((role, None, json!({"unauthorized": true})));
+        record(&inner, (role, None, json!({"unauthorized": true})));
         return r;
     }
     let Ok(req) = serde_json::from_slice::<Value>(&body) else {
@@ -367,7 +376,7 @@ async fn completions(
         .get("x-request-id")
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
-    lock(&inner.requests).push((role, rid.clone(), req.clone()));
+    record(&inner, (role, rid.clone(), req.clone()));
     let Some(prompt) = req.get("prompt").and_then(Value::as_array).map(|a| {
         a.iter()
             .filter_map(|t| t.as_u64().map(|t| t as u32))

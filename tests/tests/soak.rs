@@ -1,13 +1,13 @@
 //! The soak: sustained canary traffic (`lockstep probe`: several tenants, every API and mode,
 //! clients that leave mid-stream, over-long prompts) through lockstep over two backends at once:
 //! the SGLang PD mock, which for about 5% of the time injects one of its faults (every kind,
-//! in turn), and the embedded engine on the real model. It passes only with no foreign content
+//! in turn), the vLLM PD mock, and the embedded engine on the real model. It passes only with no foreign content
 //! in any answer, no over-long prompt answered, nothing left at the end (lockstep's registry and
 //! load counters, the mock's halves, rooms and pages, the engine's pages), and the process's RSS
-//! and open file descriptors within 10% of their values after the warm-up half. The p99 of each
-//! half is printed (the drift).
+//! and open file descriptors within 10% of their values after the warm-up (the first two thirds).
+//! The p99 of each part is printed (the drift).
 //!
-//! `LOCKSTEP_SOAK_SECS` (default 60, what CI runs) is the whole run; `LOCKSTEP_SOAK_CONCURRENCY`
+//! `LOCKSTEP_SOAK_SECS` (default 75, what CI runs) is the whole run; `LOCKSTEP_SOAK_CONCURRENCY`
 //! (default 32) the requests in flight against the mock. `bench/soak.sh` runs it longer and
 //! wider.
 
@@ -15,8 +15,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use lockstep_probe::{ProbeArgs, Report};
+use lockstep_router::app::Lockstep;
+use lockstep_router::config::Config;
 use lockstep_tests::harness::Stack;
 use lockstep_tests::sglang_mock::{Fault, MockConfig, PdMock};
+use lockstep_tests::vllm_mock::{VllmMock, VllmMockConfig};
 
 fn env_u64(key: &str, default: u64) -> u64 {
     std::env::var(key)
@@ -82,24 +85,84 @@ async fn inject(mock: &PdMock, stop: &AtomicBool) -> usize {
     n
 }
 
-/// One half of the soak: both probes for `secs`, the fault injector running meanwhile.
+/// lockstep in front of the vLLM PD mock (NixlConnector), both speaking the canary vocabulary.
+async fn vllm_stack() -> (VllmMock, Lockstep, tempfile::TempDir) {
+    let tok = lockstep_tests::tokenizer::build_canary();
+    let mock = VllmMock::start(VllmMockConfig::default(), tok.clone())
+        .await
+        .expect("vLLM mock");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("tokenizer.json");
+    std::fs::write(&path, tok.to_string(true).expect("tokenizer json")).expect("write");
+    let text = format!(
+        r#"
+[server]
+http_listen = "127.0.0.1:0"
+
+[[models]]
+name = "vllm-pd"
+backend = "vllm"
+context_window = 256
+kv_capacity_tokens = 1024
+default_max_tokens = 8
+tokenizer = "{tok}"
+chat_template = {{ inline = '{tpl}' }}
+
+[models.vllm]
+connector = "nixl"
+block_size = 16
+
+[models.prefill]
+workers = [{{ url = "{p}" }}]
+
+[models.decode]
+workers = [{{ url = "{d}" }}]
+
+[models.timeouts]
+total_ms = 10000
+prefill_ms = 3000
+first_token_ms = 1500
+idle_ms = 1500
+"#,
+        tok = path.display(),
+        tpl = lockstep_tests::tokenizer::CHAT_TEMPLATE,
+        p = mock.prefill_url(),
+        d = mock.decode_url(),
+    );
+    let cfg = Config::parse(&text).expect("config parses");
+    let lockstep = Lockstep::start(cfg).await.expect("lockstep starts");
+    (mock, lockstep, dir)
+}
+
+/// One half of the soak: the probes for `secs`, the fault injector running meanwhile.
 async fn half(
     mock: &Stack,
+    vllm_url: &str,
     engine_url: &str,
     secs: u64,
     concurrency: usize,
-) -> (Report, Report, usize) {
+) -> ([Report; 3], usize) {
     let stop = AtomicBool::new(false);
     let probes = async {
         let r = tokio::join!(
             lockstep_probe::probe(args(&mock.url, secs, concurrency)),
+            lockstep_probe::probe(args(vllm_url, secs, concurrency / 2)),
             lockstep_probe::probe(args(engine_url, secs, 2)),
         );
         stop.store(true, Ordering::Relaxed);
         r
     };
-    let ((a, b), n) = tokio::join!(probes, inject(&mock.mock, &stop));
-    (a, b, n)
+    let ((a, b, c), n) = tokio::join!(probes, inject(&mock.mock, &stop));
+    ([a, b, c], n)
+}
+
+/// Waits (bounded) until the vLLM mock holds nothing.
+async fn vllm_idle(mock: &VllmMock) -> bool {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !mock.is_idle() && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    mock.is_idle()
 }
 
 fn check(what: &str, r: &Report) {
@@ -111,7 +174,7 @@ fn check(what: &str, r: &Report) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn soak_leaves_nothing_and_leaks_nothing() {
-    let secs = env_u64("LOCKSTEP_SOAK_SECS", 60).max(4);
+    let secs = env_u64("LOCKSTEP_SOAK_SECS", 75).max(4);
     let concurrency = env_u64("LOCKSTEP_SOAK_CONCURRENCY", 32) as usize;
     let mock = Stack::start_with_tokenizer(
         lockstep_tests::tokenizer::build_canary(),
@@ -127,35 +190,47 @@ async fn soak_leaves_nothing_and_leaks_nothing() {
     let Some(engine) = lockstep_tests::embedded::start("").await else {
         return;
     };
+    let (vllm, vllm_lockstep, _dir) = vllm_stack().await;
+    let vllm_url = format!("http://{}", vllm_lockstep.http_addr);
+    let idle = |when: &'static str| {
+        let (mock, vllm, engine, front) = (&mock, &vllm, &engine, &vllm_lockstep);
+        async move {
+            assert!(
+                mock.wait_all_idle(Duration::from_secs(10)).await,
+                "SGLang mock, {when}: {:?}",
+                mock.mock.live_halves()
+            );
+            assert!(
+                vllm_idle(vllm).await,
+                "vLLM mock, {when}: {} blocks held",
+                vllm.held_blocks()
+            );
+            assert!(
+                front.state.registry.is_empty(),
+                "lockstep over vLLM, {when}"
+            );
+            engine.wait_released().await;
+        }
+    };
     // About 5% of the time one fault is on (50 ms of every second), every kind in turn.
-    let (w1, w2, f1) = half(&mock, &engine.url, secs / 2, concurrency).await;
-    // Post-warm-up: both idle again, then measured.
-    assert!(
-        mock.wait_all_idle(Duration::from_secs(10)).await,
-        "after the warm-up half: {:?}",
-        mock.mock.live_halves()
-    );
-    engine.wait_released().await;
+    // The warm-up is two thirds of the run: the allocator and the connection pools settle.
+    let warm_secs = secs * 2 / 3;
+    let (warmup, f1) = half(&mock, &vllm_url, &engine.url, warm_secs, concurrency).await;
+    // Post-warm-up: all idle again, then measured.
+    idle("after the warm-up half").await;
     let warm = rss_and_fds();
-    let (s1, s2, f2) = half(&mock, &engine.url, secs - secs / 2, concurrency).await;
+    let (second, f2) = half(&mock, &vllm_url, &engine.url, secs - warm_secs, concurrency).await;
     let faults = f1 + f2;
-    assert!(
-        mock.wait_all_idle(Duration::from_secs(10)).await,
-        "at the end: {:?}",
-        mock.mock.live_halves()
-    );
-    engine.wait_released().await;
+    idle("at the end").await;
     let end = rss_and_fds();
-    for (what, r) in [
-        ("mock, warm-up", &w1),
-        ("engine, warm-up", &w2),
-        ("mock, second half", &s1),
-        ("engine, second half", &s2),
-    ] {
-        check(what, r);
+    for (half, reports) in [("warm-up", &warmup), ("second half", &second)] {
+        for (backend, r) in ["SGLang mock", "vLLM mock", "engine"].iter().zip(reports) {
+            check(&format!("{backend}, {half}"), r);
+        }
     }
-    let pairs = [&w1, &w2, &s1, &s2]
+    let pairs = warmup
         .iter()
+        .chain(&second)
         .map(|r| r.totals.sent)
         .sum::<u64>();
     let p99 = |r: &Report| {
@@ -164,11 +239,13 @@ async fn soak_leaves_nothing_and_leaks_nothing() {
             .map_or("-".to_string(), |v| format!("{:.0} ms", v * 1e3))
     };
     println!(
-        "soak: {secs} s, {pairs} requests, {faults} fault windows; mock p99 {} -> {}, engine p99 {} -> {}; RSS {} -> {} kB, fds {} -> {}",
-        p99(&w1),
-        p99(&s1),
-        p99(&w2),
-        p99(&s2),
+        "soak: {secs} s, {pairs} requests, {faults} fault windows; p99 SGLang mock {} -> {}, vLLM mock {} -> {}, engine {} -> {}; RSS {} -> {} kB, fds {} -> {}",
+        p99(&warmup[0]),
+        p99(&second[0]),
+        p99(&warmup[1]),
+        p99(&second[1]),
+        p99(&warmup[2]),
+        p99(&second[2]),
         warm.0,
         end.0,
         warm.1,
