@@ -1,7 +1,8 @@
 //! The soak: sustained canary traffic (`lockstep probe`: several tenants, every API and mode,
 //! clients that leave mid-stream, over-long prompts) through lockstep over two backends at once:
 //! the SGLang PD mock, which for about 5% of the time injects one of its faults (every kind,
-//! in turn), the vLLM PD mock, and the embedded engine on the real model. It passes only with no foreign content
+//! in turn), the vLLM PD mock, the embedded engine on the real model, and `lockstep worker`s
+//! (one prefill, one decode, KV pushed between them) on the real model. It passes only with no foreign content
 //! in any answer, no over-long prompt answered, nothing left at the end (lockstep's registry and
 //! load counters, the mock's halves, rooms and pages, the engine's pages), and the process's RSS
 //! and open file descriptors within 10% of their values after the warm-up (the first two thirds).
@@ -20,6 +21,7 @@ use lockstep_router::config::Config;
 use lockstep_tests::harness::Stack;
 use lockstep_tests::sglang_mock::{Fault, MockConfig, PdMock};
 use lockstep_tests::vllm_mock::{VllmMock, VllmMockConfig};
+use lockstep_worker::{Role, RunningWorker, WorkerFile};
 
 fn env_u64(key: &str, default: u64) -> u64 {
     std::env::var(key)
@@ -134,26 +136,88 @@ idle_ms = 1500
     (mock, lockstep, dir)
 }
 
-/// One half of the soak: the probes for `secs`, the fault injector running meanwhile.
+/// lockstep in front of one prefill and one decode `lockstep worker` (in process, on the real
+/// model): the distributed backend, KV pushed between the workers.
+async fn workers_stack(model: &std::path::Path) -> (Vec<RunningWorker>, Lockstep) {
+    let worker = |role| {
+        let mut f = WorkerFile::default();
+        f.worker.listen = "127.0.0.1:0".parse().expect("addr");
+        f.worker.log_level = "warn".into();
+        f.engine.gguf = model.to_path_buf();
+        f.engine.fetch_pip = String::new();
+        f.engine.kv_pages = 48;
+        f.engine.max_batch_tokens = 128;
+        async move { RunningWorker::start(role, f).await.expect("worker starts") }
+    };
+    let (p, d) = (worker(Role::Prefill).await, worker(Role::Decode).await);
+    let text = format!(
+        r#"
+[server]
+http_listen = "127.0.0.1:0"
+
+[[models]]
+name = "workers"
+backend = "lockstep"
+context_window = 512
+kv_capacity_tokens = 768
+default_max_tokens = 16
+
+[models.engine]
+gguf = "{model}"
+fetch_pip = ""
+
+[models.prefill]
+workers = [{{ url = "http://{p}" }}]
+
+[models.decode]
+workers = [{{ url = "http://{d}" }}]
+
+[models.timeouts]
+total_ms = 60000
+prefill_ms = 30000
+first_token_ms = 40000
+idle_ms = 20000
+"#,
+        model = model.display(),
+        p = p.addr,
+        d = d.addr,
+    );
+    let cfg = Config::parse(&text).expect("config parses");
+    let lockstep = Lockstep::start(cfg).await.expect("router starts");
+    (vec![p, d], lockstep)
+}
+
+/// Whether a worker holds nothing: no request running or waiting, every page free, no pushed
+/// KV waiting in a room.
+fn worker_idle(w: &RunningWorker) -> bool {
+    let s = w.service.engine_stats();
+    s.running.load(Ordering::Relaxed) == 0
+        && s.waiting.load(Ordering::Relaxed) == 0
+        && s.free_pages.load(Ordering::Relaxed) == s.total_pages.load(Ordering::Relaxed)
+        && w.service.pending_kv_bytes() == 0
+}
+
+/// One part of the soak: the probes for `secs`, the fault injector running meanwhile.
 async fn half(
     mock: &Stack,
-    vllm_url: &str,
-    engine_url: &str,
+    urls: [&str; 3],
     secs: u64,
     concurrency: usize,
-) -> ([Report; 3], usize) {
+) -> ([Report; 4], usize) {
+    let [vllm_url, engine_url, workers_url] = urls;
     let stop = AtomicBool::new(false);
     let probes = async {
         let r = tokio::join!(
             lockstep_probe::probe(args(&mock.url, secs, concurrency)),
             lockstep_probe::probe(args(vllm_url, secs, concurrency / 2)),
             lockstep_probe::probe(args(engine_url, secs, 2)),
+            lockstep_probe::probe(args(workers_url, secs, 2)),
         );
         stop.store(true, Ordering::Relaxed);
         r
     };
-    let ((a, b, c), n) = tokio::join!(probes, inject(&mock.mock, &stop));
-    ([a, b, c], n)
+    let ((a, b, c, d), n) = tokio::join!(probes, inject(&mock.mock, &stop));
+    ([a, b, c, d], n)
 }
 
 /// Waits (bounded) until the vLLM mock holds nothing.
@@ -192,8 +256,13 @@ async fn soak_leaves_nothing_and_leaks_nothing() {
     };
     let (vllm, vllm_lockstep, _dir) = vllm_stack().await;
     let vllm_url = format!("http://{}", vllm_lockstep.http_addr);
+    let model = lockstep_tests::embedded::model_path().expect("the model, as the engine has it");
+    let (workers, workers_lockstep) = workers_stack(&model).await;
+    let workers_url = format!("http://{}", workers_lockstep.http_addr);
+    let urls = [vllm_url.as_str(), engine.url.as_str(), workers_url.as_str()];
     let idle = |when: &'static str| {
         let (mock, vllm, engine, front) = (&mock, &vllm, &engine, &vllm_lockstep);
+        let (workers, workers_front) = (&workers, &workers_lockstep);
         async move {
             assert!(
                 mock.wait_all_idle(Duration::from_secs(10)).await,
@@ -210,21 +279,34 @@ async fn soak_leaves_nothing_and_leaks_nothing() {
                 "lockstep over vLLM, {when}"
             );
             engine.wait_released().await;
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+            while !(workers_front.state.registry.is_empty() && workers.iter().all(worker_idle))
+                && tokio::time::Instant::now() < deadline
+            {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            assert!(
+                workers_front.state.registry.is_empty() && workers.iter().all(worker_idle),
+                "lockstep workers, {when}: something is still held"
+            );
         }
     };
     // About 5% of the time one fault is on (50 ms of every second), every kind in turn.
     // The warm-up is two thirds of the run: the allocator and the connection pools settle.
     let warm_secs = secs * 2 / 3;
-    let (warmup, f1) = half(&mock, &vllm_url, &engine.url, warm_secs, concurrency).await;
+    let (warmup, f1) = half(&mock, urls, warm_secs, concurrency).await;
     // Post-warm-up: all idle again, then measured.
     idle("after the warm-up half").await;
     let warm = rss_and_fds();
-    let (second, f2) = half(&mock, &vllm_url, &engine.url, secs - warm_secs, concurrency).await;
+    let (second, f2) = half(&mock, urls, secs - warm_secs, concurrency).await;
     let faults = f1 + f2;
     idle("at the end").await;
     let end = rss_and_fds();
     for (half, reports) in [("warm-up", &warmup), ("second half", &second)] {
-        for (backend, r) in ["SGLang mock", "vLLM mock", "engine"].iter().zip(reports) {
+        for (backend, r) in ["SGLang mock", "vLLM mock", "engine", "lockstep workers"]
+            .iter()
+            .zip(reports)
+        {
             check(&format!("{backend}, {half}"), r);
         }
     }
@@ -239,13 +321,15 @@ async fn soak_leaves_nothing_and_leaks_nothing() {
             .map_or("-".to_string(), |v| format!("{:.0} ms", v * 1e3))
     };
     println!(
-        "soak: {secs} s, {pairs} requests, {faults} fault windows; p99 SGLang mock {} -> {}, vLLM mock {} -> {}, engine {} -> {}; RSS {} -> {} kB, fds {} -> {}",
+        "soak: {secs} s, {pairs} requests, {faults} fault windows; p99 SGLang mock {} -> {}, vLLM mock {} -> {}, engine {} -> {}, workers {} -> {}; RSS {} -> {} kB, fds {} -> {}",
         p99(&warmup[0]),
         p99(&second[0]),
         p99(&warmup[1]),
         p99(&second[1]),
         p99(&warmup[2]),
         p99(&second[2]),
+        p99(&warmup[3]),
+        p99(&second[3]),
         warm.0,
         end.0,
         warm.1,

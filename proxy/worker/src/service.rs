@@ -145,6 +145,11 @@ impl WorkerService {
         }
     }
 
+    /// Bytes of pushed KV waiting in rooms for their Decode.
+    pub fn pending_kv_bytes(&self) -> u64 {
+        self.rooms.pending_bytes()
+    }
+
     /// The engine's live counters.
     pub fn engine_stats(&self) -> &lockstep_engine::engine::EngineStats {
         self.engine.stats()
