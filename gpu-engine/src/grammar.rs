@@ -82,7 +82,7 @@ impl std::fmt::Debug for Grammars {
 }
 
 impl Grammars {
-    /// The token environment of `tok`, whose end of sequence is `eos` (what a complete grammar
+    /// The token environment of `tok` (its end-of-sequence token is what a complete grammar
     /// allows).
     pub fn new(tok: &ModelTokenizer) -> Result<Grammars, String> {
         let def: serde_json::Value = tok

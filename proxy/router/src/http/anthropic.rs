@@ -13,7 +13,7 @@ use serde_json::{Map, Value, json};
 
 use super::extract::Admit;
 use super::fields::{self, Known, known, refuse_unhonoured};
-use super::openai::{CommonParams, Stop, bad};
+use super::openai::{CommonParams, Stop, bad, renamed};
 use super::respond::{Progress, Render, serve_pair, sse_named};
 use crate::admission::{ChatMessage, FrontRequest, Input, Refusal};
 use crate::backend::{DecodeChunk, FinishReason, SamplingParams};
@@ -271,23 +271,16 @@ impl FrontRequest for MessagesRequest {
         let stop = self.stop_sequences.unwrap_or_default();
         let params = CommonParams {
             max_tokens: Some(self.max_tokens),
-            max_completion_tokens: None,
             temperature: self.temperature,
             top_p: self.top_p,
             top_k: self.top_k,
-            n: None,
             stream: self.stream,
-            stream_options: None,
             stop: (!stop.is_empty()).then(|| Stop::Many(stop.clone())),
-            seed: None,
-            frequency_penalty: None,
-            presence_penalty: None,
-            ignore_eos: None,
-            best_of: None,
+            ..CommonParams::default()
         };
         let (mut sampling, stream, _) = params
             .sampling(model)
-            .map_err(|e| rename(e, "stop", "stop_sequences"))?;
+            .map_err(|e| renamed(e, "stop", "stop_sequences"))?;
         sampling.constraint = constraint;
         let messages = Self::messages(self.system, self.messages)?;
         Ok((
@@ -298,19 +291,6 @@ impl FrontRequest for MessagesRequest {
                 started: false,
             },
         ))
-    }
-}
-
-/// The shared validation names OpenAI's field; the client sent Anthropic's.
-fn rename(e: LockstepError, from: &str, to: &str) -> LockstepError {
-    match e {
-        LockstepError::InvalidRequest { message, param } if param.as_deref() == Some(from) => {
-            LockstepError::InvalidRequest {
-                message: message.replace(&format!("`{from}`"), &format!("`{to}`")),
-                param: Some(to.into()),
-            }
-        }
-        other => other,
     }
 }
 

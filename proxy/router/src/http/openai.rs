@@ -35,8 +35,9 @@ pub(crate) struct StreamOptions {
     include_usage: bool,
 }
 
-/// Sampling fields shared by both endpoints.
-#[derive(Debug, Deserialize)]
+/// Sampling fields shared by both endpoints (and built by the Responses and Messages front ends
+/// from their own names: `Default` is "the request did not say").
+#[derive(Debug, Default, Deserialize)]
 pub(crate) struct CommonParams {
     pub(super) max_tokens: Option<i64>,
     pub(super) max_completion_tokens: Option<i64>,
@@ -60,6 +61,19 @@ pub(crate) fn bad(param: &str, message: String) -> LockstepError {
     LockstepError::InvalidRequest {
         message,
         param: Some(param.to_string()),
+    }
+}
+
+/// `e` naming the client's own field where the shared validation named OpenAI's (`from`).
+pub(crate) fn renamed(e: LockstepError, from: &str, to: &str) -> LockstepError {
+    match e {
+        LockstepError::InvalidRequest { message, param } if param.as_deref() == Some(from) => {
+            LockstepError::InvalidRequest {
+                message: message.replace(&format!("`{from}`"), &format!("`{to}`")),
+                param: Some(to.into()),
+            }
+        }
+        other => other,
     }
 }
 

@@ -11,7 +11,7 @@ use serde_json::{Map, Value, json};
 
 use super::extract::Admit;
 use super::fields::{self, Known, known, refuse_unhonoured};
-use super::openai::{CommonParams, bad};
+use super::openai::{CommonParams, bad, renamed};
 use super::respond::serve_pair;
 use super::responses_out::ResponsesShape;
 use crate::admission::{ChatMessage, FrontRequest, Input};
@@ -347,32 +347,15 @@ impl FrontRequest for ResponsesRequest {
             }
         };
         let params = CommonParams {
-            max_tokens: None,
             max_completion_tokens: self.max_output_tokens,
             temperature: self.temperature,
             top_p: self.top_p,
-            top_k: None,
-            n: None,
             stream: self.stream,
-            stream_options: None,
-            stop: None,
-            seed: None,
-            frequency_penalty: None,
-            presence_penalty: None,
-            ignore_eos: None,
-            best_of: None,
+            ..CommonParams::default()
         };
-        let (mut sampling, stream, _) = params.sampling(model).map_err(|e| match e {
-            LockstepError::InvalidRequest { message, param }
-                if param.as_deref() == Some("max_completion_tokens") =>
-            {
-                LockstepError::InvalidRequest {
-                    message: message.replace("max_completion_tokens", "max_output_tokens"),
-                    param: Some("max_output_tokens".into()),
-                }
-            }
-            other => other,
-        })?;
+        let (mut sampling, stream, _) = params
+            .sampling(model)
+            .map_err(|e| renamed(e, "max_completion_tokens", "max_output_tokens"))?;
         sampling.constraint = constraint;
         let messages = to_messages(self.instructions.clone(), self.input)?;
         let (input, parser) = super::tools::settle(
