@@ -10,77 +10,16 @@
 //! - Leases: pushed KV nobody claims, and a decode call whose KV never comes, are dropped after
 //!   `worker.lease_ms`; a decode call whose caller goes away frees its pages at once.
 
+mod common;
+
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::time::{Duration, Instant};
+
+use common::*;
 
 use lockstep_proto::v1 as pb;
 use lockstep_proto::v1::worker_client::WorkerClient;
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
-use tonic::transport::Channel;
-
-const BIN: &str = env!("CARGO_BIN_EXE_lockstep");
-const MODEL: &str = "smollm2";
-
-/// The model file, or `None` (the test returns) when it was not fetched; with
-/// `LOCKSTEP_REQUIRE_MODEL` set (CI) a missing model fails.
-fn model_path() -> Option<PathBuf> {
-    let p = std::env::var_os("LOCKSTEP_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            lockstep_serve::toml_file::expand_home(
-                &lockstep_serve::engine_section::EngineSection::default().gguf,
-            )
-        });
-    if p.is_file() {
-        return Some(p);
-    }
-    assert!(
-        std::env::var_os("LOCKSTEP_REQUIRE_MODEL").is_none(),
-        "LOCKSTEP_REQUIRE_MODEL is set but the model is missing: run scripts/fetch-model.sh"
-    );
-    eprintln!("test model not fetched (scripts/fetch-model.sh)");
-    None
-}
-
-/// A `lockstep` process, killed (by pid, through its handle) when dropped.
-struct Proc {
-    child: tokio::process::Child,
-    addr: String,
-}
-
-/// Spawns `lockstep ARGS` and waits (bounded) for the log line containing `ready`, taking the
-/// address it listens on from that line.
-async fn spawn(args: &[&str], ready: &str) -> Proc {
-    let mut child = tokio::process::Command::new(BIN)
-        .args(args)
-        .env("NO_COLOR", "1")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("spawn lockstep");
-    let mut lines = tokio::io::BufReader::new(child.stdout.take().expect("stdout")).lines();
-    let addr = tokio::time::timeout(Duration::from_secs(120), async {
-        while let Ok(Some(l)) = lines.next_line().await {
-            if l.contains(ready) {
-                let at = l.find("127.0.0.1:").expect("address in the ready line");
-                let addr: String = l[at..]
-                    .chars()
-                    .take_while(|c| c.is_ascii_digit() || *c == '.' || *c == ':')
-                    .collect();
-                return Some(addr);
-            }
-        }
-        None
-    })
-    .await
-    .expect("ready in time")
-    .unwrap_or_else(|| panic!("lockstep {args:?} exited before `{ready}`"));
-    // Keep draining its output so it never blocks on a full pipe.
-    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-    Proc { child, addr }
-}
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 async fn worker(role: &str, config: &Path) -> Proc {
     let cfg = config.to_str().expect("utf-8 path");
@@ -180,78 +119,6 @@ async fn router(dir: &Path, model: &Path, prefill: &Proc, decode: &[&Proc]) -> P
     std::fs::write(&p, text).expect("write router config");
     let cfg = p.to_str().expect("utf-8").to_string();
     spawn(&["serve", "--config", &cfg], "lockstep listening").await
-}
-
-/// One raw HTTP/1.1 POST; the whole answer (bounded: 90 s).
-async fn post(addr: &str, path: &str, body: &serde_json::Value) -> (u16, String) {
-    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    let body = body.to_string();
-    let req = format!(
-        "POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    s.write_all(req.as_bytes()).await.expect("write");
-    let mut out = String::new();
-    tokio::time::timeout(Duration::from_secs(90), s.read_to_string(&mut out))
-        .await
-        .expect("answer in time")
-        .expect("read");
-    let status = out
-        .get(9..12)
-        .and_then(|c| c.parse().ok())
-        .expect("status line");
-    let body = out.split_once("\r\n\r\n").map(|x| x.1).unwrap_or("");
-    (status, body.to_string())
-}
-
-fn completion(prompt: &str, max_tokens: u64) -> serde_json::Value {
-    serde_json::json!({ "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0 })
-}
-
-fn text_of(body: &str) -> String {
-    let v: serde_json::Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}"));
-    v["choices"][0]["text"]
-        .as_str()
-        .unwrap_or_else(|| panic!("no text: {body}"))
-        .to_string()
-}
-
-async fn client(addr: &str) -> WorkerClient<Channel> {
-    let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
-        .expect("endpoint")
-        .connect()
-        .await
-        .expect("connect to worker");
-    WorkerClient::new(ch).max_decoding_message_size(64 << 20)
-}
-
-async fn capacity(addr: &str) -> pb::CapacityResponse {
-    client(addr)
-        .await
-        .capacity(pb::CapacityRequest {})
-        .await
-        .expect("capacity")
-        .into_inner()
-}
-
-/// Waits (bounded) until the worker holds no page, runs nothing and keeps no pushed set.
-async fn wait_idle(addr: &str) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let c = capacity(addr).await;
-        if c.free_pages == c.total_pages && c.running == 0 && c.pending_kv_sets == 0 {
-            return;
-        }
-        assert!(Instant::now() < deadline, "worker {addr} not idle: {c:?}");
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-}
-
-/// [`wait_idle`] on every worker.
-async fn wait_idle_all(workers: &[&Proc]) {
-    for w in workers {
-        wait_idle(&w.addr).await;
-    }
 }
 
 const PROMPTS: [&str; 6] = [

@@ -9,11 +9,10 @@ use tokio::time::{Instant as TokioInstant, sleep, sleep_until};
 use tracing::Instrument;
 
 use super::abort::{AbortPlan, Halves, abort_both, decode_chunk, prefill_answer};
-use super::observer::{AbortContext, PairObserver};
+use super::machine::{Action, Env, Input, Limits, Machine, Stage, Verdict};
+use super::observer::{AbortContext, PairObserver, TokenTimes};
 use super::outcome::Failure;
-use super::{
-    AbortReason, Outcome, PairEvent, PairId, PairInfo, PairRegistry, PairState, PairStats,
-};
+use super::{Outcome, PairEvent, PairGuard, PairId, PairInfo, PairRegistry, PairState, PairStats};
 use crate::audit::Audit;
 use crate::backend::{
     DecodeChunk, Dispatch, HalfError, HalfFailure, PdBackend, SamplingParams, Side,
@@ -21,7 +20,7 @@ use crate::backend::{
 use crate::config::{RetryConfig, TimeoutConfig};
 use crate::error::{LockstepError, Phase};
 use crate::metrics::Metrics;
-use crate::pool::{RouteKey, WorkerPool};
+use crate::pool::{LoadGuard, RouteKey, Upstream, WorkerPool};
 
 /// Everything the lifecycle of one model's pairs needs.
 pub struct PairRuntime {
@@ -86,120 +85,299 @@ impl PairRuntime {
         request_span: tracing::Span,
     ) -> Outcome {
         let started = TokioInstant::now();
-        let mut attempt: u32 = 0;
-        let mut avoid: (
-            Option<Arc<crate::pool::Upstream>>,
-            Option<Arc<crate::pool::Upstream>>,
-        ) = (None, None);
+        let total_at = started + self.timeouts.total();
+        let expected = input_ids.len() as u64;
+        let mut machine = Machine::new(Limits {
+            expected,
+            decode_counts_prompt: self.backend.decode_counts_prompt(),
+            max_retries: self.retry.max_retries,
+        });
+        let req = Request {
+            input_ids,
+            sampling,
+            tenant,
+            span: request_span,
+        };
+        let mut avoid: Avoid = (None, None);
+        let mut cur: Option<Attempt> = None;
+        let mut failure: Option<Failure> = None;
+        let mut tokens: Option<TokenTimes> = None;
+        let mut last_sent: Option<TokioInstant> = None;
         let outcome = loop {
-            let key = RouteKey {
-                tokens: &input_ids,
-                salt: crate::tenant::cache_salt(tenant.as_deref()),
-            };
-            let Some(pg) = self.prefill.pick(avoid.0.as_ref(), Some(&key)) else {
-                let e = self.no_worker(&self.prefill, "prefill");
-                let _ = tx.send(PairEvent::Failed(e)).await;
-                break Outcome::Aborted(AbortReason::NoWorker);
-            };
-            let Some(dg) = self.decode.pick(avoid.1.as_ref(), Some(&key)) else {
-                let e = self.no_worker(&self.decode, "decode");
-                let _ = tx.send(PairEvent::Failed(e)).await;
-                break Outcome::Aborted(AbortReason::NoWorker);
-            };
-            let guard = self.registry.register(PairInfo {
-                model: self.model.clone(),
-                prefill: pg.worker().url.clone(),
-                decode: dg.worker().url.clone(),
-                started: Instant::now(),
-                state: PairState::Dispatched,
-                tenant: tenant.clone(),
-            });
-            let d = Dispatch {
-                pair_id: guard.id(),
-                prefill: pg.worker().clone(),
-                decode: dg.worker().clone(),
-                input_ids: input_ids.clone(),
-                sampling: sampling.clone(),
-                tenant: tenant.clone(),
-            };
-            self.observe().dispatched();
-            let mut committed = false;
-            let mut barrier = None;
-            let dispatched = TokioInstant::now();
-            let pair_span = tracing::info_span!(
-                parent: &request_span,
-                "pair",
-                pair_id = %d.pair_id,
-                model = %self.model,
-                prefill = %d.prefill.url,
-                decode = %d.decode.url,
-                attempt,
-            );
-            let mut halves = Halves::default();
-            match self
-                .attempt(
-                    &d,
-                    &mut halves,
-                    &tx,
-                    started,
-                    &guard,
-                    &mut committed,
-                    &mut barrier,
-                )
-                .instrument(pair_span.clone())
-                .await
-            {
-                Ok(()) => {
-                    self.observe().completed();
-                    break Outcome::Completed;
+            // Wait for whatever the stage awaits: that is the machine's next input.
+            let input = match (machine.stage(), cur.as_mut()) {
+                (Stage::Done(o), _) => break o,
+                (Stage::Picking, _) => match self.pick(&req, &avoid, machine.attempt()) {
+                    Ok(a) => {
+                        cur = Some(a);
+                        Input::Picked
+                    }
+                    Err(side) => Input::NoWorker(side),
+                },
+                (Stage::Backoff(_), _) => {
+                    sleep(Duration::from_millis(self.retry.backoff_ms)).await;
+                    Input::BackoffOver
                 }
-                Err(f) => {
-                    guard.set_state(PairState::Aborting);
-                    self.abort_both(&d, halves, TokioInstant::now());
-                    let at = AbortContext {
-                        tenant: tenant.as_deref(),
-                        attempt,
-                        committed,
-                        started,
-                        dispatched,
-                        barrier,
-                    };
-                    self.observe().aborted(&pair_span, &d, &f, &at);
-                    if !committed
-                        && f.retry_safe
-                        && attempt < self.retry.max_retries
-                        && !tx.is_closed()
-                        && !self.registry.is_draining()
-                    {
-                        attempt += 1;
+                (Stage::Barrier { prefill, first }, Some(a)) => {
+                    let span = a.span.clone();
+                    self.barrier_wait(a, prefill.is_some(), first.is_some(), &tx, total_at)
+                        .instrument(span)
+                        .await
+                }
+                (Stage::Committing { .. } | Stage::Forwarding { .. }, Some(a)) => {
+                    let span = a.span.clone();
+                    let input = self.deliver(a, &tx, total_at).instrument(span).await;
+                    if input == Input::Delivered && a.delivered_chunk {
+                        let now = TokioInstant::now();
+                        if let Some(t) = &tokens {
+                            t.sent(now, started, last_sent);
+                        }
+                        last_sent = Some(now);
+                    }
+                    input
+                }
+                (Stage::Streaming, Some(a)) => {
+                    let span = a.span.clone();
+                    self.stream_wait(a, &tx, total_at).instrument(span).await
+                }
+                (_, None) => unreachable!("an attempt's stage without its attempt"),
+            };
+            let env = Env {
+                client_open: !tx.is_closed(),
+                draining: self.registry.is_draining(),
+            };
+            let mut fail = None;
+            for action in machine.step(input, env) {
+                match (action, cur.as_mut()) {
+                    (Action::Dispatch, Some(a)) => self.dispatch(a),
+                    (Action::Commit, Some(a)) => {
+                        a.prefill_verified(self, req.tenant.is_some(), expected);
+                        a.guard.set_state(PairState::Committed);
+                        let waited = a.dispatched.elapsed();
+                        a.barrier = Some(waited);
+                        a.barrier_span = None;
+                        tokens = Some(self.observe().committed(waited));
+                        a.outgoing = Some(PairEvent::Committed {
+                            pair_id: a.d.pair_id,
+                            prompt_tokens: expected,
+                            cached_tokens: a.cached_tokens,
+                        });
+                    }
+                    (Action::Forward, Some(a)) => a.outgoing = a.held.take().map(PairEvent::Chunk),
+                    (Action::Abort(v), Some(a)) => {
+                        let f = Failure::of(a.d.pair_id, v, a.failed_half.take(), expected);
+                        a.guard.set_state(PairState::Aborting);
+                        self.abort_both(&a.d, std::mem::take(&mut a.halves), TokioInstant::now());
+                        let at = AbortContext {
+                            tenant: req.tenant.as_deref(),
+                            attempt: machine.attempt(),
+                            committed: machine.committed(),
+                            started,
+                            dispatched: a.dispatched,
+                            barrier: a.barrier,
+                        };
+                        self.observe().aborted(&a.span, &a.d, &f, &at);
+                        failure = Some(f);
+                    }
+                    (Action::Retry(v), Some(a)) => {
                         self.observe().retried();
-                        avoid = match f.failed_side {
-                            Some(Side::Prefill) => (Some(d.prefill.clone()), None),
-                            Some(Side::Decode) => (None, Some(d.decode.clone())),
+                        avoid = match v.failed_side() {
+                            Some(Side::Prefill) => (Some(a.d.prefill.clone()), None),
+                            Some(Side::Decode) => (None, Some(a.d.decode.clone())),
                             None => (None, None),
                         };
-                        drop((guard, pg, dg));
-                        sleep(Duration::from_millis(self.retry.backoff_ms)).await;
-                        // A drain that began during the backoff starts nothing new: the client
-                        // gets this failure instead.
-                        if !self.registry.is_draining() {
-                            continue;
-                        }
+                        // The failed pair leaves the registry and its workers' counts now.
+                        cur = None;
                     }
-                    if f.reason != AbortReason::ClientGone {
-                        // On a committed stream this becomes one error event; before, an error status.
-                        let _ = tokio::time::timeout(
-                            Duration::from_secs(1),
-                            tx.send(PairEvent::Failed(f.error)),
-                        )
-                        .await;
+                    (Action::Fail(Verdict::NoWorker(side)), _) => {
+                        fail = Some(self.no_worker(side));
                     }
-                    break Outcome::Aborted(f.reason);
+                    (Action::Fail(v), _) => {
+                        let pair_id = cur.as_ref().map_or(PairId::from_raw(0), |a| a.d.pair_id);
+                        let f = failure
+                            .take()
+                            .unwrap_or_else(|| Failure::of(pair_id, v, None, expected));
+                        fail = Some(f.error);
+                    }
+                    (Action::Finish(Outcome::Completed), _) => self.observe().completed(),
+                    (Action::Finish(_), _) => {}
+                    (_, None) => unreachable!("an attempt's action without its attempt"),
                 }
+            }
+            if let (
+                Stage::Barrier {
+                    prefill: Some(_), ..
+                },
+                Some(a),
+            ) = (machine.stage(), cur.as_mut())
+            {
+                a.prefill_verified(self, req.tenant.is_some(), expected);
+            }
+            if let Some(error) = fail {
+                // On a committed stream this becomes one error event; before, an error status.
+                let _ =
+                    tokio::time::timeout(Duration::from_secs(1), tx.send(PairEvent::Failed(error)))
+                        .await;
             }
         };
         self.observe().ended(outcome);
         outcome
+    }
+
+    /// Picks both workers (avoiding the ones a retry names), registers the pair and opens its
+    /// span; `Err` names the side no worker could take.
+    fn pick(&self, req: &Request, avoid: &Avoid, attempt: u32) -> Result<Attempt, Side> {
+        let key = RouteKey {
+            tokens: &req.input_ids,
+            salt: crate::tenant::cache_salt(req.tenant.as_deref()),
+        };
+        let pg = self
+            .prefill
+            .pick(avoid.0.as_ref(), Some(&key))
+            .ok_or(Side::Prefill)?;
+        let dg = self
+            .decode
+            .pick(avoid.1.as_ref(), Some(&key))
+            .ok_or(Side::Decode)?;
+        let guard = self.registry.register(PairInfo {
+            model: self.model.clone(),
+            prefill: pg.worker().url.clone(),
+            decode: dg.worker().url.clone(),
+            started: Instant::now(),
+            state: PairState::Dispatched,
+            tenant: req.tenant.clone(),
+        });
+        let d = Dispatch {
+            pair_id: guard.id(),
+            prefill: pg.worker().clone(),
+            decode: dg.worker().clone(),
+            input_ids: req.input_ids.clone(),
+            sampling: req.sampling.clone(),
+            tenant: req.tenant.clone(),
+        };
+        let span = tracing::info_span!(
+            parent: &req.span,
+            "pair",
+            pair_id = %d.pair_id,
+            model = %self.model,
+            prefill = %d.prefill.url,
+            decode = %d.decode.url,
+            attempt,
+        );
+        Ok(Attempt {
+            d,
+            guard,
+            _load: (pg, dg),
+            span,
+            dispatched: TokioInstant::now(),
+            halves: Halves::default(),
+            prefill_span: None,
+            decode_span: None,
+            barrier_span: None,
+            kv_transfer: None,
+            reported_cached: None,
+            cached_tokens: 0,
+            verified: false,
+            held: None,
+            failed_half: None,
+            outgoing: None,
+            delivered_chunk: false,
+            barrier: None,
+        })
+    }
+
+    /// Sends both halves to their workers. Each half's span lives as long as that half does; the
+    /// backends take the trace context for their upstream requests from the span current when
+    /// they are created.
+    fn dispatch(&self, a: &mut Attempt) {
+        self.observe().dispatched();
+        a.dispatched = TokioInstant::now();
+        let prefill_span =
+            tracing::info_span!(parent: &a.span, "prefill", worker = %a.d.prefill.url);
+        let decode_span = tracing::info_span!(parent: &a.span, "decode", worker = %a.d.decode.url);
+        a.halves.prefill = Some(prefill_span.in_scope(|| self.backend.prefill(&a.d)));
+        a.halves.decode = Some(decode_span.in_scope(|| self.backend.decode(&a.d)));
+        a.prefill_span = Some(prefill_span);
+        a.decode_span = Some(decode_span);
+        a.barrier_span = Some(tracing::info_span!(parent: &a.span, "commit_barrier"));
+    }
+
+    /// The commit barrier's wait: no decode byte leaves before the prefill is verified and the
+    /// decode's first chunk agrees with it (the machine judges both).
+    async fn barrier_wait(
+        &self,
+        a: &mut Attempt,
+        prefill_in: bool,
+        first_in: bool,
+        tx: &mpsc::Sender<PairEvent>,
+        total_at: TokioInstant,
+    ) -> Input {
+        let prefill_at = a.dispatched + self.timeouts.prefill();
+        let first_at = a.dispatched + self.timeouts.first_token();
+        tokio::select! {
+            biased;
+            why = a.guard.cancelled() => Input::Cancelled(why),
+            _ = tx.closed() => Input::ClientGone,
+            _ = sleep_until(total_at) => Input::Deadline(Phase::Total),
+            _ = sleep_until(prefill_at), if !prefill_in => Input::Deadline(Phase::Prefill),
+            _ = sleep_until(first_at), if !first_in => Input::Deadline(Phase::FirstToken),
+            r = prefill_answer(&mut a.halves.prefill), if !prefill_in => {
+                a.prefill_span = None;
+                match r {
+                    Ok(report) => {
+                        a.reported_cached = report.cached_tokens;
+                        Input::Prefill { prompt_tokens: report.prompt_tokens, digest: report.kv_digest }
+                    }
+                    Err(e) => a.half_failed(e),
+                }
+            }
+            c = decode_chunk(&mut a.halves.decode), if !first_in => {
+                a.kv_transfer = None;
+                a.decoded(c)
+            }
+        }
+    }
+
+    /// Hands the outgoing event to the client. A client that stops reading fills the channel
+    /// (and the socket under it): the send then waits, bounded by `client_idle_ms`, and stays
+    /// abortable.
+    async fn deliver(
+        &self,
+        a: &mut Attempt,
+        tx: &mpsc::Sender<PairEvent>,
+        total_at: TokioInstant,
+    ) -> Input {
+        let Some(event) = a.outgoing.take() else {
+            return Input::Delivered;
+        };
+        a.delivered_chunk = matches!(event, PairEvent::Chunk(_));
+        tokio::select! {
+            biased;
+            why = a.guard.cancelled() => Input::Cancelled(why),
+            sent = tx.send(event) => match sent {
+                Ok(()) => Input::Delivered,
+                Err(_) => Input::ClientGone,
+            },
+            _ = sleep_until(total_at) => Input::Deadline(Phase::Total),
+            _ = sleep(self.timeouts.client_idle()) => Input::Deadline(Phase::ClientIdle),
+        }
+    }
+
+    /// Waits for the decode's next chunk after commit.
+    async fn stream_wait(
+        &self,
+        a: &mut Attempt,
+        tx: &mpsc::Sender<PairEvent>,
+        total_at: TokioInstant,
+    ) -> Input {
+        tokio::select! {
+            biased;
+            why = a.guard.cancelled() => Input::Cancelled(why),
+            _ = tx.closed() => Input::ClientGone,
+            _ = sleep_until(total_at) => Input::Deadline(Phase::Total),
+            _ = sleep(self.timeouts.idle()) => Input::Deadline(Phase::Idle),
+            c = decode_chunk(&mut a.halves.decode) => a.decoded(c),
+        }
     }
 
     /// Sends the abort to both halves in the background, each call bounded by `abort_ms`, never
@@ -223,8 +401,13 @@ impl PairRuntime {
 
     /// The refusal when a side has no worker to take the pair: all at their pair limit, or
     /// none healthy (counted as an admission refusal: nothing was dispatched).
-    fn no_worker(&self, pool: &WorkerPool, side: &'static str) -> LockstepError {
+    fn no_worker(&self, side: Side) -> LockstepError {
+        let pool = match side {
+            Side::Prefill => &self.prefill,
+            Side::Decode => &self.decode,
+        };
         let model = self.model.to_string();
+        let side = side.as_str();
         let e = if pool.all_busy() {
             LockstepError::WorkersBusy { model, side }
         } else {
@@ -233,189 +416,99 @@ impl PairRuntime {
         self.observe().refused(&e);
         e
     }
+}
 
-    /// One attempt: barrier, then streaming. `Err` means both halves must be aborted.
-    #[allow(clippy::too_many_arguments)]
-    async fn attempt(
-        &self,
-        d: &Dispatch,
-        halves: &mut Halves,
-        tx: &mpsc::Sender<PairEvent>,
-        started: TokioInstant,
-        guard: &super::PairGuard,
-        committed: &mut bool,
-        barrier: &mut Option<Duration>,
-    ) -> Result<(), Failure> {
-        let id = d.pair_id;
-        let t = &self.timeouts;
-        let dispatched = TokioInstant::now();
-        let total_at = started + t.total();
-        let prefill_at = dispatched + t.prefill();
-        let first_at = dispatched + t.first_token();
-        let expected = d.input_ids.len() as u64;
+/// What a request brings to each of its attempts.
+struct Request {
+    input_ids: Arc<[u32]>,
+    sampling: Arc<SamplingParams>,
+    tenant: Option<Arc<str>>,
+    /// The request's span: it parents every pair the request dispatches.
+    span: tracing::Span,
+}
 
-        // Each half's span lives as long as that half does; the backends take the trace context
-        // for their upstream requests from the span current when they are created.
-        let prefill_span = tracing::info_span!("prefill", worker = %d.prefill.url);
-        let decode_span = tracing::info_span!("decode", worker = %d.decode.url);
-        halves.prefill = Some(prefill_span.in_scope(|| self.backend.prefill(d)));
-        let mut prefill_span = Some(prefill_span);
-        halves.decode = Some(decode_span.in_scope(|| self.backend.decode(d)));
-        let barrier_span = tracing::info_span!("commit_barrier");
-        let mut kv_transfer: Option<tracing::Span> = None;
-        let mut prefill_ok = false;
-        let mut prefill_digest = None;
-        let mut cached_tokens = 0;
-        let mut first: Option<DecodeChunk> = None;
+/// The workers a retry avoids: the side that failed.
+type Avoid = (Option<Arc<Upstream>>, Option<Arc<Upstream>>);
 
-        // The commit barrier: no decode byte leaves before the prefill is verified and the decode's
-        // first chunk agrees with it.
-        while !prefill_ok || first.is_none() {
-            tokio::select! {
-                biased;
-                why = guard.cancelled() => return Err(Failure::cancelled(id, why)),
-                _ = tx.closed() => return Err(Failure::plain(LockstepError::Unavailable { message: "client went away".into() }, AbortReason::ClientGone)),
-                _ = sleep_until(total_at) => return Err(Failure::deadline(id, Phase::Total)),
-                _ = sleep_until(prefill_at), if !prefill_ok => return Err(Failure::deadline(id, Phase::Prefill)),
-                _ = sleep_until(first_at), if first.is_none() => return Err(Failure::deadline(id, Phase::FirstToken)),
-                r = prefill_answer(&mut halves.prefill), if !prefill_ok => {
-                    prefill_span = None;
-                    let report = r.map_err(|e| Failure::from_half(id, e))?;
-                    if report.prompt_tokens != expected {
-                        return Err(Failure::integrity(id, "prefill_prompt_count", format!(
-                            "prefill computed {} prompt tokens, lockstep sent {expected}", report.prompt_tokens)));
-                    }
-                    if let Some(n) = report.cached_tokens {
-                        self.observe().cached_tokens(n);
-                        if d.tenant.is_some() {
-                            cached_tokens = n.min(expected);
-                        }
-                    }
-                    prefill_ok = true;
-                    prefill_digest = report.kv_digest;
-                    // Prefill done: from here until the decode's first chunk, the KV moves to the
-                    // decode worker and its first step runs.
-                    if first.is_none() {
-                        kv_transfer = Some(tracing::info_span!(parent: &barrier_span, "kv_transfer"));
-                    }
-                }
-                c = decode_chunk(&mut halves.decode), if first.is_none() => {
-                    let chunk = match c {
-                        Some(Ok(chunk)) => chunk,
-                        Some(Err(e)) => return Err(Failure::from_half(id, e)),
-                        None => return Err(Failure::from_half(id, HalfError { side: Side::Decode, failure: HalfFailure::Protocol("stream ended before any token".into()) })),
-                    };
-                    check_decode_count(id, &chunk, expected)?;
-                    if chunk.prompt_tokens.is_none() && self.backend.decode_counts_prompt() {
-                        // This backend always reports the count: its absence is no proof.
-                        return Err(Failure::integrity(id, "decode_prompt_count", "the decode's first chunk reports no prompt count".into()));
-                    }
-                    first = Some(chunk);
-                    kv_transfer = None;
-                }
-            }
-        }
-        drop((kv_transfer, prefill_span, barrier_span));
+/// One attempt's pair: its registration, workers, halves, spans, and what waits for the client.
+struct Attempt {
+    d: Dispatch,
+    /// The registry entry: the pair is live while this is held.
+    guard: PairGuard,
+    /// Both workers' in-flight counts, held as long as the attempt.
+    _load: (LoadGuard, LoadGuard),
+    span: tracing::Span,
+    dispatched: TokioInstant,
+    halves: Halves,
+    prefill_span: Option<tracing::Span>,
+    decode_span: Option<tracing::Span>,
+    barrier_span: Option<tracing::Span>,
+    /// From the prefill's verified answer until the decode's first chunk: the KV moves to the
+    /// decode worker and its first step runs.
+    kv_transfer: Option<tracing::Span>,
+    /// The prefix-cache count the prefill reported.
+    reported_cached: Option<u64>,
+    /// What the client is told of it (0 without a tenant).
+    cached_tokens: u64,
+    /// The prefill's answer was verified and its report taken.
+    verified: bool,
+    /// The decode chunk the machine is judging or holding.
+    held: Option<DecodeChunk>,
+    /// The failed half's own error, for the machine's verdict.
+    failed_half: Option<HalfError>,
+    /// What the client is to receive next.
+    outgoing: Option<PairEvent>,
+    /// The last event delivered was a chunk (a token's time).
+    delivered_chunk: bool,
+    /// How long the barrier held, once it passed.
+    barrier: Option<Duration>,
+}
 
-        // Verified KV: the digest the decode imported must be the one the prefill sent; neither
-        // side is trusted alone.
-        let decode_digest = first.as_ref().and_then(|c| c.kv_digest);
-        if prefill_digest != decode_digest {
-            return Err(Failure::integrity(
-                id,
-                "kv_digest_mismatch",
-                format!(
-                    "KV digest mismatch: prefill sent {}, decode imported {}",
-                    digest_text(prefill_digest),
-                    digest_text(decode_digest)
-                ),
-            ));
-        }
-        guard.set_state(PairState::Committed);
-        *committed = true;
-        let waited = dispatched.elapsed();
-        *barrier = Some(waited);
-        let tokens = self.observe().committed(waited);
-        let mut last_sent: Option<TokioInstant> = None;
-        let gone = || {
-            Failure::plain(
-                LockstepError::Unavailable {
-                    message: "client went away".into(),
-                },
-                AbortReason::ClientGone,
-            )
+impl Attempt {
+    fn half_failed(&mut self, e: HalfError) -> Input {
+        let input = Input::HalfFailed {
+            side: e.side,
+            retry_safe: e.retry_safe(),
+            integrity: matches!(e.failure, HalfFailure::Integrity(_)),
         };
-        if tx
-            .send(PairEvent::Committed {
-                pair_id: id,
-                prompt_tokens: expected,
-                cached_tokens,
-            })
-            .await
-            .is_err()
-        {
-            return Err(gone());
-        }
-        let Some(mut chunk) = first else {
-            return Err(Failure::plain(
-                LockstepError::Unavailable {
-                    message: "internal: barrier passed without a chunk".into(),
-                },
-                AbortReason::DecodeFailed,
-            ));
-        };
-        loop {
-            let finished = chunk.finish.is_some();
-            // A client that stops reading fills the channel (and the socket under it): the send
-            // then waits, bounded by `client_idle_ms`, and stays abortable.
-            tokio::select! {
-                biased;
-                why = guard.cancelled() => return Err(Failure::cancelled(id, why)),
-                sent = tx.send(PairEvent::Chunk(chunk)) => match sent {
-                    Ok(()) => {
-                        let now = TokioInstant::now();
-                        tokens.sent(now, started, last_sent);
-                        last_sent = Some(now);
-                    }
-                    Err(_) => return Err(gone()),
-                },
-                _ = sleep_until(total_at) => return Err(Failure::deadline(id, Phase::Total)),
-                _ = sleep(t.client_idle()) => return Err(Failure::deadline(id, Phase::ClientIdle)),
+        self.failed_half = Some(e);
+        input
+    }
+
+    /// The decode's next item as the machine's input; a chunk is held until it is judged.
+    fn decoded(&mut self, c: Option<Result<DecodeChunk, HalfError>>) -> Input {
+        match c {
+            Some(Ok(chunk)) => {
+                let input = Input::Decode {
+                    prompt_tokens: chunk.prompt_tokens,
+                    digest: chunk.kv_digest,
+                    last: chunk.finish.is_some(),
+                };
+                self.held = Some(chunk);
+                input
             }
-            if finished {
-                return Ok(());
-            }
-            tokio::select! {
-                biased;
-                why = guard.cancelled() => return Err(Failure::cancelled(id, why)),
-                _ = tx.closed() => return Err(gone()),
-                _ = sleep_until(total_at) => return Err(Failure::deadline(id, Phase::Total)),
-                _ = sleep(t.idle()) => return Err(Failure::deadline(id, Phase::Idle)),
-                c = decode_chunk(&mut halves.decode) => match c {
-                    Some(Ok(c)) => {
-                        check_decode_count(id, &c, expected)?;
-                        chunk = c;
-                    }
-                    Some(Err(e)) => return Err(Failure::from_half(id, e)),
-                    None => return Err(Failure::from_half(id, HalfError { side: Side::Decode, failure: HalfFailure::Protocol("stream ended without a finish reason".into()) })),
-                }
-            }
+            Some(Err(e)) => self.half_failed(e),
+            None => Input::DecodeEnded,
         }
     }
-}
 
-fn digest_text(d: Option<u64>) -> String {
-    d.map_or_else(|| "none".into(), |d| format!("{d:016x}"))
-}
-
-fn check_decode_count(id: PairId, chunk: &DecodeChunk, expected: u64) -> Result<(), Failure> {
-    match chunk.prompt_tokens {
-        Some(n) if n != expected => Err(Failure::integrity(
-            id,
-            "decode_prompt_count",
-            format!("decode read {n} prompt tokens, lockstep sent {expected}"),
-        )),
-        _ => Ok(()),
+    /// The machine took the prefill's answer: count its prefix-cache report (told to a tenant's
+    /// client only: the cache is shared otherwise, and the count would tell one caller what
+    /// another sent) and time the KV's move until the decode's first chunk.
+    fn prefill_verified(&mut self, rt: &PairRuntime, tenant: bool, expected: u64) {
+        if self.verified {
+            return;
+        }
+        self.verified = true;
+        if let Some(n) = self.reported_cached {
+            rt.observe().cached_tokens(n);
+            if tenant {
+                self.cached_tokens = n.min(expected);
+            }
+        }
+        if let (None, Some(barrier)) = (&self.held, &self.barrier_span) {
+            self.kv_transfer = Some(tracing::info_span!(parent: barrier, "kv_transfer"));
+        }
     }
 }
 

@@ -2,6 +2,7 @@
 
 mod abort;
 mod lifecycle;
+mod machine;
 mod observer;
 mod outcome;
 mod registry;
@@ -53,6 +54,8 @@ impl Serialize for PairId {
     }
 }
 
+#[cfg(test)]
+mod machine_check;
 #[cfg(test)]
 mod proptests;
 

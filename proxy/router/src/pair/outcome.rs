@@ -3,6 +3,7 @@
 
 use std::sync::atomic::AtomicU64;
 
+use super::machine::{Check, Verdict};
 use super::{CancelReason, PairId};
 use crate::backend::{DecodeChunk, HalfError, HalfFailure, Side};
 use crate::error::{LockstepError, Phase};
@@ -74,7 +75,7 @@ impl AbortReason {
 }
 
 /// The one terminal state a request's pair task ends in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Outcome {
     /// Every token reached the client and the pair finished normally.
     Completed,
@@ -97,11 +98,10 @@ pub struct PairStats {
     pub retries: AtomicU64,
 }
 
-/// A failed attempt, with what the retry decision needs.
+/// A failed attempt: what the client, the log, the metrics and the audit are told.
 pub(super) struct Failure {
     pub(super) error: LockstepError,
     pub(super) reason: AbortReason,
-    pub(super) retry_safe: bool,
     pub(super) failed_side: Option<Side>,
     /// For integrity failures: which check failed (a metric label and audit field).
     pub(super) integrity: Option<&'static str>,
@@ -111,8 +111,42 @@ pub(super) struct Failure {
 }
 
 impl Failure {
+    /// The failure the machine's verdict names; `half` is the half's own error where one failed,
+    /// `sent` the prompt count lockstep sent.
+    pub(super) fn of(pair_id: PairId, v: Verdict, half: Option<HalfError>, sent: u64) -> Failure {
+        let protocol = |message: &str| HalfError {
+            side: Side::Decode,
+            failure: HalfFailure::Protocol(message.into()),
+        };
+        match v {
+            Verdict::Half { .. } => {
+                let e = half.unwrap_or_else(|| protocol("the half failed"));
+                Failure::from_half(pair_id, e)
+            }
+            Verdict::DecodeEnded { committed: false } => {
+                Failure::from_half(pair_id, protocol("stream ended before any token"))
+            }
+            Verdict::DecodeEnded { committed: true } => {
+                Failure::from_half(pair_id, protocol("stream ended without a finish reason"))
+            }
+            Verdict::Check(c) => Failure::integrity(pair_id, c.name(), check_message(c, sent)),
+            Verdict::Deadline(phase) => Failure::deadline(pair_id, phase),
+            Verdict::Cancelled(why) => Failure::cancelled(pair_id, why),
+            Verdict::ClientGone => Failure::plain(
+                LockstepError::Unavailable {
+                    message: "client went away".into(),
+                },
+                AbortReason::ClientGone,
+            ),
+            Verdict::NoWorker(side) => Failure::plain(
+                LockstepError::Unavailable {
+                    message: format!("no {} worker", side.as_str()),
+                },
+                AbortReason::NoWorker,
+            ),
+        }
+    }
     pub(super) fn from_half(pair_id: PairId, e: HalfError) -> Failure {
-        let retry_safe = e.retry_safe();
         let message = e.public_message();
         let detail = Some(e.to_string()).filter(|d| *d != message);
         if matches!(e.failure, HalfFailure::Integrity(_)) {
@@ -135,7 +169,6 @@ impl Failure {
         Failure {
             error,
             reason,
-            retry_safe,
             failed_side: Some(e.side),
             integrity: None,
             detail,
@@ -145,7 +178,6 @@ impl Failure {
         Failure {
             error,
             reason,
-            retry_safe: false,
             failed_side: None,
             integrity: None,
             detail: None,
@@ -178,5 +210,24 @@ impl Failure {
                 AbortReason::Integrity,
             )
         }
+    }
+}
+
+/// What a failed barrier check tells the client.
+fn check_message(c: Check, sent: u64) -> String {
+    let digest = |d: Option<u64>| d.map_or_else(|| "none".into(), |d| format!("{d:016x}"));
+    match c {
+        Check::PrefillCount { got } => {
+            format!("prefill computed {got} prompt tokens, lockstep sent {sent}")
+        }
+        Check::DecodeCount { got } => {
+            format!("decode read {got} prompt tokens, lockstep sent {sent}")
+        }
+        Check::DecodeCountMissing => "the decode's first chunk reports no prompt count".into(),
+        Check::KvDigest { prefill, decode } => format!(
+            "KV digest mismatch: prefill sent {}, decode imported {}",
+            digest(prefill),
+            digest(decode)
+        ),
     }
 }

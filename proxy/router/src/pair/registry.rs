@@ -51,7 +51,7 @@ pub struct PairInfo {
 }
 
 /// Why a live pair was told to stop from outside its task.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum CancelReason {
     /// lockstep is shutting down (drain).
     Shutdown,
