@@ -147,7 +147,6 @@ pub async fn wait_idle_all(workers: &[&Proc]) {
     }
 }
 
-
 /// The first `a.b.c.d:port` in a log line.
 pub fn address_in(line: &str) -> Option<String> {
     let bytes = line.as_bytes();
@@ -161,6 +160,7 @@ pub fn address_in(line: &str) -> Option<String> {
             .collect();
         let (ip, port) = cand.split_once(':')?;
         let port: String = port.chars().take_while(char::is_ascii_digit).collect();
-        (ip.parse::<std::net::Ipv4Addr>().is_ok() && !port.is_empty()).then(|| format!("{ip}:{port}"))
+        (ip.parse::<std::net::Ipv4Addr>().is_ok() && !port.is_empty())
+            .then(|| format!("{ip}:{port}"))
     })
 }
