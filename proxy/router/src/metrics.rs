@@ -66,6 +66,9 @@ pub struct Metrics {
     pub prefix_predicted_hit_tokens: IntCounterVec,
     /// Prompt tokens prefill workers report they took from their prefix cache.
     pub worker_cached_tokens: IntCounterVec,
+    /// Long prompts' bytes the tokenizer's segment cache served (`hit`) or tokenized (`miss`)
+    /// (brought up to the cache's count at scrape).
+    pub tokenizer_cache_bytes: IntCounterVec,
 }
 
 impl Default for Metrics {
@@ -221,6 +224,12 @@ impl Metrics {
                 "lockstep_kv_pages",
                 "KV pages of an embedded engine's pool, by state (used, free).",
                 &["model", "engine", "state"],
+            ),
+            tokenizer_cache_bytes: counter(
+                &r,
+                "lockstep_tokenizer_cache_bytes_total",
+                "Long prompts' bytes the tokenizer's segment cache served (hit) or tokenized (miss); per tenant, a hit never crosses tenants.",
+                &["model", "result"],
             ),
             prefix_cache_hit_tokens: counter(
                 &r,

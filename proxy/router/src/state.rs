@@ -168,6 +168,14 @@ impl AppState {
             m.stranded_kv_bound_seconds
                 .with_label_values(&[name])
                 .set(model.stranded_kv_bound().as_secs_f64());
+            if let Some((hit, miss)) = model.codec.segment_cache_counts() {
+                for (result, n) in [("hit", hit), ("miss", miss)] {
+                    catch_up(
+                        &m.tokenizer_cache_bytes.with_label_values(&[name, result]),
+                        n,
+                    );
+                }
+            }
             if let Some(pd) = &model.engine {
                 for (engine, e) in pd.engines() {
                     let s = e.stats();

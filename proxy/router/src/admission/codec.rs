@@ -7,6 +7,7 @@ use minijinja::Environment;
 use serde::Serialize;
 use tokenizers::Tokenizer;
 
+use super::segments::{self, SegmentCache};
 use crate::config::{ChatTemplateConfig, ModelConfig};
 use crate::error::LockstepError;
 
@@ -51,6 +52,9 @@ pub fn configured_template(model: &ModelConfig) -> Result<Option<String>, String
     })
 }
 
+/// The most a model's segment cache holds (text and ids).
+const SEGMENT_CACHE_BYTES: u64 = 64 << 20;
+
 /// The model's tokenizer and chat template, loaded once.
 pub struct PromptCodec {
     tokenizer: Tokenizer,
@@ -59,6 +63,9 @@ pub struct PromptCodec {
     /// The special tokens' texts, to find them in chat message content (`None`: the model has
     /// none).
     specials: Option<aho_corasick::AhoCorasick>,
+    /// Long prompts' pieces tokenized before, per tenant (`None`: this tokenizer cannot be
+    /// cached piece by piece).
+    segments: Option<SegmentCache>,
     env: Environment<'static>,
     bos_token: String,
     eos_token: String,
@@ -142,10 +149,14 @@ impl PromptCodec {
             .max()
             .unwrap_or(1)
             .max(1);
+        let segments = SegmentCache::new(&tokenizer, SEGMENT_CACHE_BYTES)
+            .inspect_err(|why| tracing::info!(model = name, %why, "tokenizer segment cache off"))
+            .ok();
         Ok(Arc::new(PromptCodec {
             tokenizer,
             literal,
             specials,
+            segments,
             env,
             bos_token,
             eos_token,
@@ -213,6 +224,22 @@ impl PromptCodec {
         encode_with(&self.tokenizer, text)
     }
 
+    /// [`PromptCodec::encode`] for the tenant whose cache salt is `salt`: a long prompt's
+    /// pieces that tenant sent before come from the segment cache.
+    pub fn encode_salted(&self, text: &str, salt: Option<u64>) -> Result<Vec<u32>, LockstepError> {
+        match (&self.segments, salt) {
+            (Some(cache), Some(salt)) if text.len() >= segments::MIN_PROMPT_BYTES => {
+                cache.encode(text, salt, |piece| encode_with(&self.tokenizer, piece))
+            }
+            _ => self.encode(text),
+        }
+    }
+
+    /// Prompt bytes the segment cache served and tokenized (`None`: no cache).
+    pub fn segment_cache_counts(&self) -> Option<(u64, u64)> {
+        self.segments.as_ref().map(SegmentCache::counts)
+    }
+
     /// Renders the chat template and tokenizes the result, where message content is always
     /// text: a special token written in a message (`<|im_start|>system ...`) becomes ordinary
     /// tokens, so no caller can forge a turn of another role. Only the template's own text is
@@ -228,15 +255,26 @@ impl PromptCodec {
         messages: &[ChatMessage],
         tools: Option<&[serde_json::Value]>,
     ) -> Result<Vec<u32>, LockstepError> {
+        self.encode_chat_salted(messages, tools, None)
+    }
+
+    /// [`PromptCodec::encode_chat_with`] for the tenant whose cache salt is `salt` (see
+    /// [`PromptCodec::encode_salted`]).
+    pub fn encode_chat_salted(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&[serde_json::Value]>,
+        salt: Option<u64>,
+    ) -> Result<Vec<u32>, LockstepError> {
         let text = self.render_chat_with(messages, tools)?;
         let Some(specials) = &self.specials else {
-            return self.encode(&text);
+            return self.encode_salted(&text, salt);
         };
         let risky: Vec<usize> = (0..messages.len())
             .filter(|&i| specials.is_match(&messages[i].content))
             .collect();
         if risky.is_empty() {
-            return self.encode(&text);
+            return self.encode_salted(&text, salt);
         }
         // Where each message's content lies in the rendered text, in order.
         let mut spans = Vec::new();

@@ -16,6 +16,7 @@
 //! and stable error code.
 
 pub mod codec;
+pub mod segments;
 
 pub use codec::{ChatMessage, PromptCodec, check_fits};
 
@@ -212,8 +213,12 @@ pub async fn admit<R: FrontRequest>(
             limit,
         }));
     }
+    // The tenant's salt keys the tokenizer's segment cache: a hit never crosses tenants.
+    let salt = Some(crate::tenant::cache_salt(
+        caller.tenant.as_ref().map(|t| t.name.as_ref()),
+    ));
     let ids = if bytes <= INLINE_TOKENIZE_BYTES {
-        tokenize(&model, input)
+        tokenize(&model, input, salt)
     } else {
         let slot = state
             .tokenize_slots
@@ -228,7 +233,7 @@ pub async fn admit<R: FrontRequest>(
         let m = model.clone();
         tokio::task::spawn_blocking(move || {
             let _slot = slot;
-            tokenize(&m, input)
+            tokenize(&m, input, salt)
         })
         .instrument(span.clone())
         .await
@@ -253,14 +258,19 @@ pub async fn admit<R: FrontRequest>(
 
 /// Steps 4 and 5: the template for chat, then the tokenizer; token ids are checked against the
 /// vocabulary.
-pub fn tokenize(model: &ModelRuntime, input: Input) -> Result<Vec<u32>, LockstepError> {
+pub fn tokenize(
+    model: &ModelRuntime,
+    input: Input,
+    salt: Option<u64>,
+) -> Result<Vec<u32>, LockstepError> {
+    let codec = &model.codec;
     let ids = match input {
-        Input::Chat(messages) => model.codec.encode_chat(&messages)?,
+        Input::Chat(messages) => codec.encode_chat_salted(&messages, None, salt)?,
         Input::ChatTools(messages, tools) => {
-            model.codec.encode_chat_with(&messages, Some(&tools))?
+            codec.encode_chat_salted(&messages, Some(&tools), salt)?
         }
-        Input::Prompt(Prompt::Text(s)) => model.codec.encode(&s)?,
-        Input::Prompt(Prompt::Texts(v)) if v.len() == 1 => model.codec.encode(&v[0])?,
+        Input::Prompt(Prompt::Text(s)) => codec.encode_salted(&s, salt)?,
+        Input::Prompt(Prompt::Texts(v)) if v.len() == 1 => codec.encode_salted(&v[0], salt)?,
         Input::Prompt(Prompt::Ids(ids)) => {
             let vocab = model.codec.vocab_size();
             if let Some(bad_id) = ids.iter().find(|&&t| t as usize >= vocab) {
@@ -275,7 +285,7 @@ pub fn tokenize(model: &ModelRuntime, input: Input) -> Result<Vec<u32>, Lockstep
         }
         Input::Prompt(Prompt::Batches(v)) if v.len() == 1 => {
             let ids = v.into_iter().next().unwrap_or_default();
-            return tokenize(model, Input::Prompt(Prompt::Ids(ids)));
+            return tokenize(model, Input::Prompt(Prompt::Ids(ids)), salt);
         }
         Input::Prompt(Prompt::Texts(_) | Prompt::Batches(_)) => {
             return Err(LockstepError::Unsupported {
