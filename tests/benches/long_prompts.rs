@@ -1,8 +1,9 @@
 //! Long prompts through the router's admission tokenizing, on the real SmolLM2 tokenizer and
 //! chat template: per-request time for a chat whose system prompt is 16 KiB, 128 KiB or 1 MiB,
-//! unique every time (all misses) and repeated with a new question (the tenant's segment cache),
-//! and a completion prompt of that size (one piece: nothing to reuse). One thread; the median of
-//! the runs. `cargo bench -p lockstep-tests --bench long_prompts` (needs scripts/fetch-model.sh).
+//! unique every time, tokenized whole on one thread (no tenant: no cache) and through the
+//! tenant's segment cache (all misses: long pieces in chunks on the thread pool), repeated with a
+//! new question (hits), and a completion prompt of that size (one piece: nothing to reuse, in
+//! chunks). The median of the runs. `cargo bench -p lockstep-tests --bench long_prompts` (needs scripts/fetch-model.sh).
 
 use std::time::{Duration, Instant};
 
@@ -70,8 +71,10 @@ fn main() {
         String::new(),
     )
     .expect("codec");
-    println!("| prompt | tokens | chat, unique | chat, repeated prefix | completion text |");
-    println!("| --- | ---: | ---: | ---: | ---: |");
+    println!(
+        "| prompt | tokens | chat, unique, one thread | chat, unique | chat, repeated prefix | completion text |"
+    );
+    println!("| --- | ---: | ---: | ---: | ---: | ---: |");
     for (label, size, runs) in [
         ("16 KiB", 16 << 10, 21),
         ("128 KiB", 128 << 10, 11),
@@ -87,6 +90,12 @@ fn main() {
             .encode_chat_salted(&chat(prose(1, size), 0), None, Some(1))
             .expect("encode")
             .len();
+        let whole = median(
+            (0..runs as u64)
+                .map(|i| chat(prose(1000 + i, size), i))
+                .collect(),
+            |m| drop(codec.encode_chat(m).expect("encode")),
+        );
         let unique = median(
             (0..runs as u64)
                 .map(|i| chat(prose(1000 + i, size), i))
@@ -109,7 +118,8 @@ fn main() {
         );
         let ms = |d: Duration| format!("{:.2} ms", d.as_secs_f64() * 1e3);
         println!(
-            "| {label} | {tokens} | {} ({:.1} MB/s) | {} | {} |",
+            "| {label} | {tokens} | {} | {} ({:.1} MB/s) | {} | {} |",
+            ms(whole),
             ms(unique),
             size as f64 / unique.as_secs_f64() / 1e6,
             ms(repeated),

@@ -92,7 +92,12 @@ fn cached_pieces_give_the_whole_texts_ids_as_a_conversation_grows() {
         text(3, 6000),
         text(4, 6000)
     );
-    for p in [raw.clone(), text(5, 20_000)] {
+    // 300 KiB with no special token: one piece, tokenized in chunks on the thread pool.
+    assert!(
+        codec.tokenizes_in_chunks(),
+        "SmolLM2's byte-level BPE allows chunks"
+    );
+    for p in [raw.clone(), text(5, 20_000), text(6, 300 << 10)] {
         let whole = codec.encode(&p).expect("whole");
         assert_eq!(codec.encode_salted(&p, salt).expect("first"), whole);
         assert_eq!(codec.encode_salted(&p, salt).expect("second"), whole);

@@ -7,7 +7,7 @@ use minijinja::Environment;
 use serde::Serialize;
 use tokenizers::Tokenizer;
 
-use super::segments::{self, SegmentCache};
+use super::segments::{self, SegmentCache, encode_with};
 use crate::config::{ChatTemplateConfig, ModelConfig};
 use crate::error::LockstepError;
 
@@ -229,10 +229,15 @@ impl PromptCodec {
     pub fn encode_salted(&self, text: &str, salt: Option<u64>) -> Result<Vec<u32>, LockstepError> {
         match (&self.segments, salt) {
             (Some(cache), Some(salt)) if text.len() >= segments::MIN_PROMPT_BYTES => {
-                cache.encode(text, salt, |piece| encode_with(&self.tokenizer, piece))
+                cache.encode(&self.tokenizer, text, salt)
             }
             _ => self.encode(text),
         }
+    }
+
+    /// Whether long pieces nobody cached are tokenized in chunks on the thread pool.
+    pub fn tokenizes_in_chunks(&self) -> bool {
+        self.segments.as_ref().is_some_and(SegmentCache::chunked)
     }
 
     /// Prompt bytes the segment cache served and tokenized (`None`: no cache).
@@ -317,19 +322,6 @@ impl PromptCodec {
     pub fn vocab_size(&self) -> usize {
         self.tokenizer.get_vocab_size(true)
     }
-}
-
-fn encode_with(t: &Tokenizer, text: &str) -> Result<Vec<u32>, LockstepError> {
-    if text.is_empty() {
-        return Ok(Vec::new());
-    }
-    let enc = t
-        .encode(text, false)
-        .map_err(|e| LockstepError::InvalidRequest {
-            message: format!("cannot tokenize the prompt: {e}"),
-            param: Some("prompt".into()),
-        })?;
-    Ok(enc.get_ids().to_vec())
 }
 
 fn internal_template(e: &minijinja::Error) -> LockstepError {

@@ -7,6 +7,11 @@
 //! token strips the whitespace beside it) and leaves the cache off when it does not hold. A key
 //! is the tenant's salt and the piece's whole text, compared in full: a hit never crosses
 //! tenants and never rests on a hash alone.
+//!
+//! A long piece nobody sent before is tokenized in chunks on the thread pool, cut only between a
+//! letter and a space before another letter: a byte-level BPE's pre-tokenizer (GPT-2's pattern,
+//! after an optional digit split) always cuts there, and merges never cross its cuts. Chunking is
+//! on only for such a tokenizer (no normalizer, no prefix space), and proven on it at start.
 
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
@@ -21,6 +26,8 @@ use crate::error::LockstepError;
 pub const MIN_PROMPT_BYTES: usize = 4096;
 /// Pieces shorter than this are tokenized, not cached.
 const MIN_PIECE_BYTES: usize = 256;
+/// Where a long piece is cut into chunks tokenized in parallel (about this many bytes each).
+const CHUNK_BYTES: usize = 32 << 10;
 
 /// A cached piece's key: the tenant's cache salt and the piece's text.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -59,6 +66,8 @@ pub struct SegmentCache {
     ends: AhoCorasick,
     hit_bytes: AtomicU64,
     miss_bytes: AtomicU64,
+    /// Long pieces may be tokenized in chunks ([`cut_points`]).
+    chunked: bool,
 }
 
 impl SegmentCache {
@@ -89,6 +98,7 @@ impl SegmentCache {
             ends,
             hit_bytes: AtomicU64::new(0),
             miss_bytes: AtomicU64::new(0),
+            chunked: false,
         };
         // The proof on this tokenizer: pieces encoded alone give the whole text's ids.
         for s in texts.iter().take(16) {
@@ -106,7 +116,53 @@ impl SegmentCache {
                 return Err(format!("splitting after {s:?} changes the tokens"));
             }
         }
+        let mut cache = cache;
+        cache.chunked = chunkable(tokenizer);
+        if cache.chunked {
+            // The proof of chunking on this tokenizer: cut at every cut point, the same ids.
+            let probe =
+                "Über naïve words, it's 12 tokens' worth: the  spaced\ttext ends. ".repeat(40);
+            let whole = encode(tokenizer, &probe).map_err(|e| e.to_string())?;
+            let mut from = 0;
+            let mut chunks = Vec::new();
+            for at in cut_points(&probe, 1).chain([probe.len()]) {
+                chunks.push(&probe[from..at]);
+                from = at;
+            }
+            let cut = tokenizer
+                .encode_batch(chunks, false)
+                .map_err(|e| e.to_string())?;
+            let cut: Vec<u32> = cut
+                .iter()
+                .flat_map(|e| e.get_ids().iter().copied())
+                .collect();
+            if cut != whole {
+                tracing::info!("tokenizing long pieces in chunks is off: the proof failed");
+                cache.chunked = false;
+            }
+        }
         Ok(cache)
+    }
+
+    /// Tokenizes a piece nobody cached: in chunks on the thread pool when it is long and this
+    /// tokenizer allows it.
+    fn tokenize(&self, tokenizer: &Tokenizer, piece: &str) -> Result<Vec<u32>, LockstepError> {
+        if !self.chunked || piece.len() < 2 * CHUNK_BYTES {
+            return encode_with(tokenizer, piece);
+        }
+        let mut from = 0;
+        let mut chunks = Vec::new();
+        for at in cut_points(piece, CHUNK_BYTES).chain([piece.len()]) {
+            chunks.push(&piece[from..at]);
+            from = at;
+        }
+        let done = tokenizer
+            .encode_batch(chunks, false)
+            .map_err(tokenize_error)?;
+        Ok(done
+            .iter()
+            .flat_map(|e| e.get_ids().iter().copied())
+            .collect())
     }
 
     /// `text` cut right after every special token (the last piece may end without one).
@@ -125,15 +181,15 @@ impl SegmentCache {
     /// `tokenize` (and cached when long enough).
     pub fn encode(
         &self,
+        tokenizer: &Tokenizer,
         text: &str,
         salt: u64,
-        tokenize: impl Fn(&str) -> Result<Vec<u32>, LockstepError>,
     ) -> Result<Vec<u32>, LockstepError> {
         let mut ids = Vec::new();
         let (mut hit, mut miss) = (0u64, 0u64);
         for piece in self.pieces(text) {
             if piece.len() < MIN_PIECE_BYTES {
-                ids.extend(tokenize(piece)?);
+                ids.extend(encode_with(tokenizer, piece)?);
                 continue;
             }
             if let Some(cached) = self.cache.get(&Probe(salt, piece)) {
@@ -142,13 +198,18 @@ impl SegmentCache {
                 continue;
             }
             miss += piece.len() as u64;
-            let fresh = tokenize(piece)?;
+            let fresh = self.tokenize(tokenizer, piece)?;
             ids.extend_from_slice(&fresh);
             self.cache.insert(Key(salt, piece.into()), fresh.into());
         }
         self.hit_bytes.fetch_add(hit, Ordering::Relaxed);
         self.miss_bytes.fetch_add(miss, Ordering::Relaxed);
         Ok(ids)
+    }
+
+    /// Long pieces nobody cached are tokenized in chunks.
+    pub fn chunked(&self) -> bool {
+        self.chunked
     }
 
     /// Prompt bytes served from the cache and tokenized for it, since start.
@@ -162,6 +223,68 @@ impl SegmentCache {
 
 fn encode(t: &Tokenizer, text: &str) -> tokenizers::Result<Vec<u32>> {
     Ok(t.encode(text, false)?.get_ids().to_vec())
+}
+
+/// Tokenizes `text` as the workers would (special tokens in it parsed as special; no BOS added:
+/// the template carries it).
+pub(super) fn encode_with(t: &Tokenizer, text: &str) -> Result<Vec<u32>, LockstepError> {
+    if text.is_empty() {
+        return Ok(Vec::new());
+    }
+    encode(t, text).map_err(tokenize_error)
+}
+
+fn tokenize_error(e: tokenizers::Error) -> LockstepError {
+    LockstepError::InvalidRequest {
+        message: format!("cannot tokenize the prompt: {e}"),
+        param: Some("prompt".into()),
+    }
+}
+
+/// Whether this tokenizer always cuts between a letter and a following space-and-letter: no
+/// normalizer, and a byte-level pre-tokenizer with GPT-2's pattern and no prefix space, alone
+/// or after a digit split.
+fn chunkable(t: &Tokenizer) -> bool {
+    if t.get_normalizer().is_some() {
+        return false;
+    }
+    let Ok(pre) = serde_json::to_value(t.get_pre_tokenizer()) else {
+        return false;
+    };
+    let byte_level = |v: &serde_json::Value| {
+        v["type"] == "ByteLevel" && v["use_regex"] == true && v["add_prefix_space"] == false
+    };
+    match pre["type"].as_str() {
+        Some("ByteLevel") => byte_level(&pre),
+        Some("Sequence") => match pre["pretokenizers"].as_array().map(Vec::as_slice) {
+            Some([last]) => byte_level(last),
+            Some([first, last]) => first["type"] == "Digits" && byte_level(last),
+            _ => false,
+        },
+        _ => false,
+    }
+}
+
+/// Offsets about every `every` bytes of `text` where a chunk may end: a space between a letter
+/// and a letter (the first such place at or after each multiple of `every`).
+fn cut_points(text: &str, every: usize) -> impl Iterator<Item = usize> + '_ {
+    let mut next = every;
+    let mut prev: Option<char> = None;
+    let mut it = text.char_indices().peekable();
+    std::iter::from_fn(move || {
+        while let Some((i, c)) = it.next() {
+            let before = prev.replace(c);
+            if i < next || c != ' ' {
+                continue;
+            }
+            let after = it.peek().map(|&(_, a)| a);
+            if before.is_some_and(char::is_alphabetic) && after.is_some_and(char::is_alphabetic) {
+                next = i + every;
+                return Some(i);
+            }
+        }
+        None
+    })
 }
 
 #[cfg(test)]
@@ -186,5 +309,17 @@ mod tests {
         let cache = SegmentCache::new(&fine, 1 << 20).expect("sound");
         let pieces: Vec<&str> = cache.pieces("a<s>b<s><s>c").collect();
         assert_eq!(pieces, ["a<s>", "b<s>", "<s>", "c"]);
+        // Chunking needs a byte-level pre-tokenizer.
+        assert!(!cache.chunked);
+    }
+
+    #[test]
+    fn chunks_end_only_between_a_letter_and_a_space_before_a_letter() {
+        let text = "ab cd  ef 12 gh,ij kl";
+        let cuts: Vec<usize> = super::cut_points(text, 1).collect();
+        assert_eq!(cuts, [2, 18]);
+        // Every `every` bytes at most once.
+        assert_eq!(super::cut_points(text, 10).collect::<Vec<_>>(), [18]);
+        assert_eq!(super::cut_points("ééé ééé", 1).collect::<Vec<_>>(), [6]);
     }
 }
