@@ -213,10 +213,10 @@ pub async fn admit<R: FrontRequest>(
             limit,
         }));
     }
-    // The tenant's salt keys the tokenizer's segment cache: a hit never crosses tenants.
-    let salt = Some(crate::tenant::cache_salt(
-        caller.tenant.as_ref().map(|t| t.name.as_ref()),
-    ));
+    // The tenant's salt keys the tokenizer's segment cache (a hit never crosses tenants); an
+    // HMAC, so only for prompts long enough to use the cache.
+    let salt = (bytes >= segments::MIN_PROMPT_BYTES)
+        .then(|| crate::tenant::cache_salt(caller.tenant.as_ref().map(|t| t.name.as_ref())));
     let ids = if bytes <= INLINE_TOKENIZE_BYTES {
         tokenize(&model, input, salt)
     } else {
