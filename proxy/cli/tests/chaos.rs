@@ -534,6 +534,55 @@ failure_threshold = 1
     p
 }
 
+/// What a fault must do to the clients.
+enum Errors {
+    /// Fail nobody.
+    None,
+    /// Fail somebody (else the fault was not injected under load).
+    Some,
+    /// Either.
+    Any,
+}
+
+/// Where the faults happen: the router, the reference answers, the workers.
+struct Stage<'a> {
+    router: &'a str,
+    want: &'a Arc<Vec<String>>,
+    workers: [&'a str; 2],
+}
+
+impl Stage<'_> {
+    /// Clients ask through `fault` (begun after a second of load), whose result says whether to
+    /// measure recovery; then every answer is judged, the errors checked against `errors`, and
+    /// the router and workers must let go of everything.
+    async fn fault(
+        &self,
+        name: &'static str,
+        errors: Errors,
+        fault: impl std::future::Future<Output = bool>,
+    ) -> Row {
+        let load = Load::start(self.router, self.want);
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        let recovered = if fault.await {
+            recovery(self.router, self.want).await
+        } else {
+            Duration::ZERO
+        };
+        let tally = load.finish(name, false).await;
+        match errors {
+            Errors::None => assert_eq!(tally.typed, 0, "{name} must fail nobody"),
+            Errors::Some => assert!(tally.typed > 0, "{name} under load must fail somebody"),
+            Errors::Any => {}
+        }
+        settle(self.router, self.workers, name).await;
+        Row {
+            scenario: name,
+            tally,
+            recovery: recovered,
+        }
+    }
+}
+
 /// One fault's figures.
 struct Row {
     scenario: &'static str,
@@ -602,140 +651,99 @@ async fn scenarios(net: &Net, model: &Path) {
     let want = Arc::new(want);
     let workers = [p_at, d_at];
     let mut rows = Vec::new();
-    let settle_after = |name| settle(&ra, workers, name);
 
     for _ in 0..rounds {
-        // Delay: every byte to and from the decode worker waits 20 ms; nothing fails.
-        let load = Load::start(&ra, &want);
-        grpc_mode.send_replace(Mode::Delay(20));
-        data_mode.send_replace(Mode::Delay(20));
-        tokio::time::sleep(Duration::from_secs(2)).await;
-        grpc_mode.send_replace(Mode::Pass);
-        data_mode.send_replace(Mode::Pass);
-        let t = load.finish("delay", false).await;
-        assert_eq!(t.typed, 0, "delay alone must fail nothing");
-        settle_after("delay").await;
-        rows.push(Row {
-            scenario: "delay 20 ms (relay)",
-            tally: t,
-            recovery: Duration::ZERO,
-        });
+        let at = Stage {
+            router: &ra,
+            want: &want,
+            workers,
+        };
+        // Delay: every byte to and from the decode worker waits 20 ms.
+        let delay = async {
+            grpc_mode.send_replace(Mode::Delay(20));
+            data_mode.send_replace(Mode::Delay(20));
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            grpc_mode.send_replace(Mode::Pass);
+            data_mode.send_replace(Mode::Pass);
+            false
+        };
+        rows.push(at.fault("delay 20 ms (relay)", Errors::None, delay).await);
 
         // kill -9 of the decode worker mid-stream, then a restart in place.
-        let load = Load::start(&ra, &want);
-        tokio::time::sleep(Duration::from_millis(1500)).await;
-        d.child.start_kill().expect("kill -9 decode");
-        let _ = d.child.wait().await;
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        d = worker(&net.d, "decode", &dcfg, d_at).await;
-        let recovered = recovery(&ra, &want).await;
-        let t = load.finish("kill -9 decode", false).await;
-        assert!(
-            t.typed > 0,
-            "killing the decode worker under load must fail someone"
+        let kill_decode = async {
+            d.child.start_kill().expect("kill -9 decode");
+            let _ = d.child.wait().await;
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            d = worker(&net.d, "decode", &dcfg, d_at).await;
+            true
+        };
+        rows.push(
+            at.fault("kill -9 decode, restart", Errors::Some, kill_decode)
+                .await,
         );
-        settle_after("kill -9 decode").await;
-        rows.push(Row {
-            scenario: "kill -9 decode, restart",
-            tally: t,
-            recovery: recovered,
-        });
 
         // kill -9 of the prefill worker under load, then a restart in place.
-        let load = Load::start(&ra, &want);
-        tokio::time::sleep(Duration::from_millis(1500)).await;
-        p.child.start_kill().expect("kill -9 prefill");
-        let _ = p.child.wait().await;
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        p = worker(&net.p, "prefill", &pcfg, p_at).await;
-        let recovered = recovery(&ra, &want).await;
-        let t = load.finish("kill -9 prefill", false).await;
-        assert!(
-            t.typed > 0,
-            "killing the prefill worker under load must fail someone"
+        let kill_prefill = async {
+            p.child.start_kill().expect("kill -9 prefill");
+            let _ = p.child.wait().await;
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            p = worker(&net.p, "prefill", &pcfg, p_at).await;
+            true
+        };
+        rows.push(
+            at.fault("kill -9 prefill, restart", Errors::Some, kill_prefill)
+                .await,
         );
-        settle_after("kill -9 prefill").await;
-        rows.push(Row {
-            scenario: "kill -9 prefill, restart",
-            tally: t,
-            recovery: recovered,
-        });
 
         // A partition between prefill and decode during KV pushes: the KV data path stalls
         // (connections stay open, nothing passes), then its connections are cut and it heals.
-        let load = Load::start(&ra, &want);
-        tokio::time::sleep(Duration::from_millis(1000)).await;
-        data_mode.send_replace(Mode::Stall);
-        tokio::time::sleep(Duration::from_secs(5)).await;
-        data_mode.send_replace(Mode::Cut);
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        data_mode.send_replace(Mode::Pass);
-        let recovered = recovery(&ra, &want).await;
-        let t = load.finish("partition during KV push", false).await;
-        assert!(
-            t.typed > 0,
-            "a 5 s partition of the KV path must fail someone"
-        );
-        settle_after("partition during KV push").await;
-        rows.push(Row {
-            scenario: "partition prefill/decode (KV push)",
-            tally: t,
-            recovery: recovered,
-        });
+        let partition = async {
+            data_mode.send_replace(Mode::Stall);
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            data_mode.send_replace(Mode::Cut);
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            data_mode.send_replace(Mode::Pass);
+            true
+        };
+        let name = "partition prefill/decode (KV push)";
+        rows.push(at.fault(name, Errors::Some, partition).await);
 
-        // The decode worker's link down, then up.
-        let load = Load::start(&ra, &want);
-        tokio::time::sleep(Duration::from_millis(1000)).await;
-        net.decode_link(false);
-        tokio::time::sleep(Duration::from_secs(3)).await;
-        net.decode_link(true);
-        let recovered = recovery(&ra, &want).await;
-        let t = load.finish("decode link down", false).await;
-        settle_after("decode link down").await;
-        rows.push(Row {
-            scenario: "decode link down 3 s, up",
-            tally: t,
-            recovery: recovered,
-        });
-
-        // A worker that accepts and never answers.
-        let load = Load::start(&ra, &want);
-        tokio::time::sleep(Duration::from_millis(1000)).await;
-        grpc_mode.send_replace(Mode::Stall);
-        tokio::time::sleep(Duration::from_secs(7)).await;
-        grpc_mode.send_replace(Mode::Cut);
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        grpc_mode.send_replace(Mode::Pass);
-        let recovered = recovery(&ra, &want).await;
-        let t = load.finish("accepts, never answers", false).await;
-        assert!(
-            t.typed > 0,
-            "a decode worker that never answers must fail someone"
+        // The decode worker's link down, then up (whoever was mid-request may or may not fail).
+        let link = async {
+            net.decode_link(false);
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            net.decode_link(true);
+            true
+        };
+        rows.push(
+            at.fault("decode link down 3 s, up", Errors::Any, link)
+                .await,
         );
-        settle_after("accepts, never answers").await;
-        rows.push(Row {
-            scenario: "decode accepts, never answers 7 s",
-            tally: t,
-            recovery: recovered,
-        });
+
+        // A decode worker that accepts and never answers.
+        let mute = async {
+            grpc_mode.send_replace(Mode::Stall);
+            tokio::time::sleep(Duration::from_secs(7)).await;
+            grpc_mode.send_replace(Mode::Cut);
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            grpc_mode.send_replace(Mode::Pass);
+            true
+        };
+        let name = "decode accepts, never answers 7 s";
+        rows.push(at.fault(name, Errors::Some, mute).await);
 
         // A SIGHUP storm under load: reloads change nothing in flight.
-        let load = Load::start(&ra, &want);
         let pid = router.child.id().expect("router pid");
-        for _ in 0..20 {
-            let _ = Command::new("kill")
-                .args(["-HUP", &pid.to_string()])
-                .status();
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        let t = load.finish("SIGHUP storm", false).await;
-        assert_eq!(t.typed, 0, "reloads must fail nothing in flight");
-        settle_after("SIGHUP storm").await;
-        rows.push(Row {
-            scenario: "SIGHUP x20 under load",
-            tally: t,
-            recovery: Duration::ZERO,
-        });
+        let storm = async {
+            for _ in 0..20 {
+                let _ = Command::new("kill")
+                    .args(["-HUP", &pid.to_string()])
+                    .status();
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            false
+        };
+        rows.push(at.fault("SIGHUP x20 under load", Errors::None, storm).await);
     }
 
     // Drain under load: SIGTERM; answers stay whole or typed, and the router exits in time.
