@@ -476,6 +476,15 @@ async fn worker(ns: &str, role: &str, config: &Path, listen: &str) -> Proc {
     spawn_with(cmd, &args, "worker listening").await
 }
 
+/// `kill -9` of a worker, then the same worker started again in place; recovery is measured.
+async fn restart(w: &mut Proc, ns: &str, role: &str, config: &Path, listen: &str) -> bool {
+    w.child.start_kill().expect("kill -9");
+    let _ = w.child.wait().await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    *w = worker(ns, role, config, listen).await;
+    true
+}
+
 fn worker_config(dir: &Path, name: &str, model: &Path, kv_listen: &str) -> std::path::PathBuf {
     let p = dir.join(name);
     let text = format!(
@@ -670,26 +679,14 @@ async fn scenarios(net: &Net, model: &Path) {
         rows.push(at.fault("delay 20 ms (relay)", Errors::None, delay).await);
 
         // kill -9 of the decode worker mid-stream, then a restart in place.
-        let kill_decode = async {
-            d.child.start_kill().expect("kill -9 decode");
-            let _ = d.child.wait().await;
-            tokio::time::sleep(Duration::from_millis(500)).await;
-            d = worker(&net.d, "decode", &dcfg, d_at).await;
-            true
-        };
+        let kill_decode = restart(&mut d, &net.d, "decode", &dcfg, d_at);
         rows.push(
             at.fault("kill -9 decode, restart", Errors::Some, kill_decode)
                 .await,
         );
 
         // kill -9 of the prefill worker under load, then a restart in place.
-        let kill_prefill = async {
-            p.child.start_kill().expect("kill -9 prefill");
-            let _ = p.child.wait().await;
-            tokio::time::sleep(Duration::from_millis(500)).await;
-            p = worker(&net.p, "prefill", &pcfg, p_at).await;
-            true
-        };
+        let kill_prefill = restart(&mut p, &net.p, "prefill", &pcfg, p_at);
         rows.push(
             at.fault("kill -9 prefill, restart", Errors::Some, kill_prefill)
                 .await,

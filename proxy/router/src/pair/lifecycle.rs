@@ -95,6 +95,7 @@ impl PairRuntime {
         let req = Request {
             input_ids,
             sampling,
+            salt: crate::tenant::cache_salt(tenant.as_deref()),
             tenant,
             span: request_span,
         };
@@ -229,7 +230,7 @@ impl PairRuntime {
     fn pick(&self, req: &Request, avoid: &Avoid, attempt: u32) -> Result<Attempt, Side> {
         let key = RouteKey {
             tokens: &req.input_ids,
-            salt: crate::tenant::cache_salt(req.tenant.as_deref()),
+            salt: req.salt,
         };
         let pg = self
             .prefill
@@ -423,6 +424,8 @@ struct Request {
     input_ids: Arc<[u32]>,
     sampling: Arc<SamplingParams>,
     tenant: Option<Arc<str>>,
+    /// The tenant's prefix-cache salt (an HMAC: computed once, not per attempt).
+    salt: u64,
     /// The request's span: it parents every pair the request dispatches.
     span: tracing::Span,
 }
