@@ -1,8 +1,12 @@
 //! The llama forward pass against llama.cpp (llama-cpp-python 0.3.36) on the real SmolLM2 GGUF:
 //! teacher-forced along llama.cpp's greedy continuation of four prompts (plain, code,
-//! chat-templated, long), our top-1 equals llama.cpp's at every step except where llama.cpp's top
-//! two logits are within 0.1 (it quantises activations, so near-ties may flip) in its one-token
-//! or its batched evaluation (the two differ by up to ~0.25 themselves). Reference:
+//! chat-templated, long), our top-1 equals llama.cpp's at every step but at most
+//! [`NEAR_TIES_ALLOWED`], and those only where llama.cpp's top two logits are within
+//! [`NEAR_TIE`] in its one-token or its batched evaluation. Activations are quantised to 8 bits
+//! per block, so a different float summation order flips a rounding now and then and the flips
+//! add up over 30 layers: llama.cpp's own two paths differ by up to ~0.25 in a margin, and our
+//! kernel sets (portable, AVX2, AVX-512 VNNI) differ among themselves by up to ~0.45 in a logit
+//! (plain prompt, first step: 17.03 / 17.45 / 17.25). Reference:
 //! `gpu-engine/tests/fixtures/smollm2_greedy.json` (`scripts/gen-model-fixtures.py`).
 
 mod common;
@@ -10,6 +14,11 @@ mod common;
 use lockstep_engine::model::{Llama, Step, argmax};
 use lockstep_engine::pool::*;
 use serde_json::Value;
+
+/// A llama.cpp margin below this is within the noise of 8-bit activations (see above).
+const NEAR_TIE: f64 = 0.5;
+/// Steps (of 128) whose top-1 may differ from llama.cpp's, each at a near-tie.
+const NEAR_TIES_ALLOWED: usize = 2;
 
 #[test]
 fn greedy_steps_match_llama_cpp() {
@@ -28,6 +37,7 @@ fn greedy_steps_match_llama_cpp() {
     let fixture: Value =
         serde_json::from_str(include_str!("fixtures/smollm2_greedy.json")).expect("fixture");
     let mut report = Vec::new();
+    let mut flipped = Vec::new();
     for case in fixture["cases"].as_array().expect("cases") {
         let name = case["name"].as_str().unwrap_or_default();
         let prompt: Vec<u32> = serde_json::from_value(case["prompt_ids"].clone()).expect("ids");
@@ -60,17 +70,29 @@ fn greedy_steps_match_llama_cpp() {
                     logits[ours as usize], logits[w as usize], margins[i]
                 );
             }
-            assert!(
-                ours == w || margins[i] < 0.1,
-                "{name}: step {i}: ours {ours}, llama.cpp {w} (its margin {:.3} >= 0.1)",
-                margins[i]
-            );
+            if ours != w {
+                assert!(
+                    margins[i] < NEAR_TIE,
+                    "{name}: step {i}: ours {ours}, llama.cpp {w} (its margin {:.3} >= {NEAR_TIE})",
+                    margins[i]
+                );
+                flipped.push(format!(
+                    "{name} step {i} (llama.cpp's margin {:.3}, ours {:.3})",
+                    margins[i],
+                    logits[ours as usize] - logits[w as usize]
+                ));
+            }
             // Teacher forcing: continue along llama.cpp's token.
             logits = model.forward(&mut pool, &mut seq, &[w]).expect("decode");
         }
         report.push(format!("{name}: ours {got:?} llama.cpp {want:?}"));
     }
-    eprintln!("{}", report.join("\n"));
+    eprintln!("{}\nnear-ties flipped: {flipped:?}", report.join("\n"));
+    assert!(
+        flipped.len() <= NEAR_TIES_ALLOWED,
+        "{} steps differ from llama.cpp (at most {NEAR_TIES_ALLOWED}): {flipped:?}",
+        flipped.len()
+    );
 }
 
 /// A ragged batch (a prefill chunk beside single decode tokens of other sequences) gives every
