@@ -31,16 +31,40 @@ pub enum OutputConstraint {
     Lark(String),
 }
 
+/// The whitespace allowed between two JSON tokens: up to [`JSON_WHITESPACE_MAX`] spaces, tabs
+/// and line breaks (room for a line break and indentation at any usual depth).
+const JSON_WHITESPACE: &str = r"[\x20\x0A\x0D\x09]{1,24}";
+/// The most whitespace characters between two JSON tokens.
+pub const JSON_WHITESPACE_MAX: usize = 24;
+
+/// Bounds the whitespace a JSON schema's grammar allows between tokens (llguidance's
+/// `x-guidance.whitespace_pattern`, unless the schema sets one). JSON allows any amount, and a
+/// small model sampling at a temperature can fall into writing only whitespace until its token
+/// limit (vLLM offers `disable_any_whitespace` for the same failure); bounded, every few tokens
+/// must make progress through the document.
+pub fn bound_json_whitespace(mut schema: serde_json::Value) -> serde_json::Value {
+    if let Some(obj) = schema.as_object_mut() {
+        let opts = obj
+            .entry("x-guidance")
+            .or_insert_with(|| serde_json::json!({}));
+        if let Some(opts) = opts.as_object_mut() {
+            opts.entry("whitespace_pattern")
+                .or_insert_with(|| JSON_WHITESPACE.into());
+        }
+    }
+    schema
+}
+
 impl OutputConstraint {
     fn grammar(&self) -> Result<TopLevelGrammar, String> {
         Ok(match self {
-            OutputConstraint::JsonObject => {
-                TopLevelGrammar::from_json_schema(serde_json::json!({ "type": "object" }))
-            }
+            OutputConstraint::JsonObject => TopLevelGrammar::from_json_schema(
+                bound_json_whitespace(serde_json::json!({ "type": "object" })),
+            ),
             OutputConstraint::JsonSchema(s) => {
                 let schema: serde_json::Value =
                     serde_json::from_str(s).map_err(|e| format!("the schema is not JSON: {e}"))?;
-                TopLevelGrammar::from_json_schema(schema)
+                TopLevelGrammar::from_json_schema(bound_json_whitespace(schema))
             }
             OutputConstraint::Regex(r) => TopLevelGrammar::from_regex(r),
             OutputConstraint::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
@@ -176,5 +200,44 @@ impl Guide {
         }
         self.next_mask(m);
         Ok(false)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// How many spaces after `{` the grammar of `c` accepts, over a one-byte vocabulary (at
+    /// most `cap` tried).
+    fn spaces_accepted(c: &OutputConstraint, cap: usize) -> usize {
+        let mut f = ParserFactory::new_simple(&ApproximateTokEnv::single_byte_env()).expect("env");
+        f.quiet();
+        let mut m = Matcher::new(Ok(f
+            .create_parser(c.grammar().expect("grammar"))
+            .expect("parser")));
+        m.consume_token(u32::from(b'{')).expect("an object opens");
+        let mut n = 0;
+        while n < cap && m.compute_mask().expect("mask").is_allowed(u32::from(b' ')) {
+            m.consume_token(u32::from(b' ')).expect("a space");
+            n += 1;
+        }
+        n
+    }
+
+    #[test]
+    fn json_whitespace_between_tokens_is_bounded() {
+        let schema = r#"{"type":"object","properties":{"a":{"type":"integer"}}}"#;
+        for c in [
+            OutputConstraint::JsonObject,
+            OutputConstraint::JsonSchema(schema.into()),
+        ] {
+            assert_eq!(spaces_accepted(&c, 1000), JSON_WHITESPACE_MAX, "{c:?}");
+        }
+        // A schema that sets its own pattern keeps it.
+        let own = r#"{"type":"object","x-guidance":{"whitespace_pattern":"[ ]{1,3}"}}"#;
+        assert_eq!(
+            spaces_accepted(&OutputConstraint::JsonSchema(own.into()), 1000),
+            3
+        );
     }
 }

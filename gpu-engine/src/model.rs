@@ -74,15 +74,46 @@ pub enum ModelError {
 
 struct Layer {
     attn_norm: Vec<f32>,
-    wq: QMatrix,
-    wk: QMatrix,
-    wv: QMatrix,
+    /// Q, K and V, stacked into one matrix where their types match (one product for all three).
+    qkv: Vec<QMatrix>,
     wo: QMatrix,
     ffn_norm: Vec<f32>,
-    gate: QMatrix,
-    up: QMatrix,
+    /// Gate and up, stacked likewise.
+    gate_up: Vec<QMatrix>,
     down: QMatrix,
 }
+
+/// Consecutive matrices of one type and width stacked into one.
+fn stacked(parts: Vec<QMatrix>) -> Vec<QMatrix> {
+    let mut out: Vec<QMatrix> = Vec::with_capacity(parts.len());
+    for m in parts {
+        match out.last().and_then(|last| last.stack(&m)) {
+            Some(both) => *out.last_mut().expect("a last part") = both,
+            None => out.push(m),
+        }
+    }
+    out
+}
+
+/// `out[t] = [A x[t], B x[t], ...]` for the stacked parts `A, B, ...` of one projection (`out`
+/// is `tokens × Σ rows`); activations are quantised once per weight type.
+fn project(parts: &[QMatrix], x: &[f32], out: &mut [f32]) {
+    let stride: usize = parts.iter().map(|m| m.rows).sum();
+    let mut acts: Option<QActs> = None;
+    let mut col = 0;
+    for m in parts {
+        if !acts.as_ref().is_some_and(|a| a.fits(m)) {
+            acts = Some(QActs::new(x, m));
+        }
+        if let Some(a) = &acts {
+            m.matmul_into(crate::cpu::Kernels::chosen(), a, out, stride, col);
+        }
+        col += m.rows;
+    }
+}
+
+/// Token counts from which per-token work (norms, SwiGLU) runs on the thread pool.
+const PARALLEL_TOKENS: usize = 16;
 
 /// A loaded llama model.
 pub struct Llama {
@@ -153,11 +184,11 @@ fn matrix(
             )));
         }
     }
-    Ok(QMatrix {
-        ty: t.ty,
-        rows,
-        cols,
-        data: g.tensor_data(t).to_vec(),
+    QMatrix::from_file(t.ty, rows, cols, g.tensor_data(t)).ok_or_else(|| {
+        ModelError::Format(format!(
+            "`{name}`: {:?} data do not fit [{cols}, {rows}]",
+            t.ty
+        ))
     })
 }
 
@@ -214,13 +245,17 @@ impl Llama {
                 let n = |s: &str| format!("blk.{i}.{s}");
                 Ok(Layer {
                     attn_norm: tensor(g, &n("attn_norm.weight"), &[d])?,
-                    wq: matrix(g, &n("attn_q.weight"), d, d)?,
-                    wk: matrix(g, &n("attn_k.weight"), d, kvd)?,
-                    wv: matrix(g, &n("attn_v.weight"), d, kvd)?,
+                    qkv: stacked(vec![
+                        matrix(g, &n("attn_q.weight"), d, d)?,
+                        matrix(g, &n("attn_k.weight"), d, kvd)?,
+                        matrix(g, &n("attn_v.weight"), d, kvd)?,
+                    ]),
                     wo: matrix(g, &n("attn_output.weight"), d, d)?,
                     ffn_norm: tensor(g, &n("ffn_norm.weight"), &[d])?,
-                    gate: matrix(g, &n("ffn_gate.weight"), d, f)?,
-                    up: matrix(g, &n("ffn_up.weight"), d, f)?,
+                    gate_up: stacked(vec![
+                        matrix(g, &n("ffn_gate.weight"), d, f)?,
+                        matrix(g, &n("ffn_up.weight"), d, f)?,
+                    ]),
                     down: matrix(g, &n("ffn_down.weight"), f, d)?,
                 })
             })
@@ -324,32 +359,38 @@ impl Llama {
         {
             self.embed.row(*t as usize, row);
         }
+        let (qkv_w, f) = (d + 2 * kvd, c.ffn);
         let mut h = vec![0.0f32; n * d];
+        let mut qkv = vec![0.0f32; n * qkv_w];
         let mut q = vec![0.0f32; n * d];
-        let mut k = vec![0.0f32; n * kvd];
-        let mut v = vec![0.0f32; n * kvd];
         let mut att = vec![0.0f32; n * d];
         let mut o = vec![0.0f32; n * d];
-        let mut g = vec![0.0f32; n * c.ffn];
-        let mut u = vec![0.0f32; n * c.ffn];
+        let mut gu = vec![0.0f32; n * 2 * f];
+        let mut g = vec![0.0f32; n * f];
+        // Every token's rotations, computed once for all layers and heads.
+        let rot: Vec<(f32, f32)> = where_
+            .iter()
+            .flat_map(|&(_, pos)| {
+                (0..hd / 2).map(move |i| {
+                    let theta = pos as f32 * c.rope_base.powf(-2.0 * i as f32 / hd as f32);
+                    let (s, co) = theta.sin_cos();
+                    (co, s)
+                })
+            })
+            .collect();
         for (li, l) in self.layers.iter().enumerate() {
-            for (xr, hr) in x.chunks_exact(d).zip(h.chunks_exact_mut(d)) {
-                rms_norm(xr, &l.attn_norm, c.eps, hr);
-            }
-            let ha = QActs::new(&h, d, l.wq.wants_sum());
-            l.wq.matmul(&ha, &mut q);
-            l.wk.matmul(&ha, &mut k);
-            l.wv.matmul(&ha, &mut v);
+            per_token(&x, d, &mut h, d, |xr, hr| {
+                rms_norm(xr, &l.attn_norm, c.eps, hr)
+            });
+            project(&l.qkv, &h, &mut qkv);
             for (ti, &(ii, pos)) in where_.iter().enumerate() {
-                rope(&mut q[ti * d..(ti + 1) * d], hd, pos, c.rope_base);
-                rope(&mut k[ti * kvd..(ti + 1) * kvd], hd, pos, c.rope_base);
-                pool.write(
-                    items[ii].seq,
-                    pos,
-                    li,
-                    &k[ti * kvd..(ti + 1) * kvd],
-                    &v[ti * kvd..(ti + 1) * kvd],
-                )?;
+                let (qr, kv) = qkv[ti * qkv_w..(ti + 1) * qkv_w].split_at_mut(d);
+                let (kr, vr) = kv.split_at_mut(kvd);
+                let r = &rot[ti * (hd / 2)..(ti + 1) * (hd / 2)];
+                rope(qr, hd, r);
+                rope(kr, hd, r);
+                pool.write(items[ii].seq, pos, li, kr, vr)?;
+                q[ti * d..(ti + 1) * d].copy_from_slice(qr);
             }
             let mut t0 = 0;
             for it in items.iter_mut() {
@@ -368,21 +409,21 @@ impl Llama {
                 r?;
                 t0 += m;
             }
-            l.wo.matmul(&QActs::new(&att, d, l.wo.wants_sum()), &mut o);
+            l.wo.matmul(&QActs::new(&att, &l.wo), &mut o);
             for (a, b) in x.iter_mut().zip(&o) {
                 *a += b;
             }
-            for (xr, hr) in x.chunks_exact(d).zip(h.chunks_exact_mut(d)) {
-                rms_norm(xr, &l.ffn_norm, c.eps, hr);
-            }
-            let ha = QActs::new(&h, d, l.gate.wants_sum());
-            l.gate.matmul(&ha, &mut g);
-            l.up.matmul(&ha, &mut u);
-            for (gi, ui) in g.iter_mut().zip(&u) {
-                *gi = *gi / (1.0 + (-*gi).exp()) * ui;
-            }
-            l.down
-                .matmul(&QActs::new(&g, c.ffn, l.down.wants_sum()), &mut o);
+            per_token(&x, d, &mut h, d, |xr, hr| {
+                rms_norm(xr, &l.ffn_norm, c.eps, hr)
+            });
+            project(&l.gate_up, &h, &mut gu);
+            per_token(&gu, 2 * f, &mut g, f, |gu, gr| {
+                let (gate, up) = gu.split_at(f);
+                for ((o, gi), ui) in gr.iter_mut().zip(gate).zip(up) {
+                    *o = gi / (1.0 + (-gi).exp()) * ui;
+                }
+            });
+            l.down.matmul(&QActs::new(&g, &l.down), &mut o);
             for (a, b) in x.iter_mut().zip(&o) {
                 *a += b;
             }
@@ -410,7 +451,7 @@ impl Llama {
         }
         let head = self.output.as_ref().unwrap_or(&self.embed);
         let mut logits = vec![0.0f32; rows * c.vocab];
-        head.matmul(&QActs::new(&last, d, head.wants_sum()), &mut logits);
+        head.matmul(&QActs::new(&last, head), &mut logits);
         Ok(logits.chunks_exact(c.vocab).map(<[f32]>::to_vec).collect())
     }
 }
@@ -435,13 +476,33 @@ fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
-/// RoPE, GGUF "normal" layout: pairs (2i, 2i+1) of each head rotate by `pos × base^(-2i/hd)`.
+/// `f(input row, output row)` for every token: rows of `inp_w` and `out_w` elements, on the
+/// thread pool for many tokens.
 #[inline(always)]
-fn rope(x: &mut [f32], hd: usize, pos: usize, base: f32) {
+fn per_token(
+    inp: &[f32],
+    inp_w: usize,
+    out: &mut [f32],
+    out_w: usize,
+    f: impl Fn(&[f32], &mut [f32]) + Sync,
+) {
+    let rows = inp.chunks_exact(inp_w).zip(out.chunks_exact_mut(out_w));
+    if inp.len() / inp_w < PARALLEL_TOKENS {
+        rows.for_each(|(i, o)| f(i, o));
+    } else {
+        use rayon::prelude::*;
+        inp.par_chunks_exact(inp_w)
+            .zip(out.par_chunks_exact_mut(out_w))
+            .for_each(|(i, o)| f(i, o));
+    }
+}
+
+/// RoPE, GGUF "normal" layout: pairs (2i, 2i+1) of each head rotate by `pos × base^(-2i/hd)`,
+/// whose cosine and sine are `rot[i]`.
+#[inline(always)]
+fn rope(x: &mut [f32], hd: usize, rot: &[(f32, f32)]) {
     for head in x.chunks_exact_mut(hd) {
-        for i in 0..hd / 2 {
-            let theta = pos as f32 * base.powf(-2.0 * i as f32 / hd as f32);
-            let (s, c) = theta.sin_cos();
+        for (i, &(c, s)) in rot.iter().enumerate() {
             let (a, b) = (head[2 * i], head[2 * i + 1]);
             head[2 * i] = a * c - b * s;
             head[2 * i + 1] = a * s + b * c;

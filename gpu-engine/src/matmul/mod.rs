@@ -1,12 +1,19 @@
 //! Quantised matrix products on CPU, for one token (decode) or many (prefill, batched decode).
 //!
-//! Weights stay in their file type. Activations are quantised per block of 32 to 8 bits the way
+//! Weights stay quantised. Activations are quantised per block of 32 to 8 bits the way
 //! llama.cpp's CPU kernels do (Q8_1 against Q4_1: scale and `d × Σq` rounded through f16; Q8_0
-//! against Q4_0/Q8_0), so logits track the reference closely, near-ties included. The block dot
-//! product runs on the kernel set chosen at run time ([`crate::cpu`]): AVX-512 VNNI (`vpdpbusd`,
-//! two blocks per instruction), AVX2 (`vpmaddubsw` + `vpmaddwd`) or portable Rust (`x86.rs`,
-//! `portable.rs`); each unpacked weight block is reused across a tile of tokens, and rows are
-//! split over rayon.
+//! against Q4_0/Q8_0), so logits track the reference closely, near-ties included.
+//!
+//! At load, every quantised matrix is repacked into one kernel layout ([`Layout`]), the way
+//! llama.cpp's REPACK rearranges weights for its kernels: per row, the quants of all blocks
+//! first (4-bit types: two blocks per 32 bytes, block `2p` in the low nibbles and `2p + 1` in the
+//! high ones, each in element order), then every block's f16 scale, then (Q4_1) every block's
+//! f16 minimum; rows are padded to an even block count with empty blocks. The bytes per row stay
+//! those of the file. The block products run on the kernel set chosen at run time
+//! ([`crate::cpu`]): AVX-512 VNNI over a register tile of rows × tokens (`vpdpbusd`, two blocks
+//! per instruction, the signed-weight correction folded into the accumulator it starts from),
+//! AVX2 (`vpmaddubsw` + `vpmaddwd`) or portable Rust (`x86.rs`, `portable.rs`). Rows are split
+//! over rayon; each task writes its own rows of the output straight into place.
 
 use rayon::prelude::*;
 
@@ -15,28 +22,67 @@ use crate::quant::TensorType;
 
 /// Rows per rayon task.
 const ROWS_PER_TASK: usize = 16;
-/// Tokens per pass over a task's rows (a multiple of the kernel's 4-token tile).
-const TOKEN_TILE: usize = 8;
+/// Tokens per kernel call (the register tile's width).
+const TOKEN_TILE: usize = 4;
+/// Token counts from which activations are quantised on the thread pool.
+const PARALLEL_TOKENS: usize = 16;
 
-/// A weight matrix (`rows × cols`, row-major as GGUF stores it) kept in its file type.
+/// Where the blocks of a packed row lie.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Layout {
+    /// Blocks of 32 in a row, as in the file.
+    pub(crate) blocks: usize,
+    /// Blocks including the padding block (even).
+    pub(crate) padded: usize,
+    /// Bytes of quants (`padded × 16` for 4-bit types, `padded × 32` for Q8_0).
+    pub(crate) qs: usize,
+    /// Bytes per packed row.
+    pub(crate) row: usize,
+}
+
+impl Layout {
+    fn of(ty: TensorType, cols: usize) -> Layout {
+        let blocks = cols / 32;
+        let padded = blocks + (blocks & 1);
+        let qs = if ty == TensorType::Q8_0 {
+            padded * 32
+        } else {
+            padded * 16
+        };
+        let scales = if ty == TensorType::Q4_1 { 4 } else { 2 };
+        Layout {
+            blocks,
+            padded,
+            qs,
+            row: qs + padded * scales,
+        }
+    }
+}
+
+/// A weight matrix (`rows × cols`): f32 as in the file, or a quantised type in the kernel layout.
 pub(crate) struct QMatrix {
     pub(crate) ty: TensorType,
     pub(crate) rows: usize,
     pub(crate) cols: usize,
-    pub(crate) data: Vec<u8>,
+    lay: Layout,
+    data: Vec<u8>,
 }
 
-/// `T` activation vectors of `cols` elements, quantised per block of 32.
+/// `T` activation vectors of `cols` elements, quantised per block of 32 for one weight type
+/// (each token padded to the weights' even block count with empty blocks).
 pub(crate) struct QActs {
+    ty: TensorType,
     tokens: usize,
-    blocks: usize,
+    padded: usize,
     /// Per block: scale (f16-rounded).
     d: Vec<f32>,
-    /// Per block: `d × Σq` (f16-rounded) for Q8_1, else 0.
+    /// Per block: `d × Σq` (f16-rounded) against Q4_1, else 0.
     s: Vec<f32>,
+    /// Per block: `Σq`.
+    sum: Vec<i32>,
     /// Per block: the 32 quantised values.
     q: Vec<[i8; 32]>,
-    /// The f32 input, kept for f32 weights.
+    /// The f32 input, kept for f32 weights only.
     f: Vec<f32>,
 }
 
@@ -44,17 +90,47 @@ fn f16r(x: f32) -> f32 {
     half::f16::from_f32(x).to_f32()
 }
 
+/// One token's blocks quantised into its slots.
+#[inline(always)]
+fn quantise_token(
+    x: &[f32],
+    with_sum: bool,
+    q: &mut [[i8; 32]],
+    d: &mut [f32],
+    s: &mut [f32],
+    sum: &mut [i32],
+) {
+    for (bi, b) in x.chunks_exact(32).enumerate() {
+        let amax = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let dv = amax / 127.0;
+        let id = if dv != 0.0 { 1.0 / dv } else { 0.0 };
+        let mut total = 0i32;
+        for (o, v) in q[bi].iter_mut().zip(b) {
+            *o = (v * id).round() as i8;
+            total += *o as i32;
+        }
+        d[bi] = f16r(dv);
+        s[bi] = if with_sum {
+            f16r(dv * total as f32)
+        } else {
+            0.0
+        };
+        sum[bi] = total;
+    }
+}
+
 impl QActs {
-    /// Quantises `x` (`tokens × cols`, row-major), compiled for the kernel set chosen at run
-    /// time (rounding is one instruction with SSE4.1, a libm call in baseline x86-64).
-    pub(crate) fn new(x: &[f32], cols: usize, with_sum: bool) -> QActs {
+    /// Quantises `x` (`tokens × m.cols`, row-major) for products with `m`, compiled for the
+    /// kernel set chosen at run time (rounding is one instruction with SSE4.1, a libm call in
+    /// baseline x86-64); many tokens are quantised on the thread pool.
+    pub(crate) fn new(x: &[f32], m: &QMatrix) -> QActs {
         match Kernels::chosen().level() {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: a `Kernels` value at AVX2 or above exists only when the CPU has AVX2
             // (and so SSE4.1), FMA and F16C.
             #[allow(unsafe_code)]
-            Level::Avx2 | Level::Avx512Vnni => unsafe { QActs::new_avx2(x, cols, with_sum) },
-            _ => QActs::new_body(x, cols, with_sum),
+            Level::Avx2 | Level::Avx512Vnni => unsafe { QActs::new_avx2(x, m) },
+            _ => QActs::new_body(x, m),
         }
     }
 
@@ -63,38 +139,83 @@ impl QActs {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma,f16c")]
     #[allow(unsafe_code)]
-    unsafe fn new_avx2(x: &[f32], cols: usize, with_sum: bool) -> QActs {
-        QActs::new_body(x, cols, with_sum)
+    unsafe fn new_avx2(x: &[f32], m: &QMatrix) -> QActs {
+        QActs::new_body(x, m)
     }
 
     #[inline(always)]
-    fn new_body(x: &[f32], cols: usize, with_sum: bool) -> QActs {
+    fn new_body(x: &[f32], m: &QMatrix) -> QActs {
+        let cols = m.cols;
         let tokens = x.len() / cols;
-        let blocks = cols / 32;
-        let n = tokens * blocks;
         let mut a = QActs {
+            ty: m.ty,
             tokens,
-            blocks,
-            d: Vec::with_capacity(n),
-            s: Vec::with_capacity(n),
-            q: Vec::with_capacity(n),
-            f: x.to_vec(),
+            padded: m.lay.padded,
+            d: Vec::new(),
+            s: Vec::new(),
+            sum: Vec::new(),
+            q: Vec::new(),
+            f: Vec::new(),
         };
-        for b in x.chunks_exact(32) {
-            let amax = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            let d = amax / 127.0;
-            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-            let mut q = [0i8; 32];
-            for (o, v) in q.iter_mut().zip(b) {
-                *o = (v * id).round() as i8;
+        if m.ty == TensorType::F32 {
+            a.f = x.to_vec();
+            return a;
+        }
+        let (p, with_sum) = (m.lay.padded, m.ty == TensorType::Q4_1);
+        let n = tokens * p;
+        a.d = vec![0.0; n];
+        a.s = vec![0.0; n];
+        a.sum = vec![0; n];
+        a.q = vec![[0; 32]; n];
+        let parts =
+            a.q.chunks_mut(p)
+                .zip(a.d.chunks_mut(p))
+                .zip(a.s.chunks_mut(p))
+                .zip(a.sum.chunks_mut(p))
+                .zip(x.chunks_exact(cols));
+        if tokens < PARALLEL_TOKENS {
+            for ((((q, d), s), sum), x) in parts {
+                quantise_token(x, with_sum, q, d, s, sum);
             }
-            let sum: i32 = q.iter().map(|v| *v as i32).sum();
-            a.d.push(f16r(d));
-            a.s.push(if with_sum { f16r(d * sum as f32) } else { 0.0 });
-            a.q.push(q);
+        } else {
+            let parts: Vec<_> = parts.collect();
+            parts
+                .into_par_iter()
+                .for_each(|((((q, d), s), sum), x)| quantise_token(x, with_sum, q, d, s, sum));
         }
         a
     }
+
+    /// Whether these activations were quantised for products with `m`'s type and width.
+    pub(crate) fn fits(&self, m: &QMatrix) -> bool {
+        self.ty == m.ty
+            && if m.ty == TensorType::F32 {
+                self.f.len() == self.tokens * m.cols
+            } else {
+                self.padded == m.lay.padded
+            }
+    }
+
+    /// Token `t`'s blocks: scales, sum terms, `Σq` and values (padding included).
+    #[inline(always)]
+    fn token(&self, t: usize) -> Acts<'_> {
+        let k = t * self.padded..(t + 1) * self.padded;
+        Acts {
+            d: &self.d[k.clone()],
+            s: &self.s[k.clone()],
+            sum: &self.sum[k.clone()],
+            q: &self.q[k],
+        }
+    }
+}
+
+/// One token's quantised activations.
+#[derive(Clone, Copy)]
+pub(crate) struct Acts<'a> {
+    pub(crate) d: &'a [f32],
+    pub(crate) s: &'a [f32],
+    pub(crate) sum: &'a [i32],
+    pub(crate) q: &'a [[i8; 32]],
 }
 
 /// `a · b` in f32 with eight independent accumulators, so the compiler vectorises it.
@@ -115,63 +236,194 @@ pub(crate) fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
+/// A little-endian f16 at byte `i`.
+#[inline(always)]
+fn f16_le(b: &[u8], i: usize) -> f32 {
+    half::f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
+}
+
+/// Weight `j` of block `b` of a packed row, as the signed integer its scale multiplies.
+#[inline(always)]
+fn quant(ty: TensorType, row: &[u8], b: usize, j: usize) -> i32 {
+    if ty == TensorType::Q8_0 {
+        row[b * 32 + j] as i8 as i32
+    } else {
+        let byte = row[(b / 2) * 32 + j];
+        let u = i32::from(if b.is_multiple_of(2) { byte & 0x0f } else { byte >> 4 });
+        if ty == TensorType::Q4_0 { u - 8 } else { u }
+    }
+}
+
+/// Where a product's results go: element `(t, r)` at `t × stride + col0 + r` of a buffer that
+/// every rayon task writes its own rows of.
+#[derive(Clone, Copy)]
+struct OutPtr {
+    ptr: *mut f32,
+    stride: usize,
+    col0: usize,
+}
+
+// SAFETY: an `OutPtr` is only made by `QMatrix::matmul_into`, which checks that every index it
+// can produce lies in the borrowed buffer and holds that borrow until all tasks have finished;
+// tasks write disjoint rows, so no element is written twice or read.
+#[allow(unsafe_code)]
+unsafe impl Send for OutPtr {}
+// SAFETY: as above.
+#[allow(unsafe_code)]
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    #[inline(always)]
+    fn put(&self, t: usize, r: usize, v: f32) {
+        // SAFETY: `matmul_into` checked `t × stride + col0 + r` in bounds for every token and
+        // row of the product, and only the task owning row `r` writes it.
+        #[allow(unsafe_code)]
+        unsafe {
+            *self.ptr.add(t * self.stride + self.col0 + r) = v
+        };
+    }
+}
+
 impl QMatrix {
-    /// Whether products use Q8_1 activations (with the sum term).
-    pub(crate) fn wants_sum(&self) -> bool {
-        self.ty == TensorType::Q4_1
+    /// A matrix from its file bytes (`rows × cols`, row-major, GGUF block layout), repacked into
+    /// the kernel layout; `None` for a type without kernels or bytes that do not fit the shape.
+    pub(crate) fn from_file(
+        ty: TensorType,
+        rows: usize,
+        cols: usize,
+        bytes: &[u8],
+    ) -> Option<QMatrix> {
+        let file_row = ty.bytes_for(cols as u64)? as usize;
+        if bytes.len() != file_row.checked_mul(rows)? {
+            return None;
+        }
+        let lay = Layout::of(ty, cols);
+        let data = match ty {
+            TensorType::F32 => bytes.to_vec(),
+            TensorType::Q4_0 | TensorType::Q4_1 | TensorType::Q8_0 => {
+                let mut data = vec![0u8; lay.row * rows];
+                for (src, dst) in bytes
+                    .chunks_exact(file_row)
+                    .zip(data.chunks_exact_mut(lay.row))
+                {
+                    pack_row(ty, &lay, src, dst);
+                }
+                data
+            }
+            _ => return None,
+        };
+        Some(QMatrix {
+            ty,
+            rows,
+            cols,
+            lay,
+            data,
+        })
     }
 
-    fn row_bytes(&self) -> usize {
-        self.ty.bytes_for(self.cols as u64).unwrap_or(0) as usize
+    /// Rows of `self` then rows of `other` as one matrix (same type and width), so that one
+    /// product computes both (Q, K and V; gate and up).
+    pub(crate) fn stack(&self, other: &QMatrix) -> Option<QMatrix> {
+        if self.ty != other.ty || self.cols != other.cols {
+            return None;
+        }
+        let mut data = Vec::with_capacity(self.data.len() + other.data.len());
+        data.extend_from_slice(&self.data);
+        data.extend_from_slice(&other.data);
+        Some(QMatrix {
+            ty: self.ty,
+            rows: self.rows + other.rows,
+            cols: self.cols,
+            lay: self.lay,
+            data,
+        })
+    }
+
+    fn row_bytes(&self, r: usize) -> &[u8] {
+        match self.ty {
+            TensorType::F32 => &self.data[r * self.cols * 4..(r + 1) * self.cols * 4],
+            _ => &self.data[r * self.lay.row..(r + 1) * self.lay.row],
+        }
     }
 
     /// Row `r` dequantised into `out`.
     pub(crate) fn row(&self, r: usize, out: &mut [f32]) {
-        let b = self.row_bytes();
-        let _ = crate::quant::dequantize(self.ty, &self.data[r * b..(r + 1) * b], out);
-    }
-
-    /// `out[t] = W x[t]` for every token `t`; `out` is `tokens × rows`, row-major.
-    pub(crate) fn matmul(&self, x: &QActs, out: &mut [f32]) {
-        self.matmul_with(Kernels::chosen(), x, out);
-    }
-
-    /// [`QMatrix::matmul`] with kernel set `k`.
-    pub(crate) fn matmul_with(&self, k: Kernels, x: &QActs, out: &mut [f32]) {
-        let (t_n, rows) = (x.tokens, self.rows);
-        debug_assert_eq!(out.len(), t_n * rows);
-        if t_n == 1 {
-            // One token: each task's rows go straight to `out`.
-            out.par_chunks_mut(ROWS_PER_TASK)
-                .enumerate()
-                .for_each(|(ci, chunk)| self.task(k, x, ci * ROWS_PER_TASK, chunk));
+        let row = self.row_bytes(r);
+        if self.ty == TensorType::F32 {
+            for (o, c) in out.iter_mut().zip(row.chunks_exact(4)) {
+                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
             return;
         }
-        // Rows outer (each task owns a row range, tokens inner), then transpose.
-        let mut tmp = vec![0.0f32; rows * t_n];
-        tmp.par_chunks_mut(ROWS_PER_TASK * t_n)
-            .enumerate()
-            .for_each(|(ci, chunk)| self.task(k, x, ci * ROWS_PER_TASK, chunk));
-        for (r, row) in tmp.chunks_exact(t_n).enumerate() {
-            for (t, v) in row.iter().enumerate() {
-                out[t * rows + r] = *v;
+        let lay = &self.lay;
+        for (b, o) in out.chunks_exact_mut(32).enumerate().take(lay.blocks) {
+            let d = f16_le(row, lay.qs + 2 * b);
+            let m = if self.ty == TensorType::Q4_1 {
+                f16_le(row, lay.qs + 2 * lay.padded + 2 * b)
+            } else {
+                0.0
+            };
+            for (j, v) in o.iter_mut().enumerate() {
+                *v = d * quant(self.ty, row, b, j) as f32 + m;
             }
         }
     }
 
-    /// One rayon task: rows `r0..` (as many as `chunk` holds) against every token, compiled
-    /// for the kernel set so the whole loop nest, not just the block dot, uses its features.
-    fn task(&self, k: Kernels, x: &QActs, r0: usize, chunk: &mut [f32]) {
+    /// `out[t] = W x[t]` for every token `t`; `out` is `tokens × rows`, row-major.
+    pub(crate) fn matmul(&self, x: &QActs, out: &mut [f32]) {
+        self.matmul_into(Kernels::chosen(), x, out, self.rows, 0);
+    }
+
+    /// [`QMatrix::matmul`] with kernel set `k` (tests run every set the CPU has).
+    #[cfg(test)]
+    pub(crate) fn matmul_with(&self, k: Kernels, x: &QActs, out: &mut [f32]) {
+        self.matmul_into(k, x, out, self.rows, 0);
+    }
+
+    /// `out[t × stride + col0 + r] = (W x[t])[r]`: the product written into columns
+    /// `col0..col0 + rows` of a wider `tokens × stride` buffer.
+    pub(crate) fn matmul_into(
+        &self,
+        k: Kernels,
+        x: &QActs,
+        out: &mut [f32],
+        stride: usize,
+        col0: usize,
+    ) {
+        assert!(x.fits(self), "activations quantised for another matrix");
+        let t_n = x.tokens;
+        if t_n == 0 || self.rows == 0 {
+            return;
+        }
+        assert!(col0 + self.rows <= stride && (t_n - 1) * stride + col0 + self.rows <= out.len());
+        let dst = OutPtr {
+            ptr: out.as_mut_ptr(),
+            stride,
+            col0,
+        };
+        let tasks = self.rows.div_ceil(ROWS_PER_TASK);
+        (0..tasks).into_par_iter().for_each(|ti| {
+            let r0 = ti * ROWS_PER_TASK;
+            let r1 = (r0 + ROWS_PER_TASK).min(self.rows);
+            self.task(k, x, r0..r1, dst);
+        });
+    }
+
+    /// One rayon task: rows `rows` against every token, compiled for the kernel set so the
+    /// whole loop nest, not just the block dot, uses its features.
+    fn task(&self, k: Kernels, x: &QActs, rows: std::ops::Range<usize>, out: OutPtr) {
         match k.level() {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: a `Kernels` value names a set only when the CPU has its features.
             #[allow(unsafe_code)]
-            Level::Avx512Vnni => unsafe { self.task_avx512(k, x, r0, chunk) },
+            Level::Avx512Vnni => unsafe { self.task_avx512(x, rows, out) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above.
             #[allow(unsafe_code)]
-            Level::Avx2 => unsafe { self.task_avx2(k, x, r0, chunk) },
-            _ => self.task_body(k, x, r0, chunk),
+            Level::Avx2 => unsafe { self.task_avx2(x, rows, out) },
+            _ => self.task_body(x, rows, out, |row, acts, o| {
+                portable::row_dot(self.ty, &self.lay, row, acts, o)
+            }),
         }
     }
 
@@ -180,8 +432,43 @@ impl QMatrix {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma,f16c")]
     #[allow(unsafe_code)]
-    unsafe fn task_avx2(&self, k: Kernels, x: &QActs, r0: usize, chunk: &mut [f32]) {
-        self.task_body(k, x, r0, chunk)
+    unsafe fn task_avx2(&self, x: &QActs, rows: std::ops::Range<usize>, out: OutPtr) {
+        self.task_body(x, rows, out, |row, acts, o| {
+            // SAFETY: this function's callers hold a `Kernels` proving AVX2, FMA and F16C.
+            unsafe { x86::row_dot_avx2(self.ty, &self.lay, row, acts, o) }
+        })
+    }
+
+    /// Token tiles outer, rows inner: a tile's activations stay in L1 while the task's rows pass
+    /// over them; `dot(row, tokens, out)` does one row against up to four tokens.
+    #[inline(always)]
+    fn task_body(
+        &self,
+        x: &QActs,
+        rows: std::ops::Range<usize>,
+        out: OutPtr,
+        dot: impl Fn(&[u8], &[Acts<'_>], &mut [f32]),
+    ) {
+        for t in (0..x.tokens).step_by(TOKEN_TILE) {
+            let nt = TOKEN_TILE.min(x.tokens - t);
+            for r in rows.clone() {
+                let mut o = [0.0f32; TOKEN_TILE];
+                if self.ty == TensorType::F32 {
+                    let w: &[f32] = bytemuck::cast_slice(self.row_bytes(r));
+                    for (i, v) in o.iter_mut().enumerate().take(nt) {
+                        let tt = t + i;
+                        *v = dot_f32(w, &x.f[tt * self.cols..(tt + 1) * self.cols]);
+                    }
+                } else {
+                    let acts: [Acts<'_>; TOKEN_TILE] =
+                        std::array::from_fn(|i| x.token((t + i).min(x.tokens - 1)));
+                    dot(self.row_bytes(r), &acts[..nt], &mut o[..nt]);
+                }
+                for (i, v) in o.iter().enumerate().take(nt) {
+                    out.put(t + i, r, *v);
+                }
+            }
+        }
     }
 
     /// # Safety
@@ -189,85 +476,64 @@ impl QMatrix {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     #[allow(unsafe_code)]
-    unsafe fn task_avx512(&self, k: Kernels, x: &QActs, r0: usize, chunk: &mut [f32]) {
-        self.task_body(k, x, r0, chunk)
-    }
-
-    #[inline(always)]
-    fn task_body(&self, k: Kernels, x: &QActs, r0: usize, chunk: &mut [f32]) {
-        let t_n = x.tokens;
-        let rows = chunk.len() / t_n;
-        // Token tiles outer, rows inner: a tile's activations stay in L1 while the task's rows
-        // pass over them, instead of every row sweeping all tokens through L2.
-        for t in (0..t_n).step_by(TOKEN_TILE) {
-            let nt = TOKEN_TILE.min(t_n - t);
-            for i in 0..rows {
-                let at = i * t_n + t;
-                self.row_tokens(k, x, r0 + i, t, &mut chunk[at..at + nt]);
-            }
-        }
-    }
-
-    /// Row `r` against tokens `t0..t0 + out.len()`, four at a time.
-    #[inline(always)]
-    fn row_tokens(&self, k: Kernels, x: &QActs, r: usize, t0: usize, out: &mut [f32]) {
+    unsafe fn task_avx512(&self, x: &QActs, rows: std::ops::Range<usize>, out: OutPtr) {
         if self.ty == TensorType::F32 {
-            let w: &[f32] = bytemuck::cast_slice(&self.data);
-            let w = &w[r * self.cols..(r + 1) * self.cols];
-            for (i, o) in out.iter_mut().enumerate() {
-                let t = t0 + i;
-                *o = dot_f32(w, &x.f[t * self.cols..(t + 1) * self.cols]);
+            return self.task_body(x, rows, out, |_, _, _| {});
+        }
+        // SAFETY (every call below): this function's callers hold a `Kernels` proving the
+        // features `x86::tile` is compiled for.
+        for t in (0..x.tokens).step_by(TOKEN_TILE) {
+            let nt = TOKEN_TILE.min(x.tokens - t);
+            let mut r = rows.start;
+            while r < rows.end {
+                let nr = 2.min(rows.end - r);
+                let rb = [self.row_bytes(r), self.row_bytes(r + nr - 1)];
+                let mut o = [[0.0f32; TOKEN_TILE]; 2];
+                unsafe { x86::tile(self.ty, &self.lay, rb, nr, x, t, nt, &mut o) };
+                for (ri, row) in o.iter().enumerate().take(nr) {
+                    for (i, v) in row.iter().enumerate().take(nt) {
+                        out.put(t + i, r + ri, *v);
+                    }
+                }
+                r += nr;
             }
-            return;
-        }
-        let rb = self.row_bytes();
-        let row = &self.data[r * rb..(r + 1) * rb];
-        let nb = x.blocks;
-        let acts = |t: usize| {
-            let k = t * nb..(t + 1) * nb;
-            (&x.d[k.clone()], &x.s[k.clone()], &x.q[k])
-        };
-        let mut tiles = out.chunks_exact_mut(4);
-        let mut t = t0;
-        for o in &mut tiles {
-            o.copy_from_slice(&row_dot::<4>(
-                k,
-                self.ty,
-                row,
-                [acts(t), acts(t + 1), acts(t + 2), acts(t + 3)],
-            ));
-            t += 4;
-        }
-        for o in tiles.into_remainder() {
-            *o = row_dot::<1>(k, self.ty, row, [acts(t)])[0];
-            t += 1;
         }
     }
 }
 
-/// A little-endian f16 at byte `i` of a block.
-#[inline(always)]
-fn f16_le(b: &[u8], i: usize) -> f32 {
-    half::f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
-}
-
-/// One token's quantised activations: per block scale, sum term and values.
-type Acts<'a> = (&'a [f32], &'a [f32], &'a [[i8; 32]]);
-
-/// One weight row against `N` tokens' quantised activations, with kernel set `k`.
-#[inline(always)]
-fn row_dot<const N: usize>(k: Kernels, ty: TensorType, row: &[u8], x: [Acts<'_>; N]) -> [f32; N] {
-    match k.level() {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: a `Kernels` value names a set only when the running CPU has its features
-        // (`Kernels::available`).
-        #[allow(unsafe_code)]
-        Level::Avx512Vnni => unsafe { x86::row_dot_avx512(ty, row, x) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
-        #[allow(unsafe_code)]
-        Level::Avx2 => unsafe { x86::row_dot_avx2(ty, row, x) },
-        _ => portable::row_dot(ty, row, x),
+/// Repacks one file row (GGUF blocks) into the kernel layout.
+fn pack_row(ty: TensorType, lay: &Layout, src: &[u8], dst: &mut [u8]) {
+    let (_, bb) = ty.block();
+    let bb = bb as usize;
+    let file_quant = |b: usize, j: usize| -> u8 {
+        let blk = &src[b * bb..(b + 1) * bb];
+        match ty {
+            TensorType::Q8_0 => blk[2 + j],
+            _ => {
+                let off = if ty == TensorType::Q4_1 { 4 } else { 2 };
+                if j < 16 {
+                    blk[off + j] & 0x0f
+                } else {
+                    blk[off + j - 16] >> 4
+                }
+            }
+        }
+    };
+    for b in 0..lay.blocks {
+        let blk = &src[b * bb..(b + 1) * bb];
+        dst[lay.qs + 2 * b..lay.qs + 2 * b + 2].copy_from_slice(&blk[0..2]);
+        if ty == TensorType::Q4_1 {
+            let at = lay.qs + 2 * lay.padded + 2 * b;
+            dst[at..at + 2].copy_from_slice(&blk[2..4]);
+        }
+        for j in 0..32 {
+            let v = file_quant(b, j);
+            if ty == TensorType::Q8_0 {
+                dst[b * 32 + j] = v;
+            } else {
+                dst[(b / 2) * 32 + j] |= if b.is_multiple_of(2) { v } else { v << 4 };
+            }
+        }
     }
 }
 

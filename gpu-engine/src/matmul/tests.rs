@@ -23,7 +23,8 @@ fn f16_bytes(v: f32) -> [u8; 2] {
     half::f16::from_f32(v).to_le_bytes()
 }
 
-fn matrix(ty: TensorType, rows: usize, cols: usize, rng: &mut Rng) -> QMatrix {
+/// A matrix's bytes in the file's block layout (GGUF), random quants and scales.
+fn file_bytes(ty: TensorType, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
     let mut data = Vec::new();
     for _ in 0..rows * cols / 32 {
         data.extend_from_slice(&f16_bytes(rng.unit() * 0.05));
@@ -37,12 +38,11 @@ fn matrix(ty: TensorType, rows: usize, cols: usize, rng: &mut Rng) -> QMatrix {
             _ => data.extend((0..32).map(|_| rng.next() as u8)),
         }
     }
-    QMatrix {
-        ty,
-        rows,
-        cols,
-        data,
-    }
+    data
+}
+
+fn matrix(ty: TensorType, rows: usize, cols: usize, rng: &mut Rng) -> QMatrix {
+    QMatrix::from_file(ty, rows, cols, &file_bytes(ty, rows, cols, rng)).expect("fits")
 }
 
 #[test]
@@ -54,13 +54,13 @@ fn every_kernel_set_matches_the_portable_reference() {
     );
     let mut rng = Rng(0x5eed_1234_abcd_0001);
     for ty in [TensorType::Q4_1, TensorType::Q4_0, TensorType::Q8_0] {
-        // 3 and 7 blocks: the AVX-512 kernel's odd last block; 8: pairs only.
-        for cols in [96, 224, 256] {
+        // 3 and 7 blocks: a padding block; 8: pairs only. 37 rows: an odd last row.
+        for cols in [96, 224, 256, 576, 1056] {
             let rows = 37;
             let m = matrix(ty, rows, cols, &mut rng);
-            for tokens in [1, 3, 4, 9] {
+            for tokens in [1, 2, 3, 4, 9] {
                 let x: Vec<f32> = (0..tokens * cols).map(|_| rng.unit() * 3.0).collect();
-                let acts = QActs::new(&x, cols, m.wants_sum());
+                let acts = QActs::new(&x, &m);
                 let mut want = vec![0.0f32; tokens * rows];
                 m.matmul_with(Kernels::portable(), &acts, &mut want);
                 for &k in &sets {
@@ -76,6 +76,116 @@ fn every_kernel_set_matches_the_portable_reference() {
                     }
                 }
             }
+        }
+    }
+}
+
+/// The dot product on the file's own block layout (GGUF), written independently of the kernel
+/// layout: what every packed kernel must compute.
+fn file_dot(ty: TensorType, file_row: &[u8], x: &Acts<'_>) -> f32 {
+    let (_, bb) = ty.block();
+    let mut acc = 0.0f32;
+    for (b, blk) in file_row.chunks_exact(bb as usize).enumerate() {
+        let mut isum = 0i32;
+        for j in 0..32 {
+            let w = match ty {
+                TensorType::Q8_0 => blk[2 + j] as i8 as i32,
+                _ => {
+                    let off = if ty == TensorType::Q4_1 { 4 } else { 2 };
+                    let byte = blk[off + j % 16];
+                    let u = i32::from(if j < 16 { byte & 0x0f } else { byte >> 4 });
+                    if ty == TensorType::Q4_0 { u - 8 } else { u }
+                }
+            };
+            isum += w * x.q[b][j] as i32;
+        }
+        acc += f16_le(blk, 0) * x.d[b] * isum as f32;
+        if ty == TensorType::Q4_1 {
+            acc += f16_le(blk, 2) * x.s[b];
+        }
+    }
+    acc
+}
+
+#[test]
+fn packing_keeps_every_weight_and_scale() {
+    let mut rng = Rng(0x0dd_ba11);
+    for ty in [TensorType::Q4_1, TensorType::Q4_0, TensorType::Q8_0] {
+        for cols in [32, 96, 256, 1056] {
+            let rows = 5;
+            let fb = ty.bytes_for(cols as u64).expect("blocks") as usize;
+            let bytes = file_bytes(ty, rows, cols, &mut rng);
+            assert!(QMatrix::from_file(ty, rows, cols, &bytes[1..]).is_none());
+            let m = QMatrix::from_file(ty, rows, cols, &bytes).expect("fits");
+            // Dequantised rows equal the file's.
+            for row in 0..rows {
+                let mut want = vec![0.0f32; cols];
+                crate::quant::dequantize(ty, &bytes[row * fb..(row + 1) * fb], &mut want)
+                    .expect("dequantises");
+                let mut got = vec![0.0f32; cols];
+                m.row(row, &mut got);
+                assert_eq!(got, want, "{ty:?} cols {cols} row {row}");
+            }
+            // Every kernel set's product equals the file-layout dot product.
+            let x: Vec<f32> = (0..3 * cols).map(|_| rng.unit() * 2.0).collect();
+            let acts = QActs::new(&x, &m);
+            for &k in &Kernels::available() {
+                let mut got = vec![0.0f32; 3 * rows];
+                m.matmul_with(k, &acts, &mut got);
+                for t in 0..3 {
+                    for row in 0..rows {
+                        let want = file_dot(ty, &bytes[row * fb..(row + 1) * fb], &acts.token(t));
+                        let g = got[t * rows + row];
+                        assert!(
+                            (g - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                            "{} {ty:?} cols {cols} token {t} row {row}: {g} vs {want}",
+                            k.name()
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn stacked_matrices_write_their_columns_of_a_wider_output() {
+    let mut rng = Rng(0xc0ffee);
+    let (a, b) = (
+        matrix(TensorType::Q4_1, 19, 96, &mut rng),
+        matrix(TensorType::Q4_1, 7, 96, &mut rng),
+    );
+    let ab = a.stack(&b).expect("same type and width");
+    assert_eq!(ab.rows, 26);
+    assert!(
+        a.stack(&matrix(TensorType::Q8_0, 7, 96, &mut rng))
+            .is_none()
+    );
+    assert!(
+        a.stack(&matrix(TensorType::Q4_1, 7, 64, &mut rng))
+            .is_none()
+    );
+    for tokens in [1, 5] {
+        let x: Vec<f32> = (0..tokens * 96).map(|_| rng.unit()).collect();
+        let acts = QActs::new(&x, &a);
+        let (mut oa, mut ob) = (vec![0.0; tokens * 19], vec![0.0; tokens * 7]);
+        a.matmul(&acts, &mut oa);
+        b.matmul(&acts, &mut ob);
+        let mut both = vec![f32::NAN; tokens * 26];
+        ab.matmul(&acts, &mut both);
+        // Into columns 3.. of a 30-wide buffer: the rest untouched.
+        let mut wide = vec![-1.0f32; tokens * 30];
+        ab.matmul_into(Kernels::chosen(), &acts, &mut wide, 30, 3);
+        for t in 0..tokens {
+            assert_eq!(&both[t * 26..t * 26 + 19], &oa[t * 19..(t + 1) * 19]);
+            assert_eq!(&both[t * 26 + 19..(t + 1) * 26], &ob[t * 7..(t + 1) * 7]);
+            assert_eq!(&wide[t * 30 + 3..t * 30 + 29], &both[t * 26..(t + 1) * 26]);
+            assert!(
+                wide[t * 30..t * 30 + 3]
+                    .iter()
+                    .chain(&wide[t * 30 + 29..(t + 1) * 30])
+                    .all(|v| *v == -1.0)
+            );
         }
     }
 }

@@ -269,14 +269,16 @@ fn call_grammar(kind: ToolParserKind, tools: &[&(String, Value)]) -> String {
         [t] => one(t),
         _ => json!({ "anyOf": tools.iter().map(one).collect::<Vec<_>>() }),
     };
+    let bound = lockstep_engine::grammar::bound_json_whitespace;
     match kind {
-        ToolParserKind::Hermes | ToolParserKind::Qwen => {
-            format!("start: \"<tool_call>\\n\" %json {call} \"\\n</tool_call>\"")
-        }
-        ToolParserKind::Llama3Json => format!("start: %json {call}"),
+        ToolParserKind::Hermes | ToolParserKind::Qwen => format!(
+            "start: \"<tool_call>\\n\" %json {} \"\\n</tool_call>\"",
+            bound(call)
+        ),
+        ToolParserKind::Llama3Json => format!("start: %json {}", bound(call)),
         ToolParserKind::Mistral => format!(
             "start: \"[TOOL_CALLS]\" %json {}",
-            json!({ "type": "array", "items": call, "minItems": 1, "maxItems": 1 })
+            bound(json!({ "type": "array", "items": call, "minItems": 1, "maxItems": 1 }))
         ),
     }
 }
