@@ -41,6 +41,29 @@ fn block<'a, const F16C: bool>(
     }
 }
 
+/// Asks the CPU to bring elements `at..at + len` of the cache towards L1 (a hint: never a
+/// fault, no effect on results).
+#[inline(always)]
+fn prefetch(data: &KvData, at: usize, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let (ptr, bytes) = match data {
+            KvData::F32(d) => (d[at..at + len].as_ptr().cast::<i8>(), len * 4),
+            KvData::F16(d) => (d[at..at + len].as_ptr().cast::<i8>(), len * 2),
+        };
+        for off in (0..bytes).step_by(64) {
+            // SAFETY: `ptr + off` lies inside the slice just bounds-checked; a prefetch
+            // reads nothing and cannot fault.
+            #[allow(unsafe_code)]
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(ptr.add(off))
+            };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (data, at, len);
+}
+
 /// Largest page block of one head: 32 tokens × 128 dims.
 const MAX_BLOCK: usize = 32 * 128;
 
@@ -134,6 +157,15 @@ mod f16c {
     }
 }
 
+/// Whether a tile of `queries` tokens of a `group`-head GQA group computes its scores against
+/// K transposed (head_dim × slots: one broadcast-FMA pass per page, no horizontal sums), which
+/// repays the transpose only with many query rows per page. Decided by the tile and the model's
+/// group alone, never by how the work is split into tasks, so that a sequence's logits do not
+/// depend on what else is in the batch.
+fn transposed(queries: usize, group: usize) -> bool {
+    queries * group >= 8
+}
+
 /// Query tokens one prefill task handles: each K/V page is converted once for all of them.
 const QUERY_TILE: usize = 16;
 
@@ -142,6 +174,7 @@ const QUERY_TILE: usize = 16;
 /// converted once for every head and query of the tile. `q` and `out` are
 /// `queries × group × head_dim`.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 fn attend_group<const F16C: bool>(
     pool: &PagePool,
     layer: usize,
@@ -150,6 +183,7 @@ fn attend_group<const F16C: bool>(
     lens: &[usize],
     q: &[f32],
     out: &mut [f32],
+    transposed: bool,
 ) {
     let (data, cfg) = (pool.data(), pool.config());
     let (ps, hd) = (cfg.page_size, cfg.head_dim);
@@ -171,7 +205,6 @@ fn attend_group<const F16C: bool>(
         round_f16::<F16C>(&mut qh);
     }
     let width = if ps <= 16 { 16 } else { 32 };
-    let transposed = nq * group >= 8;
     let longest = lens.iter().copied().max().unwrap_or(0);
     for (pi, r) in seq.pages.iter().enumerate() {
         let start = pi * ps;
@@ -179,6 +212,14 @@ fn attend_group<const F16C: bool>(
             break;
         }
         let n = ps.min(longest - start);
+        // A layer's block of one head is a few KiB far from the previous page's: ask for the
+        // next page's blocks now, so they arrive while this one is computed.
+        if let Some(next) = seq.pages.get(pi + 1).filter(|_| start + ps < longest) {
+            let nb = next.page as usize * page_elems;
+            let len = ps.min(longest - start - ps) * hd;
+            prefetch(data, nb + cfg.k_offset(layer, kv_head, 0), len);
+            prefetch(data, nb + cfg.v_offset(layer, kv_head, 0), len);
+        }
         let base = r.page as usize * page_elems;
         let ko = base + cfg.k_offset(layer, kv_head, 0);
         let vo = base + cfg.v_offset(layer, kv_head, 0);
@@ -265,6 +306,7 @@ fn attend(
     lens: &[usize],
     q: &[f32],
     out: &mut [f32],
+    transposed: bool,
 ) {
     match k.level() {
         #[cfg(target_arch = "x86_64")]
@@ -272,9 +314,9 @@ fn attend(
         // F16C (`Kernels::available`).
         #[allow(unsafe_code)]
         Level::Avx2 | Level::Avx512Vnni => unsafe {
-            attend_avx2(pool, layer, seq, kv_head, lens, q, out)
+            attend_avx2(pool, layer, seq, kv_head, lens, q, out, transposed)
         },
-        _ => attend_group::<false>(pool, layer, seq, kv_head, lens, q, out),
+        _ => attend_group::<false>(pool, layer, seq, kv_head, lens, q, out, transposed),
     }
 }
 
@@ -283,6 +325,7 @@ fn attend(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(unsafe_code)]
+#[allow(clippy::too_many_arguments)]
 unsafe fn attend_avx2(
     pool: &PagePool,
     layer: usize,
@@ -291,8 +334,9 @@ unsafe fn attend_avx2(
     lens: &[usize],
     q: &[f32],
     out: &mut [f32],
+    transposed: bool,
 ) {
-    attend_group::<true>(pool, layer, seq, kv_head, lens, q, out)
+    attend_group::<true>(pool, layer, seq, kv_head, lens, q, out, transposed)
 }
 
 fn check_shape(cfg: &PoolConfig, heads: usize) {
@@ -322,7 +366,17 @@ fn run_groups<'s>(
         .enumerate()
         .for_each(|(i, (o, qv))| {
             let (seq, len) = target(i / kvh);
-            attend(k, pool, layer, seq, i % kvh, &[len], qv, o);
+            attend(
+                k,
+                pool,
+                layer,
+                seq,
+                i % kvh,
+                &[len],
+                qv,
+                o,
+                transposed(1, heads / kvh),
+            );
         });
 }
 
@@ -383,36 +437,95 @@ pub fn prefill_attention_with(
     q: &[f32],
     out: &mut [f32],
 ) -> Result<(), IntegrityError> {
+    let n = q.len() / (heads * pool.config().head_dim);
+    batch_attention_with(k, pool, &[(seq, start, n)], layer, heads, q, out)
+}
+
+/// Causal attention for a ragged batch in one parallel pass: item `(seq, start, n)` has `n`
+/// query tokens at positions `start..start + n` of `seq` (whose KV for positions
+/// `0..start + n` is written), its rows following the previous item's in `q` and `out`
+/// (`tokens × heads × head_dim`). Prefill chunks and single decode tokens of many sequences
+/// share one set of tasks.
+pub fn batch_attention(
+    pool: &PagePool,
+    items: &[(&Sequence, usize, usize)],
+    layer: usize,
+    heads: usize,
+    q: &[f32],
+    out: &mut [f32],
+) -> Result<(), IntegrityError> {
+    batch_attention_with(Kernels::chosen(), pool, items, layer, heads, q, out)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn batch_attention_with(
+    k: Kernels,
+    pool: &PagePool,
+    items: &[(&Sequence, usize, usize)],
+    layer: usize,
+    heads: usize,
+    q: &[f32],
+    out: &mut [f32],
+) -> Result<(), IntegrityError> {
     check_shape(pool.config(), heads);
-    pool.verify_read(seq)?;
+    for (seq, _, _) in items {
+        pool.verify_read(seq)?;
+    }
     let cfg = pool.config();
     let (kvh, hd) = (cfg.kv_heads, cfg.head_dim);
-    let width = heads / kvh * hd;
-    let n = q.len() / (heads * hd);
-    let tiles = n.div_ceil(QUERY_TILE);
-    // One task per (tile of query tokens, KV head): gather the tile's queries of that group,
-    // attend, scatter back.
-    let results: Vec<(usize, usize, Vec<f32>)> = (0..tiles * kvh)
-        .into_par_iter()
-        .map(|i| {
-            let (tile, h) = (i / kvh, i % kvh);
-            let t0 = tile * QUERY_TILE;
-            let nq = QUERY_TILE.min(n - t0);
-            let mut qt = Vec::with_capacity(nq * width);
-            for t in t0..t0 + nq {
-                let at = t * heads * hd + h * width;
-                qt.extend_from_slice(&q[at..at + width]);
+    // One task per (item, tile of its query tokens, KV head): (item, first row of the batch,
+    // position of the tile's first query, queries, head).
+    let group = heads / kvh;
+    let tiles: usize = items.iter().map(|(_, _, n)| n.div_ceil(QUERY_TILE)).sum();
+    // Few tasks (one sequence decoding) would leave threads idle: then each query head is a
+    // task of its own, re-reading its group's K/V from cache instead of sharing it.
+    let per_task = if tiles * kvh < 2 * rayon::current_num_threads() {
+        1
+    } else {
+        group
+    };
+    let part = per_task * hd;
+    let mut tasks = Vec::new();
+    let mut row = 0;
+    for (ii, &(_, start, n)) in items.iter().enumerate() {
+        for t0 in (0..n).step_by(QUERY_TILE) {
+            for h in 0..heads / per_task {
+                tasks.push((ii, row + t0, start + t0, QUERY_TILE.min(n - t0), h));
             }
-            let lens: Vec<usize> = (t0..t0 + nq).map(|t| start + t + 1).collect();
-            let mut o = vec![0.0f32; nq * width];
-            attend(k, pool, layer, seq, h, &lens, &qt, &mut o);
-            (t0, h, o)
+        }
+        row += n;
+    }
+    // Gather each task's queries (heads `h × per_task..` of KV head `h × per_task / group`),
+    // attend, scatter back.
+    let results: Vec<(usize, usize, Vec<f32>)> = tasks
+        .into_par_iter()
+        .map(|(ii, r0, p0, nq, h)| {
+            let mut qt = Vec::with_capacity(nq * part);
+            for t in r0..r0 + nq {
+                let at = t * heads * hd + h * part;
+                qt.extend_from_slice(&q[at..at + part]);
+            }
+            let lens: Vec<usize> = (p0..p0 + nq).map(|p| p + 1).collect();
+            let mut o = vec![0.0f32; nq * part];
+            let kv_head = h * per_task / group;
+            attend(
+                k,
+                pool,
+                layer,
+                items[ii].0,
+                kv_head,
+                &lens,
+                &qt,
+                &mut o,
+                transposed(nq, group),
+            );
+            (r0, h, o)
         })
         .collect();
     for (t0, h, o) in results {
-        for (j, chunk) in o.chunks_exact(width).enumerate() {
-            let at = (t0 + j) * heads * hd + h * width;
-            out[at..at + width].copy_from_slice(chunk);
+        for (j, chunk) in o.chunks_exact(part).enumerate() {
+            let at = (t0 + j) * heads * hd + h * part;
+            out[at..at + part].copy_from_slice(chunk);
         }
     }
     Ok(())

@@ -5,7 +5,7 @@
 //! which makes the logits track llama.cpp's closely (near-ties included), and run over rows with
 //! rayon.
 
-use crate::attention::prefill_attention;
+use crate::attention::batch_attention;
 use crate::gguf::{Gguf, Value};
 use crate::matmul::{QActs, QMatrix};
 use crate::pool::{
@@ -299,6 +299,12 @@ impl Llama {
         pool: &mut PagePool,
         items: &mut [Step<'_>],
     ) -> Result<Vec<Vec<f32>>, ModelError> {
+        // The whole step runs on a thread of the pool: its parallel products then start from a
+        // worker (which takes part in them) instead of each being sent to the pool and waited
+        // for from outside, two thread switches per product.
+        if rayon::current_thread_index().is_none() {
+            return rayon::scope(|_| self.forward_batch(pool, items));
+        }
         use crate::cpu::{Kernels, Level};
         match Kernels::chosen().level() {
             #[cfg(target_arch = "x86_64")]
@@ -392,23 +398,20 @@ impl Llama {
                 pool.write(items[ii].seq, pos, li, kr, vr)?;
                 q[ti * d..(ti + 1) * d].copy_from_slice(qr);
             }
-            let mut t0 = 0;
+            // Attention for every item at once, each seeing its own positions up to its new
+            // tokens (its length set for the call, then restored).
             for it in items.iter_mut() {
-                let (start, m) = (it.seq.len, it.tokens.len());
-                it.seq.len = start + m;
-                let r = prefill_attention(
-                    pool,
-                    it.seq,
-                    li,
-                    c.heads,
-                    start,
-                    &q[t0 * d..(t0 + m) * d],
-                    &mut att[t0 * d..(t0 + m) * d],
-                );
-                it.seq.len = start;
-                r?;
-                t0 += m;
+                it.seq.len += it.tokens.len();
             }
+            let jobs: Vec<(&Sequence, usize, usize)> = items
+                .iter()
+                .map(|it| (&*it.seq, it.seq.len - it.tokens.len(), it.tokens.len()))
+                .collect();
+            let r = batch_attention(pool, &jobs, li, c.heads, &q, &mut att);
+            for it in items.iter_mut() {
+                it.seq.len -= it.tokens.len();
+            }
+            r?;
             l.wo.matmul(&QActs::new(&att, &l.wo), &mut o);
             for (a, b) in x.iter_mut().zip(&o) {
                 *a += b;

@@ -168,32 +168,43 @@ fn prefill_is_causal_and_matches_dense_f64() {
             };
             let len = 2 * page_size + 5;
             let case = build(&mut rng, cfg, &[len], 0);
-            // Queries for positions start..len (a chunked prefill continuing after `start`).
-            let start = page_size / 2;
-            let n = len - start;
-            let q: Vec<f32> = (0..n * heads * hd)
-                .map(|_| rng.random_range(-1.0..1.0))
-                .collect();
-            let mut out = vec![0.0f32; q.len()];
-            for k in Kernels::available() {
-                prefill_attention_with(k, &case.pool, &case.seqs[0], 0, heads, start, &q, &mut out)
+            // Queries for positions start..len (a chunked prefill continuing after `start`);
+            // one query alone (a decode step) takes a task per query head.
+            for start in [page_size / 2, len - 1] {
+                let n = len - start;
+                let q: Vec<f32> = (0..n * heads * hd)
+                    .map(|_| rng.random_range(-1.0..1.0))
+                    .collect();
+                let mut out = vec![0.0f32; q.len()];
+                for k in Kernels::available() {
+                    prefill_attention_with(
+                        k,
+                        &case.pool,
+                        &case.seqs[0],
+                        0,
+                        heads,
+                        start,
+                        &q,
+                        &mut out,
+                    )
                     .expect("attention");
-                for t in 0..n {
-                    for h in 0..heads {
-                        let o = (t * heads + h) * hd;
-                        let want = reference(
-                            &case.kv[0],
-                            h / (heads / kv_heads),
-                            hd,
-                            start + t + 1,
-                            &q[o..o + hd],
-                        );
-                        let err = max_rel_err(&out[o..o + hd], &want);
-                        assert!(
-                            err < threshold(dtype),
-                            "seed {seed}: {} {dtype:?} ps {page_size} token {t} head {h}: rel err {err}",
-                            k.name()
-                        );
+                    for t in 0..n {
+                        for h in 0..heads {
+                            let o = (t * heads + h) * hd;
+                            let want = reference(
+                                &case.kv[0],
+                                h / (heads / kv_heads),
+                                hd,
+                                start + t + 1,
+                                &q[o..o + hd],
+                            );
+                            let err = max_rel_err(&out[o..o + hd], &want);
+                            assert!(
+                                err < threshold(dtype),
+                                "seed {seed}: {} {dtype:?} ps {page_size} start {start} token {t} head {h}: rel err {err}",
+                                k.name()
+                            );
+                        }
                     }
                 }
             }

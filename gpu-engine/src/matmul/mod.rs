@@ -119,32 +119,47 @@ fn quantise_token(
     }
 }
 
-impl QActs {
-    /// Quantises `x` (`tokens × m.cols`, row-major) for products with `m`, compiled for the
-    /// kernel set chosen at run time (rounding is one instruction with SSE4.1, a libm call in
-    /// baseline x86-64); many tokens are quantised on the thread pool.
-    pub(crate) fn new(x: &[f32], m: &QMatrix) -> QActs {
-        match Kernels::chosen().level() {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: a `Kernels` value at AVX2 or above exists only when the CPU has AVX2
-            // (and so SSE4.1), FMA and F16C.
-            #[allow(unsafe_code)]
-            Level::Avx2 | Level::Avx512Vnni => unsafe { QActs::new_avx2(x, m) },
-            _ => QActs::new_body(x, m),
-        }
-    }
-
+/// [`quantise_token`] compiled for the kernel set chosen at run time (rounding is one
+/// instruction with SSE4.1, a libm call in baseline x86-64).
+#[allow(clippy::too_many_arguments)]
+fn quantise(
+    level: Level,
+    x: &[f32],
+    with_sum: bool,
+    q: &mut [[i8; 32]],
+    d: &mut [f32],
+    s: &mut [f32],
+    sum: &mut [i32],
+) {
     /// # Safety
     /// The CPU must have AVX2, FMA and F16C.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma,f16c")]
     #[allow(unsafe_code)]
-    unsafe fn new_avx2(x: &[f32], m: &QMatrix) -> QActs {
-        QActs::new_body(x, m)
+    unsafe fn avx2(
+        x: &[f32],
+        with_sum: bool,
+        q: &mut [[i8; 32]],
+        d: &mut [f32],
+        s: &mut [f32],
+        sum: &mut [i32],
+    ) {
+        quantise_token(x, with_sum, q, d, s, sum)
     }
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: a `Level` at AVX2 or above comes from a `Kernels` value, which exists only
+        // when the CPU has AVX2 (and so SSE4.1), FMA and F16C.
+        #[allow(unsafe_code)]
+        Level::Avx2 | Level::Avx512Vnni => unsafe { avx2(x, with_sum, q, d, s, sum) },
+        _ => quantise_token(x, with_sum, q, d, s, sum),
+    }
+}
 
-    #[inline(always)]
-    fn new_body(x: &[f32], m: &QMatrix) -> QActs {
+impl QActs {
+    /// Quantises `x` (`tokens × m.cols`, row-major) for products with `m`; many tokens are
+    /// quantised on the thread pool.
+    pub(crate) fn new(x: &[f32], m: &QMatrix) -> QActs {
         let cols = m.cols;
         let tokens = x.len() / cols;
         let mut a = QActs {
@@ -173,15 +188,16 @@ impl QActs {
                 .zip(a.s.chunks_mut(p))
                 .zip(a.sum.chunks_mut(p))
                 .zip(x.chunks_exact(cols));
+        let level = Kernels::chosen().level();
         if tokens < PARALLEL_TOKENS {
             for ((((q, d), s), sum), x) in parts {
-                quantise_token(x, with_sum, q, d, s, sum);
+                quantise(level, x, with_sum, q, d, s, sum);
             }
         } else {
             let parts: Vec<_> = parts.collect();
             parts
                 .into_par_iter()
-                .for_each(|((((q, d), s), sum), x)| quantise_token(x, with_sum, q, d, s, sum));
+                .for_each(|((((q, d), s), sum), x)| quantise(level, x, with_sum, q, d, s, sum));
         }
         a
     }
@@ -249,7 +265,11 @@ fn quant(ty: TensorType, row: &[u8], b: usize, j: usize) -> i32 {
         row[b * 32 + j] as i8 as i32
     } else {
         let byte = row[(b / 2) * 32 + j];
-        let u = i32::from(if b.is_multiple_of(2) { byte & 0x0f } else { byte >> 4 });
+        let u = i32::from(if b.is_multiple_of(2) {
+            byte & 0x0f
+        } else {
+            byte >> 4
+        });
         if ty == TensorType::Q4_0 { u - 8 } else { u }
     }
 }
@@ -484,12 +504,14 @@ impl QMatrix {
         // features `x86::tile` is compiled for.
         for t in (0..x.tokens).step_by(TOKEN_TILE) {
             let nt = TOKEN_TILE.min(x.tokens - t);
+            let acts: [Acts<'_>; TOKEN_TILE] =
+                std::array::from_fn(|i| x.token((t + i).min(x.tokens - 1)));
             let mut r = rows.start;
             while r < rows.end {
                 let nr = 2.min(rows.end - r);
                 let rb = [self.row_bytes(r), self.row_bytes(r + nr - 1)];
                 let mut o = [[0.0f32; TOKEN_TILE]; 2];
-                unsafe { x86::tile(self.ty, &self.lay, rb, nr, x, t, nt, &mut o) };
+                unsafe { x86::tile(self.ty, &self.lay, rb, nr, &acts[..nt], &mut o) };
                 for (ri, row) in o.iter().enumerate().take(nr) {
                     for (i, v) in row.iter().enumerate().take(nt) {
                         out.put(t + i, r + ri, *v);

@@ -8,7 +8,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{Acts, Layout, QActs};
+use super::{Acts, Layout};
 use crate::quant::TensorType;
 
 /// Block layouts, as const-generic tags so every type gets its own branch-free loop.
@@ -119,8 +119,8 @@ fn avx2<const N: usize, const K: u8>(lay: &Layout, row: &[u8], x: [Acts<'_>; N])
     out
 }
 
-/// Rows `rows[..nr]` (one or two) of a packed matrix against tokens `t0..t0 + nt` (one to four)
-/// of `x`, with AVX-512 VNNI, into `out[row][token]`.
+/// Rows `rows[..nr]` (one or two) of a packed matrix against the tokens `x` (one to four), with
+/// AVX-512 VNNI, into `out[row][token]`.
 ///
 /// # Safety
 /// The CPU must have AVX2, FMA, F16C, AVX-512 F, BW, VL and VNNI.
@@ -132,15 +132,13 @@ pub(super) unsafe fn tile(
     lay: &Layout,
     rows: [&[u8]; 2],
     nr: usize,
-    x: &QActs,
-    t0: usize,
-    nt: usize,
+    x: &[Acts<'_>],
     out: &mut [[f32; 4]; 2],
 ) {
     match ty {
-        TensorType::Q4_1 => tile_k::<Q4_1>(lay, rows, nr, x, t0, nt, out),
-        TensorType::Q4_0 => tile_k::<Q4_0>(lay, rows, nr, x, t0, nt, out),
-        _ => tile_k::<Q8_0>(lay, rows, nr, x, t0, nt, out),
+        TensorType::Q4_1 => tile_k::<Q4_1>(lay, rows, nr, x, out),
+        TensorType::Q4_0 => tile_k::<Q4_0>(lay, rows, nr, x, out),
+        _ => tile_k::<Q8_0>(lay, rows, nr, x, out),
     }
 }
 
@@ -151,20 +149,18 @@ fn tile_k<const K: u8>(
     lay: &Layout,
     rows: [&[u8]; 2],
     nr: usize,
-    x: &QActs,
-    t0: usize,
-    nt: usize,
+    x: &[Acts<'_>],
     out: &mut [[f32; 4]; 2],
 ) {
-    match (nr, nt) {
-        (2, 4) => put(out, tile512::<2, 4, K>(lay, rows, x, t0)),
-        (2, 3) => put(out, tile512::<2, 3, K>(lay, rows, x, t0)),
-        (2, 2) => put(out, tile512::<2, 2, K>(lay, rows, x, t0)),
-        (2, 1) => put(out, tile512::<2, 1, K>(lay, rows, x, t0)),
-        (1, 4) => put(out, tile512::<1, 4, K>(lay, rows, x, t0)),
-        (1, 3) => put(out, tile512::<1, 3, K>(lay, rows, x, t0)),
-        (1, 2) => put(out, tile512::<1, 2, K>(lay, rows, x, t0)),
-        (1, 1) => put(out, tile512::<1, 1, K>(lay, rows, x, t0)),
+    match (nr, x.len()) {
+        (2, 4) => put(out, tile512::<2, 4, K>(lay, rows, x)),
+        (2, 3) => put(out, tile512::<2, 3, K>(lay, rows, x)),
+        (2, 2) => put(out, tile512::<2, 2, K>(lay, rows, x)),
+        (2, 1) => put(out, tile512::<2, 1, K>(lay, rows, x)),
+        (1, 4) => put(out, tile512::<1, 4, K>(lay, rows, x)),
+        (1, 3) => put(out, tile512::<1, 3, K>(lay, rows, x)),
+        (1, 2) => put(out, tile512::<1, 2, K>(lay, rows, x)),
+        (1, 1) => put(out, tile512::<1, 1, K>(lay, rows, x)),
         _ => {}
     }
 }
@@ -188,15 +184,14 @@ fn put<const R: usize, const T: usize>(out: &mut [[f32; 4]; 2], v: [[f32; T]; R]
 fn tile512<const R: usize, const T: usize, const K: u8>(
     lay: &Layout,
     rows: [&[u8]; 2],
-    x: &QActs,
-    t0: usize,
+    x: &[Acts<'_>],
 ) -> [[f32; T]; R] {
     // Lanes 0..8 take element 0 (block 2p), lanes 8..16 element 1 (block 2p + 1).
     let halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     let nibble_shift = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
     let nibble = _mm512_set1_epi8(0x0f);
     let sign = _mm512_set1_epi8(i8::MIN);
-    let acts: [Acts<'_>; T] = std::array::from_fn(|t| x.token(t0 + t));
+    let acts = &x[..T];
     let mut acc = [[_mm512_setzero_ps(); T]; R];
     for p in 0..lay.padded / 2 {
         let mut w = [_mm512_setzero_si512(); R];
