@@ -347,39 +347,6 @@ fn check_shape(cfg: &PoolConfig, heads: usize) {
     );
 }
 
-/// Runs [`attend_group`] in parallel over every (sequence, KV head) of a decode batch;
-/// `target(row)` names the sequence and context length.
-fn run_groups<'s>(
-    pool: &PagePool,
-    layer: usize,
-    heads: usize,
-    q: &[f32],
-    out: &mut [f32],
-    k: Kernels,
-    target: impl Fn(usize) -> (&'s Sequence, usize) + Sync,
-) {
-    let cfg = pool.config();
-    let width = heads / cfg.kv_heads * cfg.head_dim;
-    let kvh = cfg.kv_heads;
-    out.par_chunks_mut(width)
-        .zip(q.par_chunks(width))
-        .enumerate()
-        .for_each(|(i, (o, qv))| {
-            let (seq, len) = target(i / kvh);
-            attend(
-                k,
-                pool,
-                layer,
-                seq,
-                i % kvh,
-                &[len],
-                qv,
-                o,
-                transposed(1, heads / kvh),
-            );
-        });
-}
-
 /// Decode attention: one query per sequence. `q` and `out` are `batch × heads × head_dim`;
 /// sequence `b` attends over its first `seqs[b].len` positions (its KV for the new token written).
 pub fn decode_attention(
@@ -403,12 +370,12 @@ pub fn decode_attention_with(
     q: &[f32],
     out: &mut [f32],
 ) -> Result<(), IntegrityError> {
-    check_shape(pool.config(), heads);
-    for s in seqs {
-        pool.verify_read(s)?;
-    }
-    run_groups(pool, layer, heads, q, out, k, |b| (seqs[b], seqs[b].len));
-    Ok(())
+    // Each sequence's one query is the last of its positions.
+    let items: Vec<(&Sequence, usize, usize)> = seqs
+        .iter()
+        .map(|s| (*s, s.len.saturating_sub(1), 1))
+        .collect();
+    batch_attention_with(k, pool, &items, layer, heads, q, out)
 }
 
 /// Causal prefill attention for the `n` query tokens at positions `start..start + n` of `seq`

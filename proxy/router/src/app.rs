@@ -52,6 +52,9 @@ impl Lockstep {
         let metrics = Arc::new(Metrics::new());
         let audit = Arc::new(Audit::open(&cfg.server.audit_log)?);
         let models = build_models(&cfg, &client, &registry, &stats, &metrics, &audit, None).await?;
+        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+        let tokenize_pool = crate::admission::background::pool(cores)
+            .map_err(|e| format!("cannot start the tokenizer threads: {e}"))?;
         let state = Arc::new(AppState {
             models: ArcSwap::from_pointee(models),
             registry,
@@ -66,9 +69,8 @@ impl Lockstep {
             drained: dashmap::DashSet::new(),
             client,
             reload_lock: tokio::sync::Mutex::new(()),
-            tokenize_slots: Arc::new(tokio::sync::Semaphore::new(
-                std::thread::available_parallelism().map_or(2, |n| n.get()),
-            )),
+            tokenize_slots: Arc::new(tokio::sync::Semaphore::new(cores)),
+            tokenize_pool: Arc::new(tokenize_pool),
         });
         let listener = TcpListener::bind(cfg.server.http_listen)
             .await

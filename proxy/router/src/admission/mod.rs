@@ -15,6 +15,7 @@
 //! Every refusal is counted once, here ([`Refusal`]), by model (empty until the model is known)
 //! and stable error code.
 
+pub(crate) mod background;
 pub mod codec;
 pub mod segments;
 
@@ -230,10 +231,11 @@ pub async fn admit<R: FrontRequest>(
                     message: "lockstep is shutting down".into(),
                 })
             })?;
-        let m = model.clone();
+        let (m, pool) = (model.clone(), state.tokenize_pool.clone());
+        // On the low-priority pool (its chunks too): short requests keep the cores first.
         tokio::task::spawn_blocking(move || {
             let _slot = slot;
-            tokenize(&m, input, salt)
+            pool.install(|| tokenize(&m, input, salt))
         })
         .instrument(span.clone())
         .await

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# Long prompts through the routers, one run, side by side (see README "Long prompts"): chat
+# requests whose system prompt is 16 KiB, 128 KiB or 1 MiB of text, sent one at a time to
+# lockstep (SGLang PD mode, SmolLM2's real tokenizer and chat template, configured for them: a
+# context and KV capacity of 1 Mi tokens, a 16 MiB body limit, one tenant so its segment cache
+# applies), smg 1.13.0 (`smg launch --pd-disaggregation`) and vllm-router 0.1.17
+# (`--vllm-pd-disaggregation`), each in front of its own pair of upstream mocks
+# (bench/long_prompt_mock.py: one token, the prompt count it was sent). Prints each router's
+# added latency and CPU per request, unique and repeated prompts, and lockstep's short-request
+# p99 while long prompts arrive. Every process started here is stopped by pid on exit.
+# Usage: bash bench/long_prompts.sh   (installs the peers into ~/.cache/lockstep-bench)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source bench/lib.sh
+CACHE=${LOCKSTEP_BENCH_CACHE:-$HOME/.cache/lockstep-bench}
+mkdir -p "$CACHE"
+for p in smg==1.13.0 vllm-router==0.1.17; do
+  d="$CACHE/venv-${p%%==*}"
+  [ -x "$d/bin/${p%%==*}" ] || { python3 -m venv "$d" && "$d/bin/pip" install -q "$p"; }
+done
+MODEL=$(bash scripts/fetch-model.sh)
+cargo build --release -q -p lockstep
+cargo build --release -q -p lockstep-engine --example export_tokenizer
+
+start_workdir
+mkdir -p "$WORK/logs"
+target/release/examples/export_tokenizer "$MODEL" "$WORK"
+mock() { python3 bench/long_prompt_mock.py "$1" "$2" "$3" >"$WORK/logs/mock-$3.log" 2>&1 & PIDS+=($!); }
+mock sglang prefill 33001; mock sglang decode 33002   # lockstep's pair
+mock sglang prefill 33003; mock sglang decode 33004   # smg's pair
+mock vllm prefill 33005; mock vllm decode 33006       # vllm-router's pair
+# The gateways check their workers once at start and back off: the mocks answer first.
+for port in 33001 33002 33003 33004 33005 33006; do
+  for _ in $(seq 1 100); do curl -sf -m 1 "http://127.0.0.1:$port/health" >/dev/null && break; sleep 0.1; done
+done
+
+"$CACHE/venv-smg/bin/smg" launch --pd-disaggregation --prefill http://127.0.0.1:33003 8998 \
+  --decode http://127.0.0.1:33004 --host 127.0.0.1 --port 33021 --prometheus-port 33121 \
+  --max-payload-size 16777216 --log-level error >"$WORK/logs/smg.log" 2>&1 &
+SMG=$!; PIDS+=($SMG)
+"$CACHE/venv-vllm-router/bin/vllm-router" --vllm-pd-disaggregation --prefill http://127.0.0.1:33005 \
+  --decode http://127.0.0.1:33006 --kv-connector nixl --host 127.0.0.1 --port 33022 \
+  --prometheus-port 33122 --max-payload-size 16777216 --log-level error >"$WORK/logs/vllm-router.log" 2>&1 &
+VR=$!; PIDS+=($VR)
+KEY_SHA256=$(printf %s bench-key | sha256sum | cut -d' ' -f1)
+cat > "$WORK/lockstep.toml" <<TOML
+[server]
+http_listen = "127.0.0.1:33030"
+log_level = "warn"
+max_body_bytes = 16777216
+
+[[tenants]]
+name = "bench"
+api_keys_sha256 = ["$KEY_SHA256"]  # "bench-key"
+models = ["*"]
+
+[[models]]
+name = "smollm2"
+backend = "sglang"
+context_window = 1048576
+kv_capacity_tokens = 1048576
+default_max_tokens = 1
+tokenizer = "$WORK/tokenizer.json"
+chat_template = { path = "$WORK/chat_template.jinja" }
+
+[models.prefill]
+workers = [{ url = "http://127.0.0.1:33001", bootstrap_port = 8998 }]
+
+[models.decode]
+workers = [{ url = "http://127.0.0.1:33002" }]
+
+[models.retry]
+max_retries = 0
+
+[models.health]
+interval_ms = 10000
+TOML
+target/release/lockstep serve --config "$WORK/lockstep.toml" >"$WORK/logs/lockstep.log" 2>&1 &
+LS=$!; PIDS+=($LS)
+
+SHORT='{"model":"smollm2","max_tokens":1,"messages":[{"role":"user","content":"hi"}]}'
+for port in 33021 33022; do wait_answers /v1/chat/completions "$SHORT" choices "x:$port"; done
+for _ in $(seq 1 150); do
+  curl -sf -m 2 -H 'authorization: Bearer bench-key' -H 'content-type: application/json' -d "$SHORT" \
+    http://127.0.0.1:33030/v1/chat/completions | grep -q choices && break
+  sleep 0.2
+done
+python3 bench/long_prompts.py http://127.0.0.1:33004 \
+  "smg-1.13.0=http://127.0.0.1:33021=$SMG" "vllm-router-0.1.17=http://127.0.0.1:33022=$VR" \
+  "lockstep=http://127.0.0.1:33030=$LS=bench-key"
