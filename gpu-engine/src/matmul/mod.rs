@@ -90,69 +90,54 @@ fn f16r(x: f32) -> f32 {
     half::f16::from_f32(x).to_f32()
 }
 
+/// One token's slots in a [`QActs`]: per block its values, scale, sum term and `Σq`.
+struct Slots<'a> {
+    q: &'a mut [[i8; 32]],
+    d: &'a mut [f32],
+    s: &'a mut [f32],
+    sum: &'a mut [i32],
+}
+
 /// One token's blocks quantised into its slots.
 #[inline(always)]
-fn quantise_token(
-    x: &[f32],
-    with_sum: bool,
-    q: &mut [[i8; 32]],
-    d: &mut [f32],
-    s: &mut [f32],
-    sum: &mut [i32],
-) {
+fn quantise_token(x: &[f32], with_sum: bool, out: Slots<'_>) {
     for (bi, b) in x.chunks_exact(32).enumerate() {
         let amax = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
         let dv = amax / 127.0;
         let id = if dv != 0.0 { 1.0 / dv } else { 0.0 };
         let mut total = 0i32;
-        for (o, v) in q[bi].iter_mut().zip(b) {
+        for (o, v) in out.q[bi].iter_mut().zip(b) {
             *o = (v * id).round() as i8;
             total += *o as i32;
         }
-        d[bi] = f16r(dv);
-        s[bi] = if with_sum {
+        out.d[bi] = f16r(dv);
+        out.s[bi] = if with_sum {
             f16r(dv * total as f32)
         } else {
             0.0
         };
-        sum[bi] = total;
+        out.sum[bi] = total;
     }
 }
 
 /// [`quantise_token`] compiled for the kernel set chosen at run time (rounding is one
 /// instruction with SSE4.1, a libm call in baseline x86-64).
-#[allow(clippy::too_many_arguments)]
-fn quantise(
-    level: Level,
-    x: &[f32],
-    with_sum: bool,
-    q: &mut [[i8; 32]],
-    d: &mut [f32],
-    s: &mut [f32],
-    sum: &mut [i32],
-) {
+fn quantise(level: Level, x: &[f32], with_sum: bool, out: Slots<'_>) {
     /// # Safety
     /// The CPU must have AVX2, FMA and F16C.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma,f16c")]
     #[allow(unsafe_code)]
-    unsafe fn avx2(
-        x: &[f32],
-        with_sum: bool,
-        q: &mut [[i8; 32]],
-        d: &mut [f32],
-        s: &mut [f32],
-        sum: &mut [i32],
-    ) {
-        quantise_token(x, with_sum, q, d, s, sum)
+    unsafe fn avx2(x: &[f32], with_sum: bool, out: Slots<'_>) {
+        quantise_token(x, with_sum, out)
     }
     match level {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: a `Level` at AVX2 or above comes from a `Kernels` value, which exists only
         // when the CPU has AVX2 (and so SSE4.1), FMA and F16C.
         #[allow(unsafe_code)]
-        Level::Avx2 | Level::Avx512Vnni => unsafe { avx2(x, with_sum, q, d, s, sum) },
-        _ => quantise_token(x, with_sum, q, d, s, sum),
+        Level::Avx2 | Level::Avx512Vnni => unsafe { avx2(x, with_sum, out) },
+        _ => quantise_token(x, with_sum, out),
     }
 }
 
@@ -187,17 +172,16 @@ impl QActs {
                 .zip(a.d.chunks_mut(p))
                 .zip(a.s.chunks_mut(p))
                 .zip(a.sum.chunks_mut(p))
-                .zip(x.chunks_exact(cols));
+                .zip(x.chunks_exact(cols))
+                .map(|((((q, d), s), sum), x)| (x, Slots { q, d, s, sum }));
         let level = Kernels::chosen().level();
         if tokens < PARALLEL_TOKENS {
-            for ((((q, d), s), sum), x) in parts {
-                quantise(level, x, with_sum, q, d, s, sum);
-            }
+            parts.for_each(|(x, out)| quantise(level, x, with_sum, out));
         } else {
             let parts: Vec<_> = parts.collect();
             parts
                 .into_par_iter()
-                .for_each(|((((q, d), s), sum), x)| quantise(level, x, with_sum, q, d, s, sum));
+                .for_each(|(x, out)| quantise(level, x, with_sum, out));
         }
         a
     }
