@@ -72,6 +72,18 @@ impl Lockstep {
             tokenize_slots: Arc::new(tokio::sync::Semaphore::new(cores)),
             tokenize_pool: Arc::new(tokenize_pool),
         });
+        let threads = match cfg.server.connections {
+            crate::config::Connections::Shared => None,
+            crate::config::Connections::Pinned => {
+                let n = match cfg.server.worker_threads {
+                    0 => cores,
+                    n => n,
+                };
+                let t = lockstep_serve::threads::ConnThreads::start(n, "lockstep-conn")
+                    .map_err(|e| format!("cannot start the connection threads: {e}"))?;
+                Some(Arc::new(t))
+            }
+        };
         let listener = TcpListener::bind(cfg.server.http_listen)
             .await
             .map_err(|e| format!("cannot listen on {}: {e}", cfg.server.http_listen))?;
@@ -99,6 +111,7 @@ impl Lockstep {
             app,
             limits,
             tls.clone(),
+            threads,
             rx,
         )));
         let (admin_tx, admin_rx) = tokio::sync::oneshot::channel::<()>();
@@ -131,6 +144,7 @@ impl Lockstep {
                             ..limits
                         },
                         tls.clone(),
+                        None,
                         admin_rx,
                     )),
                 );
@@ -138,7 +152,11 @@ impl Lockstep {
                 Some(bound)
             }
         };
-        tracing::info!(%http_addr, "lockstep listening (HTTP/1.1 and h2c)");
+        tracing::info!(
+            %http_addr,
+            connections = ?cfg.server.connections,
+            "lockstep listening (HTTP/1.1 and h2c)"
+        );
         Ok(Lockstep {
             state,
             http_addr,

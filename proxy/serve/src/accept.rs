@@ -8,6 +8,7 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 
 use crate::activity::{Activity, Tracked};
+use crate::threads::{ConnThreads, OnRuntime};
 
 /// How long an idle connection asked to close may take to do so before it is dropped.
 pub const IDLE_CLOSE_GRACE: Duration = Duration::from_secs(5);
@@ -29,16 +30,19 @@ pub struct ConnLimits {
 
 /// Serves `app` on `listener` (HTTP/1.1 and h2c on one port, or HTTPS with HTTP/1.1 and h2 when
 /// `tls` is set) within `limits` until `stop` fires, then lets open connections finish
-/// (bounded: 10 s). Small SSE frames are not held back by Nagle.
+/// (bounded: 10 s). Small SSE frames are not held back by Nagle. With `threads`, each connection
+/// (its TLS handshake too) lives on one of them and HTTP/2 streams run on the runtime this is
+/// called on; without, everything runs on that runtime.
 pub async fn serve_http(
     listener: TcpListener,
     app: axum::Router,
     limits: ConnLimits,
     tls: Option<crate::tls::ServerTls>,
+    threads: Option<Arc<ConnThreads>>,
     stop: tokio::sync::oneshot::Receiver<()>,
 ) {
-    use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    use hyper_util::rt::TokioTimer;
+    let mut builder = Builder::new(OnRuntime(tokio::runtime::Handle::current()));
     builder
         .http1()
         .timer(TokioTimer::new())
@@ -55,14 +59,10 @@ pub async fn serve_http(
         .initial_stream_window_size(8 << 20)
         .initial_connection_window_size(16 << 20)
         .max_frame_size(1 << 20);
+    let builder = Arc::new(builder);
     // Every connection task holds a receiver: `true` asks it to close gracefully, and the
     // sender's `closed()` is when the last one has ended.
     let (closing_tx, closing_rx) = tokio::sync::watch::channel(false);
-    // TLS handshakes run in their own tasks and hand the stream back here.
-    let (tls_tx, mut tls_rx) = tokio::sync::mpsc::channel::<(
-        tokio_rustls::server::TlsStream<tokio::net::TcpStream>,
-        Option<tokio::sync::OwnedSemaphorePermit>,
-    )>(64);
     let slots = (limits.max_connections > 0)
         .then(|| Arc::new(tokio::sync::Semaphore::new(limits.max_connections)));
     // A connection slot first, then the connection: the slot goes with it and frees when it ends.
@@ -73,57 +73,6 @@ pub async fn serve_http(
         };
         (slot, listener.accept().await)
     };
-    // One connection's task: served until it ends, asked to close gracefully when the listener
-    // stops or the connection has been idle for `idle_timeout`.
-    macro_rules! spawn_conn {
-        ($io:expr, $slot:expr) => {{
-            let activity = Arc::new(Activity::new());
-            let svc = hyper_util::service::TowerToHyperService::new(Tracked::new(
-                app.clone(),
-                activity.clone(),
-            ));
-            let conn = builder
-                .serve_connection_with_upgrades(TokioIo::new($io), svc)
-                .into_owned();
-            let mut closing = closing_rx.clone();
-            let slot = $slot;
-            let idle = limits.idle_timeout;
-            tokio::spawn(async move {
-                tokio::pin!(conn);
-                let mut asked = false;
-                // Set when an idle connection is asked to close: h2's graceful close waits for
-                // the client's PING answer, which a silent client never sends.
-                let mut hard_stop: Option<tokio::time::Instant> = None;
-                loop {
-                    let forced = async {
-                        match hard_stop {
-                            Some(at) => tokio::time::sleep_until(at).await,
-                            None => std::future::pending().await,
-                        }
-                    };
-                    tokio::select! {
-                        _ = conn.as_mut() => break,
-                        _ = closing.wait_for(|c| *c), if !asked => {
-                            conn.as_mut().graceful_shutdown();
-                            asked = true;
-                        }
-                        _ = activity.idle_for(idle), if !asked => {
-                            tracing::debug!("closing an idle connection");
-                            conn.as_mut().graceful_shutdown();
-                            asked = true;
-                            hard_stop = Some(tokio::time::Instant::now() + IDLE_CLOSE_GRACE);
-                        }
-                        _ = forced => {
-                            tracing::debug!("dropping an idle connection that did not close");
-                            break;
-                        }
-                    }
-                }
-                drop(slot);
-                drop(closing);
-            });
-        }};
-    }
     tokio::pin!(stop);
     loop {
         tokio::select! {
@@ -137,27 +86,31 @@ pub async fn serve_http(
                     }
                 };
                 let _ = stream.set_nodelay(true);
-                match &tls {
-                    None => spawn_conn!(stream, slot),
-                    Some(tls) => {
-                        // The current configuration: a plane certificate reloaded since start
-                        // applies to new connections.
-                        let acceptor = tokio_rustls::TlsAcceptor::from(tls.current());
-                        let tx = tls_tx.clone();
-                        let header_timeout = limits.header_timeout;
-                        tokio::spawn(async move {
-                            match tokio::time::timeout(header_timeout, acceptor.accept(stream)).await {
-                                Ok(Ok(t)) => {
-                                    let _ = tx.send((t, slot)).await;
-                                }
-                                Ok(Err(e)) => tracing::debug!(error = %e, "TLS handshake failed"),
-                                Err(_) => tracing::debug!("TLS handshake timed out"),
+                let conn = Conn {
+                    builder: builder.clone(),
+                    app: app.clone(),
+                    // The current configuration: a plane certificate reloaded since start
+                    // applies to new connections.
+                    tls: tls.as_ref().map(|t| tokio_rustls::TlsAcceptor::from(t.current())),
+                    closing: closing_rx.clone(),
+                    slot,
+                    limits,
+                };
+                match &threads {
+                    None => drop(tokio::spawn(conn.run(stream))),
+                    // Moved to the chosen thread's event loop: deregistered here, registered
+                    // there.
+                    Some(threads) => match stream.into_std() {
+                        Ok(std) => threads.spawn(async move {
+                            match tokio::net::TcpStream::from_std(std) {
+                                Ok(s) => conn.run(s).await,
+                                Err(e) => tracing::warn!(error = %e, "cannot move a connection to its thread"),
                             }
-                        });
-                    }
+                        }),
+                        Err(e) => tracing::warn!(error = %e, "cannot move a connection to its thread"),
+                    },
                 }
             }
-            Some((tls, slot)) = tls_rx.recv() => spawn_conn!(tls, slot),
             _ = &mut stop => break,
         }
     }
@@ -165,4 +118,89 @@ pub async fn serve_http(
     drop(closing_rx);
     let _ = closing_tx.send(true);
     let _ = tokio::time::timeout(Duration::from_secs(10), closing_tx.closed()).await;
+}
+
+type Builder = hyper_util::server::conn::auto::Builder<OnRuntime>;
+
+/// One accepted connection and what serving it needs.
+struct Conn {
+    builder: Arc<Builder>,
+    app: axum::Router,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    closing: tokio::sync::watch::Receiver<bool>,
+    /// Its slot of `max_connections`, freed when it ends.
+    slot: Option<tokio::sync::OwnedSemaphorePermit>,
+    limits: ConnLimits,
+}
+
+impl Conn {
+    /// The TLS handshake (bounded by the header timeout) where configured, then the connection.
+    async fn run(self, stream: tokio::net::TcpStream) {
+        match self.tls.clone() {
+            None => self.serve(stream).await,
+            Some(acceptor) => {
+                match tokio::time::timeout(self.limits.header_timeout, acceptor.accept(stream))
+                    .await
+                {
+                    Ok(Ok(t)) => self.serve(t).await,
+                    Ok(Err(e)) => tracing::debug!(error = %e, "TLS handshake failed"),
+                    Err(_) => tracing::debug!("TLS handshake timed out"),
+                }
+            }
+        }
+    }
+
+    /// Served until it ends, asked to close gracefully when the listener stops or the
+    /// connection has been idle for `idle_timeout`.
+    async fn serve<I>(self, io: I)
+    where
+        I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        let Conn {
+            builder,
+            app,
+            mut closing,
+            slot,
+            limits,
+            ..
+        } = self;
+        let activity = Arc::new(Activity::new());
+        let svc =
+            hyper_util::service::TowerToHyperService::new(Tracked::new(app, activity.clone()));
+        let conn = builder
+            .serve_connection_with_upgrades(hyper_util::rt::TokioIo::new(io), svc)
+            .into_owned();
+        tokio::pin!(conn);
+        let mut asked = false;
+        // Set when an idle connection is asked to close: h2's graceful close waits for the
+        // client's PING answer, which a silent client never sends.
+        let mut hard_stop: Option<tokio::time::Instant> = None;
+        loop {
+            let forced = async {
+                match hard_stop {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                _ = conn.as_mut() => break,
+                _ = closing.wait_for(|c| *c), if !asked => {
+                    conn.as_mut().graceful_shutdown();
+                    asked = true;
+                }
+                _ = activity.idle_for(limits.idle_timeout), if !asked => {
+                    tracing::debug!("closing an idle connection");
+                    conn.as_mut().graceful_shutdown();
+                    asked = true;
+                    hard_stop = Some(tokio::time::Instant::now() + IDLE_CLOSE_GRACE);
+                }
+                _ = forced => {
+                    tracing::debug!("dropping an idle connection that did not close");
+                    break;
+                }
+            }
+        }
+        drop(slot);
+        drop(closing);
+    }
 }

@@ -1,6 +1,6 @@
 //! lockstep-serve: what every lockstep process (the router and the workers) needs to serve,
 //! and nothing of either: the accept loop ([`accept`], with its idle tracking), TLS on listeners ([`tls`]), signals
-//! ([`signals`]), background tasks ([`tasks`]), logs and traces ([`telemetry`]), the TOML loader
+//! ([`signals`]), background tasks ([`tasks`]), connection threads ([`threads`]), logs and traces ([`telemetry`]), the TOML loader
 //! with per-section validation ([`toml_file`]), the engine section both processes read
 //! ([`engine_section`]) and the model-file fetch ([`model_file`]).
 //!
@@ -13,6 +13,7 @@ pub mod model_file;
 pub mod signals;
 pub mod tasks;
 pub mod telemetry;
+pub mod threads;
 pub mod tls;
 pub mod toml_file;
 

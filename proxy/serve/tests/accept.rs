@@ -1,24 +1,57 @@
 //! The accept loop's connection bounds, on a real listener over loopback: idle connections
 //! (HTTP/1.1 keep-alive, h2c without streams, a client that never sends) are closed after the
-//! idle timeout, and a response body still streaming keeps its connection open.
+//! idle timeout, and a response body still streaming keeps its connection open. Every case runs
+//! twice: connections on the calling runtime, and on connection threads.
 
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
+use std::sync::Arc;
+
 use lockstep_serve::accept::{ConnLimits, serve_http};
+use lockstep_serve::threads::ConnThreads;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 const IDLE: Duration = Duration::from_millis(400);
 
-/// A server whose `/slow` streams 6 chunks 150 ms apart (900 ms: longer than the idle timeout).
-async fn server() -> (
+/// Two tests of one case: on the calling runtime, and on connection threads.
+macro_rules! both {
+    ($shared:ident) => {
+        mod $shared {
+            #[tokio::test]
+            async fn shared() {
+                super::$shared(false).await
+            }
+            #[tokio::test]
+            async fn on_connection_threads() {
+                super::$shared(true).await
+            }
+        }
+    };
+}
+
+/// A server whose `/slow` streams 6 chunks 150 ms apart (900 ms: longer than the idle timeout)
+/// and whose `/where` says whether it ran on a connection thread; on two connection threads
+/// when `threads`.
+async fn server(
+    threads: bool,
+) -> (
     String,
     tokio::sync::oneshot::Sender<()>,
     tokio::task::JoinHandle<()>,
 ) {
     let app = axum::Router::new()
         .route("/fast", axum::routing::get(|| async { "ok" }))
+        .route(
+            "/where",
+            axum::routing::get(|| async {
+                match lockstep_serve::threads::current() {
+                    Some(_) => "connection-thread",
+                    None => "shared",
+                }
+            }),
+        )
         .route(
             "/slow",
             axum::routing::get(|| async {
@@ -43,7 +76,8 @@ async fn server() -> (
         max_connections: 16,
         idle_timeout: IDLE,
     };
-    let task = tokio::spawn(serve_http(listener, app, limits, None, rx));
+    let threads = threads.then(|| Arc::new(ConnThreads::start(2, "accept-test").expect("threads")));
+    let task = tokio::spawn(serve_http(listener, app, limits, None, threads, rx));
     (addr, tx, task)
 }
 
@@ -66,9 +100,9 @@ async fn read_to_close(c: &mut TcpStream) -> (Vec<u8>, Instant) {
     }
 }
 
-#[tokio::test]
-async fn a_connection_that_never_sends_is_closed_after_the_idle_timeout() {
-    let (addr, stop, task) = server().await;
+both!(a_connection_that_never_sends_is_closed_after_the_idle_timeout);
+async fn a_connection_that_never_sends_is_closed_after_the_idle_timeout(threads: bool) {
+    let (addr, stop, task) = server(threads).await;
     let t0 = Instant::now();
     let mut c = TcpStream::connect(&addr).await.expect("connect");
     let (got, closed) = read_to_close(&mut c).await;
@@ -83,9 +117,9 @@ async fn a_connection_that_never_sends_is_closed_after_the_idle_timeout() {
     task.await.expect("server stopped");
 }
 
-#[tokio::test]
-async fn an_idle_http1_keep_alive_connection_is_closed() {
-    let (addr, stop, task) = server().await;
+both!(an_idle_http1_keep_alive_connection_is_closed);
+async fn an_idle_http1_keep_alive_connection_is_closed(threads: bool) {
+    let (addr, stop, task) = server(threads).await;
     let mut c = TcpStream::connect(&addr).await.expect("connect");
     c.write_all(b"GET /fast HTTP/1.1\r\nhost: x\r\n\r\n")
         .await
@@ -104,9 +138,9 @@ async fn an_idle_http1_keep_alive_connection_is_closed() {
     task.await.expect("server stopped");
 }
 
-#[tokio::test]
-async fn a_response_still_streaming_keeps_its_connection() {
-    let (addr, stop, task) = server().await;
+both!(a_response_still_streaming_keeps_its_connection);
+async fn a_response_still_streaming_keeps_its_connection(threads: bool) {
+    let (addr, stop, task) = server(threads).await;
     let mut c = TcpStream::connect(&addr).await.expect("connect");
     let t0 = Instant::now();
     c.write_all(b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n")
@@ -169,9 +203,9 @@ async fn h2c_without_streams(addr: &str, answer_pings: bool) -> (Vec<u8>, Durati
     (kinds, t0.elapsed())
 }
 
-#[tokio::test]
-async fn an_h2c_connection_without_streams_gets_goaway_and_is_closed() {
-    let (addr, stop, task) = server().await;
+both!(an_h2c_connection_without_streams_gets_goaway_and_is_closed);
+async fn an_h2c_connection_without_streams_gets_goaway_and_is_closed(threads: bool) {
+    let (addr, stop, task) = server(threads).await;
     let (kinds, after) = h2c_without_streams(&addr, true).await;
     assert!(
         after >= IDLE - Duration::from_millis(50),
@@ -183,9 +217,9 @@ async fn an_h2c_connection_without_streams_gets_goaway_and_is_closed() {
     task.await.expect("server stopped");
 }
 
-#[tokio::test]
-async fn an_idle_h2c_client_that_ignores_goaway_is_dropped_after_the_grace() {
-    let (addr, stop, task) = server().await;
+both!(an_idle_h2c_client_that_ignores_goaway_is_dropped_after_the_grace);
+async fn an_idle_h2c_client_that_ignores_goaway_is_dropped_after_the_grace(threads: bool) {
+    let (addr, stop, task) = server(threads).await;
     let (kinds, after) = h2c_without_streams(&addr, false).await;
     assert!(kinds.contains(&7), "a GOAWAY among the frames: {kinds:?}");
     let grace = lockstep_serve::accept::IDLE_CLOSE_GRACE;
@@ -201,9 +235,9 @@ async fn an_idle_h2c_client_that_ignores_goaway_is_dropped_after_the_grace() {
     task.await.expect("server stopped");
 }
 
-#[tokio::test]
-async fn stopping_the_listener_ends_a_keep_alive_connection_at_once() {
-    let (addr, stop, task) = server().await;
+both!(stopping_the_listener_ends_a_keep_alive_connection_at_once);
+async fn stopping_the_listener_ends_a_keep_alive_connection_at_once(threads: bool) {
+    let (addr, stop, task) = server(threads).await;
     let mut c = TcpStream::connect(&addr).await.expect("connect");
     c.write_all(b"GET /fast HTTP/1.1\r\nhost: x\r\n\r\n")
         .await
@@ -222,4 +256,39 @@ async fn stopping_the_listener_ends_a_keep_alive_connection_at_once() {
         closed - t0 < IDLE,
         "closed by the stop, not the idle timeout"
     );
+}
+
+both!(requests_run_where_their_connection_lives_and_h2_streams_on_the_shared_runtime);
+async fn requests_run_where_their_connection_lives_and_h2_streams_on_the_shared_runtime(
+    threads: bool,
+) {
+    let (addr, stop, task) = server(threads).await;
+    let get = |http2: bool| {
+        let addr = addr.clone();
+        async move {
+            use http_body_util::BodyExt;
+            let client =
+                hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                    .http2_only(http2)
+                    .build_http::<http_body_util::Empty<bytes::Bytes>>();
+            let uri: http::Uri = format!("http://{addr}/where").parse().expect("uri");
+            let resp = client.get(uri).await.expect("answer");
+            let body = resp.into_body().collect().await.expect("body").to_bytes();
+            String::from_utf8(body.to_vec()).expect("utf-8")
+        }
+    };
+    let h1 = get(false).await;
+    let h2 = get(true).await;
+    assert_eq!(
+        h1,
+        if threads {
+            "connection-thread"
+        } else {
+            "shared"
+        }
+    );
+    // One h2 connection multiplexes many calls: they are not pinned to its thread.
+    assert_eq!(h2, "shared");
+    let _ = stop.send(());
+    task.await.expect("server stopped");
 }

@@ -136,6 +136,9 @@ impl RunningWorker {
             service
                 .tls()
                 .map(|t| lockstep_serve::tls::ServerTls::Plane(t.clone())),
+            // A handful of h2 connections whose streams must spread over the cores: the
+            // shared runtime.
+            None,
             rx,
         ));
         let sweeper = {

@@ -19,10 +19,17 @@ use hyper_util::rt::TokioExecutor;
 
 type Connector = hyper_rustls::HttpsConnector<HttpConnector>;
 
-/// A cheap-to-clone pooled HTTP/1.1 client.
+type Http = Client<Connector, Full<Bytes>>;
+
+/// A cheap-to-clone pooled HTTP/1.1 client. On a connection thread
+/// ([`lockstep_serve::threads`]) it uses a pool of that thread's own, so a request is sent,
+/// and its answer read, by the thread that serves it; elsewhere the shared pool.
 #[derive(Clone, Debug)]
 pub struct UpstreamClient {
-    inner: Client<Connector, Full<Bytes>>,
+    inner: Http,
+    connector: Connector,
+    /// Names this client's pools in each connection thread's table; alive while a clone is.
+    id: Arc<()>,
     connect_timeout: Duration,
     /// Mutual TLS to lockstep workers (`[worker_plane.tls]`), read at start and every reload.
     plane: Option<std::sync::Arc<lockstep_serve::tls::PlaneTls>>,
@@ -93,15 +100,33 @@ impl UpstreamClient {
             .https_or_http()
             .enable_http1()
             .wrap_connector(conn);
-        let inner = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(90))
-            .pool_max_idle_per_host(1024)
-            .build(conn);
         UpstreamClient {
-            inner,
+            inner: pooled(conn.clone()),
+            connector: conn,
+            id: Arc::new(()),
             connect_timeout,
             plane: None,
         }
+    }
+
+    /// Sends `req` on this thread's pool: its own on a connection thread (made on first use),
+    /// else the shared one.
+    fn request(&self, req: Request<Full<Bytes>>) -> hyper_util::client::legacy::ResponseFuture {
+        if lockstep_serve::threads::current().is_none() {
+            return self.inner.request(req);
+        }
+        THREAD_POOLS.with_borrow_mut(|pools| {
+            let me = Arc::as_ptr(&self.id);
+            if let Some((_, http)) = pools.iter().find(|(id, _)| id.as_ptr() == me) {
+                return http.request(req);
+            }
+            // A new client here: forget the pools of clients gone since (a reload's).
+            pools.retain(|(id, _)| id.strong_count() > 0);
+            let http = pooled(self.connector.clone());
+            let fut = http.request(req);
+            pools.push((Arc::downgrade(&self.id), http));
+            fut
+        })
     }
 
     /// The bound on connecting to a worker.
@@ -159,7 +184,7 @@ impl UpstreamClient {
         let req = req
             .body(Full::new(body))
             .map_err(|e| CallError::Connect(format!("bad request for {url}: {e}")))?;
-        self.inner.request(req).await.map_err(|e| {
+        self.request(req).await.map_err(|e| {
             let msg = format!("{url}: {}", error_chain(&e));
             if e.is_connect() {
                 CallError::Connect(msg)
@@ -219,6 +244,20 @@ impl UpstreamClient {
     }
 }
 
+thread_local! {
+    /// A connection thread's upstream pools, one per live client.
+    static THREAD_POOLS: std::cell::RefCell<Vec<(std::sync::Weak<()>, Http)>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// A keep-alive pool over `conn`.
+fn pooled(conn: Connector) -> Http {
+    Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(90))
+        .pool_max_idle_per_host(1024)
+        .build(conn)
+}
+
 #[cold]
 fn unreachable_tls(e: rustls::Error) -> ! {
     panic!("rustls rejected its own default protocol versions: {e}")
@@ -270,5 +309,83 @@ mod tests {
         let huge = Full::new(Bytes::from(vec![b'x'; MAX_UPSTREAM_BODY + 1]));
         let e = collect_bounded(huge).await.expect_err("over the bound");
         assert!(e.contains("16 MiB"), "{e}");
+    }
+
+    /// An upstream that answers every request with the client port of the connection it came
+    /// on, so a test can tell which requests shared a connection.
+    async fn port_echo() -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let app = axum::Router::new().route(
+            "/port",
+            axum::routing::get(
+                |axum::extract::ConnectInfo(peer): axum::extract::ConnectInfo<
+                    std::net::SocketAddr,
+                >| async move { peer.port().to_string() },
+            ),
+        );
+        tokio::spawn(async move {
+            let svc = app.into_make_service_with_connect_info::<std::net::SocketAddr>();
+            let _ = axum::serve(listener, svc).await;
+        });
+        format!("http://{addr}/port")
+    }
+
+    #[tokio::test]
+    async fn each_connection_thread_sends_over_its_own_upstream_connections() {
+        let url = port_echo().await;
+        let client = UpstreamClient::with_ca(Duration::from_secs(2), None).expect("client");
+        let threads =
+            lockstep_serve::threads::ConnThreads::start(2, "client-test").expect("threads");
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let mut holds = Vec::new();
+        // Held open so the two land on different threads.
+        for _ in 0..2 {
+            let (c, url, tx) = (client.clone(), url.clone(), tx.clone());
+            let (hold, held) = tokio::sync::oneshot::channel::<()>();
+            holds.push(hold);
+            threads.spawn(async move {
+                let mut ports = Vec::new();
+                for _ in 0..3 {
+                    let (status, body) = c.get_collect(&url).await.expect("answer");
+                    assert_eq!(status, 200);
+                    ports.push(String::from_utf8(body.to_vec()).expect("utf-8"));
+                }
+                let _ = tx.send((lockstep_serve::threads::current(), ports));
+                let _ = held.await;
+            });
+        }
+        let a = rx.recv().await.expect("thread a");
+        let b = rx.recv().await.expect("thread b");
+        assert_ne!(a.0, b.0, "two threads");
+        // Sequential calls on one thread reuse its one connection...
+        for (_, ports) in [&a, &b] {
+            assert!(ports.iter().all(|p| p == &ports[0]), "{ports:?}");
+        }
+        // ...which is not the other thread's, nor the shared pool's.
+        assert_ne!(a.1[0], b.1[0]);
+        let (_, shared) = client.get_collect(&url).await.expect("answer");
+        let shared = String::from_utf8(shared.to_vec()).expect("utf-8");
+        assert!(shared != a.1[0] && shared != b.1[0], "{shared} {a:?} {b:?}");
+        drop(holds);
+    }
+
+    #[tokio::test]
+    async fn a_connection_thread_forgets_the_pools_of_dropped_clients() {
+        let url = port_echo().await;
+        let threads =
+            lockstep_serve::threads::ConnThreads::start(1, "client-drop").expect("threads");
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        threads.spawn(async move {
+            for _ in 0..3 {
+                let client = UpstreamClient::with_ca(Duration::from_secs(2), None).expect("client");
+                client.get_collect(&url).await.expect("answer");
+            }
+            let _ = tx.send(THREAD_POOLS.with_borrow(Vec::len));
+        });
+        // Each new client dropped the entries of the ones gone before it.
+        assert_eq!(rx.await.expect("ran"), 1);
     }
 }

@@ -28,7 +28,7 @@ pub use model::{
 };
 pub use plane::WorkerPlaneConfig;
 pub use pool::{HealthConfig, PolicyKind, PoolConfig, PrefixRouting, WorkerConfig};
-pub use server::ServerConfig;
+pub use server::{Connections, ServerConfig};
 pub use tenant::TenantConfig;
 pub use timeouts::{RetryConfig, TimeoutConfig};
 

@@ -21,8 +21,11 @@ pub struct ServerConfig {
     pub body_timeout_ms: u64,
     /// Bound on connecting to a worker, in milliseconds.
     pub connect_timeout_ms: u64,
-    /// Runtime worker threads; 0 means one per core.
+    /// Runtime worker threads; 0 means one per core. With `connections = "pinned"`, also the
+    /// number of connection threads.
     pub worker_threads: usize,
+    /// Where connections to the API listener are served (see [`Connections`]).
+    pub connections: Connections,
     /// Audit log of aborted pairs and integrity events (JSON lines): a file path (appended),
     /// `-` for stdout, empty for off. Opened at start; a reload does not move it.
     pub audit_log: String,
@@ -65,6 +68,7 @@ impl Default for ServerConfig {
             body_timeout_ms: 30_000,
             connect_timeout_ms: 2_000,
             worker_threads: 0,
+            connections: Connections::Pinned,
             audit_log: String::new(),
             drain_grace_ms: 30_000,
             header_timeout_ms: 10_000,
@@ -79,6 +83,21 @@ impl Default for ServerConfig {
             admin_key_sha256: String::new(),
         }
     }
+}
+
+/// Where the API listener's connections are served.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Connections {
+    /// Each connection lives on one of `worker_threads` threads with its own event loop and its
+    /// own upstream connections (the one with the fewest connections when it arrives), as nginx
+    /// and Envoy place connections on workers: a request never changes threads. HTTP/2 streams
+    /// (gRPC) still run on the shared runtime, so one multiplexed connection uses every core.
+    Pinned,
+    /// Every connection on the shared work-stealing runtime: for a few very busy HTTP/1.1
+    /// connections (a load balancer in front that opens only a couple), which pinned would
+    /// leave on one core.
+    Shared,
 }
 
 impl Section for ServerConfig {
