@@ -5,8 +5,8 @@
 //! per-pool gauges are read from the live models at each scrape.
 
 use prometheus::{
-    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry,
-    TextEncoder,
+    Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 /// Latency buckets, seconds: 1 ms to 5 min.
@@ -103,6 +103,41 @@ fn histogram(
     .expect("valid metric");
     r.register(Box::new(h.clone())).expect("unique metric");
     h
+}
+
+/// One model's series of the metrics every pair writes, looked up once when the model is built
+/// rather than by label on every request.
+#[derive(Debug, Clone)]
+pub struct ModelMetrics {
+    /// `pairs_started` of the model.
+    pub pairs_started: IntCounter,
+    /// `pairs_completed` of the model.
+    pub pairs_completed: IntCounter,
+    /// `barrier_wait_seconds` of the model.
+    pub barrier_wait: Histogram,
+    /// `ttft_seconds` of the model.
+    pub ttft: Histogram,
+    /// `itl_seconds` of the model.
+    pub itl: Histogram,
+    /// `worker_cached_tokens` of the model.
+    pub worker_cached_tokens: IntCounter,
+    /// `abort_both_seconds` of the model.
+    pub abort_both: Histogram,
+}
+
+impl ModelMetrics {
+    /// The series of `model` in `m`.
+    pub fn new(m: &Metrics, model: &str) -> ModelMetrics {
+        ModelMetrics {
+            pairs_started: m.pairs_started.with_label_values(&[model]),
+            pairs_completed: m.pairs_completed.with_label_values(&[model]),
+            barrier_wait: m.barrier_wait_seconds.with_label_values(&[model]),
+            ttft: m.ttft_seconds.with_label_values(&[model]),
+            itl: m.itl_seconds.with_label_values(&[model]),
+            worker_cached_tokens: m.worker_cached_tokens.with_label_values(&[model]),
+            abort_both: m.abort_both_seconds.with_label_values(&[model]),
+        }
+    }
 }
 
 impl Metrics {

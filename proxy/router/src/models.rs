@@ -182,6 +182,7 @@ pub(crate) async fn build_models(
             stats: stats.clone(),
             metrics: metrics.clone(),
             audit: audit.clone(),
+            series: crate::metrics::ModelMetrics::new(metrics, &name),
         });
         let capacity = deployment.kv_capacity;
         tracing::info!(model = %name, context_window = m.context_window, kv_capacity = capacity, worker_prompt_limit = ?deployment.max_prompt_tokens, "model ready");

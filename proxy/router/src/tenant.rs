@@ -31,9 +31,30 @@ pub fn set_salt_secret(secret: &[u8]) {
 /// The prefix-cache namespace of a tenant (`None`: lockstep runs without tenants): the first 8
 /// bytes of an HMAC-SHA256 of its name under the server's secret, so no one who knows a tenant's
 /// name (every tenant knows its own) can compute, choose or probe another's namespace.
+///
+/// The secret never changes once drawn or set, so each thread remembers the salts it derived
+/// (a bounded table; past it, salts are derived each time).
 pub fn cache_salt(tenant: Option<&str>) -> u64 {
+    const REMEMBERED: usize = 4096;
+    thread_local! {
+        /// The salt without a tenant, and by tenant name.
+        static SALTS: std::cell::RefCell<(Option<u64>, HashMap<Box<str>, u64>)> =
+            std::cell::RefCell::new((None, HashMap::new()));
+    }
     let secret = SALT_SECRET.get_or_init(|| rand::random::<[u8; 32]>().to_vec());
-    salt_with(secret, tenant)
+    SALTS.with_borrow_mut(|(open, named)| match tenant {
+        None => *open.get_or_insert_with(|| salt_with(secret, None)),
+        Some(t) => {
+            if let Some(s) = named.get(t) {
+                return *s;
+            }
+            let s = salt_with(secret, Some(t));
+            if named.len() < REMEMBERED {
+                named.insert(t.into(), s);
+            }
+            s
+        }
+    })
 }
 
 fn salt_with(secret: &[u8], tenant: Option<&str>) -> u64 {

@@ -19,7 +19,7 @@ use crate::backend::{
 };
 use crate::config::{RetryConfig, TimeoutConfig};
 use crate::error::{LockstepError, Phase};
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, ModelMetrics};
 use crate::pool::{LoadGuard, RouteKey, Upstream, WorkerPool};
 
 /// Everything the lifecycle of one model's pairs needs.
@@ -44,6 +44,8 @@ pub struct PairRuntime {
     pub metrics: Arc<Metrics>,
     /// The audit log (shared by all models).
     pub audit: Arc<Audit>,
+    /// This model's series of `metrics` ([`ModelMetrics::new`]).
+    pub series: ModelMetrics,
 }
 
 impl PairRuntime {
@@ -52,6 +54,7 @@ impl PairRuntime {
         PairObserver {
             model: &self.model,
             metrics: &self.metrics,
+            series: &self.series,
             audit: &self.audit,
             stats: &self.stats,
         }

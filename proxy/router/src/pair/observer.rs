@@ -12,7 +12,7 @@ use super::{Outcome, PairStats};
 use crate::audit::{Audit, AuditEvent, AuditKind, AuditTimings, now_ms};
 use crate::backend::{Dispatch, Side};
 use crate::error::LockstepError;
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, ModelMetrics};
 
 /// Where an aborted pair stood, for its metrics and audit line.
 pub(super) struct AbortContext<'a> {
@@ -28,6 +28,8 @@ pub(super) struct AbortContext<'a> {
 pub(super) struct PairObserver<'a> {
     pub(super) model: &'a str,
     pub(super) metrics: &'a Metrics,
+    /// The model's own series of `metrics`.
+    pub(super) series: &'a ModelMetrics,
     pub(super) audit: &'a Audit,
     pub(super) stats: &'a PairStats,
 }
@@ -57,38 +59,26 @@ impl PairObserver<'_> {
     /// Both halves were dispatched.
     pub(super) fn dispatched(&self) {
         self.stats.dispatched.fetch_add(1, Ordering::Relaxed);
-        self.metrics
-            .pairs_started
-            .with_label_values(&[self.model])
-            .inc();
+        self.series.pairs_started.inc();
     }
 
     /// The barrier passed after `waited`; returns where the token timings go.
     pub(super) fn committed(&self, waited: Duration) -> TokenTimes {
-        self.metrics
-            .barrier_wait_seconds
-            .with_label_values(&[self.model])
-            .observe(waited.as_secs_f64());
+        self.series.barrier_wait.observe(waited.as_secs_f64());
         TokenTimes {
-            ttft: self.metrics.ttft_seconds.with_label_values(&[self.model]),
-            itl: self.metrics.itl_seconds.with_label_values(&[self.model]),
+            ttft: self.series.ttft.clone(),
+            itl: self.series.itl.clone(),
         }
     }
 
     /// The prefill worker reported `n` prompt tokens taken from its prefix cache.
     pub(super) fn cached_tokens(&self, n: u64) {
-        self.metrics
-            .worker_cached_tokens
-            .with_label_values(&[self.model])
-            .inc_by(n);
+        self.series.worker_cached_tokens.inc_by(n);
     }
 
     /// The pair finished and its last chunk reached the client.
     pub(super) fn completed(&self) {
-        self.metrics
-            .pairs_completed
-            .with_label_values(&[self.model])
-            .inc();
+        self.series.pairs_completed.inc();
     }
 
     /// An aborted pair (both halves told): its log line on the pair's span, the abort and
@@ -156,9 +146,7 @@ impl PairObserver<'_> {
 
     /// Where the time from a failure to both aborts answered goes.
     pub(super) fn abort_both_latency(&self) -> Histogram {
-        self.metrics
-            .abort_both_seconds
-            .with_label_values(&[self.model])
+        self.series.abort_both.clone()
     }
 
     /// Nothing was dispatched: no worker could take the pair (an admission refusal).

@@ -243,6 +243,7 @@ fn setup(script: &Script) -> Setup {
     });
     let registry = Arc::new(PairRegistry::default());
     let (prefill, decode) = (pool(), pool());
+    let metrics = Arc::new(crate::metrics::Metrics::new());
     let rt = Arc::new(PairRuntime {
         model: "m".into(),
         backend: fake.clone(),
@@ -263,7 +264,8 @@ fn setup(script: &Script) -> Setup {
             backoff_ms: 5,
         },
         stats: Arc::new(PairStats::default()),
-        metrics: Arc::new(crate::metrics::Metrics::new()),
+        series: crate::metrics::ModelMetrics::new(&metrics, "m"),
+        metrics,
         audit: Arc::new(crate::audit::Audit::default()),
     });
     (fake, rt, registry, prefill, decode)
