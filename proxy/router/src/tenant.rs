@@ -38,7 +38,7 @@ pub fn cache_salt(tenant: Option<&str>) -> u64 {
     const REMEMBERED: usize = 4096;
     thread_local! {
         /// The salt without a tenant, and by tenant name.
-        static SALTS: std::cell::RefCell<(Option<u64>, HashMap<Box<str>, u64>)> =
+        static SALTS: std::cell::RefCell<Salts> =
             std::cell::RefCell::new((None, HashMap::new()));
     }
     let secret = SALT_SECRET.get_or_init(|| rand::random::<[u8; 32]>().to_vec());
@@ -56,6 +56,9 @@ pub fn cache_salt(tenant: Option<&str>) -> u64 {
         }
     })
 }
+
+/// A thread's remembered salts: without a tenant, and by tenant name.
+type Salts = (Option<u64>, HashMap<Box<str>, u64>);
 
 fn salt_with(secret: &[u8], tenant: Option<&str>) -> u64 {
     use hmac::Mac;
