@@ -51,7 +51,34 @@ SMG=$!; PIDS+=($SMG)
   --prometheus-port 33122 --max-payload-size 16777216 --log-level error >"$WORK/logs/vllm-router.log" 2>&1 &
 VR=$!; PIDS+=($VR)
 KEY_SHA256=$(printf %s bench-key | sha256sum | cut -d' ' -f1)
-cat > "$WORK/lockstep.toml" <<TOML
+# One model section: name, prefill port, decode port.
+model_toml() {
+  cat <<TOML
+
+[[models]]
+name = "$1"
+backend = "sglang"
+context_window = 1048576
+kv_capacity_tokens = 1048576
+default_max_tokens = 1
+tokenizer = "$WORK/tokenizer.json"
+chat_template = { path = "$WORK/chat_template.jinja" }
+
+[models.prefill]
+workers = [{ url = "http://127.0.0.1:$2", bootstrap_port = 8998 }]
+
+[models.decode]
+workers = [{ url = "http://127.0.0.1:$3" }]
+
+[models.retry]
+max_retries = 0
+
+[models.health]
+interval_ms = 10000
+TOML
+}
+{
+cat <<TOML
 [server]
 http_listen = "127.0.0.1:33030"
 log_level = "warn"
@@ -61,49 +88,10 @@ max_body_bytes = 16777216
 name = "bench"
 api_keys_sha256 = ["$KEY_SHA256"]  # "bench-key"
 models = ["*"]
-
-[[models]]
-name = "smollm2"
-backend = "sglang"
-context_window = 1048576
-kv_capacity_tokens = 1048576
-default_max_tokens = 1
-tokenizer = "$WORK/tokenizer.json"
-chat_template = { path = "$WORK/chat_template.jinja" }
-
-[models.prefill]
-workers = [{ url = "http://127.0.0.1:33001", bootstrap_port = 8998 }]
-
-[models.decode]
-workers = [{ url = "http://127.0.0.1:33002" }]
-
-[models.retry]
-max_retries = 0
-
-[models.health]
-interval_ms = 10000
-
-[[models]]
-name = "short"
-backend = "sglang"
-context_window = 1048576
-kv_capacity_tokens = 1048576
-default_max_tokens = 1
-tokenizer = "$WORK/tokenizer.json"
-chat_template = { path = "$WORK/chat_template.jinja" }
-
-[models.prefill]
-workers = [{ url = "http://127.0.0.1:33007", bootstrap_port = 8998 }]
-
-[models.decode]
-workers = [{ url = "http://127.0.0.1:33008" }]
-
-[models.retry]
-max_retries = 0
-
-[models.health]
-interval_ms = 10000
 TOML
+model_toml smollm2 33001 33002
+model_toml short 33007 33008
+} > "$WORK/lockstep.toml"
 target/release/lockstep serve --config "$WORK/lockstep.toml" >"$WORK/logs/lockstep.log" 2>&1 &
 LS=$!; PIDS+=($LS)
 
