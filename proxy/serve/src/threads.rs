@@ -73,16 +73,6 @@ impl ConnThreads {
         })
     }
 
-    /// How many threads the set has.
-    pub fn len(&self) -> usize {
-        self.threads.len()
-    }
-
-    /// Never: a set has at least one thread.
-    pub fn is_empty(&self) -> bool {
-        self.threads.is_empty()
-    }
-
     /// Live connections per thread, in thread order.
     pub fn load(&self) -> Vec<usize> {
         self.threads
@@ -158,7 +148,7 @@ mod tests {
     #[tokio::test]
     async fn connections_go_to_the_least_loaded_thread_and_run_on_it() {
         let threads = ConnThreads::start(2, "test-conn").expect("threads");
-        assert_eq!(threads.len(), 2);
+        assert_eq!(threads.load().len(), 2);
         assert_eq!(
             current(),
             None,
