@@ -1,9 +1,11 @@
 //! Long prompts through the router's admission tokenizing, on the real SmolLM2 tokenizer and
-//! chat template: per-request time for a chat whose system prompt is 16 KiB, 128 KiB or 1 MiB,
-//! unique every time, tokenized whole on one thread (no tenant: no cache) and through the
-//! tenant's segment cache (all misses: long pieces in chunks on the thread pool), repeated with a
-//! new question (hits), and a completion prompt of that size (one piece: nothing to reuse, in
-//! chunks). The median of the runs. `cargo bench -p lockstep-tests --bench long_prompts` (needs scripts/fetch-model.sh).
+//! chat template, for prompts of 16 KiB, 128 KiB and 1 MiB of two kinds of text (16 words
+//! repeated; varied, where nearly every word is new): the `tokenizers` crate against lockstep's
+//! byte-level fast path on the same text, both on one thread; a chat whose system prompt is
+//! that text, unique every time, through the tenant's segment cache (all misses: long pieces in
+//! chunks on the thread pool); and the same system prompt again with a new question (hits).
+//! The median of the runs. `cargo bench -p lockstep-tests --bench long_prompts` (needs
+//! scripts/fetch-model.sh).
 
 use std::time::{Duration, Instant};
 
@@ -41,6 +43,50 @@ fn prose(seed: u64, n: usize) -> String {
     s
 }
 
+/// Text of about `n` bytes where nearly every word is new: 1 to 4 of 48 syllables, now and then
+/// capitalised, with digits and punctuation (the worst case for a table of words seen before).
+fn varied(seed: u64, n: usize) -> String {
+    const SYLLABLES: [&str; 48] = [
+        "ka", "ri", "to", "men", "sul", "ve", "dra", "qo", "lin", "pe", "zu", "ax", "bor", "ce",
+        "fi", "gh", "ho", "ju", "ly", "mo", "nu", "ox", "pra", "que", "rs", "st", "tu", "ul", "vy",
+        "wa", "xe", "yo", "zy", "äu", "ön", "ße", "ñi", "çe", "ét", "ło", "ři", "ıs", "th", "sch",
+        "tz", "ng", "ck", "ph",
+    ];
+    let mut x = seed | 1;
+    let mut next = || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let mut s = String::with_capacity(n + 64);
+    while s.len() < n {
+        let r = next();
+        let start = s.len();
+        for k in 0..=(r % 4) {
+            s.push_str(SYLLABLES[((r >> (8 + 6 * k)) % 48) as usize]);
+        }
+        if r % 5 == 0 {
+            let first = s[start..].chars().next().unwrap_or('a');
+            s.replace_range(
+                start..start + first.len_utf8(),
+                &first.to_uppercase().to_string(),
+            );
+        }
+        match (r >> 40) % 16 {
+            0 => s.push_str(&format!(" {}", r % 10_000)),
+            1 => s.push_str(", "),
+            2 => s.push_str(".\n"),
+            3 => s.push_str("'s "),
+            _ => s.push(' '),
+        }
+    }
+    s
+}
+
+/// A text maker: seed, size.
+type Text = fn(u64, usize) -> String;
+
 /// The median of the timings of `f` on each input (made before any timing starts).
 fn median<T>(inputs: Vec<T>, mut f: impl FnMut(&T)) -> Duration {
     let mut t: Vec<Duration> = inputs
@@ -71,59 +117,56 @@ fn main() {
         String::new(),
     )
     .expect("codec");
+    assert!(codec.tokenizes_fast(), "the fast path is on for SmolLM2");
     println!(
-        "| prompt | tokens | chat, unique, one thread | chat, unique | chat, repeated prefix | completion text |"
+        "| text | prompt | tokens | tokenizers crate, one thread | lockstep, one thread | speed-up | chat, unique | chat, repeated prefix |"
     );
-    println!("| --- | ---: | ---: | ---: | ---: | ---: |");
-    for (label, size, runs) in [
-        ("16 KiB", 16 << 10, 21),
-        ("128 KiB", 128 << 10, 11),
-        ("1 MiB", 1 << 20, 5),
-    ] {
-        let chat = |system: String, q: u64| {
-            vec![
-                ChatMessage::text("system", system),
-                ChatMessage::text("user", format!("Question {q}: what does it say?")),
-            ]
-        };
-        let tokens = codec
-            .encode_chat_salted(&chat(prose(1, size), 0), None, Some(1))
-            .expect("encode")
-            .len();
-        let whole = median(
-            (0..runs as u64)
-                .map(|i| chat(prose(1000 + i, size), i))
-                .collect(),
-            |m| drop(codec.encode_chat(m).expect("encode")),
-        );
-        let unique = median(
-            (0..runs as u64)
-                .map(|i| chat(prose(1000 + i, size), i))
-                .collect(),
-            |m| drop(codec.encode_chat_salted(m, None, Some(2)).expect("encode")),
-        );
-        let shared = prose(7, size);
-        codec
-            .encode_chat_salted(&chat(shared.clone(), 0), None, Some(3))
-            .expect("warm");
-        let repeated = median(
-            (0..runs as u64)
-                .map(|i| chat(shared.clone(), i + 1))
-                .collect(),
-            |m| drop(codec.encode_chat_salted(m, None, Some(3)).expect("encode")),
-        );
-        let completion = median(
-            (0..runs as u64).map(|i| prose(5000 + i, size)).collect(),
-            |p| drop(codec.encode_salted(p, Some(4)).expect("encode")),
-        );
-        let ms = |d: Duration| format!("{:.2} ms", d.as_secs_f64() * 1e3);
-        println!(
-            "| {label} | {tokens} | {} | {} ({:.1} MB/s) | {} | {} |",
-            ms(whole),
-            ms(unique),
-            size as f64 / unique.as_secs_f64() / 1e6,
-            ms(repeated),
-            ms(completion)
-        );
+    println!("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |");
+    let kinds: [(&str, Text); 2] = [("16 words", prose), ("varied", varied)];
+    for (kind, make) in kinds {
+        for (label, size, runs) in [
+            ("16 KiB", 16 << 10, 21),
+            ("128 KiB", 128 << 10, 11),
+            ("1 MiB", 1 << 20, 5),
+        ] {
+            let chat = |system: String, q: u64| {
+                vec![
+                    ChatMessage::text("system", system),
+                    ChatMessage::text("user", format!("Question {q}: what does it say?")),
+                ]
+            };
+            let texts: Vec<String> = (0..runs as u64).map(|i| make(1000 + i, size)).collect();
+            let tokens = codec.encode(&texts[0]).expect("encode").len();
+            let reference = median(texts.clone(), |p| {
+                drop(t.inner.encode(p.as_str(), false).expect("encode"))
+            });
+            let fast = median(texts.clone(), |p| drop(codec.encode(p).expect("encode")));
+            let unique = median(
+                (0..runs as u64)
+                    .map(|i| chat(make(2000 + i, size), i))
+                    .collect(),
+                |m| drop(codec.encode_chat_salted(m, None, Some(2)).expect("encode")),
+            );
+            let shared = make(7, size);
+            codec
+                .encode_chat_salted(&chat(shared.clone(), 0), None, Some(3))
+                .expect("warm");
+            let repeated = median(
+                (0..runs as u64)
+                    .map(|i| chat(shared.clone(), i + 1))
+                    .collect(),
+                |m| drop(codec.encode_chat_salted(m, None, Some(3)).expect("encode")),
+            );
+            let ms = |d: Duration| format!("{:.2} ms", d.as_secs_f64() * 1e3);
+            println!(
+                "| {kind} | {label} | {tokens} | {} | {} ({:.0} MB/s) | {:.0}x | {} | {} |",
+                ms(reference),
+                ms(fast),
+                size as f64 / fast.as_secs_f64() / 1e6,
+                reference.as_secs_f64() / fast.as_secs_f64(),
+                ms(unique),
+                ms(repeated),
+            );
+        }
     }
 }

@@ -7,7 +7,8 @@ use minijinja::Environment;
 use serde::Serialize;
 use tokenizers::Tokenizer;
 
-use super::segments::{self, SegmentCache, encode_with};
+use super::bpe::TextEncoder;
+use super::segments::{self, SegmentCache};
 use crate::config::{ChatTemplateConfig, ModelConfig};
 use crate::error::LockstepError;
 
@@ -57,9 +58,8 @@ const SEGMENT_CACHE_BYTES: u64 = 64 << 20;
 
 /// The model's tokenizer and chat template, loaded once.
 pub struct PromptCodec {
-    tokenizer: Tokenizer,
-    /// The same tokenizer with special-token parsing off: `<|im_start|>` in it is ordinary text.
-    literal: Tokenizer,
+    /// The tokenizer, with the byte-level fast path where it is proven.
+    text: TextEncoder,
     /// The special tokens' texts, to find them in chat message content (`None`: the model has
     /// none).
     specials: Option<aho_corasick::AhoCorasick>,
@@ -127,8 +127,6 @@ impl PromptCodec {
         let mut env = Environment::new();
         env.add_template_owned("chat", template)
             .map_err(|e| format!("model `{name}`: chat template: {e}"))?;
-        let mut literal = tokenizer.clone();
-        literal.set_encode_special_tokens(true);
         let texts: Vec<String> = tokenizer
             .get_added_tokens_decoder()
             .into_values()
@@ -149,12 +147,12 @@ impl PromptCodec {
             .max()
             .unwrap_or(1)
             .max(1);
-        let segments = SegmentCache::new(&tokenizer, SEGMENT_CACHE_BYTES)
+        let text = TextEncoder::new(name, tokenizer);
+        let segments = SegmentCache::new(&text, SEGMENT_CACHE_BYTES)
             .inspect_err(|why| tracing::info!(model = name, %why, "tokenizer segment cache off"))
             .ok();
         Ok(Arc::new(PromptCodec {
-            tokenizer,
-            literal,
+            text,
             specials,
             segments,
             env,
@@ -221,7 +219,7 @@ impl PromptCodec {
     /// Tokenizes text exactly as the workers would (special tokens written in the text are parsed
     /// as special tokens; no extra BOS is added: the template carries it).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, LockstepError> {
-        encode_with(&self.tokenizer, text)
+        self.text.encode(text, false)
     }
 
     /// [`PromptCodec::encode`] for the tenant whose cache salt is `salt`: a long prompt's
@@ -229,10 +227,15 @@ impl PromptCodec {
     pub fn encode_salted(&self, text: &str, salt: Option<u64>) -> Result<Vec<u32>, LockstepError> {
         match (&self.segments, salt) {
             (Some(cache), Some(salt)) if text.len() >= segments::MIN_PROMPT_BYTES => {
-                cache.encode(&self.tokenizer, text, salt)
+                cache.encode(&self.text, text, salt)
             }
             _ => self.encode(text),
         }
+    }
+
+    /// Whether text tokenizes through the byte-level fast path (`admission::bpe`).
+    pub fn tokenizes_fast(&self) -> bool {
+        self.text.is_fast()
     }
 
     /// Whether long pieces nobody cached are tokenized in chunks on the thread pool.
@@ -306,7 +309,7 @@ impl PromptCodec {
         let mut from = 0;
         for (start, end) in spans {
             ids.extend(self.encode(&text[from..start])?);
-            ids.extend(encode_with(&self.literal, &text[start..end])?);
+            ids.extend(self.text.encode(&text[start..end], true)?);
             from = end;
         }
         ids.extend(self.encode(&text[from..])?);
@@ -315,12 +318,12 @@ impl PromptCodec {
 
     /// Decodes token ids to text (used for token-id prompts echoed back and for tests).
     pub fn decode(&self, ids: &[u32]) -> String {
-        self.tokenizer.decode(ids, false).unwrap_or_default()
+        self.text.tokenizer().decode(ids, false).unwrap_or_default()
     }
 
     /// The vocabulary size, to validate client-sent token ids.
     pub fn vocab_size(&self) -> usize {
-        self.tokenizer.get_vocab_size(true)
+        self.text.tokenizer().get_vocab_size(true)
     }
 }
 

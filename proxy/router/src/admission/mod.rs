@@ -16,7 +16,9 @@
 //! and stable error code.
 
 pub(crate) mod background;
+pub mod bpe;
 pub mod codec;
+mod pretokenize;
 pub mod segments;
 
 pub use codec::{ChatMessage, PromptCodec, check_fits};

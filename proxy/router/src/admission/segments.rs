@@ -20,6 +20,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use aho_corasick::AhoCorasick;
 use tokenizers::Tokenizer;
 
+use super::bpe::TextEncoder;
 use crate::error::LockstepError;
 
 /// Prompts shorter than this are tokenized whole: the cache would save nothing.
@@ -73,7 +74,8 @@ pub struct SegmentCache {
 impl SegmentCache {
     /// A cache of at most `capacity_bytes` (text and ids), or `Err` with the reason the model's
     /// tokenizer cannot be cached piece by piece.
-    pub fn new(tokenizer: &Tokenizer, capacity_bytes: u64) -> Result<SegmentCache, String> {
+    pub fn new(enc: &TextEncoder, capacity_bytes: u64) -> Result<SegmentCache, String> {
+        let tokenizer = enc.tokenizer();
         let added = tokenizer.get_added_tokens_decoder();
         let specials: Vec<_> = added
             .values()
@@ -105,10 +107,10 @@ impl SegmentCache {
             let probe = format!(
                 "Hello  world,{s}\n  indented\ttext{s}{s}x 12 345\n\n{s} end. {s}ünïcode ✓ {s}"
             );
-            let whole = encode(tokenizer, &probe).map_err(|e| e.to_string())?;
+            let whole = enc.encode(&probe, false).map_err(|e| e.to_string())?;
             let pieces: Vec<u32> = cache
                 .pieces(&probe)
-                .map(|p| encode(tokenizer, p))
+                .map(|p| enc.encode(p, false))
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| e.to_string())?
                 .concat();
@@ -122,20 +124,14 @@ impl SegmentCache {
             // The proof of chunking on this tokenizer: cut at every cut point, the same ids.
             let probe =
                 "Über naïve words, it's 12 tokens' worth: the  spaced\ttext ends. ".repeat(40);
-            let whole = encode(tokenizer, &probe).map_err(|e| e.to_string())?;
+            let whole = enc.encode(&probe, false).map_err(|e| e.to_string())?;
             let mut from = 0;
             let mut chunks = Vec::new();
             for at in cut_points(&probe, 1).chain([probe.len()]) {
                 chunks.push(&probe[from..at]);
                 from = at;
             }
-            let cut = tokenizer
-                .encode_batch(chunks, false)
-                .map_err(|e| e.to_string())?;
-            let cut: Vec<u32> = cut
-                .iter()
-                .flat_map(|e| e.get_ids().iter().copied())
-                .collect();
+            let cut = enc.encode_parts(chunks).map_err(|e| e.to_string())?;
             if cut != whole {
                 tracing::info!("tokenizing long pieces in chunks is off: the proof failed");
                 cache.chunked = false;
@@ -146,9 +142,9 @@ impl SegmentCache {
 
     /// Tokenizes a piece nobody cached: in chunks on the thread pool when it is long and this
     /// tokenizer allows it.
-    fn tokenize(&self, tokenizer: &Tokenizer, piece: &str) -> Result<Vec<u32>, LockstepError> {
+    fn tokenize(&self, enc: &TextEncoder, piece: &str) -> Result<Vec<u32>, LockstepError> {
         if !self.chunked || piece.len() < 2 * CHUNK_BYTES {
-            return encode_with(tokenizer, piece);
+            return enc.encode(piece, false);
         }
         let mut from = 0;
         let mut chunks = Vec::new();
@@ -156,13 +152,7 @@ impl SegmentCache {
             chunks.push(&piece[from..at]);
             from = at;
         }
-        let done = tokenizer
-            .encode_batch(chunks, false)
-            .map_err(tokenize_error)?;
-        Ok(done
-            .iter()
-            .flat_map(|e| e.get_ids().iter().copied())
-            .collect())
+        enc.encode_parts(chunks)
     }
 
     /// `text` cut right after every special token (the last piece may end without one).
@@ -181,7 +171,7 @@ impl SegmentCache {
     /// `tokenize` (and cached when long enough).
     pub fn encode(
         &self,
-        tokenizer: &Tokenizer,
+        enc: &TextEncoder,
         text: &str,
         salt: u64,
     ) -> Result<Vec<u32>, LockstepError> {
@@ -189,7 +179,7 @@ impl SegmentCache {
         let (mut hit, mut miss) = (0u64, 0u64);
         for piece in self.pieces(text) {
             if piece.len() < MIN_PIECE_BYTES {
-                ids.extend(encode_with(tokenizer, piece)?);
+                ids.extend(enc.encode(piece, false)?);
                 continue;
             }
             if let Some(cached) = self.cache.get(&Probe(salt, piece)) {
@@ -198,7 +188,7 @@ impl SegmentCache {
                 continue;
             }
             miss += piece.len() as u64;
-            let fresh = self.tokenize(tokenizer, piece)?;
+            let fresh = self.tokenize(enc, piece)?;
             ids.extend_from_slice(&fresh);
             self.cache.insert(Key(salt, piece.into()), fresh.into());
         }
@@ -218,26 +208,6 @@ impl SegmentCache {
             self.hit_bytes.load(Ordering::Relaxed),
             self.miss_bytes.load(Ordering::Relaxed),
         )
-    }
-}
-
-fn encode(t: &Tokenizer, text: &str) -> tokenizers::Result<Vec<u32>> {
-    Ok(t.encode(text, false)?.get_ids().to_vec())
-}
-
-/// Tokenizes `text` as the workers would (special tokens in it parsed as special; no BOS added:
-/// the template carries it).
-pub(super) fn encode_with(t: &Tokenizer, text: &str) -> Result<Vec<u32>, LockstepError> {
-    if text.is_empty() {
-        return Ok(Vec::new());
-    }
-    encode(t, text).map_err(tokenize_error)
-}
-
-fn tokenize_error(e: tokenizers::Error) -> LockstepError {
-    LockstepError::InvalidRequest {
-        message: format!("cannot tokenize the prompt: {e}"),
-        param: Some("prompt".into()),
     }
 }
 
@@ -292,21 +262,28 @@ mod tests {
     use tokenizers::{AddedToken, Tokenizer};
 
     use super::SegmentCache;
+    use crate::admission::bpe::TextEncoder;
+
+    fn enc(t: &Tokenizer) -> TextEncoder {
+        TextEncoder::new("m", t.clone())
+    }
 
     #[test]
     fn tokenizers_it_cannot_split_soundly_leave_the_cache_off() {
         let plain = Tokenizer::new(tokenizers::models::bpe::BPE::default());
-        let none = SegmentCache::new(&plain, 1 << 20)
+        let none = SegmentCache::new(&enc(&plain), 1 << 20)
             .err()
             .expect("no special tokens");
         assert!(none.contains("no special tokens"), "{none}");
         let mut strips = plain.clone();
         strips.add_special_tokens(&[AddedToken::from("<s>", true).rstrip(true)]);
-        let why = SegmentCache::new(&strips, 1 << 20).err().expect("rstrip");
+        let why = SegmentCache::new(&enc(&strips), 1 << 20)
+            .err()
+            .expect("rstrip");
         assert!(why.contains("strips the whitespace"), "{why}");
         let mut fine = plain.clone();
         fine.add_special_tokens(&[AddedToken::from("<s>", true)]);
-        let cache = SegmentCache::new(&fine, 1 << 20).expect("sound");
+        let cache = SegmentCache::new(&enc(&fine), 1 << 20).expect("sound");
         let pieces: Vec<&str> = cache.pieces("a<s>b<s><s>c").collect();
         assert_eq!(pieces, ["a<s>", "b<s>", "<s>", "c"]);
         // Chunking needs a byte-level pre-tokenizer.
