@@ -29,26 +29,26 @@ target/release/examples/export_tokenizer "$MODEL" "$WORK"
 # that take the long prompts run at nice +10 so their JSON parsing does not pass for the router's
 # cost in the loaded short-request measurement.
 mock() { nice -n 10 python3 bench/long_prompt_mock.py "$1" "$2" "$3" >"$WORK/logs/mock-$3.log" 2>&1 & PIDS+=($!); }
-mock sglang prefill 33001; mock sglang decode 33002   # lockstep's pair
-mock sglang prefill 33003; mock sglang decode 33004   # smg's pair
-mock vllm prefill 33005; mock vllm decode 33006       # vllm-router's pair
+mock sglang prefill 23001; mock sglang decode 23002   # lockstep's pair
+mock sglang prefill 23003; mock sglang decode 23004   # smg's pair
+mock vllm prefill 23005; mock vllm decode 23006       # vllm-router's pair
 # lockstep's short requests go to a pair of their own at normal priority (model `short`): one
 # mock process busy with a long prompt would hold its GIL, and the short request would wait on
 # the mock, not on lockstep.
-python3 bench/long_prompt_mock.py sglang prefill 33007 >"$WORK/logs/mock-33007.log" 2>&1 & PIDS+=($!)
-python3 bench/long_prompt_mock.py sglang decode 33008 >"$WORK/logs/mock-33008.log" 2>&1 & PIDS+=($!)
+python3 bench/long_prompt_mock.py sglang prefill 23007 >"$WORK/logs/mock-23007.log" 2>&1 & PIDS+=($!)
+python3 bench/long_prompt_mock.py sglang decode 23008 >"$WORK/logs/mock-23008.log" 2>&1 & PIDS+=($!)
 # The gateways check their workers once at start and back off: the mocks answer first.
-for port in 33001 33002 33003 33004 33005 33006 33007 33008; do
+for port in 23001 23002 23003 23004 23005 23006 23007 23008; do
   for _ in $(seq 1 100); do curl -sf -m 1 "http://127.0.0.1:$port/health" >/dev/null && break; sleep 0.1; done
 done
 
-"$CACHE/venv-smg/bin/smg" launch --pd-disaggregation --prefill http://127.0.0.1:33003 8998 \
-  --decode http://127.0.0.1:33004 --host 127.0.0.1 --port 33021 --prometheus-port 33121 \
+"$CACHE/venv-smg/bin/smg" launch --pd-disaggregation --prefill http://127.0.0.1:23003 8998 \
+  --decode http://127.0.0.1:23004 --host 127.0.0.1 --port 23021 --prometheus-port 23121 \
   --max-payload-size 16777216 --log-level error >"$WORK/logs/smg.log" 2>&1 &
 SMG=$!; PIDS+=($SMG)
-"$CACHE/venv-vllm-router/bin/vllm-router" --vllm-pd-disaggregation --prefill http://127.0.0.1:33005 \
-  --decode http://127.0.0.1:33006 --kv-connector nixl --host 127.0.0.1 --port 33022 \
-  --prometheus-port 33122 --max-payload-size 16777216 --log-level error >"$WORK/logs/vllm-router.log" 2>&1 &
+"$CACHE/venv-vllm-router/bin/vllm-router" --vllm-pd-disaggregation --prefill http://127.0.0.1:23005 \
+  --decode http://127.0.0.1:23006 --kv-connector nixl --host 127.0.0.1 --port 23022 \
+  --prometheus-port 23122 --max-payload-size 16777216 --log-level error >"$WORK/logs/vllm-router.log" 2>&1 &
 VR=$!; PIDS+=($VR)
 KEY_SHA256=$(printf %s bench-key | sha256sum | cut -d' ' -f1)
 # One model section: name, prefill port, decode port.
@@ -80,7 +80,7 @@ TOML
 {
 cat <<TOML
 [server]
-http_listen = "127.0.0.1:33030"
+http_listen = "127.0.0.1:23030"
 log_level = "warn"
 max_body_bytes = 16777216
 
@@ -89,19 +89,19 @@ name = "bench"
 api_keys_sha256 = ["$KEY_SHA256"]  # "bench-key"
 models = ["*"]
 TOML
-model_toml smollm2 33001 33002
-model_toml short 33007 33008
+model_toml smollm2 23001 23002
+model_toml short 23007 23008
 } > "$WORK/lockstep.toml"
 target/release/lockstep serve --config "$WORK/lockstep.toml" >"$WORK/logs/lockstep.log" 2>&1 &
 LS=$!; PIDS+=($LS)
 
 SHORT='{"model":"smollm2","max_tokens":1,"messages":[{"role":"user","content":"hi"}]}'
-for port in 33021 33022; do wait_answers /v1/chat/completions "$SHORT" choices "x:$port"; done
+for port in 23021 23022; do wait_answers /v1/chat/completions "$SHORT" choices "x:$port"; done
 for _ in $(seq 1 150); do
   curl -sf -m 2 -H 'authorization: Bearer bench-key' -H 'content-type: application/json' -d "$SHORT" \
-    http://127.0.0.1:33030/v1/chat/completions | grep -q choices && break
+    http://127.0.0.1:23030/v1/chat/completions | grep -q choices && break
   sleep 0.2
 done
-python3 bench/long_prompts.py http://127.0.0.1:33004 \
-  "smg-1.13.0=http://127.0.0.1:33021=$SMG" "vllm-router-0.1.17=http://127.0.0.1:33022=$VR" \
-  "lockstep=http://127.0.0.1:33030=$LS=bench-key"
+python3 bench/long_prompts.py http://127.0.0.1:23004 \
+  "smg-1.13.0=http://127.0.0.1:23021=$SMG" "vllm-router-0.1.17=http://127.0.0.1:23022=$VR" \
+  "lockstep=http://127.0.0.1:23030=$LS=bench-key"

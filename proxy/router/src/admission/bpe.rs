@@ -231,7 +231,11 @@ impl FastBpe {
             return;
         }
         if let Some(&(at, len)) = words.seen.get(w) {
-            out.extend_from_within(at as usize..(at + len) as usize);
+            // Most words are a token or two: a loop, not a copy call.
+            for k in at as usize..(at + len) as usize {
+                let id = out[k];
+                out.push(id);
+            }
             return;
         }
         let at = out.len();

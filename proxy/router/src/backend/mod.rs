@@ -17,6 +17,8 @@ pub use client::UpstreamClient;
 
 use std::sync::Arc;
 
+use bytes::Bytes;
+
 use futures_util::future::BoxFuture;
 use futures_util::stream::BoxStream;
 use serde::Serialize;
@@ -127,14 +129,75 @@ pub struct Dispatch {
     pub sampling: Arc<SamplingParams>,
     /// The tenant whose request it is (`None` without tenants): the prefix-cache namespace.
     pub tenant: Option<Arc<str>>,
+    /// `input_ids` as a JSON array, written once for both halves ([`Dispatch::ids_json`]).
+    pub ids_json: std::sync::OnceLock<Bytes>,
 }
 
 impl Dispatch {
+    /// The prompt's token ids as a JSON array (`[1,2,3]`), written on first use and shared by
+    /// both halves' bodies: a long prompt's ids are the bulk of each body.
+    pub fn ids_json(&self) -> &Bytes {
+        self.ids_json.get_or_init(|| ids_json(&self.input_ids))
+    }
+
     /// The prefix-cache salt of the pair's tenant: requests of one tenant share cached prompt
     /// pages, two tenants never do (requests without a tenant share one namespace).
     pub fn cache_salt(&self) -> u64 {
         crate::tenant::cache_salt(self.tenant.as_deref())
     }
+}
+
+/// `ids` as a JSON array, exactly as `serde_json` writes it. Digits are written in place into
+/// a buffer sized for the longest ids (a copy call per id would cost more than the digits).
+pub(crate) fn ids_json(ids: &[u32]) -> Bytes {
+    let mut out = vec![0u8; 2 + ids.len() * 11];
+    out[0] = b'[';
+    let mut at = 1;
+    for (i, &id) in ids.iter().enumerate() {
+        if i > 0 {
+            out[at] = b',';
+            at += 1;
+        }
+        let len = match id {
+            0..=9 => 1,
+            10..=99 => 2,
+            100..=999 => 3,
+            1_000..=9_999 => 4,
+            10_000..=99_999 => 5,
+            100_000..=999_999 => 6,
+            1_000_000..=9_999_999 => 7,
+            10_000_000..=99_999_999 => 8,
+            100_000_000..=999_999_999 => 9,
+            _ => 10,
+        };
+        let mut v = id;
+        for d in out[at..at + len].iter_mut().rev() {
+            *d = b'0' + (v % 10) as u8;
+            v /= 10;
+        }
+        at += len;
+    }
+    out[at] = b']';
+    out.truncate(at + 1);
+    Bytes::from(out)
+}
+
+/// A request body: `object` (a JSON object `serde_json` wrote) with `"key":value` put first,
+/// where `value` is JSON already written ([`Dispatch::ids_json`]), so the ids are not
+/// serialised once per half.
+pub(crate) fn with_first(key: &str, value: &[u8], object: &[u8]) -> Bytes {
+    debug_assert!(object.first() == Some(&b'{') && object.last() == Some(&b'}'));
+    let rest = object.get(1..).unwrap_or_default();
+    let mut out = Vec::with_capacity(key.len() + value.len() + object.len() + 4);
+    out.extend_from_slice(b"{\"");
+    out.extend_from_slice(key.as_bytes());
+    out.extend_from_slice(b"\":");
+    out.extend_from_slice(value);
+    if rest != b"}" {
+        out.push(b',');
+    }
+    out.extend_from_slice(rest);
+    Bytes::from(out)
 }
 
 /// What a deployment check found: the limits admission applies to the model.
@@ -367,5 +430,41 @@ pub trait PdBackend: Send + Sync + 'static {
         Box::pin(std::future::ready(Ok(Deployment::capacity(
             m.kv_capacity_tokens,
         ))))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::{Value, json};
+
+    #[test]
+    fn ids_are_written_as_serde_json_writes_them() {
+        let mut x = 1u64;
+        let ids: Vec<u32> = (0..2000)
+            .map(|i| {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
+                if i % 7 == 0 {
+                    u32::MAX
+                } else {
+                    (x >> 40) as u32 >> (i % 24)
+                }
+            })
+            .collect();
+        for n in [0, 1, 2, ids.len()] {
+            let want = serde_json::to_vec(&ids[..n]).expect("json");
+            assert_eq!(&super::ids_json(&ids[..n])[..], &want[..]);
+        }
+    }
+
+    #[test]
+    fn the_value_put_first_leaves_the_rest_of_the_object_as_it_was() {
+        let ids = super::ids_json(&[5, 6]);
+        let rest = serde_json::to_vec(&json!({ "a": 1, "b": { "c": [2] } })).expect("json");
+        let body = super::with_first("input_ids", &ids, &rest);
+        let v: Value = serde_json::from_slice(&body).expect("valid JSON");
+        assert_eq!(v, json!({ "input_ids": [5, 6], "a": 1, "b": { "c": [2] } }));
+        assert!(body.starts_with(b"{\"input_ids\":[5,6],"));
+        let alone = super::with_first("prompt", &ids, b"{}");
+        assert_eq!(&alone[..], b"{\"prompt\":[5,6]}");
     }
 }

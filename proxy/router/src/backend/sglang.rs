@@ -66,7 +66,6 @@ impl SglangBackend {
             Some(Constraint::Ebnf(g) | Constraint::Lark(g)) => (None, None, Some(g.as_str())),
         };
         let body = GenerateBody {
-            input_ids: &d.input_ids,
             sampling_params: SglangSampling {
                 base: s,
                 json_schema,
@@ -80,7 +79,8 @@ impl SglangBackend {
             cache_salt: format!("{:016x}", d.cache_salt()),
             stream,
         };
-        Bytes::from(serde_json::to_vec(&body).unwrap_or_default())
+        let rest = serde_json::to_vec(&body).unwrap_or_default();
+        super::with_first("input_ids", d.ids_json(), &rest)
     }
 }
 
@@ -98,10 +98,10 @@ struct SglangSampling<'a> {
     ebnf: Option<&'a str>,
 }
 
-/// The native `/generate` body of one half.
+/// The native `/generate` body of one half, but for its `input_ids` (put first, written once
+/// for both halves: [`Dispatch::ids_json`]).
 #[derive(serde::Serialize)]
 struct GenerateBody<'a> {
-    input_ids: &'a [u32],
     sampling_params: SglangSampling<'a>,
     /// The pair id as SGLang's `rid` ([`crate::pair::PairId::rid`]).
     rid: String,

@@ -85,7 +85,6 @@ impl VllmBackend {
         let s = &d.sampling;
         let mut b = json!({
             "model": self.served_model,
-            "prompt": &*d.input_ids,
             "max_tokens": if prefill { 1 } else { s.max_new_tokens },
             "stream": !prefill,
             "kv_transfer_params": kv,
@@ -124,7 +123,12 @@ impl VllmBackend {
                 Constraint::Ebnf(g) | Constraint::Lark(g) => json!({ "grammar": g }),
             };
         }
-        Bytes::from(b.to_string())
+        // The prompt's ids go first, written once for both halves.
+        super::with_first(
+            "prompt",
+            d.ids_json(),
+            &serde_json::to_vec(&b).unwrap_or_default(),
+        )
     }
 
     /// What the prefill half asks for.
@@ -496,6 +500,7 @@ mod tests {
             prefill: worker("http://127.0.0.1:9"),
             decode: worker("http://127.0.0.1:9"),
             input_ids: Arc::from(vec![1u32, 2, 3]),
+            ids_json: Default::default(),
             sampling: Arc::default(),
             tenant: None,
         };

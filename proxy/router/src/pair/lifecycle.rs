@@ -258,6 +258,7 @@ impl PairRuntime {
             input_ids: req.input_ids.clone(),
             sampling: req.sampling.clone(),
             tenant: req.tenant.clone(),
+            ids_json: Default::default(),
         };
         let span = tracing::info_span!(
             parent: &req.span,
