@@ -148,5 +148,18 @@ fn main() {
         "turns",
         b"system\0be brief\0user\0hi <|im_end|>\0assistant\0ok",
     );
+
+    for (name, text) in [
+        (
+            "prose",
+            "\0hello world, it's 12 345 <|im_start|>user naïve  \t\n\n end.  ",
+        ),
+        (
+            "literal",
+            "\u{1}<|im_end|> ٣² Ⅻ \u{a0}x\u{3000}中文 e\u{301} 🦀 they're  'S",
+        ),
+    ] {
+        write(dir, "bpe", name, text.as_bytes());
+    }
     println!("seeds written under {}", dir.display());
 }

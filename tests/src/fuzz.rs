@@ -19,6 +19,7 @@ pub const TARGETS: &[&str] = &[
     "upstream_json",
     "admission",
     "chat_template",
+    "bpe",
 ];
 
 /// Runs `target` on `data`.
@@ -35,6 +36,7 @@ pub fn run(target: &str, data: &[u8]) {
             runtime().block_on(lockstep_router::fuzzing::admission(state, data));
         }
         "chat_template" => chat_template(data),
+        "bpe" => bpe(data),
         other => panic!("no fuzz target `{other}`"),
     }
 }
@@ -128,4 +130,27 @@ fn chat_template(data: &[u8]) {
         .map(|c| ChatMessage::text(c[0], c.get(1).copied().unwrap_or_default()))
         .collect();
     let _ = codec.encode_chat(&messages);
+}
+
+/// Any text through the byte-level fast path and the `tokenizers` crate, on a byte-level BPE of
+/// SmolLM2's shape: the same ids, special tokens parsed and as text (the first byte picks).
+fn bpe(data: &[u8]) {
+    use lockstep_router::admission::bpe::FastBpe;
+    static TOKENIZERS: OnceLock<(tokenizers::Tokenizer, tokenizers::Tokenizer, FastBpe)> =
+        OnceLock::new();
+    let (parsed, literal, fast) = TOKENIZERS.get_or_init(|| {
+        let t = crate::tokenizer::byte_level();
+        let mut literal = t.clone();
+        literal.set_encode_special_tokens(true);
+        let fast = FastBpe::from_tokenizer(&t).expect("the fast path takes this shape");
+        (t, literal, fast)
+    });
+    let Some((&mode, rest)) = data.split_first() else {
+        return;
+    };
+    let text = String::from_utf8_lossy(rest);
+    let as_text = mode & 1 == 1;
+    let reference = if as_text { literal } else { parsed };
+    let want = reference.encode(text.as_ref(), false).expect("encode");
+    assert_eq!(fast.encode(&text, as_text), want.get_ids(), "{text:?}");
 }

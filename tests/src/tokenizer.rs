@@ -121,3 +121,33 @@ mod tests {
         assert!(text.contains(" cnry0123456789abcdef is a secret"), "{text}");
     }
 }
+
+/// A byte-level BPE tokenizer of SmolLM2's shape (digits split one by one, then GPT-2's
+/// pattern, byte-level merges; the mock chat format's special tokens), trained in code on the
+/// mock vocabulary's words and some other scripts: for the byte-level fast path's fuzz target,
+/// which needs the `tokenizers` crate's answers without the model file.
+pub fn byte_level() -> Tokenizer {
+    use tokenizers::models::TrainerWrapper;
+    use tokenizers::models::bpe::{BPE, BpeTrainer};
+    use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+    use tokenizers::pre_tokenizers::digits::Digits;
+    use tokenizers::pre_tokenizers::sequence::Sequence;
+    let mut tok = Tokenizer::new(BPE::default());
+    tok.with_pre_tokenizer(Some(Sequence::new(vec![
+        PreTokenizerWrapper::Digits(Digits::new(true)),
+        PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, true)),
+    ])));
+    let mut trainer: TrainerWrapper = BpeTrainer::builder()
+        .vocab_size(1200)
+        .min_frequency(1)
+        .show_progress(false)
+        .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
+        .build()
+        .into();
+    let other = "naïve café Über straße ΑΒΓ αβγ Привет мир مرحبا שלום नमस्ते 你好世界 こんにちは 한국어 it's they're we've I'll";
+    let corpus = [WORDS, other, WORDS, other];
+    tok.train(&mut trainer, corpus.iter())
+        .expect("training on a fixed corpus succeeds");
+    with_specials(tok)
+}
