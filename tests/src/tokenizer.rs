@@ -108,20 +108,6 @@ pub fn build_canary() -> Tokenizer {
     with_specials(tok)
 }
 
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn canary_secrets_round_trip_through_the_canary_tokenizer() {
-        let t = super::build_canary();
-        let enc = t
-            .encode("<|im_start|> user cnry0123456789abcdef is a secret", false)
-            .expect("encode");
-        assert_eq!(enc.get_ids().len(), 2 + 9 + 3);
-        let text = t.decode(enc.get_ids(), false).expect("decode");
-        assert!(text.contains(" cnry0123456789abcdef is a secret"), "{text}");
-    }
-}
-
 /// A byte-level BPE tokenizer of SmolLM2's shape (digits split one by one, then GPT-2's
 /// pattern, byte-level merges; the mock chat format's special tokens), trained in code on the
 /// mock vocabulary's words and some other scripts: for the byte-level fast path's fuzz target,
@@ -150,4 +136,18 @@ pub fn byte_level() -> Tokenizer {
     tok.train(&mut trainer, corpus.iter())
         .expect("training on a fixed corpus succeeds");
     with_specials(tok)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn canary_secrets_round_trip_through_the_canary_tokenizer() {
+        let t = super::build_canary();
+        let enc = t
+            .encode("<|im_start|> user cnry0123456789abcdef is a secret", false)
+            .expect("encode");
+        assert_eq!(enc.get_ids().len(), 2 + 9 + 3);
+        let text = t.decode(enc.get_ids(), false).expect("decode");
+        assert!(text.contains(" cnry0123456789abcdef is a secret"), "{text}");
+    }
 }
