@@ -14,12 +14,22 @@ async fn malformed_input_table() {
     let c = TestClient::default();
     let big = "x".repeat(70_000);
     let long_prompt = "red ".repeat(600);
+    // Over 16 KiB: parsed on the background pool, with the same answers.
+    let long_text = "red ".repeat(5_000);
+    let mut long_bad_utf8 = json!({"model": MODEL, "prompt": long_text})
+        .to_string()
+        .into_bytes();
+    long_bad_utf8.insert(30, 0xff);
+    let long_cut = json!({"model": MODEL, "prompt": long_text}).to_string();
     let chat = "/v1/chat/completions";
     let cmpl = "/v1/completions";
     let cases: Vec<(&str, &str, Vec<u8>, u16, &str)> = vec![
         ("bad json", chat, b"{not json".to_vec(), 400, "invalid_json"),
         ("empty body", chat, Vec::new(), 400, "invalid_json"),
         ("invalid utf-8", chat, b"{\"model\":\"\xff\xfe\"}".to_vec(), 400, "invalid_json"),
+        ("long body, bad json", cmpl, long_cut.as_bytes()[..long_cut.len() - 2].to_vec(), 400, "invalid_json"),
+        ("long body, invalid utf-8", cmpl, long_bad_utf8, 400, "invalid_json"),
+        ("long body, wrong type", cmpl, json!({"model": MODEL, "prompt": long_text, "max_tokens": "ten"}).to_string().into_bytes(), 400, "invalid_request"),
         ("missing messages", chat, json!({"model": MODEL}).to_string().into_bytes(), 400, "invalid_request"),
         ("missing model", chat, json!({"messages": [{"role": "user", "content": "hi"}]}).to_string().into_bytes(), 400, "invalid_request"),
         ("messages wrong type", chat, json!({"model": MODEL, "messages": "hi"}).to_string().into_bytes(), 400, "invalid_request"),

@@ -90,7 +90,7 @@ impl Input {
 /// Prompts up to this many bytes of text are templated and tokenized inline (microseconds);
 /// longer ones on the blocking pool, at most one per core at a time, so they never stall the
 /// async threads that serve every other request.
-const INLINE_TOKENIZE_BYTES: usize = 16 * 1024;
+pub(crate) const INLINE_TOKENIZE_BYTES: usize = 16 * 1024;
 
 /// A front end's request once parsed (step 3 is the front end's own: its shape, its fields).
 pub trait FrontRequest {
@@ -223,29 +223,10 @@ pub async fn admit<R: FrontRequest>(
     let ids = if bytes <= INLINE_TOKENIZE_BYTES {
         tokenize(&model, input, salt)
     } else {
-        let slot = state
-            .tokenize_slots
-            .clone()
-            .acquire_owned()
+        let m = model.clone();
+        in_background(state, move || tokenize(&m, input, salt))
+            .instrument(span.clone())
             .await
-            .map_err(|_| {
-                refuse(LockstepError::Unavailable {
-                    message: "lockstep is shutting down".into(),
-                })
-            })?;
-        let (m, pool) = (model.clone(), state.tokenize_pool.clone());
-        // On the low-priority pool (its chunks too): short requests keep the cores first.
-        tokio::task::spawn_blocking(move || {
-            let _slot = slot;
-            pool.install(|| tokenize(&m, input, salt))
-        })
-        .instrument(span.clone())
-        .await
-        .unwrap_or_else(|e| {
-            Err(LockstepError::Unavailable {
-                message: format!("tokenizer task failed: {e}"),
-            })
-        })
     }
     .map_err(refuse)?;
     fit(&model, &ids, &sampling).map_err(refuse)?;
@@ -258,6 +239,33 @@ pub async fn admit<R: FrontRequest>(
         },
         shape,
     ))
+}
+
+/// Runs `work` on the low-priority tokenizer pool (its parallel chunks too), one of a bounded
+/// number at a time: a long prompt's parsing and tokenizing, so short requests keep the cores.
+pub(crate) async fn in_background<T: Send + 'static>(
+    state: &AppState,
+    work: impl FnOnce() -> Result<T, LockstepError> + Send + 'static,
+) -> Result<T, LockstepError> {
+    let slot = state
+        .tokenize_slots
+        .clone()
+        .acquire_owned()
+        .await
+        .map_err(|_| LockstepError::Unavailable {
+            message: "lockstep is shutting down".into(),
+        })?;
+    let pool = state.tokenize_pool.clone();
+    tokio::task::spawn_blocking(move || {
+        let _slot = slot;
+        pool.install(work)
+    })
+    .await
+    .unwrap_or_else(|e| {
+        Err(LockstepError::Unavailable {
+            message: format!("background task failed: {e}"),
+        })
+    })
 }
 
 /// Steps 4 and 5: the template for chat, then the tokenizer; token ids are checked against the

@@ -14,7 +14,9 @@ use http::request::Parts;
 use http_body_util::BodyExt;
 use serde::de::DeserializeOwned;
 
-use crate::admission::{Admitted, FrontRequest, Refusal, admit, authorize};
+use crate::admission::{
+    Admitted, FrontRequest, INLINE_TOKENIZE_BYTES, Refusal, admit, authorize, in_background,
+};
 use crate::error::LockstepError;
 use crate::state::AppState;
 use crate::tenant::Tenant;
@@ -52,7 +54,7 @@ pub(crate) struct Admit<R: FrontRequest>(pub(crate) Admitted, pub(crate) R::Shap
 
 impl<R> FromRequest<Arc<AppState>> for Admit<R>
 where
-    R: FrontRequest + DeserializeOwned + Send,
+    R: FrontRequest + DeserializeOwned + Send + 'static,
     R::Shape: Send,
 {
     type Rejection = Refusal;
@@ -80,7 +82,7 @@ where
 /// Reads the body within the configured limit and parses it as `T`, mapping every failure to a
 /// stable error code: 413 `body_too_large`, 400 `invalid_json` or 400 `invalid_request` (with the
 /// offending field as `param`).
-async fn read_json<T: DeserializeOwned>(
+async fn read_json<T: DeserializeOwned + Send + 'static>(
     state: &AppState,
     headers: &HeaderMap,
     body: Body,
@@ -119,12 +121,21 @@ async fn read_json<T: DeserializeOwned>(
         }
     }
     let bytes: Bytes = buf.freeze();
-    if std::str::from_utf8(&bytes).is_err() {
+    if bytes.len() <= INLINE_TOKENIZE_BYTES {
+        return parse_json(&bytes);
+    }
+    // A long body is parsed where its prompt is tokenized: on the low-priority pool.
+    in_background(state, move || parse_json(&bytes)).await
+}
+
+/// Parses `bytes` as `T` (see [`read_json`] for the errors).
+fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, LockstepError> {
+    if std::str::from_utf8(bytes).is_err() {
         return Err(LockstepError::InvalidJson {
             message: "body is not valid UTF-8".into(),
         });
     }
-    let de = &mut serde_json::Deserializer::from_slice(&bytes);
+    let de = &mut serde_json::Deserializer::from_slice(bytes);
     serde_path_to_error::deserialize(de).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner();
