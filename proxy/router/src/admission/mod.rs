@@ -112,6 +112,9 @@ pub struct Admitted {
     pub model: Arc<ModelRuntime>,
     /// The prompt's token ids.
     pub ids: Vec<u32>,
+    /// The ids as JSON, written on the background pool for a long prompt whose backend sends
+    /// JSON ([`crate::backend::PdBackend::ids_as_json`]).
+    pub ids_json: Option<bytes::Bytes>,
     /// Sampling, with `max_new_tokens` resolved.
     pub sampling: SamplingParams,
     /// Who asked, with their concurrency slot.
@@ -220,13 +223,18 @@ pub async fn admit<R: FrontRequest>(
     // HMAC, so only for prompts long enough to use the cache.
     let salt = (bytes >= segments::MIN_PROMPT_BYTES)
         .then(|| crate::tenant::cache_salt(caller.tenant.as_ref().map(|t| t.name.as_ref())));
-    let ids = if bytes <= INLINE_TOKENIZE_BYTES {
-        tokenize(&model, input, salt)
+    let (ids, ids_json) = if bytes <= INLINE_TOKENIZE_BYTES {
+        tokenize(&model, input, salt).map(|ids| (ids, None))
     } else {
         let m = model.clone();
-        in_background(state, move || tokenize(&m, input, salt))
-            .instrument(span.clone())
-            .await
+        let json = model.pairs.backend.ids_as_json();
+        in_background(state, move || {
+            let ids = tokenize(&m, input, salt)?;
+            let text = json.then(|| crate::backend::ids_json(&ids));
+            Ok((ids, text))
+        })
+        .instrument(span.clone())
+        .await
     }
     .map_err(refuse)?;
     fit(&model, &ids, &sampling).map_err(refuse)?;
@@ -234,6 +242,7 @@ pub async fn admit<R: FrontRequest>(
         Admitted {
             model,
             ids,
+            ids_json,
             sampling,
             caller,
         },

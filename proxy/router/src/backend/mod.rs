@@ -407,6 +407,11 @@ pub trait PdBackend: Send + Sync + 'static {
     fn decode_counts_prompt(&self) -> bool {
         false
     }
+    /// Whether the halves' bodies carry the ids as JSON ([`Dispatch::ids_json`]): then a long
+    /// prompt's JSON is written at admission, on the low-priority pool, not on the pair's thread.
+    fn ids_as_json(&self) -> bool {
+        false
+    }
     /// Whether the worker at `url` is healthy (the health loop's probe). Default: `GET
     /// {url}/health` through the upstream client, answered 2xx within `timeout`.
     fn health(

@@ -335,6 +335,10 @@ impl PdBackend for SglangBackend {
         true
     }
 
+    fn ids_as_json(&self) -> bool {
+        true
+    }
+
     fn confirms_abort(&self) -> bool {
         true
     }

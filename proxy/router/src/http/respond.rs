@@ -90,11 +90,13 @@ pub(crate) async fn commit(admitted: Admitted) -> Result<Committed, LockstepErro
     let Admitted {
         model,
         ids,
+        ids_json,
         sampling,
         caller,
     } = admitted;
     let (mut rx, _task) = model.pairs.start(
         ids.into(),
+        ids_json,
         sampling.into(),
         caller.tenant.map(|t| t.name.clone()),
     );

@@ -4,6 +4,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use tokio::sync::mpsc;
 use tokio::time::{Instant as TokioInstant, sleep, sleep_until};
 use tracing::Instrument;
@@ -62,9 +63,12 @@ impl PairRuntime {
 
     /// Starts a request's pair task. Events arrive on the receiver; dropping the receiver is a
     /// client disconnect and aborts both halves. The join handle yields the terminal state.
+    /// `ids_json`: the ids as JSON where admission already wrote them (else written at the first
+    /// dispatch that needs them).
     pub fn start(
         self: &Arc<Self>,
         input_ids: Arc<[u32]>,
+        ids_json: Option<Bytes>,
         sampling: Arc<SamplingParams>,
         tenant: Option<Arc<str>>,
     ) -> (mpsc::Receiver<PairEvent>, tokio::task::JoinHandle<Outcome>) {
@@ -72,16 +76,17 @@ impl PairRuntime {
         let me = self.clone();
         // The request's span (current here) parents every pair this request dispatches.
         let request_span = tracing::Span::current();
-        let handle =
-            tokio::spawn(
-                async move { me.run(input_ids, sampling, tenant, tx, request_span).await },
-            );
+        let handle = tokio::spawn(async move {
+            me.run(input_ids, ids_json, sampling, tenant, tx, request_span)
+                .await
+        });
         (rx, handle)
     }
 
     async fn run(
         &self,
         input_ids: Arc<[u32]>,
+        ids_json: Option<Bytes>,
         sampling: Arc<SamplingParams>,
         tenant: Option<Arc<str>>,
         tx: mpsc::Sender<PairEvent>,
@@ -97,6 +102,7 @@ impl PairRuntime {
         });
         let req = Request {
             input_ids,
+            ids_json: ids_json.map(std::sync::OnceLock::from).unwrap_or_default(),
             sampling,
             salt: crate::tenant::cache_salt(tenant.as_deref()),
             tenant,
@@ -258,7 +264,7 @@ impl PairRuntime {
             input_ids: req.input_ids.clone(),
             sampling: req.sampling.clone(),
             tenant: req.tenant.clone(),
-            ids_json: Default::default(),
+            ids_json: req.ids_json.clone(),
         };
         let span = tracing::info_span!(
             parent: &req.span,
@@ -426,6 +432,8 @@ impl PairRuntime {
 /// What a request brings to each of its attempts.
 struct Request {
     input_ids: Arc<[u32]>,
+    /// The ids as JSON, where admission wrote them; each attempt's [`Dispatch`] starts from it.
+    ids_json: std::sync::OnceLock<Bytes>,
     sampling: Arc<SamplingParams>,
     tenant: Option<Arc<str>>,
     /// The tenant's prefix-cache salt (an HMAC: computed once, not per attempt).

@@ -282,6 +282,7 @@ fn run_case(script: Script) -> Result<(), TestCaseError> {
         let (fake, rt, registry, prefill, decode) = setup(&script);
         let (mut rx, handle) = rt.start(
             vec![1u32; n as usize].into(),
+            None,
             Arc::new(SamplingParams {
                 max_new_tokens: 8,
                 ..Default::default()
@@ -424,6 +425,7 @@ fn a_stalled_reader_aborts_both_halves_after_client_idle() {
         let (fake, rt, registry, ..) = setup(&script);
         let (mut rx, handle) = rt.start(
             vec![1u32; 7].into(),
+            None,
             Arc::new(SamplingParams {
                 max_new_tokens: 500,
                 ..Default::default()
