@@ -244,7 +244,9 @@ impl FastBpe {
             None if bytes.len() <= SHORT_WORD => self.merge_short(bytes, out, &mut words.scratch),
             None => self.merge(bytes, out, &mut words.scratch),
         }
-        words.seen.insert(w, (at as u32, (out.len() - at) as u32));
+        if words.seen.len() < MAX_WORDS {
+            words.seen.insert(w, (at as u32, (out.len() - at) as u32));
+        }
     }
 
     /// BPE over a short word: the same merges as [`FastBpe::merge`] in the same order, found by
@@ -407,6 +409,10 @@ struct Symbol {
 /// Words up to this many bytes merge by scanning ([`FastBpe::merge_short`]); longer ones by the
 /// queue, whose cost grows as n log n, not n².
 const SHORT_WORD: usize = 64;
+
+/// The most words one call's table holds (about 2 MiB): a huge text of ever-new words costs
+/// time, not memory beyond that.
+const MAX_WORDS: usize = 1 << 16;
 
 /// Buffers one merge reuses from the last.
 #[derive(Default)]

@@ -1,6 +1,7 @@
 //! The fast path against the `tokenizers` crate on synthetic tokenizers of every shape it
 //! takes, and the shapes it refuses.
 
+use proptest::prelude::*;
 use serde_json::{Value, json};
 use tokenizers::Tokenizer;
 
@@ -177,4 +178,63 @@ fn the_scan_and_the_queue_merge_alike() {
             assert_eq!(short, queue, "{word:?}");
         }
     }
+}
+
+/// Pieces the pattern, the digit split and the added tokens treat differently.
+const PIECES: &[&str] = &[
+    "hello", "world", "the", "ing", "a", "b", " ", "  ", "\t", "\n", "\r\n", "\u{a0}", "\u{3000}",
+    "'s", "'t", "'re", "'", "1", "23", "٣", "²", "é", "e\u{301}", "中", "🦀", "!", ".", "<|end|>",
+    "<tool>", "<|end", "\u{4}", "zebra", "Ġ",
+];
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    #[test]
+    fn random_text_gives_the_tokenizers_ids_in_every_shape(
+        parts in proptest::collection::vec(proptest::sample::select(PIECES), 0..40),
+    ) {
+        let text = parts.concat();
+        for t in SHAPES.iter() {
+            let fast = FastBpe::from_tokenizer(t).expect("supported");
+            for literal in [false, true] {
+                let mut reference = t.clone();
+                reference.set_encode_special_tokens(literal);
+                let want = reference.encode(text.as_str(), false).expect("encode");
+                prop_assert_eq!(fast.encode(&text, literal), want.get_ids());
+            }
+        }
+    }
+}
+
+/// One tokenizer of each shape the fast path takes.
+static SHAPES: std::sync::LazyLock<Vec<Tokenizer>> = std::sync::LazyLock::new(|| {
+    vec![
+        synthetic(|_| {}),
+        synthetic(|d| d["pre_tokenizer"]["pretokenizers"][0]["individual_digits"] = false.into()),
+        synthetic(|d| d["pre_tokenizer"] = d["pre_tokenizer"]["pretokenizers"][1].clone()),
+        synthetic(|d| d["model"]["ignore_merges"] = true.into()),
+    ]
+});
+
+#[test]
+fn past_the_word_tables_cap_words_still_tokenize_alike() {
+    let t = synthetic(|_| {});
+    let fast = FastBpe::from_tokenizer(&t).expect("supported");
+    // More distinct words than one call's table holds, then all of them again.
+    let words: Vec<String> = (0..super::MAX_WORDS as u32 + 5_000)
+        .map(|mut n| {
+            let mut w = String::from(" ");
+            loop {
+                w.push(char::from(b'a' + (n % 26) as u8));
+                n /= 26;
+                if n == 0 {
+                    break w;
+                }
+            }
+        })
+        .collect();
+    let text = words.concat().repeat(2);
+    let want = t.encode(text.as_str(), false).expect("encode");
+    assert_eq!(fast.encode(&text, false), want.get_ids());
 }
