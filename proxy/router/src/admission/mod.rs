@@ -87,9 +87,9 @@ impl Input {
     }
 }
 
-/// Prompts up to this many bytes of text are templated and tokenized inline (microseconds);
-/// longer ones on the blocking pool, at most one per core at a time, so they never stall the
-/// async threads that serve every other request.
+/// Bodies and prompts up to this many bytes are parsed, templated and tokenized inline
+/// (microseconds); longer ones on the low-priority pool ([`in_background`]), at most one per
+/// core at a time, so they never stall the async threads that serve every other request.
 pub(crate) const INLINE_TOKENIZE_BYTES: usize = 16 * 1024;
 
 /// A front end's request once parsed (step 3 is the front end's own: its shape, its fields).

@@ -203,12 +203,12 @@ impl PdBackend for VllmBackend {
         })
     }
 
-    /// lockstep asks the decode for `stream_options.continuous_usage_stats`, so vLLM 0.33 puts
-    /// `usage` (with `prompt_tokens`) on every chunk (`entrypoints/openai/completion/serving.py`).
     fn ids_as_json(&self) -> bool {
         true
     }
 
+    /// lockstep asks the decode for `stream_options.continuous_usage_stats`, so vLLM 0.33 puts
+    /// `usage` (with `prompt_tokens`) on every chunk (`entrypoints/openai/completion/serving.py`).
     fn decode_counts_prompt(&self) -> bool {
         true
     }
