@@ -241,7 +241,7 @@ impl FastBpe {
         let at = out.len();
         match self.whole.as_ref().and_then(|v| v.get(bytes)) {
             Some(&id) => out.push(id),
-            None if bytes.len() <= SHORT_WORD => self.merge_short(bytes, out, &mut words.scratch),
+            None if bytes.len() <= SHORT_WORD => self.merge_short(bytes, out),
             None => self.merge(bytes, out, &mut words.scratch),
         }
         if words.seen.len() < MAX_WORDS {
@@ -254,47 +254,68 @@ impl FastBpe {
     /// among equals, of the pairs now adjacent: its stale entries never pass its check, since a
     /// merged token is the concatenation of its pair, so a pair that changed merges into a
     /// longer, other token. The scan picks the same pair.
-    fn merge_short(&self, bytes: &[u8], out: &mut Vec<u32>, s: &mut Scratch) {
+    fn merge_short(&self, bytes: &[u8], out: &mut Vec<u32>) {
+        const END: u8 = u8::MAX;
         let rank = |a: u32, b: u32| {
             self.merges
                 .get(&((u64::from(a) << 32) | u64::from(b)))
                 .copied()
                 .unwrap_or((u32::MAX, NO_TOKEN))
         };
-        let ids = &mut s.ids;
-        ids.clear();
-        ids.extend(
-            bytes
-                .iter()
-                .map(|&b| self.byte_ids[b as usize])
-                .filter(|&id| id != NO_TOKEN),
-        );
-        // `pairs[i]`: the rank and merged id of `ids[i]` and `ids[i + 1]`.
-        let pairs = &mut s.pairs;
-        pairs.clear();
-        pairs.extend(ids.windows(2).map(|w| rank(w[0], w[1])));
-        loop {
-            let mut best = (u32::MAX, 0usize);
-            for (i, p) in pairs.iter().enumerate() {
-                if p.0 < best.0 {
-                    best = (p.0, i);
-                }
-            }
-            let (r, i) = best;
-            if r == u32::MAX {
-                break;
-            }
-            ids[i] = pairs[i].1;
-            ids.remove(i + 1);
-            pairs.remove(i);
-            if i > 0 {
-                pairs[i - 1] = rank(ids[i - 1], ids[i]);
-            }
-            if i < pairs.len() {
-                pairs[i] = rank(ids[i], ids[i + 1]);
+        // The symbols as a list in fixed arrays (no shifting): `ids[i]`, the next live symbol
+        // `next[i]`, and `pairs[i]`, the rank and merged id of `i` and its next.
+        let mut ids = [0u32; SHORT_WORD];
+        let mut n = 0;
+        for &b in bytes {
+            let id = self.byte_ids[b as usize];
+            if id != NO_TOKEN {
+                ids[n] = id;
+                n += 1;
             }
         }
-        out.extend_from_slice(ids);
+        if n == 0 {
+            return;
+        }
+        let mut next = [END; SHORT_WORD];
+        let mut pairs = [(u32::MAX, NO_TOKEN); SHORT_WORD];
+        for k in 0..n - 1 {
+            next[k] = (k + 1) as u8;
+            pairs[k] = rank(ids[k], ids[k + 1]);
+        }
+        loop {
+            // The lowest rank, leftmost among equals, and the symbol before it.
+            let (mut best, mut at, mut before) = (u32::MAX, 0usize, END);
+            let (mut k, mut prev) = (0usize, END);
+            while next[k] != END {
+                if pairs[k].0 < best {
+                    (best, at, before) = (pairs[k].0, k, prev);
+                }
+                prev = k as u8;
+                k = next[k] as usize;
+            }
+            if best == u32::MAX {
+                break;
+            }
+            let gone = next[at] as usize;
+            ids[at] = pairs[at].1;
+            next[at] = next[gone];
+            pairs[at] = if next[at] == END {
+                (u32::MAX, NO_TOKEN)
+            } else {
+                rank(ids[at], ids[next[at] as usize])
+            };
+            if before != END {
+                pairs[before as usize] = rank(ids[before as usize], ids[at]);
+            }
+        }
+        let mut k = 0;
+        loop {
+            out.push(ids[k]);
+            if next[k] == END {
+                break;
+            }
+            k = next[k] as usize;
+        }
     }
 
     /// BPE over one word's bytes, as `tokenizers`' `Word::merge_all` does it: a queue of
@@ -417,8 +438,6 @@ const MAX_WORDS: usize = 1 << 16;
 /// Buffers one merge reuses from the last.
 #[derive(Default)]
 struct Scratch {
-    ids: Vec<u32>,
-    pairs: Vec<(u32, u32)>,
     symbols: Vec<Symbol>,
     queue: BinaryHeap<Reverse<(u32, usize, u32)>>,
 }

@@ -173,7 +173,7 @@ fn the_scan_and_the_queue_merge_alike() {
                 .collect();
             short.clear();
             queue.clear();
-            fast.merge_short(&word, &mut short, &mut s);
+            fast.merge_short(&word, &mut short);
             fast.merge(&word, &mut queue, &mut s);
             assert_eq!(short, queue, "{word:?}");
         }
