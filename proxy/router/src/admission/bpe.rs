@@ -32,6 +32,11 @@ struct Added {
     special: bool,
 }
 
+/// The merge table's key of the pair `a`, `b`.
+fn pair_key(a: u32, b: u32) -> u64 {
+    (u64::from(a) << 32) | u64::from(b)
+}
+
 /// A byte the vocabulary has no token for.
 const NO_TOKEN: u32 = u32::MAX;
 
@@ -39,7 +44,7 @@ const NO_TOKEN: u32 = u32::MAX;
 pub struct FastBpe {
     /// The id of each byte's byte-level character ([`NO_TOKEN`]: the vocabulary has none).
     byte_ids: [u32; 256],
-    /// `(left << 32 | right)` → (rank, merged id).
+    /// [`pair_key`] → (rank, merged id).
     merges: foldhash::HashMap<u64, (u32, u32)>,
     /// With `ignore_merges`: words (as raw bytes) the vocabulary holds whole.
     whole: Option<foldhash::HashMap<Box<[u8]>, u32>>,
@@ -160,8 +165,10 @@ impl FastBpe {
                     .copied()
                     .ok_or(format!("merge {rank}: no token {s:?}"))
             };
-            let key = (u64::from(id(a)?) << 32) | u64::from(id(b)?);
-            merges.insert(key, (rank as u32, id(&format!("{a}{b}"))?));
+            merges.insert(
+                pair_key(id(a)?, id(b)?),
+                (rank as u32, id(&format!("{a}{b}"))?),
+            );
         }
         let whole = match model["ignore_merges"].as_bool() {
             Some(true) => {
@@ -220,6 +227,12 @@ impl FastBpe {
         self.pre.split(text, &mut |w| self.word(w, out, words));
     }
 
+    /// The rank and merged id of the pair `a`, `b`, if the model merges it.
+    #[inline]
+    fn merge_of(&self, a: u32, b: u32) -> Option<(u32, u32)> {
+        self.merges.get(&pair_key(a, b)).copied()
+    }
+
     /// One word's ids: from the call's table when it came before, else by BPE.
     fn word<'t>(&self, w: &'t str, out: &mut Vec<u32>, words: &mut Words<'t>) {
         let bytes = w.as_bytes();
@@ -256,12 +269,7 @@ impl FastBpe {
     /// longer, other token. The scan picks the same pair.
     fn merge_short(&self, bytes: &[u8], out: &mut Vec<u32>) {
         const END: u8 = u8::MAX;
-        let rank = |a: u32, b: u32| {
-            self.merges
-                .get(&((u64::from(a) << 32) | u64::from(b)))
-                .copied()
-                .unwrap_or((u32::MAX, NO_TOKEN))
-        };
+        let rank = |a, b| self.merge_of(a, b).unwrap_or((u32::MAX, NO_TOKEN));
         // The symbols as a list in fixed arrays (no shifting): `ids[i]`, the next live symbol
         // `next[i]`, and `pairs[i]`, the rank and merged id of `i` and its next.
         let mut ids = [0u32; SHORT_WORD];
@@ -322,7 +330,6 @@ impl FastBpe {
     /// candidate merges, lowest rank first and leftmost among equals; an entry whose pair has
     /// changed since it was queued is dropped.
     fn merge(&self, bytes: &[u8], out: &mut Vec<u32>, s: &mut Scratch) {
-        let rank = |a: u32, b: u32| self.merges.get(&((u64::from(a) << 32) | u64::from(b)));
         s.symbols.clear();
         s.queue.clear();
         s.symbols.extend(
@@ -343,7 +350,7 @@ impl FastBpe {
             last.next = -1;
         }
         for i in 0..n.saturating_sub(1) {
-            if let Some(&(r, id)) = rank(s.symbols[i].id, s.symbols[i + 1].id) {
+            if let Some((r, id)) = self.merge_of(s.symbols[i].id, s.symbols[i + 1].id) {
                 s.queue.push(Reverse((r, i, id)));
             }
         }
@@ -354,7 +361,10 @@ impl FastBpe {
             }
             let next = left.next as usize;
             let right = s.symbols[next];
-            if rank(left.id, right.id).is_none_or(|&(_, id)| id != new_id) {
+            if self
+                .merge_of(left.id, right.id)
+                .is_none_or(|(_, id)| id != new_id)
+            {
                 continue;
             }
             s.symbols[pos].id = new_id;
@@ -365,13 +375,13 @@ impl FastBpe {
             }
             if left.prev >= 0 {
                 let p = left.prev as usize;
-                if let Some(&(r, id)) = rank(s.symbols[p].id, new_id) {
+                if let Some((r, id)) = self.merge_of(s.symbols[p].id, new_id) {
                     s.queue.push(Reverse((r, p, id)));
                 }
             }
             if right.next >= 0 {
                 let q = right.next as usize;
-                if let Some(&(r, id)) = rank(new_id, s.symbols[q].id) {
+                if let Some((r, id)) = self.merge_of(new_id, s.symbols[q].id) {
                     s.queue.push(Reverse((r, pos, id)));
                 }
             }

@@ -230,8 +230,8 @@ pub async fn admit<R: FrontRequest>(
         let json = model.pairs.backend.ids_as_json();
         in_background(state, move || {
             let ids = tokenize(&m, input, salt)?;
-            let text = json.then(|| crate::backend::ids_json(&ids));
-            Ok((ids, text))
+            let written = json.then(|| crate::backend::ids_json(&ids));
+            Ok((ids, written))
         })
         .instrument(span.clone())
         .await
