@@ -41,11 +41,17 @@ target/release/lockstep serve --config bench/pd-bench.toml >"$WORK/logs/lockstep
 sed -e 's/31030/31031/; s/31002/31004/' bench/pd-bench.toml > "$WORK/pd-bench-stream.toml"
 sed -i "s|\.\./config/|$PWD/config/|" "$WORK/pd-bench-stream.toml"
 target/release/lockstep serve --config "$WORK/pd-bench-stream.toml" >"$WORK/logs/lockstep-stream.log" 2>&1 & PIDS+=($!)
+# The same two with busy polling off (lockstep's default).
+for m in json stream; do
+  if [ $m = json ]; then ports='s/31030/31032/'; else ports='s/31030/31033/; s/31002/31004/'; fi
+  sed -e "$ports; s/^busy_poll_us = .*/busy_poll_us = 0/; s|\.\./config/|$PWD/config/|" bench/pd-bench.toml > "$WORK/pd-bench-$m-nopoll.toml"
+  target/release/lockstep serve --config "$WORK/pd-bench-$m-nopoll.toml" >"$WORK/logs/lockstep-$m-nopoll.log" 2>&1 & PIDS+=($!)
+done
 
 write_pd_bodies
 # name:port per mode
-TARGETS_json="direct:31002 nginx-proxy:31010 sglang-router-0.3.2:31020 smg-1.13.0:31021 lockstep:31030"
-TARGETS_stream="direct:31004 nginx-proxy:31011 sglang-router-0.3.2:31022 smg-1.13.0:31023 lockstep:31031"
+TARGETS_json="direct:31002 nginx-proxy:31010 sglang-router-0.3.2:31020 smg-1.13.0:31021 lockstep:31030 lockstep-nopoll:31032"
+TARGETS_stream="direct:31004 nginx-proxy:31011 sglang-router-0.3.2:31022 smg-1.13.0:31023 lockstep:31031 lockstep-nopoll:31033"
 
 # Wait (bounded) until every target answers /generate with 200 and the decode's text.
 for mode in json stream; do
@@ -77,8 +83,11 @@ for mode in stream json; do
   ng_add=$(awk -v l="${R[$mode.nginx-proxy.p1]}" -v d="$d" 'BEGIN{print l-d}')
   echo
   echo "- added p50 at c=1 over direct: nginx ${ng_add} us, better gateway ${best_gw_add} us, lockstep ${ls_add} us"
-  awk -v l="${R[$mode.lockstep.r32]}" -v g="$best_gw_r32" -v n="${R[$mode.nginx-proxy.r32]}" -v la="$ls_add" -v ga="$best_gw_add" 'BEGIN{
+  np_add=$(awk -v l="${R[$mode.lockstep-nopoll.p1]}" -v d="$d" 'BEGIN{print l-d}')
+  awk -v l="${R[$mode.lockstep.r32]}" -v g="$best_gw_r32" -v n="${R[$mode.nginx-proxy.r32]}" -v la="$ls_add" -v ga="$best_gw_add" \
+      -v nl="${R[$mode.lockstep-nopoll.r32]}" -v na="$np_add" 'BEGIN{
     printf "- lockstep c=32 throughput: %.2fx the better gateway (target >= 3x), %.0f%% of nginx as a plain single-upstream proxy\n", l/g, 100*l/n;
-    printf "- lockstep added p50 at c=1: %.2f of the better gateway'"'"'s (target <= 0.33)\n", la/ga }'
+    printf "- lockstep added p50 at c=1: %.2f of the better gateway'"'"'s (target <= 0.33)\n", la/ga;
+    printf "- lockstep with busy polling off: %.2fx at c=32, added p50 %.2f of the better gateway'"'"'s\n", nl/g, na/ga }'
   echo
 done

@@ -255,3 +255,26 @@ async fn slow_bodies_time_out_and_unauthenticated_bodies_are_never_read() {
     );
     assert_eq!(stack.mock.request_count(), 0);
 }
+
+/// `server.busy_poll_us`: connection threads that poll before they sleep serve pairs as the
+/// others do, one request after another on a kept-alive connection and several at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn busy_polling_connection_threads_serve_pairs() {
+    let stack = Stack::start_full(
+        MockConfig::default(),
+        "busy_poll_us = 200",
+        "",
+        TEST_TIMEOUTS,
+    )
+    .await;
+    for _ in 0..3 {
+        assert_eq!(complete(&stack, "red green", 2).await.status, 200);
+    }
+    let (a, b, c) = tokio::join!(
+        complete(&stack, "red", 2),
+        complete(&stack, "green", 2),
+        complete(&stack, "red green", 2)
+    );
+    assert_eq!((a.status, b.status, c.status), (200, 200, 200));
+    assert!(stack.wait_all_idle(Duration::from_secs(5)).await);
+}

@@ -79,8 +79,27 @@ impl Lockstep {
                     0 => cores,
                     n => n,
                 };
-                let t = lockstep_serve::threads::ConnThreads::start(n, "lockstep-conn")
-                    .map_err(|e| format!("cannot start the connection threads: {e}"))?;
+                let busy_poll = (cfg.server.busy_poll_us > 0)
+                    .then(|| Duration::from_micros(cfg.server.busy_poll_us));
+                let (t, polling) = lockstep_serve::threads::ConnThreads::start_polling(
+                    n,
+                    "lockstep-conn",
+                    busy_poll,
+                )
+                .map_err(|e| format!("cannot start the connection threads: {e}"))?;
+                if let Some(b) = busy_poll {
+                    if polling == n {
+                        tracing::info!(
+                            "connection threads: {n}, each polling up to {} µs before it sleeps",
+                            b.as_micros()
+                        );
+                    } else {
+                        tracing::warn!(
+                            "connection threads: busy polling asked for, but {} of {n} threads' event loops could not be found to poll; those run without",
+                            n - polling
+                        );
+                    }
+                }
                 Some(Arc::new(t))
             }
         };

@@ -8,6 +8,7 @@
 
 pub mod accept;
 mod activity;
+pub mod busy_poll;
 pub mod engine_section;
 pub mod model_file;
 pub mod signals;

@@ -46,11 +46,30 @@ pub struct ConnThreads {
 impl ConnThreads {
     /// Starts `n` threads (at least one), named `{name}-{i}`.
     pub fn start(n: usize, name: &str) -> std::io::Result<ConnThreads> {
+        Ok(ConnThreads::start_polling(n, name, None)?.0)
+    }
+
+    /// Starts `n` threads as [`ConnThreads::start`] does; with `busy_poll`, each polls for up to
+    /// that long before it sleeps (see [`crate::busy_poll`]). Also returns how many threads
+    /// poll: one whose event loop could not be found to poll runs without.
+    pub fn start_polling(
+        n: usize,
+        name: &str,
+        busy_poll: Option<std::time::Duration>,
+    ) -> std::io::Result<(ConnThreads, usize)> {
         let mut threads = Vec::new();
+        let mut polling = 0;
         for i in 0..n.max(1) {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()?;
+            let rt = match busy_poll {
+                None => tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()?,
+                Some(budget) => {
+                    let (rt, on) = crate::busy_poll::runtime(budget)?;
+                    polling += usize::from(on.is_some());
+                    rt
+                }
+            };
             let handle = rt.handle().clone();
             let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
             let key = NEXT_KEY.fetch_add(1, Ordering::Relaxed);
@@ -68,9 +87,12 @@ impl ConnThreads {
                 stop: Some(stop),
             });
         }
-        Ok(ConnThreads {
-            threads: threads.into(),
-        })
+        Ok((
+            ConnThreads {
+                threads: threads.into(),
+            },
+            polling,
+        ))
     }
 
     /// Live connections per thread, in thread order.

@@ -1,7 +1,8 @@
 //! The accept loop's connection bounds, on a real listener over loopback: idle connections
 //! (HTTP/1.1 keep-alive, h2c without streams, a client that never sends) are closed after the
 //! idle timeout, and a response body still streaming keeps its connection open. Every case runs
-//! twice: connections on the calling runtime, and on connection threads.
+//! three times: connections on the calling runtime, on connection threads, and on connection
+//! threads that busy-poll before they sleep.
 
 use std::time::{Duration, Instant};
 
@@ -15,17 +16,30 @@ use tokio::net::{TcpListener, TcpStream};
 
 const IDLE: Duration = Duration::from_millis(400);
 
-/// Two tests of one case: on the calling runtime, and on connection threads.
+/// Where a test server's connections run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    Shared,
+    Threads,
+    Polling,
+}
+
+/// Three tests of one case: on the calling runtime, on connection threads, and on connection
+/// threads that busy-poll.
 macro_rules! both {
     ($shared:ident) => {
         mod $shared {
             #[tokio::test]
             async fn shared() {
-                super::$shared(false).await
+                super::$shared(super::Mode::Shared).await
             }
             #[tokio::test]
             async fn on_connection_threads() {
-                super::$shared(true).await
+                super::$shared(super::Mode::Threads).await
+            }
+            #[tokio::test]
+            async fn on_polling_connection_threads() {
+                super::$shared(super::Mode::Polling).await
             }
         }
     };
@@ -33,9 +47,9 @@ macro_rules! both {
 
 /// A server whose `/slow` streams 6 chunks 150 ms apart (900 ms: longer than the idle timeout)
 /// and whose `/where` says whether it ran on a connection thread; on two connection threads
-/// when `threads`.
+/// (polling for 200 µs before they sleep in `Mode::Polling`) unless `Mode::Shared`.
 async fn server(
-    threads: bool,
+    mode: Mode,
 ) -> (
     String,
     tokio::sync::oneshot::Sender<()>,
@@ -76,7 +90,20 @@ async fn server(
         max_connections: 16,
         idle_timeout: IDLE,
     };
-    let threads = threads.then(|| Arc::new(ConnThreads::start(2, "accept-test").expect("threads")));
+    let threads = match mode {
+        Mode::Shared => None,
+        Mode::Threads => Some(ConnThreads::start(2, "accept-test").expect("threads")),
+        Mode::Polling => {
+            let (t, polling) =
+                ConnThreads::start_polling(2, "accept-poll", Some(Duration::from_micros(200)))
+                    .expect("threads");
+            // Tests of this binary build runtimes at once, so a thread may not find its own
+            // event loop to poll; the case must hold either way.
+            assert!(polling <= 2);
+            Some(t)
+        }
+    }
+    .map(Arc::new);
     let task = tokio::spawn(serve_http(listener, app, limits, None, threads, rx));
     (addr, tx, task)
 }
@@ -101,8 +128,8 @@ async fn read_to_close(c: &mut TcpStream) -> (Vec<u8>, Instant) {
 }
 
 both!(a_connection_that_never_sends_is_closed_after_the_idle_timeout);
-async fn a_connection_that_never_sends_is_closed_after_the_idle_timeout(threads: bool) {
-    let (addr, stop, task) = server(threads).await;
+async fn a_connection_that_never_sends_is_closed_after_the_idle_timeout(mode: Mode) {
+    let (addr, stop, task) = server(mode).await;
     let t0 = Instant::now();
     let mut c = TcpStream::connect(&addr).await.expect("connect");
     let (got, closed) = read_to_close(&mut c).await;
@@ -118,8 +145,8 @@ async fn a_connection_that_never_sends_is_closed_after_the_idle_timeout(threads:
 }
 
 both!(an_idle_http1_keep_alive_connection_is_closed);
-async fn an_idle_http1_keep_alive_connection_is_closed(threads: bool) {
-    let (addr, stop, task) = server(threads).await;
+async fn an_idle_http1_keep_alive_connection_is_closed(mode: Mode) {
+    let (addr, stop, task) = server(mode).await;
     let mut c = TcpStream::connect(&addr).await.expect("connect");
     c.write_all(b"GET /fast HTTP/1.1\r\nhost: x\r\n\r\n")
         .await
@@ -139,8 +166,8 @@ async fn an_idle_http1_keep_alive_connection_is_closed(threads: bool) {
 }
 
 both!(a_response_still_streaming_keeps_its_connection);
-async fn a_response_still_streaming_keeps_its_connection(threads: bool) {
-    let (addr, stop, task) = server(threads).await;
+async fn a_response_still_streaming_keeps_its_connection(mode: Mode) {
+    let (addr, stop, task) = server(mode).await;
     let mut c = TcpStream::connect(&addr).await.expect("connect");
     let t0 = Instant::now();
     c.write_all(b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n")
@@ -204,8 +231,8 @@ async fn h2c_without_streams(addr: &str, answer_pings: bool) -> (Vec<u8>, Durati
 }
 
 both!(an_h2c_connection_without_streams_gets_goaway_and_is_closed);
-async fn an_h2c_connection_without_streams_gets_goaway_and_is_closed(threads: bool) {
-    let (addr, stop, task) = server(threads).await;
+async fn an_h2c_connection_without_streams_gets_goaway_and_is_closed(mode: Mode) {
+    let (addr, stop, task) = server(mode).await;
     let (kinds, after) = h2c_without_streams(&addr, true).await;
     assert!(
         after >= IDLE - Duration::from_millis(50),
@@ -218,8 +245,8 @@ async fn an_h2c_connection_without_streams_gets_goaway_and_is_closed(threads: bo
 }
 
 both!(an_idle_h2c_client_that_ignores_goaway_is_dropped_after_the_grace);
-async fn an_idle_h2c_client_that_ignores_goaway_is_dropped_after_the_grace(threads: bool) {
-    let (addr, stop, task) = server(threads).await;
+async fn an_idle_h2c_client_that_ignores_goaway_is_dropped_after_the_grace(mode: Mode) {
+    let (addr, stop, task) = server(mode).await;
     let (kinds, after) = h2c_without_streams(&addr, false).await;
     assert!(kinds.contains(&7), "a GOAWAY among the frames: {kinds:?}");
     let grace = lockstep_serve::accept::IDLE_CLOSE_GRACE;
@@ -236,8 +263,8 @@ async fn an_idle_h2c_client_that_ignores_goaway_is_dropped_after_the_grace(threa
 }
 
 both!(stopping_the_listener_ends_a_keep_alive_connection_at_once);
-async fn stopping_the_listener_ends_a_keep_alive_connection_at_once(threads: bool) {
-    let (addr, stop, task) = server(threads).await;
+async fn stopping_the_listener_ends_a_keep_alive_connection_at_once(mode: Mode) {
+    let (addr, stop, task) = server(mode).await;
     let mut c = TcpStream::connect(&addr).await.expect("connect");
     c.write_all(b"GET /fast HTTP/1.1\r\nhost: x\r\n\r\n")
         .await
@@ -260,9 +287,9 @@ async fn stopping_the_listener_ends_a_keep_alive_connection_at_once(threads: boo
 
 both!(requests_run_where_their_connection_lives_and_h2_streams_on_the_shared_runtime);
 async fn requests_run_where_their_connection_lives_and_h2_streams_on_the_shared_runtime(
-    threads: bool,
+    mode: Mode,
 ) {
-    let (addr, stop, task) = server(threads).await;
+    let (addr, stop, task) = server(mode).await;
     let get = |http2: bool| {
         let addr = addr.clone();
         async move {
@@ -281,7 +308,7 @@ async fn requests_run_where_their_connection_lives_and_h2_streams_on_the_shared_
     let h2 = get(true).await;
     assert_eq!(
         h1,
-        if threads {
+        if mode != Mode::Shared {
             "connection-thread"
         } else {
             "shared"

@@ -236,6 +236,32 @@ workers = [{ url = "http://127.0.0.1:2" }]
     }
 
     #[test]
+    fn busy_polling_is_bounded_and_needs_pinned_connections() {
+        let cfg = Config::parse(&format!("[server]\nbusy_poll_us = 50\n{BASE}")).expect("parses");
+        assert_eq!(cfg.server.busy_poll_us, 50);
+        let p = lines(&cfg.problems()).join("\n");
+        assert!(!p.contains("busy_poll_us"), "{p}");
+        let cfg =
+            Config::parse(&format!("[server]\nbusy_poll_us = 10001\n{BASE}")).expect("parses");
+        let p = lines(&cfg.problems()).join("\n");
+        assert!(
+            p.contains("server.busy_poll_us") && p.contains("at most 10000"),
+            "{p}"
+        );
+        let cfg = Config::parse(&format!(
+            "[server]\nbusy_poll_us = 50\nconnections = \"shared\"\n{BASE}"
+        ))
+        .expect("parses");
+        let p = lines(&cfg.problems()).join("\n");
+        assert!(
+            p.contains("server.busy_poll_us") && p.contains("pinned"),
+            "{p}"
+        );
+        // Off by default.
+        assert_eq!(Config::parse(BASE).expect("parses").server.busy_poll_us, 0);
+    }
+
+    #[test]
     fn sglang_health_timeouts_must_outlast_its_one_second_health() {
         let cfg = Config::parse(&BASE.replace(
             "[models.decode]",

@@ -6,6 +6,9 @@ use std::path::PathBuf;
 use lockstep_serve::toml_file::{Problems, Section, is_sha256_hex};
 use serde::Deserialize;
 
+/// The largest `server.busy_poll_us`.
+pub const MAX_BUSY_POLL_US: u64 = 10_000;
+
 /// Listeners and process-wide limits.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -26,6 +29,11 @@ pub struct ServerConfig {
     pub worker_threads: usize,
     /// Where connections to the API listener are served (see [`Connections`]).
     pub connections: Connections,
+    /// With `connections = "pinned"`: each connection thread polls for up to this many µs
+    /// before its event loop sleeps, so an upstream's answer or a client's next request finds
+    /// it running instead of waking it (lower latency where waking an idle CPU is slow, as on
+    /// most VMs; a CPU kept busy while idle). 0, the default: off. HAProxy's `busy-polling`.
+    pub busy_poll_us: u64,
     /// Audit log of aborted pairs and integrity events (JSON lines): a file path (appended),
     /// `-` for stdout, empty for off. Opened at start; a reload does not move it.
     pub audit_log: String,
@@ -69,6 +77,7 @@ impl Default for ServerConfig {
             connect_timeout_ms: 2_000,
             worker_threads: 0,
             connections: Connections::Pinned,
+            busy_poll_us: 0,
             audit_log: String::new(),
             drain_grace_ms: 30_000,
             header_timeout_ms: 10_000,
@@ -106,6 +115,18 @@ impl Section for ServerConfig {
             out.push(
                 format!("{at}.metrics_on_admin"),
                 "needs server.admin_listen",
+            );
+        }
+        if self.busy_poll_us > MAX_BUSY_POLL_US {
+            out.push(
+                format!("{at}.busy_poll_us"),
+                format!("at most {MAX_BUSY_POLL_US} (10 ms); a few tens of µs is the useful range"),
+            );
+        }
+        if self.busy_poll_us > 0 && self.connections != Connections::Pinned {
+            out.push(
+                format!("{at}.busy_poll_us"),
+                "needs server.connections = \"pinned\" (the shared runtime does not poll)",
             );
         }
         if self.connect_timeout_ms == 0 {
