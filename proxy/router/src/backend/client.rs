@@ -26,6 +26,14 @@ type Http = Client<Connector, Full<Bytes>>;
 /// and its answer read, by the thread that serves it; elsewhere the shared pool.
 #[derive(Clone, Debug)]
 pub struct UpstreamClient {
+    /// Behind one `Arc`: every pair clones the client for each half, and one count is cheaper
+    /// than the hyper client's, the connector's and the TLS configuration's.
+    s: Arc<Shared>,
+}
+
+/// What the clones of one client share.
+#[derive(Debug)]
+struct Shared {
     inner: Http,
     connector: Connector,
     /// Names this client's pools in each connection thread's table; alive while a clone is.
@@ -101,11 +109,13 @@ impl UpstreamClient {
             .enable_http1()
             .wrap_connector(conn);
         UpstreamClient {
-            inner: pooled(conn.clone()),
-            connector: conn,
-            id: Arc::new(()),
-            connect_timeout,
-            plane: None,
+            s: Arc::new(Shared {
+                inner: pooled(conn.clone()),
+                connector: conn,
+                id: Arc::new(()),
+                connect_timeout,
+                plane: None,
+            }),
         }
     }
 
@@ -113,25 +123,25 @@ impl UpstreamClient {
     /// else the shared one.
     fn request(&self, req: Request<Full<Bytes>>) -> hyper_util::client::legacy::ResponseFuture {
         if lockstep_serve::threads::current().is_none() {
-            return self.inner.request(req);
+            return self.s.inner.request(req);
         }
         THREAD_POOLS.with_borrow_mut(|pools| {
-            let me = Arc::as_ptr(&self.id);
+            let me = Arc::as_ptr(&self.s.id);
             if let Some((_, http)) = pools.iter().find(|(id, _)| id.as_ptr() == me) {
                 return http.request(req);
             }
             // A new client here: forget the pools of clients gone since (a reload's).
             pools.retain(|(id, _)| id.strong_count() > 0);
-            let http = pooled(self.connector.clone());
+            let http = pooled(self.s.connector.clone());
             let fut = http.request(req);
-            pools.push((Arc::downgrade(&self.id), http));
+            pools.push((Arc::downgrade(&self.s.id), http));
             fut
         })
     }
 
     /// The bound on connecting to a worker.
     pub fn connect_timeout(&self) -> Duration {
-        self.connect_timeout
+        self.s.connect_timeout
     }
 
     /// This client with the worker plane's TLS read from `cfg` (none where it has none).
@@ -146,14 +156,19 @@ impl UpstreamClient {
             None => None,
         };
         Ok(UpstreamClient {
-            plane,
-            ..self.clone()
+            s: Arc::new(Shared {
+                inner: self.s.inner.clone(),
+                connector: self.s.connector.clone(),
+                id: self.s.id.clone(),
+                connect_timeout: self.s.connect_timeout,
+                plane,
+            }),
         })
     }
 
     /// The worker plane's TLS, where configured.
     pub fn plane(&self) -> Option<&std::sync::Arc<lockstep_serve::tls::PlaneTls>> {
-        self.plane.as_ref()
+        self.s.plane.as_ref()
     }
 
     /// Sends a request and returns the response head (the body streams).
