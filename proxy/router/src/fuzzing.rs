@@ -65,12 +65,16 @@ pub async fn sse(data: &[u8]) {
 pub fn upstream_json(data: &[u8]) {
     use crate::backend::{sglang, vllm, vllm_probe};
     let _ = sglang::error_message(data);
+    if let Ok(a) = sglang::Answer::parse(Side::Decode, data, "fuzz") {
+        for side in [Side::Prefill, Side::Decode] {
+            let _ = sglang::inspect(side, &a);
+        }
+        let _ = sglang::prefill_report(&a, "0000000000000000001");
+    }
     if let Ok(v) = serde_json::from_slice::<Value>(data) {
         for side in [Side::Prefill, Side::Decode] {
-            let _ = sglang::inspect(side, &v);
             let _ = vllm::finish_of(side, &v);
         }
-        let _ = sglang::prefill_report(&v, "0000000000000000001");
         let _ = vllm::error_in(&v);
         let _ = vllm::usage(&v, "prompt_tokens");
     }

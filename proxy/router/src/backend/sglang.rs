@@ -156,23 +156,63 @@ fn status_failure(status: u16, body: &[u8]) -> HalfFailure {
     }
 }
 
-/// Checks one `/generate` JSON object for an in-band failure; returns its finish reason.
-pub(crate) fn inspect(side: Side, v: &Value) -> Result<Option<FinishReason>, HalfError> {
+/// One `/generate` answer or SSE event, as far as lockstep reads it (SGLang 0.5.23
+/// `srt/managers/tokenizer_manager.py` builds it: `text`, `output_ids`, `meta_info`; an error
+/// as `error`). Typed, so no map of it (nor its keys) is built per request; every other field is
+/// skipped unread. A field of another type than SGLang sends fails the answer as not what SGLang
+/// sends (stricter than reading it as absent).
+#[derive(Debug, Default, serde::Deserialize)]
+pub(crate) struct Answer {
+    text: Option<String>,
+    /// Counted, not kept.
+    output_ids: Option<Vec<serde::de::IgnoredAny>>,
+    error: Option<Value>,
+    meta_info: Option<Meta>,
+}
+
+/// The `meta_info` of an [`Answer`].
+#[derive(Debug, Default, serde::Deserialize)]
+struct Meta {
+    id: Option<String>,
+    prompt_tokens: Option<u64>,
+    completion_tokens: Option<u64>,
+    cached_tokens: Option<u64>,
+    /// An object (`{"type": "length", "length": n}`, `{"type": "stop", "matched": ..}`,
+    /// `{"type": "abort", "message": ..}`), or a bare string from older releases.
+    finish_reason: Option<Value>,
+}
+
+impl Answer {
+    /// Reads one answer; `what` names it in the error.
+    pub(crate) fn parse(side: Side, json: &[u8], what: &str) -> Result<Answer, HalfError> {
+        serde_json::from_slice(json).map_err(|e| HalfError {
+            side,
+            failure: HalfFailure::Protocol(format!("{what}: {e}")),
+        })
+    }
+
+    fn meta(&self, pick: impl Fn(&Meta) -> Option<u64>) -> Option<u64> {
+        self.meta_info.as_ref().and_then(pick)
+    }
+}
+
+/// Checks one `/generate` answer for an in-band failure; returns its finish reason.
+pub(crate) fn inspect(side: Side, v: &Answer) -> Result<Option<FinishReason>, HalfError> {
     let fail = |m: String| HalfError {
         side,
         failure: refusal(m),
     };
-    if let Some(err) = v.get("error").filter(|e| !e.is_null()) {
+    if let Some(err) = &v.error {
         return Err(fail(err.to_string()));
     }
-    let Some(meta) = v.get("meta_info") else {
+    let Some(meta) = &v.meta_info else {
         return Err(HalfError {
             side,
             failure: HalfFailure::Protocol("no meta_info".into()),
         });
     };
-    match meta.get("finish_reason") {
-        None | Some(Value::Null) => Ok(None),
+    match &meta.finish_reason {
+        None => Ok(None),
         Some(fr) => {
             let kind = fr
                 .get("type")
@@ -201,7 +241,7 @@ pub(crate) fn inspect(side: Side, v: &Value) -> Result<Option<FinishReason>, Hal
 /// request (SGLang 0.5.23 always sets `meta_info.finish_reason` on a finished request,
 /// `srt/managers/schedule_batch.py`; the prefill of a PD pair finishes with `length`), with no
 /// in-band abort, a prompt count, and, where it names one, this pair's rid (`meta_info.id`).
-pub(crate) fn prefill_report(v: &Value, rid: &str) -> Result<PrefillReport, HalfError> {
+pub(crate) fn prefill_report(v: &Answer, rid: &str) -> Result<PrefillReport, HalfError> {
     let side = Side::Prefill;
     let protocol = |m: String| HalfError {
         side,
@@ -212,26 +252,21 @@ pub(crate) fn prefill_report(v: &Value, rid: &str) -> Result<PrefillReport, Half
             "the prefill's answer has no finish_reason: not a finished request".into(),
         ));
     }
-    if let Some(id) = v.pointer("/meta_info/id").and_then(Value::as_str)
+    if let Some(id) = v.meta_info.as_ref().and_then(|m| m.id.as_deref())
         && id != rid
     {
         return Err(protocol(format!(
             "the prefill answered for request `{id}`, not this pair's `{rid}`"
         )));
     }
-    let prompt_tokens = meta_u64(v, "prompt_tokens")
+    let prompt_tokens = v
+        .meta(|m| m.prompt_tokens)
         .ok_or_else(|| protocol("no meta_info.prompt_tokens".into()))?;
     Ok(PrefillReport {
         prompt_tokens,
         kv_digest: None,
-        cached_tokens: meta_u64(v, "cached_tokens"),
+        cached_tokens: v.meta(|m| m.cached_tokens),
     })
-}
-
-fn meta_u64(v: &Value, key: &str) -> Option<u64> {
-    v.get("meta_info")
-        .and_then(|m| m.get(key))
-        .and_then(Value::as_u64)
 }
 
 impl PdBackend for SglangBackend {
@@ -284,11 +319,7 @@ impl PdBackend for SglangBackend {
                     failure: status_failure(status, &body),
                 });
             }
-            let v: Value = serde_json::from_slice(&body).map_err(|e| HalfError {
-                side,
-                failure: HalfFailure::Protocol(format!("not JSON: {e}")),
-            })?;
-            prefill_report(&v, &rid)
+            prefill_report(&Answer::parse(side, &body, "not JSON")?, &rid)
         })
     }
 
@@ -400,12 +431,10 @@ impl StreamText {
     }
 
     /// The new text of one event, after checking its ids against the mode.
-    fn delta(&mut self, v: &Value) -> Result<String, String> {
-        let text = v.get("text").and_then(Value::as_str).unwrap_or("");
-        let completion = meta_u64(v, "completion_tokens");
-        if let (Some(ids), Some(completion)) =
-            (v.get("output_ids").and_then(Value::as_array), completion)
-        {
+    fn delta(&mut self, v: &Answer) -> Result<String, String> {
+        let text = v.text.as_deref().unwrap_or("");
+        let completion = v.meta(|m| m.completion_tokens);
+        if let (Some(ids), Some(completion)) = (&v.output_ids, completion) {
             let ids = ids.len() as u64;
             let total = match self.mode {
                 StreamMode::Cumulative => ids,
@@ -441,10 +470,7 @@ impl ChunkSource for SseDecoder {
         let Some(data) = self.events.next_data().await? else {
             return Ok(None);
         };
-        let v: Value = serde_json::from_str(&data).map_err(|e| HalfError {
-            side,
-            failure: HalfFailure::Protocol(format!("bad SSE event: {e}")),
-        })?;
+        let v = Answer::parse(side, data.as_bytes(), "bad SSE event")?;
         let finish = inspect(side, &v)?;
         let delta = self.text.delta(&v).map_err(|m| HalfError {
             side,
@@ -454,11 +480,13 @@ impl ChunkSource for SseDecoder {
             kv_digest: None,
             delta,
             token_ids: Vec::new(),
-            prompt_tokens: meta_u64(&v, "prompt_tokens"),
-            completion_tokens: meta_u64(&v, "completion_tokens").unwrap_or(0),
+            prompt_tokens: v.meta(|m| m.prompt_tokens),
+            completion_tokens: v.meta(|m| m.completion_tokens).unwrap_or(0),
             // SGLang's `finish_reason.matched`: the stop string (a token id otherwise).
             matched_stop: finish
-                .and(v.pointer("/meta_info/finish_reason/matched"))
+                .and(v.meta_info.as_ref())
+                .and_then(|m| m.finish_reason.as_ref())
+                .and_then(|f| f.get("matched"))
                 .and_then(Value::as_str)
                 .map(str::to_string),
             finish,
@@ -471,12 +499,19 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    fn answer(meta: Value) -> Value {
-        json!({ "text": "x", "output_ids": [1], "meta_info": meta })
+    /// `v` read as SGLang's answer is read.
+    fn read(v: Value) -> Answer {
+        Answer::parse(Side::Decode, v.to_string().as_bytes(), "test").expect("an answer")
     }
 
-    fn event(text: &str, ids: &[u32], completion: u64) -> Value {
-        json!({ "text": text, "output_ids": ids, "meta_info": { "completion_tokens": completion, "finish_reason": null } })
+    fn answer(meta: Value) -> Answer {
+        read(json!({ "text": "x", "output_ids": [1], "meta_info": meta }))
+    }
+
+    fn event(text: &str, ids: &[u32], completion: u64) -> Answer {
+        read(
+            json!({ "text": text, "output_ids": ids, "meta_info": { "completion_tokens": completion, "finish_reason": null } }),
+        )
     }
 
     #[test]
@@ -524,8 +559,10 @@ mod tests {
 
     #[test]
     fn a_kv_checksum_mismatch_is_an_integrity_failure_in_band_or_as_a_status() {
-        let ev = json!({ "text": "", "output_ids": [], "meta_info": { "finish_reason":
-            { "type": "abort", "message": "KV checksum mismatch", "status_code": 500, "err_type": null } } });
+        let ev = read(
+            json!({ "text": "", "output_ids": [], "meta_info": { "finish_reason":
+            { "type": "abort", "message": "KV checksum mismatch", "status_code": 500, "err_type": null } } }),
+        );
         let e = inspect(Side::Decode, &ev).expect_err("abort");
         assert!(matches!(e.failure, HalfFailure::Integrity(_)), "{e:?}");
         let body = br#"{"object":"error","message":"KV checksum mismatch","type":"500","param":null,"code":500}"#;
@@ -534,7 +571,9 @@ mod tests {
             HalfFailure::Integrity(_)
         ));
         // Other aborts stay what they were.
-        let other = json!({ "meta_info": { "finish_reason": { "type": "abort", "message": "Abort request" } } });
+        let other = read(
+            json!({ "meta_info": { "finish_reason": { "type": "abort", "message": "Abort request" } } }),
+        );
         assert!(matches!(
             inspect(Side::Decode, &other).expect_err("abort").failure,
             HalfFailure::InBandAbort(_)
@@ -543,6 +582,57 @@ mod tests {
             status_failure(503, br#"{"error":{"message":"busy"}}"#),
             HalfFailure::Status { status: 503, .. }
         ));
+    }
+
+    #[test]
+    fn answers_skip_fields_lockstep_does_not_read_and_refuse_wrong_types() {
+        let full = read(json!({ "text": "hi", "output_ids": [5, 6], "meta_info": {
+            "id": "7", "prompt_tokens": 3, "completion_tokens": 2, "cached_tokens": 1,
+            "finish_reason": { "type": "stop", "matched": "." },
+            "output_token_logprobs": [[-0.1, 5, null], [-0.2, 6, null]], "e2e_latency": 0.5 },
+            "extra": { "nested": [1, 2] } }));
+        assert_eq!(
+            inspect(Side::Decode, &full).expect("ok"),
+            Some(FinishReason::Stop)
+        );
+        assert_eq!(full.output_ids.as_ref().map(Vec::len), Some(2));
+        assert_eq!(prefill_report(&full, "7").expect("ours").prompt_tokens, 3);
+        for bad in [
+            json!({ "meta_info": { "prompt_tokens": "3" } }),
+            json!({ "meta_info": { "prompt_tokens": -1 } }),
+            json!({ "text": 5, "meta_info": {} }),
+            json!({ "output_ids": 2, "meta_info": {} }),
+            json!({ "meta_info": { "id": 7 } }),
+            json!({ "meta_info": "done" }),
+            json!([1, 2]),
+        ] {
+            let e = Answer::parse(Side::Prefill, bad.to_string().as_bytes(), "not JSON")
+                .expect_err(&bad.to_string());
+            assert_eq!(e.side, Side::Prefill);
+            assert!(
+                matches!(&e.failure, HalfFailure::Protocol(m) if m.starts_with("not JSON: ")),
+                "{bad}: {e:?}"
+            );
+        }
+        // Absent and null read alike: no meta_info is a protocol failure, an error is a refusal.
+        let e = inspect(Side::Decode, &read(json!({ "meta_info": null }))).expect_err("no meta");
+        assert!(
+            matches!(&e.failure, HalfFailure::Protocol(m) if m == "no meta_info"),
+            "{e:?}"
+        );
+        let e = inspect(
+            Side::Decode,
+            &read(json!({ "error": { "message": "x" }, "meta_info": {} })),
+        )
+        .expect_err("error");
+        assert!(matches!(e.failure, HalfFailure::InBandAbort(_)), "{e:?}");
+        assert!(
+            inspect(
+                Side::Decode,
+                &read(json!({ "error": null, "meta_info": {} }))
+            )
+            .is_ok()
+        );
     }
 
     #[test]
