@@ -126,6 +126,10 @@ pub(crate) trait Render: Send + 'static {
     fn stream(&self) -> bool;
     /// The non-streamed answer once the pair finished.
     fn full(&self, p: &Progress, finish: FinishReason) -> Value;
+    /// [`Render::full`] written as JSON (a renderer may write it without building the `Value`).
+    fn full_json(&self, p: &Progress, finish: FinishReason) -> serde_json::Result<Vec<u8>> {
+        serde_json::to_vec(&self.full(p, finish))
+    }
     /// SSE bytes for one chunk, already absorbed into `p`; the last chunk ends the stream.
     fn chunk(&mut self, p: &Progress, c: &DecodeChunk) -> Bytes;
     /// The SSE bytes that end a committed stream with this failure (never a success ending).
@@ -236,11 +240,21 @@ pub(crate) async fn serve_pair<R: Render>(admitted: Admitted, shape: R) -> Respo
             Some(PairEvent::Chunk(c)) => {
                 p.absorb(&c);
                 if let Some(finish) = c.finish {
-                    let mut resp = axum::Json(shape.full(&p, finish)).into_response();
-                    if let Ok(v) = http::HeaderValue::from_str(&pair_id.to_string()) {
-                        resp.headers_mut().insert("x-lockstep-pair-id", v);
-                    }
-                    return resp;
+                    let Ok(json) = shape.full_json(&p, finish) else {
+                        return shape.error(LockstepError::Unavailable {
+                            message: "response build failed".into(),
+                        });
+                    };
+                    return Response::builder()
+                        .header(http::header::CONTENT_TYPE, "application/json")
+                        .header("x-lockstep-pair-id", pair_id.to_string())
+                        .body(Body::from(json))
+                        .unwrap_or_else(|_| {
+                            LockstepError::Unavailable {
+                                message: "response build failed".into(),
+                            }
+                            .into_response()
+                        });
                 }
             }
             Some(PairEvent::Failed(e)) => return shape.error(e),
@@ -295,27 +309,69 @@ impl Shape {
         }
     }
 
-    fn native_meta(p: &Progress, finish: Option<FinishReason>) -> Value {
-        let finish = finish.map(|f| match f {
-            FinishReason::Length => json!({ "type": "length", "length": p.completion_tokens }),
-            FinishReason::Stop => match &p.matched_stop {
-                Some(m) => json!({ "type": "stop", "matched": m }),
-                None => json!({ "type": "stop" }),
+    fn native(p: &Progress, finish: Option<FinishReason>) -> NativeAnswer<'_> {
+        NativeAnswer {
+            text: &p.text,
+            meta_info: NativeMeta {
+                id: p.pair_id.to_string(),
+                finish_reason: finish.map(|f| match f {
+                    FinishReason::Length => NativeFinish::Length {
+                        length: p.completion_tokens,
+                    },
+                    FinishReason::Stop => NativeFinish::Stop {
+                        matched: p.matched_stop.as_deref(),
+                    },
+                }),
+                prompt_tokens: p.prompt_tokens,
+                completion_tokens: p.completion_tokens,
+                cached_tokens: p.cached_tokens,
             },
-        });
-        json!({
-            "id": p.pair_id.to_string(),
-            "finish_reason": finish,
-            "prompt_tokens": p.prompt_tokens,
-            "completion_tokens": p.completion_tokens,
-            "cached_tokens": p.cached_tokens,
-        })
+        }
     }
+}
+
+/// SGLang's native answer (and stream event): `{text, meta_info}`, written straight from the
+/// pair's progress, with no `Value` built.
+#[derive(serde::Serialize)]
+struct NativeAnswer<'a> {
+    text: &'a str,
+    meta_info: NativeMeta<'a>,
+}
+
+/// The `meta_info` of a [`NativeAnswer`], in SGLang's key order.
+#[derive(serde::Serialize)]
+struct NativeMeta<'a> {
+    id: String,
+    finish_reason: Option<NativeFinish<'a>>,
+    prompt_tokens: u64,
+    completion_tokens: u64,
+    cached_tokens: u64,
+}
+
+/// SGLang's `finish_reason` object: `{"type": "length", "length": n}` or `{"type": "stop"}`,
+/// with `matched` where the worker named the stop string.
+#[derive(serde::Serialize)]
+#[serde(tag = "type", rename_all = "lowercase")]
+enum NativeFinish<'a> {
+    Length {
+        length: u64,
+    },
+    Stop {
+        #[serde(skip_serializing_if = "Option::is_none")]
+        matched: Option<&'a str>,
+    },
 }
 
 impl Render for Shape {
     fn stream(&self) -> bool {
         self.stream
+    }
+
+    fn full_json(&self, p: &Progress, finish: FinishReason) -> serde_json::Result<Vec<u8>> {
+        match self.api {
+            Api::Generate => serde_json::to_vec(&Self::native(p, Some(finish))),
+            _ => serde_json::to_vec(&self.full(p, finish)),
+        }
     }
 
     fn full(&self, p: &Progress, finish: FinishReason) -> Value {
@@ -350,9 +406,7 @@ impl Render for Shape {
                 "choices": [{ "index": 0, "text": p.text, "logprobs": null, "finish_reason": finish.as_str() }],
                 "usage": usage(p),
             }),
-            Api::Generate => {
-                json!({ "text": p.text, "meta_info": Self::native_meta(p, Some(finish)) })
-            }
+            Api::Generate => json!(Self::native(p, Some(finish))),
         }
     }
 
@@ -412,7 +466,7 @@ impl Render for Shape {
                 }
             }
             Api::Generate => {
-                push(json!({ "text": p.text, "meta_info": Self::native_meta(p, c.finish) }))
+                push(json!(Self::native(p, c.finish)))
             }
         }
         self.started = true;
@@ -431,5 +485,56 @@ impl Render for Shape {
             out.push_str("data: [DONE]\n\n");
         }
         Bytes::from(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn progress(matched: Option<&str>) -> Progress {
+        Progress {
+            model: "m".into(),
+            pair_id: PairId::from_raw(42),
+            prompt_tokens: 7,
+            cached_tokens: 2,
+            created: 1,
+            text: "a \"quoted\"\n é".into(),
+            completion_tokens: 3,
+            matched_stop: matched.map(str::to_owned),
+        }
+    }
+
+    /// The native answer is written straight from the progress; it must be SGLang's shape,
+    /// key for key and in SGLang's order, for every finish.
+    #[test]
+    fn the_native_answer_is_sglangs_shape() {
+        let shape = Shape::generate(false);
+        let id = PairId::from_raw(42).to_string();
+        for (finish, matched, want) in [
+            (
+                FinishReason::Length,
+                None,
+                json!({ "type": "length", "length": 3 }),
+            ),
+            (FinishReason::Stop, None, json!({ "type": "stop" })),
+            (
+                FinishReason::Stop,
+                Some("</s>"),
+                json!({ "type": "stop", "matched": "</s>" }),
+            ),
+        ] {
+            let p = progress(matched);
+            let want = json!({ "text": "a \"quoted\"\n é", "meta_info": {
+                "id": id, "finish_reason": want, "prompt_tokens": 7, "completion_tokens": 3,
+                "cached_tokens": 2 } });
+            let written = shape.full_json(&p, finish).expect("written");
+            assert_eq!(
+                String::from_utf8(written).expect("utf-8"),
+                want.to_string(),
+                "{finish:?} {matched:?}"
+            );
+            assert_eq!(shape.full(&p, finish), want);
+        }
     }
 }
