@@ -26,6 +26,8 @@ async fn malformed_input_table() {
     let cases: Vec<(&str, &str, Vec<u8>, u16, &str)> = vec![
         ("bad json", chat, b"{not json".to_vec(), 400, "invalid_json"),
         ("empty body", chat, Vec::new(), 400, "invalid_json"),
+        ("a value and then more", cmpl, format!("{} {{}}", json!({"model": MODEL, "prompt": "hi"})).into_bytes(), 400, "invalid_json"),
+        ("long body, a value and then more", cmpl, format!("{}]", json!({"model": MODEL, "prompt": long_text})).into_bytes(), 400, "invalid_json"),
         ("invalid utf-8", chat, b"{\"model\":\"\xff\xfe\"}".to_vec(), 400, "invalid_json"),
         ("long body, bad json", cmpl, long_cut.as_bytes()[..long_cut.len() - 2].to_vec(), 400, "invalid_json"),
         ("long body, invalid utf-8", cmpl, long_bad_utf8, 400, "invalid_json"),

@@ -135,8 +135,13 @@ fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, LockstepError> {
             message: "body is not valid UTF-8".into(),
         });
     }
+    // Most bodies parse: the path of a failure is tracked only when a plain parse failed (the
+    // same deserializer with the path wrapped around it, so it fails the same way).
+    if let Ok(v) = serde_json::from_slice(bytes) {
+        return Ok(v);
+    }
     let de = &mut serde_json::Deserializer::from_slice(bytes);
-    serde_path_to_error::deserialize(de).map_err(|e| {
+    let v = serde_path_to_error::deserialize(&mut *de).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner();
         if inner.is_data() {
@@ -149,7 +154,12 @@ fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, LockstepError> {
                 message: inner.to_string(),
             }
         }
-    })
+    })?;
+    // A value and then more is not one JSON body (the plain parse refuses it too).
+    de.end().map_err(|e| LockstepError::InvalidJson {
+        message: e.to_string(),
+    })?;
+    Ok(v)
 }
 
 /// Reads and drops, frame by frame as it arrives (nothing is kept), what is left of a refused
