@@ -50,7 +50,8 @@ pub fn epoll_fds() -> std::io::Result<BTreeSet<RawFd>> {
 /// apart (another epoll instance was made meanwhile), and then it is a plain runtime.
 pub fn runtime(budget: Duration) -> std::io::Result<(tokio::runtime::Runtime, Option<RawFd>)> {
     let fd = Arc::new(AtomicI32::new(-1));
-    let before = epoll_fds()?;
+    // Without `/proc` (not Linux), no descriptor is found and the runtime is a plain one.
+    let before = epoll_fds().ok();
     let hook = fd.clone();
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -65,12 +66,15 @@ pub fn runtime(budget: Duration) -> std::io::Result<(tokio::runtime::Runtime, Op
     // registry), so the new descriptors are grouped by instance: what each one watches.
     let mut instances = BTreeSet::new();
     let mut first = None;
-    for new in epoll_fds()?.difference(&before) {
-        instances.insert(watched(*new)?);
-        first.get_or_insert(*new);
+    if let (Some(before), Ok(after)) = (before, epoll_fds()) {
+        for new in after.difference(&before) {
+            // Unreadable (closed meanwhile): not told apart, so not polled.
+            instances.insert(watched(*new).ok());
+            first.get_or_insert(*new);
+        }
     }
     let found = match (instances.len(), first) {
-        (1, Some(one)) => {
+        (1, Some(one)) if !instances.contains(&None) => {
             fd.store(one, Ordering::Relaxed);
             Some(one)
         }

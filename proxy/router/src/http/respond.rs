@@ -465,9 +465,7 @@ impl Render for Shape {
                     );
                 }
             }
-            Api::Generate => {
-                push(json!(Self::native(p, c.finish)))
-            }
+            Api::Generate => push(json!(Self::native(p, c.finish))),
         }
         self.started = true;
         if finish.is_some() {

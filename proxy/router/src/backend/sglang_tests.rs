@@ -1,0 +1,178 @@
+//! Tests of the SGLang backend's answer reading and stream modes.
+
+use super::*;
+use serde_json::json;
+
+/// `v` read as SGLang's answer is read.
+fn read(v: Value) -> Answer {
+    Answer::parse(Side::Decode, v.to_string().as_bytes(), "test").expect("an answer")
+}
+
+fn answer(meta: Value) -> Answer {
+    read(json!({ "text": "x", "output_ids": [1], "meta_info": meta }))
+}
+
+fn event(text: &str, ids: &[u32], completion: u64) -> Answer {
+    read(
+        json!({ "text": text, "output_ids": ids, "meta_info": { "completion_tokens": completion, "finish_reason": null } }),
+    )
+}
+
+#[test]
+fn both_stream_modes_give_the_same_deltas() {
+    let mut c = StreamText::new(StreamMode::Cumulative);
+    let got: Vec<String> = [
+        event("red", &[1], 1),
+        event("red green", &[1, 2], 2),
+        event("red green blue", &[1, 2, 3], 3),
+    ]
+    .iter()
+    .map(|e| c.delta(e).expect("cumulative"))
+    .collect();
+    assert_eq!(got, ["red", " green", " blue"]);
+    let mut i = StreamText::new(StreamMode::Incremental);
+    let got: Vec<String> = [
+        event("red", &[1], 1),
+        event(" green", &[2], 2),
+        event(" blue", &[3], 3),
+    ]
+    .iter()
+    .map(|e| i.delta(e).expect("incremental"))
+    .collect();
+    assert_eq!(got, ["red", " green", " blue"]);
+}
+
+#[test]
+fn a_stream_in_the_other_mode_fails_instead_of_garbling() {
+    // Incremental events read as cumulative: the ids give it away on the second event even
+    // where the text alone would have been sliced into garbage.
+    let mut c = StreamText::new(StreamMode::Cumulative);
+    c.delta(&event("red", &[1], 1))
+        .expect("first event fits both");
+    let e = c
+        .delta(&event(" green and more", &[2], 2))
+        .expect_err("mode mismatch");
+    assert!(e.contains("Cumulative"), "{e}");
+    // Cumulative events read as incremental: would repeat text; refused.
+    let mut i = StreamText::new(StreamMode::Incremental);
+    i.delta(&event("red", &[1], 1)).expect("first");
+    assert!(i.delta(&event("red green", &[1, 2], 2)).is_err());
+    // An abort event (no ids, count 0) passes to inspect(), which reports it.
+    assert!(i.delta(&event("", &[], 0)).is_ok());
+}
+
+#[test]
+fn a_kv_checksum_mismatch_is_an_integrity_failure_in_band_or_as_a_status() {
+    let ev = read(
+        json!({ "text": "", "output_ids": [], "meta_info": { "finish_reason":
+        { "type": "abort", "message": "KV checksum mismatch", "status_code": 500, "err_type": null } } }),
+    );
+    let e = inspect(Side::Decode, &ev).expect_err("abort");
+    assert!(matches!(e.failure, HalfFailure::Integrity(_)), "{e:?}");
+    let body = br#"{"object":"error","message":"KV checksum mismatch","type":"500","param":null,"code":500}"#;
+    assert!(matches!(
+        status_failure(500, body),
+        HalfFailure::Integrity(_)
+    ));
+    // Other aborts stay what they were.
+    let other = read(
+        json!({ "meta_info": { "finish_reason": { "type": "abort", "message": "Abort request" } } }),
+    );
+    assert!(matches!(
+        inspect(Side::Decode, &other).expect_err("abort").failure,
+        HalfFailure::InBandAbort(_)
+    ));
+    assert!(matches!(
+        status_failure(503, br#"{"error":{"message":"busy"}}"#),
+        HalfFailure::Status { status: 503, .. }
+    ));
+}
+
+#[test]
+fn answers_skip_fields_lockstep_does_not_read_and_refuse_wrong_types() {
+    let full = read(json!({ "text": "hi", "output_ids": [5, 6], "meta_info": {
+        "id": "7", "prompt_tokens": 3, "completion_tokens": 2, "cached_tokens": 1,
+        "finish_reason": { "type": "stop", "matched": "." },
+        "output_token_logprobs": [[-0.1, 5, null], [-0.2, 6, null]], "e2e_latency": 0.5 },
+        "extra": { "nested": [1, 2] } }));
+    assert_eq!(
+        inspect(Side::Decode, &full).expect("ok"),
+        Some(FinishReason::Stop)
+    );
+    assert_eq!(full.output_ids.as_ref().map(Vec::len), Some(2));
+    assert_eq!(prefill_report(&full, "7").expect("ours").prompt_tokens, 3);
+    for bad in [
+        json!({ "meta_info": { "prompt_tokens": "3" } }),
+        json!({ "meta_info": { "prompt_tokens": -1 } }),
+        json!({ "text": 5, "meta_info": {} }),
+        json!({ "output_ids": 2, "meta_info": {} }),
+        json!({ "meta_info": { "id": 7 } }),
+        json!({ "meta_info": "done" }),
+        json!([1, 2]),
+    ] {
+        let e = Answer::parse(Side::Prefill, bad.to_string().as_bytes(), "not JSON")
+            .expect_err(&bad.to_string());
+        assert_eq!(e.side, Side::Prefill);
+        assert!(
+            matches!(&e.failure, HalfFailure::Protocol(m) if m.starts_with("not JSON: ")),
+            "{bad}: {e:?}"
+        );
+    }
+    // Absent and null read alike: no meta_info is a protocol failure, an error is a refusal.
+    let e = inspect(Side::Decode, &read(json!({ "meta_info": null }))).expect_err("no meta");
+    assert!(
+        matches!(&e.failure, HalfFailure::Protocol(m) if m == "no meta_info"),
+        "{e:?}"
+    );
+    let e = inspect(
+        Side::Decode,
+        &read(json!({ "error": { "message": "x" }, "meta_info": {} })),
+    )
+    .expect_err("error");
+    assert!(matches!(e.failure, HalfFailure::InBandAbort(_)), "{e:?}");
+    assert!(
+        inspect(
+            Side::Decode,
+            &read(json!({ "error": null, "meta_info": {} }))
+        )
+        .is_ok()
+    );
+}
+
+#[test]
+fn a_prefill_answer_fails_closed_unless_finished_and_ours() {
+    let ok = answer(json!({ "id": "7", "prompt_tokens": 5, "cached_tokens": 2,
+                            "finish_reason": { "type": "length", "length": 0 } }));
+    let r = prefill_report(&ok, "7").expect("finished, ours");
+    assert_eq!((r.prompt_tokens, r.cached_tokens), (5, Some(2)));
+    // No id (older releases): accepted on the other checks.
+    let no_id = answer(json!({ "prompt_tokens": 5, "finish_reason": { "type": "length" } }));
+    assert!(prefill_report(&no_id, "7").is_ok());
+    for (bad, why) in [
+        (
+            answer(json!({ "id": "7", "prompt_tokens": 5, "finish_reason": null })),
+            "no finish_reason",
+        ),
+        (
+            answer(json!({ "id": "7", "prompt_tokens": 5 })),
+            "no finish_reason",
+        ),
+        (
+            answer(json!({ "id": "8", "prompt_tokens": 5, "finish_reason": { "type": "length" } })),
+            "not this pair",
+        ),
+        (
+            answer(json!({ "id": "7", "finish_reason": { "type": "length" } })),
+            "prompt_tokens",
+        ),
+        (
+            answer(
+                json!({ "id": "7", "prompt_tokens": 5, "finish_reason": { "type": "abort", "message": "m" } }),
+            ),
+            "m",
+        ),
+    ] {
+        let e = prefill_report(&bad, "7").expect_err(why).to_string();
+        assert!(e.contains(why), "{why}: {e}");
+    }
+}
