@@ -9,6 +9,8 @@
 # added latency and CPU per request, unique and repeated prompts, and lockstep's short-request
 # p99 while long prompts arrive. Every process started here is stopped by pid on exit.
 # Usage: bash bench/long_prompts.sh   (installs the peers into ~/.cache/lockstep-bench)
+# LONG_PROMPTS_ONLY_LOADED=1: only the short-request p99 part. LONG_PROMPTS_BUSY_POLL_US=N: lockstep
+# with `server.busy_poll_us = N` (default 0, off).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source bench/lib.sh
@@ -85,6 +87,7 @@ cat <<TOML
 http_listen = "127.0.0.1:23030"
 log_level = "warn"
 max_body_bytes = 16777216
+busy_poll_us = ${LONG_PROMPTS_BUSY_POLL_US:-0}
 
 [[tenants]]
 name = "bench"
