@@ -3,19 +3,19 @@
 //! ([`super::fields`]).
 
 use axum::response::Response;
-use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use super::extract::Admit;
 use super::fields::{self, refuse_unhonoured};
 use super::openai::bad;
 use super::respond::{Shape, serve_pair};
+use super::rest::known_and_rest;
 use crate::admission::{FrontRequest, Input, Prompt};
 use crate::backend::SamplingParams;
 use crate::error::LockstepError;
 use crate::state::ModelRuntime;
 
-#[derive(Debug, Deserialize, Default)]
+#[derive(Debug, Default)]
 struct NativeSampling {
     max_new_tokens: Option<i64>,
     temperature: Option<f64>,
@@ -27,22 +27,40 @@ struct NativeSampling {
     presence_penalty: Option<f64>,
     sampling_seed: Option<u64>,
     n: Option<i64>,
-    #[serde(flatten)]
     rest: Map<String, Value>,
 }
 
-#[derive(Debug, Deserialize)]
+known_and_rest!(NativeSampling {
+    max_new_tokens: Option<i64>,
+    temperature: Option<f64>,
+    top_p: Option<f64>,
+    top_k: Option<i64>,
+    stop: Option<super::openai::Stop>,
+    ignore_eos: Option<bool>,
+    frequency_penalty: Option<f64>,
+    presence_penalty: Option<f64>,
+    sampling_seed: Option<u64>,
+    n: Option<i64>,
+});
+
+/// A `/generate` body: absent fields are `None`, `sampling_params` empty and `stream` false.
+#[derive(Debug)]
 pub(crate) struct GenerateRequest {
     model: Option<String>,
     text: Option<Prompt>,
     input_ids: Option<Prompt>,
-    #[serde(default)]
     sampling_params: NativeSampling,
-    #[serde(default)]
     stream: bool,
-    #[serde(flatten)]
     rest: Map<String, Value>,
 }
+
+known_and_rest!(GenerateRequest {
+    model: Option<String>,
+    text: Option<Prompt>,
+    input_ids: Option<Prompt>,
+    sampling_params: NativeSampling,
+    stream: bool,
+});
 
 impl FrontRequest for GenerateRequest {
     type Shape = Shape;

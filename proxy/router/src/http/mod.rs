@@ -9,6 +9,7 @@ pub(crate) mod openai;
 mod respond;
 pub(crate) mod responses;
 mod responses_out;
+pub(crate) mod rest;
 mod tools;
 
 use std::sync::Arc;
