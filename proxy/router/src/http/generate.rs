@@ -3,7 +3,6 @@
 //! ([`super::fields`]).
 
 use axum::response::Response;
-use serde_json::{Map, Value};
 
 use super::extract::Admit;
 use super::fields::{self, refuse_unhonoured};
@@ -15,52 +14,33 @@ use crate::backend::SamplingParams;
 use crate::error::LockstepError;
 use crate::state::ModelRuntime;
 
-#[derive(Debug, Default)]
-struct NativeSampling {
-    max_new_tokens: Option<i64>,
-    temperature: Option<f64>,
-    top_p: Option<f64>,
-    top_k: Option<i64>,
-    stop: Option<super::openai::Stop>,
-    ignore_eos: Option<bool>,
-    frequency_penalty: Option<f64>,
-    presence_penalty: Option<f64>,
-    sampling_seed: Option<u64>,
-    n: Option<i64>,
-    rest: Map<String, Value>,
+known_and_rest! {
+    #[derive(Debug, Default)]
+    struct NativeSampling {
+        max_new_tokens: Option<i64>,
+        temperature: Option<f64>,
+        top_p: Option<f64>,
+        top_k: Option<i64>,
+        stop: Option<super::openai::Stop>,
+        ignore_eos: Option<bool>,
+        frequency_penalty: Option<f64>,
+        presence_penalty: Option<f64>,
+        sampling_seed: Option<u64>,
+        n: Option<i64>,
+    }
 }
 
-known_and_rest!(NativeSampling {
-    max_new_tokens: Option<i64>,
-    temperature: Option<f64>,
-    top_p: Option<f64>,
-    top_k: Option<i64>,
-    stop: Option<super::openai::Stop>,
-    ignore_eos: Option<bool>,
-    frequency_penalty: Option<f64>,
-    presence_penalty: Option<f64>,
-    sampling_seed: Option<u64>,
-    n: Option<i64>,
-});
-
-/// A `/generate` body: absent fields are `None`, `sampling_params` empty and `stream` false.
-#[derive(Debug)]
-pub(crate) struct GenerateRequest {
-    model: Option<String>,
-    text: Option<Prompt>,
-    input_ids: Option<Prompt>,
-    sampling_params: NativeSampling,
-    stream: bool,
-    rest: Map<String, Value>,
+known_and_rest! {
+    /// A `/generate` body: absent fields are `None`, `sampling_params` empty and `stream` false.
+    #[derive(Debug)]
+    pub(crate) struct GenerateRequest {
+        model: Option<String>,
+        text: Option<Prompt>,
+        input_ids: Option<Prompt>,
+        sampling_params: NativeSampling,
+        stream: bool,
+    }
 }
-
-known_and_rest!(GenerateRequest {
-    model: Option<String>,
-    text: Option<Prompt>,
-    input_ids: Option<Prompt>,
-    sampling_params: NativeSampling,
-    stream: bool,
-});
 
 impl FrontRequest for GenerateRequest {
     type Shape = Shape;

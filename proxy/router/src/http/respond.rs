@@ -143,6 +143,20 @@ pub(crate) trait Render: Send + 'static {
     }
 }
 
+/// A pair's answer: `head` with the pair id header, and `body`.
+fn answer(head: http::response::Builder, pair_id: PairId, body: Body) -> Response {
+    head.header("x-lockstep-pair-id", pair_id.to_string())
+        .body(body)
+        .unwrap_or_else(|_| build_failed().into_response())
+}
+
+/// The error for an answer that could not be built.
+fn build_failed() -> LockstepError {
+    LockstepError::Unavailable {
+        message: "response build failed".into(),
+    }
+}
+
 /// What a committed pair produced so far.
 pub(crate) struct Progress {
     /// The model's name.
@@ -223,17 +237,13 @@ pub(crate) async fn serve_pair<R: Render>(admitted: Admitted, shape: R) -> Respo
                 };
                 Some((Ok::<_, Infallible>(out), (rx, p, shape, last, permit)))
             });
-        return Response::builder()
-            .header(http::header::CONTENT_TYPE, "text/event-stream")
-            .header(http::header::CACHE_CONTROL, "no-cache")
-            .header("x-lockstep-pair-id", pair_id.to_string())
-            .body(Body::from_stream(body))
-            .unwrap_or_else(|_| {
-                LockstepError::Unavailable {
-                    message: "response build failed".into(),
-                }
-                .into_response()
-            });
+        return answer(
+            Response::builder()
+                .header(http::header::CONTENT_TYPE, "text/event-stream")
+                .header(http::header::CACHE_CONTROL, "no-cache"),
+            pair_id,
+            Body::from_stream(body),
+        );
     }
     loop {
         match rx.recv().await {
@@ -241,20 +251,13 @@ pub(crate) async fn serve_pair<R: Render>(admitted: Admitted, shape: R) -> Respo
                 p.absorb(&c);
                 if let Some(finish) = c.finish {
                     let Ok(json) = shape.full_json(&p, finish) else {
-                        return shape.error(LockstepError::Unavailable {
-                            message: "response build failed".into(),
-                        });
+                        return shape.error(build_failed());
                     };
-                    return Response::builder()
-                        .header(http::header::CONTENT_TYPE, "application/json")
-                        .header("x-lockstep-pair-id", pair_id.to_string())
-                        .body(Body::from(json))
-                        .unwrap_or_else(|_| {
-                            LockstepError::Unavailable {
-                                message: "response build failed".into(),
-                            }
-                            .into_response()
-                        });
+                    return answer(
+                        Response::builder().header(http::header::CONTENT_TYPE, "application/json"),
+                        pair_id,
+                        Body::from(json),
+                    );
                 }
             }
             Some(PairEvent::Failed(e)) => return shape.error(e),

@@ -32,11 +32,23 @@ impl<'de> serde::Deserialize<'de> for Key<'de> {
     }
 }
 
-/// Implements `Deserialize` for a struct of the named fields (each `Default` when absent, a
-/// repeated one refused) plus `rest: serde_json::Map<String, serde_json::Value>` (every other
-/// key, in order).
+/// Defines a struct of the named fields plus `rest: serde_json::Map<String, serde_json::Value>`
+/// (every other key, in order), and its `Deserialize`: each named field `Default` when absent,
+/// a repeated key refused.
 macro_rules! known_and_rest {
-    ($name:ident { $($field:ident : $ty:ty),* $(,)? }) => {
+    (
+        $(#[$m:meta])*
+        $vis:vis struct $name:ident {
+            $($(#[$fm:meta])* $fvis:vis $field:ident : $ty:ty),* $(,)?
+        }
+    ) => {
+        $(#[$m])*
+        $vis struct $name {
+            $($(#[$fm])* $fvis $field: $ty,)*
+            /// Every other key, in order: accepted or refused by [`crate::http::fields`].
+            rest: serde_json::Map<String, serde_json::Value>,
+        }
+
         impl<'de> serde::Deserialize<'de> for $name {
             fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
                 struct V;
@@ -87,27 +99,23 @@ pub(crate) use known_and_rest;
 
 #[cfg(test)]
 mod tests {
-    use serde_json::{Map, Value, json};
+    use serde_json::{Value, json};
 
-    #[derive(Debug, Default, PartialEq)]
-    struct Inner {
-        n: Option<i64>,
-        rest: Map<String, Value>,
+    known_and_rest! {
+        #[derive(Debug, Default, PartialEq)]
+        struct Inner {
+            n: Option<i64>,
+        }
     }
-    known_and_rest!(Inner { n: Option<i64> });
 
-    #[derive(Debug, PartialEq)]
-    struct Outer {
-        name: Option<String>,
-        on: bool,
-        inner: Inner,
-        rest: Map<String, Value>,
+    known_and_rest! {
+        #[derive(Debug, PartialEq)]
+        struct Outer {
+            name: Option<String>,
+            on: bool,
+            inner: Inner,
+        }
     }
-    known_and_rest!(Outer {
-        name: Option<String>,
-        on: bool,
-        inner: Inner,
-    });
 
     fn parse(v: &str) -> Result<Outer, String> {
         let de = &mut serde_json::Deserializer::from_str(v);
