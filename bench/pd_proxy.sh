@@ -47,7 +47,7 @@ target/release/examples/export_tokenizer "$MODEL" "$WORK" >/dev/null
 for m in json stream; do
   for poll in on off; do
     case $m-$poll in
-      json-on) ports='s/31030/31030/' ;;
+      json-on) ports='' ;;
       stream-on) ports='s/31030/31031/; s/31002/31004/' ;;
       json-off) ports='s/31030/31032/' ;;
       stream-off) ports='s/31030/31033/; s/31002/31004/' ;;
