@@ -525,3 +525,35 @@ async fn long_prompts_are_refused_by_bytes_or_tokenized_off_the_async_threads() 
     assert!(a.body.contains("5000"), "the exact count: {}", a.body);
     assert_eq!(stack.mock.request_count(), 0);
 }
+
+/// A long body (past the inline threshold) is parsed, templated and tokenized in one trip to the
+/// low-priority pool: both halves get exactly the ids a short body with the same words gets (the
+/// test tokenizer drops whitespace, so 20,000 spaces change the body, not the prompt).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_body_is_admitted_off_the_async_threads_with_the_same_ids() {
+    let stack = Stack::start().await;
+    let c = TestClient::default();
+    let url = format!("{}/v1/chat/completions", stack.url);
+    let chat = |content: String| {
+        json!({"model": MODEL, "max_tokens": 1, "messages": [
+            {"role": "system", "content": content}, {"role": "user", "content": "hello"}]})
+    };
+    let long = chat(format!("red{}blue green", " ".repeat(20_000)));
+    assert!(long.to_string().len() > 20_000);
+    for body in [long, chat("red blue green".into())] {
+        let a = c.post(&url, &body, Duration::from_secs(10)).await;
+        assert_eq!(a.status, 200, "{}", a.body);
+    }
+    let sent: Vec<serde_json::Value> = stack
+        .mock
+        .requests()
+        .into_iter()
+        .map(|(_, body)| body["input_ids"].clone())
+        .collect();
+    assert_eq!(sent.len(), 4, "two halves each: {sent:?}");
+    assert!(
+        sent[0].as_array().is_some_and(|ids| ids.len() > 5),
+        "{sent:?}"
+    );
+    assert!(sent.iter().all(|ids| *ids == sent[0]), "{sent:?}");
+}

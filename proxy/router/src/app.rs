@@ -55,6 +55,7 @@ impl Lockstep {
         let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
         let tokenize_pool = crate::admission::background::pool(cores)
             .map_err(|e| format!("cannot start the tokenizer threads: {e}"))?;
+        crate::backend::warm_ids_json();
         let state = Arc::new(AppState {
             models: ArcSwap::from_pointee(models),
             registry,

@@ -7,6 +7,12 @@
 //! machine saturated by short requests they wait, bounded by the admission slots and the
 //! request deadlines. Where the policy cannot be set, the threads fall back to nice +10.
 
+use std::sync::Arc;
+
+use tokio::sync::Semaphore;
+
+use crate::error::LockstepError;
+
 /// The nice value the pool's threads fall back to.
 pub(crate) const NICE: i32 = 10;
 
@@ -18,6 +24,50 @@ pub(crate) fn pool(threads: usize) -> std::io::Result<rayon::ThreadPool> {
         .start_handler(|_| lower_priority())
         .build()
         .map_err(std::io::Error::other)
+}
+
+/// Runs `work` on `pool` once one of `slots` is free. The job goes straight to a pool thread and
+/// its result straight back to the waiting task (no blocking-pool thread in between: each hop
+/// is a thread wake-up, tens of µs on a busy VM). A panic in `work` is an error, not a lost
+/// process; the slot is given back either way.
+pub(crate) async fn run<T: Send + 'static>(
+    slots: &Arc<Semaphore>,
+    pool: &rayon::ThreadPool,
+    work: impl FnOnce() -> Result<T, LockstepError> + Send + 'static,
+) -> Result<T, LockstepError> {
+    let slot = slots
+        .clone()
+        .acquire_owned()
+        .await
+        .map_err(|_| LockstepError::Unavailable {
+            message: "lockstep is shutting down".into(),
+        })?;
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    pool.spawn(move || {
+        let done = std::panic::catch_unwind(std::panic::AssertUnwindSafe(work));
+        // The slot is free before the waiting task hears back.
+        drop(slot);
+        // The request may be gone (its client left): the answer then has nobody to go to.
+        let _ = tx.send(done);
+    });
+    match rx.await {
+        Ok(Ok(done)) => done,
+        Ok(Err(panic)) => Err(LockstepError::Unavailable {
+            message: format!("background task failed: {}", panic_message(&*panic)),
+        }),
+        Err(_) => Err(LockstepError::Unavailable {
+            message: "background task failed: the pool dropped it".into(),
+        }),
+    }
+}
+
+/// The text of a caught panic's payload.
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("a panic")
 }
 
 /// Lowers the calling thread's priority (per thread on Linux; elsewhere nothing).
@@ -46,6 +96,37 @@ fn lower_priority() {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
+    use crate::error::LockstepError;
+
+    #[tokio::test]
+    async fn work_runs_on_the_pool_and_a_panic_comes_back_as_an_error() {
+        let pool = super::pool(2).expect("pool");
+        let slots = Arc::new(tokio::sync::Semaphore::new(1));
+        let name = super::run(&slots, &pool, || {
+            Ok(std::thread::current().name().map(str::to_string))
+        })
+        .await
+        .expect("runs");
+        assert_eq!(
+            name.as_deref().map(|n| n.starts_with("lockstep-tokenize-")),
+            Some(true)
+        );
+        let e = super::run(&slots, &pool, || -> Result<(), LockstepError> {
+            panic!("the tokenizer broke")
+        })
+        .await
+        .expect_err("a panic is an error");
+        assert!(
+            matches!(&e, LockstepError::Unavailable { message } if message.contains("the tokenizer broke")),
+            "{e:?}"
+        );
+        // The slot came back both times, and the pool still works.
+        assert_eq!(slots.available_permits(), 1);
+        assert_eq!(super::run(&slots, &pool, || Ok(7)).await.expect("runs"), 7);
+    }
+
     #[cfg(target_os = "linux")]
     fn nice() -> i32 {
         // SAFETY: getpriority takes plain integers; `who = 0` is the calling thread.

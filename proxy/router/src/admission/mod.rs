@@ -95,7 +95,7 @@ pub(crate) const INLINE_TOKENIZE_BYTES: usize = 16 * 1024;
 /// A front end's request once parsed (step 3 is the front end's own: its shape, its fields).
 pub trait FrontRequest {
     /// How the front end answers (API shape, streaming).
-    type Shape;
+    type Shape: Send + 'static;
     /// The model the request names (`None`: the only one served).
     fn model(&self) -> Option<&str>;
     /// Validates the rest against `model`: the prompt, the sampling parameters, the shape.
@@ -190,7 +190,8 @@ pub fn find_model(
     Ok(model)
 }
 
-/// Steps 3 to 6 for a parsed request of an authorized caller.
+/// Steps 3 to 6 for a parsed request of an authorized caller. A long prompt is templated and
+/// tokenized on the low-priority pool ([`in_background`]).
 pub async fn admit<R: FrontRequest>(
     state: &Arc<AppState>,
     caller: Caller,
@@ -198,56 +199,104 @@ pub async fn admit<R: FrontRequest>(
 ) -> Result<(Admitted, R::Shape), Refusal> {
     use tracing::Instrument;
     let span = tracing::info_span!("admission");
-    let (model, input, sampling, shape) = {
-        let _in = span.enter();
-        let model =
-            find_model(state, &caller, req.model()).map_err(|e| Refusal::count(state, "", e))?;
-        let (input, sampling, shape) = req
-            .validate(&model)
-            .map_err(|e| Refusal::count(state, &model.name, e))?;
-        (model, input, sampling, shape)
-    };
-    let refuse = |e| Refusal::count(state, &model.name, e);
-    // A prompt whose bytes alone prove it cannot fit is refused before any tokenizing.
+    let checked = span.in_scope(|| check(state, caller, req))?;
+    if checked.bytes <= INLINE_TOKENIZE_BYTES {
+        return span.in_scope(|| checked.finish(state));
+    }
+    let (st, name) = (state.clone(), checked.model.name.clone());
+    in_background(state, move || Ok(checked.finish(&st)))
+        .instrument(span.clone())
+        .await
+        .map_err(|e| Refusal::count(state, &name, e))?
+}
+
+/// [`admit`] on the calling thread, whatever the prompt's length: for work already on the
+/// low-priority pool (a long body parsed there is admitted there too, in one trip).
+pub fn admit_here<R: FrontRequest>(
+    state: &AppState,
+    caller: Caller,
+    req: R,
+) -> Result<(Admitted, R::Shape), Refusal> {
+    let _in = tracing::info_span!("admission").entered();
+    check(state, caller, req)?.finish(state)
+}
+
+/// A request past step 3: its model, its prompt still to tokenize.
+struct Checked<S> {
+    model: Arc<ModelRuntime>,
+    input: Input,
+    sampling: SamplingParams,
+    shape: S,
+    caller: Caller,
+    /// Bytes of text the tokenizer will read.
+    bytes: usize,
+}
+
+/// Step 3, and a prompt whose bytes alone prove it cannot fit refused before any tokenizing.
+fn check<R: FrontRequest>(
+    state: &AppState,
+    caller: Caller,
+    req: R,
+) -> Result<Checked<R::Shape>, Refusal> {
+    let model =
+        find_model(state, &caller, req.model()).map_err(|e| Refusal::count(state, "", e))?;
+    let (input, sampling, shape) = req
+        .validate(&model)
+        .map_err(|e| Refusal::count(state, &model.name, e))?;
     let bytes = input.text_bytes();
     let limit = model.cfg.context_window.min(model.kv_capacity());
     let floor = model.codec.min_tokens(bytes);
     if floor > limit {
-        return Err(refuse(LockstepError::PromptBytesTooLong {
+        let e = LockstepError::PromptBytesTooLong {
             bytes: bytes as u64,
             min_tokens: floor,
             limit,
-        }));
+        };
+        return Err(Refusal::count(state, &model.name, e));
     }
-    // The tenant's salt keys the tokenizer's segment cache (a hit never crosses tenants); an
-    // HMAC, so only for prompts long enough to use the cache.
-    let salt = (bytes >= segments::MIN_PROMPT_BYTES)
-        .then(|| crate::tenant::cache_salt(caller.tenant.as_ref().map(|t| t.name.as_ref())));
-    let (ids, ids_json) = if bytes <= INLINE_TOKENIZE_BYTES {
-        tokenize(&model, input, salt).map(|ids| (ids, None))
-    } else {
-        let m = model.clone();
-        let json = model.pairs.backend.ids_as_json();
-        in_background(state, move || {
-            let ids = tokenize(&m, input, salt)?;
-            let written = json.then(|| crate::backend::ids_json(&ids));
-            Ok((ids, written))
-        })
-        .instrument(span.clone())
-        .await
-    }
-    .map_err(refuse)?;
-    fit(&model, &ids, &sampling).map_err(refuse)?;
-    Ok((
-        Admitted {
-            model,
-            ids,
-            ids_json,
-            sampling,
-            caller,
-        },
+    Ok(Checked {
+        model,
+        input,
+        sampling,
         shape,
-    ))
+        caller,
+        bytes,
+    })
+}
+
+impl<S> Checked<S> {
+    /// Steps 4 to 6 on the calling thread.
+    fn finish(self, state: &AppState) -> Result<(Admitted, S), Refusal> {
+        let Checked {
+            model,
+            input,
+            sampling,
+            shape,
+            caller,
+            bytes,
+        } = self;
+        let refuse = |e| Refusal::count(state, &model.name, e);
+        // The tenant's salt keys the tokenizer's segment cache (a hit never crosses tenants);
+        // an HMAC, so only for prompts long enough to use the cache.
+        let salt = (bytes >= segments::MIN_PROMPT_BYTES)
+            .then(|| crate::tenant::cache_salt(caller.tenant.as_ref().map(|t| t.name.as_ref())));
+        let ids = tokenize(&model, input, salt).map_err(refuse)?;
+        fit(&model, &ids, &sampling).map_err(refuse)?;
+        // A long prompt's ids are written as JSON here too, once for both halves, off the
+        // async threads.
+        let ids_json = (bytes > INLINE_TOKENIZE_BYTES && model.pairs.backend.ids_as_json())
+            .then(|| crate::backend::ids_json(&ids));
+        Ok((
+            Admitted {
+                model,
+                ids,
+                ids_json,
+                sampling,
+                caller,
+            },
+            shape,
+        ))
+    }
 }
 
 /// Runs `work` on the low-priority tokenizer pool (its parallel chunks too), one of a bounded
@@ -256,25 +305,7 @@ pub(crate) async fn in_background<T: Send + 'static>(
     state: &AppState,
     work: impl FnOnce() -> Result<T, LockstepError> + Send + 'static,
 ) -> Result<T, LockstepError> {
-    let slot = state
-        .tokenize_slots
-        .clone()
-        .acquire_owned()
-        .await
-        .map_err(|_| LockstepError::Unavailable {
-            message: "lockstep is shutting down".into(),
-        })?;
-    let pool = state.tokenize_pool.clone();
-    tokio::task::spawn_blocking(move || {
-        let _slot = slot;
-        pool.install(work)
-    })
-    .await
-    .unwrap_or_else(|e| {
-        Err(LockstepError::Unavailable {
-            message: format!("background task failed: {e}"),
-        })
-    })
+    background::run(&state.tokenize_slots, &state.tokenize_pool, work).await
 }
 
 /// Steps 4 and 5: the template for chat, then the tokenizer; token ids are checked against the

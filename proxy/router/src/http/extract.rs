@@ -15,7 +15,8 @@ use http_body_util::BodyExt;
 use serde::de::DeserializeOwned;
 
 use crate::admission::{
-    Admitted, FrontRequest, INLINE_TOKENIZE_BYTES, Refusal, admit, authorize, in_background,
+    Admitted, FrontRequest, INLINE_TOKENIZE_BYTES, Refusal, admit, admit_here, authorize,
+    in_background,
 };
 use crate::error::LockstepError;
 use crate::state::AppState;
@@ -71,22 +72,33 @@ where
                 return Err(r);
             }
         };
-        let parsed: R = read_json(state, &parts.headers, body)
+        let bytes = read_body(state, &parts.headers, body)
             .await
             .map_err(|e| Refusal::count(state, "", e))?;
-        let (admitted, shape) = admit(state, caller, parsed).await?;
+        if bytes.len() <= INLINE_TOKENIZE_BYTES {
+            let parsed: R = parse_json(&bytes).map_err(|e| Refusal::count(state, "", e))?;
+            let (admitted, shape) = admit(state, caller, parsed).await?;
+            return Ok(Admit(admitted, shape));
+        }
+        // A long body is parsed, templated and tokenized in one trip to the low-priority pool.
+        let st = state.clone();
+        let (admitted, shape) = in_background(state, move || {
+            let parsed = parse_json::<R>(&bytes).map_err(|e| Refusal::count(&st, "", e));
+            Ok(parsed.and_then(|req| admit_here(&st, caller, req)))
+        })
+        .await
+        .map_err(|e| Refusal::count(state, "", e))??;
         Ok(Admit(admitted, shape))
     }
 }
 
-/// Reads the body within the configured limit and parses it as `T`, mapping every failure to a
-/// stable error code: 413 `body_too_large`, 400 `invalid_json` or 400 `invalid_request` (with the
-/// offending field as `param`).
-async fn read_json<T: DeserializeOwned + Send + 'static>(
+/// Reads the body within the configured limit, mapping every failure to a stable error code:
+/// 413 `body_too_large`, 400 `invalid_json` (unreadable) or 408 `body_timeout`.
+async fn read_body(
     state: &AppState,
     headers: &HeaderMap,
     body: Body,
-) -> Result<T, LockstepError> {
+) -> Result<Bytes, LockstepError> {
     let limit = state.max_body_bytes;
     let declared = headers
         .get(http::header::CONTENT_LENGTH)
@@ -97,7 +109,8 @@ async fn read_json<T: DeserializeOwned + Send + 'static>(
         return Err(LockstepError::BodyTooLarge { limit });
     }
     let mut body = body;
-    let mut buf = bytes::BytesMut::new();
+    // Sized from the declared length (within the limit), so a long body is not copied as it grows.
+    let mut buf = bytes::BytesMut::with_capacity(declared.map_or(0, |n| n as usize));
     let deadline = tokio::time::Instant::now() + state.body_timeout;
     loop {
         let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
@@ -120,15 +133,11 @@ async fn read_json<T: DeserializeOwned + Send + 'static>(
             buf.extend_from_slice(&data);
         }
     }
-    let bytes: Bytes = buf.freeze();
-    if bytes.len() <= INLINE_TOKENIZE_BYTES {
-        return parse_json(&bytes);
-    }
-    // A long body is parsed where its prompt is tokenized: on the low-priority pool.
-    in_background(state, move || parse_json(&bytes)).await
+    Ok(buf.freeze())
 }
 
-/// Parses `bytes` as `T` (see [`read_json`] for the errors).
+/// Parses `bytes` as `T`: 400 `invalid_json`, or 400 `invalid_request` with the offending field
+/// as `param`.
 fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, LockstepError> {
     if std::str::from_utf8(bytes).is_err() {
         return Err(LockstepError::InvalidJson {
