@@ -4,7 +4,7 @@ keep-alive connections. Per router and size: the median latency, the latency it 
 same request sent straight to the decode mock, and its CPU time per request (user + system of its
 process tree, from /proc). Unique prompts (a new text every request) and a repeated prefix (the
 same system prompt, a new question). Then, for lockstep, short requests' p99 alone and while
-128 KiB prompts keep arriving on another connection. Prints markdown tables.
+128 KiB prompts keep arriving on another connection, in three rounds (the median ratio). Prints markdown tables.
 
     python3 bench/long_prompts.py DIRECT_URL NAME=URL=PID[=HEADER] ...
 """
@@ -23,6 +23,7 @@ WORDS = ["the", "router", "pairs", "prefill", "and", "decode", "halves", "of", "
 SIZES = [("16 KiB", 16 << 10, 21), ("128 KiB", 128 << 10, 21), ("1 MiB", 1 << 20, 7)]
 TICK = os.sysconf("SC_CLK_TCK")
 SHORTS = 2000  # short requests per measurement (alone, loaded): enough for a stable p99
+ROUNDS = 3  # alone-then-loaded rounds of the short-request measurement
 
 
 def prose(seed, n):
@@ -164,25 +165,30 @@ def main():
     short = [body("You are terse.", q).replace(b'"model": "smollm2"', b'"model": "short"', 1)
              for q in range(SHORTS)]
     assert all(b'"model": "short"' in b for b in short)
-    alone = sorted(lockstep.post(b) for b in short)
-    # The long prompts come from another process (this one's GIL would otherwise stall the
-    # short requests' client, not lockstep), their bodies made before the short ones start.
-    ready, stop = multiprocessing.Event(), multiprocessing.Event()
-    sent = multiprocessing.Value("i", 0)
-    bg = multiprocessing.Process(target=background, args=(
-        f"bg=http://{lockstep.host}:{lockstep.port}==" + lockstep.headers["authorization"][7:],
-        ready, stop, sent))
-    bg.start()
-    ready.wait(120)
-    time.sleep(0.5)
-    loaded = sorted(lockstep.post(b) for b in short)
-    stop.set()
-    bg.join(timeout=60)
-    sent = sent.value
     p99 = lambda xs: xs[int(len(xs) * 0.99) - 1]
-    print(f"\nlockstep short requests ({SHORTS}, one at a time): p99 alone {p99(alone) * 1e3:.2f} ms, "
-          f"while 128 KiB prompts arrive back to back on another connection ({sent} of them) "
-          f"{p99(loaded) * 1e3:.2f} ms: {p99(loaded) / p99(alone):.2f}x (target <= 1.20x)")
-
+    # Three rounds of alone-then-loaded: the machine's own noise moves a p99 from one minute
+    # to the next, so each loaded figure is judged against the one measured just before it.
+    ratios = []
+    for rnd in range(ROUNDS):
+        alone = sorted(lockstep.post(b) for b in short)
+        # The long prompts come from another process (this one's GIL would otherwise stall the
+        # short requests' client, not lockstep), their bodies made before the short ones start.
+        ready, stop = multiprocessing.Event(), multiprocessing.Event()
+        sent = multiprocessing.Value("i", 0)
+        bg = multiprocessing.Process(target=background, args=(
+            f"bg=http://{lockstep.host}:{lockstep.port}==" + lockstep.headers["authorization"][7:],
+            ready, stop, sent))
+        bg.start()
+        ready.wait(120)
+        time.sleep(0.5)
+        loaded = sorted(lockstep.post(b) for b in short)
+        stop.set()
+        bg.join(timeout=60)
+        ratios.append(p99(loaded) / p99(alone))
+        print(f"\nlockstep short requests, round {rnd + 1} ({SHORTS}, one at a time): p99 alone "
+              f"{p99(alone) * 1e3:.2f} ms, while 128 KiB prompts arrive back to back on another "
+              f"connection ({sent.value} of them) {p99(loaded) * 1e3:.2f} ms: {ratios[-1]:.2f}x")
+    print(f"\nlockstep short requests, p99 loaded / alone: median of {ROUNDS} rounds "
+          f"{statistics.median(ratios):.2f}x (target <= 1.20x)")
 
 main()

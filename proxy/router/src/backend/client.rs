@@ -21,6 +21,9 @@ type Connector = hyper_rustls::HttpsConnector<HttpConnector>;
 
 type Http = Client<Connector, Full<Bytes>>;
 
+/// The bulk lane's pool ([`super::bulk`]).
+type Bulk = Client<super::bulk::OnLane<Connector>, Full<Bytes>>;
+
 /// A cheap-to-clone pooled HTTP/1.1 client. On a connection thread
 /// ([`lockstep_serve::threads`]) it uses a pool of that thread's own, so a request is sent,
 /// and its answer read, by the thread that serves it; elsewhere the shared pool.
@@ -35,6 +38,8 @@ pub struct UpstreamClient {
 #[derive(Debug)]
 struct Shared {
     inner: Http,
+    /// Requests with long bodies ([`super::bulk::BULK_BODY_BYTES`]).
+    bulk: Bulk,
     connector: Connector,
     /// Names this client's pools in each connection thread's table; alive while a clone is.
     id: Arc<()>,
@@ -111,6 +116,8 @@ impl UpstreamClient {
         UpstreamClient {
             s: Arc::new(Shared {
                 inner: pooled(conn.clone()),
+                bulk: pool_settings(Client::builder(super::bulk::Executor))
+                    .build(super::bulk::OnLane(conn.clone())),
                 connector: conn,
                 id: Arc::new(()),
                 connect_timeout,
@@ -120,8 +127,15 @@ impl UpstreamClient {
     }
 
     /// Sends `req` on this thread's pool: its own on a connection thread (made on first use),
-    /// else the shared one.
-    fn request(&self, req: Request<Full<Bytes>>) -> hyper_util::client::legacy::ResponseFuture {
+    /// else the shared one; a long body on the bulk lane.
+    fn request(
+        &self,
+        req: Request<Full<Bytes>>,
+        body_len: usize,
+    ) -> hyper_util::client::legacy::ResponseFuture {
+        if body_len >= super::bulk::BULK_BODY_BYTES && super::bulk::available() {
+            return self.s.bulk.request(req);
+        }
         if lockstep_serve::threads::current().is_none() {
             return self.s.inner.request(req);
         }
@@ -158,6 +172,7 @@ impl UpstreamClient {
         Ok(UpstreamClient {
             s: Arc::new(Shared {
                 inner: self.s.inner.clone(),
+                bulk: self.s.bulk.clone(),
                 connector: self.s.connector.clone(),
                 id: self.s.id.clone(),
                 connect_timeout: self.s.connect_timeout,
@@ -196,10 +211,11 @@ impl UpstreamClient {
         for (k, v) in extra {
             req = req.header(k, v);
         }
+        let len = body.len();
         let req = req
             .body(Full::new(body))
             .map_err(|e| CallError::Connect(format!("bad request for {url}: {e}")))?;
-        self.request(req).await.map_err(|e| {
+        self.request(req, len).await.map_err(|e| {
             let msg = format!("{url}: {}", error_chain(&e));
             if e.is_connect() {
                 CallError::Connect(msg)
@@ -267,10 +283,16 @@ thread_local! {
 
 /// A keep-alive pool over `conn`.
 fn pooled(conn: Connector) -> Http {
-    Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(Duration::from_secs(90))
-        .pool_max_idle_per_host(1024)
-        .build(conn)
+    pool_settings(Client::builder(TokioExecutor::new())).build(conn)
+}
+
+/// Every pool's keep-alive settings.
+fn pool_settings(
+    mut b: hyper_util::client::legacy::Builder,
+) -> hyper_util::client::legacy::Builder {
+    b.pool_idle_timeout(Duration::from_secs(90))
+        .pool_max_idle_per_host(1024);
+    b
 }
 
 #[cold]
@@ -339,6 +361,13 @@ mod tests {
                 |axum::extract::ConnectInfo(peer): axum::extract::ConnectInfo<
                     std::net::SocketAddr,
                 >| async move { peer.port().to_string() },
+            )
+            // A POST answers with the port and the body's length.
+            .post(
+                |axum::extract::ConnectInfo(peer): axum::extract::ConnectInfo<
+                    std::net::SocketAddr,
+                >,
+                 body: Bytes| async move { format!("{} {}", peer.port(), body.len()) },
             ),
         );
         tokio::spawn(async move {
@@ -385,6 +414,49 @@ mod tests {
         let shared = String::from_utf8(shared.to_vec()).expect("utf-8");
         assert!(shared != a.1[0] && shared != b.1[0], "{shared} {a:?} {b:?}");
         drop(holds);
+    }
+
+    /// Long bodies go over the bulk lane's own connections (kept alive, whole), short ones over
+    /// the thread's.
+    #[tokio::test]
+    async fn long_bodies_take_the_bulk_lane() {
+        let url = port_echo().await;
+        let client = UpstreamClient::with_ca(Duration::from_secs(2), None).expect("client");
+        let threads =
+            lockstep_serve::threads::ConnThreads::start(1, "client-bulk").expect("threads");
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        threads.spawn(async move {
+            let mut answers = Vec::new();
+            for len in [10, super::super::bulk::BULK_BODY_BYTES, 300 << 10, 10] {
+                let body = Bytes::from(vec![b'7'; len]);
+                let (status, a) = client.post_collect(&url, body).await.expect("answer");
+                assert_eq!(status, 200);
+                answers.push(String::from_utf8(a.to_vec()).expect("utf-8"));
+            }
+            let _ = tx.send(answers);
+        });
+        let answers = rx.await.expect("ran");
+        let split: Vec<(&str, usize)> = answers
+            .iter()
+            .map(|a| {
+                let (port, len) = a.split_once(' ').expect("port and length");
+                (port, len.parse().expect("length"))
+            })
+            .collect();
+        let lens: Vec<usize> = split.iter().map(|s| s.1).collect();
+        assert_eq!(
+            lens,
+            [10, super::super::bulk::BULK_BODY_BYTES, 300 << 10, 10]
+        );
+        assert_eq!(
+            split[0].0, split[3].0,
+            "short bodies: the thread's connection"
+        );
+        assert_eq!(
+            split[1].0, split[2].0,
+            "long bodies: the lane's, kept alive"
+        );
+        assert_ne!(split[0].0, split[1].0, "{answers:?}");
     }
 
     #[tokio::test]

@@ -3,6 +3,7 @@
 //! A backend speaks its workers' protocol and reports protocol-level facts (status, in-band
 //! aborts, prompt token counts); the pair lifecycle ([`crate::pair`]) decides what they mean.
 
+mod bulk;
 mod client;
 pub mod embedded;
 pub mod lockstep;
