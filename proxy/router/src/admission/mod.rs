@@ -267,35 +267,27 @@ fn check<R: FrontRequest>(
 impl<S> Checked<S> {
     /// Steps 4 to 6 on the calling thread.
     fn finish(self, state: &AppState) -> Result<(Admitted, S), Refusal> {
-        let Checked {
-            model,
-            input,
-            sampling,
-            shape,
-            caller,
-            bytes,
-        } = self;
+        let model = self.model;
         let refuse = |e| Refusal::count(state, &model.name, e);
         // The tenant's salt keys the tokenizer's segment cache (a hit never crosses tenants);
         // an HMAC, so only for prompts long enough to use the cache.
-        let salt = (bytes >= segments::MIN_PROMPT_BYTES)
-            .then(|| crate::tenant::cache_salt(caller.tenant.as_ref().map(|t| t.name.as_ref())));
-        let ids = tokenize(&model, input, salt).map_err(refuse)?;
-        fit(&model, &ids, &sampling).map_err(refuse)?;
+        let tenant = self.caller.tenant.as_ref().map(|t| t.name.as_ref());
+        let salt =
+            (self.bytes >= segments::MIN_PROMPT_BYTES).then(|| crate::tenant::cache_salt(tenant));
+        let ids = tokenize(&model, self.input, salt).map_err(refuse)?;
+        fit(&model, &ids, &self.sampling).map_err(refuse)?;
         // A long prompt's ids are written as JSON here too, once for both halves, off the
         // async threads.
-        let ids_json = (bytes > INLINE_TOKENIZE_BYTES && model.pairs.backend.ids_as_json())
+        let ids_json = (self.bytes > INLINE_TOKENIZE_BYTES && model.pairs.backend.ids_as_json())
             .then(|| crate::backend::ids_json(&ids));
-        Ok((
-            Admitted {
-                model,
-                ids,
-                ids_json,
-                sampling,
-                caller,
-            },
-            shape,
-        ))
+        let admitted = Admitted {
+            model,
+            ids,
+            ids_json,
+            sampling: self.sampling,
+            caller: self.caller,
+        };
+        Ok((admitted, self.shape))
     }
 }
 

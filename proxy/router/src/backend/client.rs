@@ -11,7 +11,9 @@ use tokio_rustls::rustls::pki_types::pem::PemObject;
 
 use bytes::Bytes;
 use http::{Method, Request, Response};
-use http_body_util::{BodyExt, Full};
+use http_body_util::BodyExt;
+
+use super::ReqBody;
 use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -19,10 +21,10 @@ use hyper_util::rt::TokioExecutor;
 
 type Connector = hyper_rustls::HttpsConnector<HttpConnector>;
 
-type Http = Client<Connector, Full<Bytes>>;
+type Http = Client<Connector, ReqBody>;
 
 /// The bulk lane's pool ([`super::bulk`]).
-type Bulk = Client<super::bulk::OnLane<Connector>, Full<Bytes>>;
+type Bulk = Client<super::bulk::OnLane<Connector>, ReqBody>;
 
 /// A cheap-to-clone pooled HTTP/1.1 client. On a connection thread
 /// ([`lockstep_serve::threads`]) it uses a pool of that thread's own, so a request is sent,
@@ -130,7 +132,7 @@ impl UpstreamClient {
     /// else the shared one; a long body on the bulk lane.
     fn request(
         &self,
-        req: Request<Full<Bytes>>,
+        req: Request<ReqBody>,
         body_len: usize,
     ) -> hyper_util::client::legacy::ResponseFuture {
         if body_len >= super::bulk::BULK_BODY_BYTES && super::bulk::available() {
@@ -191,7 +193,7 @@ impl UpstreamClient {
         &self,
         method: Method,
         url: &str,
-        body: Bytes,
+        body: impl Into<ReqBody>,
     ) -> Result<Response<Incoming>, CallError> {
         self.send_with(method, url, body, &[]).await
     }
@@ -201,9 +203,10 @@ impl UpstreamClient {
         &self,
         method: Method,
         url: &str,
-        body: Bytes,
+        body: impl Into<ReqBody>,
         extra: &[(http::HeaderName, http::HeaderValue)],
     ) -> Result<Response<Incoming>, CallError> {
+        let body = body.into();
         let mut req = Request::builder()
             .method(method)
             .uri(url)
@@ -213,7 +216,7 @@ impl UpstreamClient {
         }
         let len = body.len();
         let req = req
-            .body(Full::new(body))
+            .body(body)
             .map_err(|e| CallError::Connect(format!("bad request for {url}: {e}")))?;
         self.request(req, len).await.map_err(|e| {
             let msg = format!("{url}: {}", error_chain(&e));
@@ -226,7 +229,11 @@ impl UpstreamClient {
     }
 
     /// POSTs JSON and collects the whole answer (status, body).
-    pub async fn post_collect(&self, url: &str, body: Bytes) -> Result<(u16, Bytes), CallError> {
+    pub async fn post_collect(
+        &self,
+        url: &str,
+        body: impl Into<ReqBody>,
+    ) -> Result<(u16, Bytes), CallError> {
         self.post_collect_with(url, body, &[]).await
     }
 
@@ -234,7 +241,7 @@ impl UpstreamClient {
     pub async fn post_collect_with(
         &self,
         url: &str,
-        body: Bytes,
+        body: impl Into<ReqBody>,
         extra: &[(http::HeaderName, http::HeaderValue)],
     ) -> Result<(u16, Bytes), CallError> {
         let resp = self.send_with(Method::POST, url, body, extra).await?;
@@ -341,9 +348,9 @@ mod tests {
 
     #[tokio::test]
     async fn upstream_bodies_are_read_only_up_to_the_bound() {
-        let small = Full::new(Bytes::from(vec![b'x'; 1024]));
+        let small = http_body_util::Full::new(Bytes::from(vec![b'x'; 1024]));
         assert_eq!(collect_bounded(small).await.expect("small").len(), 1024);
-        let huge = Full::new(Bytes::from(vec![b'x'; MAX_UPSTREAM_BODY + 1]));
+        let huge = http_body_util::Full::new(Bytes::from(vec![b'x'; MAX_UPSTREAM_BODY + 1]));
         let e = collect_bounded(huge).await.expect_err("over the bound");
         assert!(e.contains("16 MiB"), "{e}");
     }

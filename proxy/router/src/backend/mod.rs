@@ -3,6 +3,7 @@
 //! A backend speaks its workers' protocol and reports protocol-level facts (status, in-band
 //! aborts, prompt token counts); the pair lifecycle ([`crate::pair`]) decides what they mean.
 
+mod body;
 mod bulk;
 mod client;
 pub mod embedded;
@@ -14,6 +15,7 @@ pub mod vllm;
 mod vllm_params;
 pub(crate) mod vllm_probe;
 
+pub use body::ReqBody;
 pub use client::UpstreamClient;
 
 use std::sync::Arc;
@@ -203,21 +205,18 @@ pub(crate) fn ids_json(ids: &[u32]) -> Bytes {
 }
 
 /// A request body: `object` (a JSON object `serde_json` wrote) with `"key":value` put first,
-/// where `value` is JSON already written ([`Dispatch::ids_json`]), so the ids are not
-/// serialised once per half.
-pub(crate) fn with_first(key: &str, value: &[u8], object: &[u8]) -> Bytes {
+/// where `value` is JSON already written ([`Dispatch::ids_json`]), so the ids are neither
+/// serialised nor copied once per half (they go out as a piece of their own, [`ReqBody`]).
+pub(crate) fn with_first(key: &str, value: &Bytes, object: &[u8]) -> ReqBody {
     debug_assert!(object.first() == Some(&b'{') && object.last() == Some(&b'}'));
     let rest = object.get(1..).unwrap_or_default();
-    let mut out = Vec::with_capacity(key.len() + value.len() + object.len() + 4);
-    out.extend_from_slice(b"{\"");
-    out.extend_from_slice(key.as_bytes());
-    out.extend_from_slice(b"\":");
-    out.extend_from_slice(value);
+    let head = Bytes::from(format!("{{\"{key}\":"));
+    let mut tail = Vec::with_capacity(rest.len() + 1);
     if rest != b"}" {
-        out.push(b',');
+        tail.push(b',');
     }
-    out.extend_from_slice(rest);
-    Bytes::from(out)
+    tail.extend_from_slice(rest);
+    ReqBody::of(head, value.clone(), Bytes::from(tail))
 }
 
 /// What a deployment check found: the limits admission applies to the model.
@@ -503,11 +502,11 @@ mod tests {
     fn the_value_put_first_leaves_the_rest_of_the_object_as_it_was() {
         let ids = super::ids_json(&[5, 6]);
         let rest = serde_json::to_vec(&json!({ "a": 1, "b": { "c": [2] } })).expect("json");
-        let body = super::with_first("input_ids", &ids, &rest);
+        let body = super::with_first("input_ids", &ids, &rest).to_bytes();
         let v: Value = serde_json::from_slice(&body).expect("valid JSON");
         assert_eq!(v, json!({ "input_ids": [5, 6], "a": 1, "b": { "c": [2] } }));
         assert!(body.starts_with(b"{\"input_ids\":[5,6],"));
-        let alone = super::with_first("prompt", &ids, b"{}");
+        let alone = super::with_first("prompt", &ids, b"{}").to_bytes();
         assert_eq!(&alone[..], b"{\"prompt\":[5,6]}");
     }
 }

@@ -54,7 +54,7 @@ impl SglangBackend {
 
     /// The `/generate` body of one half. Client-sent routing fields never reach here: lockstep
     /// builds the whole body.
-    pub fn generate_body(d: &Dispatch, stream: bool) -> Bytes {
+    pub fn generate_body(d: &Dispatch, stream: bool) -> super::ReqBody {
         let s = &d.sampling;
         let (json_schema, regex, ebnf) = match &s.constraint {
             None => (None, None, None),

@@ -21,7 +21,6 @@
 
 use std::sync::Arc;
 
-use bytes::Bytes;
 use dashmap::DashMap;
 use futures_util::future::BoxFuture;
 use http::Method;
@@ -81,7 +80,7 @@ impl VllmBackend {
 
     /// The `/v1/completions` body of one half: token ids, sampling, lockstep's transfer params and
     /// the tenant's cache salt. Nothing of the client's body reaches it.
-    fn body(&self, d: &Dispatch, prefill: bool, kv: Value) -> Bytes {
+    fn body(&self, d: &Dispatch, prefill: bool, kv: Value) -> super::ReqBody {
         let s = &d.sampling;
         let mut b = json!({
             "model": self.served_model,
