@@ -204,13 +204,15 @@ pub(crate) fn ids_json(ids: &[u32]) -> Bytes {
     Bytes::from(out)
 }
 
-/// A request body: `object` (a JSON object `serde_json` wrote) with `"key":value` put first,
-/// where `value` is JSON already written ([`Dispatch::ids_json`]), so the ids are neither
-/// serialised nor copied once per half (they go out as a piece of their own, [`ReqBody`]).
-pub(crate) fn with_first(key: &str, value: &Bytes, object: &[u8]) -> ReqBody {
+/// A request body: `object` (a JSON object `serde_json` wrote) with `value` put first under the
+/// key `head` opens (`{"input_ids":`), where `value` is JSON already written
+/// ([`Dispatch::ids_json`]), so the ids are neither serialised nor copied once per half (they
+/// go out as a piece of their own, [`ReqBody`]).
+pub(crate) fn with_first(head: &'static str, value: &Bytes, object: &[u8]) -> ReqBody {
+    debug_assert!(head.starts_with("{\"") && head.ends_with("\":"));
     debug_assert!(object.first() == Some(&b'{') && object.last() == Some(&b'}'));
     let rest = object.get(1..).unwrap_or_default();
-    let head = Bytes::from(format!("{{\"{key}\":"));
+    let head = Bytes::from_static(head.as_bytes());
     let mut tail = Vec::with_capacity(rest.len() + 1);
     if rest != b"}" {
         tail.push(b',');
@@ -502,11 +504,11 @@ mod tests {
     fn the_value_put_first_leaves_the_rest_of_the_object_as_it_was() {
         let ids = super::ids_json(&[5, 6]);
         let rest = serde_json::to_vec(&json!({ "a": 1, "b": { "c": [2] } })).expect("json");
-        let body = super::with_first("input_ids", &ids, &rest).to_bytes();
+        let body = super::with_first(r#"{"input_ids":"#, &ids, &rest).to_bytes();
         let v: Value = serde_json::from_slice(&body).expect("valid JSON");
         assert_eq!(v, json!({ "input_ids": [5, 6], "a": 1, "b": { "c": [2] } }));
         assert!(body.starts_with(b"{\"input_ids\":[5,6],"));
-        let alone = super::with_first("prompt", &ids, b"{}").to_bytes();
+        let alone = super::with_first(r#"{"prompt":"#, &ids, b"{}").to_bytes();
         assert_eq!(&alone[..], b"{\"prompt\":[5,6]}");
     }
 }

@@ -80,7 +80,7 @@ impl SglangBackend {
             stream,
         };
         let rest = serde_json::to_vec(&body).unwrap_or_default();
-        super::with_first("input_ids", d.ids_json(), &rest)
+        super::with_first(r#"{"input_ids":"#, d.ids_json(), &rest)
     }
 }
 

@@ -124,7 +124,7 @@ impl VllmBackend {
         }
         // The prompt's ids go first, written once for both halves.
         super::with_first(
-            "prompt",
+            r#"{"prompt":"#,
             d.ids_json(),
             &serde_json::to_vec(&b).unwrap_or_default(),
         )
