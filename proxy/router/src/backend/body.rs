@@ -9,32 +9,22 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use hyper::body::{Frame, SizeHint};
 
-/// At most this many pieces.
-const PIECES: usize = 3;
-
-/// A request body of up to three pieces (empty ones skipped), its length known in advance.
+/// A request body of up to three pieces, its length known in advance. A piece is taken (left
+/// empty) when it is sent, so what is left is what the pieces hold; empty ones are skipped.
 #[derive(Clone, Debug, Default)]
 pub struct ReqBody {
-    pieces: [Bytes; PIECES],
-    /// The next piece to send.
-    next: usize,
+    pieces: [Bytes; 3],
 }
 
 impl ReqBody {
     /// `a`, then `b`, then `c`.
     pub fn of(a: Bytes, b: Bytes, c: Bytes) -> ReqBody {
-        ReqBody {
-            pieces: [a, b, c],
-            next: 0,
-        }
+        ReqBody { pieces: [a, b, c] }
     }
 
     /// Bytes left to send.
     pub fn len(&self) -> usize {
-        self.pieces[self.next.min(PIECES)..]
-            .iter()
-            .map(Bytes::len)
-            .sum()
+        self.pieces.iter().map(Bytes::len).sum()
     }
 
     /// Whether nothing is left to send.
@@ -42,22 +32,9 @@ impl ReqBody {
         self.len() == 0
     }
 
-    /// The whole body in one buffer (a copy: for tests and error messages).
+    /// What is left, in one buffer (a copy: for tests).
     pub fn to_bytes(&self) -> Bytes {
-        match self.pieces[self.next.min(PIECES)..]
-            .iter()
-            .filter(|p| !p.is_empty())
-            .collect::<Vec<_>>()
-            .as_slice()
-        {
-            [] => Bytes::new(),
-            [one] => (*one).clone(),
-            many => Bytes::from(
-                many.iter()
-                    .flat_map(|p| p.iter().copied())
-                    .collect::<Vec<u8>>(),
-            ),
-        }
+        Bytes::from(self.pieces.concat())
     }
 }
 
@@ -75,15 +52,8 @@ impl hyper::body::Body for ReqBody {
         mut self: Pin<&mut Self>,
         _cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        while self.next < PIECES {
-            let at = self.next;
-            self.next += 1;
-            let piece = std::mem::take(&mut self.pieces[at]);
-            if !piece.is_empty() {
-                return Poll::Ready(Some(Ok(Frame::data(piece))));
-            }
-        }
-        Poll::Ready(None)
+        let next = self.pieces.iter_mut().find(|p| !p.is_empty());
+        Poll::Ready(next.map(|p| Ok(Frame::data(std::mem::take(p)))))
     }
 
     fn is_end_stream(&self) -> bool {

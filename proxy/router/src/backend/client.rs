@@ -12,12 +12,12 @@ use tokio_rustls::rustls::pki_types::pem::PemObject;
 use bytes::Bytes;
 use http::{Method, Request, Response};
 use http_body_util::BodyExt;
-
-use super::ReqBody;
 use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
+
+use super::ReqBody;
 
 type Connector = hyper_rustls::HttpsConnector<HttpConnector>;
 
@@ -130,12 +130,8 @@ impl UpstreamClient {
 
     /// Sends `req` on this thread's pool: its own on a connection thread (made on first use),
     /// else the shared one; a long body on the bulk lane.
-    fn request(
-        &self,
-        req: Request<ReqBody>,
-        body_len: usize,
-    ) -> hyper_util::client::legacy::ResponseFuture {
-        if body_len >= super::bulk::BULK_BODY_BYTES && super::bulk::available() {
+    fn request(&self, req: Request<ReqBody>) -> hyper_util::client::legacy::ResponseFuture {
+        if req.body().len() >= super::bulk::BULK_BODY_BYTES && super::bulk::available() {
             return self.s.bulk.request(req);
         }
         if lockstep_serve::threads::current().is_none() {
@@ -206,7 +202,6 @@ impl UpstreamClient {
         body: impl Into<ReqBody>,
         extra: &[(http::HeaderName, http::HeaderValue)],
     ) -> Result<Response<Incoming>, CallError> {
-        let body = body.into();
         let mut req = Request::builder()
             .method(method)
             .uri(url)
@@ -214,11 +209,10 @@ impl UpstreamClient {
         for (k, v) in extra {
             req = req.header(k, v);
         }
-        let len = body.len();
         let req = req
-            .body(body)
+            .body(body.into())
             .map_err(|e| CallError::Connect(format!("bad request for {url}: {e}")))?;
-        self.request(req, len).await.map_err(|e| {
+        self.request(req).await.map_err(|e| {
             let msg = format!("{url}: {}", error_chain(&e));
             if e.is_connect() {
                 CallError::Connect(msg)
