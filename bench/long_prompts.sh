@@ -7,7 +7,8 @@
 # (`--vllm-pd-disaggregation`), each in front of its own pair of upstream mocks
 # (bench/long_prompt_mock.py: one token, the prompt count it was sent). Prints each router's
 # added latency and CPU per request, unique and repeated prompts, and lockstep's short-request
-# p99 while long prompts arrive. Every process started here is stopped by pid on exit.
+# p99 while long prompts arrive (and, as a control, while they go to a second, idle-priority
+# lockstep instead: the floor this machine sets). Every process started here is stopped by pid on exit.
 # Usage: bash bench/long_prompts.sh   (installs the peers into ~/.cache/lockstep-bench)
 # LONG_PROMPTS_ONLY_LOADED=1: only the short-request p99 part. LONG_PROMPTS_BUSY_POLL_US=N: lockstep
 # with `server.busy_poll_us = N` (default 0, off).
@@ -100,13 +101,21 @@ model_toml short 23007 23008
 target/release/lockstep serve --config "$WORK/lockstep.toml" >"$WORK/logs/lockstep.log" 2>&1 &
 LS=$!; PIDS+=($LS)
 
+# The control for the short-request p99: the same lockstep again, every thread at idle
+# priority, taking the long prompts in the control rounds (see bench/long_prompts.py).
+sed "s/127.0.0.1:23030/127.0.0.1:23031/" "$WORK/lockstep.toml" > "$WORK/control.toml"
+"${IDLE[@]}" target/release/lockstep serve --config "$WORK/control.toml" >"$WORK/logs/control.log" 2>&1 &
+PIDS+=($!)
+
 SHORT='{"model":"smollm2","max_tokens":1,"messages":[{"role":"user","content":"hi"}]}'
 for port in 23021 23022; do wait_answers /v1/chat/completions "$SHORT" choices "x:$port"; done
-for _ in $(seq 1 150); do
-  curl -sf -m 2 -H 'authorization: Bearer bench-key' -H 'content-type: application/json' -d "$SHORT" \
-    http://127.0.0.1:23030/v1/chat/completions | grep -q choices && break
-  sleep 0.2
+for port in 23030 23031; do
+  for _ in $(seq 1 150); do
+    curl -sf -m 2 -H 'authorization: Bearer bench-key' -H 'content-type: application/json' -d "$SHORT" \
+      http://127.0.0.1:$port/v1/chat/completions | grep -q choices && break
+    sleep 0.2
+  done
 done
-python3 bench/long_prompts.py http://127.0.0.1:23004 \
+LONG_PROMPTS_CONTROL=http://127.0.0.1:23031 python3 bench/long_prompts.py http://127.0.0.1:23004 \
   "smg-1.13.0=http://127.0.0.1:23021=$SMG" "vllm-router-0.1.17=http://127.0.0.1:23022=$VR" \
   "lockstep=http://127.0.0.1:23030=$LS=bench-key"

@@ -94,6 +94,8 @@ fn shown(path: Option<&PathBuf>) -> String {
 }
 
 fn main() -> ExitCode {
+    // Before the first large buffer: see lockstep_serve::memory.
+    let huge_pages_off = lockstep_serve::memory::no_huge_pages();
     let cli = Cli::parse();
     // The runtime's size comes from the config, so the config is read before the runtime exists.
     let threads = match &cli.command {
@@ -108,7 +110,7 @@ fn main() -> ExitCode {
         rt.worker_threads(threads);
     }
     match rt.enable_all().build() {
-        Ok(rt) => rt.block_on(run(cli)),
+        Ok(rt) => rt.block_on(run(cli, huge_pages_off)),
         Err(e) => {
             eprintln!("cannot start the async runtime: {e}");
             ExitCode::FAILURE
@@ -116,7 +118,7 @@ fn main() -> ExitCode {
     }
 }
 
-async fn run(cli: Cli) -> ExitCode {
+async fn run(cli: Cli, huge_pages_off: bool) -> ExitCode {
     match cli.command {
         Command::Probe(args) => ExitCode::from(lockstep_probe::run(args).await),
         Command::Check { config, offline } => {
@@ -265,6 +267,11 @@ async fn run(cli: Cli) -> ExitCode {
                         return ExitCode::FAILURE;
                     }
                 };
+            if !huge_pages_off && cfg!(target_os = "linux") {
+                tracing::warn!(
+                    "transparent huge pages could not be turned off: long prompts cost more CPU"
+                );
+            }
             // Signal handlers go in before the listener opens: a SIGHUP or SIGTERM that arrives
             // right after "listening" must reach them, not the default action (terminate).
             let signals = Signals::install();

@@ -10,6 +10,7 @@ pub mod accept;
 mod activity;
 pub mod busy_poll;
 pub mod engine_section;
+pub mod memory;
 pub mod model_file;
 pub mod signals;
 pub mod tasks;
