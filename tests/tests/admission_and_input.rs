@@ -37,6 +37,8 @@ async fn malformed_input_table() {
         ("messages wrong type", chat, json!({"model": MODEL, "messages": "hi"}).to_string().into_bytes(), 400, "invalid_request"),
         ("empty messages", chat, json!({"model": MODEL, "messages": []}).to_string().into_bytes(), 400, "invalid_request"),
         ("unknown role", chat, json!({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}).to_string().into_bytes(), 400, "invalid_request"),
+        ("content a number", chat, json!({"model": MODEL, "messages": [{"role": "user", "content": 5}]}).to_string().into_bytes(), 400, "invalid_request"),
+        ("content an object", chat, json!({"model": MODEL, "messages": [{"role": "user", "content": {"text": "hi"}}]}).to_string().into_bytes(), 400, "invalid_request"),
         ("negative max_tokens", chat, json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -5}).to_string().into_bytes(), 400, "invalid_request"),
         ("zero max_tokens", cmpl, json!({"model": MODEL, "prompt": "hi", "max_tokens": 0}).to_string().into_bytes(), 400, "invalid_request"),
         ("max_tokens wrong type", cmpl, json!({"model": MODEL, "prompt": "hi", "max_tokens": "ten"}).to_string().into_bytes(), 400, "invalid_request"),

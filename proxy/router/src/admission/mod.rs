@@ -45,8 +45,7 @@ pub struct Caller {
 }
 
 /// A completion-style prompt as clients send it: a string, a list of one string, or token ids.
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
+#[derive(Debug)]
 pub enum Prompt {
     /// One text.
     Text(String),
@@ -56,6 +55,47 @@ pub enum Prompt {
     Ids(Vec<u32>),
     /// Lists of token ids (only a list of one is served).
     Batches(Vec<Vec<u32>>),
+}
+
+/// A string prompt is taken as the parser hands it over (an untagged enum would buffer a copy of
+/// it first; see `http::text_or`); a list is one of the list forms, tried in order.
+impl<'de> Deserialize<'de> for Prompt {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Prompt, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum List {
+            Texts(Vec<String>),
+            Ids(Vec<u32>),
+            Batches(Vec<Vec<u32>>),
+        }
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = Prompt;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a string, a list of strings, or token ids")
+            }
+
+            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<Prompt, E> {
+                Ok(Prompt::Text(s.to_owned()))
+            }
+
+            fn visit_string<E: serde::de::Error>(self, s: String) -> Result<Prompt, E> {
+                Ok(Prompt::Text(s))
+            }
+
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, seq: A) -> Result<Prompt, A::Error> {
+                Ok(
+                    match List::deserialize(serde::de::value::SeqAccessDeserializer::new(seq))? {
+                        List::Texts(t) => Prompt::Texts(t),
+                        List::Ids(i) => Prompt::Ids(i),
+                        List::Batches(b) => Prompt::Batches(b),
+                    },
+                )
+            }
+        }
+        d.deserialize_any(V)
+    }
 }
 
 /// What a front end asks the model to continue.
@@ -390,4 +430,28 @@ pub fn fit(
         model.cfg.context_window,
         model.kv_capacity(),
     )
+}
+
+#[cfg(test)]
+mod prompt_tests {
+    use super::Prompt;
+
+    #[test]
+    fn a_prompt_is_a_string_strings_ids_or_batches_of_ids() {
+        let p = |j: &str| serde_json::from_str::<Prompt>(j);
+        assert!(matches!(p(r#""a\u00e9""#), Ok(Prompt::Text(t)) if t == "aé"));
+        assert!(matches!(p(r#"["a", "b"]"#), Ok(Prompt::Texts(t)) if t == ["a", "b"]));
+        assert!(matches!(p("[1, 2]"), Ok(Prompt::Ids(i)) if i == [1, 2]));
+        assert!(matches!(p("[[1], [2, 3]]"), Ok(Prompt::Batches(b)) if b == [vec![1], vec![2, 3]]));
+        // An empty list is the first list form, as the untagged enum had it.
+        assert!(matches!(p("[]"), Ok(Prompt::Texts(t)) if t.is_empty()));
+        for bad in ["5", "null", r#"{"a": 1}"#, "[-1]", r#"[1, "a"]"#, "[1.5]"] {
+            assert!(p(bad).is_err(), "{bad}");
+        }
+        let e = p("5").expect_err("number").to_string();
+        assert!(
+            e.contains("a string, a list of strings, or token ids"),
+            "{e}"
+        );
+    }
 }

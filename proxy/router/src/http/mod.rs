@@ -10,6 +10,7 @@ mod respond;
 pub(crate) mod responses;
 mod responses_out;
 pub(crate) mod rest;
+pub(crate) mod text_or;
 mod tools;
 
 use std::sync::Arc;

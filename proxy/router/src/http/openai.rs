@@ -219,13 +219,19 @@ impl CommonParams {
     }
 }
 
-/// Message content: a string or a list of typed parts.
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
+/// Message content: a string or a list of typed parts (read by hand: `http::text_or`).
+#[derive(Debug)]
 pub(crate) enum Content {
     Text(String),
     Parts(Vec<ContentPart>),
 }
+
+crate::http::text_or::text_or_list_enum!(
+    Content,
+    Text,
+    Parts,
+    "a string or a list of content parts"
+);
 
 #[derive(Debug, Deserialize)]
 pub(crate) struct ContentPart {
@@ -444,4 +450,50 @@ impl FrontRequest for CompletionRequest {
 /// `POST /v1/completions`.
 pub(crate) async fn completions(Admit(admitted, shape): Admit<CompletionRequest>) -> Response {
     serve_pair(admitted, shape).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Content;
+
+    #[test]
+    fn content_is_a_string_or_a_list_of_parts_and_nothing_else() {
+        // Plain, escaped (serde_json unescapes into its scratch buffer), and long.
+        for (json, want) in [
+            (r#""hi""#, "hi".to_string()),
+            (r#""a\nb \u00e9""#, "a\nb é".to_string()),
+            (&format!("\"{}\"", "x".repeat(200_000)), "x".repeat(200_000)),
+        ] {
+            match serde_json::from_str::<Content>(json).expect("text") {
+                Content::Text(t) => assert_eq!(t, want),
+                Content::Parts(_) => panic!("parts"),
+            }
+        }
+        let parts: Content = serde_json::from_str(
+            r#"[{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "u"}}]"#,
+        )
+        .expect("parts");
+        match parts {
+            Content::Parts(p) => {
+                assert_eq!(p.len(), 2);
+                assert_eq!(p[0].kind, "text");
+                assert_eq!(p[0].text.as_deref(), Some("a"));
+                assert_eq!(p[1].kind, "image_url");
+                assert!(p[1].rest.contains_key("image_url"));
+            }
+            Content::Text(_) => panic!("text"),
+        }
+        for bad in ["5", "true", r#"{"text": "hi"}"#, r#"[5]"#] {
+            let e = serde_json::from_str::<Content>(bad)
+                .expect_err(bad)
+                .to_string();
+            assert!(
+                e.contains("a string or a list of content parts") || e.contains("invalid type"),
+                "{bad}: {e}"
+            );
+        }
+        // `null` is no content (the message's field is an Option).
+        let none: Option<Content> = serde_json::from_str("null").expect("null");
+        assert!(none.is_none());
+    }
 }

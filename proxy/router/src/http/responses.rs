@@ -19,13 +19,19 @@ use crate::backend::SamplingParams;
 use crate::error::LockstepError;
 use crate::state::ModelRuntime;
 
-/// `input`: one text (a user message) or a list of message items.
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
+/// `input`: one text (a user message) or a list of message items (read by hand:
+/// `http::text_or`).
+#[derive(Debug)]
 pub(crate) enum InputItems {
     Text(String),
     Items(Vec<Item>),
 }
+crate::http::text_or::text_or_list_enum!(
+    InputItems,
+    Text,
+    Items,
+    "a string or a list of input items"
+);
 
 /// One input item; only messages are served.
 #[derive(Debug, Deserialize)]
@@ -38,12 +44,18 @@ pub(crate) struct Item {
     rest: Map<String, Value>,
 }
 
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
+/// An input message's content: a string or a list of parts (read by hand: `http::text_or`).
+#[derive(Debug)]
 pub(crate) enum ItemContent {
     Text(String),
     Parts(Vec<Part>),
 }
+crate::http::text_or::text_or_list_enum!(
+    ItemContent,
+    Text,
+    Parts,
+    "a string or a list of content parts"
+);
 
 #[derive(Debug, Deserialize)]
 pub(crate) struct Part {
