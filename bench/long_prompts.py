@@ -1,6 +1,6 @@
 """Client of bench/long_prompts.sh: long chat prompts (a system prompt of 16 KiB, 128 KiB or
 1 MiB of English-like text, then a short question) through each router, one at a time, on
-keep-alive connections. Per router and size: the median latency, the latency it adds over the
+keep-alive connections, after a warm-up (WARMUP) that is not measured. Per router and size: the median latency, the latency it adds over the
 same request sent straight to the decode mock, and its CPU time per request (user + system of its
 process tree, from /proc). Unique prompts (a new text every request) and a repeated prefix (the
 same system prompt, a new question). Then, for lockstep, short requests' p99 alone and while
@@ -23,6 +23,11 @@ WORDS = ["the", "router", "pairs", "prefill", "and", "decode", "halves", "of", "
          "request", "tenant", "cache,", "12", "never", "leaks.", "Ünïcode"]
 # (label, bytes, requests measured): after one more that warms each router up (not counted).
 SIZES = [("16 KiB", 16 << 10, 21), ("128 KiB", 128 << 10, 21), ("1 MiB", 1 << 20, 7)]
+# Unique prompts of each size every router (and the direct mock) takes before anything is
+# measured, so each is measured in its steady state: an allocator's heap grows to what these
+# bodies need over the first hundreds of requests (lockstep's by about 40 MB, its p50 at
+# 128 KiB falling from about 2.1 to 1.6 ms on the way), as a long-running router's has.
+WARMUP = {16 << 10: 200, 128 << 10: 200, 1 << 20: 30}
 TICK = os.sysconf("SC_CLK_TCK")
 SHORTS = 4000  # short requests per condition (alone, loaded, control): enough for a stable p99
 BLOCKS = 20  # blocks per condition in the short-request measurement
@@ -144,6 +149,12 @@ def main():
 
     # LONG_PROMPTS_ONLY_LOADED=1: only the short-request measurement at the end.
     modes = () if os.environ.get("LONG_PROMPTS_ONLY_LOADED") else ("unique", "repeated")
+    if modes:
+        for size, n in WARMUP.items():
+            warm = [body(prose(500_000 + size + i, size), i) for i in range(n)]
+            for t in [direct, *targets]:
+                for b in warm:
+                    t.post(b)
     for mode in modes:
         print(f"\n### {mode} prompts\n")
         print("| prompt | " + " | ".join(f"{t.name}: added p50, CPU/req" for t in targets) + " | direct p50 |")
