@@ -57,44 +57,46 @@ pub enum Prompt {
     Batches(Vec<Vec<u32>>),
 }
 
-/// A string prompt is taken as the parser hands it over (an untagged enum would buffer a copy of
-/// it first; see `http::text_or`); a list is one of the list forms, tried in order.
+/// A string prompt is taken as the parser hands it over (`http::text_or`); a list is one of the
+/// list forms, all its elements of one kind (an empty list is no texts).
 impl<'de> Deserialize<'de> for Prompt {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Prompt, D::Error> {
         #[derive(Deserialize)]
         #[serde(untagged)]
-        enum List {
-            Texts(Vec<String>),
-            Ids(Vec<u32>),
-            Batches(Vec<Vec<u32>>),
+        enum Elem {
+            Text(String),
+            Id(u32),
+            Batch(Vec<u32>),
         }
-        struct V;
-        impl<'de> serde::de::Visitor<'de> for V {
-            type Value = Prompt;
-
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("a string, a list of strings, or token ids")
-            }
-
-            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<Prompt, E> {
-                Ok(Prompt::Text(s.to_owned()))
-            }
-
-            fn visit_string<E: serde::de::Error>(self, s: String) -> Result<Prompt, E> {
-                Ok(Prompt::Text(s))
-            }
-
-            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, seq: A) -> Result<Prompt, A::Error> {
-                Ok(
-                    match List::deserialize(serde::de::value::SeqAccessDeserializer::new(seq))? {
-                        List::Texts(t) => Prompt::Texts(t),
-                        List::Ids(i) => Prompt::Ids(i),
-                        List::Batches(b) => Prompt::Batches(b),
-                    },
-                )
-            }
+        const EXPECTING: &str = "a string, a list of strings, or token ids";
+        let list = match crate::http::text_or::text_or_list::<_, Elem>(d, EXPECTING)? {
+            Ok(text) => return Ok(Prompt::Text(text)),
+            Err(list) => list,
+        };
+        /// Every element through `pick`, or an error for a list of mixed kinds.
+        fn all<T, E: serde::de::Error>(
+            list: Vec<Elem>,
+            pick: fn(Elem) -> Option<T>,
+        ) -> Result<Vec<T>, E> {
+            let mixed = || E::custom(format!("a prompt list mixes kinds: expected {EXPECTING}"));
+            list.into_iter()
+                .map(|e| pick(e).ok_or_else(mixed))
+                .collect()
         }
-        d.deserialize_any(V)
+        Ok(match list.first() {
+            None | Some(Elem::Text(_)) => Prompt::Texts(all(list, |e| match e {
+                Elem::Text(t) => Some(t),
+                _ => None,
+            })?),
+            Some(Elem::Id(_)) => Prompt::Ids(all(list, |e| match e {
+                Elem::Id(i) => Some(i),
+                _ => None,
+            })?),
+            Some(Elem::Batch(_)) => Prompt::Batches(all(list, |e| match e {
+                Elem::Batch(b) => Some(b),
+                _ => None,
+            })?),
+        })
     }
 }
 
@@ -445,7 +447,16 @@ mod prompt_tests {
         assert!(matches!(p("[[1], [2, 3]]"), Ok(Prompt::Batches(b)) if b == [vec![1], vec![2, 3]]));
         // An empty list is the first list form, as the untagged enum had it.
         assert!(matches!(p("[]"), Ok(Prompt::Texts(t)) if t.is_empty()));
-        for bad in ["5", "null", r#"{"a": 1}"#, "[-1]", r#"[1, "a"]"#, "[1.5]"] {
+        for bad in [
+            "5",
+            "null",
+            r#"{"a": 1}"#,
+            "[-1]",
+            r#"[1, "a"]"#,
+            r#"["a", 1]"#,
+            "[[1], 2]",
+            "[1.5]",
+        ] {
             assert!(p(bad).is_err(), "{bad}");
         }
         let e = p("5").expect_err("number").to_string();
