@@ -184,8 +184,6 @@ def main():
              for q in range(SHORTS)]
     assert all(b'"model": "short"' in b for b in short)
     p99 = lambda xs: xs[int(len(xs) * 0.99) - 1]
-    # Three rounds of alone-then-loaded: the machine's own noise moves a p99 from one minute
-    # to the next, so each loaded figure is judged against the one measured just before it.
     # The control: the same long prompts sent to a second lockstep whose every thread runs at
     # idle priority (LONG_PROMPTS_CONTROL, started by long_prompts.sh), so the lockstep that serves
     # the short requests does no work for them. What the short requests lose then is the floor

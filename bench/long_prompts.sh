@@ -8,7 +8,8 @@
 # (bench/long_prompt_mock.py: one token, the prompt count it was sent). Prints each router's
 # added latency and CPU per request, unique and repeated prompts, and lockstep's short-request
 # p99 while long prompts arrive (and, as a control, while they go to a second, idle-priority
-# lockstep instead: the floor this machine sets). Every process started here is stopped by pid on exit.
+# lockstep instead: the floor this machine sets). Every process started here is stopped by pid
+# on exit.
 # Usage: bash bench/long_prompts.sh   (installs the peers into ~/.cache/lockstep-bench)
 # LONG_PROMPTS_ONLY_LOADED=1: only the short-request p99 part. LONG_PROMPTS_BUSY_POLL_US=N: lockstep
 # with `server.busy_poll_us = N` (default 0, off).
@@ -102,7 +103,7 @@ target/release/lockstep serve --config "$WORK/lockstep.toml" >"$WORK/logs/lockst
 LS=$!; PIDS+=($LS)
 
 # The control for the short-request p99: the same lockstep again, every thread at idle
-# priority, taking the long prompts in the control rounds (see bench/long_prompts.py).
+# priority, taking the long prompts in the control blocks (see bench/long_prompts.py).
 sed "s/127.0.0.1:23030/127.0.0.1:23031/" "$WORK/lockstep.toml" > "$WORK/control.toml"
 "${IDLE[@]}" target/release/lockstep serve --config "$WORK/control.toml" >"$WORK/logs/control.log" 2>&1 &
 PIDS+=($!)
