@@ -31,7 +31,7 @@ fn prose(seed: u64, n: usize) -> String {
         "leaks.",
         "Ünïcode",
     ];
-    let mut x = seed | 1;
+    let mut x = seed.wrapping_mul(2) | 1;
     let mut s = String::with_capacity(n + 16);
     while s.len() < n {
         x ^= x << 13;
@@ -52,7 +52,7 @@ fn varied(seed: u64, n: usize) -> String {
         "wa", "xe", "yo", "zy", "äu", "ön", "ße", "ñi", "çe", "ét", "ło", "ři", "ıs", "th", "sch",
         "tz", "ng", "ck", "ph",
     ];
-    let mut x = seed | 1;
+    let mut x = seed.wrapping_mul(2) | 1;
     let mut next = || {
         x ^= x << 13;
         x ^= x >> 7;

@@ -120,16 +120,43 @@ fn a_hit_never_crosses_tenants() {
         codec.segment_cache_counts().expect("cache").0 - before
     };
     assert_eq!(ask(1, 1), 0, "tenant 1's first request hits nothing");
+    assert_eq!(ask(1, 2), 0, "seen once before: cached now, not yet served");
     assert!(
-        ask(1, 2) >= 16 << 10,
-        "tenant 1's second reuses its system prompt"
+        ask(1, 3) >= 16 << 10,
+        "tenant 1's third reuses its system prompt"
     );
-    assert_eq!(ask(2, 3), 0, "tenant 2 never reads tenant 1's pieces");
-    assert!(ask(2, 4) >= 16 << 10, "tenant 2 reuses its own");
+    assert_eq!(ask(2, 4), 0, "tenant 2 never reads tenant 1's pieces");
+    assert_eq!(
+        ask(2, 5),
+        0,
+        "nor do tenant 1's sightings count for tenant 2"
+    );
+    assert!(ask(2, 6) >= 16 << 10, "tenant 2 reuses its own");
 }
 
-/// Through lockstep: the second request with the same long system prompt is tokenized from the
-/// cache (the metric says how much), and is judged the same (here: too long for the 512-token
+/// The doorkeeper: a piece sent once is not kept; the second time it is cached, the third it
+/// is served, with the same ids every time.
+#[test]
+fn a_piece_is_cached_the_second_time_it_is_seen() {
+    let Some(codec) = codec() else { return };
+    let once = text(77, 20 << 10);
+    let hit = |p: &str| {
+        let before = codec.segment_cache_counts().expect("cache").0;
+        let ids = codec.encode_salted(p, Some(5)).expect("encode");
+        assert_eq!(ids, codec.encode(p).expect("whole"));
+        codec.segment_cache_counts().expect("cache").0 - before
+    };
+    assert_eq!(hit(&once), 0);
+    assert_eq!(hit(&text(78, 20 << 10)), 0, "another piece");
+    assert_eq!(hit(&once), 0, "the second sighting caches it");
+    assert_eq!(hit(&once), once.len() as u64, "the third is served");
+    assert_eq!(hit(&text(78, 20 << 10)), 0, "the other, seen twice now");
+    let other = text(78, 20 << 10);
+    assert_eq!(hit(&other), other.len() as u64, "and then served");
+}
+
+/// Through lockstep: the third request with the same long system prompt is tokenized from the
+/// cache (the second caches it; the metric says how much), and is judged the same (here: too long for the 512-token
 /// context, the same count either way).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lockstep_serves_a_repeated_long_prefix_from_the_cache() {
@@ -148,7 +175,7 @@ async fn lockstep_serves_a_repeated_long_prefix_from_the_cache() {
             .unwrap_or(0)
     };
     let mut answers = Vec::new();
-    for question in ["What is it?", "Say it again."] {
+    for question in ["What is it?", "Say it again.", "Say it twice."] {
         let body = serde_json::json!({
             "model": lockstep_tests::embedded::MODEL,
             "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
@@ -160,15 +187,16 @@ async fn lockstep_serves_a_repeated_long_prefix_from_the_cache() {
             a.status,
             a.json()["error"]["message"].as_str().map(str::to_string),
         ));
-        if answers.len() == 2 {
+        if answers.len() == 3 {
             assert!(
                 hits() - before >= 6000,
                 "the system prompt came from the cache"
             );
         } else {
-            assert_eq!(hits(), before, "nothing to hit the first time");
+            assert_eq!(hits(), before, "nothing to hit the first two times");
         }
     }
     assert_eq!(answers[0].0, 400, "{answers:?}");
-    assert_eq!(answers[0], answers[1], "the same count either way");
+    assert_eq!(answers[0], answers[2], "the same count either way");
+    assert_eq!(answers[1], answers[2]);
 }

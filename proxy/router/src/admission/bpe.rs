@@ -243,7 +243,12 @@ impl FastBpe {
             }
             return;
         }
-        if let Some(&(at, len)) = words.seen.get(w) {
+        let short = pack(bytes);
+        let seen = match short {
+            Some(k) => words.short.get(&k),
+            None => words.seen.get(w),
+        };
+        if let Some(&(at, len)) = seen {
             // Most words are a token or two: a loop, not a copy call.
             for k in at as usize..(at + len) as usize {
                 let id = out[k];
@@ -257,8 +262,12 @@ impl FastBpe {
             None if bytes.len() <= SHORT_WORD => self.merge_short(bytes, out),
             None => self.merge(bytes, out, &mut words.scratch),
         }
-        if words.seen.len() < MAX_WORDS {
-            words.seen.insert(w, (at as u32, (out.len() - at) as u32));
+        if words.short.len() + words.seen.len() < MAX_WORDS {
+            let place = (at as u32, (out.len() - at) as u32);
+            match short {
+                Some(k) => drop(words.short.insert(k, place)),
+                None => drop(words.seen.insert(w, place)),
+            }
         }
     }
 
@@ -452,11 +461,37 @@ struct Scratch {
     queue: BinaryHeap<Reverse<(u32, usize, u32)>>,
 }
 
-/// The words one call has encoded: where their ids are in the output.
+/// The words one call has encoded: where their ids are in the output. Words of up to 16 bytes
+/// (nearly all of them) are keyed by [`pack`]: no string hashing, no compare call.
 #[derive(Default)]
 struct Words<'t> {
+    short: foldhash::HashMap<(u64, u64, u8), (u32, u32)>,
     seen: foldhash::HashMap<&'t str, (u32, u32)>,
     scratch: Scratch,
+}
+
+/// A word of 2 to 16 bytes as a key that tells it from every other such word: its length and
+/// two loads that together cover all its bytes (overlapping where it is shorter than the two);
+/// `None` for other lengths.
+#[inline]
+fn pack(b: &[u8]) -> Option<(u64, u64, u8)> {
+    let n = b.len();
+    let (lo, hi) = match n {
+        8..=16 => (
+            u64::from_le_bytes(b[..8].try_into().ok()?),
+            u64::from_le_bytes(b[n - 8..].try_into().ok()?),
+        ),
+        4..=7 => (
+            u64::from(u32::from_le_bytes(b[..4].try_into().ok()?)),
+            u64::from(u32::from_le_bytes(b[n - 4..].try_into().ok()?)),
+        ),
+        2..=3 => (
+            u64::from(u16::from_le_bytes(b[..2].try_into().ok()?)),
+            u64::from(u16::from_le_bytes(b[n - 2..].try_into().ok()?)),
+        ),
+        _ => return None,
+    };
+    Some((lo, hi, n as u8))
 }
 
 /// A model's text-to-ids path: [`FastBpe`] where this tokenizer allows it and it gives the

@@ -8,14 +8,19 @@
 //! is the tenant's salt and the piece's whole text, compared in full: a hit never crosses
 //! tenants and never rests on a hash alone.
 //!
+//! A piece is cached the second time the tenant sends it (a doorkeeper, as in TinyLFU): a
+//! one-off document is tokenized and forgotten, with no copy kept and no room taken from the
+//! pieces that come back.
+//!
 //! A long piece nobody sent before is tokenized in chunks on the thread pool, cut only between a
 //! letter and a space before another letter: a byte-level BPE's pre-tokenizer (GPT-2's pattern,
 //! after an optional digit split) always cuts there, and merges never cross its cuts. Chunking is
 //! on only for such a tokenizer (no normalizer, no prefix space), and proven on it at start.
 
-use std::hash::{Hash, Hasher};
-use std::sync::Arc;
+use std::collections::VecDeque;
+use std::hash::{BuildHasher, Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use aho_corasick::AhoCorasick;
 use tokenizers::Tokenizer;
@@ -65,10 +70,24 @@ pub struct SegmentCache {
     cache: quick_cache::sync::Cache<Key, Arc<[u32]>, Bytes>,
     /// Every special token: a piece ends right after one.
     ends: AhoCorasick,
+    /// The doorkeeper: a piece is cached the second time it is seen, not the first
+    /// ([`SegmentCache::second_sighting`]).
+    seen_once: Mutex<SeenOnce>,
+    seen_hasher: foldhash::quality::RandomState,
     hit_bytes: AtomicU64,
     miss_bytes: AtomicU64,
     /// Long pieces may be tokenized in chunks ([`cut_points`]).
     chunked: bool,
+}
+
+/// How many pieces seen once the doorkeeper remembers (a hash each, oldest forgotten first).
+const SEEN_ONCE: usize = 4096;
+
+/// The doorkeeper's memory: the hashes of the last [`SEEN_ONCE`] pieces seen once.
+#[derive(Default)]
+struct SeenOnce {
+    order: VecDeque<u64>,
+    set: foldhash::HashSet<u64>,
 }
 
 impl SegmentCache {
@@ -98,6 +117,8 @@ impl SegmentCache {
         let cache = SegmentCache {
             cache: quick_cache::sync::Cache::with_weighter(4096, capacity_bytes, Bytes),
             ends,
+            seen_once: Mutex::default(),
+            seen_hasher: foldhash::quality::RandomState::default(),
             hit_bytes: AtomicU64::new(0),
             miss_bytes: AtomicU64::new(0),
             chunked: false,
@@ -189,12 +210,39 @@ impl SegmentCache {
             }
             miss += piece.len() as u64;
             let fresh = self.tokenize(enc, piece)?;
-            ids.extend_from_slice(&fresh);
-            self.cache.insert(Key(salt, piece.into()), fresh.into());
+            if self.second_sighting(salt, piece) {
+                ids.extend_from_slice(&fresh);
+                self.cache.insert(Key(salt, piece.into()), fresh.into());
+            } else if ids.is_empty() {
+                ids = fresh;
+            } else {
+                ids.extend_from_slice(&fresh);
+            }
         }
         self.hit_bytes.fetch_add(hit, Ordering::Relaxed);
         self.miss_bytes.fetch_add(miss, Ordering::Relaxed);
         Ok(ids)
+    }
+
+    /// Whether this tenant's piece, not in the cache, was seen before (and so is cached now):
+    /// a piece sent once (a one-off document) costs no copy and takes no room from the pieces
+    /// that come back (a system prompt, a conversation's earlier turns). The doorkeeper keeps
+    /// hashes and only decides what is cached: a hit is still the full text compared, and a
+    /// hash that collides only caches a piece one sighting early.
+    fn second_sighting(&self, salt: u64, piece: &str) -> bool {
+        let h = self.seen_hasher.hash_one((salt, piece));
+        let mut seen = self.seen_once.lock().unwrap_or_else(|e| e.into_inner());
+        if seen.set.remove(&h) {
+            return true;
+        }
+        if seen.order.len() >= SEEN_ONCE
+            && let Some(old) = seen.order.pop_front()
+        {
+            seen.set.remove(&old);
+        }
+        seen.order.push_back(h);
+        seen.set.insert(h);
+        false
     }
 
     /// Long pieces nobody cached are tokenized in chunks.
@@ -236,21 +284,21 @@ fn chunkable(t: &Tokenizer) -> bool {
 }
 
 /// Offsets about every `every` bytes of `text` where a chunk may end: a space between a letter
-/// and a letter (the first such place at or after each multiple of `every`).
+/// and a letter (the first such place at or after each multiple of `every`). It looks only from
+/// each multiple on, not at every character before it.
 fn cut_points(text: &str, every: usize) -> impl Iterator<Item = usize> + '_ {
-    let mut next = every;
-    let mut prev: Option<char> = None;
-    let mut it = text.char_indices().peekable();
+    let bytes = text.as_bytes();
+    let mut from = every.max(1);
     std::iter::from_fn(move || {
-        while let Some((i, c)) = it.next() {
-            let before = prev.replace(c);
-            if i < next || c != ' ' {
-                continue;
-            }
-            let after = it.peek().map(|&(_, a)| a);
+        while from < bytes.len() {
+            // A space is one byte that never occurs inside another character.
+            let at = from + bytes[from..].iter().position(|&b| b == b' ')?;
+            from = at + 1;
+            let before = text[..at].chars().next_back();
+            let after = text[at + 1..].chars().next();
             if before.is_some_and(char::is_alphabetic) && after.is_some_and(char::is_alphabetic) {
-                next = i + every;
-                return Some(i);
+                from = at + every.max(1);
+                return Some(at);
             }
         }
         None
@@ -298,5 +346,44 @@ mod tests {
         // Every `every` bytes at most once.
         assert_eq!(super::cut_points(text, 10).collect::<Vec<_>>(), [18]);
         assert_eq!(super::cut_points("ééé ééé", 1).collect::<Vec<_>>(), [6]);
+    }
+
+    /// The cut points, found by jumping to each multiple, are those of a walk over every
+    /// character, on text with multi-byte letters, digits, spaces and punctuation.
+    #[test]
+    fn cut_points_are_those_of_a_walk_over_every_character() {
+        fn walk(text: &str, every: usize) -> Vec<usize> {
+            let chars: Vec<(usize, char)> = text.char_indices().collect();
+            let mut next = every;
+            let mut out = Vec::new();
+            for (k, &(i, c)) in chars.iter().enumerate() {
+                let before = k.checked_sub(1).map(|j| chars[j].1);
+                let after = chars.get(k + 1).map(|&(_, a)| a);
+                if i >= next
+                    && c == ' '
+                    && before.is_some_and(char::is_alphabetic)
+                    && after.is_some_and(char::is_alphabetic)
+                {
+                    out.push(i);
+                    next = i + every;
+                }
+            }
+            out
+        }
+        let words = [
+            "Über", "naïve", " ", "  ", "12", "x", "中文", ",", "\n", "é", "ab",
+        ];
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut text = String::new();
+        while text.len() < 20_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            text.push_str(words[(x % words.len() as u64) as usize]);
+        }
+        for every in [0, 1, 2, 7, 100, 4096, 50_000] {
+            let jumped: Vec<usize> = super::cut_points(&text, every).collect();
+            assert_eq!(jumped, walk(&text, every), "every {every}");
+        }
     }
 }
