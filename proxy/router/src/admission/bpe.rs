@@ -23,6 +23,7 @@ use serde_json::Value;
 use tokenizers::Tokenizer;
 
 use super::pretokenize::{Digits, Pretokenizer};
+use super::words::pack;
 use crate::error::LockstepError;
 
 /// An added token the automaton finds: its id, and whether it is special.
@@ -468,30 +469,6 @@ struct Words<'t> {
     short: foldhash::HashMap<(u64, u64, u8), (u32, u32)>,
     seen: foldhash::HashMap<&'t str, (u32, u32)>,
     scratch: Scratch,
-}
-
-/// A word of 2 to 16 bytes as a key that tells it from every other such word: its length and
-/// two loads that together cover all its bytes (overlapping where it is shorter than the two);
-/// `None` for other lengths.
-#[inline]
-fn pack(b: &[u8]) -> Option<(u64, u64, u8)> {
-    let n = b.len();
-    let (lo, hi) = match n {
-        8..=16 => (
-            u64::from_le_bytes(b[..8].try_into().ok()?),
-            u64::from_le_bytes(b[n - 8..].try_into().ok()?),
-        ),
-        4..=7 => (
-            u64::from(u32::from_le_bytes(b[..4].try_into().ok()?)),
-            u64::from(u32::from_le_bytes(b[n - 4..].try_into().ok()?)),
-        ),
-        2..=3 => (
-            u64::from(u16::from_le_bytes(b[..2].try_into().ok()?)),
-            u64::from(u16::from_le_bytes(b[n - 2..].try_into().ok()?)),
-        ),
-        _ => return None,
-    };
-    Some((lo, hi, n as u8))
 }
 
 /// A model's text-to-ids path: [`FastBpe`] where this tokenizer allows it and it gives the

@@ -238,22 +238,3 @@ fn past_the_word_tables_cap_words_still_tokenize_alike() {
     let want = t.encode(text.as_str(), false).expect("encode");
     assert_eq!(fast.encode(&text, false), want.get_ids());
 }
-
-/// Every word of 2 to 16 bytes over two byte values (all 131,068 of them) packs to its own key,
-/// so no byte of any position is left out of it; other lengths do not pack.
-#[test]
-fn packed_words_are_told_apart_at_every_length() {
-    let mut keys = std::collections::HashSet::new();
-    let mut count = 0;
-    for n in 2..=16u32 {
-        for bits in 0..1u32 << n {
-            let word: Vec<u8> = (0..n).map(|i| b'a' + (bits >> i & 1) as u8).collect();
-            assert!(keys.insert(super::pack(&word).expect("packs")), "{word:?}");
-            count += 1;
-        }
-    }
-    assert_eq!(keys.len(), count);
-    for n in [0, 1, 17, 40] {
-        assert_eq!(super::pack(&vec![b'x'; n]), None);
-    }
-}

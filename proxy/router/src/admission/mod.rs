@@ -20,6 +20,7 @@ pub mod bpe;
 pub mod codec;
 mod pretokenize;
 pub mod segments;
+mod words;
 
 pub use codec::{ChatMessage, PromptCodec, check_fits};
 
