@@ -210,13 +210,9 @@ impl SegmentCache {
             }
             miss += piece.len() as u64;
             let fresh = self.tokenize(enc, piece)?;
+            ids.extend_from_slice(&fresh);
             if self.second_sighting(salt, piece) {
-                ids.extend_from_slice(&fresh);
                 self.cache.insert(Key(salt, piece.into()), fresh.into());
-            } else if ids.is_empty() {
-                ids = fresh;
-            } else {
-                ids.extend_from_slice(&fresh);
             }
         }
         self.hit_bytes.fetch_add(hit, Ordering::Relaxed);
