@@ -23,7 +23,7 @@ use serde_json::Value;
 use tokenizers::Tokenizer;
 
 use super::pretokenize::{Digits, Pretokenizer};
-use super::words::pack;
+use super::words::{Words, key};
 use crate::error::LockstepError;
 
 /// An added token the automaton finds: its id, and whether it is special.
@@ -206,7 +206,7 @@ impl FastBpe {
     /// `set_encode_special_tokens(true)`).
     pub fn encode(&self, text: &str, literal_specials: bool) -> Vec<u32> {
         let mut out = Vec::with_capacity(text.len() / 3 + 1);
-        let mut words = Words::default();
+        let mut call = Call::default();
         let mut from = 0;
         if let Some((automaton, tokens)) = &self.added {
             for m in automaton.find_iter(text) {
@@ -214,18 +214,19 @@ impl FastBpe {
                 if literal_specials && token.special {
                     continue;
                 }
-                self.plain(&text[from..m.start()], &mut out, &mut words);
+                self.plain(&text[from..m.start()], &mut out, &mut call);
                 out.push(token.id);
                 from = m.end();
             }
         }
-        self.plain(&text[from..], &mut out, &mut words);
+        self.plain(&text[from..], &mut out, &mut call);
         out
     }
 
     /// Text with no added token in it: each word of the pre-tokenizer, by BPE.
-    fn plain<'t>(&self, text: &'t str, out: &mut Vec<u32>, words: &mut Words<'t>) {
-        self.pre.split(text, &mut |w| self.word(w, out, words));
+    fn plain<'t>(&self, text: &'t str, out: &mut Vec<u32>, call: &mut Call<'t>) {
+        self.pre
+            .split(text, &mut |tail, n| self.word(tail, n, out, call));
     }
 
     /// The rank and merged id of the pair `a`, `b`, if the model merges it.
@@ -234,9 +235,11 @@ impl FastBpe {
         self.merges.get(&pair_key(a, b)).copied()
     }
 
-    /// One word's ids: from the call's table when it came before, else by BPE.
-    fn word<'t>(&self, w: &'t str, out: &mut Vec<u32>, words: &mut Words<'t>) {
-        let bytes = w.as_bytes();
+    /// The ids of the word of `n` bytes at the start of `tail`: from the call's table when it
+    /// came before, else by BPE.
+    #[inline]
+    fn word<'t>(&self, tail: &'t [u8], n: usize, out: &mut Vec<u32>, call: &mut Call<'t>) {
+        let bytes = &tail[..n];
         if let [b] = bytes {
             let id = self.byte_ids[*b as usize];
             if id != NO_TOKEN {
@@ -244,32 +247,17 @@ impl FastBpe {
             }
             return;
         }
-        let short = pack(bytes);
-        let seen = match short {
-            Some(k) => words.short.get(&k),
-            None => words.seen.get(w),
-        };
-        if let Some(&(at, len)) = seen {
-            // Most words are a token or two: a loop, not a copy call.
-            for k in at as usize..(at + len) as usize {
-                let id = out[k];
-                out.push(id);
-            }
+        let key = key(tail, n);
+        if call.words.replay(key, bytes, out) {
             return;
         }
         let at = out.len();
         match self.whole.as_ref().and_then(|v| v.get(bytes)) {
             Some(&id) => out.push(id),
             None if bytes.len() <= SHORT_WORD => self.merge_short(bytes, out),
-            None => self.merge(bytes, out, &mut words.scratch),
+            None => self.merge(bytes, out, &mut call.scratch),
         }
-        if words.short.len() + words.seen.len() < MAX_WORDS {
-            let place = (at as u32, (out.len() - at) as u32);
-            match short {
-                Some(k) => drop(words.short.insert(k, place)),
-                None => drop(words.seen.insert(w, place)),
-            }
-        }
+        call.words.remember(key, bytes, out, at);
     }
 
     /// BPE over a short word: the same merges as [`FastBpe::merge`] in the same order, found by
@@ -451,10 +439,6 @@ struct Symbol {
 /// queue, whose cost grows as n log n, not n².
 const SHORT_WORD: usize = 64;
 
-/// The most words one call's table holds (about 2 MiB): a huge text of ever-new words costs
-/// time, not memory beyond that.
-const MAX_WORDS: usize = 1 << 16;
-
 /// Buffers one merge reuses from the last.
 #[derive(Default)]
 struct Scratch {
@@ -462,12 +446,10 @@ struct Scratch {
     queue: BinaryHeap<Reverse<(u32, usize, u32)>>,
 }
 
-/// The words one call has encoded: where their ids are in the output. Words of up to 16 bytes
-/// (nearly all of them) are keyed by [`pack`]: no string hashing, no compare call.
+/// What one call keeps: the words it has encoded, and the merge's buffers.
 #[derive(Default)]
-struct Words<'t> {
-    short: foldhash::HashMap<(u64, u64, u8), (u32, u32)>,
-    seen: foldhash::HashMap<&'t str, (u32, u32)>,
+struct Call<'t> {
+    words: Words<'t>,
     scratch: Scratch,
 }
 

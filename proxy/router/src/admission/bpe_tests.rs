@@ -222,7 +222,7 @@ fn past_the_word_tables_cap_words_still_tokenize_alike() {
     let t = synthetic(|_| {});
     let fast = FastBpe::from_tokenizer(&t).expect("supported");
     // More distinct words than one call's table holds, then all of them again.
-    let words: Vec<String> = (0..super::MAX_WORDS as u32 + 5_000)
+    let words: Vec<String> = (0..super::super::words::MAX_WORDS as u32 + 5_000)
         .map(|mut n| {
             let mut w = String::from(" ");
             loop {

@@ -23,9 +23,12 @@ enum Class {
     Other,
 }
 
-/// The classes of all characters: a table for ASCII, sorted disjoint ranges for the rest.
+/// The classes of all characters: a table for those of one and two bytes in UTF-8, sorted
+/// disjoint ranges for the rest.
 struct Classes {
     ascii: [Class; 128],
+    /// U+0080 to U+07FF.
+    two: Box<[Class; 0x780]>,
     ranges: Vec<(u32, u32, Class)>,
 }
 
@@ -58,10 +61,15 @@ impl Classes {
         }
         let mut classes = Classes {
             ascii: [Class::Other; 128],
+            two: Box::new([Class::Other; 0x780]),
             ranges,
         };
         for b in 0..128u8 {
             classes.ascii[b as usize] = classes.lookup(b as char);
+        }
+        for c in 0x80..0x800u32 {
+            let class = char::from_u32(c).map_or(Class::Other, |c| classes.lookup(c));
+            classes.two[c as usize - 0x80] = class;
         }
         Ok(classes)
     }
@@ -78,10 +86,10 @@ impl Classes {
 
     #[inline]
     fn of(&self, c: char) -> Class {
-        if c.is_ascii() {
-            self.ascii[c as usize]
-        } else {
-            self.lookup(c)
+        match c as usize {
+            c @ 0..0x80 => self.ascii[c],
+            c @ 0x80..0x800 => self.two[c - 0x80],
+            _ => self.lookup(c),
         }
     }
 }
@@ -123,23 +131,26 @@ impl Pretokenizer {
     }
 
     /// The words of `text` (which holds no added token), in order: the digit split, then the
-    /// pattern.
-    pub(super) fn split<'t>(&self, text: &'t str, emit: &mut impl FnMut(&'t str)) {
+    /// pattern. Each word is given as the rest of its piece from the word's start and the word's
+    /// length in bytes (so a reader may load past the word's end without leaving the text).
+    pub(super) fn split<'t>(&self, text: &'t str, emit: &mut impl FnMut(&'t [u8], usize)) {
         if self.digits == Digits::None {
             return self.pattern(text, emit);
         }
+        let b = text.as_bytes();
         let mut from = 0;
         let mut i = 0;
-        while let Some((c, n)) = char_at(text, i) {
-            let numeric = if c.is_ascii() {
-                c.is_ascii_digit()
-            } else {
-                c.is_numeric()
+        loop {
+            // Only an ASCII digit or a non-ASCII character can be numeric.
+            i = digit_or_wide(b, i);
+            let Some((c, n)) = char_at(text, i) else {
+                break;
             };
+            let numeric = if c.is_ascii() { true } else { is_numeric(c) };
             if numeric {
                 let mut end = i + n;
                 if self.digits == Digits::Runs {
-                    while let Some((_, m)) = char_at(text, end).filter(|(d, _)| d.is_numeric()) {
+                    while let Some((_, m)) = char_at(text, end).filter(|&(d, _)| is_numeric(d)) {
                         end += m;
                     }
                 }
@@ -156,14 +167,28 @@ impl Pretokenizer {
 
     /// GPT-2's pattern, `'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+`,
     /// over one piece (its end is the end of the text for the lookahead).
-    fn pattern<'t>(&self, s: &'t str, emit: &mut impl FnMut(&'t str)) {
+    fn pattern<'t>(&self, s: &'t str, emit: &mut impl FnMut(&'t [u8], usize)) {
         let b = s.as_bytes();
         let mut i = 0;
-        while let Some((c, n)) = char_at(s, i) {
+        while i < b.len() {
             let start = i;
+            // The common word, ` ?[A-Za-z]+`, by eight bytes at a time; a non-ASCII character
+            // after it goes on by the classes.
+            let first = i + usize::from(b[i] == b' ');
+            if b.get(first).is_some_and(u8::is_ascii_alphabetic) {
+                i = ascii_letters_end(b, first + 1);
+                if b.get(i).is_some_and(|&c| c >= 0x80) {
+                    i = self.run(s, i, Class::Letter);
+                }
+                emit(&b[start..], i - start);
+                continue;
+            }
+            let Some((c, n)) = char_at(s, i) else {
+                break;
+            };
             if let Some(k) = (c == '\'').then(|| contraction(&b[i + 1..])).flatten() {
                 i += 1 + k;
-                emit(&s[start..i]);
+                emit(&b[start..], i - start);
                 continue;
             }
             let mut class = self.classes.of(c);
@@ -191,28 +216,142 @@ impl Pretokenizer {
                     at = last;
                 }
             } else {
-                while let Some((_, m)) =
-                    char_at(s, at).filter(|&(d, _)| self.classes.of(d) == class)
-                {
-                    at += m;
-                }
+                at = self.run(s, at, class);
             }
             i = at;
-            emit(&s[start..i]);
+            emit(&b[start..], i - start);
         }
+    }
+
+    /// The end of the run of `class` characters from byte `at` of `s`.
+    #[inline]
+    fn run(&self, s: &str, mut at: usize, class: Class) -> usize {
+        while let Some((_, m)) = char_at(s, at).filter(|&(d, _)| self.classes.of(d) == class) {
+            at += m;
+        }
+        at
+    }
+}
+
+/// Eight bytes of `b` from `i` as one word, if there are eight.
+#[inline]
+fn eight(b: &[u8], i: usize) -> Option<u64> {
+    Some(u64::from_le_bytes(b.get(i..i + 8)?.try_into().ok()?))
+}
+
+const HIGH: u64 = 0x8080_8080_8080_8080;
+
+/// A byte's value in every byte of a word.
+const fn lanes(v: u8) -> u64 {
+    v as u64 * 0x0101_0101_0101_0101
+}
+
+/// The first index from `i` whose byte is not an ASCII letter (or `b.len()`), eight bytes at
+/// a time: a byte is a letter when it is ASCII and, with the case bit set, in `a..=z`.
+#[inline]
+fn ascii_letters_end(b: &[u8], mut i: usize) -> usize {
+    while let Some(x) = eight(b, i) {
+        // No lane carries into the next: every lane is at most 0x7f before each addition.
+        let folded = (x | lanes(0x20)) & !HIGH;
+        let from_a = folded.wrapping_add(lanes(0x80 - b'a'));
+        let past_z = folded.wrapping_add(lanes(0x80 - b'z' - 1));
+        let letters = from_a & !past_z & !x & HIGH;
+        let other = !letters & HIGH;
+        if other != 0 {
+            return i + (other.trailing_zeros() / 8) as usize;
+        }
+        i += 8;
+    }
+    while b.get(i).is_some_and(u8::is_ascii_alphabetic) {
+        i += 1;
+    }
+    i
+}
+
+/// The first index from `i` whose byte is an ASCII digit or not ASCII (or `b.len()`), eight
+/// bytes at a time; `i` and the answer are character boundaries.
+#[inline]
+fn digit_or_wide(b: &[u8], mut i: usize) -> usize {
+    while let Some(x) = eight(b, i) {
+        let low = x & !HIGH;
+        let from_0 = low.wrapping_add(lanes(0x80 - b'0'));
+        let past_9 = low.wrapping_add(lanes(0x80 - b'9' - 1));
+        let hits = ((from_0 & !past_9) | x) & HIGH;
+        if hits != 0 {
+            return i + (hits.trailing_zeros() / 8) as usize;
+        }
+        i += 8;
+    }
+    while b
+        .get(i)
+        .is_some_and(|&c| c.is_ascii() && !c.is_ascii_digit())
+    {
+        i += 1;
+    }
+    i
+}
+
+/// `char::is_numeric` (the digit split's test), answered from a short list below U+0300, where
+/// nearly all of a Latin text's characters are.
+#[inline]
+fn is_numeric(c: char) -> bool {
+    match c as u32 {
+        0..0x80 => c.is_ascii_digit(),
+        0x80..0x300 => matches!(c, '\u{b2}' | '\u{b3}' | '\u{b9}' | '\u{bc}'..='\u{be}'),
+        _ => c.is_numeric(),
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{Digits, Pretokenizer};
+    use super::{Digits, Pretokenizer, ascii_letters_end, digit_or_wide, is_numeric};
 
     fn words(digits: Digits, text: &str) -> Vec<&str> {
         let mut out = Vec::new();
         Pretokenizer::new(digits)
             .expect("classes")
-            .split(text, &mut |w| out.push(w));
+            .split(text, &mut |tail, n| {
+                out.push(std::str::from_utf8(&tail[..n]).expect("a word is whole characters"))
+            });
         out
+    }
+
+    /// The eight-at-a-time scans stop where a byte-by-byte walk stops, from every start, over
+    /// every byte value in every lane position.
+    #[test]
+    fn the_wide_scans_stop_where_a_walk_stops() {
+        let mut text: Vec<u8> = Vec::new();
+        for v in 0..=255u8 {
+            for gap in [0, 1, 3, 7, 8, 12] {
+                text.extend(std::iter::repeat_n(b'q', gap));
+                text.push(v);
+            }
+            text.extend(b"Zebra 0x9");
+        }
+        let walk = |from: usize, stop: &dyn Fn(u8) -> bool| {
+            (from..text.len())
+                .find(|&i| stop(text[i]))
+                .unwrap_or(text.len())
+        };
+        for from in 0..=text.len() {
+            assert_eq!(
+                ascii_letters_end(&text, from),
+                walk(from, &|c| !c.is_ascii_alphabetic()),
+                "letters from {from}"
+            );
+            assert_eq!(
+                digit_or_wide(&text, from),
+                walk(from, &|c| c.is_ascii_digit() || !c.is_ascii()),
+                "digits from {from}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_short_numeric_list_is_the_standard_librarys() {
+        for c in (0..0x400).filter_map(char::from_u32) {
+            assert_eq!(is_numeric(c), c.is_numeric(), "{c:?}");
+        }
     }
 
     #[test]
