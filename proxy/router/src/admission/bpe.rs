@@ -237,7 +237,7 @@ impl FastBpe {
 
     /// The ids of the word of `n` bytes at the start of `tail`: from the call's table when it
     /// came before, else by BPE.
-    #[inline]
+    #[inline(always)]
     fn word<'t>(&self, tail: &'t [u8], n: usize, out: &mut Vec<u32>, call: &mut Call<'t>) {
         let bytes = &tail[..n];
         if let [b] = bytes {

@@ -175,51 +175,58 @@ impl Pretokenizer {
             // The common word, ` ?[A-Za-z]+`, by eight bytes at a time; a non-ASCII character
             // after it goes on by the classes.
             let first = i + usize::from(b[i] == b' ');
-            if b.get(first).is_some_and(u8::is_ascii_alphabetic) {
-                i = ascii_letters_end(b, first + 1);
-                if b.get(i).is_some_and(|&c| c >= 0x80) {
-                    i = self.run(s, i, Class::Letter);
-                }
-                emit(&b[start..], i - start);
-                continue;
-            }
-            let Some((c, n)) = char_at(s, i) else {
-                break;
-            };
-            if let Some(k) = (c == '\'').then(|| contraction(&b[i + 1..])).flatten() {
-                i += 1 + k;
-                emit(&b[start..], i - start);
-                continue;
-            }
-            let mut class = self.classes.of(c);
-            let mut at = i + n;
-            if c == ' ' {
-                // ` ?X+`: the space joins a following letter, number or other run.
-                if let Some((d, _)) = char_at(s, at) {
-                    let next = self.classes.of(d);
-                    if next != Class::Space {
-                        class = next;
-                    }
-                }
-            }
-            if class == Class::Space {
-                // `\s+(?!\S)`, else `\s+`: a run of spaces, less its last one when something
-                // follows (that one starts the next word), unless it is the only one.
-                let mut last = i;
-                while let Some((_, m)) =
-                    char_at(s, at).filter(|&(d, _)| self.classes.of(d) == Class::Space)
-                {
-                    last = at;
-                    at += m;
-                }
-                if at < s.len() && last > i {
-                    at = last;
+            i = if b.get(first).is_some_and(u8::is_ascii_alphabetic) {
+                let end = ascii_letters_end(b, first + 1);
+                if b.get(end).is_some_and(|&c| c >= 0x80) {
+                    self.run(s, end, Class::Letter)
+                } else {
+                    end
                 }
             } else {
-                at = self.run(s, at, class);
-            }
-            i = at;
+                self.word_end(s, i)
+            };
+            // One call site, so that the caller's word handling is inlined here.
             emit(&b[start..], i - start);
+        }
+    }
+
+    /// The end of the word of the pattern starting at byte `i` of `s` (before its end).
+    #[inline(never)]
+    fn word_end(&self, s: &str, i: usize) -> usize {
+        let b = s.as_bytes();
+        let Some((c, n)) = char_at(s, i) else {
+            return s.len();
+        };
+        if let Some(k) = (c == '\'').then(|| contraction(&b[i + 1..])).flatten() {
+            return i + 1 + k;
+        }
+        let mut class = self.classes.of(c);
+        let mut at = i + n;
+        if c == ' ' {
+            // ` ?X+`: the space joins a following letter, number or other run.
+            if let Some((d, _)) = char_at(s, at) {
+                let next = self.classes.of(d);
+                if next != Class::Space {
+                    class = next;
+                }
+            }
+        }
+        if class == Class::Space {
+            // `\s+(?!\S)`, else `\s+`: a run of spaces, less its last one when something
+            // follows (that one starts the next word), unless it is the only one.
+            let mut last = i;
+            while let Some((_, m)) =
+                char_at(s, at).filter(|&(d, _)| self.classes.of(d) == Class::Space)
+            {
+                last = at;
+                at += m;
+            }
+            if at < s.len() && last > i {
+                at = last;
+            }
+            at
+        } else {
+            self.run(s, at, class)
         }
     }
 
