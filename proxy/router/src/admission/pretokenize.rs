@@ -146,8 +146,7 @@ impl Pretokenizer {
             let Some((c, n)) = char_at(text, i) else {
                 break;
             };
-            let numeric = if c.is_ascii() { true } else { is_numeric(c) };
-            if numeric {
+            if is_numeric(c) {
                 let mut end = i + n;
                 if self.digits == Digits::Runs {
                     while let Some((_, m)) = char_at(text, end).filter(|&(d, _)| is_numeric(d)) {
