@@ -63,9 +63,9 @@ pub async fn sse(data: &[u8]) {
 /// An upstream's JSON answer through every SGLang and vLLM response check, and its text through
 /// the vLLM `/metrics` label reader.
 pub fn upstream_json(data: &[u8]) {
-    use crate::backend::{sglang, vllm, vllm_probe};
+    use crate::backend::{sglang, sglang_answer, vllm, vllm_probe};
     let _ = sglang::error_message(data);
-    if let Ok(a) = sglang::Answer::parse(Side::Decode, data, "fuzz") {
+    if let Ok(a) = sglang_answer::Answer::parse(Side::Decode, data, "fuzz") {
         for side in [Side::Prefill, Side::Decode] {
             let _ = sglang::inspect(side, &a);
         }

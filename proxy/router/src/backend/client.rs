@@ -50,6 +50,18 @@ struct Shared {
     plane: Option<std::sync::Arc<lockstep_serve::tls::PlaneTls>>,
 }
 
+/// An answer's status and whole body (bounded); `what` names the call in an error.
+async fn collect(
+    resp: Response<Incoming>,
+    what: impl std::fmt::Display,
+) -> Result<(u16, Bytes), CallError> {
+    let status = resp.status().as_u16();
+    let body = collect_bounded(resp.into_body())
+        .await
+        .map_err(|e| CallError::Transport(format!("{what}: {e}")))?;
+    Ok((status, body))
+}
+
 impl CallError {
     /// The failure of `side` this call error is.
     pub(crate) fn of(self, side: super::Side) -> super::HalfError {
@@ -202,18 +214,38 @@ impl UpstreamClient {
         body: impl Into<ReqBody>,
         extra: &[(http::HeaderName, http::HeaderValue)],
     ) -> Result<Response<Incoming>, CallError> {
-        let mut req = Request::builder()
-            .method(method)
-            .uri(url)
-            .header(http::header::CONTENT_TYPE, "application/json");
-        for (k, v) in extra {
-            req = req.header(k, v);
-        }
-        let req = req
-            .body(body.into())
+        let uri = url
+            .parse::<http::Uri>()
             .map_err(|e| CallError::Connect(format!("bad request for {url}: {e}")))?;
+        let target = crate::pool::Endpoint { uri, host: None };
+        self.send_to(method, &target, body, extra).await
+    }
+
+    /// [`UpstreamClient::send_with`] to a worker's [`crate::pool::Endpoint`]: no URL parsed,
+    /// and its `Host` header shared, not formatted.
+    pub async fn send_to(
+        &self,
+        method: Method,
+        target: &crate::pool::Endpoint,
+        body: impl Into<ReqBody>,
+        extra: &[(http::HeaderName, http::HeaderValue)],
+    ) -> Result<Response<Incoming>, CallError> {
+        let mut req = Request::new(body.into());
+        *req.method_mut() = method;
+        *req.uri_mut() = target.uri.clone();
+        let headers = req.headers_mut();
+        headers.insert(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static("application/json"),
+        );
+        if let Some(host) = &target.host {
+            headers.insert(http::header::HOST, host.clone());
+        }
+        for (k, v) in extra {
+            headers.append(k.clone(), v.clone());
+        }
         self.request(req).await.map_err(|e| {
-            let msg = format!("{url}: {}", error_chain(&e));
+            let msg = format!("{}: {}", target.uri, error_chain(&e));
             if e.is_connect() {
                 CallError::Connect(msg)
             } else {
@@ -239,11 +271,18 @@ impl UpstreamClient {
         extra: &[(http::HeaderName, http::HeaderValue)],
     ) -> Result<(u16, Bytes), CallError> {
         let resp = self.send_with(Method::POST, url, body, extra).await?;
-        let status = resp.status().as_u16();
-        let body = collect_bounded(resp.into_body())
-            .await
-            .map_err(|e| CallError::Transport(format!("{url}: {e}")))?;
-        Ok((status, body))
+        collect(resp, url).await
+    }
+
+    /// [`UpstreamClient::post_collect_with`] to a worker's [`crate::pool::Endpoint`].
+    pub async fn post_collect_to(
+        &self,
+        target: &crate::pool::Endpoint,
+        body: impl Into<ReqBody>,
+        extra: &[(http::HeaderName, http::HeaderValue)],
+    ) -> Result<(u16, Bytes), CallError> {
+        let resp = self.send_to(Method::POST, target, body, extra).await?;
+        collect(resp, &target.uri).await
     }
 
     /// GETs a URL and collects the answer.
@@ -260,11 +299,7 @@ impl UpstreamClient {
         let resp = self
             .send_with(Method::GET, url, Bytes::new(), extra)
             .await?;
-        let status = resp.status().as_u16();
-        let body = collect_bounded(resp.into_body())
-            .await
-            .map_err(|e| CallError::Transport(format!("{url}: {e}")))?;
-        Ok((status, body))
+        collect(resp, url).await
     }
 
     /// `GET {base}/health` answered 2xx within `timeout`.

@@ -9,6 +9,7 @@ mod client;
 pub mod embedded;
 pub mod lockstep;
 pub mod sglang;
+pub(crate) mod sglang_answer;
 pub mod sglang_info;
 pub(crate) mod sse;
 pub mod vllm;
@@ -209,16 +210,23 @@ pub(crate) fn ids_json(ids: &[u32]) -> Bytes {
 /// ([`Dispatch::ids_json`]), so the ids are neither serialised nor copied once per half (they
 /// go out as a piece of their own, [`ReqBody`]).
 pub(crate) fn with_first(head: &'static str, value: &Bytes, object: &[u8]) -> ReqBody {
+    with_first_owned(head, value, object.to_vec())
+}
+
+/// [`with_first`] taking the object's buffer: its `{` becomes the comma (or goes, for `{}`).
+pub(crate) fn with_first_owned(head: &'static str, value: &Bytes, mut object: Vec<u8>) -> ReqBody {
     debug_assert!(head.starts_with("{\"") && head.ends_with("\":"));
     debug_assert!(object.first() == Some(&b'{') && object.last() == Some(&b'}'));
-    let rest = object.get(1..).unwrap_or_default();
-    let head = Bytes::from_static(head.as_bytes());
-    let mut tail = Vec::with_capacity(rest.len() + 1);
-    if rest != b"}" {
-        tail.push(b',');
+    if object.len() > 2 {
+        object[0] = b',';
+    } else {
+        object.remove(0);
     }
-    tail.extend_from_slice(rest);
-    ReqBody::of(head, value.clone(), Bytes::from(tail))
+    ReqBody::of(
+        Bytes::from_static(head.as_bytes()),
+        value.clone(),
+        Bytes::from(object),
+    )
 }
 
 /// What a deployment check found: the limits admission applies to the model.

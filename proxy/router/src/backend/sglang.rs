@@ -9,7 +9,8 @@ use futures_util::future::BoxFuture;
 use http::Method;
 use serde_json::{Value, json};
 
-use super::client::UpstreamClient;
+use super::client::{CallError, UpstreamClient};
+use super::sglang_answer::Answer;
 use super::sglang_info::StreamMode;
 use super::sse::{ChunkSource, SseReader, decode_stream};
 use super::{
@@ -72,15 +73,18 @@ impl SglangBackend {
                 regex,
                 ebnf,
             },
-            rid: d.pair_id.rid(),
+            rid: d.pair_id.rid_text(),
             bootstrap_host: &d.prefill.bootstrap_host,
             bootstrap_port: d.prefill.bootstrap_port,
             bootstrap_room: d.pair_id.raw(),
-            cache_salt: format!("{:016x}", d.cache_salt()),
+            cache_salt: SaltText(d.cache_salt()),
             stream,
         };
-        let rest = serde_json::to_vec(&body).unwrap_or_default();
-        super::with_first(r#"{"input_ids":"#, d.ids_json(), &rest)
+        // One buffer, large enough for the usual body, and no copy after.
+        let mut rest = Vec::with_capacity(384);
+        // Writing to a Vec fails only for a type that refuses to serialize: none here.
+        let _ = serde_json::to_writer(&mut rest, &body);
+        super::with_first_owned(r#"{"input_ids":"#, d.ids_json(), rest)
     }
 }
 
@@ -104,7 +108,7 @@ struct SglangSampling<'a> {
 struct GenerateBody<'a> {
     sampling_params: SglangSampling<'a>,
     /// The pair id as SGLang's `rid` ([`crate::pair::PairId::rid`]).
-    rid: String,
+    rid: crate::pair::RidText,
     bootstrap_host: &'a str,
     bootstrap_port: Option<u16>,
     /// The pair id as the integer SGLang expects.
@@ -113,8 +117,17 @@ struct GenerateBody<'a> {
     /// `srt/managers/io_struct.py`: "cache namespace used to isolate otherwise-identical
     /// prefixes"), the same on both halves, so one tenant's prompt never hits another's radix
     /// cache on either worker.
-    cache_salt: String,
+    cache_salt: SaltText,
     stream: bool,
+}
+
+/// A cache salt as its 16 hex digits, a JSON string written straight into the body.
+struct SaltText(u64);
+
+impl serde::Serialize for SaltText {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(&format_args!("{:016x}", self.0))
+    }
 }
 
 /// Extracts a worker's error message from an error body (SGLang: `{"error":{"message"}}` or
@@ -156,46 +169,6 @@ fn status_failure(status: u16, body: &[u8]) -> HalfFailure {
     }
 }
 
-/// One `/generate` answer or SSE event, as far as lockstep reads it (SGLang 0.5.23
-/// `srt/managers/tokenizer_manager.py` builds it: `text`, `output_ids`, `meta_info`; an error
-/// as `error`). Typed, so no map of it (nor its keys) is built per request; every other field is
-/// skipped unread. A field of another type than SGLang sends fails the answer as not what SGLang
-/// sends (stricter than reading it as absent).
-#[derive(Debug, Default, serde::Deserialize)]
-pub(crate) struct Answer {
-    text: Option<String>,
-    /// Counted, not kept.
-    output_ids: Option<Vec<serde::de::IgnoredAny>>,
-    error: Option<Value>,
-    meta_info: Option<Meta>,
-}
-
-/// The `meta_info` of an [`Answer`].
-#[derive(Debug, Default, serde::Deserialize)]
-struct Meta {
-    id: Option<String>,
-    prompt_tokens: Option<u64>,
-    completion_tokens: Option<u64>,
-    cached_tokens: Option<u64>,
-    /// An object (`{"type": "length", "length": n}`, `{"type": "stop", "matched": ..}`,
-    /// `{"type": "abort", "message": ..}`), or a bare string from older releases.
-    finish_reason: Option<Value>,
-}
-
-impl Answer {
-    /// Reads one answer; `what` names it in the error.
-    pub(crate) fn parse(side: Side, json: &[u8], what: &str) -> Result<Answer, HalfError> {
-        serde_json::from_slice(json).map_err(|e| HalfError {
-            side,
-            failure: HalfFailure::Protocol(format!("{what}: {e}")),
-        })
-    }
-
-    fn meta(&self, pick: impl Fn(&Meta) -> Option<u64>) -> Option<u64> {
-        self.meta_info.as_ref().and_then(pick)
-    }
-}
-
 /// Checks one `/generate` answer for an in-band failure; returns its finish reason.
 pub(crate) fn inspect(side: Side, v: &Answer) -> Result<Option<FinishReason>, HalfError> {
     let fail = |m: String| HalfError {
@@ -214,17 +187,13 @@ pub(crate) fn inspect(side: Side, v: &Answer) -> Result<Option<FinishReason>, Ha
     match &meta.finish_reason {
         None => Ok(None),
         Some(fr) => {
-            let kind = fr
-                .get("type")
-                .and_then(Value::as_str)
-                .or_else(|| fr.as_str())
-                .unwrap_or("");
+            let kind = fr.kind.as_deref().unwrap_or("");
             match kind {
                 "stop" => Ok(Some(FinishReason::Stop)),
                 "length" => Ok(Some(FinishReason::Length)),
                 "abort" => Err(fail(
-                    fr.get("message")
-                        .and_then(Value::as_str)
+                    fr.message
+                        .as_deref()
                         .unwrap_or("finish_reason abort")
                         .to_string(),
                 )),
@@ -301,7 +270,7 @@ impl PdBackend for SglangBackend {
 
     fn prefill(&self, d: &Dispatch) -> BoxFuture<'static, Result<PrefillReport, HalfError>> {
         let client = self.client.clone();
-        let url = format!("{}/generate", d.prefill.url);
+        let target = d.prefill.endpoint("/generate");
         let body = Self::generate_body(d, false);
         let trace = d
             .prefill
@@ -309,8 +278,9 @@ impl PdBackend for SglangBackend {
         let rid = d.pair_id.rid();
         Box::pin(async move {
             let side = Side::Prefill;
+            let target = target.map_err(|m| CallError::Connect(m).of(side))?;
             let (status, body) = client
-                .post_collect_with(&url, body, &trace)
+                .post_collect_to(&target, body, &trace)
                 .await
                 .map_err(|e| e.of(side))?;
             if !(200..300).contains(&status) {
@@ -325,7 +295,7 @@ impl PdBackend for SglangBackend {
 
     fn decode(&self, d: &Dispatch) -> DecodeStream {
         let client = self.client.clone();
-        let url = format!("{}/generate", d.decode.url);
+        let target = d.decode.endpoint("/generate");
         let body = Self::generate_body(d, true);
         let trace = d
             .decode
@@ -340,8 +310,9 @@ impl PdBackend for SglangBackend {
                         .into(),
                 ),
             })?;
+            let target = target.map_err(|m| CallError::Connect(m).of(side))?;
             let resp = client
-                .send_with(Method::POST, &url, body, &trace)
+                .send_to(Method::POST, &target, body, &trace)
                 .await
                 .map_err(|e| e.of(side))?;
             let status = resp.status().as_u16();
@@ -486,9 +457,7 @@ impl ChunkSource for SseDecoder {
             matched_stop: finish
                 .and(v.meta_info.as_ref())
                 .and_then(|m| m.finish_reason.as_ref())
-                .and_then(|f| f.get("matched"))
-                .and_then(Value::as_str)
-                .map(str::to_string),
+                .and_then(|f| f.matched.clone()),
             finish,
         }))
     }

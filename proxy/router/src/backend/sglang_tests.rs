@@ -176,3 +176,81 @@ fn a_prefill_answer_fails_closed_unless_finished_and_ours() {
         assert!(e.contains(why), "{why}: {e}");
     }
 }
+
+/// What a lookup in the parsed JSON value finds for a `finish_reason`: its kind (`type`, or the
+/// value itself when a string), `message` and `matched`, each only where it is a string.
+fn looked_up(fr: &Value) -> (Option<&str>, Option<&str>, Option<&str>) {
+    let kind = fr
+        .get("type")
+        .and_then(Value::as_str)
+        .or_else(|| fr.as_str());
+    let s = |k: &str| fr.get(k).and_then(Value::as_str);
+    (kind, s("message"), s("matched"))
+}
+
+#[test]
+fn a_finish_reason_reads_as_a_lookup_in_its_parsed_value_would() {
+    let mut shapes = vec![
+        json!("stop"),
+        json!("length"),
+        json!(""),
+        json!(7),
+        json!(-7),
+        json!(1.5),
+        json!(true),
+        json!([]),
+        json!(["stop", { "type": "stop" }]),
+        json!({}),
+        json!({ "length": 3 }),
+        json!({ "type": "weird \"quoted\" \u{e9}" }),
+        json!({ "type": "stop", "matched": 128009 }),
+        json!({ "type": "stop", "matched": "\n\n" }),
+        json!({ "type": "stop", "matched": null }),
+        json!({ "type": "stop", "matched": ["x"] }),
+        json!({ "type": "abort", "message": { "nested": ["a", 1] } }),
+        json!({ "type": 5, "message": "m" }),
+        json!({ "type": null }),
+        json!({ "Type": "stop" }),
+        json!({ "extra": { "type": "stop" }, "type": "length", "status_code": 500 }),
+    ];
+    for kind in ["stop", "length", "abort"] {
+        for message in [json!(null), json!("gone"), json!(3), json!({ "m": 1 })] {
+            for matched in [json!("."), json!(13), json!([1]), json!(false)] {
+                shapes.push(json!({ "type": kind, "message": message, "matched": matched }));
+            }
+        }
+    }
+    for fr in &shapes {
+        let a = answer(json!({ "finish_reason": fr }));
+        let f = a
+            .meta_info
+            .as_ref()
+            .and_then(|m| m.finish_reason.as_ref())
+            .unwrap_or_else(|| panic!("{fr} is read"));
+        let got = (
+            f.kind.as_deref(),
+            f.message.as_deref(),
+            f.matched.as_deref(),
+        );
+        assert_eq!(got, looked_up(fr), "{fr}");
+    }
+    // A repeated key: the last one counts, as in the parsed value.
+    let twice = br#"{"meta_info":{"finish_reason":{"type":"abort","message":"a","type":"stop"}}}"#;
+    let a = Answer::parse(Side::Decode, twice, "test").expect("an answer");
+    assert_eq!(
+        inspect(Side::Decode, &a).expect("ok"),
+        Some(FinishReason::Stop)
+    );
+    // `null` is no finish at all; anything unreadable is not an answer.
+    assert_eq!(
+        inspect(Side::Decode, &answer(json!({ "finish_reason": null }))).expect("ok"),
+        None
+    );
+    for bad in [
+        &br#"{"meta_info":{"finish_reason":{"type":"stop""#[..],
+        br#"{"meta_info":{"finish_reason":{"type":}}}"#,
+        br#"{"meta_info":{"finish_reason":[1,}}}"#,
+    ] {
+        assert!(Answer::parse(Side::Decode, bad, "test").is_err());
+    }
+}

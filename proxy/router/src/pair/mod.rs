@@ -30,7 +30,11 @@ impl PairId {
     /// whose rid *starts with* the one named (`srt/managers/scheduler.py`, `abort_request`); with
     /// one length for all, a prefix is the id itself, so aborting one pair never aborts another.
     pub fn rid(self) -> String {
-        format!("{:019}", self.0)
+        self.rid_text().to_string()
+    }
+    /// [`PairId::rid`] as a `Display`, to write it where it goes without a `String` between.
+    pub fn rid_text(self) -> RidText {
+        RidText(self.0)
     }
     /// Wraps a raw value (tests, parsing).
     pub fn from_raw(raw: u64) -> PairId {
@@ -39,6 +43,23 @@ impl PairId {
     /// The raw integer, as SGLang's `bootstrap_room`.
     pub fn raw(self) -> u64 {
         self.0
+    }
+}
+
+/// A pair's `rid` ([`PairId::rid_text`]).
+#[derive(Debug, Clone, Copy)]
+pub struct RidText(u64);
+
+impl std::fmt::Display for RidText {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:019}", self.0)
+    }
+}
+
+impl Serialize for RidText {
+    /// A JSON string, written straight into the output (`serde_json`'s `collect_str`).
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
     }
 }
 
@@ -69,6 +90,13 @@ mod tests {
         assert!(!b.rid().starts_with(&a.rid()), "{} {}", a.rid(), b.rid());
         assert_eq!(PairId::from_raw(u64::MAX).rid().len(), 19);
         assert_eq!(a.rid(), "0000000000000000012");
+        // Written into JSON, it is the same string.
+        for raw in [0, 1, 12, 1234, 10u64.pow(18), u64::MAX] {
+            let id = PairId::from_raw(raw);
+            let json = serde_json::to_string(&id.rid_text()).expect("serializes");
+            assert_eq!(json, format!("\"{}\"", id.rid()));
+            assert_eq!(id.rid(), format!("{:019}", id.raw()));
+        }
         assert!((0..1000).all(|_| PairId::random().raw() != 0));
     }
 }

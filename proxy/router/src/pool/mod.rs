@@ -5,8 +5,11 @@ use std::sync::{Arc, Mutex};
 
 use rand::Rng;
 
+mod endpoint;
 mod health;
 mod prefix;
+
+pub use endpoint::{Endpoint, Origin};
 
 pub use health::health_loop;
 #[cfg(test)]
@@ -39,6 +42,8 @@ pub struct Upstream {
     pub auth: Option<http::HeaderValue>,
     /// `Authorization` of admin calls (aborts), from `admin_api_key` or `api_key`.
     pub admin_auth: Option<http::HeaderValue>,
+    /// `url` taken apart once, where it is an origin alone ([`Upstream::endpoint`]).
+    origin: Option<Origin>,
     in_flight: Arc<AtomicUsize>,
     healthy: AtomicBool,
     verified: AtomicBool,
@@ -59,10 +64,11 @@ impl Upstream {
         Upstream {
             bootstrap_host: cfg.bootstrap_host.clone().unwrap_or_else(|| host.clone()),
             host,
-            url,
             bootstrap_port: cfg.bootstrap_port,
             auth: None,
             admin_auth: None,
+            origin: Origin::of(&url),
+            url,
             in_flight: Arc::new(AtomicUsize::new(0)),
             healthy: AtomicBool::new(true),
             verified: AtomicBool::new(true),
@@ -83,6 +89,11 @@ impl Upstream {
             extra.push((http::header::AUTHORIZATION, v.clone()));
         }
         extra
+    }
+
+    /// `path` (absolute: `/generate`) on this worker, addressed without formatting its URL.
+    pub fn endpoint(&self, path: &'static str) -> Result<Endpoint, String> {
+        endpoint::endpoint(self.origin.as_ref(), &self.url, path)
     }
 
     /// Pairs currently using this worker.

@@ -1,0 +1,174 @@
+//! What lockstep reads of an SGLang `/generate` answer or SSE event: typed, so a request
+//! builds no map of it; every field lockstep does not check is skipped unread.
+
+use serde_json::Value;
+
+use super::{HalfError, HalfFailure, Side};
+
+/// One `/generate` answer or SSE event, as far as lockstep reads it (SGLang 0.5.23
+/// `srt/managers/tokenizer_manager.py` builds it: `text`, `output_ids`, `meta_info`; an error
+/// as `error`). Typed, so no map of it (nor its keys) is built per request; every other field is
+/// skipped unread. A field of another type than SGLang sends fails the answer as not what SGLang
+/// sends (stricter than reading it as absent).
+#[derive(Debug, Default, serde::Deserialize)]
+pub(crate) struct Answer {
+    pub(crate) text: Option<String>,
+    /// Counted, not kept.
+    pub(crate) output_ids: Option<Vec<serde::de::IgnoredAny>>,
+    pub(crate) error: Option<Value>,
+    pub(crate) meta_info: Option<Meta>,
+}
+
+/// The `meta_info` of an [`Answer`].
+#[derive(Debug, Default, serde::Deserialize)]
+pub(crate) struct Meta {
+    pub(crate) id: Option<String>,
+    pub(crate) prompt_tokens: Option<u64>,
+    pub(crate) completion_tokens: Option<u64>,
+    pub(crate) cached_tokens: Option<u64>,
+    pub(crate) finish_reason: Option<Finish>,
+}
+
+impl Answer {
+    /// Reads one answer; `what` names it in the error.
+    pub(crate) fn parse(side: Side, json: &[u8], what: &str) -> Result<Answer, HalfError> {
+        serde_json::from_slice(json).map_err(|e| HalfError {
+            side,
+            failure: HalfFailure::Protocol(format!("{what}: {e}")),
+        })
+    }
+
+    pub(crate) fn meta(&self, pick: impl Fn(&Meta) -> Option<u64>) -> Option<u64> {
+        self.meta_info.as_ref().and_then(pick)
+    }
+}
+
+/// A `meta_info.finish_reason`: an object (`{"type": "length", "length": n}`,
+/// `{"type": "stop", "matched": ..}`, `{"type": "abort", "message": ..}`), or a bare string from
+/// older releases. Read as its three string fields, each absent where it is not a string (as a
+/// lookup in the object would find it), everything else skipped unread: no map is built.
+#[derive(Debug, Default)]
+pub(crate) struct Finish {
+    pub(crate) kind: Option<String>,
+    pub(crate) message: Option<String>,
+    pub(crate) matched: Option<String>,
+}
+
+impl<'de> serde::Deserialize<'de> for Finish {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Finish, D::Error> {
+        d.deserialize_any(FinishVisitor)
+    }
+}
+
+/// A key of a [`Finish`] object.
+#[derive(serde::Deserialize)]
+#[serde(field_identifier, rename_all = "lowercase")]
+enum FinishKey {
+    Type,
+    Message,
+    Matched,
+    #[serde(other)]
+    Other,
+}
+
+struct FinishVisitor;
+
+impl<'de> serde::de::Visitor<'de> for FinishVisitor {
+    type Value = Finish;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a finish_reason")
+    }
+
+    fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<Finish, E> {
+        Ok(Finish {
+            kind: Some(s.to_string()),
+            ..Finish::default()
+        })
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut m: A) -> Result<Finish, A::Error> {
+        let mut f = Finish::default();
+        // A repeated key: the last one counts, as in a parsed object.
+        while let Some(key) = m.next_key::<FinishKey>()? {
+            match key {
+                FinishKey::Type => f.kind = m.next_value::<MaybeStr>()?.0,
+                FinishKey::Message => f.message = m.next_value::<MaybeStr>()?.0,
+                FinishKey::Matched => f.matched = m.next_value::<MaybeStr>()?.0,
+                FinishKey::Other => {
+                    m.next_value::<serde::de::IgnoredAny>()?;
+                }
+            }
+        }
+        Ok(f)
+    }
+
+    // Any other JSON value names no kind (and so fails as an unknown finish_reason).
+    fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<Finish, E> {
+        Ok(Finish::default())
+    }
+    fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<Finish, E> {
+        Ok(Finish::default())
+    }
+    fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<Finish, E> {
+        Ok(Finish::default())
+    }
+    fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<Finish, E> {
+        Ok(Finish::default())
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut s: A) -> Result<Finish, A::Error> {
+        while s.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+        Ok(Finish::default())
+    }
+}
+
+/// Any JSON value, kept only when it is a string.
+struct MaybeStr(Option<String>);
+
+impl<'de> serde::Deserialize<'de> for MaybeStr {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<MaybeStr, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = MaybeStr;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("any value")
+            }
+            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<MaybeStr, E> {
+                Ok(MaybeStr(Some(s.to_string())))
+            }
+            fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<MaybeStr, E> {
+                Ok(MaybeStr(None))
+            }
+            fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<MaybeStr, E> {
+                Ok(MaybeStr(None))
+            }
+            fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<MaybeStr, E> {
+                Ok(MaybeStr(None))
+            }
+            fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<MaybeStr, E> {
+                Ok(MaybeStr(None))
+            }
+            fn visit_unit<E: serde::de::Error>(self) -> Result<MaybeStr, E> {
+                Ok(MaybeStr(None))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut s: A,
+            ) -> Result<MaybeStr, A::Error> {
+                while s.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+                Ok(MaybeStr(None))
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut m: A,
+            ) -> Result<MaybeStr, A::Error> {
+                while m
+                    .next_entry::<serde::de::IgnoredAny, serde::de::IgnoredAny>()?
+                    .is_some()
+                {}
+                Ok(MaybeStr(None))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
