@@ -6,6 +6,7 @@ mod fields;
 pub(crate) mod generate;
 pub mod grpc;
 pub(crate) mod openai;
+mod openai_out;
 mod respond;
 pub(crate) mod responses;
 mod responses_out;

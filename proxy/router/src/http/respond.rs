@@ -2,6 +2,7 @@
 //! OpenAI completion and SGLang-native here ([`Shape`]); the Responses API and Anthropic Messages
 //! in their own modules, each a [`Render`]. Nothing is written before the pair commits.
 
+use std::borrow::Cow;
 use std::convert::Infallible;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -10,6 +11,9 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use serde_json::{Value, json};
 
+use super::openai_out::{
+    Answer, AnswerId, ChatChoice, ChatDelta, Delta, Message, TextChoice, Usage, push_event,
+};
 use super::tools::{self, ToolStream};
 use crate::admission::Admitted;
 use crate::backend::{DecodeChunk, FinishReason};
@@ -145,9 +149,12 @@ pub(crate) trait Render: Send + 'static {
 
 /// A pair's answer: `head` with the pair id header, and `body`.
 fn answer(head: http::response::Builder, pair_id: PairId, body: Body) -> Response {
-    head.header("x-lockstep-pair-id", pair_id.to_string())
-        .body(body)
-        .unwrap_or_else(|_| build_failed().into_response())
+    head.header(
+        http::HeaderName::from_static("x-lockstep-pair-id"),
+        pair_id.to_string(),
+    )
+    .body(body)
+    .unwrap_or_else(|_| build_failed().into_response())
 }
 
 /// The error for an answer that could not be built.
@@ -239,8 +246,14 @@ pub(crate) async fn serve_pair<R: Render>(admitted: Admitted, shape: R) -> Respo
             });
         return answer(
             Response::builder()
-                .header(http::header::CONTENT_TYPE, "text/event-stream")
-                .header(http::header::CACHE_CONTROL, "no-cache"),
+                .header(
+                    http::header::CONTENT_TYPE,
+                    http::HeaderValue::from_static("text/event-stream"),
+                )
+                .header(
+                    http::header::CACHE_CONTROL,
+                    http::HeaderValue::from_static("no-cache"),
+                ),
             pair_id,
             Body::from_stream(body),
         );
@@ -254,7 +267,10 @@ pub(crate) async fn serve_pair<R: Render>(admitted: Admitted, shape: R) -> Respo
                         return shape.error(build_failed());
                     };
                     return answer(
-                        Response::builder().header(http::header::CONTENT_TYPE, "application/json"),
+                        Response::builder().header(
+                            http::header::CONTENT_TYPE,
+                            http::HeaderValue::from_static("application/json"),
+                        ),
                         pair_id,
                         Body::from(json),
                     );
@@ -293,22 +309,35 @@ pub(crate) fn sse_named(out: &mut String, name: &str, v: &Value) {
     out.push_str("\n\n");
 }
 
-/// Usage in the OpenAI chat and completion shape; cached prompt tokens under
-/// `prompt_tokens_details`.
-fn usage(p: &Progress) -> Value {
-    json!({
-        "prompt_tokens": p.prompt_tokens,
-        "completion_tokens": p.completion_tokens,
-        "total_tokens": p.prompt_tokens.saturating_add(p.completion_tokens),
-        "prompt_tokens_details": { "cached_tokens": p.cached_tokens },
-    })
-}
-
 impl Shape {
-    fn id(&self, p: &Progress) -> String {
-        match self.api {
-            Api::Chat => format!("chatcmpl-{}", p.pair_id),
-            _ => format!("cmpl-{}", p.pair_id),
+    fn id(&self, p: &Progress) -> AnswerId {
+        let prefix = match self.api {
+            Api::Chat => "chatcmpl-",
+            _ => "cmpl-",
+        };
+        AnswerId {
+            prefix,
+            pair: p.pair_id,
+        }
+    }
+
+    /// The tool calls in a finished chat answer's text (with the text around them), where
+    /// the model's calls are parsed and the text has some.
+    fn tool_calls(&self, p: &Progress) -> Option<(String, Vec<tools::Call>)> {
+        self.tools
+            .as_ref()
+            .and_then(|t| tools::parse(t.kind, &p.text))
+    }
+
+    /// An answer or chunk of this shape around `choices`.
+    fn answer<'a, C>(&self, p: &'a Progress, object: &'static str, choices: C) -> Answer<'a, C> {
+        Answer {
+            id: self.id(p),
+            object,
+            created: p.created,
+            model: &p.model,
+            choices,
+            usage: None,
         }
     }
 
@@ -371,22 +400,54 @@ impl Render for Shape {
     }
 
     fn full_json(&self, p: &Progress, finish: FinishReason) -> serde_json::Result<Vec<u8>> {
+        fn with_usage<C: serde::Serialize>(p: &Progress, mut a: Answer<'_, C>) -> JsonBytes {
+            a.usage = Some(Usage::of(p));
+            serde_json::to_vec(&a)
+        }
+        type JsonBytes = serde_json::Result<Vec<u8>>;
         match self.api {
             Api::Generate => serde_json::to_vec(&Self::native(p, Some(finish))),
-            _ => serde_json::to_vec(&self.full(p, finish)),
+            // An answer with tool calls is built as a value (rare, and its calls are values).
+            Api::Chat if self.tool_calls(p).is_some() => serde_json::to_vec(&self.full(p, finish)),
+            Api::Chat => with_usage(
+                p,
+                self.answer(
+                    p,
+                    "chat.completion",
+                    [ChatChoice {
+                        index: 0,
+                        message: Message {
+                            role: "assistant",
+                            content: &p.text,
+                        },
+                        logprobs: (),
+                        finish_reason: finish.as_str(),
+                    }],
+                ),
+            ),
+            Api::Completion => with_usage(
+                p,
+                self.answer(
+                    p,
+                    "text_completion",
+                    [TextChoice {
+                        index: 0,
+                        text: &p.text,
+                        logprobs: (),
+                        finish_reason: Some(finish.as_str()),
+                    }],
+                ),
+            ),
         }
     }
 
     fn full(&self, p: &Progress, finish: FinishReason) -> Value {
+        let usage = json!(Usage::of(p));
         match self.api {
             Api::Chat => {
-                let parsed = self
-                    .tools
-                    .as_ref()
-                    .and_then(|t| tools::parse(t.kind, &p.text));
                 let mut message = json!({ "role": "assistant", "content": p.text });
                 let mut reason = finish.as_str();
-                if let Some((content, calls)) = parsed {
+                if let Some((content, calls)) = self.tool_calls(p) {
                     message["content"] = if content.is_empty() {
                         Value::Null
                     } else {
@@ -401,13 +462,13 @@ impl Render for Shape {
                 json!({
                     "id": self.id(p), "object": "chat.completion", "created": p.created, "model": p.model,
                     "choices": [{ "index": 0, "message": message, "logprobs": null, "finish_reason": reason }],
-                    "usage": usage(p),
+                    "usage": usage,
                 })
             }
             Api::Completion => json!({
                 "id": self.id(p), "object": "text_completion", "created": p.created, "model": p.model,
                 "choices": [{ "index": 0, "text": p.text, "logprobs": null, "finish_reason": finish.as_str() }],
-                "usage": usage(p),
+                "usage": usage,
             }),
             Api::Generate => json!(Self::native(p, Some(finish))),
         }
@@ -415,60 +476,75 @@ impl Render for Shape {
 
     /// SSE events for one chunk; the last chunk also carries usage (when asked) and `[DONE]`.
     fn chunk(&mut self, p: &Progress, c: &DecodeChunk) -> Bytes {
-        let mut out = String::new();
+        let mut out = Vec::with_capacity(256 + 2 * c.delta.len());
         let finish = c.finish.map(FinishReason::as_str);
-        let mut push = |v: Value| {
-            out.push_str("data: ");
-            out.push_str(&v.to_string());
-            out.push_str("\n\n");
-        };
-        let id = self.id(p);
         match self.api {
             Api::Chat => {
-                let base = |delta: Value, finish: Option<&str>| {
-                    json!({ "id": id, "object": "chat.completion.chunk", "created": p.created, "model": p.model,
-                            "choices": [{ "index": 0, "delta": delta, "logprobs": null, "finish_reason": finish }] })
+                // The text and the calls first: they need the tool stream, mutably.
+                let content: Cow<'_, str> = match &mut self.tools {
+                    Some(t) => Cow::Owned(t.push(&c.delta)),
+                    None => Cow::Borrowed(&c.delta),
                 };
-                if !self.started {
-                    push(base(json!({ "role": "assistant", "content": "" }), None));
-                }
-                let content = match &mut self.tools {
-                    Some(t) => t.push(&c.delta),
-                    None => c.delta.clone(),
-                };
-                if !content.is_empty() {
-                    push(base(json!({ "content": content }), None));
-                }
+                let mut reason = None;
+                let (mut rest, mut calls) = (String::new(), Vec::new());
                 if let Some(f) = c.finish {
-                    let mut reason = f.as_str();
+                    let mut r = f.as_str();
                     if let Some(t) = &mut self.tools {
-                        let (rest, calls) = t.finish();
-                        if !rest.is_empty() {
-                            push(base(json!({ "content": rest }), None));
-                        }
-                        if !calls.is_empty() {
-                            let mut deltas = tools::tool_calls_json(&p.pair_id.to_string(), &calls);
-                            for (i, d) in deltas.iter_mut().enumerate() {
+                        let (text, found) = t.finish();
+                        rest = text;
+                        if !found.is_empty() {
+                            calls = tools::tool_calls_json(&p.pair_id.to_string(), &found);
+                            for (i, d) in calls.iter_mut().enumerate() {
                                 d["index"] = json!(i);
                             }
-                            push(base(json!({ "tool_calls": deltas }), None));
                             if f == FinishReason::Stop {
-                                reason = "tool_calls";
+                                r = "tool_calls";
                             }
                         }
                     }
-                    push(base(json!({}), Some(reason)));
+                    reason = Some(r);
+                }
+                let mut event = |delta: Delta<'_>, finish_reason: Option<&str>| {
+                    let choice = ChatDelta {
+                        index: 0,
+                        delta,
+                        logprobs: (),
+                        finish_reason,
+                    };
+                    push_event(&mut out, &self.answer(p, "chat.completion.chunk", [choice]));
+                };
+                if !self.started {
+                    let start = Delta::Start {
+                        role: "assistant",
+                        content: "",
+                    };
+                    event(start, None);
+                }
+                if !content.is_empty() {
+                    event(Delta::Content { content: &content }, None);
+                }
+                if let Some(r) = reason {
+                    if !rest.is_empty() {
+                        event(Delta::Content { content: &rest }, None);
+                    }
+                    if !calls.is_empty() {
+                        event(Delta::Tools { tool_calls: &calls }, None);
+                    }
+                    event(Delta::End {}, Some(r));
                 }
             }
             Api::Completion => {
                 if !c.delta.is_empty() || finish.is_some() {
-                    push(
-                        json!({ "id": id, "object": "text_completion", "created": p.created, "model": p.model,
-                                 "choices": [{ "index": 0, "text": c.delta, "logprobs": null, "finish_reason": finish }] }),
-                    );
+                    let choice = TextChoice {
+                        index: 0,
+                        text: &c.delta,
+                        logprobs: (),
+                        finish_reason: finish,
+                    };
+                    push_event(&mut out, &self.answer(p, "text_completion", [choice]));
                 }
             }
-            Api::Generate => push(json!(Self::native(p, c.finish))),
+            Api::Generate => push_event(&mut out, &Self::native(p, c.finish)),
         }
         self.started = true;
         if finish.is_some() {
@@ -478,64 +554,16 @@ impl Render for Shape {
                 } else {
                     "text_completion"
                 };
-                push(
-                    json!({ "id": id, "object": object, "created": p.created, "model": p.model,
-                             "choices": [], "usage": usage(p) }),
-                );
+                let mut last = self.answer(p, object, [(); 0]);
+                last.usage = Some(Usage::of(p));
+                push_event(&mut out, &last);
             }
-            out.push_str("data: [DONE]\n\n");
+            out.extend_from_slice(b"data: [DONE]\n\n");
         }
         Bytes::from(out)
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn progress(matched: Option<&str>) -> Progress {
-        Progress {
-            model: "m".into(),
-            pair_id: PairId::from_raw(42),
-            prompt_tokens: 7,
-            cached_tokens: 2,
-            created: 1,
-            text: "a \"quoted\"\n é".into(),
-            completion_tokens: 3,
-            matched_stop: matched.map(str::to_owned),
-        }
-    }
-
-    /// The native answer is written straight from the progress; it must be SGLang's shape,
-    /// key for key and in SGLang's order, for every finish.
-    #[test]
-    fn the_native_answer_is_sglangs_shape() {
-        let shape = Shape::generate(false);
-        let id = PairId::from_raw(42).to_string();
-        for (finish, matched, want) in [
-            (
-                FinishReason::Length,
-                None,
-                json!({ "type": "length", "length": 3 }),
-            ),
-            (FinishReason::Stop, None, json!({ "type": "stop" })),
-            (
-                FinishReason::Stop,
-                Some("</s>"),
-                json!({ "type": "stop", "matched": "</s>" }),
-            ),
-        ] {
-            let p = progress(matched);
-            let want = json!({ "text": "a \"quoted\"\n é", "meta_info": {
-                "id": id, "finish_reason": want, "prompt_tokens": 7, "completion_tokens": 3,
-                "cached_tokens": 2 } });
-            let written = shape.full_json(&p, finish).expect("written");
-            assert_eq!(
-                String::from_utf8(written).expect("utf-8"),
-                want.to_string(),
-                "{finish:?} {matched:?}"
-            );
-            assert_eq!(shape.full(&p, finish), want);
-        }
-    }
-}
+#[path = "respond_tests.rs"]
+mod tests;
