@@ -5,7 +5,6 @@
 use serde::Serialize;
 use serde_json::Value;
 
-use super::respond::Progress;
 use crate::pair::PairId;
 
 /// An answer's id: `chatcmpl-<pair>` or `cmpl-<pair>`, written where it goes.
@@ -36,13 +35,14 @@ struct Cached {
 }
 
 impl Usage {
-    pub(crate) fn of(p: &Progress) -> Usage {
+    /// Prompt and completion counts, and the prompt tokens served from the cache.
+    pub(crate) fn new(prompt: u64, completion: u64, cached: u64) -> Usage {
         Usage {
-            prompt_tokens: p.prompt_tokens,
-            completion_tokens: p.completion_tokens,
-            total_tokens: p.prompt_tokens.saturating_add(p.completion_tokens),
+            prompt_tokens: prompt,
+            completion_tokens: completion,
+            total_tokens: prompt.saturating_add(completion),
             prompt_tokens_details: Cached {
-                cached_tokens: p.cached_tokens,
+                cached_tokens: cached,
             },
         }
     }

@@ -185,6 +185,15 @@ pub(crate) struct Progress {
 }
 
 impl Progress {
+    /// The usage so far, in OpenAI's shape.
+    pub(crate) fn usage(&self) -> Usage {
+        Usage::new(
+            self.prompt_tokens,
+            self.completion_tokens,
+            self.cached_tokens,
+        )
+    }
+
     fn absorb(&mut self, c: &DecodeChunk) {
         self.text.push_str(&c.delta);
         self.completion_tokens = self.completion_tokens.max(c.completion_tokens);
@@ -401,7 +410,7 @@ impl Render for Shape {
 
     fn full_json(&self, p: &Progress, finish: FinishReason) -> serde_json::Result<Vec<u8>> {
         fn with_usage<C: serde::Serialize>(p: &Progress, mut a: Answer<'_, C>) -> JsonBytes {
-            a.usage = Some(Usage::of(p));
+            a.usage = Some(p.usage());
             serde_json::to_vec(&a)
         }
         type JsonBytes = serde_json::Result<Vec<u8>>;
@@ -442,7 +451,7 @@ impl Render for Shape {
     }
 
     fn full(&self, p: &Progress, finish: FinishReason) -> Value {
-        let usage = json!(Usage::of(p));
+        let usage = json!(p.usage());
         match self.api {
             Api::Chat => {
                 let mut message = json!({ "role": "assistant", "content": p.text });
@@ -555,7 +564,7 @@ impl Render for Shape {
                     "text_completion"
                 };
                 let mut last = self.answer(p, object, [(); 0]);
-                last.usage = Some(Usage::of(p));
+                last.usage = Some(p.usage());
                 push_event(&mut out, &last);
             }
             out.extend_from_slice(b"data: [DONE]\n\n");
