@@ -23,6 +23,19 @@ wait_answers() {
   done
 }
 
+# tree_cpu PID: CPU time (user + system, clock ticks) of PID and every process below it.
+tree_cpu() {
+  local t=0 p
+  for p in $1 $(pgrep -P "$1" 2>/dev/null); do
+    if [ "$p" = "$1" ]; then
+      t=$((t + $(awk '{print $14 + $15}' "/proc/$p/stat" 2>/dev/null || echo 0)))
+    else
+      t=$((t + $(tree_cpu "$p")))
+    fi
+  done
+  echo $t
+}
+
 # wrk_run PORT CONCURRENCY MODE PATH -> "rps p50 p99 non-2xx"
 wrk_run() {
   local out rps p50 p99 bad

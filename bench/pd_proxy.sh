@@ -7,7 +7,8 @@
 # "json" mode, JSON or SSE as the request's "stream" field asks (the decode on :31002 reads the body
 # through one internal nginx hop, a cost every target pays). lockstep always asks the decode for a
 # stream (its barrier checks the first chunk); the gateways pass the client's choice through.
-# wrk on loopback, concurrency 1 and 32. Every process started here is stopped by pid on exit.
+# wrk on loopback, concurrency 1 and 32; for each router also its CPU time (user + system, its whole
+# process tree) per request during the c=32 run. Every process started here is stopped by pid on exit.
 # Usage: bash bench/pd_proxy.sh [seconds-per-run]   (needs wrk, nginx, python3; installs the peers
 # into ~/.cache/lockstep-bench; fetches the default model for its tokenizer)
 set -euo pipefail
@@ -30,10 +31,11 @@ start_workdir
 write_pd_upstreams
 nginx -p "$WORK" -c "$WORK/nginx.conf" & PIDS+=($!)
 
+declare -A PID_OF # router port -> pid, for its CPU per request
 gateway() { # venv port decode-port prometheus-port
   "$CACHE/$1/bin/smg" launch --pd-disaggregation --prefill http://127.0.0.1:31001 8998 --decode "http://127.0.0.1:$3" \
     --host 127.0.0.1 --port "$2" --prometheus-port "$4" --log-level error >"$WORK/logs/$1-$2.log" 2>&1 &
-  PIDS+=($!)
+  PIDS+=($!); PID_OF[$2]=$!
 }
 gateway venv-sglang-router 31020 31002 31120
 gateway venv-smg 31021 31002 31121
@@ -56,6 +58,7 @@ for m in json stream; do
     sed -e "$ports; $off; s|^tokenizer = .*|tokenizer = \"$WORK/tokenizer.json\"|; s|\.\./config/|$PWD/config/|" \
       bench/pd-bench.toml > "$WORK/pd-bench-$m-$poll.toml"
     target/release/lockstep serve --config "$WORK/pd-bench-$m-$poll.toml" >"$WORK/logs/lockstep-$m-$poll.log" 2>&1 & PIDS+=($!)
+    PID_OF[$(sed -n 's/^http_listen = "127.0.0.1:\([0-9]*\)"/\1/p' "$WORK/pd-bench-$m-$poll.toml")]=$!
   done
 done
 
@@ -74,18 +77,25 @@ run() { wrk_run "$1" "$2" "$3" /generate; }
 to_us() { awk -v v="$1" 'BEGIN{ if (v ~ /us$/) {sub(/us$/,"",v); print v+0} else if (v ~ /ms$/) {sub(/ms$/,"",v); print v*1000} else {sub(/s$/,"",v); print v*1000000} }'; }
 
 declare -A R
+HZ=$(getconf CLK_TCK)
 for mode in stream json; do
   [ $mode = json ] && echo "### json mode: the client asks for a JSON answer (stream=false)" || echo "### stream mode: the client asks for a stream (stream=true)"
   echo
-  echo "| target | c=1 req/s | c=1 p50 | c=1 p99 | c=32 req/s | c=32 p50 | c=32 p99 | non-2xx |"
-  echo "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+  echo "| target | c=1 req/s | c=1 p50 | c=1 p99 | c=32 req/s | c=32 p50 | c=32 p99 | router CPU/req at c=32 | non-2xx |"
+  echo "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
   targets_var=TARGETS_$mode
   for t in ${!targets_var}; do
     name=${t%%:*}; port=${t##*:}
     read -r r1 a1 b1 e1 < <(run "$port" 1 $mode)
+    pid=${PID_OF[$port]:-}; [ -n "$pid" ] && c0=$(tree_cpu "$pid")
     read -r r32 a32 b32 e32 < <(run "$port" 32 $mode)
+    cpu=-
+    if [ -n "$pid" ]; then
+      cpu=$(awk -v t=$(( $(tree_cpu "$pid") - c0 )) -v hz="$HZ" -v r="$r32" -v d="$DUR" 'BEGIN{printf "%.0f us", t / hz * 1e6 / (r * d)}')
+      R[$mode.$name.cpu]=${cpu% us}
+    fi
     R[$mode.$name.r1]=$r1; R[$mode.$name.p1]=$(to_us "$a1"); R[$mode.$name.r32]=$r32
-    echo "| $name | $r1 | $a1 | $b1 | $r32 | $a32 | $b32 | $((e1 + e32)) |"
+    echo "| $name | $r1 | $a1 | $b1 | $r32 | $a32 | $b32 | $cpu | $((e1 + e32)) |"
   done
   d=${R[$mode.direct.p1]}
   best_gw_r32=$(awk -v a="${R[$mode.sglang-router-0.3.2.r32]}" -v b="${R[$mode.smg-1.13.0.r32]}" 'BEGIN{print (a>b)?a:b}')
@@ -100,5 +110,7 @@ for mode in stream json; do
     printf "- lockstep c=32 throughput: %.2fx the better gateway (target >= 3x), %.0f%% of nginx as a plain single-upstream proxy\n", l/g, 100*l/n;
     printf "- lockstep added p50 at c=1: %.2f of the better gateway'"'"'s (target <= 0.33)\n", la/ga;
     printf "- lockstep with busy polling off: %.2fx at c=32, added p50 %.2f of the better gateway'"'"'s\n", nl/g, na/ga }'
+  awk -v l="${R[$mode.lockstep-nopoll.cpu]}" -v a="${R[$mode.sglang-router-0.3.2.cpu]}" -v b="${R[$mode.smg-1.13.0.cpu]}" 'BEGIN{
+    printf "- router CPU per request at c=32 (busy polling off): lockstep %d us, sglang-router %d us, smg %d us: %.2f of the leaner gateway'"'"'s\n", l, a, b, l / ((a < b) ? a : b) }'
   echo
 done
