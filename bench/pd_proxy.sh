@@ -7,8 +7,9 @@
 # "json" mode, JSON or SSE as the request's "stream" field asks (the decode on :31002 reads the body
 # through one internal nginx hop, a cost every target pays). lockstep always asks the decode for a
 # stream (its barrier checks the first chunk); the gateways pass the client's choice through.
-# wrk on loopback, concurrency 1 and 32; for each router also its CPU time (user + system, its whole
-# process tree) per request during the c=32 run. Every process started here is stopped by pid on exit.
+# wrk on loopback, concurrency 1 and 32; during each c=32 run also the CPU time (user + system,
+# whole process tree) per request of the router and of the nginx serving the mocks (and the plain
+# proxy). Every process started here is stopped by pid on exit.
 # Usage: bash bench/pd_proxy.sh [seconds-per-run]   (needs wrk, nginx, python3; installs the peers
 # into ~/.cache/lockstep-bench; fetches the default model for its tokenizer)
 set -euo pipefail
@@ -29,7 +30,7 @@ cargo build --release -q -p lockstep-engine --example export_tokenizer
 start_workdir
 
 write_pd_upstreams
-nginx -p "$WORK" -c "$WORK/nginx.conf" & PIDS+=($!)
+nginx -p "$WORK" -c "$WORK/nginx.conf" & PIDS+=($!); NGINX=$!
 
 declare -A PID_OF # router port -> pid, for its CPU per request
 gateway() { # venv port decode-port prometheus-port
@@ -81,21 +82,22 @@ HZ=$(getconf CLK_TCK)
 for mode in stream json; do
   [ $mode = json ] && echo "### json mode: the client asks for a JSON answer (stream=false)" || echo "### stream mode: the client asks for a stream (stream=true)"
   echo
-  echo "| target | c=1 req/s | c=1 p50 | c=1 p99 | c=32 req/s | c=32 p50 | c=32 p99 | router CPU/req at c=32 | non-2xx |"
-  echo "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+  echo "| target | c=1 req/s | c=1 p50 | c=1 p99 | c=32 req/s | c=32 p50 | c=32 p99 | router CPU/req at c=32 | nginx CPU/req at c=32 | non-2xx |"
+  echo "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
   targets_var=TARGETS_$mode
   for t in ${!targets_var}; do
     name=${t%%:*}; port=${t##*:}
     read -r r1 a1 b1 e1 < <(run "$port" 1 $mode)
-    pid=${PID_OF[$port]:-}; [ -n "$pid" ] && c0=$(tree_cpu "$pid")
+    pid=${PID_OF[$port]:-}; [ -n "$pid" ] && c0=$(tree_cpu "$pid"); n0=$(tree_cpu "$NGINX")
     read -r r32 a32 b32 e32 < <(run "$port" 32 $mode)
+    ncpu=$(awk -v t=$(( $(tree_cpu "$NGINX") - n0 )) -v hz="$HZ" -v r="$r32" -v d="$DUR" 'BEGIN{printf "%.0f us", t / hz * 1e6 / (r * d)}')
     cpu=-
     if [ -n "$pid" ]; then
       cpu=$(awk -v t=$(( $(tree_cpu "$pid") - c0 )) -v hz="$HZ" -v r="$r32" -v d="$DUR" 'BEGIN{printf "%.0f us", t / hz * 1e6 / (r * d)}')
       R[$mode.$name.cpu]=${cpu% us}
     fi
     R[$mode.$name.r1]=$r1; R[$mode.$name.p1]=$(to_us "$a1"); R[$mode.$name.r32]=$r32
-    echo "| $name | $r1 | $a1 | $b1 | $r32 | $a32 | $b32 | $cpu | $((e1 + e32)) |"
+    echo "| $name | $r1 | $a1 | $b1 | $r32 | $a32 | $b32 | $cpu | $ncpu | $((e1 + e32)) |"
   done
   d=${R[$mode.direct.p1]}
   best_gw_r32=$(awk -v a="${R[$mode.sglang-router-0.3.2.r32]}" -v b="${R[$mode.smg-1.13.0.r32]}" 'BEGIN{print (a>b)?a:b}')
