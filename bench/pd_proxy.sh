@@ -79,6 +79,7 @@ to_us() { awk -v v="$1" 'BEGIN{ if (v ~ /us$/) {sub(/us$/,"",v); print v+0} else
 
 declare -A R
 HZ=$(getconf CLK_TCK)
+per_req() { awk -v t="$1" -v hz="$HZ" -v r="$2" -v d="$DUR" 'BEGIN{printf "%.0f us", t / hz * 1e6 / (r * d)}'; } # TICKS RPS
 for mode in stream json; do
   [ $mode = json ] && echo "### json mode: the client asks for a JSON answer (stream=false)" || echo "### stream mode: the client asks for a stream (stream=true)"
   echo
@@ -90,10 +91,10 @@ for mode in stream json; do
     read -r r1 a1 b1 e1 < <(run "$port" 1 $mode)
     pid=${PID_OF[$port]:-}; [ -n "$pid" ] && c0=$(tree_cpu "$pid"); n0=$(tree_cpu "$NGINX")
     read -r r32 a32 b32 e32 < <(run "$port" 32 $mode)
-    ncpu=$(awk -v t=$(( $(tree_cpu "$NGINX") - n0 )) -v hz="$HZ" -v r="$r32" -v d="$DUR" 'BEGIN{printf "%.0f us", t / hz * 1e6 / (r * d)}')
+    ncpu=$(per_req $(( $(tree_cpu "$NGINX") - n0 )) "$r32")
     cpu=-
     if [ -n "$pid" ]; then
-      cpu=$(awk -v t=$(( $(tree_cpu "$pid") - c0 )) -v hz="$HZ" -v r="$r32" -v d="$DUR" 'BEGIN{printf "%.0f us", t / hz * 1e6 / (r * d)}')
+      cpu=$(per_req $(( $(tree_cpu "$pid") - c0 )) "$r32")
       R[$mode.$name.cpu]=${cpu% us}
     fi
     R[$mode.$name.r1]=$r1; R[$mode.$name.p1]=$(to_us "$a1"); R[$mode.$name.r32]=$r32
