@@ -17,11 +17,17 @@ use crate::error::LockstepError;
 pub(crate) const NICE: i32 = 10;
 
 /// A pool of `threads` threads (named `lockstep-tokenize-N`) that lower their own priority.
+/// Each thread registers for the placement of chunked encodes' helpers
+/// ([`super::placement`]).
 pub(crate) fn pool(threads: usize) -> std::io::Result<rayon::ThreadPool> {
+    let siblings = super::placement::Siblings::new(threads);
     rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .thread_name(|i| format!("lockstep-tokenize-{i}"))
-        .start_handler(|_| lower_priority())
+        .start_handler(move |i| {
+            lower_priority();
+            super::placement::register(&siblings, i);
+        })
         .build()
         .map_err(std::io::Error::other)
 }

@@ -538,7 +538,11 @@ impl TextEncoder {
         use rayon::prelude::*;
         let done: Vec<Vec<u32>> = parts
             .into_par_iter()
-            .map(|p| self.encode(p, false))
+            .map(|p| {
+                // A helper narrowed for this encode takes its whole CPU set back.
+                super::placement::joined();
+                self.encode(p, false)
+            })
             .collect::<Result<_, _>>()?;
         Ok(done.concat())
     }

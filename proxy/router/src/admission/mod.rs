@@ -18,6 +18,7 @@
 pub(crate) mod background;
 pub mod bpe;
 pub mod codec;
+mod placement;
 mod pretokenize;
 pub mod segments;
 mod words;

@@ -35,10 +35,12 @@ const MIN_PIECE_BYTES: usize = 256;
 /// Where a long piece is cut into chunks tokenized in parallel (about this many bytes each).
 const CHUNK_BYTES: usize = 32 << 10;
 /// Pieces from this long on are tokenized in chunks. Below it one thread is as quick: waking a
-/// second costs tens of µs on a VM and the pool's idle spinning costs CPU, against about
-/// 0.4 ms to tokenize 128 KiB on one thread (2026-12-02, 2 vCPUs: at 128 KiB chunks gave the
-/// same p50 for 11% more CPU; at 1 MiB, 10 ms against 11.7 ms).
-const CHUNKED_FROM: usize = 256 << 10;
+/// second costs 50-150 µs on a VM, against about 0.2 ms to tokenize 32 KiB on one thread. The
+/// helper joins only because its wake-up is steered off the busy CPU ([`super::placement`]):
+/// before that, at 128 KiB the chunks mostly ran on one thread and gave nothing (2026-12-02,
+/// 2 vCPUs: with the steering, unique 128 KiB prompts' p50 fell by 0.1-0.7 ms, three runs
+/// against the one-thread build alternated).
+const CHUNKED_FROM: usize = 64 << 10;
 
 /// A cached piece's key: the tenant's cache salt and the piece's text.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -178,6 +180,8 @@ impl SegmentCache {
             chunks.push(&piece[from..at]);
             from = at;
         }
+        // The pool's other threads wake beside none of its busy ones for this encode.
+        let _spread = super::placement::spread_helpers();
         enc.encode_parts(chunks)
     }
 
