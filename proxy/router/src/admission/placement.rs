@@ -75,10 +75,11 @@ pub(crate) fn spread_helpers() -> Spread {
             if i == me.index || tid == 0 {
                 continue;
             }
-            // Marked first: a helper that starts its chunk at once finds the mark and undoes it.
-            me.siblings.narrowed[i].store(true, Ordering::Release);
-            if !others.apply(tid) {
-                me.siblings.narrowed[i].store(false, Ordering::Release);
+            // Marked after the change: whoever clears a mark restores the set, so every
+            // narrowing is followed by a restore (a helper that joined between the two is
+            // restored by this guard's drop instead), and no thread stays narrowed.
+            if others.apply(tid) {
+                me.siblings.narrowed[i].store(true, Ordering::Release);
             }
         }
         Some(())
