@@ -239,4 +239,5 @@ def main():
               f"p99 {q * 1e3:.2f} ms, {q / alone:.2f}x alone"
               + (" (target <= 1.20x)" if c == "loaded" else ""))
 
-main()
+if __name__ == "__main__":
+    main()
