@@ -38,8 +38,8 @@ const CHUNK_BYTES: usize = 32 << 10;
 /// second costs 50-150 µs on a VM, against about 0.2 ms to tokenize 32 KiB on one thread. The
 /// helper joins only because its wake-up is steered off the busy CPU ([`super::placement`]):
 /// before that, at 128 KiB the chunks mostly ran on one thread and gave nothing (2026-12-02,
-/// 2 vCPUs: with the steering, unique 128 KiB prompts' p50 fell by 0.04-0.67 ms, median 0.55,
-/// six runs against the one-thread build alternated).
+/// 2 vCPUs, `bench/ab_long_prompts.sh` against the one-thread build: unique 128 KiB prompts'
+/// p50 3.69 -> 2.81 ms, 64 KiB 2.66 -> 2.22 ms, for about the same CPU per request).
 const CHUNKED_FROM: usize = 64 << 10;
 
 /// A cached piece's key: the tenant's cache salt and the piece's text.
