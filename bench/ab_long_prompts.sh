@@ -24,7 +24,8 @@ for port in 25001 25002; do
   for _ in $(seq 1 100); do curl -sf -m 1 "http://127.0.0.1:$port/health" >/dev/null && break; sleep 0.1; done
 done
 KEY_SHA256=$(printf %s bench-key | sha256sum | cut -d' ' -f1)
-cat > "$WORK/lockstep.toml" <<TOML
+{
+cat <<TOML
 [server]
 http_listen = "127.0.0.1:25030"
 log_level = "warn"
@@ -34,28 +35,9 @@ max_body_bytes = 16777216
 name = "bench"
 api_keys_sha256 = ["$KEY_SHA256"]  # "bench-key"
 models = ["*"]
-
-[[models]]
-name = "smollm2"
-backend = "sglang"
-context_window = 1048576
-kv_capacity_tokens = 1048576
-default_max_tokens = 1
-tokenizer = "$WORK/tokenizer.json"
-chat_template = { path = "$WORK/chat_template.jinja" }
-
-[models.prefill]
-workers = [{ url = "http://127.0.0.1:25001", bootstrap_port = 8998 }]
-
-[models.decode]
-workers = [{ url = "http://127.0.0.1:25002" }]
-
-[models.retry]
-max_retries = 0
-
-[models.health]
-interval_ms = 10000
 TOML
+model_toml smollm2 25001 25002
+} > "$WORK/lockstep.toml"
 
 SHORT='{"model":"smollm2","max_tokens":1,"messages":[{"role":"user","content":"hi"}]}'
 seed=1

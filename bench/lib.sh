@@ -1,4 +1,4 @@
-# Shared by the wrk benchmarks (bench/pd_proxy.sh, bench/vllm_pd.sh); sourced, never run.
+# Shared by the benchmarks (bench/pd_proxy.sh, bench/vllm_pd.sh, the long-prompt benches); sourced, never run.
 # The wrk helpers expect WORK (with post_<mode>.lua scripts) and DUR to be set.
 
 # start_workdir: a fresh $WORK and the PIDS array; on exit every pid in PIDS is stopped (by pid,
@@ -109,4 +109,33 @@ write_pd_bodies() {
     body_var=BODY_$mode
     printf 'wrk.method = "POST"\nwrk.body = %s\nwrk.headers["Content-Type"] = "application/json"\n' "'${!body_var}'" > "$WORK/post_$mode.lua"
   done
+}
+
+# model_toml NAME PREFILL_PORT DECODE_PORT: one [[models]] section for the long-prompt benches
+# (SGLang PD, SmolLM2's tokenizer and template exported into $WORK, a context and KV capacity of
+# 1 Mi tokens, one token per answer, no retries).
+model_toml() {
+  cat <<TOML
+
+[[models]]
+name = "$1"
+backend = "sglang"
+context_window = 1048576
+kv_capacity_tokens = 1048576
+default_max_tokens = 1
+tokenizer = "$WORK/tokenizer.json"
+chat_template = { path = "$WORK/chat_template.jinja" }
+
+[models.prefill]
+workers = [{ url = "http://127.0.0.1:$2", bootstrap_port = 8998 }]
+
+[models.decode]
+workers = [{ url = "http://127.0.0.1:$3" }]
+
+[models.retry]
+max_retries = 0
+
+[models.health]
+interval_ms = 10000
+TOML
 }

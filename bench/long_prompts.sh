@@ -57,32 +57,6 @@ SMG=$!; PIDS+=($SMG)
   --prometheus-port 23122 --max-payload-size 16777216 --log-level error >"$WORK/logs/vllm-router.log" 2>&1 &
 VR=$!; PIDS+=($VR)
 KEY_SHA256=$(printf %s bench-key | sha256sum | cut -d' ' -f1)
-# One model section: name, prefill port, decode port.
-model_toml() {
-  cat <<TOML
-
-[[models]]
-name = "$1"
-backend = "sglang"
-context_window = 1048576
-kv_capacity_tokens = 1048576
-default_max_tokens = 1
-tokenizer = "$WORK/tokenizer.json"
-chat_template = { path = "$WORK/chat_template.jinja" }
-
-[models.prefill]
-workers = [{ url = "http://127.0.0.1:$2", bootstrap_port = 8998 }]
-
-[models.decode]
-workers = [{ url = "http://127.0.0.1:$3" }]
-
-[models.retry]
-max_retries = 0
-
-[models.health]
-interval_ms = 10000
-TOML
-}
 {
 cat <<TOML
 [server]

@@ -536,6 +536,8 @@ impl TextEncoder {
     /// rayon pool (each alone: only for cuts the tokenizer always makes itself).
     pub fn encode_parts(&self, parts: Vec<&str>) -> Result<Vec<u32>, LockstepError> {
         use rayon::prelude::*;
+        // The pool's other threads wake beside none of its busy ones for this encode.
+        let _spread = super::placement::spread_helpers();
         let done: Vec<Vec<u32>> = parts
             .into_par_iter()
             .map(|p| {

@@ -180,8 +180,6 @@ impl SegmentCache {
             chunks.push(&piece[from..at]);
             from = at;
         }
-        // The pool's other threads wake beside none of its busy ones for this encode.
-        let _spread = super::placement::spread_helpers();
         enc.encode_parts(chunks)
     }
 
