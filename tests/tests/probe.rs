@@ -18,6 +18,8 @@ fn args(target: &str) -> ProbeArgs {
         target: target.to_string(),
         model: None,
         api_keys: Vec::new(),
+        api_key_file: None,
+        endpoints: Vec::new(),
         duration: None,
         once: true,
         concurrency: 4,
@@ -204,7 +206,7 @@ async fn exit_2_only_when_nothing_answered() {
     assert!(r.text.contains("no response ever arrived"), "{}", r.text);
 
     // A server whose model list is not JSON and which serves none of the endpoints: it answered,
-    // so with --model given this is not "unreachable" (every endpoint skipped, exit 0).
+    // so with --model given this is not "unreachable", but nothing was verified (exit 3).
     let app = axum::Router::new().route(
         "/v1/models",
         axum::routing::get(|| async { "<html>not a model list</html>" }),
@@ -219,15 +221,16 @@ async fn exit_2_only_when_nothing_answered() {
     let mut a = args(&url);
     a.model = Some("m".into());
     let r = lockstep_probe::probe(a).await;
-    assert_eq!(r.code, 0, "{}", r.text);
+    assert_eq!(r.code, 3, "{}", r.text);
     assert!(
         r.text.contains("chat json") && r.text.contains("skipped"),
         "{}",
         r.text
     );
-    // Without --model it cannot probe, but the target answered: still not exit 2.
+    assert!(r.text.contains("NOT VERIFIED"), "{}", r.text);
+    // Without --model it cannot probe, but the target answered: not exit 2, and not "no leak".
     let r = lockstep_probe::probe(args(&url)).await;
-    assert_eq!(r.code, 0, "{}", r.text);
+    assert_eq!(r.code, 3, "{}", r.text);
     assert!(r.text.contains("give --model"), "{}", r.text);
     server.abort();
 }
@@ -248,4 +251,71 @@ async fn the_probe_speaks_locksteps_grpc_api() {
     );
     assert!(r.text.contains("grpc_refused"), "{}", r.text);
     assert!(stack.wait_all_idle(Duration::from_secs(10)).await);
+}
+
+/// A prober that verified nothing fails loudly (second security review, finding 5): against
+/// lockstep with tenants, without a key every request is a 401, and the probe exits 3 naming the
+/// endpoints it never verified, not 0 and "no foreign content"; with the key read from a file (not
+/// argv) it verifies every endpoint and exits 0; an endpoint the target does not serve fails the
+/// run unless the operator leaves it out with `--endpoint`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_probe_that_verified_nothing_exits_3() {
+    let key = "probe-tenant-key";
+    let tenants = format!(
+        "\n[[tenants]]\nname = \"ops\"\napi_keys_sha256 = [\"{}\"]\n",
+        lockstep_router::tenant::key_hash_hex(key)
+    );
+    let stack = Stack::start_with_tokenizer(
+        tokenizer::build_canary(),
+        MockConfig::default(),
+        &tenants,
+        "",
+        TEST_TIMEOUTS,
+    )
+    .await;
+    let mut a = args(&stack.url);
+    a.model = Some(lockstep_tests::harness::MODEL.into());
+    let r = lockstep_probe::probe(a.clone()).await;
+    assert_eq!(r.code, 3, "{}", r.text);
+    assert!(r.text.contains("NOT VERIFIED"), "{}", r.text);
+    for row in [
+        "chat json",
+        "chat stream",
+        "completions json",
+        "generate stream",
+    ] {
+        assert!(r.text.contains(row), "{row}: {}", r.text);
+    }
+    assert_eq!(r.totals.completed, 0, "{}", r.text);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("keys");
+    std::fs::write(&file, format!("# the ops tenant\n\n{key}\n")).expect("write keys");
+    a.api_key_file = Some(file);
+    let r = lockstep_probe::probe(a.clone()).await;
+    assert_eq!(r.code, 0, "{}", r.text);
+    assert!(r.text.contains("no foreign content seen"), "{}", r.text);
+    assert!(stack.wait_all_idle(Duration::from_secs(10)).await);
+
+    // The naive front serves chat and completions, not `/generate`: exit 3 while generate is
+    // expected, 0 once `--endpoint` names what it serves.
+    let (_mock, front) = naive().await;
+    let mut a = args(&front.url);
+    a.model = Some("m".into());
+    a.concurrency = 1;
+    let r = lockstep_probe::probe(a.clone()).await;
+    assert_eq!(r.code, 3, "{}", r.text);
+    assert!(
+        r.text
+            .contains("NOT VERIFIED: no request completed on generate json, generate stream"),
+        "{}",
+        r.text
+    );
+    a.endpoints = vec![
+        lockstep_probe::plan::Api::Chat,
+        lockstep_probe::plan::Api::Completions,
+    ];
+    let r = lockstep_probe::probe(a).await;
+    assert_eq!(r.code, 0, "{}", r.text);
+    assert!(!r.text.contains("generate"), "{}", r.text);
+    assert!(rows_completed(&r.text, "chat json") > 0, "{}", r.text);
 }

@@ -37,6 +37,8 @@ fn args(target: &str, secs: u64, concurrency: usize) -> ProbeArgs {
         target: target.to_string(),
         model: None,
         api_keys: Vec::new(),
+        api_key_file: None,
+        endpoints: Vec::new(),
         duration: Some(secs),
         once: false,
         concurrency,

@@ -699,6 +699,51 @@ async fn the_kv_data_listener_refuses_malformed_sets_and_keeps_nothing() {
         .await
         .expect_err("over the bound");
     assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
+    // A gRPC push that stalls after its manifest (the stream left open, no page sent): its
+    // reservation is held while it lasts, and the push is ended at the lease (1.5 s), the bytes
+    // given back, though the sender never closes the stream.
+    let m = manifest(1);
+    let one = pb::KvPush {
+        item: Some(pb::kv_push::Item::Manifest(pb::KvManifest {
+            pair_id: 6,
+            model_fingerprint: m.model.0,
+            tokens: m.tokens,
+            page_size: 16,
+            dtype: 1,
+            page_count: 1,
+            page_checksums: m.page_checksums.clone(),
+            manifest_checksum: m.manifest_checksum,
+            mac: vec![0; 32],
+        })),
+    };
+    let mut stalled = client(&d.addr).await;
+    let started = std::time::Instant::now();
+    let call = tokio::spawn(async move {
+        use futures_util::StreamExt;
+        let never_ends =
+            futures_util::stream::iter(vec![one]).chain(futures_util::stream::pending());
+        stalled.push_kv(never_ends).await
+    });
+    let mut held = false;
+    for _ in 0..50 {
+        if capacity(&d.addr).await.pending_kv_bytes == page as u64 {
+            held = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(held, "the stalled push holds its page's reservation");
+    let err = tokio::time::timeout(Duration::from_secs(5), call)
+        .await
+        .expect("ended by the worker, not the sender")
+        .expect("join")
+        .expect_err("a stalled push fails");
+    assert_eq!(err.code(), tonic::Code::DeadlineExceeded, "{err:?}");
+    assert!(
+        started.elapsed() >= Duration::from_millis(1400),
+        "at the lease"
+    );
+    assert_eq!(capacity(&d.addr).await.pending_kv_bytes, 0, "given back");
     // A set cut off inside a page: nothing is kept, its reservation given back.
     let mut ph = [0u8; wire::PAGE_HEAD];
     ph[4..12].copy_from_slice(&5u64.to_le_bytes());

@@ -6,7 +6,10 @@
 //! so it audits any gateway, and lockstep's gRPC API with `--grpc`.
 //!
 //! Exit codes: 1 on a foreign secret in any answer or an over-long prompt answered as if it fit;
-//! 2 when no response ever arrived; 0 otherwise (other errors are counted and reported).
+//! 2 when no response ever arrived; 3 when something answered but nothing could be verified on
+//! some endpoint it was asked to watch (every request refused, say a 401 for a missing key, or
+//! the endpoint not served): a prober that checked nothing must not say "no leak"; 0 otherwise
+//! (other errors beside verified answers are counted and reported).
 
 pub mod canary;
 pub mod grpc;
@@ -32,10 +35,26 @@ pub struct ProbeArgs {
     /// Model to ask for (default: the first of `/v1/models`, or of `ListModels` with `--grpc`).
     #[arg(long)]
     pub model: Option<String>,
-    /// An API key: one synthetic tenant per key (repeat the flag). Without any, three anonymous
-    /// tenants (open mode).
-    #[arg(long = "api-key")]
+    /// An API key: one synthetic tenant per key (repeat the flag, or comma-separate them in
+    /// `LOCKSTEP_PROBE_API_KEYS`). Without any, three anonymous tenants (open mode). A key on the
+    /// command line is visible to every local user (`ps`): prefer `--api-key-file` or the
+    /// environment variable.
+    #[arg(
+        long = "api-key",
+        env = "LOCKSTEP_PROBE_API_KEYS",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
     pub api_keys: Vec<String>,
+    /// A file of API keys, one per line (blank lines and `#` comments skipped), added to
+    /// `--api-key`'s.
+    #[arg(long)]
+    pub api_key_file: Option<std::path::PathBuf>,
+    /// An endpoint to watch (repeat the flag): `chat`, `completions`, `generate` (default: all
+    /// three over HTTP, chat and generate with `--grpc`). Each must complete requests, or the
+    /// probe exits 3: give only those the target serves.
+    #[arg(long = "endpoint", value_enum)]
+    pub endpoints: Vec<Api>,
     /// Probe for this many seconds (requests in flight at the end get 10 s, then are cancelled
     /// and not counted).
     #[arg(long, conflicts_with = "once")]
@@ -185,6 +204,54 @@ pub async fn probe(args: ProbeArgs) -> Report {
             };
         }
     };
+    let mut args = args;
+    if let Some(path) = args.api_key_file.take() {
+        match std::fs::read_to_string(&path) {
+            Ok(t) => args.api_keys.extend(
+                t.lines()
+                    .map(str::trim)
+                    .filter(|l| !l.is_empty() && !l.starts_with('#'))
+                    .map(str::to_string),
+            ),
+            Err(e) => {
+                return Report {
+                    code: 2,
+                    text: format!("lockstep probe: --api-key-file {}: {e}\n", path.display()),
+                    totals: stats::Totals::default(),
+                };
+            }
+        }
+    }
+    let apis = match (args.endpoints.is_empty(), args.grpc) {
+        (false, _) => {
+            let mut a = args.endpoints.clone();
+            a.sort();
+            a.dedup();
+            a
+        }
+        (true, true) => vec![Api::Chat, Api::Generate],
+        (true, false) => vec![Api::Chat, Api::Completions, Api::Generate],
+    };
+    if args.grpc && apis.contains(&Api::Completions) {
+        return Report {
+            code: 2,
+            text: "lockstep probe: --endpoint completions is not in lockstep's gRPC API (chat, generate)\n".into(),
+            totals: stats::Totals::default(),
+        };
+    }
+    let modes = if args.grpc {
+        vec![true]
+    } else {
+        vec![false, true]
+    };
+    let expected: Vec<String> = apis
+        .iter()
+        .flat_map(|&api| {
+            modes
+                .iter()
+                .map(move |&stream| api.endpoint(stream, args.grpc))
+        })
+        .collect();
     let stats = Arc::new(Stats::default());
     let _metrics = match args.metrics_listen {
         Some(addr) => match serve_metrics(addr, stats.clone()).await {
@@ -216,8 +283,12 @@ pub async fn probe(args: ProbeArgs) -> Report {
                 "no answer to the model list"
             }
         );
+        let code = stats.exit_code(&expected);
+        if code == 3 {
+            let _ = writeln!(text, "result: NOT VERIFIED: no request was sent (exit 3)");
+        }
         return Report {
-            code: stats.exit_code(),
+            code,
             text,
             totals: stats.totals(),
         };
@@ -230,16 +301,8 @@ pub async fn probe(args: ProbeArgs) -> Report {
             .map(|(_, n)| n + 1)
     });
     let plan = Plan {
-        apis: if args.grpc {
-            vec![Api::Chat, Api::Generate]
-        } else {
-            vec![Api::Chat, Api::Completions, Api::Generate]
-        },
-        modes: if args.grpc {
-            vec![true]
-        } else {
-            vec![false, true]
-        },
+        apis,
+        modes,
         tenants: args
             .api_keys
             .len()
@@ -282,7 +345,7 @@ pub async fn probe(args: ProbeArgs) -> Report {
     for w in workers {
         let _ = w.await;
     }
-    let code = stats.exit_code();
+    let code = stats.exit_code(&expected);
     let _ = writeln!(
         text,
         "lockstep probe: {} ({}), model {model}, {:.1} s, over-long prompts: {}",
@@ -295,13 +358,17 @@ pub async fn probe(args: ProbeArgs) -> Report {
         }
     );
     text.push_str(&stats.table());
+    let unverified = stats.unverified(&expected).join(", ");
     let _ = writeln!(
         text,
         "result: {} (exit {code})",
         match code {
-            0 => "no foreign content seen",
-            1 => "FAILED: foreign content, or an over-long prompt answered as if it fit",
-            _ => "no response ever arrived",
+            0 => "no foreign content seen".to_string(),
+            1 => "FAILED: foreign content, or an over-long prompt answered as if it fit".into(),
+            2 => "no response ever arrived".into(),
+            _ => format!(
+                "NOT VERIFIED: no request completed on {unverified} (refused, failed or not served: check the key, the model and --endpoint)"
+            ),
         }
     );
     Report {

@@ -5,7 +5,7 @@
 use crate::canary::Secrets;
 
 /// An API the probe speaks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, clap::ValueEnum)]
 pub enum Api {
     /// `POST /v1/chat/completions` (gRPC: `Chat`).
     Chat,
@@ -23,6 +23,18 @@ impl Api {
             Api::Completions => "/v1/completions",
             Api::Generate => "/generate",
         }
+    }
+
+    /// `chat stream`, `grpc generate`, ...: the row its requests in this mode are counted in.
+    pub fn endpoint(self, stream: bool, grpc: bool) -> String {
+        let mode = if grpc {
+            "grpc"
+        } else if stream {
+            "stream"
+        } else {
+            "json"
+        };
+        format!("{} {mode}", self.name())
     }
 
     fn name(self) -> &'static str {
@@ -65,14 +77,7 @@ pub struct Job {
 impl Job {
     /// `chat stream`, `grpc generate`, ...: the row it is counted in.
     pub fn endpoint(&self, grpc: bool) -> String {
-        let mode = if grpc {
-            "grpc"
-        } else if self.stream {
-            "stream"
-        } else {
-            "json"
-        };
-        format!("{} {mode}", self.api.name())
+        self.api.endpoint(self.stream, grpc)
     }
 }
 

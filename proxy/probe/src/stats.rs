@@ -136,16 +136,33 @@ impl Stats {
     }
 
     /// The exit code: 1 on a foreign secret or a completed over-long prompt, else 2 when no
-    /// response ever arrived, else 0.
-    pub fn exit_code(&self) -> u8 {
+    /// response ever arrived, else 3 when one of the `expected` endpoints (rows such as `chat
+    /// json`) never completed a request (it answered only errors, or was not served, or the run
+    /// never reached it: nothing there was verified), else 0.
+    pub fn exit_code(&self, expected: &[String]) -> u8 {
         let g = self.lock();
         if !g.leaks.is_empty() || g.over_long_accepted > 0 {
             1
         } else if !g.responded {
             2
+        } else if !Stats::unverified_in(&g, expected).is_empty() {
+            3
         } else {
             0
         }
+    }
+
+    /// The `expected` endpoints no request completed on.
+    pub fn unverified(&self, expected: &[String]) -> Vec<String> {
+        Stats::unverified_in(&self.lock(), expected)
+    }
+
+    fn unverified_in(g: &Inner, expected: &[String]) -> Vec<String> {
+        expected
+            .iter()
+            .filter(|e| g.rows.get(*e).is_none_or(|r| r.completed == 0))
+            .cloned()
+            .collect()
     }
 
     fn percentile(sorted: &[f64], p: f64) -> Option<f64> {
@@ -288,22 +305,37 @@ mod tests {
 
     #[test]
     fn exit_codes_follow_what_was_seen() {
+        let chat = ["chat stream".to_string()];
         let s = Stats::default();
-        assert_eq!(s.exit_code(), 2, "nothing answered");
+        assert_eq!(s.exit_code(&chat), 2, "nothing answered");
         s.record(&rec(Outcome::Error("http_5xx"), false, vec![]));
-        assert_eq!(s.exit_code(), 0, "errors are counted, not failed");
+        assert_eq!(s.exit_code(&chat), 3, "only errors: nothing verified");
+        assert_eq!(s.unverified(&chat), chat.to_vec());
+        s.record(&rec(Outcome::Completed, false, vec![]));
+        assert_eq!(
+            s.exit_code(&chat),
+            0,
+            "errors beside answers are counted, not failed"
+        );
+        let both = ["chat stream".to_string(), "completions json".to_string()];
+        assert_eq!(
+            s.exit_code(&both),
+            3,
+            "an expected endpoint never exercised"
+        );
+        assert_eq!(s.unverified(&both), vec!["completions json".to_string()]);
         s.record(&rec(Outcome::Error("http_4xx"), true, vec![]));
-        assert_eq!(s.exit_code(), 0, "an over-long prompt refused");
+        assert_eq!(s.exit_code(&chat), 0, "an over-long prompt refused");
         let t = Stats::default();
         t.record(&rec(Outcome::Completed, true, vec![]));
-        assert_eq!(t.exit_code(), 1, "an over-long prompt completed");
+        assert_eq!(t.exit_code(&chat), 1, "an over-long prompt completed");
         let u = Stats::default();
         u.record(&rec(
             Outcome::Left,
             false,
             vec!["cnry0000000000000001".into()],
         ));
-        assert_eq!(u.exit_code(), 1, "a foreign secret");
+        assert_eq!(u.exit_code(&chat), 1, "a foreign secret");
         assert!(
             u.table()
                 .contains("LEAK on chat stream: cnry0000000000000001")

@@ -51,7 +51,9 @@ impl Lockstep {
         }
         let metrics = Arc::new(Metrics::new());
         let audit = Arc::new(Audit::open(&cfg.server.audit_log)?);
-        let models = build_models(&cfg, &client, &registry, &stats, &metrics, &audit, None).await?;
+        let mut models =
+            build_models(&cfg, &client, &registry, &stats, &metrics, &audit, None).await?;
+        models.tenants = Arc::new(Tenants::new(&cfg.tenants));
         let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
         let tokenize_pool = crate::admission::background::pool(cores)
             .map_err(|e| format!("cannot start the tokenizer threads: {e}"))?;
@@ -65,7 +67,6 @@ impl Lockstep {
             max_body_bytes: cfg.server.max_body_bytes,
             body_timeout: Duration::from_millis(cfg.server.body_timeout_ms),
             draining: AtomicBool::new(false),
-            tenants: ArcSwap::from_pointee(Tenants::new(&cfg.tenants)),
             config_path: cfg.source.clone(),
             drained: dashmap::DashSet::new(),
             client,
@@ -111,7 +112,11 @@ impl Lockstep {
         let mut tasks = Vec::new();
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         // The gRPC front end shares the listener (h2c, or h2 by ALPN under TLS).
-        let (grpc, health) = crate::http::grpc::services(state.clone());
+        let grpc_limits = crate::http::grpc::GrpcLimits {
+            max_long_streams: cfg.server.grpc_max_long_streams,
+            stream_lifetime: Duration::from_millis(cfg.server.grpc_stream_lifetime_ms),
+        };
+        let (grpc, health) = crate::http::grpc::services(state.clone(), grpc_limits);
         crate::http::grpc::set_serving(&health, true).await;
         let app = crate::http::router(state.clone(), !cfg.server.metrics_on_admin).merge(grpc);
         let header_timeout = Duration::from_millis(cfg.server.header_timeout_ms);
@@ -125,6 +130,7 @@ impl Lockstep {
             header_timeout,
             max_connections: cfg.server.max_connections,
             idle_timeout: Duration::from_millis(cfg.server.idle_timeout_ms),
+            max_concurrent_streams: Some(cfg.server.max_concurrent_streams),
         };
         tasks.push(tokio::spawn(serve_http(
             listener,

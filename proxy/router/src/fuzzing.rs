@@ -19,6 +19,7 @@ pub async fn admission(state: &Arc<AppState>, data: &[u8]) {
         return;
     };
     let caller = || Caller {
+        catalog: state.models.load_full(),
         tenant: None,
         permit: None,
     };

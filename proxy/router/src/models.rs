@@ -59,7 +59,7 @@ pub async fn reload_state(st: &AppState, cfg: Config) -> Result<(), String> {
     // replaces, the generation the previous one stored.
     let _one = st.reload_lock.lock().await;
     let previous = st.models.load_full();
-    let models = build_models(
+    let mut models = build_models(
         &cfg,
         &st.client,
         &st.registry,
@@ -81,9 +81,9 @@ pub async fn reload_state(st: &AppState, cfg: Config) -> Result<(), String> {
         }
     }
     let names: Vec<_> = models.by_name.keys().cloned().collect();
+    models.tenants = Arc::new(previous.tenants.reloaded(&cfg.tenants));
+    // Models and tenants in one store.
     st.models.store(Arc::new(models));
-    st.tenants
-        .store(Arc::new(st.tenants.load().reloaded(&cfg.tenants)));
     tracing::info!(models = ?names, "configuration reloaded");
     Ok(())
 }

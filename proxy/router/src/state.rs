@@ -15,7 +15,6 @@ use crate::backend::UpstreamClient;
 use crate::config::ModelConfig;
 use crate::metrics::Metrics;
 use crate::pair::{PairRegistry, PairRuntime, PairStats};
-use crate::tenant::Tenants;
 
 /// One served model.
 #[derive(Debug)]
@@ -109,6 +108,9 @@ impl ModelRuntime {
 pub struct Models {
     /// Models by name.
     pub by_name: BTreeMap<String, Arc<ModelRuntime>>,
+    /// The tenants of the same configuration: swapped in with the models, in one store, so no
+    /// request sees one configuration's models with another's tenants.
+    pub tenants: Arc<crate::tenant::Tenants>,
     pub(crate) health: Vec<JoinHandle<()>>,
 }
 
@@ -123,7 +125,7 @@ impl Drop for Models {
 /// Shared state of the front ends.
 #[derive(Debug)]
 pub struct AppState {
-    /// The current generation of models.
+    /// The current generation of models, with the tenants.
     pub models: ArcSwap<Models>,
     /// Live pairs of all models.
     pub registry: Arc<PairRegistry>,
@@ -139,8 +141,6 @@ pub struct AppState {
     pub body_timeout: std::time::Duration,
     /// Set while shutting down: `/ready` fails.
     pub draining: AtomicBool,
-    /// Tenants and their keys and limits (swapped on reload).
-    pub tenants: ArcSwap<Tenants>,
     /// The configuration file (admin reload re-reads it); `None` for the built-in one.
     pub config_path: Option<std::path::PathBuf>,
     /// Worker URLs an operator is draining (re-applied to the workers of a reloaded config).

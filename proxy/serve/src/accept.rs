@@ -26,6 +26,8 @@ pub struct ConnLimits {
     /// flight) for this long is closed gracefully: an h2 GOAWAY, or the end of an HTTP/1.1
     /// keep-alive connection. Bounds idle connections, which hold slots of `max_connections`.
     pub idle_timeout: Duration,
+    /// HTTP/2 streams one connection may have open at once (`None`: hyper's default, 200).
+    pub max_concurrent_streams: Option<u32>,
 }
 
 /// Serves `app` on `listener` (HTTP/1.1 and h2c on one port, or HTTPS with HTTP/1.1 and h2 when
@@ -58,7 +60,8 @@ pub async fn serve_http(
         .keep_alive_timeout(Duration::from_secs(20))
         .initial_stream_window_size(8 << 20)
         .initial_connection_window_size(16 << 20)
-        .max_frame_size(1 << 20);
+        .max_frame_size(1 << 20)
+        .max_concurrent_streams(limits.max_concurrent_streams);
     let builder = Arc::new(builder);
     // Every connection task holds a receiver: `true` asks it to close gracefully, and the
     // sender's `closed()` is when the last one has ended.

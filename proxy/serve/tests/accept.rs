@@ -89,6 +89,7 @@ async fn server(
         header_timeout: Duration::from_secs(30),
         max_connections: 16,
         idle_timeout: IDLE,
+        max_concurrent_streams: None,
     };
     let threads = match mode {
         Mode::Shared => None,

@@ -132,6 +132,8 @@ impl RunningWorker {
                 // Routers and peer workers only: a handful of long-lived h2 connections.
                 max_connections: 1_024,
                 idle_timeout: Duration::from_millis(file.worker.idle_timeout_ms),
+                // A router multiplexes every pair of its own onto a few connections.
+                max_concurrent_streams: None,
             },
             service
                 .tls()

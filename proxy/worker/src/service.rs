@@ -388,9 +388,58 @@ impl Worker for WorkerService {
         &self,
         req: Request<Streaming<pb::KvPush>>,
     ) -> Result<Response<pb::KvPushAck>, Status> {
-        use pb::kv_push::Item;
         self.admit(&[Role::Decode, Role::Unified], "KV pushes")?;
-        let mut s = req.into_inner();
+        // The whole push, its byte reservation with it, lives within the lease, as a set on the
+        // data listener does: a sender that stalls mid-push cannot hold the reservation.
+        let lease = self.rooms.lease();
+        match tokio::time::timeout(lease, self.receive_push(req.into_inner())).await {
+            Ok(r) => r,
+            Err(_) => Err(Status::deadline_exceeded(format!(
+                "the KV push did not finish within the lease ({} ms); nothing was kept",
+                lease.as_millis()
+            ))),
+        }
+    }
+
+    async fn capacity(
+        &self,
+        _req: Request<pb::CapacityRequest>,
+    ) -> Result<Response<pb::CapacityResponse>, Status> {
+        let s = self.engine.stats();
+        let total = s.total_pages.load(Ordering::Relaxed) as u32;
+        Ok(Response::new(pb::CapacityResponse {
+            role: self.role.as_str().into(),
+            total_pages: total,
+            free_pages: s.free_pages.load(Ordering::Relaxed) as u32,
+            page_size: self.page_size,
+            running: s.running.load(Ordering::Relaxed) as u32,
+            waiting: s.waiting.load(Ordering::Relaxed) as u32,
+            pending_kv_sets: self.rooms.ready() as u32,
+            model_fingerprint: self.fingerprint.0,
+            kv_capacity_tokens: u64::from(total) * u64::from(self.page_size),
+            kv_data_port: self.data_port.load(Ordering::Relaxed),
+            pending_kv_bytes: self.rooms.pending_bytes(),
+            lease_ms: self.rooms.lease().as_millis() as u64,
+        }))
+    }
+
+    async fn health(
+        &self,
+        _req: Request<pb::HealthRequest>,
+    ) -> Result<Response<pb::HealthResponse>, Status> {
+        Ok(Response::new(pb::HealthResponse {
+            serving: self.is_serving(),
+        }))
+    }
+}
+
+impl WorkerService {
+    /// One `PushKv` stream: the manifest, the pages within its reservation, then the room.
+    async fn receive_push(
+        &self,
+        mut s: Streaming<pb::KvPush>,
+    ) -> Result<Response<pb::KvPushAck>, Status> {
+        use pb::kv_push::Item;
         let (manifest, tag) = match s.message().await? {
             Some(pb::KvPush {
                 item: Some(Item::Manifest(m)),
@@ -460,36 +509,5 @@ impl Worker for WorkerService {
             })
             .map_err(refusal_status)?;
         Ok(Response::new(pb::KvPushAck { bytes }))
-    }
-
-    async fn capacity(
-        &self,
-        _req: Request<pb::CapacityRequest>,
-    ) -> Result<Response<pb::CapacityResponse>, Status> {
-        let s = self.engine.stats();
-        let total = s.total_pages.load(Ordering::Relaxed) as u32;
-        Ok(Response::new(pb::CapacityResponse {
-            role: self.role.as_str().into(),
-            total_pages: total,
-            free_pages: s.free_pages.load(Ordering::Relaxed) as u32,
-            page_size: self.page_size,
-            running: s.running.load(Ordering::Relaxed) as u32,
-            waiting: s.waiting.load(Ordering::Relaxed) as u32,
-            pending_kv_sets: self.rooms.ready() as u32,
-            model_fingerprint: self.fingerprint.0,
-            kv_capacity_tokens: u64::from(total) * u64::from(self.page_size),
-            kv_data_port: self.data_port.load(Ordering::Relaxed),
-            pending_kv_bytes: self.rooms.pending_bytes(),
-            lease_ms: self.rooms.lease().as_millis() as u64,
-        }))
-    }
-
-    async fn health(
-        &self,
-        _req: Request<pb::HealthRequest>,
-    ) -> Result<Response<pb::HealthResponse>, Status> {
-        Ok(Response::new(pb::HealthResponse {
-            serving: self.is_serving(),
-        }))
     }
 }

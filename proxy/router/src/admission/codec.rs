@@ -274,45 +274,63 @@ impl PromptCodec {
         tools: Option<&[serde_json::Value]>,
         salt: Option<u64>,
     ) -> Result<Vec<u32>, LockstepError> {
-        let text = self.render_chat_with(messages, tools)?;
         let Some(specials) = &self.specials else {
+            let text = self.render_chat_with(messages, tools)?;
             return self.encode_salted(&text, salt);
         };
+        // Names, ids, arguments and tool definitions reach the template as they are (templates
+        // write `{{ tool_call.function.arguments }}` raw): none may hold special-token text.
+        no_specials_outside_content(specials, messages, tools)?;
         let risky: Vec<usize> = (0..messages.len())
             .filter(|&i| specials.is_match(&messages[i].content))
             .collect();
         if risky.is_empty() {
+            let text = self.render_chat_with(messages, tools)?;
             return self.encode_salted(&text, salt);
         }
-        // Where each message's content lies in the rendered text, in order.
-        let mut spans = Vec::new();
-        let mut at = 0;
-        for (i, m) in messages.iter().enumerate() {
-            if m.content.is_empty() {
-                continue;
-            }
-            match text[at..].find(m.content.as_str()) {
-                Some(off) => {
-                    spans.push((at + off, at + off + m.content.len()));
-                    at += off + m.content.len();
-                }
-                None if risky.contains(&i) => {
-                    return Err(LockstepError::InvalidRequest {
-                        message: "this message holds special-token text the chat template transforms, so lockstep cannot keep it plain text; remove the special tokens from it".into(),
-                        param: Some(format!("messages[{i}].content")),
-                    });
-                }
-                None => {}
-            }
+        // Each risky content is rendered as a placeholder no one can write (a fresh random
+        // nonce), so where the template put it is unambiguous even when the content equals
+        // the template's own delimiters; the template's text around the placeholders is parsed
+        // for special tokens, the contents are tokenized as plain text.
+        let nonce: u64 = rand::random();
+        let mark = |i: usize| format!("\u{F8F0}lockstep-{nonce:016x}-{i}\u{F8F1}");
+        let mut masked = messages.to_vec();
+        for &i in &risky {
+            masked[i].content = mark(i);
+        }
+        let shape = self.render_chat_with(&masked, tools)?;
+        let mut at: Vec<(usize, usize)> = Vec::new();
+        for &i in &risky {
+            let m = mark(i);
+            at.extend(shape.match_indices(m.as_str()).map(|(p, _)| (p, i)));
+        }
+        at.sort_unstable();
+        // The placeholders put back must give what the template makes of the real contents:
+        // else it transformed one (trimmed, escaped, cut), and its span is not the content.
+        let mut rebuilt = String::with_capacity(shape.len());
+        let mut from = 0;
+        for &(p, i) in &at {
+            rebuilt.push_str(&shape[from..p]);
+            rebuilt.push_str(&messages[i].content);
+            from = p + mark(i).len();
+        }
+        rebuilt.push_str(&shape[from..]);
+        let real = self.render_chat_with(messages, tools)?;
+        let missing = risky.iter().find(|&&i| !at.iter().any(|&(_, j)| j == i));
+        if let Some(&i) = missing.or_else(|| (rebuilt != real).then_some(&risky[0])) {
+            return Err(LockstepError::InvalidRequest {
+                message: "this message holds special-token text the chat template transforms, so lockstep cannot keep it plain text; remove the special tokens from it".into(),
+                param: Some(format!("messages[{i}].content")),
+            });
         }
         let mut ids = Vec::new();
         let mut from = 0;
-        for (start, end) in spans {
-            ids.extend(self.encode(&text[from..start])?);
-            ids.extend(self.text.encode(&text[start..end], true)?);
-            from = end;
+        for (p, i) in at {
+            ids.extend(self.encode(&shape[from..p])?);
+            ids.extend(self.text.encode(&messages[i].content, true)?);
+            from = p + mark(i).len();
         }
-        ids.extend(self.encode(&text[from..])?);
+        ids.extend(self.encode(&shape[from..])?);
         Ok(ids)
     }
 
@@ -325,6 +343,51 @@ impl PromptCodec {
     pub fn vocab_size(&self) -> usize {
         self.text.tokenizer().get_vocab_size(true)
     }
+}
+
+/// Refuses special-token text in any string the template receives besides message content:
+/// tool-call names, ids and arguments in history, `tool_call_id`s, and the tool definitions
+/// (keys included).
+fn no_specials_outside_content(
+    specials: &aho_corasick::AhoCorasick,
+    messages: &[ChatMessage],
+    tools: Option<&[serde_json::Value]>,
+) -> Result<(), LockstepError> {
+    fn holds(specials: &aho_corasick::AhoCorasick, v: &serde_json::Value) -> bool {
+        use serde_json::Value;
+        match v {
+            Value::String(s) => specials.is_match(s),
+            Value::Array(a) => a.iter().any(|v| holds(specials, v)),
+            Value::Object(o) => o
+                .iter()
+                .any(|(k, v)| specials.is_match(k) || holds(specials, v)),
+            _ => false,
+        }
+    }
+    let refuse = |param: String| {
+        LockstepError::InvalidRequest {
+        message: "special-token text is only accepted in message content (where it is kept plain text); remove it from this field".into(),
+        param: Some(param),
+    }
+    };
+    for (i, m) in messages.iter().enumerate() {
+        if specials.is_match(&m.role) {
+            return Err(refuse(format!("messages[{i}].role")));
+        }
+        if m.tool_calls.iter().flatten().any(|c| holds(specials, c)) {
+            return Err(refuse(format!("messages[{i}].tool_calls")));
+        }
+        if m.tool_call_id
+            .as_ref()
+            .is_some_and(|id| specials.is_match(id))
+        {
+            return Err(refuse(format!("messages[{i}].tool_call_id")));
+        }
+    }
+    if tools.into_iter().flatten().any(|t| holds(specials, t)) {
+        return Err(refuse("tools".into()));
+    }
+    Ok(())
 }
 
 fn internal_template(e: &minijinja::Error) -> LockstepError {

@@ -40,6 +40,9 @@ use crate::tenant::Tenant;
 /// Who is calling (step 1) and the tenant's concurrency slot for this request (step 2).
 #[derive(Debug)]
 pub struct Caller {
+    /// The configuration (models and tenants) the caller was authenticated against: its model
+    /// is found in the same one, whatever a reload swaps in meanwhile.
+    pub catalog: Arc<crate::state::Models>,
     /// The tenant (`None` when lockstep runs open).
     pub tenant: Option<Arc<Tenant>>,
     /// Held as long as the response lives; dropping it frees the tenant's slot.
@@ -179,9 +182,9 @@ impl Refusal {
 
 /// Steps 1 and 2: the caller's tenant from its API key, then draining and the tenant's limits.
 pub fn authorize(state: &AppState, headers: &HeaderMap) -> Result<Caller, Refusal> {
-    let tenant = state
+    let catalog = state.models.load_full();
+    let tenant = catalog
         .tenants
-        .load()
         .authenticate(headers)
         .map_err(|e| Refusal::count(state, "", e))?;
     if state.draining.load(Ordering::Acquire) {
@@ -194,17 +197,16 @@ pub fn authorize(state: &AppState, headers: &HeaderMap) -> Result<Caller, Refusa
         None => None,
         Some(t) => t.admit().map_err(|e| Refusal::count(state, "", e))?,
     };
-    Ok(Caller { tenant, permit })
+    Ok(Caller {
+        catalog,
+        tenant,
+        permit,
+    })
 }
 
 /// The model `name` designates (`None`: the only one served), if the caller may use it.
-pub fn find_model(
-    state: &AppState,
-    caller: &Caller,
-    name: Option<&str>,
-) -> Result<Arc<ModelRuntime>, LockstepError> {
-    let models = state.models.load();
-    let models = &models.by_name;
+pub fn find_model(caller: &Caller, name: Option<&str>) -> Result<Arc<ModelRuntime>, LockstepError> {
+    let models = &caller.catalog.by_name;
     let model = match name {
         Some(n) => models
             .get(n)
@@ -282,8 +284,7 @@ fn check<R: FrontRequest>(
     caller: Caller,
     req: R,
 ) -> Result<Checked<R::Shape>, Refusal> {
-    let model =
-        find_model(state, &caller, req.model()).map_err(|e| Refusal::count(state, "", e))?;
+    let model = find_model(&caller, req.model()).map_err(|e| Refusal::count(state, "", e))?;
     let (input, sampling, shape) = req
         .validate(&model)
         .map_err(|e| Refusal::count(state, &model.name, e))?;

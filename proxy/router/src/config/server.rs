@@ -48,6 +48,15 @@ pub struct ServerConfig {
     /// above the idle timeout of any load balancer in front (AWS ALB 60 s, nginx 75 s), so
     /// the balancer, not lockstep, ends idle connections.
     pub idle_timeout_ms: u64,
+    /// HTTP/2 streams one connection may have open at once (the SETTINGS frame's
+    /// `MAX_CONCURRENT_STREAMS`; hyper's default is 200). Bounds what one connection can hold.
+    pub max_concurrent_streams: u32,
+    /// gRPC health `Watch` and reflection streams (unauthenticated, and endless unless the
+    /// client ends them) open at once; past it, UNAVAILABLE.
+    pub grpc_max_long_streams: usize,
+    /// A gRPC health `Watch` or reflection stream is ended (UNAVAILABLE, clients re-open it)
+    /// after this many ms, so none keeps a connection busy for ever.
+    pub grpc_stream_lifetime_ms: u64,
     /// PEM certificate chain: with `tls_key_file`, both listeners speak HTTPS.
     pub tls_cert_file: Option<PathBuf>,
     /// PEM private key of `tls_cert_file`.
@@ -83,6 +92,9 @@ impl Default for ServerConfig {
             header_timeout_ms: 10_000,
             max_connections: 10_000,
             idle_timeout_ms: 300_000,
+            max_concurrent_streams: 64,
+            grpc_max_long_streams: 64,
+            grpc_stream_lifetime_ms: 300_000,
             tls_cert_file: None,
             tls_key_file: None,
             upstream_ca_file: None,
@@ -127,6 +139,21 @@ impl Section for ServerConfig {
             out.push(
                 format!("{at}.busy_poll_us"),
                 "needs server.connections = \"pinned\" (the shared runtime does not poll)",
+            );
+        }
+        if !(1..=1024).contains(&self.max_concurrent_streams) {
+            out.push(format!("{at}.max_concurrent_streams"), "must be 1 to 1024");
+        }
+        if self.grpc_max_long_streams == 0 {
+            out.push(
+                format!("{at}.grpc_max_long_streams"),
+                "must be greater than 0",
+            );
+        }
+        if self.grpc_stream_lifetime_ms == 0 {
+            out.push(
+                format!("{at}.grpc_stream_lifetime_ms"),
+                "must be greater than 0",
             );
         }
         if self.connect_timeout_ms == 0 {

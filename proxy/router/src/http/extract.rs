@@ -40,8 +40,9 @@ impl FromRequestParts<Arc<AppState>> for Authenticated {
         state: &Arc<AppState>,
     ) -> Result<Self, Self::Rejection> {
         state
-            .tenants
+            .models
             .load()
+            .tenants
             .authenticate(&parts.headers)
             .map(Authenticated)
             .map_err(|e| Refusal::count(state, "", e))
@@ -99,26 +100,49 @@ async fn read_body(
     headers: &HeaderMap,
     body: Body,
 ) -> Result<Bytes, LockstepError> {
-    let limit = state.max_body_bytes;
+    read_limited(
+        headers,
+        body,
+        state.max_body_bytes,
+        state.body_timeout,
+        true,
+    )
+    .await
+}
+
+/// Reads `body` whole, refusing more than `limit` bytes (413 `body_too_large`, at once when the
+/// declared length is over) and a body not finished within `timeout` of the call (408
+/// `body_timeout`); an unreadable body is 400 `invalid_json`. With `drain`, a body refused as
+/// too large is read on and thrown away for a moment first, so an HTTP/1.1 client still sending
+/// it reads the answer rather than a reset (an h2 stream needs none of that).
+pub(super) async fn read_limited(
+    headers: &HeaderMap,
+    body: Body,
+    limit: usize,
+    timeout: std::time::Duration,
+    drain: bool,
+) -> Result<Bytes, LockstepError> {
     let declared = headers
         .get(http::header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > limit as u64) {
-        discard(body).await;
+        if drain {
+            discard(body).await;
+        }
         return Err(LockstepError::BodyTooLarge { limit });
     }
     let mut body = body;
     // Sized from the declared length (within the limit), so a long body is not copied as it grows.
     let mut buf = bytes::BytesMut::with_capacity(declared.map_or(0, |n| n as usize));
-    let deadline = tokio::time::Instant::now() + state.body_timeout;
+    let deadline = tokio::time::Instant::now() + timeout;
     loop {
         let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
             Ok(Some(f)) => f,
             Ok(None) => break,
             Err(_) => {
                 return Err(LockstepError::BodyTimeout {
-                    ms: state.body_timeout.as_millis() as u64,
+                    ms: timeout.as_millis() as u64,
                 });
             }
         };
@@ -127,7 +151,9 @@ async fn read_body(
         })?;
         if let Ok(data) = frame.into_data() {
             if buf.len() + data.len() > limit {
-                discard(body).await;
+                if drain {
+                    discard(body).await;
+                }
                 return Err(LockstepError::BodyTooLarge { limit });
             }
             buf.extend_from_slice(&data);

@@ -27,8 +27,18 @@ use crate::state::{AppState, ModelRuntime};
 use crate::tenant::Tenant;
 
 /// The gRPC services, ready to mount on the HTTP router, and the health reporter (drain flips it).
-pub fn services(state: Arc<AppState>) -> (axum::Router, tonic_health::server::HealthReporter) {
+pub fn services(
+    state: Arc<AppState>,
+    limits: GrpcLimits,
+) -> (axum::Router, tonic_health::server::HealthReporter) {
     let (health, health_svc) = tonic_health::server::health_reporter();
+    // The guard has read (and bounded) every request body before tonic decodes it; these
+    // bound the decoded message too, whatever the guard let through.
+    let health_svc = health_svc.max_decoding_message_size(super::grpc_guard::HEALTH_BODY_BYTES);
+    let api = LockstepServer::new(Front {
+        state: state.clone(),
+    })
+    .max_decoding_message_size(state.max_body_bytes);
     // Only what this listener serves is advertised (not the worker service).
     let reflection = || {
         tonic_reflection::server::Builder::configure()
@@ -39,10 +49,12 @@ pub fn services(state: Arc<AppState>) -> (axum::Router, tonic_health::server::He
     };
     let v1 = reflection().build_v1();
     let v1alpha = reflection().build_v1alpha();
-    let mut routes =
-        tonic::service::Routes::new(LockstepServer::new(Front { state })).add_service(health_svc);
+    let mut routes = tonic::service::Routes::new(api).add_service(health_svc);
     if let (Ok(a), Ok(b)) = (v1, v1alpha) {
-        routes = routes.add_service(a).add_service(b);
+        let cap = super::grpc_guard::REFLECTION_MESSAGE_BYTES;
+        routes = routes
+            .add_service(a.max_decoding_message_size(cap))
+            .add_service(b.max_decoding_message_size(cap));
     } else {
         tracing::warn!("gRPC reflection could not be built; serving without it");
     }
@@ -56,7 +68,21 @@ pub fn services(state: Arc<AppState>) -> (axum::Router, tonic_health::server::He
     ] {
         router = router.route_service(&format!("/{service}/{{*method}}"), grpc.clone());
     }
+    let guard = Arc::new(super::grpc_guard::Guard::new(state, limits));
+    let router = router.layer(axum::middleware::from_fn_with_state(
+        guard,
+        super::grpc_guard::guard,
+    ));
     (router, health)
+}
+
+/// Bounds on the gRPC listener's long-lived streams (`server.grpc_*`).
+#[derive(Debug, Clone, Copy)]
+pub struct GrpcLimits {
+    /// Health-watch and reflection streams open at once.
+    pub max_long_streams: usize,
+    /// How long one of them may stay open.
+    pub stream_lifetime: std::time::Duration,
 }
 
 /// Marks every gRPC service serving or not (`grpc.health.v1`).
@@ -108,8 +134,9 @@ impl Front {
         let headers = req.metadata().clone().into_headers();
         let tenant = self
             .state
-            .tenants
+            .models
             .load()
+            .tenants
             .authenticate(&headers)
             .map_err(|e| Refusal::count(&self.state, "", e).0.to_status())?;
         Ok(Call { tenant })

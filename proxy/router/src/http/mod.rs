@@ -5,6 +5,7 @@ mod extract;
 mod fields;
 pub(crate) mod generate;
 pub mod grpc;
+mod grpc_guard;
 pub(crate) mod openai;
 mod openai_out;
 mod respond;

@@ -282,11 +282,13 @@ pub(super) fn to_messages(messages: Vec<MessageIn>) -> Result<Vec<ChatMessage>, 
             let tool_calls = history_calls(i, &m.role, rest.remove("tool_calls"))?;
             let tool_call_id = match rest.remove("tool_call_id") {
                 None | Some(Value::Null) => None,
-                Some(Value::String(s)) if m.role == "tool" => Some(s),
+                Some(Value::String(s)) if m.role == "tool" && super::tools::valid_call_id(&s) => {
+                    Some(s)
+                }
                 Some(_) => {
                     return Err(bad(
                         &format!("messages[{i}].tool_call_id"),
-                        "`tool_call_id` is a string, on `tool` messages".into(),
+                        "`tool_call_id` is a call's id (1 to 128 letters, digits, `_`, `-`, `.` or `:`), on `tool` messages".into(),
                     ));
                 }
             };
@@ -353,20 +355,22 @@ fn history_calls(
             let f = c.get("function");
             let name = f.and_then(|f| f.get("name")).and_then(Value::as_str);
             let args = f.and_then(|f| f.get("arguments")).and_then(Value::as_str);
+            let id = match c.get("id") {
+                None | Some(Value::Null) => None,
+                Some(Value::String(s)) => Some(s.as_str()),
+                Some(_) => return Err(bad(&format!("{at}[{j}].id"), "`id` is a string".into())),
+            };
             let (Some(name), Some(args)) = (name, args) else {
                 return Err(bad(
                     &format!("{at}[{j}]"),
                     "a tool call has `function.name` and `function.arguments` (JSON text)".into(),
                 ));
             };
-            let arguments: Value = serde_json::from_str(args).map_err(|e| {
-                bad(
-                    &format!("{at}[{j}].function.arguments"),
-                    format!("the arguments are not JSON: {e}"),
-                )
-            })?;
-            Ok(serde_json::json!({ "id": c.get("id").cloned().unwrap_or(Value::Null), "type": "function",
-                                   "function": { "name": name, "arguments": arguments } }))
+            super::tools::history_call(
+                (id, &format!("{at}[{j}].id")),
+                (name, &format!("{at}[{j}].function.name")),
+                (args, &format!("{at}[{j}].function.arguments")),
+            )
         })
         .collect::<Result<Vec<_>, _>>()
         .map(Some)

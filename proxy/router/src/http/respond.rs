@@ -17,7 +17,6 @@ use super::openai_out::{
 use super::tools::{self, ToolStream};
 use crate::admission::Admitted;
 use crate::backend::{DecodeChunk, FinishReason};
-use crate::config::ToolParserKind;
 use crate::error::LockstepError as Error;
 use crate::error::LockstepError;
 use crate::pair::{PairEvent, PairId};
@@ -61,9 +60,9 @@ impl Shape {
             tools: None,
         }
     }
-    /// Chat whose answer is parsed for tool calls in `kind`'s format.
-    pub(crate) fn with_tools(mut self, kind: Option<ToolParserKind>) -> Shape {
-        self.tools = kind.map(ToolStream::new);
+    /// Chat whose answer is parsed for calls to the declared tools in their parser's format.
+    pub(crate) fn with_tools(mut self, tools: Option<tools::ToolParse>) -> Shape {
+        self.tools = tools.map(ToolStream::new);
         self
     }
     pub(crate) fn generate(stream: bool) -> Shape {
@@ -335,7 +334,7 @@ impl Shape {
     fn tool_calls(&self, p: &Progress) -> Option<(String, Vec<tools::Call>)> {
         self.tools
             .as_ref()
-            .and_then(|t| tools::parse(t.kind, &p.text))
+            .and_then(|t| tools::parse(&t.tools, &p.text))
     }
 
     /// An answer or chunk of this shape around `choices`.

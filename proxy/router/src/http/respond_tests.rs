@@ -1,6 +1,15 @@
 //! Tests of the OpenAI and SGLang-native answer shapes.
 
 use super::*;
+use crate::config::ToolParserKind;
+
+/// Hermes calls to the one declared tool, `get_weather`.
+fn hermes() -> tools::ToolParse {
+    tools::ToolParse {
+        kind: ToolParserKind::Hermes,
+        names: vec!["get_weather".to_string()].into(),
+    }
+}
 
 fn progress(matched: Option<&str>) -> Progress {
     Progress {
@@ -167,13 +176,10 @@ fn full_answers_written_directly_match_their_values() {
         (Shape::chat(false, false), "a \"quoted\"\n é"),
         (Shape::completion(false, false), "a \"quoted\"\n é"),
         (
-            Shape::chat(false, false).with_tools(Some(ToolParserKind::Hermes)),
+            Shape::chat(false, false).with_tools(Some(hermes())),
             "no calls here",
         ),
-        (
-            Shape::chat(false, false).with_tools(Some(ToolParserKind::Hermes)),
-            calls,
-        ),
+        (Shape::chat(false, false).with_tools(Some(hermes())), calls),
     ] {
         for finish in [FinishReason::Stop, FinishReason::Length] {
             let mut p = progress(None);
@@ -189,7 +195,7 @@ fn full_answers_written_directly_match_their_values() {
     }
     let mut p = progress(None);
     p.text = calls.into();
-    let shape = Shape::chat(false, false).with_tools(Some(ToolParserKind::Hermes));
+    let shape = Shape::chat(false, false).with_tools(Some(hermes()));
     let v = shape.full(&p, FinishReason::Stop);
     assert_eq!(v["choices"][0]["finish_reason"], "tool_calls");
     assert_eq!(v["choices"][0]["message"]["content"], "Let me check.");
@@ -211,7 +217,7 @@ fn full_answers_written_directly_match_their_values() {
 /// as `tool_calls`.
 #[test]
 fn a_streamed_tool_call_comes_as_its_own_delta() {
-    let mut shape = Shape::chat(true, false).with_tools(Some(ToolParserKind::Hermes));
+    let mut shape = Shape::chat(true, false).with_tools(Some(hermes()));
     let got = stream(
         &mut shape,
         &[

@@ -199,21 +199,26 @@ fn call_item(
         _ => Err(bad(&format!("{at}.{k}"), format!("`{at}.{k}` is a string"))),
     };
     let call_id = take("call_id")?;
+    let id_at = format!("{at}.call_id");
     let m = if kind == "function_call" {
         let (name, args) = (take("name")?, take("arguments")?);
-        let arguments: Value = serde_json::from_str(&args).map_err(|e| {
-            bad(
-                &format!("{at}.arguments"),
-                format!("the arguments are not JSON: {e}"),
-            )
-        })?;
+        let call = super::tools::history_call(
+            (Some(&call_id), &id_at),
+            (&name, &format!("{at}.name")),
+            (&args, &format!("{at}.arguments")),
+        )?;
         ChatMessage {
             role: "assistant".into(),
-            tool_calls: Some(vec![json!({ "id": call_id, "type": "function",
-                "function": { "name": name, "arguments": arguments } })]),
+            tool_calls: Some(vec![call]),
             ..ChatMessage::default()
         }
     } else {
+        if !super::tools::valid_call_id(&call_id) {
+            return Err(bad(
+                &id_at,
+                "a call id is 1 to 128 letters, digits, `_`, `-`, `.` or `:`".into(),
+            ));
+        }
         ChatMessage {
             role: "tool".into(),
             content: take("output")?,

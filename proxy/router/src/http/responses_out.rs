@@ -8,7 +8,6 @@ use serde_json::{Value, json};
 use super::respond::{Progress, Render, sse_named};
 use super::tools::{self, Call, ToolStream};
 use crate::backend::{DecodeChunk, FinishReason};
-use crate::config::ToolParserKind;
 use crate::error::LockstepError;
 
 /// How a Responses answer looks: one `response` object, or its stream of typed events.
@@ -26,7 +25,11 @@ pub(crate) struct ResponsesShape {
 }
 
 impl ResponsesShape {
-    pub(crate) fn new(stream: bool, echo: Value, tools: Option<ToolParserKind>) -> ResponsesShape {
+    pub(crate) fn new(
+        stream: bool,
+        echo: Value,
+        tools: Option<super::tools::ToolParse>,
+    ) -> ResponsesShape {
         ResponsesShape {
             stream,
             seq: 0,
@@ -104,7 +107,7 @@ impl ResponsesShape {
     fn split(&self, p: &Progress) -> (String, Vec<Call>) {
         self.tools
             .as_ref()
-            .and_then(|t| tools::parse(t.kind, &p.text))
+            .and_then(|t| tools::parse(&t.tools, &p.text))
             .unwrap_or_else(|| (p.text.clone(), Vec::new()))
     }
 

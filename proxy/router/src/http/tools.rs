@@ -27,6 +27,8 @@ pub(crate) struct Tools {
     pub(crate) defs: Vec<Value>,
     /// The parser of the model's calls; `None` with `tool_choice: none` (the answer is text).
     pub(crate) parse: Option<ToolParserKind>,
+    /// The declared functions' names.
+    pub(crate) names: Vec<String>,
 }
 
 enum Choice {
@@ -68,6 +70,51 @@ fn valid_name(n: &str) -> bool {
     (1..=64).contains(&n.len())
         && n.bytes()
             .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+/// Whether `id` may name a tool call: 1 to 128 ASCII letters, digits, `_`, `-`, `.` or `:`
+/// (OpenAI's `call_...`, Anthropic's `toolu_...`, vLLM's and SGLang's ids all are).
+pub(crate) fn valid_call_id(id: &str) -> bool {
+    (1..=128).contains(&id.len())
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.' | b':'))
+}
+
+/// An earlier call of the model, from a request's history, as the chat template reads it
+/// (`{id, type, function: {name, arguments}}`, the arguments parsed to an object): the name a
+/// valid function name (that `tools` declares it is checked by [`settle`]), the id from the
+/// safe set of [`valid_call_id`] (or none), the arguments JSON text of an object.
+pub(crate) fn history_call(
+    (id, id_at): (Option<&str>, &str),
+    (name, name_at): (&str, &str),
+    (arguments, args_at): (&str, &str),
+) -> Result<Value, LockstepError> {
+    if !valid_name(name) {
+        return Err(invalid(
+            name_at,
+            "a function name is 1 to 64 letters, digits, `_` or `-`".into(),
+        ));
+    }
+    if id.is_some_and(|id| !valid_call_id(id)) {
+        return Err(invalid(
+            id_at,
+            "a tool call id is 1 to 128 letters, digits, `_`, `-`, `.` or `:`".into(),
+        ));
+    }
+    let arguments = match serde_json::from_str::<Value>(arguments) {
+        Ok(v @ Value::Object(_)) => v,
+        Ok(_) => {
+            return Err(invalid(
+                args_at,
+                "the arguments are the JSON text of an object".into(),
+            ));
+        }
+        Err(e) => return Err(invalid(args_at, format!("the arguments are not JSON: {e}"))),
+    };
+    Ok(
+        json!({ "id": id, "type": "function", "function": { "name": name, "arguments": arguments } }),
+    )
 }
 
 /// One tool definition, checked and normalised; its name and parameter schema.
@@ -214,6 +261,7 @@ pub(crate) fn request(
         Some(Tools {
             defs: checked,
             parse,
+            names: calls.into_iter().map(|(n, _)| n).collect(),
         }),
         constraint,
     ))
@@ -231,7 +279,7 @@ pub(crate) fn settle(
     format_param: &str,
     messages: Vec<ChatMessage>,
     parser: Option<ToolParserKind>,
-) -> Result<(Input, Option<ToolParserKind>), LockstepError> {
+) -> Result<(Input, Option<ToolParse>), LockstepError> {
     if forced.is_some() {
         if sampling.constraint.is_some() {
             return Err(invalid(
@@ -249,10 +297,41 @@ pub(crate) fn settle(
             param: Some("messages".into()),
         });
     }
+    // A call in the history is to a function this request declares.
+    let declared = |n: &str| {
+        tools
+            .as_ref()
+            .is_some_and(|t| t.names.iter().any(|d| d == n))
+    };
+    for m in &messages {
+        for c in m.tool_calls.iter().flatten() {
+            let name = c["function"]["name"].as_str().unwrap_or_default();
+            if !declared(name) {
+                return Err(invalid(
+                    "tools",
+                    format!("the history has a call to `{name}`, which `tools` does not declare"),
+                ));
+            }
+        }
+    }
     Ok(match tools {
-        Some(t) => (Input::ChatTools(messages, t.defs), t.parse),
+        Some(t) => {
+            let parse = t.parse.map(|kind| ToolParse {
+                kind,
+                names: t.names.into(),
+            });
+            (Input::ChatTools(messages, t.defs), parse)
+        }
         None => (Input::Chat(messages), None),
     })
+}
+
+/// How a chat answer's tool calls are read: the model's parser, and the functions the request
+/// declared (a call to any other comes back as text).
+#[derive(Debug, Clone)]
+pub(crate) struct ToolParse {
+    pub(crate) kind: ToolParserKind,
+    pub(crate) names: std::sync::Arc<[String]>,
 }
 
 /// The grammar of one call, in the parser's format, to one of `tools`.
@@ -323,8 +402,18 @@ fn values(s: &str, sep: char) -> Option<Vec<Value>> {
     Some(out)
 }
 
-/// The content and calls in a whole output; `None` when it holds no call (it is all content).
-pub(crate) fn parse(kind: ToolParserKind, text: &str) -> Option<(String, Vec<Call>)> {
+/// The content and calls in a whole output; `None` when it holds no call, or a call to a
+/// function the request did not declare (it is all content).
+pub(crate) fn parse(tools: &ToolParse, text: &str) -> Option<(String, Vec<Call>)> {
+    let (content, calls) = parse_calls(tools.kind, text)?;
+    calls
+        .iter()
+        .all(|c| tools.names.contains(&c.name))
+        .then_some((content, calls))
+}
+
+/// The content and calls in a whole output in `kind`'s format; `None` when it holds no call.
+fn parse_calls(kind: ToolParserKind, text: &str) -> Option<(String, Vec<Call>)> {
     match kind {
         ToolParserKind::Hermes | ToolParserKind::Qwen => {
             let (open, close) = ("<tool_call>", "</tool_call>");
@@ -376,7 +465,7 @@ pub(crate) fn parse(kind: ToolParserKind, text: &str) -> Option<(String, Vec<Cal
 /// where it may begin until the output ends, then parsed).
 #[derive(Debug)]
 pub(crate) struct ToolStream {
-    pub(crate) kind: ToolParserKind,
+    pub(crate) tools: ToolParse,
     /// Text not sent yet: a tail that may begin a call, or, once one began, all of it.
     held: String,
     /// A call may have begun: nothing more is sent as content until the end.
@@ -386,9 +475,9 @@ pub(crate) struct ToolStream {
 }
 
 impl ToolStream {
-    pub(crate) fn new(kind: ToolParserKind) -> ToolStream {
+    pub(crate) fn new(tools: ToolParse) -> ToolStream {
         ToolStream {
-            kind,
+            tools,
             held: String::new(),
             holding: false,
             started: false,
@@ -401,7 +490,7 @@ impl ToolStream {
         if self.holding {
             return String::new();
         }
-        match self.kind {
+        match self.tools.kind {
             ToolParserKind::Hermes | ToolParserKind::Qwen => {
                 let marker = "<tool_call>";
                 if let Some(at) = self.held.find(marker) {
@@ -432,7 +521,7 @@ impl ToolStream {
                     return String::new();
                 };
                 self.started = true;
-                let call = match self.kind {
+                let call = match self.tools.kind {
                     ToolParserKind::Mistral => first == '[',
                     _ => first == '{' || first == '<',
                 };
@@ -449,7 +538,7 @@ impl ToolStream {
     /// At the end of the output: the content still to send, and the calls.
     pub(crate) fn finish(&mut self) -> (String, Vec<Call>) {
         let held = std::mem::take(&mut self.held);
-        match self.holding.then(|| parse(self.kind, &held)).flatten() {
+        match self.holding.then(|| parse(&self.tools, &held)).flatten() {
             Some((content, calls)) => (content, calls),
             None => (held, Vec::new()),
         }
