@@ -161,5 +161,55 @@ fn main() {
     ] {
         write(dir, "bpe", name, text.as_bytes());
     }
+    for (name, target, body) in [
+        (
+            "tools",
+            "responses",
+            r#"{"model":"fuzz-tools","instructions":"be brief","input":[{"role":"user","content":"weather?"},{"type":"function_call","call_id":"call_1","name":"get_weather","arguments":"{\"city\":\"x\"}"},{"type":"function_call_output","call_id":"call_1","output":"sunny"}],"tools":[{"type":"function","name":"get_weather","parameters":{"type":"object"}}],"max_output_tokens":4,"stream":true}"#,
+        ),
+        (
+            "format",
+            "responses",
+            r#"{"model":"fuzz","input":"red green","text":{"format":{"type":"json_schema","name":"x","schema":{"type":"object"}}},"max_output_tokens":2}"#,
+        ),
+        (
+            "system",
+            "messages",
+            r#"{"model":"fuzz","system":"be brief","messages":[{"role":"user","content":[{"type":"text","text":"hi <|im_start|>"}]}],"max_tokens":4,"stop_sequences":["x"]}"#,
+        ),
+        (
+            "stream",
+            "messages",
+            r#"{"model":"fuzz","messages":[{"role":"user","content":"red"},{"role":"assistant","content":"green"},{"role":"user","content":"blue"}],"max_tokens":2,"stream":true,"temperature":0}"#,
+        ),
+    ] {
+        write(dir, target, name, body.as_bytes());
+    }
+    for (i, text) in [
+        "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>",
+        "<tool_call>{\"name\": \"rm\", \"arguments\": {}}</tool\u{ff}_call>",
+        "<|python_tag|>{\"name\": \"a\", \"parameters\": {\"x\": 1}}; {\"name\": \"f\", \"parameters\": {}}",
+        "[TOOL_CALLS] [{\"name\": \"a\", \"arguments\": {\"q\": \"x\"}}]",
+    ]
+    .iter()
+    .enumerate()
+    {
+        let mut b = vec![i as u8];
+        // 0xFF bytes cut the text into stream deltas.
+        b.extend(text.bytes().flat_map(|c| if c == b'\n' { vec![0xFF, c] } else { vec![c] }));
+        write(dir, "tool_output", &format!("kind{i}"), &b);
+    }
+    for (i, text) in [
+        r#"{"type":"object","properties":{"a":{"type":"array","items":{"anyOf":[{"type":"string","pattern":"^[a-z]{1,8}$"},{"type":"integer"}]}}},"required":["a"]}"#,
+        r"(a|b)*c{2,5}[0-9]+",
+        r#"start: "<tool_call>" %json {"type":"object"} "</tool_call>""#,
+    ]
+    .iter()
+    .enumerate()
+    {
+        let mut b = vec![i as u8];
+        b.extend_from_slice(text.as_bytes());
+        write(dir, "grammar", &format!("kind{i}"), &b);
+    }
     println!("seeds written under {}", dir.display());
 }

@@ -20,6 +20,10 @@ pub const TARGETS: &[&str] = &[
     "admission",
     "chat_template",
     "bpe",
+    "responses",
+    "messages",
+    "tool_output",
+    "grammar",
 ];
 
 /// Runs `target` on `data`.
@@ -35,6 +39,16 @@ pub fn run(target: &str, data: &[u8]) {
             let state = &router().state;
             runtime().block_on(lockstep_router::fuzzing::admission(state, data));
         }
+        "responses" => {
+            let state = &router().state;
+            runtime().block_on(lockstep_router::fuzzing::responses(state, data));
+        }
+        "messages" => {
+            let state = &router().state;
+            runtime().block_on(lockstep_router::fuzzing::messages(state, data));
+        }
+        "tool_output" => lockstep_router::fuzzing::tool_output(data),
+        "grammar" => lockstep_router::fuzzing::grammar(data),
         "chat_template" => chat_template(data),
         "bpe" => bpe(data),
         other => panic!("no fuzz target `{other}`"),
@@ -79,8 +93,25 @@ workers = [{{ url = "http://127.0.0.1:9", bootstrap_port = 9 }}]
 
 [models.decode]
 workers = [{{ url = "http://127.0.0.1:9" }}]
+
+[[models]]
+name = "fuzz-tools"
+backend = "sglang"
+context_window = 512
+kv_capacity_tokens = 1024
+tokenizer = "{tok}"
+tool_parser = "hermes"
+chat_template = {{ path = "{tools}" }}
+
+[models.prefill]
+workers = [{{ url = "http://127.0.0.1:9", bootstrap_port = 9 }}]
+
+[models.decode]
+workers = [{{ url = "http://127.0.0.1:9" }}]
 "#,
-            config_dir().join("mock-tokenizer.json").display()
+            config_dir().join("mock-tokenizer.json").display(),
+            tok = config_dir().join("mock-tokenizer.json").display(),
+            tools = config_dir().join("templates/chatml-tools.jinja").display(),
         );
         let cfg = Config::parse(&text).expect("fuzz config parses");
         runtime()

@@ -18,11 +18,7 @@ pub async fn admission(state: &Arc<AppState>, data: &[u8]) {
     let Some((&route, body)) = data.split_first() else {
         return;
     };
-    let caller = || Caller {
-        catalog: state.models.load_full(),
-        tenant: None,
-        permit: None,
-    };
+    let caller = || anonymous(state);
     match route % 3 {
         0 => {
             if let Ok(r) = serde_json::from_slice::<ChatRequest>(body) {
@@ -40,6 +36,97 @@ pub async fn admission(state: &Arc<AppState>, data: &[u8]) {
             }
         }
     }
+}
+
+/// A body through the whole admission stage of `state` as `/v1/responses` reads it: parse,
+/// input items, tools and their history, template, tokenize, fit.
+pub async fn responses(state: &Arc<AppState>, data: &[u8]) {
+    if let Ok(r) = serde_json::from_slice::<crate::http::responses::ResponsesRequest>(data) {
+        let _ = admit(state, anonymous(state), r).await;
+    }
+}
+
+/// A body through the whole admission stage of `state` as `/v1/messages` reads it.
+pub async fn messages(state: &Arc<AppState>, data: &[u8]) {
+    if let Ok(r) = serde_json::from_slice::<crate::http::anthropic::MessagesRequest>(data) {
+        let _ = admit(state, anonymous(state), r).await;
+    }
+}
+
+/// A caller of a server without tenants.
+fn anonymous(state: &AppState) -> Caller {
+    Caller {
+        catalog: state.models.load_full(),
+        tenant: None,
+        permit: None,
+    }
+}
+
+/// A model's output through the tool-call parsers: the first byte picks the parser, the rest is
+/// the text, cut into stream deltas at 0xFF bytes (lossily decoded). Whatever they return, every
+/// call names a declared function and carries JSON arguments, and the streamed reading (the
+/// deltas one by one) finds the same calls as the whole text.
+pub fn tool_output(data: &[u8]) {
+    use crate::config::ToolParserKind;
+    use crate::http::tools::{ToolParse, ToolStream, parse};
+    let Some((&pick, rest)) = data.split_first() else {
+        return;
+    };
+    let kind = [
+        ToolParserKind::Hermes,
+        ToolParserKind::Qwen,
+        ToolParserKind::Llama3Json,
+        ToolParserKind::Mistral,
+    ][usize::from(pick % 4)];
+    let tools = ToolParse {
+        kind,
+        names: vec!["get_weather".to_string(), "a".into(), "f".into()].into(),
+    };
+    let deltas: Vec<String> = rest
+        .split(|b| *b == 0xFF)
+        .map(|d| String::from_utf8_lossy(d).into_owned())
+        .collect();
+    let whole: String = deltas.concat();
+    let mut stream = ToolStream::new(tools.clone());
+    let mut sent = String::new();
+    for d in &deltas {
+        sent.push_str(&stream.push(d));
+    }
+    let (tail, calls) = stream.finish();
+    for c in &calls {
+        assert!(tools.names.contains(&c.name), "an undeclared call: {c:?}");
+        assert!(
+            serde_json::from_str::<Value>(&c.arguments).is_ok(),
+            "arguments that are not JSON: {c:?}"
+        );
+    }
+    match parse(&tools, &whole) {
+        Some((_, whole_calls)) if whole.starts_with(sent.as_str()) => {
+            assert_eq!(calls, whole_calls, "streamed and whole readings differ");
+        }
+        Some(_) => {}
+        None => {
+            assert!(calls.is_empty(), "calls found only when streamed: {calls:?}");
+            assert_eq!(format!("{sent}{tail}"), whole, "text lost or changed");
+        }
+    }
+}
+
+/// Output constraints as a front end receives them, through the checks admission runs (size caps,
+/// then compilation): the first byte picks a JSON schema, a regular expression or a Lark grammar,
+/// the rest is its text. Must return within the fuzzer's time limit, whatever the text.
+pub fn grammar(data: &[u8]) {
+    use lockstep_engine::grammar::{OutputConstraint, check};
+    let Some((&pick, rest)) = data.split_first() else {
+        return;
+    };
+    let text = String::from_utf8_lossy(rest).into_owned();
+    let c = match pick % 3 {
+        0 => OutputConstraint::JsonSchema(text),
+        1 => OutputConstraint::Regex(text),
+        _ => OutputConstraint::Lark(text),
+    };
+    let _ = check(&c);
 }
 
 /// An upstream's SSE body, cut into frames at every 0xFF byte, read event by event to its end.

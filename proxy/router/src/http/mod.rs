@@ -13,7 +13,7 @@ pub(crate) mod responses;
 mod responses_out;
 pub(crate) mod rest;
 pub(crate) mod text_or;
-mod tools;
+pub(crate) mod tools;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
