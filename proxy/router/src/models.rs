@@ -360,6 +360,7 @@ async fn build_embedded(m: &ModelConfig) -> Result<Built, String> {
             prefix: Default::default(),
             api_key: None,
             admin_api_key: None,
+            insecure_plaintext: false,
         }))
     };
     Ok(Built {

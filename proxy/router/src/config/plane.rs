@@ -36,7 +36,7 @@ pub(super) fn plaintext_workers(m: &ModelConfig) -> impl Iterator<Item = &str> {
         })
 }
 
-fn is_loopback(host: Option<&str>) -> bool {
+pub(super) fn is_loopback(host: Option<&str>) -> bool {
     match host {
         Some("localhost") => true,
         Some(h) => h
@@ -142,5 +142,46 @@ workers = [{{ url = "http://127.0.0.1:9101" }}]
             "the http decode: {p}"
         );
         assert!(!p.contains("prefill.workers[0]"), "{p}");
+    }
+
+    /// A pool's API key is never sent in plaintext off loopback unless the pool says UNSAFE
+    /// (second security review, finding 10).
+    #[test]
+    fn an_api_key_is_not_sent_in_plaintext_off_loopback() {
+        let sglang = |url: &str, pool_extra: &str| {
+            let cfg = Config::parse(&format!(
+                r#"
+[[models]]
+name = "m"
+backend = "sglang"
+context_window = 64
+kv_capacity_tokens = 128
+tokenizer = "t.json"
+[models.prefill]
+workers = [{{ url = "{url}", bootstrap_port = 8998 }}]
+api_key = "k"
+{pool_extra}
+[models.decode]
+workers = [{{ url = "http://127.0.0.1:30002" }}]
+api_key = "k"
+"#
+            ))
+            .expect("parses");
+            crate::config::lines(&cfg.problems()).join("\n")
+        };
+        let p = sglang("http://10.0.0.5:30000", "");
+        assert!(
+            p.contains("prefill.workers[0].url: `http://10.0.0.5:30000`")
+                && p.contains("would cross the network in plaintext"),
+            "{p}"
+        );
+        assert!(!p.contains("decode.workers"), "loopback is fine: {p}");
+        for ok in [
+            sglang("https://10.0.0.5:30000", ""),
+            sglang("http://10.0.0.5:30000", "insecure_plaintext = true"),
+            sglang("http://[::1]:30000", ""),
+        ] {
+            assert!(!ok.contains("plaintext"), "{ok}");
+        }
     }
 }

@@ -71,6 +71,11 @@ pub struct PoolConfig {
     /// accepts only it.
     #[serde(default)]
     pub admin_api_key: Option<Secret>,
+    /// Send `api_key` / `admin_api_key` to `http://` workers that are not on loopback, where
+    /// anyone on the path can read it. UNSAFE; without it such a pool is refused (use
+    /// `https://` workers, `server.upstream_ca_file` for a private CA).
+    #[serde(default)]
+    pub insecure_plaintext: bool,
 }
 
 /// A credential from the configuration: never printed (`Debug` shows `***`).
@@ -188,6 +193,22 @@ impl Section for PoolConfig {
                     format!("{at}.{k}"),
                     "must be a non-empty header-safe string (visible ASCII)",
                 );
+            }
+        }
+        if (self.api_key.is_some() || self.admin_api_key.is_some()) && !self.insecure_plaintext {
+            for (j, w) in self.workers.iter().enumerate() {
+                let uri: Option<http::Uri> = w.url.parse().ok();
+                if uri.is_some_and(|u| {
+                    u.scheme_str() == Some("http") && !super::plane::is_loopback(u.host())
+                }) {
+                    out.push(
+                        format!("{at}.workers[{j}].url"),
+                        format!(
+                            "`{}`: the pool's API key would cross the network in plaintext; use https:// (with server.upstream_ca_file for a private CA), or set {at}.insecure_plaintext = true (UNSAFE)",
+                            w.url
+                        ),
+                    );
+                }
             }
         }
         for (j, w) in self.workers.iter().enumerate() {

@@ -221,6 +221,7 @@ fn pool() -> Arc<WorkerPool> {
         prefix: Default::default(),
         api_key: None,
         admin_api_key: None,
+        insecure_plaintext: false,
     }))
 }
 

@@ -401,6 +401,7 @@ mod tests {
                 prefix: Default::default(),
                 api_key: None,
                 admin_api_key: None,
+                insecure_plaintext: false,
             }
         });
         let held: Vec<LoadGuard> = (0..4)
@@ -435,6 +436,7 @@ mod tests {
             prefix: Default::default(),
             api_key: None,
             admin_api_key: None,
+            insecure_plaintext: false,
         })
     }
 
