@@ -9,8 +9,9 @@
 //! Problems (the model does not serve): a worker that does not serve the model, a
 //! `max_model_len` below the context window, a block size other than `vllm.block_size` (the
 //! block-id checks depend on it), a KV pool too small for the window, a worker that wants an API
-//! key lockstep lacks. A worker that does not answer, or answers what lockstep cannot read, is a
-//! warning: it is health-checked later, and nothing here verifies KV content anyway.
+//! key lockstep lacks, a worker that answers either endpoint with an error status, block counts
+//! whose product overflows. A worker that does not answer at all is a warning: it is
+//! health-checked later, and nothing here verifies KV content anyway.
 
 use std::time::Duration;
 
@@ -77,13 +78,16 @@ async fn probe(
             Ok(Ok((401 | 403, _))) => Err(Some(format!(
                 "{path} answered 401: the worker wants an API key; set this pool's api_key to its --api-key"
             ))),
-            Ok(Ok((s, body))) if (200..300).contains(&s) => Ok(Some(body)),
-            Ok(Ok(_)) => Ok(None),
+            Ok(Ok((s, body))) if (200..300).contains(&s) => Ok(body),
+            // What lockstep checks cannot be read: refused, as the SGLang check refuses.
+            Ok(Ok((s, _))) => Err(Some(format!(
+                "{path} answered {s}: the deployment cannot be verified (is this a vLLM 0.33 worker?)"
+            ))),
             _ => Err(None),
         }
     };
-    let models = get("/v1/models", auth).await?;
-    let metrics = get("/metrics", &[]).await.ok().flatten();
+    let models = Some(get("/v1/models", auth).await?);
+    let metrics = Some(get("/metrics", &[]).await?);
     let mut report = Report::default();
     if let Some(v) = models.and_then(|b| serde_json::from_slice::<Value>(&b).ok())
         && let Some(list) = v.get("data").and_then(Value::as_array)
@@ -100,9 +104,14 @@ async fn probe(
             .find(|l| l.starts_with("vllm:cache_config_info{"));
         let label = |name: &str| line.and_then(|l| label(l, name));
         report.block_size = label("block_size");
-        report.kv_tokens = label("num_gpu_blocks")
-            .zip(report.block_size)
-            .map(|(n, b)| n * b);
+        report.kv_tokens = match label("num_gpu_blocks").zip(report.block_size) {
+            None => None,
+            Some((n, b)) => Some(n.checked_mul(b).ok_or_else(|| {
+                Some(format!(
+                    "/metrics reports {n} blocks of {b} tokens: more than any KV pool holds"
+                ))
+            })?),
+        };
     }
     Ok(report)
 }
@@ -223,5 +232,45 @@ workers = [{ url = "http://d" }]
             let e = check(&m, "m", &[("p", r)]).expect_err(why);
             assert!(e.contains(why), "{why}: {e}");
         }
+    }
+
+    /// A worker whose answers lockstep cannot read is refused, not waved through on the
+    /// configured limits: an error status on either endpoint, block counts that overflow.
+    #[tokio::test]
+    async fn error_statuses_and_impossible_counts_are_refused() {
+        use axum::routing::get;
+        let serve = |models: u16, metrics: &'static str| async move {
+            let app = axum::Router::new()
+                .route(
+                    "/v1/models",
+                    get(move || async move {
+                        (
+                            http::StatusCode::from_u16(models).expect("status"),
+                            r#"{"data":[{"id":"m","max_model_len":2048}]}"#,
+                        )
+                    }),
+                )
+                .route("/metrics", get(move || async move { metrics }));
+            let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .expect("bind");
+            let url = format!("http://{}", l.local_addr().expect("addr"));
+            tokio::spawn(async move {
+                let _ = axum::serve(l, app).await;
+            });
+            url
+        };
+        let client = UpstreamClient::with_ca(Duration::from_secs(2), None).expect("client");
+        let ok = "vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"200\"} 1.0\n";
+        let url = serve(200, ok).await;
+        let r = probe(&client, &url, &[], "m").await.expect("readable");
+        assert_eq!(r.kv_tokens, Some(3200));
+        let url = serve(500, ok).await;
+        let e = probe(&client, &url, &[], "m").await.expect_err("500");
+        assert!(e.is_some_and(|e| e.contains("/v1/models answered 500")));
+        let huge = "vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"18446744073709551615\"} 1.0\n";
+        let url = serve(200, huge).await;
+        let e = probe(&client, &url, &[], "m").await.expect_err("overflow");
+        assert!(e.is_some_and(|e| e.contains("more than any KV pool holds")));
     }
 }
