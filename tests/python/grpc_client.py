@@ -156,6 +156,9 @@ first = next(stream)
 pair_id = first.started.pair_id
 info = get_pair(msg("lockstep.v1.GetPairRequest")(pair_id=pair_id), timeout=5)
 check(info.model == MODEL and info.state == "committed", f"GetPair {info.state}")
+# Workers by label, never by address.
+check((info.prefill_worker, info.decode_worker) == ("prefill-0", "decode-0"),
+      f"GetPair workers {info.prefill_worker!r} {info.decode_worker!r}")
 r = abort(msg("lockstep.v1.AbortRequest")(pair_id=pair_id), timeout=5)
 try:
     rest = list(stream)

@@ -162,7 +162,6 @@ impl Default for MockConfig {
             server_args: Vec::new(),
             api_key: None,
             admin_api_key: None,
-            insecure_plaintext: false,
             abort_delay: Duration::ZERO,
             decode_register_delay: Duration::ZERO,
         }

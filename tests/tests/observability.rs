@@ -108,12 +108,16 @@ async fn metrics_and_audit_log_account_for_every_pair() {
         sample(
             &m0,
             &format!(
-                "lockstep_worker_healthy{{model=\"{MODEL}\",side=\"prefill\",worker=\"{}\"}}",
-                stack.mock.prefill_url()
+                "lockstep_worker_healthy{{model=\"{MODEL}\",side=\"prefill\",worker=\"prefill-0\"}}",
             )
         ),
         1.0
     );
+    // Workers are named by their place in the configuration, never by their address.
+    for url in [stack.mock.prefill_url(), stack.mock.decode_url()] {
+        let host = url.trim_start_matches("http://").to_string();
+        assert!(!m0.contains(&host), "{host} in /metrics");
+    }
 
     // Three successes (one streamed), all carrying the secret words.
     for (ep, stream) in [

@@ -136,11 +136,12 @@ async fn workers(State(st): State<AdminState>) -> Response {
     let mut list = Vec::new();
     for m in st.app.models.load().by_name.values() {
         for (side, pool) in [("prefill", &m.pairs.prefill), ("decode", &m.pairs.decode)] {
-            for w in pool.workers() {
+            for (i, w) in pool.workers().iter().enumerate() {
                 list.push(json!({
                     "model": &*m.name,
                     "side": side,
                     "url": w.url,
+                    "label": crate::pool::worker_label(side, i),
                     "healthy": w.is_healthy(),
                     "draining": w.is_draining(),
                     "in_flight": w.in_flight(),

@@ -106,7 +106,10 @@ pub fn tool_output(data: &[u8]) {
         }
         Some(_) => {}
         None => {
-            assert!(calls.is_empty(), "calls found only when streamed: {calls:?}");
+            assert!(
+                calls.is_empty(),
+                "calls found only when streamed: {calls:?}"
+            );
             assert_eq!(format!("{sent}{tail}"), whole, "text lost or changed");
         }
     }

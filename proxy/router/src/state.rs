@@ -211,8 +211,9 @@ impl AppState {
                         .with_label_values(&[name, side]),
                     hit,
                 );
-                for w in pool.workers() {
-                    let labels = [name, side, w.url.as_str()];
+                for (i, w) in pool.workers().iter().enumerate() {
+                    let label = crate::pool::worker_label(side, i);
+                    let labels = [name, side, label.as_str()];
                     m.worker_inflight
                         .with_label_values(&labels)
                         .set(w.in_flight() as i64);

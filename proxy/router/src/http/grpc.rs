@@ -366,12 +366,23 @@ impl Lockstep for Front {
     ) -> Result<Response<pb::PairInfo>, Status> {
         let call = self.call(&req)?;
         let (id, info) = self.own_pair(&call, &req.get_ref().pair_id)?;
+        // Workers by their labels, never their addresses.
+        let models = self.state.models.load();
+        let pools = models.by_name.get(&*info.model).map(|m| &m.pairs);
+        let label = |side: &str, url: &str| {
+            pools
+                .and_then(|p| match side {
+                    "prefill" => p.prefill.label_of(side, url),
+                    _ => p.decode.label_of(side, url),
+                })
+                .unwrap_or_default()
+        };
         Ok(Response::new(pb::PairInfo {
             pair_id: id.to_string(),
             model: info.model.to_string(),
             state: info.state.as_str().into(),
-            prefill_worker: info.prefill,
-            decode_worker: info.decode,
+            prefill_worker: label("prefill", &info.prefill),
+            decode_worker: label("decode", &info.decode),
             age_ms: info.started.elapsed().as_millis() as u64,
         }))
     }

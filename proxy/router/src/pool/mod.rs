@@ -191,6 +191,12 @@ impl Drop for LoadGuard {
     }
 }
 
+/// The name of a pool's worker at `index` in metrics and API answers: `prefill-0`, `decode-2`.
+/// Addresses stay on the admin API (`/admin/workers` maps one to the other) and in logs.
+pub fn worker_label(side: &str, index: usize) -> String {
+    format!("{side}-{index}")
+}
+
 /// The workers of one side of a model, with their selection policy.
 #[derive(Debug)]
 pub struct WorkerPool {
@@ -310,6 +316,15 @@ impl WorkerPool {
     /// All workers.
     pub fn workers(&self) -> &[Arc<Upstream>] {
         &self.workers
+    }
+
+    /// The name of the worker at `url` in metrics and API answers: `{side}-{position}` (its
+    /// place in the configuration), never its address; `None` when it is not in the pool.
+    pub fn label_of(&self, side: &str, url: &str) -> Option<String> {
+        self.workers
+            .iter()
+            .position(|w| w.url == url)
+            .map(|i| worker_label(side, i))
     }
 
     /// Whether at least one worker takes new pairs (healthy, not draining).
