@@ -57,6 +57,21 @@ pub fn cache_salt(tenant: Option<&str>) -> u64 {
     })
 }
 
+/// What a tenant's prefix-cache salt is derived from: its `id` (its name where it has none) and
+/// its `cache_epoch`. An id and a name never give the same namespace; epoch 0 of a tenant without
+/// an id is its name alone (the namespaces of earlier versions).
+pub fn namespace(t: &TenantConfig) -> String {
+    let mut key = if t.id.is_empty() {
+        t.name.clone()
+    } else {
+        format!("\0id\0{}", t.id)
+    };
+    if t.cache_epoch > 0 {
+        key.push_str(&format!("\0epoch\0{}", t.cache_epoch));
+    }
+    key
+}
+
 /// A thread's remembered salts: without a tenant, and by tenant name.
 type Salts = (Option<u64>, HashMap<Box<str>, u64>);
 
@@ -76,6 +91,8 @@ fn salt_with(secret: &[u8], tenant: Option<&str>) -> u64 {
 pub struct Tenant {
     /// The tenant's name (audit log, errors).
     pub name: Arc<str>,
+    /// Its prefix-cache namespace ([`cache_salt`] of its [`namespace`]).
+    pub salt: u64,
     models: Option<HashSet<String>>,
     /// The limits as configured (requests per second, burst, concurrent pairs), to tell
     /// whether a reload changed them.
@@ -155,6 +172,7 @@ impl Tenants {
             });
             let tenant = Arc::new(Tenant {
                 name: t.name.as_str().into(),
+                salt: cache_salt(Some(&namespace(t))),
                 models: (!t.models.iter().any(|m| m == "*"))
                     .then(|| t.models.iter().cloned().collect()),
                 limits,
@@ -273,6 +291,41 @@ mod tests {
         let d = h.finalize();
         let unkeyed = u64::from_le_bytes([d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]]);
         assert_ne!(cache_salt(Some("acme")), unkeyed);
+    }
+
+    /// A tenant's namespace follows its id and epoch, not its name (second security review,
+    /// finding 7): renamed, it keeps its salt; a newcomer given a freed name does not get it;
+    /// an epoch bump starts afresh.
+    #[test]
+    fn salts_follow_the_stable_id_and_epoch_not_the_name() {
+        let salt = |name: &str, id: &str, epoch: u32| {
+            let key = format!("{name}-{id}-{epoch}");
+            let c = TenantConfig {
+                id: id.into(),
+                cache_epoch: epoch,
+                ..cfg(name, &key)
+            };
+            Tenants::new(&[c])
+                .authenticate(&bearer(&key))
+                .expect("known")
+                .expect("a tenant")
+                .salt
+        };
+        let acme = salt("acme", "t-1", 0);
+        assert_eq!(salt("acme-corp", "t-1", 0), acme, "renamed: same namespace");
+        assert_ne!(
+            salt("acme", "t-2", 0),
+            acme,
+            "a reused name: another namespace"
+        );
+        assert_ne!(
+            salt("acme", "t-1", 1),
+            acme,
+            "a new epoch: another namespace"
+        );
+        // Without an id: the name (as before), and an id equal to a name is not that name.
+        assert_eq!(salt("acme", "", 0), cache_salt(Some("acme")));
+        assert_ne!(salt("bob", "acme", 0), salt("acme", "", 0));
     }
 
     fn cfg(name: &str, key: &str) -> TenantConfig {

@@ -316,9 +316,12 @@ impl<S> Checked<S> {
         let refuse = |e| Refusal::count(state, &model.name, e);
         // The tenant's salt keys the tokenizer's segment cache (a hit never crosses tenants);
         // an HMAC, so only for prompts long enough to use the cache.
-        let tenant = self.caller.tenant.as_ref().map(|t| t.name.as_ref());
-        let salt =
-            (self.bytes >= segments::MIN_PROMPT_BYTES).then(|| crate::tenant::cache_salt(tenant));
+        let salt = (self.bytes >= segments::MIN_PROMPT_BYTES).then(|| {
+            self.caller
+                .tenant
+                .as_ref()
+                .map_or_else(|| crate::tenant::cache_salt(None), |t| t.salt)
+        });
         let ids = tokenize(&model, self.input, salt).map_err(refuse)?;
         fit(&model, &ids, &self.sampling).map_err(refuse)?;
         // A long prompt's ids are written as JSON here too, once for both halves, off the

@@ -133,6 +133,9 @@ pub struct Dispatch {
     pub sampling: Arc<SamplingParams>,
     /// The tenant whose request it is (`None` without tenants): the prefix-cache namespace.
     pub tenant: Option<Arc<str>>,
+    /// The tenant's prefix-cache salt ([`crate::tenant::Tenant::salt`]; without tenants, the
+    /// one shared namespace).
+    pub salt: u64,
     /// `input_ids` as a JSON array, written once for both halves ([`Dispatch::ids_json`]).
     pub ids_json: std::sync::OnceLock<Bytes>,
 }
@@ -147,7 +150,7 @@ impl Dispatch {
     /// The prefix-cache salt of the pair's tenant: requests of one tenant share cached prompt
     /// pages, two tenants never do (requests without a tenant share one namespace).
     pub fn cache_salt(&self) -> u64 {
-        crate::tenant::cache_salt(self.tenant.as_deref())
+        self.salt
     }
 }
 

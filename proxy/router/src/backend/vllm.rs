@@ -506,6 +506,7 @@ mod tests {
             ids_json: Default::default(),
             sampling: Arc::default(),
             tenant: None,
+            salt: 0,
         };
         let answered = std::time::Instant::now() - std::time::Duration::from_millis(800);
         backend

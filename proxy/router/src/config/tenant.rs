@@ -11,6 +11,13 @@ use serde::Deserialize;
 pub struct TenantConfig {
     /// The tenant's name (audit log, errors).
     pub name: String,
+    /// A stable identity for the tenant's prefix-cache namespace (default: the name). Give one
+    /// so a renamed tenant keeps its cached prefixes, and a later tenant given a freed name
+    /// does not inherit them.
+    pub id: String,
+    /// Bumped to start the tenant's prefix-cache namespace afresh (key compromise, a name handed
+    /// to someone else without an `id`): nothing cached under an earlier epoch is a hit again.
+    pub cache_epoch: u32,
     /// sha256 (lowercase hex) of each API key the tenant uses; keys are never stored.
     /// `lockstep hash-key KEY` prints one.
     pub api_keys_sha256: Vec<String>,
@@ -28,6 +35,8 @@ impl Default for TenantConfig {
     fn default() -> Self {
         TenantConfig {
             name: String::new(),
+            id: String::new(),
+            cache_epoch: 0,
             api_keys_sha256: Vec::new(),
             models: vec!["*".into()],
             requests_per_second: 0,
@@ -40,6 +49,7 @@ impl Default for TenantConfig {
 /// The problems of the tenant list; `models` are the configured model names.
 pub fn validate_tenants(tenants: &[TenantConfig], models: &HashSet<&str>, out: &mut Problems) {
     let mut names = HashSet::new();
+    let mut ids = HashSet::new();
     let mut keys = HashSet::new();
     for (i, t) in tenants.iter().enumerate() {
         let at = format!("tenants[{i}]");
@@ -47,6 +57,9 @@ pub fn validate_tenants(tenants: &[TenantConfig], models: &HashSet<&str>, out: &
             out.push(format!("{at}.name"), "required");
         } else if !names.insert(t.name.as_str()) {
             out.push(format!("{at}.name"), format!("`{}` is used twice", t.name));
+        }
+        if !t.id.is_empty() && !ids.insert(t.id.as_str()) {
+            out.push(format!("{at}.id"), format!("`{}` is used twice", t.id));
         }
         if t.api_keys_sha256.is_empty() {
             out.push(

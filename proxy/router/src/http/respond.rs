@@ -101,7 +101,7 @@ pub(crate) async fn commit(admitted: Admitted) -> Result<Committed, LockstepErro
         ids.into(),
         ids_json,
         sampling.into(),
-        caller.tenant.map(|t| t.name.clone()),
+        caller.tenant.map(|t| (t.name.clone(), t.salt)),
     );
     match rx.recv().await {
         Some(PairEvent::Committed {

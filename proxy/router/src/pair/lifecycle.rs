@@ -70,7 +70,7 @@ impl PairRuntime {
         input_ids: Arc<[u32]>,
         ids_json: Option<Bytes>,
         sampling: Arc<SamplingParams>,
-        tenant: Option<Arc<str>>,
+        tenant: Option<(Arc<str>, u64)>,
     ) -> (mpsc::Receiver<PairEvent>, tokio::task::JoinHandle<Outcome>) {
         let (tx, rx) = mpsc::channel(64);
         let me = self.clone();
@@ -88,7 +88,7 @@ impl PairRuntime {
         input_ids: Arc<[u32]>,
         ids_json: Option<Bytes>,
         sampling: Arc<SamplingParams>,
-        tenant: Option<Arc<str>>,
+        tenant: Option<(Arc<str>, u64)>,
         tx: mpsc::Sender<PairEvent>,
         request_span: tracing::Span,
     ) -> Outcome {
@@ -104,8 +104,10 @@ impl PairRuntime {
             input_ids,
             ids_json: ids_json.map(std::sync::OnceLock::from).unwrap_or_default(),
             sampling,
-            salt: crate::tenant::cache_salt(tenant.as_deref()),
-            tenant,
+            salt: tenant
+                .as_ref()
+                .map_or_else(|| crate::tenant::cache_salt(None), |t| t.1),
+            tenant: tenant.map(|t| t.0),
             span: request_span,
         };
         let mut avoid: Avoid = (None, None);
@@ -264,6 +266,7 @@ impl PairRuntime {
             input_ids: req.input_ids.clone(),
             sampling: req.sampling.clone(),
             tenant: req.tenant.clone(),
+            salt: req.salt,
             ids_json: req.ids_json.clone(),
         };
         let span = tracing::info_span!(
