@@ -228,6 +228,10 @@ struct Inner {
     shutdown: CancellationToken,
     /// Calls refused for want of the right key: server and path.
     unauthorized: Mutex<Vec<(Role, String)>>,
+    /// The prefill's radix cache: prompts it computed, by `cache_salt` (SGLang 0.5.23
+    /// `mem_cache/radix_cache.py:62-77`: the salt is part of the key, so prefixes match only
+    /// within one namespace; matches are whole pages).
+    radix: Mutex<Bounded<(Option<String>, Vec<u32>)>>,
 }
 
 impl Inner {
@@ -381,6 +385,7 @@ impl PdMock {
             taken: Mutex::new(HashMap::new()),
             shutdown: CancellationToken::new(),
             unauthorized: Mutex::new(Vec::new()),
+            radix: Mutex::default(),
             cfg,
         });
         let (pl, dl) = (
@@ -679,6 +684,8 @@ struct Half {
     ids: Vec<u32>,
     max_new: usize,
     stream: bool,
+    /// `cache_salt`, where sent.
+    salt: Option<String>,
 }
 
 fn parse_half(v: &Value) -> Result<Half, &'static str> {
@@ -715,6 +722,10 @@ fn parse_half(v: &Value) -> Result<Half, &'static str> {
         ids,
         max_new,
         stream: v.get("stream").and_then(Value::as_bool).unwrap_or(false),
+        salt: v
+            .get("cache_salt")
+            .and_then(Value::as_str)
+            .map(str::to_string),
     })
 }
 
@@ -795,6 +806,23 @@ fn register(inner: &Inner, role: Role, rid: &str) -> CancellationToken {
 
 fn unregister(inner: &Inner, role: Role, rid: &str) {
     lock(&inner.live).remove(&(role, rid.to_string()));
+}
+
+/// The prefill's `cached_tokens`: the longest prefix of `h`'s prompt an earlier prompt of the
+/// same `cache_salt` shares, in whole pages and never the last token (SGLang computes at least
+/// one; `schedule_policy.py`, `match_prefix`), then `h`'s prompt is cached too.
+fn radix_hit(inner: &Inner, h: &Half) -> usize {
+    let mut radix = lock(&inner.radix);
+    let page = inner.cfg.page_size.max(1);
+    let best = radix
+        .items
+        .iter()
+        .filter(|(salt, _)| *salt == h.salt)
+        .map(|(_, ids)| ids.iter().zip(&h.ids).take_while(|(a, b)| a == b).count())
+        .max()
+        .unwrap_or(0);
+    radix.push((h.salt.clone(), h.ids.clone()));
+    (best.min(h.ids.len().saturating_sub(1)) / page) * page
 }
 
 fn meta(rid: &str, prompt_tokens: usize, completion: usize, finish: Value) -> Value {
@@ -944,7 +972,9 @@ async fn prefill(inner: Arc<Inner>, h: Half, fault: Fault) -> Response {
         } else {
             n
         };
-        let body = json!({ "text": first, "output_ids": [h.ids[0]], "meta_info": meta(&h.rid, reported, 1, json!({"type": "length", "length": 0})) });
+        let mut info = meta(&h.rid, reported, 1, json!({"type": "length", "length": 0}));
+        info["cached_tokens"] = json!(radix_hit(&inner, &h));
+        let body = json!({ "text": first, "output_ids": [h.ids[0]], "meta_info": info });
         let _ = tx.send((StatusCode::OK, body));
     });
     let mut gone = GoneClient::new(&inner, Role::Prefill, &h_rid, WAIT_GONE_AFTER);

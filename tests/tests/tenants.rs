@@ -333,3 +333,37 @@ async fn sglang_halves_carry_the_tenants_cache_salt() {
     );
     assert!(salts.iter().any(|(r, ..)| *r == Role::Prefill));
 }
+
+/// SGLang's prefix-cache report is not told to tenants (second security review, finding 9):
+/// nothing lockstep checks proves a deployment keys its radix cache by `cache_salt`, so a
+/// tenant's repeated prompt, a hit the prefill reports (the mock's radix cache follows SGLang's,
+/// per salt), is counted in the metrics and answered with `cached_tokens` 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_prefix_hits_stay_in_the_metrics() {
+    let config = tenant_entry("red", "red-key", "");
+    let stack = Stack::start_full(MockConfig::default(), &config, "", TEST_TIMEOUTS).await;
+    let prompt = "red green blue ".repeat(16);
+    for _ in 0..2 {
+        let a = TestClient::default()
+            .send_with(
+                "POST",
+                &format!("{}/v1/completions", stack.url),
+                &[("authorization", "Bearer red-key")],
+                serde_json::json!({"model": MODEL, "prompt": prompt, "max_tokens": 2}).to_string(),
+                Duration::from_secs(20),
+            )
+            .await;
+        assert_eq!(a.status, 200, "{}", a.body);
+        let told = a.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0);
+        assert_eq!(told, 0, "{}", a.body);
+    }
+    let metrics = stack.lockstep.state.render_metrics();
+    let reported: f64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("lockstep_worker_cached_tokens_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert!(reported >= 16.0, "the prefill reported its hit: {reported}");
+}

@@ -439,6 +439,13 @@ pub trait PdBackend: Send + Sync + 'static {
     fn decode_counts_prompt(&self) -> bool {
         false
     }
+    /// Whether the prefill's prefix-cache report (`cached_tokens`) can be told to a tenant's
+    /// client: only where lockstep knows each tenant's cache is its own (its engine and workers
+    /// key the cache by the tenant's salt themselves; vLLM 0.33 validates and applies
+    /// `cache_salt`, `conformance.md` Q8). Elsewhere the count stays in the metrics.
+    fn cache_report_is_tenants_own(&self) -> bool {
+        true
+    }
     /// Whether the halves' bodies carry the ids as JSON ([`Dispatch::ids_json`]): then a long
     /// prompt's JSON is written at admission, on the low-priority pool, not on the pair's thread.
     fn ids_as_json(&self) -> bool {

@@ -333,6 +333,13 @@ impl PdBackend for SglangBackend {
         decode_stream(start)
     }
 
+    /// SGLang namespaces its radix cache by `cache_salt`, but nothing lockstep checks proves a
+    /// given deployment does (a build without it would mix tenants' prefixes and report the
+    /// hits): its `cached_tokens` go to the metrics, not to clients (second security review).
+    fn cache_report_is_tenants_own(&self) -> bool {
+        false
+    }
+
     fn decode_counts_prompt(&self) -> bool {
         true
     }

@@ -512,7 +512,7 @@ impl Attempt {
 
     /// The machine took the prefill's answer: count its prefix-cache report (told to a tenant's
     /// client only: the cache is shared otherwise, and the count would tell one caller what
-    /// another sent) and time the KV's move until the decode's first chunk.
+    /// another sent; and only where the backend's cache is known to be the tenant's own) and time the KV's move until the decode's first chunk.
     fn prefill_verified(&mut self, rt: &PairRuntime, tenant: bool, expected: u64) {
         if self.verified {
             return;
@@ -520,7 +520,7 @@ impl Attempt {
         self.verified = true;
         if let Some(n) = self.reported_cached {
             rt.observe().cached_tokens(n);
-            if tenant {
+            if tenant && rt.backend.cache_report_is_tenants_own() {
                 self.cached_tokens = n.min(expected);
             }
         }
