@@ -91,6 +91,12 @@ pub fn check(c: &OutputConstraint) -> Result<(), String> {
         .map_err(|e| e.to_string())
 }
 
+/// The longest one step's mask may take to compute: past it, the request fails (its grammar is
+/// too costly at this point), and the batch goes on without it. llguidance's own fuel limits
+/// bound the work far below this for any grammar it accepts; this bounds the wait whatever the
+/// machine is doing.
+pub const MASK_TIME_LIMIT: std::time::Duration = std::time::Duration::from_millis(250);
+
 /// A model's grammar compiler: its token environment, built once from the vocabulary.
 pub struct Grammars {
     factory: ParserFactory,
@@ -171,8 +177,23 @@ impl Guide {
     /// vocabulary too: the output layer may be padded). Waits for the mask if it is still being
     /// computed.
     pub fn mask(&mut self, logits: &mut [f32]) -> Result<(), String> {
+        self.mask_within(logits, MASK_TIME_LIMIT)
+    }
+
+    /// [`Guide::mask`], failing when the mask is not ready within `limit`.
+    pub fn mask_within(
+        &mut self,
+        logits: &mut [f32],
+        limit: std::time::Duration,
+    ) -> Result<(), String> {
         let rx = self.pending.take().ok_or("no mask was started")?;
-        let (m, mask) = rx.recv().map_err(|_| "the mask computation was lost")?;
+        let (m, mask) = rx.recv_timeout(limit).map_err(|e| match e {
+            mpsc::RecvTimeoutError::Timeout => format!(
+                "the grammar's next mask took longer than {} ms; the request is ended, the batch goes on",
+                limit.as_millis()
+            ),
+            mpsc::RecvTimeoutError::Disconnected => "the mask computation was lost".to_string(),
+        })?;
         self.matcher = Some(m);
         let mask = mask?;
         let mut any = false;
@@ -239,5 +260,26 @@ mod tests {
             spaces_accepted(&OutputConstraint::JsonSchema(own.into()), 1000),
             3
         );
+    }
+
+    /// A mask not ready within the limit fails the request's step (an error), and does not wait
+    /// for the computation.
+    #[test]
+    fn a_slow_mask_fails_within_its_limit() {
+        // A mask whose computation never answers in time (held by the test).
+        let (tx, rx) = mpsc::sync_channel(1);
+        let mut g = Guide {
+            matcher: None,
+            pending: Some(rx),
+            vocab: 256,
+        };
+        let mut logits = vec![0.0f32; 256];
+        let t0 = std::time::Instant::now();
+        let e = g
+            .mask_within(&mut logits, std::time::Duration::from_millis(50))
+            .expect_err("too slow");
+        assert!(e.contains("took longer than 50 ms"), "{e}");
+        assert!(t0.elapsed() < std::time::Duration::from_secs(2));
+        drop(tx);
     }
 }

@@ -559,3 +559,51 @@ async fn a_long_body_is_admitted_off_the_async_threads_with_the_same_ids() {
     );
     assert!(sent.iter().all(|ids| *ids == sent[0]), "{sent:?}");
 }
+
+/// Schemas, regular expressions and grammars are bounded in size for every backend, what is
+/// passed to SGLang included (second security review, finding 4): one over 32 KiB is a 400
+/// naming its field, and no worker is called; one under it is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_constraints_are_refused_for_every_backend() {
+    let stack = Stack::start().await;
+    let c = TestClient::default();
+    let schema = |desc_bytes: usize| {
+        json!({"type": "object", "description": "d".repeat(desc_bytes),
+               "properties": {"a": {"type": "string"}}})
+    };
+    for (path, body, param) in [
+        (
+            "/v1/chat/completions",
+            json!({"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}],
+                   "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema(40_000)}}}),
+            "response_format",
+        ),
+        (
+            "/generate",
+            json!({"text": "hi", "sampling_params": {"max_new_tokens": 2, "regex": "a".repeat(40_000)}}),
+            "sampling_params.regex",
+        ),
+    ] {
+        let before = stack.mock.request_count();
+        let a = c
+            .post(
+                &format!("{}{path}", stack.url),
+                &body,
+                Duration::from_secs(10),
+            )
+            .await;
+        assert_eq!(a.status, 400, "{path}: {}", a.body);
+        assert_eq!(a.json()["error"]["param"], json!(param), "{}", a.body);
+        assert!(a.body.contains("at most 32768"), "{}", a.body);
+        assert_eq!(stack.mock.request_count(), before, "{path}: not dispatched");
+    }
+    let a = c
+        .post(
+            &format!("{}/v1/chat/completions", stack.url),
+            &json!({"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}],
+                    "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema(1_000)}}}),
+            Duration::from_secs(10),
+        )
+        .await;
+    assert_eq!(a.status, 200, "{}", a.body);
+}

@@ -35,7 +35,8 @@ pub(super) enum Role {
 /// A queued request.
 #[allow(clippy::large_enum_variant)] // One per queued request, moved whole into `start`.
 pub(super) enum Job {
-    Gen(Generate, tmpsc::UnboundedSender<Event>),
+    /// A generation, with its grammar's guide once compiled (off the engine thread).
+    Gen(Generate, tmpsc::UnboundedSender<Event>, Option<Guide>),
     Prefill {
         id: u64,
         tokens: Arc<[u32]>,
@@ -48,19 +49,19 @@ pub(super) enum Job {
 impl Job {
     pub(super) fn id(&self) -> u64 {
         match self {
-            Job::Gen(g, _) => g.id,
+            Job::Gen(g, ..) => g.id,
             Job::Prefill { id, .. } => *id,
         }
     }
     pub(super) fn tokens(&self) -> usize {
         match self {
-            Job::Gen(g, _) => g.prompt.len() + g.sampling.max_tokens.max(1),
+            Job::Gen(g, ..) => g.prompt.len() + g.sampling.max_tokens.max(1),
             Job::Prefill { tokens, .. } => tokens.len(),
         }
     }
     pub(super) fn fail(self, e: EngineError) {
         match self {
-            Job::Gen(_, events) => {
+            Job::Gen(_, events, _) => {
                 let _ = events.send(Event::Failed(e));
             }
             Job::Prefill { reply, .. } => {
@@ -70,7 +71,7 @@ impl Job {
     }
     pub(super) fn abandoned(&self) -> bool {
         match self {
-            Job::Gen(_, events) => events.is_closed(),
+            Job::Gen(_, events, _) => events.is_closed(),
             Job::Prefill { reply, .. } => reply.is_closed(),
         }
     }

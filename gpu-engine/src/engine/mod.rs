@@ -292,7 +292,8 @@ impl EngineHandle {
             let _ = tx.send(Event::Failed(e));
             return rx;
         }
-        if let Err(mpsc::SendError(Cmd::Submit(job))) = self.tx.send(Cmd::Submit(Job::Gen(req, tx)))
+        if let Err(mpsc::SendError(Cmd::Submit(job))) =
+            self.tx.send(Cmd::Submit(Job::Gen(req, tx, None)))
         {
             job.fail(EngineError::Stopped);
         }

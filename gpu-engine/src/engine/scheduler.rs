@@ -12,7 +12,7 @@ use super::job::{Active, Job, Role, next_token};
 use super::{Cmd, EngineConfig, EngineError, EngineStats, Event, KvReport, WhenFull};
 use crate::bundle::ModelBundle;
 use crate::device::EngineDevice;
-use crate::grammar::{Grammars, Guide, OutputConstraint};
+use crate::grammar::{Grammars, Guide};
 use crate::model::Step;
 use crate::pool::{OwnerId, PagePool, ScrubPolicy, Sequence};
 use crate::sample::{Sampler, TextStream};
@@ -30,7 +30,10 @@ pub(super) struct Scheduler {
     waiting: VecDeque<Job>,
     active: Vec<Active>,
     /// The model's grammar compiler, built at the first constrained request.
-    grammars: Option<Result<Grammars, String>>,
+    grammars: Option<Result<Arc<Grammars>, String>>,
+    /// Constrained requests whose grammar is being compiled on the thread pool: queued once it
+    /// is, failed if it cannot be. The engine thread never compiles one.
+    compiling: Vec<(Job, std::sync::mpsc::Receiver<Result<Guide, String>>)>,
 }
 
 impl Scheduler {
@@ -51,38 +54,99 @@ impl Scheduler {
             waiting: VecDeque::new(),
             active: Vec::new(),
             grammars: None,
+            compiling: Vec::new(),
         }
     }
 
-    /// A guide for a constrained request (the model's grammar compiler is built on first use).
-    fn guide(&mut self, c: &OutputConstraint) -> Result<Guide, String> {
+    /// The model's grammar compiler (built on first use).
+    fn grammars(&mut self) -> Result<Arc<Grammars>, String> {
         let tok = &self.bundle.tokenizer;
-        let grammars = self.grammars.get_or_insert_with(|| Grammars::new(tok));
-        match grammars {
-            Ok(g) => g.guide(c).map_err(|m| format!("output constraint: {m}")),
+        match self
+            .grammars
+            .get_or_insert_with(|| Grammars::new(tok).map(Arc::new))
+        {
+            Ok(g) => Ok(g.clone()),
             Err(m) => Err(format!(
                 "structured outputs are unavailable for this model: {m}"
             )),
         }
     }
 
+    /// Queues a job; a constrained generation first has its grammar compiled on the thread
+    /// pool, so a costly grammar never holds up the batch.
+    fn submit(&mut self, job: Job) {
+        match job {
+            Job::Gen(mut g, events, None) if g.sampling.constraint.is_some() => {
+                let Some(c) = g.sampling.constraint.take() else {
+                    return;
+                };
+                match self.grammars() {
+                    Err(m) => Job::Gen(g, events, None).fail(EngineError::BadRequest(m)),
+                    Ok(grammars) => {
+                        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+                        rayon::spawn(move || {
+                            let guide = grammars
+                                .guide(&c)
+                                .map_err(|m| format!("output constraint: {m}"));
+                            let _ = tx.send(guide);
+                        });
+                        self.compiling.push((Job::Gen(g, events, None), rx));
+                    }
+                }
+            }
+            job => self.waiting.push_back(job),
+        }
+    }
+
+    /// Queues the jobs whose grammars are compiled, in the order they were submitted; fails
+    /// those whose grammars could not be.
+    fn compiled(&mut self) {
+        use std::sync::mpsc::TryRecvError;
+        let mut i = 0;
+        while i < self.compiling.len() {
+            let got = match self.compiling[i].1.try_recv() {
+                Err(TryRecvError::Empty) => {
+                    i += 1;
+                    continue;
+                }
+                Ok(r) => r,
+                Err(TryRecvError::Disconnected) => Err("the grammar compilation was lost".into()),
+            };
+            let (job, _) = self.compiling.remove(i);
+            match (job, got) {
+                (Job::Gen(g, events, _), Ok(guide)) => {
+                    self.waiting.push_back(Job::Gen(g, events, Some(guide)))
+                }
+                (job, Err(m)) => job.fail(EngineError::BadRequest(m)),
+                (job, Ok(_)) => self.waiting.push_back(job),
+            }
+        }
+    }
+
     /// The engine thread's loop: take commands, admit, step, publish, until stopped.
     pub(super) fn run(&mut self, rx: mpsc::Receiver<Cmd>) {
         loop {
-            let first = if self.active.is_empty() && self.waiting.is_empty() {
+            let first = if !self.active.is_empty() || !self.waiting.is_empty() {
+                None
+            } else if self.compiling.is_empty() {
                 match rx.recv() {
                     Ok(c) => Some(c),
                     Err(_) => return,
                 }
             } else {
-                None
+                // Idle but for grammars being compiled: look for them again shortly.
+                match rx.recv_timeout(std::time::Duration::from_millis(1)) {
+                    Ok(c) => Some(c),
+                    Err(mpsc::RecvTimeoutError::Timeout) => None,
+                    Err(mpsc::RecvTimeoutError::Disconnected) => return,
+                }
             };
             for cmd in first
                 .into_iter()
                 .chain(std::iter::from_fn(|| rx.try_recv().ok()))
             {
                 match cmd {
-                    Cmd::Submit(job) => self.waiting.push_back(job),
+                    Cmd::Submit(job) => self.submit(job),
                     Cmd::Abort(id) => self.abort(id),
                     Cmd::Stop => {
                         self.shutdown();
@@ -90,6 +154,7 @@ impl Scheduler {
                     }
                 }
             }
+            self.compiled();
             self.drop_abandoned();
             self.admit();
             self.publish();
@@ -105,7 +170,8 @@ impl Scheduler {
         s.free_pages
             .store(self.pool.available_pages(), Ordering::Relaxed);
         s.running.store(self.active.len(), Ordering::Relaxed);
-        s.waiting.store(self.waiting.len(), Ordering::Relaxed);
+        s.waiting
+            .store(self.waiting.len() + self.compiling.len(), Ordering::Relaxed);
     }
 
     fn release(&mut self, a: Active) {
@@ -122,6 +188,7 @@ impl Scheduler {
 
     fn abort(&mut self, id: u64) {
         self.waiting.retain(|j| j.id() != id);
+        self.compiling.retain(|(j, _)| j.id() != id);
         while let Some(i) = self.active.iter().position(|a| a.id == id) {
             let a = self.active.swap_remove(i);
             self.release(a);
@@ -130,6 +197,7 @@ impl Scheduler {
 
     fn drop_abandoned(&mut self) {
         self.waiting.retain(|j| !j.abandoned());
+        self.compiling.retain(|(j, _)| !j.abandoned());
         let mut i = 0;
         while i < self.active.len() {
             if self.active[i].abandoned() {
@@ -143,6 +211,9 @@ impl Scheduler {
 
     fn shutdown(&mut self) {
         for j in std::mem::take(&mut self.waiting) {
+            j.fail(EngineError::Stopped);
+        }
+        for (j, _) in std::mem::take(&mut self.compiling) {
             j.fail(EngineError::Stopped);
         }
         for a in std::mem::take(&mut self.active) {
@@ -238,23 +309,20 @@ impl Scheduler {
                 }
                 Ok(Some(a))
             }
-            Job::Gen(mut g, events) => {
+            Job::Gen(mut g, events, guide) => {
                 if g.prompt.is_empty() {
                     return Err((
-                        Job::Gen(g, events),
+                        Job::Gen(g, events, guide),
                         EngineError::BadRequest("empty prompt".into()),
                     ));
                 }
-                let guide = match g.sampling.constraint.take().map(|c| self.guide(&c)) {
-                    None => None,
-                    Some(Ok(guide)) => Some(guide),
-                    Some(Err(m)) => return Err((Job::Gen(g, events), EngineError::BadRequest(m))),
-                };
+                // Compiled before it was queued ([`Scheduler::submit`]).
+                g.sampling.constraint = None;
                 let salt = g.cache_salt.filter(|_| self.prefix_cache());
                 let (seq, digest) = match g.kv.take() {
                     None => match self.new_sequence(owner, &g.prompt, tokens, salt) {
                         Ok((s, _)) => (s, None),
-                        Err(e) => return Err((Job::Gen(g, events), e)),
+                        Err(e) => return Err((Job::Gen(g, events, None), e)),
                     },
                     Some(t) => {
                         let expect = ImportExpectation {
@@ -289,7 +357,7 @@ impl Scheduler {
                             });
                         match imported {
                             Ok(s) => (s, Some(t.manifest.compute_checksum())),
-                            Err(e) => return Err((Job::Gen(g, events), e)),
+                            Err(e) => return Err((Job::Gen(g, events, None), e)),
                         }
                     }
                 };

@@ -140,11 +140,17 @@ impl Input {
 pub(crate) const INLINE_TOKENIZE_BYTES: usize = 16 * 1024;
 
 /// A front end's request once parsed (step 3 is the front end's own: its shape, its fields).
-pub trait FrontRequest {
+pub trait FrontRequest: Send + 'static {
     /// How the front end answers (API shape, streaming).
     type Shape: Send + 'static;
     /// The model the request names (`None`: the only one served).
     fn model(&self) -> Option<&str>;
+    /// Whether validating it may compile a grammar (a structured-output format, SGLang's
+    /// `json_schema`/`regex`/`ebnf`, tools that may force a call): then admission runs on the
+    /// low-priority pool, so no grammar is compiled on the async threads.
+    fn compiles_a_grammar(&self) -> bool {
+        false
+    }
     /// Validates the rest against `model`: the prompt, the sampling parameters, the shape.
     fn validate(
         self,
@@ -244,6 +250,12 @@ pub async fn admit<R: FrontRequest>(
     req: R,
 ) -> Result<(Admitted, R::Shape), Refusal> {
     use tracing::Instrument;
+    if req.compiles_a_grammar() {
+        let st = state.clone();
+        return in_background(state, move || Ok(admit_here(&st, caller, req)))
+            .await
+            .map_err(|e| Refusal::count(state, "", e))?;
+    }
     let span = tracing::info_span!("admission");
     let checked = span.in_scope(|| check(state, caller, req))?;
     if checked.bytes <= INLINE_TOKENIZE_BYTES {

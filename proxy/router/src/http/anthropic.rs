@@ -221,6 +221,10 @@ impl MessagesRequest {
 }
 
 impl FrontRequest for MessagesRequest {
+    fn compiles_a_grammar(&self) -> bool {
+        self.rest.get("output_config").is_some_and(|v| !v.is_null())
+    }
+
     type Shape = MessagesShape;
 
     fn model(&self) -> Option<&str> {

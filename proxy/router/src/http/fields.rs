@@ -289,6 +289,30 @@ pub(crate) fn format_constraint(
     enforceable(c, param, backend).map(Some)
 }
 
+/// The longest schema, regular expression or grammar lockstep accepts, in bytes, for any
+/// backend (what it passes to SGLang and vLLM too): their compilation grows with the text.
+pub(crate) const MAX_CONSTRAINT_BYTES: usize = 32 * 1024;
+
+/// Refuses a constraint whose text is over [`MAX_CONSTRAINT_BYTES`].
+pub(crate) fn within_cap(c: &Constraint, param: &str) -> Result<(), LockstepError> {
+    let n = match c {
+        Constraint::JsonObject => 0,
+        Constraint::JsonSchema(t)
+        | Constraint::Regex(t)
+        | Constraint::Ebnf(t)
+        | Constraint::Lark(t) => t.len(),
+    };
+    if n > MAX_CONSTRAINT_BYTES {
+        return Err(LockstepError::InvalidRequest {
+            message: format!(
+                "`{param}` is {n} bytes; schemas, regular expressions and grammars are at most {MAX_CONSTRAINT_BYTES}"
+            ),
+            param: Some(param.into()),
+        });
+    }
+    Ok(())
+}
+
 /// Takes SGLang's `json_schema`, `regex` and `ebnf` out of `/generate`'s `sampling_params`:
 /// at most one, refused where the model's backend cannot enforce it.
 pub(crate) fn native_constraint(
@@ -337,6 +361,7 @@ fn enforceable(
     param: &str,
     backend: BackendKind,
 ) -> Result<Constraint, LockstepError> {
+    within_cap(&c, param)?;
     match backend {
         BackendKind::Sglang | BackendKind::Vllm => Ok(c),
         own => match c.for_engine() {

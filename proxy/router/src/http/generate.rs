@@ -45,6 +45,15 @@ known_and_rest! {
 impl FrontRequest for GenerateRequest {
     type Shape = Shape;
 
+    fn compiles_a_grammar(&self) -> bool {
+        ["json_schema", "regex", "ebnf"].iter().any(|k| {
+            self.sampling_params
+                .rest
+                .get(*k)
+                .is_some_and(|v| !v.is_null())
+        })
+    }
+
     fn model(&self) -> Option<&str> {
         self.model.as_deref()
     }

@@ -383,6 +383,12 @@ impl FrontRequest for ChatRequest {
         Some(&self.model)
     }
 
+    fn compiles_a_grammar(&self) -> bool {
+        ["response_format", "tools", "tool_choice"]
+            .iter()
+            .any(|k| self.rest.get(*k).is_some_and(|v| !v.is_null()))
+    }
+
     fn validate(
         self,
         model: &ModelRuntime,
@@ -431,6 +437,12 @@ pub(crate) struct CompletionRequest {
 
 impl FrontRequest for CompletionRequest {
     type Shape = Shape;
+
+    fn compiles_a_grammar(&self) -> bool {
+        self.rest
+            .get("response_format")
+            .is_some_and(|v| !v.is_null())
+    }
 
     fn model(&self) -> Option<&str> {
         Some(&self.model)

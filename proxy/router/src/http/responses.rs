@@ -331,6 +331,13 @@ fn to_messages(
 }
 
 impl FrontRequest for ResponsesRequest {
+    fn compiles_a_grammar(&self) -> bool {
+        self.text.is_some()
+            || ["tools", "tool_choice"]
+                .iter()
+                .any(|k| self.rest.get(*k).is_some_and(|v| !v.is_null()))
+    }
+
     type Shape = ResponsesShape;
 
     fn model(&self) -> Option<&str> {

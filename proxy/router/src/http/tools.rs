@@ -247,6 +247,7 @@ pub(crate) fn request(
             });
         }
         let g = call_grammar(kind, &forced);
+        super::fields::within_cap(&Constraint::Lark(g.clone()), "tools")?;
         let c = lockstep_engine::grammar::OutputConstraint::Lark(g.clone());
         lockstep_engine::grammar::check(&c).map_err(|m| {
             invalid(
