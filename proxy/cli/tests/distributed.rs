@@ -897,6 +897,21 @@ async fn the_worker_plane_is_mutual_tls_end_to_end_and_rotates_on_sighup() {
         "a TLS alert or nothing, never a data-protocol answer: {answer:?}"
     );
 
+    // A connection opened under the old CA, kept open across the rotation.
+    let old_plane = lockstep_serve::tls::PlaneTls::load(&rfiles).expect("client TLS files");
+    let mut held = WorkerClient::new(
+        lockstep_serve::tls::worker_channel(
+            &format!("https://{}", d.addr),
+            Duration::from_secs(5),
+            Some(&old_plane),
+        )
+        .expect("channel"),
+    );
+    assert!(
+        held.capacity(pb::CapacityRequest {}).await.is_ok(),
+        "open under the old CA"
+    );
+
     // Rotation: the decode worker's files now hold a new CA's certificate; after SIGHUP new
     // connections need the new CA, and the old identity is refused.
     let next = Ca::new(dir.path(), "next");
@@ -927,6 +942,21 @@ async fn the_worker_plane_is_mutual_tls_end_to_end_and_rotates_on_sighup() {
         tls_capacity(&d.addr, &rfiles).await.is_err(),
         "the old CA is out"
     );
+    // The connection authenticated under the old CA is closed too (second security review,
+    // finding 10): its next call cannot be served over it, nor over a new one.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut req = tonic::Request::new(pb::CapacityRequest {});
+        req.set_timeout(Duration::from_secs(2));
+        if held.capacity(req).await.is_err() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "a connection opened under the old CA is still served"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// Starts a decode worker from `cfg` listening on `listen`, expecting it to refuse to start; its

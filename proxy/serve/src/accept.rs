@@ -95,6 +95,7 @@ pub async fn serve_http(
                     // The current configuration: a plane certificate reloaded since start
                     // applies to new connections.
                     tls: tls.as_ref().map(|t| tokio_rustls::TlsAcceptor::from(t.current())),
+                    ca_changes: tls.as_ref().and_then(crate::tls::ServerTls::ca_changes),
                     closing: closing_rx.clone(),
                     slot,
                     limits,
@@ -134,6 +135,8 @@ struct Conn {
     /// Its slot of `max_connections`, freed when it ends.
     slot: Option<tokio::sync::OwnedSemaphorePermit>,
     limits: ConnLimits,
+    /// The worker plane's CA changes: a connection accepted under the old CA is closed.
+    ca_changes: Option<tokio::sync::watch::Receiver<u64>>,
 }
 
 impl Conn {
@@ -165,8 +168,19 @@ impl Conn {
             mut closing,
             slot,
             limits,
+            ca_changes,
             ..
         } = self;
+        let mut ca_changes = ca_changes;
+        let ca_changed = async move {
+            match ca_changes.as_mut() {
+                Some(rx) => {
+                    let _ = rx.changed().await;
+                }
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(ca_changed);
         let activity = Arc::new(Activity::new());
         let svc =
             hyper_util::service::TowerToHyperService::new(Tracked::new(app, activity.clone()));
@@ -197,8 +211,14 @@ impl Conn {
                     asked = true;
                     hard_stop = Some(tokio::time::Instant::now() + IDLE_CLOSE_GRACE);
                 }
+                _ = &mut ca_changed, if !asked => {
+                    tracing::info!("closing a worker plane connection accepted under the old CA");
+                    conn.as_mut().graceful_shutdown();
+                    asked = true;
+                    hard_stop = Some(tokio::time::Instant::now() + IDLE_CLOSE_GRACE);
+                }
                 _ = forced => {
-                    tracing::debug!("dropping an idle connection that did not close");
+                    tracing::debug!("dropping a connection that did not close");
                     break;
                 }
             }

@@ -64,6 +64,10 @@ pub struct PlaneTls {
     files: PlaneTlsFiles,
     server: arc_swap::ArcSwap<rustls::ServerConfig>,
     client: arc_swap::ArcSwap<rustls::ClientConfig>,
+    /// The CA file's bytes as last loaded, and a count bumped each time a reload changes them:
+    /// connections authenticated under an earlier CA are closed ([`PlaneTls::ca_changes`]).
+    ca: std::sync::Mutex<Vec<u8>>,
+    ca_generation: tokio::sync::watch::Sender<u64>,
 }
 
 impl std::fmt::Debug for PlaneTls {
@@ -136,15 +140,33 @@ impl PlaneTls {
             files: files.clone(),
             server: arc_swap::ArcSwap::new(server),
             client: arc_swap::ArcSwap::new(client),
+            ca: std::sync::Mutex::new(std::fs::read(&files.ca_file).unwrap_or_default()),
+            ca_generation: tokio::sync::watch::Sender::new(0),
         }))
     }
 
-    /// Reads the files again (certificate rotation); on an error the old ones stay.
+    /// Reads the files again (certificate rotation); on an error the old ones stay. New
+    /// connections use the new ones; when the CA itself changed, every open connection of the
+    /// plane is told to close (its peer was authenticated under the old CA).
     pub fn reload(&self) -> Result<(), String> {
         let (server, client) = plane_configs(&self.files)?;
+        let ca = std::fs::read(&self.files.ca_file).unwrap_or_default();
         self.server.store(server);
         self.client.store(client);
+        let mut last = self.ca.lock().unwrap_or_else(|p| p.into_inner());
+        if *last != ca {
+            *last = ca;
+            self.ca_generation.send_modify(|g| *g += 1);
+            tracing::info!(
+                "worker plane CA changed: closing the connections opened under the old one"
+            );
+        }
         Ok(())
+    }
+
+    /// Changes when a reload changes the CA: a connection watching it closes.
+    pub fn ca_changes(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.ca_generation.subscribe()
     }
 
     /// The server side now.
@@ -180,6 +202,14 @@ pub enum ServerTls {
 }
 
 impl ServerTls {
+    /// Where the plane's CA changes are announced (none for a fixed configuration).
+    pub fn ca_changes(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
+        match self {
+            ServerTls::Fixed(_) => None,
+            ServerTls::Plane(p) => Some(p.ca_changes()),
+        }
+    }
+
     /// The configuration for the next connection.
     pub fn current(&self) -> Arc<rustls::ServerConfig> {
         match self {

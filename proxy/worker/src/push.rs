@@ -172,6 +172,14 @@ impl KvPusher {
         Err(last)
     }
 
+    /// Forgets every peer's channel, data address and idle data connection (the plane's files
+    /// were reloaded: connections are opened again under the new ones).
+    pub(crate) fn forget_all(&self) {
+        self.peers.clear();
+        self.data_addrs.clear();
+        self.data_conns.clear();
+    }
+
     /// Forgets the endpoint's channel, checked data address and idle data connections.
     fn forget(&self, endpoint: &str, addr: Option<DataAddr>) {
         self.peers.remove(endpoint);

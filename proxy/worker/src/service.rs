@@ -140,7 +140,12 @@ impl WorkerService {
     /// new ones; on an error the old ones stay.
     pub fn reload_tls(&self) -> Result<(), String> {
         match &self.tls {
-            Some(t) => t.reload(),
+            Some(t) => {
+                t.reload()?;
+                // Peer connections opened under the old files are opened again.
+                self.pusher.forget_all();
+                Ok(())
+            }
             None => Ok(()),
         }
     }
