@@ -6,38 +6,11 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use axum::Router;
-use axum::routing::get;
 use bytes::Bytes;
 use http_body_util::BodyExt;
-use tokio::io::AsyncBufReadExt;
 
-const BIN: &str = env!("CARGO_BIN_EXE_lockstep");
-
-/// An SGLang 0.5.23 worker's `/server_info` and `/health`, enough for the deployment check.
-async fn worker(role: &'static str) -> (String, tokio::task::JoinHandle<()>) {
-    let app = Router::new()
-        .route(
-            "/server_info",
-            get(move || async move {
-                axum::Json(serde_json::json!({
-                    "disaggregation_mode": role, "disaggregation_transfer_backend": "mooncake",
-                    "disaggregation_bootstrap_port": 8998, "disaggregation_enable_kv_checksum": true,
-                    "page_size": 16, "kv_cache_dtype": "auto", "tp_size": 1, "pp_size": 1,
-                    "max_total_num_tokens": 100_000,
-                }))
-            }),
-        )
-        .route("/health", get(|| async { "ok" }));
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = l.local_addr().expect("addr");
-    let h = tokio::spawn(async move {
-        let _ = axum::serve(l, app).await;
-    });
-    (format!("http://{addr}"), h)
-}
+mod common;
+use common::{sglang_worker, spawn};
 
 fn config(dir: &Path, prefill: &str, decode: &str) -> PathBuf {
     let tok = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../config/mock-tokenizer.json");
@@ -68,24 +41,6 @@ workers = [{{ url = "{decode}" }}]
     let path = dir.join("lockstep.toml");
     std::fs::write(&path, text).expect("write config");
     path
-}
-
-/// `line` without its terminal colour codes.
-fn strip_ansi(line: &str) -> String {
-    let mut out = String::new();
-    let mut chars = line.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            for c in chars.by_ref() {
-                if c.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
 }
 
 /// The resident memory of process `pid`, in bytes.
@@ -133,35 +88,17 @@ async fn anonymous_stream(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn anonymous_grpc_streams_are_refused_before_their_bodies_are_read() {
-    let (p, hp) = worker("prefill").await;
-    let (d, hd) = worker("decode").await;
+    let (p, hp) = sglang_worker(100_000, "prefill").await;
+    let (d, hd) = sglang_worker(100_000, "decode").await;
     let dir = tempfile::tempdir().expect("tempdir");
     let path = config(dir.path(), &p, &d);
-    let mut child = tokio::process::Command::new(BIN)
-        .args(["serve", "--config", path.to_str().expect("utf8")])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("spawn");
-    let pid = child.id().expect("pid");
-    let mut lines = tokio::io::BufReader::new(child.stdout.take().expect("stdout")).lines();
-    let addr = tokio::time::timeout(Duration::from_secs(20), async {
-        while let Ok(Some(l)) = lines.next_line().await {
-            if l.contains("lockstep listening") {
-                let l = strip_ansi(&l);
-                let at = l.find("http_addr=").expect("address logged") + "http_addr=".len();
-                return l[at..]
-                    .split_whitespace()
-                    .next()
-                    .expect("address")
-                    .to_string();
-            }
-        }
-        panic!("lockstep exited before listening");
-    })
-    .await
-    .expect("listening in time");
+    let mut proc = spawn(
+        &["serve", "--config", path.to_str().expect("utf8")],
+        "lockstep listening",
+    )
+    .await;
+    let pid = proc.child.id().expect("pid");
+    let addr = proc.addr.clone();
     let tcp = tokio::net::TcpStream::connect(&addr)
         .await
         .expect("connect");
@@ -266,7 +203,7 @@ async fn anonymous_grpc_streams_are_refused_before_their_bodies_are_read() {
         .arg(pid.to_string())
         .status()
         .expect("kill");
-    let _ = tokio::time::timeout(Duration::from_secs(10), child.wait()).await;
+    let _ = tokio::time::timeout(Duration::from_secs(10), proc.child.wait()).await;
     hp.abort();
     hd.abort();
 }

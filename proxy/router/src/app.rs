@@ -72,6 +72,7 @@ impl Lockstep {
             client,
             reload_lock: tokio::sync::Mutex::new(()),
             tokenize_slots: Arc::new(tokio::sync::Semaphore::new(cores)),
+            compile_slots: Arc::new(tokio::sync::Semaphore::new(cores)),
             tokenize_pool: Arc::new(tokenize_pool),
         });
         let threads = match cfg.server.connections {

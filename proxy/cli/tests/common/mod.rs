@@ -164,3 +164,34 @@ pub fn address_in(line: &str) -> Option<String> {
             .then(|| format!("{ip}:{port}"))
     })
 }
+
+/// An SGLang 0.5.23 worker in `role` as its `/server_info` describes it (correctly set up for
+/// lockstep: KV checksum on, cumulative streams), reporting `max_total_num_tokens = capacity`,
+/// and its `/health`: enough for the deployment check.
+pub async fn sglang_worker(
+    capacity: u64,
+    role: &'static str,
+) -> (String, tokio::task::JoinHandle<()>) {
+    use axum::routing::get;
+    let app = axum::Router::new()
+        .route(
+            "/server_info",
+            get(move || async move {
+                axum::Json(serde_json::json!({
+                    "disaggregation_mode": role, "disaggregation_transfer_backend": "mooncake",
+                    "disaggregation_bootstrap_port": 8998, "disaggregation_enable_kv_checksum": true,
+                    "page_size": 16, "kv_cache_dtype": "auto", "tp_size": 1, "pp_size": 1,
+                    "max_total_num_tokens": capacity,
+                }))
+            }),
+        )
+        .route("/health", get(|| async { "ok" }));
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = l.local_addr().expect("addr");
+    let h = tokio::spawn(async move {
+        let _ = axum::serve(l, app).await;
+    });
+    (format!("http://{addr}"), h)
+}

@@ -146,8 +146,8 @@ pub trait FrontRequest: Send + 'static {
     /// The model the request names (`None`: the only one served).
     fn model(&self) -> Option<&str>;
     /// Whether validating it may compile a grammar (a structured-output format, SGLang's
-    /// `json_schema`/`regex`/`ebnf`, tools that may force a call): then admission runs on the
-    /// low-priority pool, so no grammar is compiled on the async threads.
+    /// `json_schema`/`regex`/`ebnf`, tools that may force a call): then admission runs on a
+    /// blocking thread, so no grammar is compiled on the async threads.
     fn compiles_a_grammar(&self) -> bool {
         false
     }
@@ -251,10 +251,40 @@ pub async fn admit<R: FrontRequest>(
 ) -> Result<(Admitted, R::Shape), Refusal> {
     use tracing::Instrument;
     if req.compiles_a_grammar() {
-        let st = state.clone();
-        return in_background(state, move || Ok(admit_here(&st, caller, req)))
+        // Compiled on a blocking thread at normal priority (not the idle-priority pool, which a
+        // busy engine would starve): bounded work (llguidance's fuel, the size cap), one per
+        // core at a time.
+        let slot = state
+            .compile_slots
+            .clone()
+            .acquire_owned()
             .await
-            .map_err(|e| Refusal::count(state, "", e))?;
+            .map_err(|_| {
+                Refusal::count(
+                    state,
+                    "",
+                    LockstepError::Unavailable {
+                        message: "lockstep is shutting down".into(),
+                    },
+                )
+            })?;
+        let st = state.clone();
+        let span = tracing::Span::current();
+        return tokio::task::spawn_blocking(move || {
+            let _in = span.entered();
+            let _slot = slot;
+            admit_here(&st, caller, req)
+        })
+        .await
+        .map_err(|e| {
+            Refusal::count(
+                state,
+                "",
+                LockstepError::Unavailable {
+                    message: format!("admission failed: {e}"),
+                },
+            )
+        })?;
     }
     let span = tracing::info_span!("admission");
     let checked = span.in_scope(|| check(state, caller, req))?;
