@@ -29,8 +29,9 @@ pub(super) struct Scheduler {
     stats: Arc<EngineStats>,
     waiting: VecDeque<Job>,
     active: Vec<Active>,
-    /// The model's grammar compiler, built at the first constrained request.
-    grammars: Option<Result<Arc<Grammars>, String>>,
+    /// The model's grammar compiler, built (on the thread pool) for the first constrained
+    /// request.
+    grammars: Arc<std::sync::OnceLock<Result<Grammars, String>>>,
     /// Constrained requests whose grammar is being compiled on the thread pool: queued once it
     /// is, failed if it cannot be. The engine thread never compiles one.
     compiling: Vec<(Job, std::sync::mpsc::Receiver<Result<Guide, String>>)>,
@@ -53,22 +54,8 @@ impl Scheduler {
             stats,
             waiting: VecDeque::new(),
             active: Vec::new(),
-            grammars: None,
+            grammars: Arc::default(),
             compiling: Vec::new(),
-        }
-    }
-
-    /// The model's grammar compiler (built on first use).
-    fn grammars(&mut self) -> Result<Arc<Grammars>, String> {
-        let tok = &self.bundle.tokenizer;
-        match self
-            .grammars
-            .get_or_insert_with(|| Grammars::new(tok).map(Arc::new))
-        {
-            Ok(g) => Ok(g.clone()),
-            Err(m) => Err(format!(
-                "structured outputs are unavailable for this model: {m}"
-            )),
         }
     }
 
@@ -80,19 +67,18 @@ impl Scheduler {
                 let Some(c) = g.sampling.constraint.take() else {
                     return;
                 };
-                match self.grammars() {
-                    Err(m) => Job::Gen(g, events, None).fail(EngineError::BadRequest(m)),
-                    Ok(grammars) => {
-                        let (tx, rx) = std::sync::mpsc::sync_channel(1);
-                        rayon::spawn(move || {
-                            let guide = grammars
-                                .guide(&c)
-                                .map_err(|m| format!("output constraint: {m}"));
-                            let _ = tx.send(guide);
-                        });
-                        self.compiling.push((Job::Gen(g, events, None), rx));
-                    }
-                }
+                let (grammars, bundle) = (self.grammars.clone(), self.bundle.clone());
+                let (tx, rx) = std::sync::mpsc::sync_channel(1);
+                rayon::spawn(move || {
+                    let guide = match grammars.get_or_init(|| Grammars::new(&bundle.tokenizer)) {
+                        Ok(g) => g.guide(&c).map_err(|m| format!("output constraint: {m}")),
+                        Err(m) => Err(format!(
+                            "structured outputs are unavailable for this model: {m}"
+                        )),
+                    };
+                    let _ = tx.send(guide);
+                });
+                self.compiling.push((Job::Gen(g, events, None), rx));
             }
             job => self.waiting.push_back(job),
         }
