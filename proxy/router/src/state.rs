@@ -148,7 +148,7 @@ pub struct AppState {
     pub(crate) client: UpstreamClient,
     /// Long prompts tokenizing on the blocking pool at once (one per core).
     pub(crate) tokenize_slots: Arc<tokio::sync::Semaphore>,
-    /// Admissions that compile a grammar, at once (one per core; [`crate::admission::admit`]).
+    /// Admissions that compile a grammar, at once (one per core).
     pub(crate) compile_slots: Arc<tokio::sync::Semaphore>,
     /// The threads long prompts tokenize on, below the async threads' priority.
     pub(crate) tokenize_pool: Arc<rayon::ThreadPool>,

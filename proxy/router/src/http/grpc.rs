@@ -17,6 +17,7 @@ use tokio::time::Instant;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
+pub use super::grpc_guard::GrpcLimits;
 use super::openai::{CommonParams, Content, MessageIn, Stop, to_messages};
 use super::respond::{Committed, commit};
 use crate::admission::{Admitted, FrontRequest, Input, Prompt, Refusal, admit, authorize};
@@ -74,15 +75,6 @@ pub fn services(
         super::grpc_guard::guard,
     ));
     (router, health)
-}
-
-/// Bounds on the gRPC listener's long-lived streams (`server.grpc_*`).
-#[derive(Debug, Clone, Copy)]
-pub struct GrpcLimits {
-    /// Health-watch and reflection streams open at once.
-    pub max_long_streams: usize,
-    /// How long one of them may stay open.
-    pub stream_lifetime: std::time::Duration,
 }
 
 /// Marks every gRPC service serving or not (`grpc.health.v1`).

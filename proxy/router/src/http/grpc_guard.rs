@@ -40,6 +40,15 @@ pub(super) const REFLECTION_MESSAGE_BYTES: usize = 64 * 1024;
 /// The length-prefixed message framing of gRPC: one flag byte and a 4-byte length.
 const GRPC_FRAME_HEADER: usize = 5;
 
+/// Bounds on the gRPC listener's long-lived streams (`server.grpc_*`).
+#[derive(Debug, Clone, Copy)]
+pub struct GrpcLimits {
+    /// Health-watch and reflection streams open at once.
+    pub max_long_streams: usize,
+    /// How long one of them may stay open.
+    pub stream_lifetime: Duration,
+}
+
 /// The guard's state: the app's, and the slots of long-lived streams.
 #[derive(Debug)]
 pub(super) struct Guard {
@@ -50,7 +59,7 @@ pub(super) struct Guard {
 }
 
 impl Guard {
-    pub(super) fn new(state: Arc<AppState>, limits: super::grpc::GrpcLimits) -> Self {
+    pub(super) fn new(state: Arc<AppState>, limits: GrpcLimits) -> Self {
         Guard {
             state,
             long_streams: Arc::new(Semaphore::new(limits.max_long_streams)),

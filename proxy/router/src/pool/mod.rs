@@ -7,11 +7,13 @@ use rand::Rng;
 
 mod endpoint;
 mod health;
+mod label;
 mod prefix;
 
 pub use endpoint::{Endpoint, Origin};
 
 pub use health::health_loop;
+pub use label::worker_label;
 #[cfg(test)]
 use prefix::Blocks;
 use prefix::PrefixIndex;
@@ -191,12 +193,6 @@ impl Drop for LoadGuard {
     }
 }
 
-/// The name of a pool's worker at `index` in metrics and API answers: `prefill-0`, `decode-2`.
-/// Addresses stay on the admin API (`/admin/workers` maps one to the other) and in logs.
-pub fn worker_label(side: &str, index: usize) -> String {
-    format!("{side}-{index}")
-}
-
 /// The workers of one side of a model, with their selection policy.
 #[derive(Debug)]
 pub struct WorkerPool {
@@ -318,15 +314,6 @@ impl WorkerPool {
         &self.workers
     }
 
-    /// The name of the worker at `url` in metrics and API answers: `{side}-{position}` (its
-    /// place in the configuration), never its address; `None` when it is not in the pool.
-    pub fn label_of(&self, side: &str, url: &str) -> Option<String> {
-        self.workers
-            .iter()
-            .position(|w| w.url == url)
-            .map(|i| worker_label(side, i))
-    }
-
     /// Whether at least one worker takes new pairs (healthy, not draining).
     pub fn any_healthy(&self) -> bool {
         self.workers.iter().any(|w| w.accepts_pairs())
@@ -412,11 +399,7 @@ mod tests {
                         bootstrap_host: None,
                     })
                     .collect(),
-                max_pairs_per_worker: 0,
-                prefix: Default::default(),
-                api_key: None,
-                admin_api_key: None,
-                insecure_plaintext: false,
+                ..PoolConfig::default()
             }
         });
         let held: Vec<LoadGuard> = (0..4)
@@ -447,11 +430,7 @@ mod tests {
                     bootstrap_host: None,
                 })
                 .collect(),
-            max_pairs_per_worker: 0,
-            prefix: Default::default(),
-            api_key: None,
-            admin_api_key: None,
-            insecure_plaintext: false,
+            ..PoolConfig::default()
         })
     }
 
