@@ -809,8 +809,9 @@ fn unregister(inner: &Inner, role: Role, rid: &str) {
 }
 
 /// The prefill's `cached_tokens`: the longest prefix of `h`'s prompt an earlier prompt of the
-/// same `cache_salt` shares, in whole pages and never the last token (SGLang computes at least
-/// one; `schedule_policy.py`, `match_prefix`), then `h`'s prompt is cached too.
+/// same `cache_salt` shares, in whole pages and never the last token (SGLang 0.5.23
+/// `managers/schedule_batch.py:1766-1785`, `_compute_max_prefix_len`: at most `input_len - 1`;
+/// `mem_cache/radix_cache.py:147`, `page_aligned`), then `h`'s prompt is cached too.
 fn radix_hit(inner: &Inner, h: &Half) -> usize {
     let mut radix = lock(&inner.radix);
     let page = inner.cfg.page_size.max(1);
