@@ -168,10 +168,9 @@ impl Conn {
             mut closing,
             slot,
             limits,
-            ca_changes,
+            mut ca_changes,
             ..
         } = self;
-        let mut ca_changes = ca_changes;
         let ca_changed = async move {
             match ca_changes.as_mut() {
                 Some(rx) => {

@@ -293,30 +293,37 @@ impl PromptCodec {
         // the template's own delimiters; the template's text around the placeholders is parsed
         // for special tokens, the contents are tokenized as plain text.
         let nonce: u64 = rand::random();
-        let mark = |i: usize| format!("\u{F8F0}lockstep-{nonce:016x}-{i}\u{F8F1}");
+        let marks: Vec<(usize, String)> = risky
+            .iter()
+            .map(|&i| (i, format!("\u{F8F0}lockstep-{nonce:016x}-{i}\u{F8F1}")))
+            .collect();
         let mut masked = messages.to_vec();
-        for &i in &risky {
-            masked[i].content = mark(i);
+        for (i, m) in &marks {
+            masked[*i].content.clone_from(m);
         }
         let shape = self.render_chat_with(&masked, tools)?;
-        let mut at: Vec<(usize, usize)> = Vec::new();
-        for &i in &risky {
-            let m = mark(i);
-            at.extend(shape.match_indices(m.as_str()).map(|(p, _)| (p, i)));
+        // Where the template put each placeholder: (offset, message, placeholder length).
+        let mut at: Vec<(usize, usize, usize)> = Vec::new();
+        for (i, m) in &marks {
+            at.extend(
+                shape
+                    .match_indices(m.as_str())
+                    .map(|(p, _)| (p, *i, m.len())),
+            );
         }
         at.sort_unstable();
         // The placeholders put back must give what the template makes of the real contents:
         // else it transformed one (trimmed, escaped, cut), and its span is not the content.
         let mut rebuilt = String::with_capacity(shape.len());
         let mut from = 0;
-        for &(p, i) in &at {
+        for &(p, i, len) in &at {
             rebuilt.push_str(&shape[from..p]);
             rebuilt.push_str(&messages[i].content);
-            from = p + mark(i).len();
+            from = p + len;
         }
         rebuilt.push_str(&shape[from..]);
         let real = self.render_chat_with(messages, tools)?;
-        let missing = risky.iter().find(|&&i| !at.iter().any(|&(_, j)| j == i));
+        let missing = risky.iter().find(|&&i| !at.iter().any(|&(_, j, _)| j == i));
         if let Some(&i) = missing.or_else(|| (rebuilt != real).then_some(&risky[0])) {
             return Err(LockstepError::InvalidRequest {
                 message: "this message holds special-token text the chat template transforms, so lockstep cannot keep it plain text; remove the special tokens from it".into(),
@@ -325,10 +332,10 @@ impl PromptCodec {
         }
         let mut ids = Vec::new();
         let mut from = 0;
-        for (p, i) in at {
+        for (p, i, len) in at {
             ids.extend(self.encode(&shape[from..p])?);
             ids.extend(self.text.encode(&messages[i].content, true)?);
-            from = p + mark(i).len();
+            from = p + len;
         }
         ids.extend(self.encode(&shape[from..])?);
         Ok(ids)

@@ -86,10 +86,10 @@ async fn probe(
             _ => Err(None),
         }
     };
-    let models = Some(get("/v1/models", auth).await?);
-    let metrics = Some(get("/metrics", &[]).await?);
+    let models = get("/v1/models", auth).await?;
+    let metrics = get("/metrics", &[]).await?;
     let mut report = Report::default();
-    if let Some(v) = models.and_then(|b| serde_json::from_slice::<Value>(&b).ok())
+    if let Ok(v) = serde_json::from_slice::<Value>(&models)
         && let Some(list) = v.get("data").and_then(Value::as_array)
     {
         report.max_model_len = Some(
@@ -98,7 +98,7 @@ async fn probe(
                 .map(|c| c.get("max_model_len").and_then(Value::as_u64).unwrap_or(0)),
         );
     }
-    if let Some(text) = metrics.as_deref().and_then(|b| std::str::from_utf8(b).ok()) {
+    if let Ok(text) = std::str::from_utf8(&metrics) {
         let line = text
             .lines()
             .find(|l| l.starts_with("vllm:cache_config_info{"));

@@ -9,7 +9,7 @@
 //! - `grpc.health.v1.Health/Check` and `/Watch`: no key (probes carry none); the one small
 //!   request message read within 4 KiB and the body timeout;
 //! - health `Watch` and reflection streams, which never end on their own: at most
-//!   `server.grpc_max_long_streams` open at once (RESOURCE_EXHAUSTED past it), each ended after
+//!   `server.grpc_max_long_streams` open at once (UNAVAILABLE past it), each ended after
 //!   `server.grpc_stream_lifetime_ms` with UNAVAILABLE (clients re-open), so they cannot keep
 //!   connections busy forever and fill `server.max_connections`.
 

@@ -200,6 +200,12 @@ fn call_item(
     };
     let call_id = take("call_id")?;
     let id_at = format!("{at}.call_id");
+    if !super::tools::valid_call_id(&call_id) {
+        return Err(bad(
+            &id_at,
+            "a call id is 1 to 128 letters, digits, `_`, `-`, `.` or `:`".into(),
+        ));
+    }
     let m = if kind == "function_call" {
         let (name, args) = (take("name")?, take("arguments")?);
         let call = super::tools::history_call(
@@ -213,12 +219,6 @@ fn call_item(
             ..ChatMessage::default()
         }
     } else {
-        if !super::tools::valid_call_id(&call_id) {
-            return Err(bad(
-                &id_at,
-                "a call id is 1 to 128 letters, digits, `_`, `-`, `.` or `:`".into(),
-            ));
-        }
         ChatMessage {
             role: "tool".into(),
             content: take("output")?,
