@@ -186,13 +186,33 @@ impl Refusal {
     }
 }
 
-/// Steps 1 and 2: the caller's tenant from its API key, then draining and the tenant's limits.
-pub fn authorize(state: &AppState, headers: &HeaderMap) -> Result<Caller, Refusal> {
+/// Who a request's API key says it is, and the configuration that was checked against.
+#[derive(Debug, Clone)]
+pub struct Identity {
+    /// The configuration (models and tenants) the key was checked against.
+    pub catalog: Arc<crate::state::Models>,
+    /// The tenant (`None` when lockstep runs open).
+    pub tenant: Option<Arc<Tenant>>,
+}
+
+/// Step 1: the caller's tenant from its API key (401 for a missing or unknown one).
+pub fn identify(state: &AppState, headers: &HeaderMap) -> Result<Identity, Refusal> {
     let catalog = state.models.load_full();
     let tenant = catalog
         .tenants
         .authenticate(headers)
         .map_err(|e| Refusal::count(state, "", e))?;
+    Ok(Identity { catalog, tenant })
+}
+
+/// Steps 1 and 2: the caller's tenant from its API key, then draining and the tenant's limits.
+pub fn authorize(state: &AppState, headers: &HeaderMap) -> Result<Caller, Refusal> {
+    authorize_identified(state, identify(state, headers)?)
+}
+
+/// Step 2 for a caller already identified (the gRPC guard checked its key on the headers).
+pub fn authorize_identified(state: &AppState, who: Identity) -> Result<Caller, Refusal> {
+    let Identity { catalog, tenant } = who;
     if state.draining.load(Ordering::Acquire) {
         let e = LockstepError::Unavailable {
             message: "lockstep is draining: not accepting new requests".into(),

@@ -20,7 +20,9 @@ use tracing::Instrument;
 pub use super::grpc_guard::GrpcLimits;
 use super::openai::{CommonParams, Content, MessageIn, Stop, to_messages};
 use super::respond::{Committed, commit};
-use crate::admission::{Admitted, FrontRequest, Input, Prompt, Refusal, admit, authorize};
+use crate::admission::{
+    Admitted, FrontRequest, Identity, Input, Prompt, admit, authorize_identified, identify,
+};
 use crate::backend::{FinishReason, SamplingParams};
 use crate::error::LockstepError;
 use crate::pair::{CancelReason, PairEvent, PairId};
@@ -123,15 +125,18 @@ struct Call {
 impl Front {
     /// A call that needs no tenant limits (abort, pair status, model list): its tenant.
     fn call<T>(&self, req: &Request<T>) -> Result<Call, Status> {
-        let headers = req.metadata().clone().into_headers();
-        let tenant = self
-            .state
-            .models
-            .load()
-            .tenants
-            .authenticate(&headers)
-            .map_err(|e| Refusal::count(&self.state, "", e).0.to_status())?;
+        let tenant = self.identity(req)?.tenant;
         Ok(Call { tenant })
+    }
+
+    /// Who the call is from: as the guard found it on the headers, else (a service mounted
+    /// without the guard) checked here.
+    fn identity<T>(&self, req: &Request<T>) -> Result<Identity, Status> {
+        match req.extensions().get::<Identity>() {
+            Some(who) => Ok(who.clone()),
+            None => identify(&self.state, &req.metadata().clone().into_headers())
+                .map_err(|r| r.0.to_status()),
+        }
     }
 
     /// A generation call through the admission stage, then its pair.
@@ -139,9 +144,9 @@ impl Front {
         &self,
         req: Request<R>,
     ) -> Result<Response<EventStream>, Status> {
-        let headers = req.metadata().clone().into_headers();
         let deadline = lockstep_serve::grpc_timeout(req.metadata()).map(|d| Instant::now() + d);
-        let caller = authorize(&self.state, &headers).map_err(|r| r.0.to_status())?;
+        let caller =
+            authorize_identified(&self.state, self.identity(&req)?).map_err(|r| r.0.to_status())?;
         let (admitted, ()) = admit(&self.state, caller, req.into_inner())
             .await
             .map_err(|r| r.0.to_status())?;

@@ -27,7 +27,7 @@ use bytes::Bytes;
 use hyper::body::Frame;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::admission::Refusal;
+use crate::admission::{Refusal, identify};
 use crate::error::LockstepError;
 use crate::state::AppState;
 
@@ -92,16 +92,18 @@ fn kind(path: &str) -> Option<Kind> {
 }
 
 /// The axum middleware in front of the gRPC services.
-pub(super) async fn guard(State(g): State<Arc<Guard>>, req: Request, next: Next) -> Response {
+pub(super) async fn guard(State(g): State<Arc<Guard>>, mut req: Request, next: Next) -> Response {
     let Some(kind) = kind(req.uri().path()) else {
         return next.run(req).await;
     };
     let st = &g.state;
     let (limit, long) = match kind {
         Kind::Api => {
-            if let Err(e) = st.models.load().tenants.authenticate(req.headers()) {
-                return refuse(Refusal::count(st, "", e).0);
-            }
+            // The handler takes the caller from here: the key is checked once.
+            match identify(st, req.headers()) {
+                Ok(who) => req.extensions_mut().insert(who),
+                Err(r) => return refuse(r.0),
+            };
             (Some(st.max_body_bytes + GRPC_FRAME_HEADER), false)
         }
         Kind::Health { long } => (Some(HEALTH_BODY_BYTES + GRPC_FRAME_HEADER), long),
