@@ -8,5 +8,6 @@ pub mod fuzz;
 pub mod harness;
 pub mod naive_front;
 pub mod sglang_mock;
+pub mod stops;
 pub mod tokenizer;
 pub mod vllm_mock;

@@ -13,8 +13,9 @@
 //!   request's tokens.
 //! - **Decode output comes from the KV:** it echoes the prompt tokens it read, so the content of a
 //!   response tells whose KV produced it.
-//! - `/abort_request {"rid"}` stops the half with that rid on that server and frees what it holds;
-//!   every call is recorded with whether it released a live half.
+//! - `/abort_request {"rid"}` stops every half on that server whose rid starts with that rid
+//!   (when that rid runs there: the tokenizer manager sends on only a rid it holds) and frees
+//!   what they hold; every call is recorded with what it released.
 //! - Fields lockstep sends that the mock only records (every `/generate` body is kept, see
 //!   [`PdMock::requests`]): `cache_salt` (SGLang 0.5.23 `GenerateReqInput.cache_salt`,
 //!   `srt/managers/io_struct.py`, a string namespacing the radix cache; the mock has no prefix
@@ -22,7 +23,10 @@
 //! - SGLang's answer shapes: `meta_info` with `prompt_tokens` (the length of the `input_ids`
 //!   sent, on both halves, as SGLang 0.5.23 reports it: `srt/managers/output_streamer.py`, not a
 //!   count read from the KV), `completion_tokens`, `finish_reason`
-//!   (`{"type":"length"|"stop"|"abort"}`); SSE streams cumulative by default and disjoint deltas
+//!   (`{"type":"length"|"stop"|"abort"}`; `sampling_params.stop` strings are matched in the
+//!   decoded text and end it `{"type":"stop","matched":<string>}`, the text cut where the string
+//!   starts unless `no_stop_trim`, `srt/managers/schedule_batch.py` `check_finished`,
+//!   `detokenizer_manager.py` `trim_matched_stop`); SSE streams cumulative by default and disjoint deltas
 //!   with `incremental_streaming_output` (`srt/managers/tokenizer_manager.py`,
 //!   `_handle_batch_output`); `/health` takes 1 s, as SGLang 0.5.23's does
 //!   (`entrypoints/http_server.py`, `health_generate`, sleeps 1 s before its first check).
@@ -177,6 +181,8 @@ pub struct AbortRecord {
     pub rid: String,
     /// Whether it released something: a live half, or KV still waiting for its transfer.
     pub released_live: bool,
+    /// How many running halves it stopped (every one whose rid starts with `rid`).
+    pub stopped: usize,
 }
 
 enum Room {
@@ -637,20 +643,39 @@ fn adler32(tokens: &[u32]) -> u32 {
     (b << 16) | a
 }
 
-/// `/abort_request {"rid"}` (SGLang 0.5.23 `srt/entrypoints/http_server.py`; the scheduler
-/// matches the rid across its queues, `srt/managers/scheduler.py` `abort_request`): stops the half
-/// with that rid on this server and frees what it holds.
+/// `/abort_request {"rid", "abort_all"}` (SGLang 0.5.23 `srt/entrypoints/http_server.py`; the
+/// scheduler matches by rid prefix across its queues, `srt/managers/scheduler.py`
+/// `abort_request`): stops every half on this server whose rid starts with the one named (if it
+/// names a running one) and frees what they hold.
 async fn abort(State(ctx): State<Ctx>, body: Bytes) -> Response {
     tokio::time::sleep(ctx.inner.cfg.abort_delay).await;
     let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
-    let Some(rid) = v.get("rid").and_then(Value::as_str).map(str::to_string) else {
-        return sglang_error(StatusCode::BAD_REQUEST, "rid is required");
+    // `AbortReq`: `rid` defaults to "" and `abort_all` to false (`srt/managers/io_struct.py`).
+    let rid = v
+        .get("rid")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_string();
+    let abort_all = v.get("abort_all").and_then(Value::as_bool).unwrap_or(false);
+    // `TokenizerManager.abort_request`: an empty rid without `abort_all` is ignored; a rid it
+    // does not hold is not sent on (one tokenizer worker); one it holds goes to the scheduler,
+    // which aborts every request whose rid *starts with* it (`scheduler.py` `abort_request`).
+    let tokens: Vec<CancellationToken> = {
+        let live = lock(&ctx.inner.live);
+        let known = abort_all || (!rid.is_empty() && live.contains_key(&(ctx.role, rid.clone())));
+        live.iter()
+            .filter(|((role, r), _)| {
+                known && *role == ctx.role && (abort_all || r.starts_with(&rid))
+            })
+            .map(|(_, t)| t.clone())
+            .collect()
     };
-    let token = lock(&ctx.inner.live).get(&(ctx.role, rid.clone())).cloned();
-    let mut released = token.is_some();
-    if let Some(t) = &token {
-        t.cancel();
-    } else if let Some(room) = lock(&ctx.inner.rid_rooms).room(&rid) {
+    let mut released = !tokens.is_empty();
+    if !tokens.is_empty() {
+        tokens.iter().for_each(CancellationToken::cancel);
+    } else if !rid.is_empty()
+        && let Some(room) = lock(&ctx.inner.rid_rooms).room(&rid)
+    {
         // The half already ended, but KV it produced may still wait for a transfer that will
         // never happen: the abort frees it (or makes a later publish free it).
         let mut rooms = lock(&ctx.inner.rooms);
@@ -668,6 +693,7 @@ async fn abort(State(ctx): State<Ctx>, body: Bytes) -> Response {
         role: ctx.role,
         rid,
         released_live: released,
+        stopped: tokens.len(),
     });
     // SGLang 0.5.23 answers every abort 200 with an empty body, known rid or not
     // (`srt/entrypoints/http_server.py`, `abort_request`).
@@ -686,6 +712,10 @@ struct Half {
     stream: bool,
     /// `cache_salt`, where sent.
     salt: Option<String>,
+    /// `sampling_params.stop`: a string or a list.
+    stop: Vec<String>,
+    /// `sampling_params.no_stop_trim`: keep the matched stop string in the text.
+    no_stop_trim: bool,
 }
 
 fn parse_half(v: &Value) -> Result<Half, &'static str> {
@@ -726,6 +756,18 @@ fn parse_half(v: &Value) -> Result<Half, &'static str> {
             .get("cache_salt")
             .and_then(Value::as_str)
             .map(str::to_string),
+        stop: match v.pointer("/sampling_params/stop") {
+            Some(Value::String(s)) => vec![s.clone()],
+            Some(Value::Array(a)) => a
+                .iter()
+                .filter_map(|s| s.as_str().map(str::to_string))
+                .collect(),
+            _ => Vec::new(),
+        },
+        no_stop_trim: v
+            .pointer("/sampling_params/no_stop_trim")
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
     })
 }
 
@@ -1208,12 +1250,29 @@ async fn decode_work(
         }
         // Output is read from the KV: the prompt echoed back.
         out.push(kv[i % kv.len().max(1)]);
-        let last = i + 1 == h.max_new;
-        let finish = if last {
+        let mut text = with_text.then(|| inner.tokenizer.decode(&out, false).unwrap_or_default());
+        // `Req.check_finished` (`srt/managers/schedule_batch.py`): the first stop string, in the
+        // request's order, found in the decoded text ends the request `{"type":"stop","matched"}`;
+        // the detokenizer then cuts the text where it starts unless `no_stop_trim`
+        // (`detokenizer_manager.py` `trim_matched_stop`). Text already streamed stays sent.
+        let matched = text.as_ref().and_then(|t| {
+            h.stop
+                .iter()
+                .find(|s| !s.is_empty() && t.contains(s.as_str()))
+        });
+        let finish = if let Some(m) = matched {
+            if let Some(t) = text.as_mut()
+                && let Some(pos) = t.find(m.as_str())
+            {
+                t.truncate(if h.no_stop_trim { pos + m.len() } else { pos });
+            }
+            json!({"type": "stop", "matched": m})
+        } else if i + 1 == h.max_new {
             json!({"type": "length", "length": h.max_new})
         } else {
             Value::Null
         };
+        let last = !finish.is_null();
         // Cumulative `text`/`output_ids` by default; with `incremental_streaming_output` only
         // this step's (`tokenizer_manager.py` `_handle_batch_output`); `meta_info`'s
         // `completion_tokens` counts all of them either way.
@@ -1225,8 +1284,7 @@ async fn decode_work(
         {
             m.remove("prompt_tokens");
         }
-        if with_text {
-            let text = inner.tokenizer.decode(&out, false).unwrap_or_default();
+        if let Some(text) = text {
             ev["text"] = json!(if incremental {
                 let before = inner.tokenizer.decode(&out[..i], false).unwrap_or_default();
                 text.get(before.len()..).unwrap_or_default().to_string()
@@ -1235,6 +1293,9 @@ async fn decode_work(
             });
         }
         let _ = tx.send(DecodeMsg::Event(ev));
+        if last {
+            break;
+        }
     }
     release(pages);
 }

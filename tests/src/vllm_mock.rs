@@ -15,8 +15,15 @@
 //! - vLLM's shapes: `/v1/completions` with token-id prompts, `kv_transfer_params` in and out
 //!   (`remote_block_ids` nested per KV-cache group as 0.33 sends them, or flat as before:
 //!   [`BlockIdShape`]),
-//!   `usage` (running usage on streams with `continuous_usage_stats`,
-//!   `entrypoints/openai/completion/serving.py`), `finish_reason`, error bodies
+//!   `usage` on a stream only as vLLM 0.33 sends it (`should_include_usage`,
+//!   `entrypoints/serve/utils/api_utils.py`; `entrypoints/openai/completion/serving.py`): on
+//!   every chunk only with `stream_options.include_usage` and `continuous_usage_stats`, and a
+//!   last chunk with `choices: []` and the totals under `include_usage`; none otherwise),
+//!   `finish_reason` with `stop_reason` (a `stop` string matched in the output text ends it
+//!   with `"stop"`, the text cut before the string, `v1/engine/detokenizer.py`
+//!   `check_stop_strings`; the NIXL connector keeps a stopped prefill's blocks as it keeps a
+//!   length-capped one's, `nixl/pull_scheduler.py` `request_finished`), a body whose `model` is not the served name refused 404 `NotFoundError`
+//!   (`entrypoints/serve/engine/serving.py` `_check_model`), error bodies
 //!   `{"error":{"message","type","param","code"}}` (`entrypoints/serve/engine/protocol.py`),
 //!   `X-Request-Id` (the engine id is `cmpl-<X-Request-Id>-0-<suffix>`, named by
 //!   `remote_request_id`), `/health`, `/v1/models` with `max_model_len`, `/metrics` with
@@ -304,6 +311,54 @@ impl VllmMock {
 
 /// vLLM 0.33's error answer: `ErrorResponse {error: ErrorInfo {message, type, param, code}}`
 /// with the HTTP status equal to `code` (`entrypoints/serve/engine/protocol.py`).
+/// `should_include_usage` (`entrypoints/serve/utils/api_utils.py`): (`include_usage`,
+/// `include_usage && continuous_usage_stats`).
+fn include_usage(req: &Value) -> (bool, bool) {
+    let on = |k: &str| {
+        req.pointer(&format!("/stream_options/{k}"))
+            .and_then(Value::as_bool)
+            .unwrap_or(false)
+    };
+    (
+        on("include_usage"),
+        on("include_usage") && on("continuous_usage_stats"),
+    )
+}
+
+/// The request's `stop` strings (a string or a list, `completion/protocol.py`).
+fn stops(req: &Value) -> Vec<String> {
+    match req.get("stop") {
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(|s| s.as_str().map(str::to_string))
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// `check_stop_strings` over the whole text: where the earliest-ending stop string starts, and
+/// which string it is (ties by list order).
+fn stop_match(text: &str, stop: &[String]) -> Option<(usize, String)> {
+    stop.iter()
+        .filter(|s| !s.is_empty())
+        .filter_map(|s| text.find(s.as_str()).map(|at| (at + s.len(), at, s)))
+        .min_by_key(|(end, _, _)| *end)
+        .map(|(_, at, s)| (at, s.clone()))
+}
+
+/// 404 `NotFoundError` naming `model` (`serve/engine/serving.py` `_check_model`).
+fn not_found(message: &str) -> Response {
+    (
+        StatusCode::NOT_FOUND,
+        axum::Json(
+            json!({ "error": { "message": message, "type": "NotFoundError",
+                                      "param": "model", "code": 404 } }),
+        ),
+    )
+        .into_response()
+}
+
 fn error(status: StatusCode, message: String) -> Response {
     let kind = if status.is_client_error() {
         "BadRequestError"
@@ -377,6 +432,16 @@ async fn completions(
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
     record(&inner, (role, rid.clone(), req.clone()));
+    // `_check_model`: a missing or empty `model` is the served one; any other name is refused.
+    if let Some(m) = req.get("model").and_then(Value::as_str)
+        && !m.is_empty()
+        && m != inner.cfg.served_model_name
+    {
+        return not_found(&format!(
+            "The model `{m}` does not exist. Valid aliases: {}.",
+            inner.cfg.served_model_name
+        ));
+    }
     let Some(prompt) = req.get("prompt").and_then(Value::as_array).map(|a| {
         a.iter()
             .filter_map(|t| t.as_u64().map(|t| t as u32))
@@ -386,7 +451,7 @@ async fn completions(
     };
     let fault = *lock(&inner.fault);
     match role {
-        VllmRole::Prefill => prefill(&inner, fault, rid.unwrap_or_default(), &prompt),
+        VllmRole::Prefill => prefill(&inner, fault, rid.unwrap_or_default(), &prompt, &req),
         VllmRole::Decode => {
             if fault == VllmFault::DecodeQueuedPastLease {
                 tokio::time::sleep(inner.cfg.lease * 2).await;
@@ -396,7 +461,13 @@ async fn completions(
     }
 }
 
-fn prefill(inner: &Arc<Inner>, fault: VllmFault, rid: String, prompt: &[u32]) -> Response {
+fn prefill(
+    inner: &Arc<Inner>,
+    fault: VllmFault,
+    rid: String,
+    prompt: &[u32],
+    req: &Value,
+) -> Response {
     let cfg = &inner.cfg;
     // The engine's request id, what `remote_request_id` names: `cmpl-<X-Request-Id>` plus the
     // choice index (`entrypoints/openai/completion/serving.py`) plus a random suffix the engine
@@ -441,12 +512,22 @@ fn prefill(inner: &Arc<Inner>, fault: VllmFault, rid: String, prompt: &[u32]) ->
         ids.push(first);
     }
     let first_token = prompt.last().copied().unwrap_or(0);
+    let text = inner
+        .tokenizer
+        .decode(&[first_token], false)
+        .unwrap_or_default();
+    let (text, finish, stop_reason) = match stop_match(&text, &stops(req)) {
+        Some((cut, s)) => (text[..cut].to_string(), "stop", json!(s)),
+        None => (text, "length", Value::Null),
+    };
     let mut answer = json!({
-        "id": format!("cmpl-{rid}"), "object": "text_completion", "model": "mock",
-        "choices": [{ "index": 0, "text": inner.tokenizer.decode(&[first_token], false).unwrap_or_default(),
-                      "logprobs": null, "finish_reason": "length" }],
+        "id": format!("cmpl-{rid}"), "object": "text_completion", "model": cfg.served_model_name,
+        "choices": [{ "index": 0, "text": text, "logprobs": null, "finish_reason": finish,
+                      "stop_reason": stop_reason }],
         "usage": { "prompt_tokens": reported, "completion_tokens": 1, "total_tokens": reported + 1 },
     });
+    // `request_finished` (`nixl/pull_scheduler.py`) keeps the blocks for a decode after a
+    // length-capped or a stopped finish alike.
     if fault != VllmFault::MissingParams {
         answer["kv_transfer_params"] = match inner.cfg.block_ids {
             BlockIdShape::Nested => json!({
@@ -501,45 +582,94 @@ fn decode(inner: Arc<Inner>, fault: VllmFault, req: &Value, prompt_tokens: usize
     {
         lock(&inner.pool).free.extend(blocks);
     }
-    let max = req.get("max_tokens").and_then(Value::as_u64).unwrap_or(16) as usize;
+    // vLLM refuses `max_tokens` below 1 (`completion/protocol.py`).
+    let max = req
+        .get("max_tokens")
+        .and_then(Value::as_u64)
+        .unwrap_or(16)
+        .max(1) as usize;
     let live = Live::new(&inner);
     let delay = inner.cfg.token_delay;
     let hang = fault == VllmFault::DecodeHang;
-    let stream = futures_util::stream::unfold((0usize, live, false), move |(i, live, done)| {
+    let (include_usage, continuous) = include_usage(req);
+    let stop = stops(req);
+    let model = inner.cfg.served_model_name.clone();
+    // The detokenizer holds back the last `longest stop - 1` bytes of unfinished text, so no
+    // part of a stop string is sent before it is known not to be one (`stop_buffer_length`,
+    // `v1/engine/output_processor.py` `get_next_output_text`).
+    let hold = stop
+        .iter()
+        .map(String::len)
+        .max()
+        .unwrap_or(1)
+        .saturating_sub(1);
+    // (tokens made, text so far, bytes of it sent, live guard, finished: totals and `[DONE]`)
+    let start = (0usize, String::new(), 0usize, live, None::<usize>);
+    let stream = futures_util::stream::unfold(start, move |(i, text, sent, live, ended)| {
         let kv = kv.clone();
         let inner = inner.clone();
+        let stop = stop.clone();
+        let model = model.clone();
         async move {
-            if done {
-                return None;
+            if let Some(n) = ended {
+                // `[DONE]` after the totals chunk (under `include_usage`); then the end.
+                if n == usize::MAX {
+                    return None;
+                }
+                let last = if include_usage {
+                    let totals = json!({
+                        "id": "cmpl-mock", "object": "text_completion", "model": model, "choices": [],
+                        "usage": { "prompt_tokens": prompt_tokens, "completion_tokens": n,
+                                   "total_tokens": prompt_tokens + n },
+                    });
+                    format!("data: {totals}\n\ndata: [DONE]\n\n")
+                } else {
+                    "data: [DONE]\n\n".to_string()
+                };
+                let state = (i, text, sent, live, Some(usize::MAX));
+                return Some((Ok::<_, std::convert::Infallible>(last), state));
             }
             if hang {
                 // Until the client goes away (dropping this stream drops `live`).
                 std::future::pending::<()>().await;
             }
             tokio::time::sleep(delay).await;
-            if i == max {
-                return Some((
-                    Ok::<_, std::convert::Infallible>("data: [DONE]\n\n".to_string()),
-                    (i, live, true),
-                ));
-            }
             let token = kv.get(i % kv.len().max(1)).copied().unwrap_or(0);
-            let text = format!(
+            let piece = format!(
                 " {}",
                 inner.tokenizer.decode(&[token], false).unwrap_or_default()
             );
-            let finish = if i + 1 == max {
-                json!("length")
-            } else {
-                Value::Null
+            let mut text = text + &piece;
+            // `check_stop_strings`: the text is cut where the string starts.
+            let (upto, finish, stop_reason) = match stop_match(&text, &stop) {
+                Some((cut, s)) => {
+                    text.truncate(cut);
+                    (cut, json!("stop"), json!(s))
+                }
+                None if i + 1 == max => (text.len(), json!("length"), Value::Null),
+                None => {
+                    let mut upto = text.len().saturating_sub(hold).max(sent);
+                    while !text.is_char_boundary(upto) {
+                        upto -= 1;
+                    }
+                    (upto.max(sent), Value::Null, Value::Null)
+                }
             };
-            let ev = json!({
-                "id": "cmpl-mock", "object": "text_completion", "model": "mock",
-                "choices": [{ "index": 0, "text": text, "logprobs": null, "finish_reason": finish }],
-                "usage": { "prompt_tokens": prompt_tokens, "completion_tokens": i + 1,
-                           "total_tokens": prompt_tokens + i + 1 },
+            let delta = text[sent.min(upto)..upto].to_string();
+            let mut ev = json!({
+                "id": "cmpl-mock", "object": "text_completion", "model": model,
+                "choices": [{ "index": 0, "text": delta, "logprobs": null,
+                              "finish_reason": finish, "stop_reason": stop_reason }],
             });
-            Some((Ok(format!("data: {ev}\n\n")), (i + 1, live, false)))
+            if continuous {
+                ev["usage"] = json!({ "prompt_tokens": prompt_tokens, "completion_tokens": i + 1,
+                                      "total_tokens": prompt_tokens + i + 1 });
+            }
+            let ended = (!finish.is_null()).then_some(i + 1);
+            Some((
+                Ok(format!("data: {ev}\n\n")),
+                (i + 1, text, upto, live, ended),
+            ))
         }
     });
     Response::builder()

@@ -522,3 +522,13 @@ async fn a_decode_queued_past_the_lease_reads_recycled_blocks_undetected() {
     );
     let _ = other.await;
 }
+
+/// A stop string matched on vLLM (its `stop_reason`) ends the answer as each API says, the text
+/// cut before it (`lockstep_tests::stops`; SGLang's side is in `stop_strings.rs`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_string_matched_on_vllm_ends_the_answer_with_stop() {
+    let s = stack().await;
+    let send = async |path: &'static str, body: Value| s.send(path, &body).await;
+    lockstep_tests::stops::stop_strings_end_answers(send, MODEL).await;
+    assert!(s.mock.wait_idle(Duration::from_secs(5)).await);
+}
