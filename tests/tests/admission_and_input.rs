@@ -276,6 +276,27 @@ async fn fields_lockstep_does_not_honour_are_refused_by_name() {
             chat(json!({"logprobs": true, "top_logprobs": 2})),
             "logprobs",
         ),
+        (
+            chat(json!({"functions": [{"name": "f", "parameters": {}}]})),
+            "functions",
+        ),
+        (
+            chat(json!({"function_call": {"name": "f"}})),
+            "function_call",
+        ),
+        (
+            chat(
+                json!({"messages": [{"role": "assistant", "content": null, "function_call": {"name": "f", "arguments": "{}"}}]}),
+            ),
+            "messages[0].function_call",
+        ),
+        (
+            (
+                "/v1/responses",
+                json!({"model": MODEL, "input": "red", "max_output_tokens": 2, "max_tool_calls": 2}),
+            ),
+            "max_tool_calls",
+        ),
         (chat(json!({"logit_bias": {"7": 5}})), "logit_bias"),
         (chat(json!({"store": true})), "store"),
         (chat(json!({"temprature": 0.2})), "temprature"),
@@ -326,6 +347,22 @@ async fn fields_lockstep_does_not_honour_are_refused_by_name() {
             "{case}: {}",
             a.body
         );
+        // Each says why: tools need the model's tool parser, the legacy fields name their
+        // replacement; none claims tool calling is missing.
+        let message = a.json()["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        assert!(
+            !message.contains("tool calling is not supported"),
+            "{case}: {message}"
+        );
+        if param == "tools" {
+            assert!(message.contains("tool_parser"), "{case}: {message}");
+        }
+        if param.ends_with("function_call") || param == "functions" {
+            assert!(message.contains("tool"), "{case}: {message}");
+        }
     }
     assert_eq!(stack.mock.request_count(), 0, "nothing was dispatched");
     // Values that ask for nothing pass, and the request is served.

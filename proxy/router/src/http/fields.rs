@@ -50,9 +50,6 @@ pub(crate) fn one(v: &Value) -> bool {
 pub(crate) fn truthy(v: &Value) -> bool {
     matches!(v, Value::Null | Value::Bool(true))
 }
-pub(crate) fn text_format(v: &Value) -> bool {
-    v.is_null() || v.get("type").and_then(Value::as_str) == Some("text")
-}
 pub(crate) fn no_tool_choice(v: &Value) -> bool {
     matches!(v.as_str(), Some("none" | "auto")) || v.is_null()
 }
@@ -65,7 +62,7 @@ pub(crate) fn default_tier(v: &Value) -> bool {
 
 const STRUCTURED: &str = "this structured-output form is not supported; use response_format (json_object, json_schema) or, on /generate, sampling_params json_schema, regex or ebnf";
 const LOGPROBS: &str = "log-probabilities are not returned by lockstep yet";
-const TOOLS: &str = "tool calling is not supported by lockstep yet";
+const LEGACY_FUNCTIONS: &str = "the legacy `functions` and `function_call` are not supported; declare `tools` and choose with `tool_choice`";
 const SAMPLER: &str =
     "lockstep does not forward this sampling control yet; only its default value is accepted";
 const SALT: &str = "lockstep sets the prefix-cache salt itself, from the caller's tenant";
@@ -81,7 +78,6 @@ const OPENAI: &[Known] = &[
         empty,
         "logit_bias is not applied by lockstep yet",
     ),
-    known("response_format", text_format, STRUCTURED),
     known("cache_salt", null, SALT),
     known("kv_transfer_params", null, TRANSFER),
     known("guided_json", null, STRUCTURED),
@@ -115,10 +111,8 @@ pub(crate) const CHAT: &[&[Known]] = &[
         ),
         known("logprobs", falsy, LOGPROBS),
         known("top_logprobs", zero, LOGPROBS),
-        known("tools", empty, TOOLS),
-        known("functions", empty, TOOLS),
-        known("tool_choice", no_tool_choice, TOOLS),
-        known("function_call", no_tool_choice, TOOLS),
+        known("functions", empty, LEGACY_FUNCTIONS),
+        known("function_call", no_tool_choice, LEGACY_FUNCTIONS),
         known("modalities", text_modality, "only text output is supported"),
         known("audio", null, "audio output is not supported"),
         known("prediction", null, "predicted outputs are not supported"),
@@ -203,9 +197,11 @@ pub(crate) const MESSAGE: &[&[Known]] = &[&[
         null,
         "participant names are not rendered by the chat template",
     ),
-    known("tool_calls", empty, TOOLS),
-    known("tool_call_id", null, TOOLS),
-    known("function_call", null, TOOLS),
+    known(
+        "function_call",
+        null,
+        "a message's legacy `function_call` is not supported; give its calls as `tool_calls`",
+    ),
     known("refusal", null, "refusal messages are not supported"),
     known("audio", null, "audio is not supported"),
 ]];
@@ -399,27 +395,19 @@ mod tests {
     #[test]
     fn no_op_values_pass_and_the_rest_is_refused_by_name() {
         for ok in [
-            json!({"user": "u1", "response_format": {"type": "text"}, "logprobs": false, "tools": [], "tool_choice": "none", "store": false, "repetition_penalty": 1.0, "top_logprobs": 0}),
+            json!({"user": "u1", "logprobs": false, "function_call": "none", "store": false, "repetition_penalty": 1.0, "top_logprobs": 0}),
             json!({}),
         ] {
             assert_eq!(check(CHAT, ok.clone()), Ok(()), "{ok}");
         }
         for (bad, param) in [
-            (
-                json!({"response_format": {"type": "json_object"}}),
-                "response_format",
-            ),
-            (
-                json!({"response_format": {"type": "json_schema", "json_schema": {}}}),
-                "response_format",
-            ),
             (json!({"logprobs": true}), "logprobs"),
             (json!({"top_logprobs": 3}), "top_logprobs"),
             (
-                json!({"tools": [{"type": "function", "function": {"name": "f"}}]}),
-                "tools",
+                json!({"functions": [{"name": "f", "parameters": {}}]}),
+                "functions",
             ),
-            (json!({"tool_choice": "required"}), "tool_choice"),
+            (json!({"function_call": {"name": "f"}}), "function_call"),
             (json!({"store": true}), "store"),
             (json!({"logit_bias": {"5": 10}}), "logit_bias"),
             (json!({"repetition_penalty": 1.3}), "repetition_penalty"),

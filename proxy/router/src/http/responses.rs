@@ -90,7 +90,6 @@ pub(crate) struct ResponsesRequest {
 }
 
 const STATE: &str = "lockstep keeps no response state (stateless Responses API)";
-const TOOLS: &str = "tool calling is not supported by lockstep yet";
 
 fn no_truncation(v: &Value) -> bool {
     v.is_null() || v.as_str() == Some("disabled")
@@ -108,9 +107,11 @@ const RESPONSES: &[&[Known]] = &[&[
     known("prompt_cache_key", fields::any, ""),
     known("parallel_tool_calls", fields::any, ""),
     known("stream_options", fields::any, ""),
-    known("tools", fields::empty, TOOLS),
-    known("tool_choice", fields::no_tool_choice, TOOLS),
-    known("max_tool_calls", fields::null, TOOLS),
+    known(
+        "max_tool_calls",
+        fields::null,
+        "lockstep does not bound a response's tool calls; `max_tool_calls` must be null",
+    ),
     known(
         "include",
         fields::empty,
