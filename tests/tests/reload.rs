@@ -2,9 +2,10 @@
 //! An invalid config is refused with its reasons and the old one keeps serving; pairs in flight
 //! finish on the configuration they started with.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use lockstep_router::config::Config;
+use lockstep_router::pair::PairState;
 use lockstep_tests::client::TestClient;
 use lockstep_tests::harness::{MODEL, Stack, TEST_TIMEOUTS};
 use lockstep_tests::sglang_mock::Fault;
@@ -69,6 +70,9 @@ async fn invalid_reload_keeps_the_old_config_and_valid_reload_applies() {
     assert_eq!(prompt_of(&stack, 100).await.status, 200);
 }
 
+/// A pair in flight finishes on the configuration it started with: the reload takes effect at
+/// once (the same request, sent again, is refused under it) while the committed pair streams on
+/// to its last token.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pairs_in_flight_are_unaffected_by_reload() {
     let stack = Stack::start().await;
@@ -78,23 +82,55 @@ async fn pairs_in_flight_are_unaffected_by_reload() {
     });
     let url = format!("{}/v1/completions", stack.url);
     let body = json!({"model": MODEL, "prompt": "red green", "max_tokens": 20, "stream": true});
-    let inflight = tokio::spawn(async move {
-        TestClient::default()
-            .post(&url, &body, Duration::from_secs(10))
-            .await
-    });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    let inflight = {
+        let (url, body) = (url.clone(), body.clone());
+        tokio::spawn(async move {
+            TestClient::default()
+                .post(&url, &body, Duration::from_secs(10))
+                .await
+        })
+    };
+    // Until the pair has committed (bounded), not a guessed sleep.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !stack
+        .lockstep
+        .state
+        .registry
+        .snapshot()
+        .iter()
+        .any(|(_, i)| i.state == PairState::Committed)
+    {
+        assert!(Instant::now() < deadline, "the pair never committed");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // A window the in-flight request (2 prompt tokens + 20) no longer fits.
     let text = stack
         .config_text("", TEST_TIMEOUTS)
-        .replace("context_window = 512", "context_window = 300");
+        .replace("context_window = 512", "context_window = 16");
     stack
         .lockstep
         .reload(Config::parse(&text).expect("parses"))
         .await
         .expect("reload");
+    let again = TestClient::default()
+        .post(&url, &body, Duration::from_secs(10))
+        .await;
+    assert_eq!(
+        again.error_code().as_deref(),
+        Some("context_length_exceeded"),
+        "the reload applies to new requests: {}",
+        again.body
+    );
     let a = inflight.await.expect("join");
     assert_eq!(a.status, 200);
     assert!(a.error_code().is_none(), "{}", a.body);
     assert!(a.body.trim_end().ends_with("data: [DONE]"), "{}", a.body);
+    let chunks = a
+        .sse_events()
+        .iter()
+        .filter(|e| e.contains("\"text\""))
+        .count();
+    assert_eq!(chunks, 20, "every token of the old config's request: {}", a.body);
+    assert!(a.body.contains("\"finish_reason\":\"length\""), "{}", a.body);
     assert!(stack.wait_all_idle(Duration::from_secs(3)).await);
 }
