@@ -48,6 +48,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -226,6 +227,8 @@ struct Inner {
     aborts: Mutex<Bounded<AbortRecord>>,
     requests: Mutex<Bounded<(Role, Value)>>,
     traceparents: Mutex<Bounded<(Role, String)>>,
+    /// `/server_info` (and `/get_server_info`) calls answered, both servers together.
+    info_calls: AtomicUsize,
     /// Per-server overrides of `/server_info` keys.
     server_args: Mutex<HashMap<(Role, String), Value>>,
     /// Prefills waiting for their decode to take the room's KV.
@@ -382,6 +385,7 @@ impl PdMock {
             aborts: Mutex::default(),
             requests: Mutex::default(),
             traceparents: Mutex::default(),
+            info_calls: AtomicUsize::new(0),
             server_args: Mutex::new(
                 cfg.server_args
                     .iter()
@@ -448,6 +452,10 @@ impl PdMock {
             Role::Prefill => h.0 = ok,
             Role::Decode => h.1 = ok,
         }
+    }
+    /// How many `/server_info` calls both servers have answered (the deployment check's probes).
+    pub fn info_calls(&self) -> usize {
+        self.inner.info_calls.load(Ordering::SeqCst)
     }
     /// Halves still running (waiting, computing or streaming).
     pub fn live_halves(&self) -> Vec<(Role, String)> {
@@ -582,6 +590,7 @@ async fn health(State(ctx): State<Ctx>) -> Response {
 }
 
 async fn server_info(State(ctx): State<Ctx>) -> Response {
+    ctx.inner.info_calls.fetch_add(1, Ordering::SeqCst);
     axum::Json(server_args(&ctx.inner, ctx.role)).into_response()
 }
 

@@ -314,7 +314,7 @@ async fn workers_that_answer_later_serve_once_verified() {
 async fn a_worker_that_answers_later_with_the_checksum_off_stays_out() {
     let (ls, p, d, _dir) = start_before_workers().await;
     let url = format!("http://{}", ls.http_addr);
-    let _m = PdMock::start_on(
+    let m = PdMock::start_on(
         mock_with(vec![(
             Role::Decode,
             "disaggregation_enable_kv_checksum",
@@ -326,7 +326,17 @@ async fn a_worker_that_answers_later_with_the_checksum_off_stays_out() {
     )
     .await
     .expect("mock");
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // Until lockstep has probed the workers twice, so the first probe's verdict is in (bounded):
+    // a check that never probed, or that let the worker in, fails here or below.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while m.info_calls() < 4 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "lockstep probed {} times",
+            m.info_calls()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let a = ask(&url, Endpoint::Completions, false).await;
     assert_eq!(
         a.error_code().as_deref(),
@@ -334,8 +344,11 @@ async fn a_worker_that_answers_later_with_the_checksum_off_stays_out() {
         "{}",
         a.body
     );
-    let workers = TestClient::default();
-    let _ = workers;
+    let ready = TestClient::default()
+        .get(&format!("{url}/ready"), Duration::from_secs(2))
+        .await;
+    assert_eq!(ready.status, 503, "{}", ready.body);
+    assert_eq!(m.request_count(), 0, "no pair reached the refused worker");
 }
 
 /// The checksum on at both ends: a corrupted transfer is SGLang's "KV checksum mismatch" abort,
