@@ -845,7 +845,7 @@ impl Drop for GoneClient {
 }
 
 /// SGLang 0.5.23's delay before it aborts a streamed request whose client went away.
-const STREAM_GONE_AFTER: Duration = Duration::from_secs(2);
+pub const STREAM_GONE_AFTER: Duration = Duration::from_secs(2);
 /// SGLang 0.5.23's check of a non-streamed request's client (`SGLANG_REQUEST_STATE_WAIT_TIMEOUT`).
 const WAIT_GONE_AFTER: Duration = Duration::from_secs(4);
 

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use lockstep_tests::client::{self, Answer, ENDPOINTS, Endpoint, TestClient};
 use lockstep_tests::harness::{MODEL, Stack};
-use lockstep_tests::sglang_mock::{Fault, Role};
+use lockstep_tests::sglang_mock::{self, Fault, Role};
 use serde_json::{Value, json};
 
 /// Words of an earlier tenant's prompt: they must never appear in a failed pair's answer.
@@ -63,6 +63,7 @@ async fn assert_fault(fault: Fault, expected_codes: &[&str]) {
             let before = stack.mock.request_count();
             stack.mock.set_fault(fault);
             let (a, took) = call(&stack, ep, PROMPT, stream, 12).await;
+            let answered = Instant::now();
             let case = format!("{fault:?} {ep:?} stream={stream}");
             // An error: an error status, or on a committed stream an error event and no [DONE].
             let code = a.error_code();
@@ -103,10 +104,15 @@ async fn assert_fault(fault: Fault, expected_codes: &[&str]) {
                     a.body
                 );
             }
-            // Both halves of every pair this request dispatched were aborted, and released.
+            // Both halves of every pair this request dispatched were aborted, and released, by
+            // lockstep: sooner than the mock's own release of a half whose client went away (2 s
+            // after the response ended, as SGLang's), which would otherwise explain it.
             stack.mock.set_fault(Fault::None);
+            let bound = sglang_mock::STREAM_GONE_AFTER
+                .saturating_sub(answered.elapsed())
+                .saturating_sub(Duration::from_millis(300));
             assert!(
-                stack.wait_all_idle(Duration::from_secs(10)).await,
+                stack.wait_all_idle(bound).await,
                 "{case}: left behind: live {:?}, open rooms {}, free pages {}/{}, lockstep idle {}",
                 stack.mock.live_halves(),
                 stack.mock.open_rooms(),

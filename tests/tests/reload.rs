@@ -130,7 +130,15 @@ async fn pairs_in_flight_are_unaffected_by_reload() {
         .iter()
         .filter(|e| e.contains("\"text\""))
         .count();
-    assert_eq!(chunks, 20, "every token of the old config's request: {}", a.body);
-    assert!(a.body.contains("\"finish_reason\":\"length\""), "{}", a.body);
+    assert_eq!(
+        chunks, 20,
+        "every token of the old config's request: {}",
+        a.body
+    );
+    assert!(
+        a.body.contains("\"finish_reason\":\"length\""),
+        "{}",
+        a.body
+    );
     assert!(stack.wait_all_idle(Duration::from_secs(3)).await);
 }
