@@ -13,7 +13,8 @@ use serde_json::Value;
 
 const SECRET: &str = "secret password billing account";
 
-/// The value of one sample (`name{labels}`), 0 when absent.
+/// The value of one sample (`name{labels}`); a missing series fails the test (a metric that
+/// disappeared must not read as 0).
 fn sample(text: &str, name_and_labels: &str) -> f64 {
     text.lines()
         .filter(|l| !l.starts_with('#'))
@@ -21,11 +22,11 @@ fn sample(text: &str, name_and_labels: &str) -> f64 {
             let (k, v) = l.rsplit_once(' ')?;
             (k == name_and_labels).then(|| v.parse().ok())?
         })
-        .unwrap_or(0.0)
+        .unwrap_or_else(|| panic!("no series `{name_and_labels}` in:\n{text}"))
 }
 
-/// The sum of every sample of a metric name (any labels).
-fn total(text: &str, name: &str) -> f64 {
+/// Every sample of a metric name (any labels).
+fn samples(text: &str, name: &str) -> Vec<f64> {
     text.lines()
         .filter(|l| !l.starts_with('#'))
         .filter_map(|l| {
@@ -33,7 +34,14 @@ fn total(text: &str, name: &str) -> f64 {
             let base = k.split('{').next()?;
             (base == name).then(|| v.parse::<f64>().ok())?
         })
-        .sum()
+        .collect()
+}
+
+/// The sum of every sample of a metric name; a metric with no series fails the test.
+fn total(text: &str, name: &str) -> f64 {
+    let all = samples(text, name);
+    assert!(!all.is_empty(), "no series of `{name}` in:\n{text}");
+    all.iter().sum()
 }
 
 async fn scrape(stack: &Stack) -> String {
@@ -158,7 +166,11 @@ async fn metrics_and_audit_log_account_for_every_pair() {
     // The abort-both latency is observed when both aborts are answered: let them land.
     let mut m = scrape(&stack).await;
     for _ in 0..50 {
-        if total(&m, "lockstep_abort_both_seconds_count") >= 3.0 {
+        if samples(&m, "lockstep_abort_both_seconds_count")
+            .iter()
+            .sum::<f64>()
+            >= 3.0
+        {
             break;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;

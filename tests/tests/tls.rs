@@ -14,13 +14,12 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_rustls::rustls;
 use tokio_rustls::rustls::pki_types::ServerName;
 
-/// One HTTP/1.1 exchange over TLS; returns (negotiated ALPN, the whole answer).
-async fn https(
+/// A TLS connection to `addr` offering `alpn`.
+async fn connect_tls(
     roots: &rustls::RootCertStore,
     addr: std::net::SocketAddr,
-    request: &str,
     alpn: &[&[u8]],
-) -> (Option<Vec<u8>>, String) {
+) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut cfg = rustls::ClientConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
@@ -29,10 +28,56 @@ async fn https(
         .with_no_client_auth();
     cfg.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    let mut tls = tokio_rustls::TlsConnector::from(Arc::new(cfg))
+    tokio_rustls::TlsConnector::from(Arc::new(cfg))
         .connect(ServerName::try_from("localhost").expect("name"), tcp)
         .await
-        .expect("TLS handshake");
+        .expect("TLS handshake")
+}
+
+/// One h2 request over TLS (ALPN `h2` only): (status, HTTP version, body).
+async fn h2_over_tls(
+    roots: &rustls::RootCertStore,
+    addr: std::net::SocketAddr,
+    path: &str,
+    body: String,
+) -> (u16, http::Version, String) {
+    let tls = connect_tls(roots, addr, &[b"h2"]).await;
+    assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
+    let (mut send, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tls),
+    )
+    .await
+    .expect("h2 handshake");
+    tokio::spawn(conn);
+    let req = http::Request::post(format!("https://localhost{path}"))
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(bytes::Bytes::from(body)))
+        .expect("request");
+    let resp = tokio::time::timeout(Duration::from_secs(10), send.send_request(req))
+        .await
+        .expect("answered in time")
+        .expect("h2 answer");
+    let (status, version) = (resp.status().as_u16(), resp.version());
+    let bytes = http_body_util::BodyExt::collect(resp.into_body())
+        .await
+        .expect("body")
+        .to_bytes();
+    (
+        status,
+        version,
+        String::from_utf8_lossy(&bytes).into_owned(),
+    )
+}
+
+/// One HTTP/1.1 exchange over TLS; returns (negotiated ALPN, the whole answer).
+async fn https(
+    roots: &rustls::RootCertStore,
+    addr: std::net::SocketAddr,
+    request: &str,
+    alpn: &[&[u8]],
+) -> (Option<Vec<u8>>, String) {
+    let mut tls = connect_tls(roots, addr, alpn).await;
     let proto = tls.get_ref().1.alpn_protocol().map(<[u8]>::to_vec);
     if request.is_empty() {
         return (proto, String::new());
@@ -75,9 +120,12 @@ async fn both_listeners_speak_https() {
     assert_eq!(proto.as_deref(), Some(&b"http/1.1"[..]));
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     assert!(answer.contains("\"choices\""), "{answer}");
-    // h2 is offered by ALPN.
+    // h2 is chosen by ALPN when offered, and answers over h2.
     let (proto, _) = https(&roots, addr, "", &[b"h2", b"http/1.1"]).await;
     assert_eq!(proto.as_deref(), Some(&b"h2"[..]));
+    let (status, version, answer) = h2_over_tls(&roots, addr, path, body.clone()).await;
+    assert_eq!((status, version), (200, http::Version::HTTP_2), "{answer}");
+    assert!(answer.contains("\"choices\""), "{answer}");
     // The admin listener is HTTPS too.
     let admin = stack.lockstep.admin_addr.expect("admin");
     let (_, answer) = https(
@@ -97,9 +145,14 @@ async fn both_listeners_speak_https() {
         .await
         .expect("write");
     let mut out = Vec::new();
-    let _ = tokio::time::timeout(Duration::from_secs(5), tcp.read_to_end(&mut out)).await;
+    let read = tokio::time::timeout(Duration::from_secs(5), tcp.read_to_end(&mut out)).await;
+    // The server closes the connection (in time) and what it sent, if anything, is no HTTP:
+    // a TLS alert record (type 21) at most.
+    assert!(read.is_ok(), "the connection was left open");
     assert!(
-        !String::from_utf8_lossy(&out).contains("HTTP/1.1 200"),
-        "plain HTTP was served"
+        out.is_empty() || out[0] == 21,
+        "plain HTTP got: {:?}",
+        String::from_utf8_lossy(&out)
     );
+    assert!(!out.starts_with(b"HTTP/"), "plain HTTP was served");
 }

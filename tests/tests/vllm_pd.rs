@@ -347,15 +347,25 @@ async fn healthy_pairs(shape: BlockIdShape) {
             if stream {
                 assert!(a.body.contains("[DONE]"));
             }
-            // The answer echoes this request's own prompt (the mock decodes from the KV it read).
-            assert!(
-                a.body.contains("story")
-                    || a.body.contains("sea")
-                    || a.body.contains("hello")
-                    || a.body.contains("world"),
-                "{}",
+            // The answer is exactly this request's own prompt, its first six tokens echoed (the
+            // mock decodes from the KV it read, one ` word` per token).
+            let rendered = match ep {
+                Endpoint::Chat => format!("<|im_start|> user {PROMPT} <|im_end|> "),
+                _ => PROMPT.to_string(),
+            };
+            let tok = lockstep_tests::tokenizer::build();
+            let ids = tok.encode(rendered, false).expect("encodes").get_ids()[..6].to_vec();
+            let want: String = ids
+                .iter()
+                .map(|t| format!(" {}", tok.decode(&[*t], false).expect("decodes")))
+                .collect();
+            let said = lockstep_tests::stops::said(&a, stream);
+            assert_eq!(
+                said.text, want,
+                "{shape:?} {ep:?} stream={stream}: {}",
                 a.body
             );
+            assert_eq!(said.finish.as_deref(), Some("length"), "{}", a.body);
         }
     }
     assert!(s.mock.wait_idle(Duration::from_secs(5)).await);

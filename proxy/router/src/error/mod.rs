@@ -40,6 +40,12 @@ impl Phase {
 
 /// Every error a client of lockstep can receive.
 #[derive(Debug, Clone, thiserror::Error)]
+// Tests walk every variant (`tests.rs`): a new one without a checked example fails them.
+#[cfg_attr(
+    test,
+    derive(strum::EnumDiscriminants),
+    strum_discriminants(derive(strum::EnumIter, Hash))
+)]
 pub enum LockstepError {
     /// The body is not valid JSON (or not UTF-8).
     #[error("invalid JSON body: {message}")]

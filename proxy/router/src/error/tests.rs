@@ -140,6 +140,15 @@ fn every_code_has_one_status_and_a_complete_body() {
             503,
         ),
     ];
+    // Every variant has an example here (the derived discriminants list them all).
+    use strum::IntoEnumIterator;
+    let shown: std::collections::HashSet<_> = all
+        .iter()
+        .map(|(e, _)| LockstepErrorDiscriminants::from(e))
+        .collect();
+    for v in LockstepErrorDiscriminants::iter() {
+        assert!(shown.contains(&v), "no example of {v:?}");
+    }
     let mut codes = std::collections::HashMap::new();
     for (err, status) in all {
         assert_eq!(err.status().as_u16(), status, "{err:?}");
