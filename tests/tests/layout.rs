@@ -645,3 +645,66 @@ fn router_and_worker_never_depend_on_each_other() {
         }
     }
 }
+
+/// The router's layers, lowest first (docs/ARCHITECTURE.md): a file may refer to its own
+/// layer's modules and those below, never above. `fuzzing` (the fuzz targets' door) and
+/// `lib.rs` sit above them all.
+const ROUTER_LAYERS: &[&[&str]] = &[
+    &["vocab", "config", "error", "metrics", "audit", "tenant"],
+    &["pool", "backend"],
+    &["pair"],
+    &["state"],
+    &["admission", "models"],
+    &["http", "admin"],
+    &["app"],
+    &["fuzzing", "lib"],
+];
+
+/// Files whose layer is not their top module's: the prompt codec and the tokenizer under it
+/// are built by `state` (each model's codec lives in its runtime) and used by admission.
+const ROUTER_LAYER_OF_FILE: &[(&str, &str)] = &[
+    ("src/admission/codec.rs", "state"),
+    ("src/admission/bpe.rs", "state"),
+    ("src/admission/segments.rs", "state"),
+    ("src/admission/pretokenize.rs", "state"),
+    ("src/admission/words.rs", "state"),
+    ("src/admission/placement.rs", "state"),
+    ("src/admission/background.rs", "state"),
+];
+
+/// A router file's layer: that of its top module (`src/pair/machine.rs` is `pair`'s).
+fn router_layer(file: &str) -> Option<usize> {
+    if let Some((_, m)) = ROUTER_LAYER_OF_FILE.iter().find(|(f, _)| *f == file) {
+        return ROUTER_LAYERS.iter().position(|l| l.contains(m));
+    }
+    let rest = file.strip_prefix("src/")?;
+    let top = rest.split('/').next()?.trim_end_matches(".rs");
+    ROUTER_LAYERS.iter().position(|l| l.contains(&top))
+}
+
+#[test]
+fn the_routers_layers_import_only_downward() {
+    let root = workspace_root();
+    let edges = import_graph(&root.join("proxy/router"));
+    let mut upward = Vec::new();
+    for (from, tos) in &edges {
+        let Some(lf) = router_layer(from) else {
+            upward.push(format!(
+                "  {from}: in no layer (add its module to ROUTER_LAYERS)"
+            ));
+            continue;
+        };
+        for to in tos {
+            match router_layer(to) {
+                Some(lt) if lt <= lf => {}
+                Some(_) => upward.push(format!("  {from} -> {to}")),
+                None => upward.push(format!("  {to}: in no layer")),
+            }
+        }
+    }
+    assert!(
+        upward.is_empty(),
+        "imports that run up the router's layers (move the shared piece down):\n{}",
+        upward.join("\n")
+    );
+}

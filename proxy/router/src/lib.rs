@@ -21,3 +21,4 @@ pub mod pair;
 pub mod pool;
 pub mod state;
 pub mod tenant;
+pub mod vocab;

@@ -163,6 +163,34 @@ where
     }
 }
 
+/// The nice value [`lower_priority`] falls back to where `SCHED_IDLE` is refused.
+pub const NICE_LOWERED: i32 = 10;
+
+/// Lowers the calling thread's priority to `SCHED_IDLE`, or nice +10 where that is refused, for
+/// work that must not take the cores from serving (the router's tokenizer pool and bulk lane).
+pub fn lower_priority() {
+    #[cfg(target_os = "linux")]
+    {
+        let param = libc::sched_param { sched_priority: 0 };
+        // SAFETY: sched_setscheduler reads `param` only during the call; `pid = 0` is the
+        // calling thread (Linux keeps the policy per thread). A failure changes nothing.
+        #[allow(unsafe_code)]
+        let rc = unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) };
+        if rc == 0 {
+            return;
+        }
+        let why = std::io::Error::last_os_error();
+        // SAFETY: setpriority takes plain integers; `who = 0` is the calling thread.
+        #[allow(unsafe_code)]
+        let rc = unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, NICE_LOWERED) };
+        if rc != 0 {
+            tracing::warn!(error = %std::io::Error::last_os_error(), "could not lower a background thread's priority");
+        } else {
+            tracing::info!(error = %why, "background thread at nice +10: SCHED_IDLE refused");
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

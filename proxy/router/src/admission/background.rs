@@ -13,9 +13,6 @@ use tokio::sync::Semaphore;
 
 use crate::error::LockstepError;
 
-/// The nice value the pool's threads fall back to.
-pub(crate) const NICE: i32 = 10;
-
 /// A pool of `threads` threads (named `lockstep-tokenize-N`) that lower their own priority.
 /// Each thread registers for the placement of chunked encodes' helpers
 /// ([`super::placement`]).
@@ -25,7 +22,7 @@ pub(crate) fn pool(threads: usize) -> std::io::Result<rayon::ThreadPool> {
         .num_threads(threads)
         .thread_name(|i| format!("lockstep-tokenize-{i}"))
         .start_handler(move |i| {
-            lower_priority();
+            lockstep_serve::threads::lower_priority();
             super::placement::register(&siblings, i);
         })
         .build()
@@ -74,30 +71,6 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
         .copied()
         .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
         .unwrap_or("a panic")
-}
-
-/// Lowers the calling thread's priority (per thread on Linux; elsewhere nothing).
-pub(crate) fn lower_priority() {
-    #[cfg(target_os = "linux")]
-    {
-        let param = libc::sched_param { sched_priority: 0 };
-        // SAFETY: sched_setscheduler reads `param` only during the call; `pid = 0` is the
-        // calling thread (Linux keeps the policy per thread). A failure changes nothing.
-        #[allow(unsafe_code)]
-        let rc = unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) };
-        if rc == 0 {
-            return;
-        }
-        let why = std::io::Error::last_os_error();
-        // SAFETY: setpriority takes plain integers; `who = 0` is the calling thread.
-        #[allow(unsafe_code)]
-        let rc = unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, NICE) };
-        if rc != 0 {
-            tracing::warn!(error = %std::io::Error::last_os_error(), "could not lower the tokenizer threads' priority");
-        } else {
-            tracing::info!(error = %why, "tokenizer threads at nice +10: SCHED_IDLE refused");
-        }
-    }
 }
 
 #[cfg(test)]

@@ -21,6 +21,7 @@ pub mod codec;
 mod placement;
 mod pretokenize;
 pub mod segments;
+pub(crate) mod text_or;
 mod words;
 
 pub use codec::{ChatMessage, PromptCodec, check_fits};
@@ -62,7 +63,7 @@ pub enum Prompt {
     Batches(Vec<Vec<u32>>),
 }
 
-/// A string prompt is taken as the parser hands it over (`http::text_or`); a list is one of the
+/// A string prompt is taken as the parser hands it over (`admission::text_or`); a list is one of the
 /// list forms, all its elements of one kind (an empty list is no texts).
 impl<'de> Deserialize<'de> for Prompt {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Prompt, D::Error> {
@@ -74,7 +75,7 @@ impl<'de> Deserialize<'de> for Prompt {
             Batch(Vec<u32>),
         }
         const EXPECTING: &str = "a string, a list of strings, or token ids";
-        let list = match crate::http::text_or::text_or_list::<_, Elem>(d, EXPECTING)? {
+        let list = match crate::admission::text_or::text_or_list::<_, Elem>(d, EXPECTING)? {
             Ok(text) => return Ok(Prompt::Text(text)),
             Err(list) => list,
         };
@@ -388,7 +389,7 @@ impl<S> Checked<S> {
         fit(&model, &ids, &self.sampling).map_err(refuse)?;
         // A long prompt's ids are written as JSON here too, once for both halves, off the
         // async threads.
-        let ids_json = (self.bytes > INLINE_TOKENIZE_BYTES && model.pairs.backend.ids_as_json())
+        let ids_json = (self.bytes > INLINE_TOKENIZE_BYTES && model.ids_as_json())
             .then(|| crate::backend::ids_json(&ids));
         let admitted = Admitted {
             model,

@@ -1,7 +1,7 @@
 //! Backends: one trait whose methods are the phases of a pair, one file per backend.
 //!
 //! A backend speaks its workers' protocol and reports protocol-level facts (status, in-band
-//! aborts, prompt token counts); the pair lifecycle ([`crate::pair`]) decides what they mean.
+//! aborts, prompt token counts); the pair lifecycle (`pair`, the layer above) decides what they mean.
 
 mod body;
 mod bulk;
@@ -25,98 +25,10 @@ use bytes::Bytes;
 
 use futures_util::future::BoxFuture;
 use futures_util::stream::BoxStream;
-use serde::Serialize;
 
 use crate::config::ModelConfig;
-use crate::pair::PairId;
 use crate::pool::Upstream;
-
-/// Which half of a pair.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Side {
-    /// The prefill half.
-    Prefill,
-    /// The decode half.
-    Decode,
-}
-
-impl Side {
-    /// `prefill` or `decode`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Side::Prefill => "prefill",
-            Side::Decode => "decode",
-        }
-    }
-}
-
-/// Sampling parameters lockstep forwards (SGLang names; `None` fields are not sent).
-#[derive(Debug, Clone, Default, Serialize, PartialEq)]
-pub struct SamplingParams {
-    /// Completion tokens to generate at most.
-    pub max_new_tokens: u64,
-    /// Sampling temperature.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub temperature: Option<f64>,
-    /// Nucleus sampling.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub top_p: Option<f64>,
-    /// Top-k sampling.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub top_k: Option<i64>,
-    /// Stop strings.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub stop: Vec<String>,
-    /// Keep generating past EOS.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub ignore_eos: Option<bool>,
-    /// Frequency penalty.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub frequency_penalty: Option<f64>,
-    /// Presence penalty.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub presence_penalty: Option<f64>,
-    /// Sampling seed.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub sampling_seed: Option<u64>,
-    /// An output constraint the workers enforce while sampling; each backend sends it in its
-    /// workers' own terms (admission refuses it for backends that cannot).
-    #[serde(skip)]
-    pub constraint: Option<Constraint>,
-}
-
-/// A structured-output constraint (OpenAI `response_format`, SGLang's `json_schema`, `regex`,
-/// `ebnf`), enforced by the workers' grammar backends.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Constraint {
-    /// Any JSON object (`response_format: {"type": "json_object"}`).
-    JsonObject,
-    /// JSON valid against this schema (its JSON text).
-    JsonSchema(String),
-    /// Text matching this regular expression.
-    Regex(String),
-    /// Text of this EBNF grammar.
-    Ebnf(String),
-    /// A grammar in llguidance's Lark syntax: what lockstep builds to force a tool call
-    /// (`tool_choice` `required` or a named function). Admission sends it only to lockstep's own
-    /// engine and workers; SGLang or vLLM would get it as a grammar they refuse, never dropped.
-    Lark(String),
-}
-
-impl Constraint {
-    /// The constraint as lockstep's own engine enforces it (`None` for EBNF, which it does not
-    /// take: admission refuses it for those backends).
-    pub fn for_engine(&self) -> Option<lockstep_engine::grammar::OutputConstraint> {
-        use lockstep_engine::grammar::OutputConstraint as O;
-        match self {
-            Constraint::JsonObject => Some(O::JsonObject),
-            Constraint::JsonSchema(s) => Some(O::JsonSchema(s.clone())),
-            Constraint::Regex(r) => Some(O::Regex(r.clone())),
-            Constraint::Lark(g) => Some(O::Lark(g.clone())),
-            Constraint::Ebnf(_) => None,
-        }
-    }
-}
+pub use crate::vocab::{Constraint, DecodeChunk, FinishReason, PairId, SamplingParams, Side};
 
 /// Everything a backend needs to run both halves of one pair.
 #[derive(Debug, Clone)]
@@ -272,47 +184,6 @@ pub struct PrefillReport {
     pub cached_tokens: Option<u64>,
 }
 
-/// Why generation ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FinishReason {
-    /// EOS or a stop string/token.
-    Stop,
-    /// `max_tokens` reached.
-    Length,
-}
-
-impl FinishReason {
-    /// The OpenAI `finish_reason` value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FinishReason::Stop => "stop",
-            FinishReason::Length => "length",
-        }
-    }
-}
-
-/// One increment of decode output.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DecodeChunk {
-    /// New text since the previous chunk.
-    pub delta: String,
-    /// Token ids of `delta`, where the backend reports them (embedded engine, lockstep workers).
-    pub token_ids: Vec<u32>,
-    /// The prompt token count the decode worker reports, when it does.
-    pub prompt_tokens: Option<u64>,
-    /// The checksum of the KV manifest the decode worker verified and imported, when the
-    /// backend transfers verified KV (the barrier compares it with the prefill's).
-    pub kv_digest: Option<u64>,
-    /// Completion tokens so far.
-    pub completion_tokens: u64,
-    /// Set on the last chunk.
-    pub finish: Option<FinishReason>,
-    /// On the last chunk, the request's stop string that ended generation, where one did and
-    /// the worker says which (SGLang `finish_reason.matched`, vLLM `stop_reason`, lockstep's
-    /// engine and workers).
-    pub matched_stop: Option<String>,
-}
-
 /// How one half failed, as the protocol saw it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum HalfFailure {
@@ -398,7 +269,7 @@ impl std::fmt::Display for HalfError {
 pub type DecodeStream = BoxStream<'static, Result<DecodeChunk, HalfError>>;
 
 /// A disaggregated backend, shaped as the phases of a model's life and of each pair (Pingora's
-/// `ProxyHttp` style: the driver, [`crate::pair::PairRuntime`], owns the order, the deadlines,
+/// `ProxyHttp` style: the driver, `pair::PairRuntime`, owns the order, the deadlines,
 /// the commit barrier, abort-both and retries; an implementation reports protocol facts).
 pub trait PdBackend: Send + Sync + 'static {
     /// **Before the model serves** (start, every reload, `lockstep check`): asks the workers of

@@ -107,8 +107,8 @@ struct SglangSampling<'a> {
 #[derive(serde::Serialize)]
 struct GenerateBody<'a> {
     sampling_params: SglangSampling<'a>,
-    /// The pair id as SGLang's `rid` ([`crate::pair::PairId::rid`]).
-    rid: crate::pair::RidText,
+    /// The pair id as SGLang's `rid` ([`crate::vocab::PairId::rid`]).
+    rid: crate::vocab::RidText,
     bootstrap_host: &'a str,
     bootstrap_port: Option<u16>,
     /// The pair id as the integer SGLang expects.

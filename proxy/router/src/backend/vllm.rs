@@ -35,7 +35,7 @@ use super::{
 };
 use crate::config::ModelConfig;
 use crate::config::{VllmConnector, VllmSection};
-use crate::pair::PairId;
+use crate::vocab::PairId;
 
 /// The prefill's verdict, as the decode half waits for it.
 #[derive(Debug, Clone)]

@@ -20,13 +20,18 @@ use crate::backend::{DecodeChunk, FinishReason, SamplingParams};
 use crate::error::LockstepError;
 use crate::state::ModelRuntime;
 
-/// `system`: a string or a list of text blocks (read by hand: `http::text_or`).
+/// `system`: a string or a list of text blocks (read by hand: `admission::text_or`).
 #[derive(Debug)]
 pub(crate) enum Text {
     One(String),
     Blocks(Vec<Block>),
 }
-crate::http::text_or::text_or_list_enum!(Text, One, Blocks, "a string or a list of content blocks");
+crate::admission::text_or::text_or_list_enum!(
+    Text,
+    One,
+    Blocks,
+    "a string or a list of content blocks"
+);
 
 /// A content block; only `text` is served.
 #[derive(Debug, Deserialize)]

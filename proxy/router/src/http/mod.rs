@@ -12,7 +12,7 @@ mod respond;
 pub(crate) mod responses;
 mod responses_out;
 pub(crate) mod rest;
-pub(crate) mod text_or;
+
 pub(crate) mod tools;
 
 use std::sync::Arc;

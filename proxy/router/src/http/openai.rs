@@ -219,14 +219,14 @@ impl CommonParams {
     }
 }
 
-/// Message content: a string or a list of typed parts (read by hand: `http::text_or`).
+/// Message content: a string or a list of typed parts (read by hand: `admission::text_or`).
 #[derive(Debug)]
 pub(crate) enum Content {
     Text(String),
     Parts(Vec<ContentPart>),
 }
 
-crate::http::text_or::text_or_list_enum!(
+crate::admission::text_or::text_or_list_enum!(
     Content,
     Text,
     Parts,

@@ -20,13 +20,13 @@ use crate::error::LockstepError;
 use crate::state::ModelRuntime;
 
 /// `input`: one text (a user message) or a list of message items (read by hand:
-/// `http::text_or`).
+/// `admission::text_or`).
 #[derive(Debug)]
 pub(crate) enum InputItems {
     Text(String),
     Items(Vec<Item>),
 }
-crate::http::text_or::text_or_list_enum!(
+crate::admission::text_or::text_or_list_enum!(
     InputItems,
     Text,
     Items,
@@ -44,13 +44,13 @@ pub(crate) struct Item {
     rest: Map<String, Value>,
 }
 
-/// An input message's content: a string or a list of parts (read by hand: `http::text_or`).
+/// An input message's content: a string or a list of parts (read by hand: `admission::text_or`).
 #[derive(Debug)]
 pub(crate) enum ItemContent {
     Text(String),
     Parts(Vec<Part>),
 }
-crate::http::text_or::text_or_list_enum!(
+crate::admission::text_or::text_or_list_enum!(
     ItemContent,
     Text,
     Parts,

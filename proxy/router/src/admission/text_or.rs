@@ -45,10 +45,12 @@ macro_rules! text_or_list_enum {
     ($ty:ident, $text:ident, $list:ident, $expecting:literal) => {
         impl<'de> serde::Deserialize<'de> for $ty {
             fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<$ty, D::Error> {
-                Ok(match crate::http::text_or::text_or_list(d, $expecting)? {
-                    Ok(s) => $ty::$text(s),
-                    Err(v) => $ty::$list(v),
-                })
+                Ok(
+                    match crate::admission::text_or::text_or_list(d, $expecting)? {
+                        Ok(s) => $ty::$text(s),
+                        Err(v) => $ty::$list(v),
+                    },
+                )
             }
         }
     };
