@@ -162,8 +162,10 @@ impl PairRuntime {
             for action in machine.step(input, env) {
                 match (action, cur.as_mut()) {
                     (Action::Dispatch, Some(a)) => self.dispatch(a),
-                    (Action::Commit, Some(a)) => {
+                    (Action::PrefillVerified, Some(a)) => {
                         a.prefill_verified(self, req.tenant.is_some(), expected);
+                    }
+                    (Action::Commit, Some(a)) => {
                         a.guard.set_state(PairState::Committed);
                         let waited = a.dispatched.elapsed();
                         a.barrier = Some(waited);
@@ -215,15 +217,6 @@ impl PairRuntime {
                     (Action::Finish(_), _) => {}
                     (_, None) => unreachable!("an attempt's action without its attempt"),
                 }
-            }
-            if let (
-                Stage::Barrier {
-                    prefill: Some(_), ..
-                },
-                Some(a),
-            ) = (machine.stage(), cur.as_mut())
-            {
-                a.prefill_verified(self, req.tenant.is_some(), expected);
             }
             if let Some(error) = fail {
                 // On a committed stream this becomes one error event; before, an error status.
@@ -291,7 +284,6 @@ impl PairRuntime {
             kv_transfer: None,
             reported_cached: None,
             cached_tokens: 0,
-            verified: false,
             held: None,
             failed_half: None,
             outgoing: None,
@@ -468,8 +460,6 @@ struct Attempt {
     reported_cached: Option<u64>,
     /// What the client is told of it (0 without a tenant).
     cached_tokens: u64,
-    /// The prefill's answer was verified and its report taken.
-    verified: bool,
     /// The decode chunk the machine is judging or holding.
     held: Option<DecodeChunk>,
     /// The failed half's own error, for the machine's verdict.
@@ -514,10 +504,6 @@ impl Attempt {
     /// client only: the cache is shared otherwise, and the count would tell one caller what
     /// another sent; and only where the backend's cache is known to be the tenant's own) and time the KV's move until the decode's first chunk.
     fn prefill_verified(&mut self, rt: &PairRuntime, tenant: bool, expected: u64) {
-        if self.verified {
-            return;
-        }
-        self.verified = true;
         if let Some(n) = self.reported_cached {
             rt.observe().cached_tokens(n);
             if tenant && rt.backend.cache_report_is_tenants_own() {

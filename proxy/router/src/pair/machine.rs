@@ -227,6 +227,9 @@ impl Verdict {
 pub(super) enum Action {
     /// Send both halves to their workers.
     Dispatch,
+    /// The prefill's report passed its checks (its count, and its digest against a first chunk
+    /// already held): account its cached tokens and open the transfer span.
+    PrefillVerified,
     /// Tell the client the pair committed (then the held chunk follows).
     Commit,
     /// Send the held chunk to the client.
@@ -248,8 +251,12 @@ pub(super) struct Actions {
 }
 
 impl Actions {
+    /// Adds an action. A step takes at most three (the model check walks every step); a
+    /// fourth is a bug in the machine, never silently dropped.
     fn push(&mut self, a: Action) {
-        if let Some(slot) = self.list.iter_mut().find(|s| s.is_none()) {
+        let slot = self.list.iter_mut().find(|s| s.is_none());
+        assert!(slot.is_some(), "a step took a fourth action: {a:?}");
+        if let Some(slot) = slot {
             *slot = Some(a);
         }
     }
@@ -338,6 +345,9 @@ impl Machine {
                     let check = Check::PrefillCount { got: prompt_tokens };
                     self.fail(Verdict::Check(check), env, &mut out);
                 } else {
+                    if first.is_none_or(|held| held.digest == digest) {
+                        out.push(Action::PrefillVerified);
+                    }
                     self.barrier(Some(digest), first, env, &mut out);
                 }
             }

@@ -36,6 +36,8 @@ struct Ghost {
     decode_open: bool,
     /// Chunks streamed after the first.
     chunks: u8,
+    /// The machine said the current attempt's prefill passed its checks.
+    prefill_verified: bool,
     /// The client was told the pair committed.
     committed: bool,
     /// The client was told the request failed.
@@ -224,13 +226,23 @@ impl Model for PairModel {
                     g.prefill_open = true;
                     g.decode_open = true;
                     g.chunks = 0;
+                    g.prefill_verified = false;
+                }
+                Action::PrefillVerified => {
+                    // Only a prefill report that passed: its count, and its digest against a
+                    // first chunk already held.
+                    let ok = g.prefill.is_some_and(|(sent, digest)| {
+                        sent == SENT && g.first.is_none_or(|(_, d)| d == digest)
+                    });
+                    g.bad_commit |= !ok || g.prefill_verified;
+                    g.prefill_verified = true;
                 }
                 Action::Commit | Action::Forward => {
                     if !g.live || g.failed {
                         g.byte_after_failure = true;
                     }
                     if action == Action::Commit {
-                        g.bad_commit |= !self.barrier_passed(g);
+                        g.bad_commit |= !self.barrier_passed(g) || !g.prefill_verified;
                         g.committed = true;
                     } else if !g.committed {
                         g.byte_after_failure = true;
