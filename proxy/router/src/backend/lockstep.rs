@@ -231,24 +231,13 @@ impl PdBackend for LockstepBackend {
                                 Ok(Some(pb::DecodeEvent {
                                     event: Some(E::Token(t)),
                                 })) => {
-                                    let finish = match t.finish {
-                                        0 => None,
-                                        2 => Some(FinishReason::Length),
-                                        _ => Some(FinishReason::Stop),
-                                    };
-                                    let chunk = DecodeChunk {
-                                        delta: t.text,
-                                        token_ids: vec![t.id],
-                                        prompt_tokens: started.map(|s| s.0),
-                                        kv_digest: started.and_then(|s| s.1),
-                                        completion_tokens: n + 1,
-                                        matched_stop: finish
-                                            .filter(|_| !t.matched_stop.is_empty())
-                                            .map(|_| t.matched_stop.clone()),
-                                        finish,
-                                    };
-                                    let last = finish.is_some();
-                                    return Some((Ok(chunk), (events, started, n + 1, last)));
+                                    return Some(match token_chunk(t, started, n) {
+                                        Ok(c) => {
+                                            let last = c.finish.is_some();
+                                            (Ok(c), (events, started, n + 1, last))
+                                        }
+                                        Err(e) => (Err(e), (events, started, n, true)),
+                                    });
                                 }
                                 Ok(Some(pb::DecodeEvent { event: None })) => {}
                                 Ok(None) => {
@@ -385,5 +374,80 @@ async fn check_deployment(
         })
     } else {
         Err(problems.join("\n"))
+    }
+}
+/// One worker token as a decode chunk (`started`: the decode's `DecodeStarted` count and
+/// digest; `n`: tokens before this one). A finish code lockstep does not know is a protocol
+/// error: reading it as a stop would end a stream on a worker's say-so it cannot check.
+fn token_chunk(
+    t: pb::DecodeToken,
+    started: Option<(u64, Option<u64>)>,
+    n: u64,
+) -> Result<DecodeChunk, HalfError> {
+    let finish = match pb::DecodeFinish::try_from(t.finish) {
+        Ok(pb::DecodeFinish::None) => None,
+        Ok(pb::DecodeFinish::Stop) => Some(FinishReason::Stop),
+        Ok(pb::DecodeFinish::Length) => Some(FinishReason::Length),
+        Err(_) => {
+            return Err(HalfError {
+                side: Side::Decode,
+                failure: HalfFailure::Protocol(format!(
+                    "unknown finish code {} from the worker",
+                    t.finish
+                )),
+            });
+        }
+    };
+    Ok(DecodeChunk {
+        delta: t.text,
+        token_ids: vec![t.id],
+        prompt_tokens: started.map(|s| s.0),
+        kv_digest: started.and_then(|s| s.1),
+        completion_tokens: n + 1,
+        matched_stop: finish
+            .filter(|_| !t.matched_stop.is_empty())
+            .map(|_| t.matched_stop),
+        finish,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn token(finish: i32, matched: &str) -> pb::DecodeToken {
+        pb::DecodeToken {
+            id: 7,
+            text: "x".into(),
+            finish,
+            matched_stop: matched.into(),
+        }
+    }
+
+    #[test]
+    fn a_tokens_finish_code_is_read_exactly_and_an_unknown_one_is_an_error() {
+        let started = Some((5, Some(9)));
+        let c = token_chunk(token(0, ""), started, 2).expect("generating");
+        assert_eq!(
+            (c.finish, c.completion_tokens, c.prompt_tokens),
+            (None, 3, Some(5))
+        );
+        assert_eq!(c.kv_digest, Some(9));
+        let c = token_chunk(token(1, "end"), started, 0).expect("stop");
+        assert_eq!(c.finish, Some(FinishReason::Stop));
+        assert_eq!(c.matched_stop.as_deref(), Some("end"));
+        let c = token_chunk(token(2, ""), started, 0).expect("length");
+        assert_eq!(
+            (c.finish, c.matched_stop),
+            (Some(FinishReason::Length), None)
+        );
+        for code in [3, 7, -1] {
+            let e = token_chunk(token(code, ""), started, 0).expect_err("unknown");
+            assert_eq!(e.side, Side::Decode);
+            assert!(
+                matches!(&e.failure, HalfFailure::Protocol(m) if m.contains(&code.to_string())),
+                "{e:?}"
+            );
+        }
     }
 }
