@@ -106,29 +106,23 @@ impl FrontRequest for GenerateRequest {
             }
             Some(v) => v as u64,
         };
-        if let Some(t) = s.temperature
-            && !(t >= 0.0 && t.is_finite())
-        {
-            return Err(bad(
-                "sampling_params.temperature",
-                format!("must be >= 0, got {t}"),
-            ));
-        }
-        if let Some(p) = s.top_p
-            && !(p > 0.0 && p <= 1.0)
-        {
-            return Err(bad(
-                "sampling_params.top_p",
-                format!("must be in (0, 1], got {p}"),
-            ));
-        }
+        super::sampling::check(
+            "sampling_params.",
+            &super::sampling::Knobs {
+                temperature: s.temperature,
+                top_p: s.top_p,
+                top_k: s.top_k,
+                frequency_penalty: s.frequency_penalty,
+                presence_penalty: s.presence_penalty,
+            },
+        )?;
         super::openai::check_seed("sampling_params.sampling_seed", s.sampling_seed)?;
         let stop = super::openai::check_stop("sampling_params.stop", s.stop)?;
         let sampling = SamplingParams {
             max_new_tokens,
             temperature: s.temperature,
             top_p: s.top_p,
-            top_k: s.top_k,
+            top_k: super::sampling::top_k(s.top_k),
             stop,
             ignore_eos: s.ignore_eos,
             frequency_penalty: s.frequency_penalty,

@@ -12,6 +12,7 @@ mod respond;
 pub(crate) mod responses;
 mod responses_out;
 pub(crate) mod rest;
+mod sampling;
 
 pub(crate) mod tools;
 

@@ -163,40 +163,16 @@ impl CommonParams {
             }
             Some(v) => v as u64,
         };
-        if let Some(t) = self.temperature
-            && !(0.0..=2.0).contains(&t)
-        {
-            return Err(bad(
-                "temperature",
-                format!("`temperature` must be between 0 and 2, got {t}"),
-            ));
-        }
-        if let Some(p) = self.top_p
-            && !(p > 0.0 && p <= 1.0)
-        {
-            return Err(bad("top_p", format!("`top_p` must be in (0, 1], got {p}")));
-        }
-        if let Some(k) = self.top_k
-            && k < -1
-        {
-            return Err(bad(
-                "top_k",
-                format!("`top_k` must be -1 or positive, got {k}"),
-            ));
-        }
-        for (name, v) in [
-            ("frequency_penalty", self.frequency_penalty),
-            ("presence_penalty", self.presence_penalty),
-        ] {
-            if let Some(v) = v
-                && !(-2.0..=2.0).contains(&v)
-            {
-                return Err(bad(
-                    name,
-                    format!("`{name}` must be between -2 and 2, got {v}"),
-                ));
-            }
-        }
+        super::sampling::check(
+            "",
+            &super::sampling::Knobs {
+                temperature: self.temperature,
+                top_p: self.top_p,
+                top_k: self.top_k,
+                frequency_penalty: self.frequency_penalty,
+                presence_penalty: self.presence_penalty,
+            },
+        )?;
         check_seed("seed", self.seed)?;
         let stop = check_stop("stop", self.stop)?;
         let include_usage = self.stream_options.is_some_and(|o| o.include_usage);
@@ -205,7 +181,7 @@ impl CommonParams {
                 max_new_tokens,
                 temperature: self.temperature,
                 top_p: self.top_p,
-                top_k: self.top_k,
+                top_k: super::sampling::top_k(self.top_k),
                 stop,
                 ignore_eos: self.ignore_eos,
                 frequency_penalty: self.frequency_penalty,
