@@ -236,14 +236,18 @@ impl PairRuntime {
             tokens: &req.input_ids,
             salt: req.salt,
         };
-        let pg = self
-            .prefill
-            .pick(avoid.0.as_ref(), Some(&key))
-            .ok_or(Side::Prefill)?;
-        let dg = self
-            .decode
-            .pick(avoid.1.as_ref(), Some(&key))
-            .ok_or(Side::Decode)?;
+        let crate::pool::PairPick {
+            prefill: pg,
+            decode: dg,
+        } = crate::pool::pick_pair(
+            &self.prefill,
+            &self.decode,
+            Some(&key),
+            crate::pool::PrefillChoice::Pick {
+                avoid: avoid.0.as_ref(),
+            },
+            avoid.1.as_ref(),
+        )?;
         let guard = self.registry.register(PairInfo {
             model: self.model.clone(),
             prefill: pg.worker().url.clone(),

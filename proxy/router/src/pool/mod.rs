@@ -8,12 +8,14 @@ use rand::Rng;
 mod endpoint;
 mod health;
 mod label;
+mod pair_pick;
 mod prefix;
 
 pub use endpoint::{Endpoint, Origin};
 
 pub use health::health_loop;
 pub use label::worker_label;
+pub use pair_pick::{PairPick, PrefillChoice, pick_pair};
 #[cfg(test)]
 use prefix::Blocks;
 use prefix::PrefixIndex;
