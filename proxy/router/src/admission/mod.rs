@@ -16,6 +16,7 @@
 //! and stable error code.
 
 pub(crate) mod background;
+mod body;
 pub mod bpe;
 pub mod codec;
 mod placement;
@@ -23,6 +24,8 @@ mod pretokenize;
 pub mod segments;
 pub(crate) mod text_or;
 mod words;
+
+pub use body::admit_body;
 
 pub use codec::{ChatMessage, PromptCodec, check_fits};
 
@@ -152,10 +155,11 @@ pub trait FrontRequest: Send + 'static {
     fn compiles_a_grammar(&self) -> bool {
         false
     }
-    /// Validates the rest against `model`: the prompt, the sampling parameters, the shape.
+    /// Validates the rest against the model's configuration (nothing else: validation reads no
+    /// runtime state): the prompt, the sampling parameters, the shape.
     fn validate(
         self,
-        model: &ModelRuntime,
+        model: &crate::config::ModelConfig,
     ) -> Result<(Input, SamplingParams, Self::Shape), LockstepError>;
 }
 
@@ -349,7 +353,7 @@ fn check<R: FrontRequest>(
 ) -> Result<Checked<R::Shape>, Refusal> {
     let model = find_model(&caller, req.model()).map_err(|e| Refusal::count(state, "", e))?;
     let (input, sampling, shape) = req
-        .validate(&model)
+        .validate(&model.cfg)
         .map_err(|e| Refusal::count(state, &model.name, e))?;
     let bytes = input.text_bytes();
     let limit = model.cfg.context_window.min(model.kv_capacity());

@@ -17,8 +17,8 @@ use super::openai::{CommonParams, Stop, bad, renamed};
 use super::respond::{Progress, Render, serve_pair, sse_named};
 use crate::admission::{ChatMessage, FrontRequest, Input, Refusal};
 use crate::backend::{DecodeChunk, FinishReason, SamplingParams};
+use crate::config::ModelConfig;
 use crate::error::LockstepError;
-use crate::state::ModelRuntime;
 
 /// `system`: a string or a list of text blocks (read by hand: `admission::text_or`).
 #[derive(Debug)]
@@ -238,7 +238,7 @@ impl FrontRequest for MessagesRequest {
 
     fn validate(
         self,
-        model: &ModelRuntime,
+        model: &ModelConfig,
     ) -> Result<(Input, SamplingParams, MessagesShape), LockstepError> {
         let mut rest = self.rest;
         let constraint = match rest.remove("output_config").filter(|v| !v.is_null()) {
@@ -252,7 +252,7 @@ impl FrontRequest for MessagesRequest {
                         &f,
                         "output_config.format",
                         "/schema",
-                        model.cfg.backend,
+                        model.backend,
                     )?,
                 }
             }

@@ -1,6 +1,6 @@
 //! The HTTP side of the admission stage, as axum extractors: [`Authenticated`] (the caller's
 //! tenant) and [`Admit`] (the whole stage for a generation route: authenticate, tenant limits, a
-//! size-bounded typed JSON body whose errors name the failing field, then `admission::admit`). A
+//! size-bounded typed JSON body whose errors name the failing field, then `admission::admit_body`). A
 //! rejection is the refusal's response, already counted.
 
 use std::sync::Arc;
@@ -14,10 +14,7 @@ use http::request::Parts;
 use http_body_util::BodyExt;
 use serde::de::DeserializeOwned;
 
-use crate::admission::{
-    Admitted, FrontRequest, INLINE_TOKENIZE_BYTES, Refusal, admit, admit_here, authorize,
-    in_background,
-};
+use crate::admission::{Admitted, FrontRequest, Refusal, admit_body, authorize};
 use crate::error::LockstepError;
 use crate::state::AppState;
 use crate::tenant::Tenant;
@@ -76,19 +73,7 @@ where
         let bytes = read_body(state, &parts.headers, body)
             .await
             .map_err(|e| Refusal::count(state, "", e))?;
-        if bytes.len() <= INLINE_TOKENIZE_BYTES {
-            let parsed: R = parse_json(&bytes).map_err(|e| Refusal::count(state, "", e))?;
-            let (admitted, shape) = admit(state, caller, parsed).await?;
-            return Ok(Admit(admitted, shape));
-        }
-        // A long body is parsed, templated and tokenized in one trip to the low-priority pool.
-        let st = state.clone();
-        let (admitted, shape) = in_background(state, move || {
-            let parsed = parse_json::<R>(&bytes).map_err(|e| Refusal::count(&st, "", e));
-            Ok(parsed.and_then(|req| admit_here(&st, caller, req)))
-        })
-        .await
-        .map_err(|e| Refusal::count(state, "", e))??;
+        let (admitted, shape) = admit_body::<R>(state, caller, bytes).await?;
         Ok(Admit(admitted, shape))
     }
 }
@@ -160,43 +145,6 @@ pub(super) async fn read_limited(
         }
     }
     Ok(buf.freeze())
-}
-
-/// Parses `bytes` as `T`: 400 `invalid_json`, or 400 `invalid_request` with the offending field
-/// as `param`.
-fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, LockstepError> {
-    let Ok(text) = std::str::from_utf8(bytes) else {
-        return Err(LockstepError::InvalidJson {
-            message: "body is not valid UTF-8".into(),
-        });
-    };
-    // Parsed from the checked text, so strings are not checked again one by one (for a long
-    // prompt, 50 µs of a 128 KiB body's parse). Most bodies parse: the path of a failure is
-    // tracked only when a plain parse failed (the same deserializer with the path wrapped
-    // around it, so it fails the same way).
-    if let Ok(v) = serde_json::from_str(text) {
-        return Ok(v);
-    }
-    let de = &mut serde_json::Deserializer::from_str(text);
-    let v = serde_path_to_error::deserialize(&mut *de).map_err(|e| {
-        let path = e.path().to_string();
-        let inner = e.into_inner();
-        if inner.is_data() {
-            LockstepError::InvalidRequest {
-                message: format!("`{path}`: {inner}"),
-                param: (path != ".").then_some(path),
-            }
-        } else {
-            LockstepError::InvalidJson {
-                message: inner.to_string(),
-            }
-        }
-    })?;
-    // A value and then more is not one JSON body (the plain parse refuses it too).
-    de.end().map_err(|e| LockstepError::InvalidJson {
-        message: e.to_string(),
-    })?;
-    Ok(v)
 }
 
 /// Reads and drops, frame by frame as it arrives (nothing is kept), what is left of a refused

@@ -11,8 +11,8 @@ use super::respond::{Shape, serve_pair};
 use super::rest::known_and_rest;
 use crate::admission::{FrontRequest, Input, Prompt};
 use crate::backend::SamplingParams;
+use crate::config::ModelConfig;
 use crate::error::LockstepError;
-use crate::state::ModelRuntime;
 
 known_and_rest! {
     #[derive(Debug, Default)]
@@ -60,11 +60,11 @@ impl FrontRequest for GenerateRequest {
 
     fn validate(
         self,
-        model: &ModelRuntime,
+        model: &ModelConfig,
     ) -> Result<(Input, SamplingParams, Shape), LockstepError> {
         refuse_unhonoured(fields::GENERATE, &self.rest, "")?;
         let mut s = self.sampling_params;
-        let constraint = fields::native_constraint(&mut s.rest, model.cfg.backend)?;
+        let constraint = fields::native_constraint(&mut s.rest, model.backend)?;
         refuse_unhonoured(fields::GENERATE_SAMPLING, &s.rest, "sampling_params.")?;
         let prompt = match (self.text, self.input_ids) {
             (Some(t), None) => match t {
@@ -97,7 +97,7 @@ impl FrontRequest for GenerateRequest {
             });
         }
         let max_new_tokens = match s.max_new_tokens {
-            None => model.cfg.default_max_tokens,
+            None => model.default_max_tokens,
             Some(v) if v < 1 => {
                 return Err(bad(
                     "sampling_params.max_new_tokens",

@@ -26,7 +26,7 @@ use crate::admission::{
 use crate::backend::{FinishReason, SamplingParams};
 use crate::error::LockstepError;
 use crate::pair::{CancelReason, PairEvent, PairId};
-use crate::state::{AppState, ModelRuntime};
+use crate::state::AppState;
 use crate::tenant::Tenant;
 
 /// The gRPC services, ready to mount on the HTTP router, and the health reporter (drain flips it).
@@ -275,7 +275,10 @@ impl FrontRequest for pb::GenerateRequest {
         (!self.model.is_empty()).then_some(&self.model)
     }
 
-    fn validate(self, model: &ModelRuntime) -> Result<(Input, SamplingParams, ()), LockstepError> {
+    fn validate(
+        self,
+        model: &crate::config::ModelConfig,
+    ) -> Result<(Input, SamplingParams, ()), LockstepError> {
         let (sampling, ..) = common(self.sampling).sampling(model)?;
         let prompt = match self.prompt {
             Some(pb::generate_request::Prompt::Text(t)) => Prompt::Text(t),
@@ -298,7 +301,10 @@ impl FrontRequest for pb::ChatRequest {
         (!self.model.is_empty()).then_some(&self.model)
     }
 
-    fn validate(self, model: &ModelRuntime) -> Result<(Input, SamplingParams, ()), LockstepError> {
+    fn validate(
+        self,
+        model: &crate::config::ModelConfig,
+    ) -> Result<(Input, SamplingParams, ()), LockstepError> {
         let (sampling, ..) = common(self.sampling).sampling(model)?;
         let messages = to_messages(
             self.messages

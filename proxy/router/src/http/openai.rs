@@ -9,8 +9,8 @@ use super::fields::{self, refuse_unhonoured};
 use super::respond::{Shape, serve_pair};
 use crate::admission::{ChatMessage, FrontRequest, Input, Prompt};
 use crate::backend::SamplingParams;
+use crate::config::ModelConfig;
 use crate::error::LockstepError;
-use crate::state::ModelRuntime;
 
 /// `stop`: one string or a list.
 #[derive(Debug, Deserialize)]
@@ -126,9 +126,9 @@ impl CommonParams {
         self,
         mut rest: Map<String, Value>,
         table: &[&[fields::Known]],
-        model: &ModelRuntime,
+        model: &ModelConfig,
     ) -> Result<(SamplingParams, bool, bool), LockstepError> {
-        let constraint = fields::response_format(&mut rest, model.cfg.backend)?;
+        let constraint = fields::response_format(&mut rest, model.backend)?;
         refuse_unhonoured(table, &rest, "")?;
         let (mut sampling, stream, include_usage) = self.sampling(model)?;
         sampling.constraint = constraint;
@@ -138,7 +138,7 @@ impl CommonParams {
     /// Validates ranges and builds SGLang sampling parameters.
     pub(super) fn sampling(
         self,
-        model: &ModelRuntime,
+        model: &ModelConfig,
     ) -> Result<(SamplingParams, bool, bool), LockstepError> {
         if self.n.is_some_and(|n| n != 1) {
             return Err(LockstepError::Unsupported {
@@ -157,7 +157,7 @@ impl CommonParams {
             (None, v) => ("max_tokens", v),
         };
         let max_new_tokens = match requested {
-            None => model.cfg.default_max_tokens,
+            None => model.default_max_tokens,
             Some(v) if v < 1 => {
                 return Err(bad(key, format!("`{key}` must be at least 1, got {v}")));
             }
@@ -367,14 +367,14 @@ impl FrontRequest for ChatRequest {
 
     fn validate(
         self,
-        model: &ModelRuntime,
+        model: &ModelConfig,
     ) -> Result<(Input, SamplingParams, Shape), LockstepError> {
         let mut rest = self.rest;
         let (tools, forced) = super::tools::request(
             rest.remove("tools"),
             rest.remove("tool_choice"),
-            model.cfg.tool_parser,
-            model.cfg.backend,
+            model.tool_parser,
+            model.backend,
         )?;
         let (mut sampling, stream, include_usage) =
             self.params.with_rest(rest, fields::CHAT, model)?;
@@ -385,7 +385,7 @@ impl FrontRequest for ChatRequest {
             &mut sampling,
             "response_format",
             messages,
-            model.cfg.tool_parser,
+            model.tool_parser,
         )?;
         Ok((
             input,
@@ -426,7 +426,7 @@ impl FrontRequest for CompletionRequest {
 
     fn validate(
         self,
-        model: &ModelRuntime,
+        model: &ModelConfig,
     ) -> Result<(Input, SamplingParams, Shape), LockstepError> {
         let (sampling, stream, include_usage) =
             self.params

@@ -16,8 +16,8 @@ use super::respond::serve_pair;
 use super::responses_out::ResponsesShape;
 use crate::admission::{ChatMessage, FrontRequest, Input};
 use crate::backend::SamplingParams;
+use crate::config::ModelConfig;
 use crate::error::LockstepError;
-use crate::state::ModelRuntime;
 
 /// `input`: one text (a user message) or a list of message items (read by hand:
 /// `admission::text_or`).
@@ -347,14 +347,14 @@ impl FrontRequest for ResponsesRequest {
 
     fn validate(
         self,
-        model: &ModelRuntime,
+        model: &ModelConfig,
     ) -> Result<(Input, SamplingParams, ResponsesShape), LockstepError> {
         let mut rest = self.rest;
         let (tools, forced) = super::tools::request(
             flat_tools(rest.remove("tools"))?,
             flat_choice(rest.remove("tool_choice")),
-            model.cfg.tool_parser,
-            model.cfg.backend,
+            model.tool_parser,
+            model.backend,
         )?;
         refuse_unhonoured(RESPONSES, &rest, "")?;
         let (format, constraint) = match self.text {
@@ -362,12 +362,8 @@ impl FrontRequest for ResponsesRequest {
             Some(t) => {
                 refuse_unhonoured(TEXT, &t.rest, "text.")?;
                 let format = t.format.unwrap_or_else(|| json!({ "type": "text" }));
-                let constraint = fields::format_constraint(
-                    &format,
-                    "text.format",
-                    "/schema",
-                    model.cfg.backend,
-                )?;
+                let constraint =
+                    fields::format_constraint(&format, "text.format", "/schema", model.backend)?;
                 (format, constraint)
             }
         };
@@ -389,7 +385,7 @@ impl FrontRequest for ResponsesRequest {
             &mut sampling,
             "text.format",
             messages,
-            model.cfg.tool_parser,
+            model.tool_parser,
         )?;
         let echo = json!({
             "instructions": self.instructions,
