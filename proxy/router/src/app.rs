@@ -3,7 +3,6 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -66,7 +65,6 @@ impl Lockstep {
             audit,
             max_body_bytes: cfg.server.max_body_bytes,
             body_timeout: Duration::from_millis(cfg.server.body_timeout_ms),
-            draining: AtomicBool::new(false),
             config_path: cfg.source.clone(),
             drained: dashmap::DashSet::new(),
             client,
@@ -212,7 +210,7 @@ impl Lockstep {
     pub async fn drain(&self, grace: Duration) {
         use crate::pair::{CancelReason, PairState};
         let st = &self.state;
-        st.draining.store(true, Ordering::Release);
+        // One flag: admission refuses, `/ready` fails and no failed pair is retried from here.
         st.registry.set_draining();
         crate::http::grpc::set_serving(&self.health, false).await;
         let live = st.registry.len();

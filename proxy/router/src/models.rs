@@ -15,7 +15,7 @@ use crate::backend::sglang::SglangBackend;
 use crate::backend::{Deployment, PdBackend, UpstreamClient};
 use crate::config::{BackendKind, Config, ModelConfig, PoolConfig, WorkerConfig};
 use crate::metrics::Metrics;
-use crate::pair::{PairRegistry, PairRuntime, PairStats};
+use crate::pair::{ModelPairs, PairRegistry, PairStats};
 use crate::pool::{WorkerPool, health_loop};
 use crate::state::{AppState, ModelRuntime, Models, WorkerLimits};
 
@@ -171,7 +171,7 @@ pub(crate) async fn build_models(
             )));
         }
         let name: Arc<str> = m.name.as_str().into();
-        let pairs = Arc::new(PairRuntime {
+        let pairs = Arc::new(ModelPairs {
             model: name.clone(),
             backend,
             prefill,

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use arc_swap::ArcSwap;
 use lockstep_engine::pd::Pd;
@@ -14,7 +14,7 @@ use crate::audit::Audit;
 use crate::backend::UpstreamClient;
 use crate::config::ModelConfig;
 use crate::metrics::Metrics;
-use crate::pair::{PairRegistry, PairRuntime, PairStats};
+use crate::pair::{ModelPairs, PairRegistry, PairStats};
 
 /// One served model.
 #[derive(Debug)]
@@ -26,7 +26,7 @@ pub struct ModelRuntime {
     /// Tokenizer and chat template.
     pub codec: Arc<PromptCodec>,
     /// Its pair lifecycle and pools.
-    pub pairs: Arc<PairRuntime>,
+    pub pairs: Arc<ModelPairs>,
     /// The embedded engines, for `backend = "embedded"`.
     pub engine: Option<Arc<Pd>>,
     pub(crate) limits: Arc<WorkerLimits>,
@@ -144,8 +144,6 @@ pub struct AppState {
     pub max_body_bytes: usize,
     /// Bound on receiving a body (`server.body_timeout_ms`).
     pub body_timeout: std::time::Duration,
-    /// Set while shutting down: `/ready` fails.
-    pub draining: AtomicBool,
     /// The configuration file (admin reload re-reads it); `None` for the built-in one.
     pub config_path: Option<std::path::PathBuf>,
     /// Worker URLs an operator is draining (re-applied to the workers of a reloaded config).

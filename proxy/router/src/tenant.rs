@@ -243,7 +243,7 @@ impl Tenant {
 
     /// Takes one request from the rate budget and one concurrent-pair slot (held by the returned
     /// permit until the response ends), or 429 with when to retry.
-    pub fn admit(&self) -> Result<Option<OwnedSemaphorePermit>, LockstepError> {
+    pub fn take_permit(&self) -> Result<Option<OwnedSemaphorePermit>, LockstepError> {
         if let Some(l) = &self.limiter
             && let Err(not_until) = l.check()
         {
@@ -385,16 +385,16 @@ mod tests {
             a.check_model("other").expect_err("403").status().as_u16(),
             403
         );
-        let first = a.admit().expect("first").expect("permit");
+        let first = a.take_permit().expect("first").expect("permit");
         // Second: rate allows (burst 2) but the one concurrent slot is taken.
-        let e = a.admit().expect_err("concurrency");
+        let e = a.take_permit().expect_err("concurrency");
         assert_eq!(
             (e.status().as_u16(), e.code()),
             (429, "rate_limit_exceeded")
         );
         drop(first);
         // Third: the burst is spent.
-        let e = a.admit().expect_err("rate");
+        let e = a.take_permit().expect_err("rate");
         assert!(
             matches!(
                 e,
@@ -417,16 +417,19 @@ mod tests {
         };
         let t = Tenants::new(&[limited(1)]);
         let a = t.authenticate(&bearer("k")).expect("ok").expect("tenant");
-        let running = a.admit().expect("first").expect("permit");
+        let running = a.take_permit().expect("first").expect("permit");
         // Same limits: the spent budget and the running pair's slot carry over.
         let t2 = t.reloaded(&[limited(1)]);
         let a2 = t2.authenticate(&bearer("k")).expect("ok").expect("tenant");
-        assert!(a2.admit().is_err(), "a reload is not a way around a limit");
+        assert!(
+            a2.take_permit().is_err(),
+            "a reload is not a way around a limit"
+        );
         drop(running);
-        assert!(a2.admit().is_err(), "the rate budget is still spent");
+        assert!(a2.take_permit().is_err(), "the rate budget is still spent");
         // Changed limits start fresh.
         let t3 = t2.reloaded(&[limited(5)]);
         let a3 = t3.authenticate(&bearer("k")).expect("ok").expect("tenant");
-        assert!(a3.admit().is_ok());
+        assert!(a3.take_permit().is_ok());
     }
 }

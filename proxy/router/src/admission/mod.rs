@@ -30,7 +30,6 @@ pub use body::admit_body;
 pub use codec::{ChatMessage, PromptCodec, check_fits};
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 
 use http::HeaderMap;
 use serde::Deserialize;
@@ -218,7 +217,7 @@ pub fn authorize(state: &AppState, headers: &HeaderMap) -> Result<Caller, Refusa
 /// Step 2 for a caller already identified (the gRPC guard checked its key on the headers).
 pub fn authorize_identified(state: &AppState, who: Identity) -> Result<Caller, Refusal> {
     let Identity { catalog, tenant } = who;
-    if state.draining.load(Ordering::Acquire) {
+    if state.registry.is_draining() {
         let e = LockstepError::Unavailable {
             message: "lockstep is draining: not accepting new requests".into(),
         };
@@ -226,7 +225,7 @@ pub fn authorize_identified(state: &AppState, who: Identity) -> Result<Caller, R
     }
     let permit = match &tenant {
         None => None,
-        Some(t) => t.admit().map_err(|e| Refusal::count(state, "", e))?,
+        Some(t) => t.take_permit().map_err(|e| Refusal::count(state, "", e))?,
     };
     Ok(Caller {
         catalog,

@@ -269,7 +269,7 @@ impl std::fmt::Display for HalfError {
 pub type DecodeStream = BoxStream<'static, Result<DecodeChunk, HalfError>>;
 
 /// A disaggregated backend, shaped as the phases of a model's life and of each pair (Pingora's
-/// `ProxyHttp` style: the driver, `pair::PairRuntime`, owns the order, the deadlines,
+/// `ProxyHttp` style: the driver, `pair::ModelPairs`, owns the order, the deadlines,
 /// the commit barrier, abort-both and retries; an implementation reports protocol facts).
 pub trait PdBackend: Send + Sync + 'static {
     /// **Before the model serves** (start, every reload, `lockstep check`): asks the workers of

@@ -7,7 +7,7 @@ use axum::response::Response;
 use super::extract::Admit;
 use super::fields::{self, refuse_unhonoured};
 use super::openai::bad;
-use super::respond::{Shape, serve_pair};
+use super::respond::{OpenAiShape, serve_pair};
 use super::rest::known_and_rest;
 use crate::admission::{FrontRequest, Input, Prompt};
 use crate::backend::SamplingParams;
@@ -43,7 +43,7 @@ known_and_rest! {
 }
 
 impl FrontRequest for GenerateRequest {
-    type Shape = Shape;
+    type Shape = OpenAiShape;
 
     fn compiles_a_grammar(&self) -> bool {
         ["json_schema", "regex", "ebnf"].iter().any(|k| {
@@ -61,7 +61,7 @@ impl FrontRequest for GenerateRequest {
     fn validate(
         self,
         model: &ModelConfig,
-    ) -> Result<(Input, SamplingParams, Shape), LockstepError> {
+    ) -> Result<(Input, SamplingParams, OpenAiShape), LockstepError> {
         refuse_unhonoured(fields::GENERATE, &self.rest, "")?;
         let mut s = self.sampling_params;
         let constraint = fields::native_constraint(&mut s.rest, model.backend)?;
@@ -133,7 +133,7 @@ impl FrontRequest for GenerateRequest {
         Ok((
             Input::Prompt(prompt),
             sampling,
-            Shape::generate(self.stream),
+            OpenAiShape::generate(self.stream),
         ))
     }
 }

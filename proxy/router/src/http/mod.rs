@@ -17,7 +17,6 @@ mod sampling;
 pub(crate) mod tools;
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 
 use axum::Router;
 use axum::extract::State;
@@ -81,7 +80,7 @@ async fn health() -> Response {
 /// every embedded engine thread is alive.
 async fn ready(State(state): State<Arc<AppState>>) -> Response {
     let mut not_ready = Vec::new();
-    if state.draining.load(Ordering::Acquire) {
+    if state.registry.is_draining() {
         not_ready.push("draining".to_string());
     }
     for m in state.models.load().by_name.values() {

@@ -6,7 +6,7 @@ use serde_json::{Map, Value};
 
 use super::extract::Admit;
 use super::fields::{self, refuse_unhonoured};
-use super::respond::{Shape, serve_pair};
+use super::respond::{OpenAiShape, serve_pair};
 use crate::admission::{ChatMessage, FrontRequest, Input, Prompt};
 use crate::backend::SamplingParams;
 use crate::config::ModelConfig;
@@ -353,7 +353,7 @@ fn history_calls(
 }
 
 impl FrontRequest for ChatRequest {
-    type Shape = Shape;
+    type Shape = OpenAiShape;
 
     fn model(&self) -> Option<&str> {
         Some(&self.model)
@@ -368,7 +368,7 @@ impl FrontRequest for ChatRequest {
     fn validate(
         self,
         model: &ModelConfig,
-    ) -> Result<(Input, SamplingParams, Shape), LockstepError> {
+    ) -> Result<(Input, SamplingParams, OpenAiShape), LockstepError> {
         let mut rest = self.rest;
         let (tools, forced) = super::tools::request(
             rest.remove("tools"),
@@ -390,7 +390,7 @@ impl FrontRequest for ChatRequest {
         Ok((
             input,
             sampling,
-            Shape::chat(stream, include_usage).with_tools(parser),
+            OpenAiShape::chat(stream, include_usage).with_tools(parser),
         ))
     }
 }
@@ -412,7 +412,7 @@ pub(crate) struct CompletionRequest {
 }
 
 impl FrontRequest for CompletionRequest {
-    type Shape = Shape;
+    type Shape = OpenAiShape;
 
     fn compiles_a_grammar(&self) -> bool {
         self.rest
@@ -427,14 +427,14 @@ impl FrontRequest for CompletionRequest {
     fn validate(
         self,
         model: &ModelConfig,
-    ) -> Result<(Input, SamplingParams, Shape), LockstepError> {
+    ) -> Result<(Input, SamplingParams, OpenAiShape), LockstepError> {
         let (sampling, stream, include_usage) =
             self.params
                 .with_rest(self.rest, fields::COMPLETIONS, model)?;
         Ok((
             Input::Prompt(self.prompt),
             sampling,
-            Shape::completion(stream, include_usage),
+            OpenAiShape::completion(stream, include_usage),
         ))
     }
 }

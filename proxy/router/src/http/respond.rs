@@ -1,5 +1,5 @@
 //! Turning a pair's events into the client's response shape, streamed (SSE) or not: OpenAI chat,
-//! OpenAI completion and SGLang-native here ([`Shape`]); the Responses API and Anthropic Messages
+//! OpenAI completion and SGLang-native here ([`OpenAiShape`]); the Responses API and Anthropic Messages
 //! in their own modules, each a [`Render`]. Nothing is written before the pair commits.
 
 use std::borrow::Cow;
@@ -31,7 +31,7 @@ enum Api {
 /// What the client asked for: which API shape, streamed or not, usage on the stream or not,
 /// and whether tool calls are parsed from the answer (chat).
 #[derive(Debug)]
-pub(crate) struct Shape {
+pub(crate) struct OpenAiShape {
     api: Api,
     stream: bool,
     include_usage: bool,
@@ -41,9 +41,9 @@ pub(crate) struct Shape {
     tools: Option<ToolStream>,
 }
 
-impl Shape {
-    pub(crate) fn chat(stream: bool, include_usage: bool) -> Shape {
-        Shape {
+impl OpenAiShape {
+    pub(crate) fn chat(stream: bool, include_usage: bool) -> OpenAiShape {
+        OpenAiShape {
             api: Api::Chat,
             stream,
             include_usage,
@@ -51,8 +51,8 @@ impl Shape {
             tools: None,
         }
     }
-    pub(crate) fn completion(stream: bool, include_usage: bool) -> Shape {
-        Shape {
+    pub(crate) fn completion(stream: bool, include_usage: bool) -> OpenAiShape {
+        OpenAiShape {
             api: Api::Completion,
             stream,
             include_usage,
@@ -61,12 +61,12 @@ impl Shape {
         }
     }
     /// Chat whose answer is parsed for calls to the declared tools in their parser's format.
-    pub(crate) fn with_tools(mut self, tools: Option<tools::ToolParse>) -> Shape {
+    pub(crate) fn with_tools(mut self, tools: Option<tools::ToolParse>) -> OpenAiShape {
         self.tools = tools.map(ToolStream::new);
         self
     }
-    pub(crate) fn generate(stream: bool) -> Shape {
-        Shape {
+    pub(crate) fn generate(stream: bool) -> OpenAiShape {
+        OpenAiShape {
             api: Api::Generate,
             stream,
             include_usage: false,
@@ -317,7 +317,7 @@ pub(crate) fn sse_named(out: &mut String, name: &str, v: &Value) {
     out.push_str("\n\n");
 }
 
-impl Shape {
+impl OpenAiShape {
     fn id(&self, p: &Progress) -> AnswerId {
         let prefix = match self.api {
             Api::Chat => "chatcmpl-",
@@ -402,7 +402,7 @@ enum NativeFinish<'a> {
     },
 }
 
-impl Render for Shape {
+impl Render for OpenAiShape {
     fn stream(&self) -> bool {
         self.stream
     }

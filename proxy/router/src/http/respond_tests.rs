@@ -28,7 +28,7 @@ fn progress(matched: Option<&str>) -> Progress {
 /// key for key and in SGLang's order, for every finish.
 #[test]
 fn the_native_answer_is_sglangs_shape() {
-    let shape = Shape::generate(false);
+    let shape = OpenAiShape::generate(false);
     let id = PairId::from_raw(42).to_string();
     for (finish, matched, want) in [
         (
@@ -80,7 +80,7 @@ fn events(body: &[u8]) -> Vec<String> {
 }
 
 /// A stream through `shape`: each chunk absorbed into the progress, then rendered.
-fn stream(shape: &mut Shape, chunks: &[DecodeChunk]) -> Vec<String> {
+fn stream(shape: &mut OpenAiShape, chunks: &[DecodeChunk]) -> Vec<String> {
     let mut p = progress(None);
     p.text.clear();
     p.completion_tokens = 0;
@@ -113,7 +113,7 @@ fn chat_stream_chunks_are_openais_shape_byte_for_byte() {
         chunk("lo \"x\"\n\u{e9}", Some(FinishReason::Stop), 2),
     ];
     for include_usage in [false, true] {
-        let got = stream(&mut Shape::chat(true, include_usage), &chunks);
+        let got = stream(&mut OpenAiShape::chat(true, include_usage), &chunks);
         let mut want = vec![
             choice(r#"{"role":"assistant","content":""}"#, "null"),
             choice(r#"{"content":"Hel"}"#, "null"),
@@ -131,7 +131,7 @@ fn chat_stream_chunks_are_openais_shape_byte_for_byte() {
     }
     // A stream cut by length says so.
     let got = stream(
-        &mut Shape::chat(true, false),
+        &mut OpenAiShape::chat(true, false),
         &[chunk("a", Some(FinishReason::Length), 1)],
     );
     assert_eq!(got[2], choice("{}", r#""length""#));
@@ -148,7 +148,7 @@ fn completion_stream_chunks_are_openais_shape_byte_for_byte() {
         )
     };
     let got = stream(
-        &mut Shape::completion(true, true),
+        &mut OpenAiShape::completion(true, true),
         &[
             chunk("", None, 0),
             chunk("one", None, 1),
@@ -173,13 +173,16 @@ fn completion_stream_chunks_are_openais_shape_byte_for_byte() {
 fn full_answers_written_directly_match_their_values() {
     let calls = "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
     for (shape, text) in [
-        (Shape::chat(false, false), "a \"quoted\"\n é"),
-        (Shape::completion(false, false), "a \"quoted\"\n é"),
+        (OpenAiShape::chat(false, false), "a \"quoted\"\n é"),
+        (OpenAiShape::completion(false, false), "a \"quoted\"\n é"),
         (
-            Shape::chat(false, false).with_tools(Some(hermes())),
+            OpenAiShape::chat(false, false).with_tools(Some(hermes())),
             "no calls here",
         ),
-        (Shape::chat(false, false).with_tools(Some(hermes())), calls),
+        (
+            OpenAiShape::chat(false, false).with_tools(Some(hermes())),
+            calls,
+        ),
     ] {
         for finish in [FinishReason::Stop, FinishReason::Length] {
             let mut p = progress(None);
@@ -195,7 +198,7 @@ fn full_answers_written_directly_match_their_values() {
     }
     let mut p = progress(None);
     p.text = calls.into();
-    let shape = Shape::chat(false, false).with_tools(Some(hermes()));
+    let shape = OpenAiShape::chat(false, false).with_tools(Some(hermes()));
     let v = shape.full(&p, FinishReason::Stop);
     assert_eq!(v["choices"][0]["finish_reason"], "tool_calls");
     assert_eq!(v["choices"][0]["message"]["content"], "Let me check.");
@@ -204,7 +207,7 @@ fn full_answers_written_directly_match_their_values() {
         "get_weather"
     );
     let id = format!("chatcmpl-{}", PairId::from_raw(42));
-    let plain = Shape::chat(false, false).full_json(&progress(None), FinishReason::Stop);
+    let plain = OpenAiShape::chat(false, false).full_json(&progress(None), FinishReason::Stop);
     assert_eq!(
         String::from_utf8(plain.expect("written")).expect("utf-8"),
         format!(
@@ -217,7 +220,7 @@ fn full_answers_written_directly_match_their_values() {
 /// as `tool_calls`.
 #[test]
 fn a_streamed_tool_call_comes_as_its_own_delta() {
-    let mut shape = Shape::chat(true, false).with_tools(Some(hermes()));
+    let mut shape = OpenAiShape::chat(true, false).with_tools(Some(hermes()));
     let got = stream(
         &mut shape,
         &[

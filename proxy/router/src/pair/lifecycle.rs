@@ -10,7 +10,7 @@ use tokio::time::{Instant as TokioInstant, sleep, sleep_until};
 use tracing::Instrument;
 
 use super::abort::{AbortPlan, Halves, abort_both, decode_chunk, prefill_answer};
-use super::machine::{Action, Env, Input, Limits, Machine, Stage, Verdict};
+use super::machine::{Action, Env, Limits, Machine, Observation, Stage, Verdict};
 use super::observer::{AbortContext, PairObserver, TokenTimes};
 use super::outcome::Failure;
 use super::{Outcome, PairEvent, PairGuard, PairId, PairInfo, PairRegistry, PairState, PairStats};
@@ -24,7 +24,7 @@ use crate::metrics::{Metrics, ModelMetrics};
 use crate::pool::{LoadGuard, RouteKey, Upstream, WorkerPool};
 
 /// Everything the lifecycle of one model's pairs needs.
-pub struct PairRuntime {
+pub struct ModelPairs {
     /// Model name (for the registry and errors).
     pub model: Arc<str>,
     /// The backend speaking to the workers.
@@ -49,7 +49,7 @@ pub struct PairRuntime {
     pub series: ModelMetrics,
 }
 
-impl PairRuntime {
+impl ModelPairs {
     /// The pair observer of this model: every metric, audit line and event of a pair goes there.
     fn observe(&self) -> PairObserver<'_> {
         PairObserver {
@@ -122,13 +122,13 @@ impl PairRuntime {
                 (Stage::Picking, _) => match self.pick(&req, &avoid, machine.attempt()) {
                     Ok(a) => {
                         cur = Some(a);
-                        Input::Picked
+                        Observation::Picked
                     }
-                    Err(side) => Input::NoWorker(side),
+                    Err(side) => Observation::NoWorker(side),
                 },
                 (Stage::Backoff(_), _) => {
                     sleep(Duration::from_millis(self.retry.backoff_ms)).await;
-                    Input::BackoffOver
+                    Observation::BackoffOver
                 }
                 (Stage::Barrier { prefill, first }, Some(a)) => {
                     let span = a.span.clone();
@@ -139,7 +139,7 @@ impl PairRuntime {
                 (Stage::Committing { .. } | Stage::Forwarding { .. }, Some(a)) => {
                     let span = a.span.clone();
                     let input = self.deliver(a, &tx, total_at).instrument(span).await;
-                    if input == Input::Delivered && a.delivered_chunk {
+                    if input == Observation::Delivered && a.delivered_chunk {
                         let now = TokioInstant::now();
                         if let Some(t) = &tokens {
                             t.sent(now, started, last_sent);
@@ -321,22 +321,22 @@ impl PairRuntime {
         first_in: bool,
         tx: &mpsc::Sender<PairEvent>,
         total_at: TokioInstant,
-    ) -> Input {
+    ) -> Observation {
         let prefill_at = a.dispatched + self.timeouts.prefill();
         let first_at = a.dispatched + self.timeouts.first_token();
         tokio::select! {
             biased;
-            why = a.guard.cancelled() => Input::Cancelled(why),
-            _ = tx.closed() => Input::ClientGone,
-            _ = sleep_until(total_at) => Input::Deadline(Phase::Total),
-            _ = sleep_until(prefill_at), if !prefill_in => Input::Deadline(Phase::Prefill),
-            _ = sleep_until(first_at), if !first_in => Input::Deadline(Phase::FirstToken),
+            why = a.guard.cancelled() => Observation::Cancelled(why),
+            _ = tx.closed() => Observation::ClientGone,
+            _ = sleep_until(total_at) => Observation::Deadline(Phase::Total),
+            _ = sleep_until(prefill_at), if !prefill_in => Observation::Deadline(Phase::Prefill),
+            _ = sleep_until(first_at), if !first_in => Observation::Deadline(Phase::FirstToken),
             r = prefill_answer(&mut a.halves.prefill), if !prefill_in => {
                 a.prefill_span = None;
                 match r {
                     Ok(report) => {
                         a.reported_cached = report.cached_tokens;
-                        Input::Prefill { prompt_tokens: report.prompt_tokens, digest: report.kv_digest }
+                        Observation::Prefill { prompt_tokens: report.prompt_tokens, digest: report.kv_digest }
                     }
                     Err(e) => a.half_failed(e),
                 }
@@ -356,20 +356,20 @@ impl PairRuntime {
         a: &mut Attempt,
         tx: &mpsc::Sender<PairEvent>,
         total_at: TokioInstant,
-    ) -> Input {
+    ) -> Observation {
         let Some(event) = a.outgoing.take() else {
-            return Input::Delivered;
+            return Observation::Delivered;
         };
         a.delivered_chunk = matches!(event, PairEvent::Chunk(_));
         tokio::select! {
             biased;
-            why = a.guard.cancelled() => Input::Cancelled(why),
+            why = a.guard.cancelled() => Observation::Cancelled(why),
             sent = tx.send(event) => match sent {
-                Ok(()) => Input::Delivered,
-                Err(_) => Input::ClientGone,
+                Ok(()) => Observation::Delivered,
+                Err(_) => Observation::ClientGone,
             },
-            _ = sleep_until(total_at) => Input::Deadline(Phase::Total),
-            _ = sleep(self.timeouts.client_idle()) => Input::Deadline(Phase::ClientIdle),
+            _ = sleep_until(total_at) => Observation::Deadline(Phase::Total),
+            _ = sleep(self.timeouts.client_idle()) => Observation::Deadline(Phase::ClientIdle),
         }
     }
 
@@ -379,13 +379,13 @@ impl PairRuntime {
         a: &mut Attempt,
         tx: &mpsc::Sender<PairEvent>,
         total_at: TokioInstant,
-    ) -> Input {
+    ) -> Observation {
         tokio::select! {
             biased;
-            why = a.guard.cancelled() => Input::Cancelled(why),
-            _ = tx.closed() => Input::ClientGone,
-            _ = sleep_until(total_at) => Input::Deadline(Phase::Total),
-            _ = sleep(self.timeouts.idle()) => Input::Deadline(Phase::Idle),
+            why = a.guard.cancelled() => Observation::Cancelled(why),
+            _ = tx.closed() => Observation::ClientGone,
+            _ = sleep_until(total_at) => Observation::Deadline(Phase::Total),
+            _ = sleep(self.timeouts.idle()) => Observation::Deadline(Phase::Idle),
             c = decode_chunk(&mut a.halves.decode) => a.decoded(c),
         }
     }
@@ -477,8 +477,8 @@ struct Attempt {
 }
 
 impl Attempt {
-    fn half_failed(&mut self, e: HalfError) -> Input {
-        let input = Input::HalfFailed {
+    fn half_failed(&mut self, e: HalfError) -> Observation {
+        let input = Observation::HalfFailed {
             side: e.side,
             retry_safe: e.retry_safe(),
             integrity: matches!(e.failure, HalfFailure::Integrity(_)),
@@ -488,10 +488,10 @@ impl Attempt {
     }
 
     /// The decode's next item as the machine's input; a chunk is held until it is judged.
-    fn decoded(&mut self, c: Option<Result<DecodeChunk, HalfError>>) -> Input {
+    fn decoded(&mut self, c: Option<Result<DecodeChunk, HalfError>>) -> Observation {
         match c {
             Some(Ok(chunk)) => {
-                let input = Input::Decode {
+                let input = Observation::Decode {
                     prompt_tokens: chunk.prompt_tokens,
                     digest: chunk.kv_digest,
                     last: chunk.finish.is_some(),
@@ -500,14 +500,14 @@ impl Attempt {
                 input
             }
             Some(Err(e)) => self.half_failed(e),
-            None => Input::DecodeEnded,
+            None => Observation::DecodeEnded,
         }
     }
 
     /// The machine took the prefill's answer: count its prefix-cache report (told to a tenant's
     /// client only: the cache is shared otherwise, and the count would tell one caller what
     /// another sent; and only where the backend's cache is known to be the tenant's own) and time the KV's move until the decode's first chunk.
-    fn prefill_verified(&mut self, rt: &PairRuntime, tenant: bool, expected: u64) {
+    fn prefill_verified(&mut self, rt: &ModelPairs, tenant: bool, expected: u64) {
         if let Some(n) = self.reported_cached {
             rt.observe().cached_tokens(n);
             if tenant && rt.backend.cache_report_is_tenants_own() {
@@ -520,9 +520,9 @@ impl Attempt {
     }
 }
 
-impl std::fmt::Debug for PairRuntime {
+impl std::fmt::Debug for ModelPairs {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PairRuntime")
+        f.debug_struct("ModelPairs")
             .field("model", &self.model)
             .finish_non_exhaustive()
     }

@@ -1,6 +1,6 @@
 //! The pair lifecycle's decisions as a pure transition function. The lifecycle
 //! (`lifecycle.rs`) turns whatever it was awaiting (a half's answer, a deadline, the
-//! client, a cancellation, a backoff) into an [`Input`], calls [`Machine::step`], and carries
+//! client, a cancellation, a backoff) into an [`Observation`], calls [`Machine::step`], and carries
 //! out the [`Action`]s that come back. Nothing here does I/O, reads a clock or allocates, so the
 //! model check (`machine_check.rs`) explores every interleaving of the same code that serves
 //! requests.
@@ -62,7 +62,7 @@ pub(super) enum Stage {
 
 /// What the lifecycle observed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub(super) enum Input {
+pub(super) enum Observation {
     /// Both workers were picked and the pair registered.
     Picked,
     /// No worker could take this side.
@@ -316,19 +316,19 @@ impl Machine {
 
     /// Takes one observation; returns what to do. An input the stage does not await changes
     /// nothing (the lifecycle only awaits what the stage needs).
-    pub(super) fn step(&mut self, input: Input, env: Env) -> Actions {
+    pub(super) fn step(&mut self, input: Observation, env: Env) -> Actions {
         let mut out = Actions::default();
         let expected = self.limits.expected;
         match (self.stage, input) {
             (Stage::Done(_), _) => {}
-            (Stage::Picking, Input::Picked) => {
+            (Stage::Picking, Observation::Picked) => {
                 self.stage = Stage::Barrier {
                     prefill: None,
                     first: None,
                 };
                 out.push(Action::Dispatch);
             }
-            (Stage::Picking, Input::NoWorker(side)) => {
+            (Stage::Picking, Observation::NoWorker(side)) => {
                 self.end_failed(Verdict::NoWorker(side), &mut out)
             }
             (
@@ -336,7 +336,7 @@ impl Machine {
                     prefill: None,
                     first,
                 },
-                Input::Prefill {
+                Observation::Prefill {
                     prompt_tokens,
                     digest,
                 },
@@ -356,7 +356,7 @@ impl Machine {
                     prefill,
                     first: None,
                 },
-                Input::Decode {
+                Observation::Decode {
                     prompt_tokens,
                     digest,
                     last,
@@ -365,21 +365,23 @@ impl Machine {
                 Some(check) => self.fail(Verdict::Check(check), env, &mut out),
                 None => self.barrier(prefill, Some(Held { digest, last }), env, &mut out),
             },
-            (Stage::Barrier { first: None, .. }, Input::DecodeEnded) => {
+            (Stage::Barrier { first: None, .. }, Observation::DecodeEnded) => {
                 self.fail(Verdict::DecodeEnded { committed: false }, env, &mut out)
             }
-            (Stage::Committing { last }, Input::Delivered) => {
+            (Stage::Committing { last }, Observation::Delivered) => {
                 self.stage = Stage::Forwarding { last };
                 out.push(Action::Forward);
             }
-            (Stage::Forwarding { last: true }, Input::Delivered) => {
+            (Stage::Forwarding { last: true }, Observation::Delivered) => {
                 self.stage = Stage::Done(Outcome::Completed);
                 out.push(Action::Finish(Outcome::Completed));
             }
-            (Stage::Forwarding { last: false }, Input::Delivered) => self.stage = Stage::Streaming,
+            (Stage::Forwarding { last: false }, Observation::Delivered) => {
+                self.stage = Stage::Streaming
+            }
             (
                 Stage::Streaming,
-                Input::Decode {
+                Observation::Decode {
                     prompt_tokens,
                     last,
                     ..
@@ -391,10 +393,10 @@ impl Machine {
                     out.push(Action::Forward);
                 }
             },
-            (Stage::Streaming, Input::DecodeEnded) => {
+            (Stage::Streaming, Observation::DecodeEnded) => {
                 self.fail(Verdict::DecodeEnded { committed: true }, env, &mut out)
             }
-            (Stage::Backoff(v), Input::BackoffOver) => {
+            (Stage::Backoff(v), Observation::BackoffOver) => {
                 if env.draining {
                     // A drain that began during the backoff starts nothing new.
                     self.end_failed(v, &mut out);
@@ -408,7 +410,7 @@ impl Machine {
                 | Stage::Committing { .. }
                 | Stage::Forwarding { .. }
                 | Stage::Streaming,
-                Input::HalfFailed {
+                Observation::HalfFailed {
                     side,
                     retry_safe,
                     integrity,
@@ -426,21 +428,21 @@ impl Machine {
                 | Stage::Committing { .. }
                 | Stage::Forwarding { .. }
                 | Stage::Streaming,
-                Input::Deadline(phase),
+                Observation::Deadline(phase),
             ) => self.fail(Verdict::Deadline(phase), env, &mut out),
             (
                 Stage::Barrier { .. }
                 | Stage::Committing { .. }
                 | Stage::Forwarding { .. }
                 | Stage::Streaming,
-                Input::ClientGone,
+                Observation::ClientGone,
             ) => self.fail(Verdict::ClientGone, env, &mut out),
             (
                 Stage::Barrier { .. }
                 | Stage::Committing { .. }
                 | Stage::Forwarding { .. }
                 | Stage::Streaming,
-                Input::Cancelled(why),
+                Observation::Cancelled(why),
             ) => self.fail(Verdict::Cancelled(why), env, &mut out),
             _ => {}
         }

@@ -8,7 +8,7 @@
 
 use stateright::{Checker, Model, Property};
 
-use super::machine::{Action, Env, Input, Limits, Machine, Mutant, Stage};
+use super::machine::{Action, Env, Limits, Machine, Mutant, Observation, Stage};
 use super::{AbortReason, CancelReason, Outcome};
 use crate::backend::Side;
 use crate::error::Phase;
@@ -71,12 +71,12 @@ const CANCELS: [CancelReason; 3] = [
 const SIDES: [Side; 2] = [Side::Prefill, Side::Decode];
 
 /// The inputs the lifecycle can feed at a stage, given which answers are still coming.
-fn inputs(stage: Stage, g: &Ghost) -> Vec<Input> {
+fn inputs(stage: Stage, g: &Ghost) -> Vec<Observation> {
     let mut v = Vec::new();
-    let half_failures = |v: &mut Vec<Input>, side: Side| {
+    let half_failures = |v: &mut Vec<Observation>, side: Side| {
         for retry_safe in [false, true] {
             for integrity in [false, true] {
-                v.push(Input::HalfFailed {
+                v.push(Observation::HalfFailed {
                     side,
                     retry_safe,
                     integrity,
@@ -84,34 +84,34 @@ fn inputs(stage: Stage, g: &Ghost) -> Vec<Input> {
             }
         }
     };
-    let outside = |v: &mut Vec<Input>| {
-        v.push(Input::ClientGone);
-        v.extend(CANCELS.map(Input::Cancelled));
-        v.push(Input::Deadline(Phase::Total));
+    let outside = |v: &mut Vec<Observation>| {
+        v.push(Observation::ClientGone);
+        v.extend(CANCELS.map(Observation::Cancelled));
+        v.push(Observation::Deadline(Phase::Total));
     };
     let counts = [Some(SENT), Some(SENT + 1), None];
     match stage {
         Stage::Done(_) => {}
-        Stage::Picking => v.extend([Input::Picked, Input::NoWorker(Side::Prefill)]),
-        Stage::Backoff(_) => v.push(Input::BackoffOver),
+        Stage::Picking => v.extend([Observation::Picked, Observation::NoWorker(Side::Prefill)]),
+        Stage::Backoff(_) => v.push(Observation::BackoffOver),
         Stage::Barrier { prefill, first } => {
             if prefill.is_none() && g.prefill_open {
                 for prompt_tokens in [SENT, SENT + 1] {
                     for digest in [None, Some(1)] {
-                        v.push(Input::Prefill {
+                        v.push(Observation::Prefill {
                             prompt_tokens,
                             digest,
                         });
                     }
                 }
                 half_failures(&mut v, Side::Prefill);
-                v.push(Input::Deadline(Phase::Prefill));
+                v.push(Observation::Deadline(Phase::Prefill));
             }
             if first.is_none() && g.decode_open {
                 for prompt_tokens in counts {
                     for digest in [None, Some(1), Some(2)] {
                         for last in [false, true] {
-                            v.push(Input::Decode {
+                            v.push(Observation::Decode {
                                 prompt_tokens,
                                 digest,
                                 last,
@@ -120,12 +120,18 @@ fn inputs(stage: Stage, g: &Ghost) -> Vec<Input> {
                     }
                 }
                 half_failures(&mut v, Side::Decode);
-                v.extend([Input::DecodeEnded, Input::Deadline(Phase::FirstToken)]);
+                v.extend([
+                    Observation::DecodeEnded,
+                    Observation::Deadline(Phase::FirstToken),
+                ]);
             }
             outside(&mut v);
         }
         Stage::Committing { .. } | Stage::Forwarding { .. } => {
-            v.extend([Input::Delivered, Input::Deadline(Phase::ClientIdle)]);
+            v.extend([
+                Observation::Delivered,
+                Observation::Deadline(Phase::ClientIdle),
+            ]);
             outside(&mut v);
         }
         Stage::Streaming => {
@@ -136,7 +142,7 @@ fn inputs(stage: Stage, g: &Ghost) -> Vec<Input> {
             };
             for prompt_tokens in counts {
                 for &last in lasts {
-                    v.push(Input::Decode {
+                    v.push(Observation::Decode {
                         prompt_tokens,
                         digest: None,
                         last,
@@ -144,7 +150,7 @@ fn inputs(stage: Stage, g: &Ghost) -> Vec<Input> {
                 }
             }
             half_failures(&mut v, Side::Decode);
-            v.extend([Input::DecodeEnded, Input::Deadline(Phase::Idle)]);
+            v.extend([Observation::DecodeEnded, Observation::Deadline(Phase::Idle)]);
             outside(&mut v);
         }
     }
@@ -153,7 +159,7 @@ fn inputs(stage: Stage, g: &Ghost) -> Vec<Input> {
 
 impl Model for PairModel {
     type State = World;
-    type Action = (Input, Env);
+    type Action = (Observation, Env);
 
     fn init_states(&self) -> Vec<World> {
         let mut machine = Machine::new(self.limits);
@@ -164,7 +170,7 @@ impl Model for PairModel {
         }]
     }
 
-    fn actions(&self, w: &World, out: &mut Vec<(Input, Env)>) {
+    fn actions(&self, w: &World, out: &mut Vec<(Observation, Env)>) {
         for input in inputs(w.machine.stage(), &w.ghost) {
             for client_open in [true, false] {
                 for draining in [false, true] {
@@ -178,7 +184,7 @@ impl Model for PairModel {
         }
     }
 
-    fn next_state(&self, w: &World, (input, env): (Input, Env)) -> Option<World> {
+    fn next_state(&self, w: &World, (input, env): (Observation, Env)) -> Option<World> {
         let mut next = *w;
         let stage = w.machine.stage();
         let actions = next.machine.step(input, env);
@@ -186,7 +192,7 @@ impl Model for PairModel {
         match (stage, input) {
             (
                 _,
-                Input::Prefill {
+                Observation::Prefill {
                     prompt_tokens,
                     digest,
                 },
@@ -196,7 +202,7 @@ impl Model for PairModel {
             }
             (
                 Stage::Barrier { .. },
-                Input::Decode {
+                Observation::Decode {
                     prompt_tokens,
                     digest,
                     last,
@@ -205,15 +211,15 @@ impl Model for PairModel {
                 g.first = Some((prompt_tokens, digest));
                 g.decode_open = !last;
             }
-            (_, Input::Decode { last, .. }) => {
+            (_, Observation::Decode { last, .. }) => {
                 g.chunks += 1;
                 g.decode_open = !last;
             }
-            (_, Input::HalfFailed { side, .. }) => match side {
+            (_, Observation::HalfFailed { side, .. }) => match side {
                 Side::Prefill => g.prefill_open = false,
                 Side::Decode => g.decode_open = false,
             },
-            (_, Input::DecodeEnded) => g.decode_open = false,
+            (_, Observation::DecodeEnded) => g.decode_open = false,
             _ => {}
         }
         for action in actions {
@@ -379,7 +385,7 @@ fn a_dropped_abort_is_found_with_its_trace() {
     let actions = path.clone().into_actions();
     assert_eq!(
         actions.last().map(|(input, _)| *input),
-        Some(Input::Deadline(Phase::Idle)),
+        Some(Observation::Deadline(Phase::Idle)),
         "{actions:?}"
     );
     assert!(matches!(
@@ -404,7 +410,7 @@ fn nothing_moves_a_finished_pair() {
         draining: false,
     };
     assert_eq!(
-        m.step(Input::NoWorker(Side::Decode), env)
+        m.step(Observation::NoWorker(Side::Decode), env)
             .into_iter()
             .collect::<Vec<_>>()
             .len(),
@@ -414,20 +420,20 @@ fn nothing_moves_a_finished_pair() {
     assert!(matches!(done, Stage::Done(_)));
     let everything = SIDES
         .iter()
-        .map(|&side| Input::HalfFailed {
+        .map(|&side| Observation::HalfFailed {
             side,
             retry_safe: true,
             integrity: false,
         })
         .chain([
-            Input::Picked,
-            Input::Delivered,
-            Input::BackoffOver,
-            Input::ClientGone,
-            Input::DecodeEnded,
-            Input::Deadline(Phase::Total),
-            Input::Cancelled(CancelReason::Operator),
-            Input::Prefill {
+            Observation::Picked,
+            Observation::Delivered,
+            Observation::BackoffOver,
+            Observation::ClientGone,
+            Observation::DecodeEnded,
+            Observation::Deadline(Phase::Total),
+            Observation::Cancelled(CancelReason::Operator),
+            Observation::Prefill {
                 prompt_tokens: SENT,
                 digest: None,
             },

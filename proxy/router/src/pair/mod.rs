@@ -7,7 +7,7 @@ mod observer;
 mod outcome;
 mod registry;
 
-pub use lifecycle::PairRuntime;
+pub use lifecycle::ModelPairs;
 pub use outcome::{AbortReason, Outcome, PairEvent, PairStats};
 pub use registry::{AbortsInFlight, CancelReason, PairGuard, PairInfo, PairRegistry, PairState};
 

@@ -9,7 +9,7 @@ use futures_util::StreamExt;
 use futures_util::future::BoxFuture;
 use proptest::prelude::*;
 
-use super::{Outcome, PairEvent, PairId, PairRegistry, PairRuntime, PairStats};
+use super::{ModelPairs, Outcome, PairEvent, PairId, PairRegistry, PairStats};
 use crate::backend::{
     DecodeChunk, DecodeStream, Dispatch, FinishReason, HalfError, HalfFailure, PdBackend,
     PrefillReport, SamplingParams, Side,
@@ -227,7 +227,7 @@ fn pool() -> Arc<WorkerPool> {
 
 type Setup = (
     Arc<Fake>,
-    Arc<PairRuntime>,
+    Arc<ModelPairs>,
     Arc<PairRegistry>,
     Arc<WorkerPool>,
     Arc<WorkerPool>,
@@ -245,7 +245,7 @@ fn setup(script: &Script) -> Setup {
     let registry = Arc::new(PairRegistry::default());
     let (prefill, decode) = (pool(), pool());
     let metrics = Arc::new(crate::metrics::Metrics::new());
-    let rt = Arc::new(PairRuntime {
+    let rt = Arc::new(ModelPairs {
         model: "m".into(),
         backend: fake.clone(),
         prefill: prefill.clone(),

@@ -97,7 +97,8 @@ impl PairRegistry {
         AbortsInFlight(self.aborts.clone())
     }
 
-    /// Marks the process as draining: failed pairs are no longer retried.
+    /// Marks the process as draining (the one flag: admission refuses new requests, `/ready`
+    /// fails, failed pairs are no longer retried).
     pub fn set_draining(&self) {
         self.draining
             .store(true, std::sync::atomic::Ordering::Release);
