@@ -157,6 +157,10 @@ fn unreachable(side: Side, e: String) -> HalfError {
 }
 
 impl PdBackend for LockstepBackend {
+    fn forget(&self, url: &str) {
+        self.clients.remove(url);
+    }
+
     fn deployment<'a>(&'a self, m: &'a ModelConfig) -> BoxFuture<'a, Result<Deployment, String>> {
         Box::pin(check_deployment(self, m))
     }
@@ -422,6 +426,23 @@ mod tests {
             finish,
             matched_stop: matched.into(),
         }
+    }
+
+    #[tokio::test]
+    async fn a_forgotten_worker_leaves_no_connection_behind() {
+        let b = LockstepBackend::new(
+            Duration::from_secs(1),
+            None,
+            &crate::config::TimeoutConfig::default(),
+        );
+        for port in [7001, 7002] {
+            b.client(&format!("http://127.0.0.1:{port}"))
+                .expect("a lazy channel");
+        }
+        assert_eq!(b.clients.len(), 2);
+        b.forget("http://127.0.0.1:7001");
+        assert_eq!(b.clients.len(), 1);
+        assert!(b.clients.contains_key("http://127.0.0.1:7002"));
     }
 
     #[test]

@@ -303,6 +303,11 @@ pub trait PdBackend: Send + Sync + 'static {
     fn confirms_abort(&self) -> bool {
         false
     }
+    /// Forgets what the backend keeps for the worker at `url`, one that left its pool (a pod
+    /// gone): its connection, the settings its check verified. Per-URL state then grows with
+    /// the pool, not with its churn; a worker that comes back is checked again. Default: none
+    /// kept.
+    fn forget(&self, _url: &str) {}
     /// Whether the decode's first chunk always carries the prompt count it was given (SGLang's
     /// `meta_info.prompt_tokens`, vLLM's per-chunk usage, lockstep's own workers and engine):
     /// then a first chunk without one fails the pair instead of passing the count check

@@ -239,6 +239,12 @@ pub(crate) fn prefill_report(v: &Answer, rid: &str) -> Result<PrefillReport, Hal
 }
 
 impl PdBackend for SglangBackend {
+    fn forget(&self, url: &str) {
+        let mut c = self.checked.write().unwrap_or_else(|p| p.into_inner());
+        c.stream_modes.remove(url);
+        c.infos.retain(|(_, w, _)| w.url != url);
+    }
+
     fn deployment<'a>(&'a self, m: &'a ModelConfig) -> BoxFuture<'a, Result<Deployment, String>> {
         Box::pin(async move {
             let (v, infos) = super::sglang_info::verify(&self.client, m).await?;

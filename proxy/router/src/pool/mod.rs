@@ -1,7 +1,7 @@
 //! Worker pools (each worker an [`Upstream`]): selection policies, RAII load guards and background health checks.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
 
 use rand::Rng;
 
@@ -218,6 +218,10 @@ impl WorkerPool {
                 w.healthy
                     .store(o.healthy.load(Ordering::Acquire), Ordering::Release);
             }
+            // What the prefix policy predicted this worker holds, by its URL.
+            if let Some(b) = old.prefix.workers.get(&w.url) {
+                self.prefix.workers.insert(w.url.clone(), b.clone());
+            }
         }
     }
 
@@ -240,7 +244,6 @@ impl WorkerPool {
             next: AtomicUsize::new(0),
             prefix: PrefixIndex {
                 cfg: cfg.prefix,
-                workers: cfg.workers.iter().map(|_| Mutex::default()).collect(),
                 ..PrefixIndex::default()
             },
         }
@@ -266,13 +269,14 @@ impl WorkerPool {
     ) -> &'w Arc<Upstream> {
         let cfg = &self.prefix.cfg;
         let hashes = lockstep_engine::pool::block_hashes(key.tokens, cfg.block_tokens, key.salt);
-        let index_of = |w: &Arc<Upstream>| self.workers.iter().position(|x| Arc::ptr_eq(x, w));
-        let blocks = |w: &Arc<Upstream>| index_of(w).and_then(|i| self.prefix.workers.get(i));
         let stats: Vec<(usize, usize, usize)> = candidates
             .iter()
             .map(|w| {
-                let (matched, size) = blocks(w)
-                    .and_then(|b| b.lock().ok().map(|b| (b.matched(&hashes), b.by_hash.len())))
+                let (matched, size) = self
+                    .prefix
+                    .workers
+                    .get(&w.url)
+                    .map(|b| (b.matched(&hashes), b.by_hash.len()))
                     .unwrap_or((0, 0));
                 (w.in_flight(), matched, size)
             })
@@ -296,11 +300,11 @@ impl WorkerPool {
                 .unwrap_or(0)
         };
         let w = candidates[chosen];
-        if let Some(b) = blocks(w)
-            && let Ok(mut b) = b.lock()
-        {
-            b.insert(&hashes, &self.prefix.tick, cfg.capacity_blocks);
-        }
+        self.prefix
+            .workers
+            .entry(w.url.clone())
+            .or_default()
+            .insert(&hashes, &self.prefix.tick, cfg.capacity_blocks);
         let block = cfg.block_tokens as u64;
         self.prefix
             .routed_tokens
@@ -384,215 +388,4 @@ impl WorkerPool {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use std::sync::atomic::AtomicU64;
-
-    #[test]
-    fn a_pair_limit_per_worker_is_never_exceeded() {
-        let p = WorkerPool::new(&PoolConfig {
-            max_pairs_per_worker: 2,
-            ..PoolConfig {
-                policy: PolicyKind::LeastLoad,
-                workers: (0..2)
-                    .map(|i| WorkerConfig {
-                        url: format!("http://127.0.0.1:{}", 2000 + i),
-                        bootstrap_port: None,
-                        bootstrap_host: None,
-                    })
-                    .collect(),
-                ..PoolConfig::default()
-            }
-        });
-        let held: Vec<LoadGuard> = (0..4)
-            .map(|_| p.pick(None, None).expect("a slot"))
-            .collect();
-        assert!(p.workers().iter().all(|w| w.in_flight() == 2));
-        assert!(p.pick(None, None).is_none() && p.all_busy());
-        drop(held);
-        assert!(!p.all_busy() && p.pick(None, None).is_some());
-        // Concurrent takers never exceed the limit.
-        let w = p.workers()[0].clone();
-        let got: Vec<Option<LoadGuard>> = std::thread::scope(|s| {
-            let hs: Vec<_> = (0..16)
-                .map(|_| s.spawn(|| LoadGuard::try_new(w.clone(), 3)))
-                .collect();
-            hs.into_iter().map(|h| h.join().expect("thread")).collect()
-        });
-        assert_eq!(got.iter().filter(|g| g.is_some()).count(), 3);
-    }
-
-    fn pool(n: usize, policy: PolicyKind) -> WorkerPool {
-        WorkerPool::new(&PoolConfig {
-            policy,
-            workers: (0..n)
-                .map(|i| WorkerConfig {
-                    url: format!("http://127.0.0.1:{}", 1000 + i),
-                    bootstrap_port: None,
-                    bootstrap_host: None,
-                })
-                .collect(),
-            ..PoolConfig::default()
-        })
-    }
-
-    #[test]
-    fn round_robin_cycles_and_guards_count() {
-        let p = pool(3, PolicyKind::RoundRobin);
-        let g: Vec<_> = (0..6)
-            .map(|_| p.pick(None, None).expect("worker"))
-            .collect();
-        let urls: Vec<_> = g.iter().map(|g| g.worker().url.clone()).collect();
-        assert_eq!(urls[0..3], urls[3..6]);
-        assert_ne!(urls[0], urls[1]);
-        assert!(p.workers().iter().all(|w| w.in_flight() == 2));
-        drop(g);
-        assert!(p.workers().iter().all(|w| w.in_flight() == 0));
-    }
-
-    #[test]
-    fn least_load_prefers_idle_worker() {
-        let p = pool(2, PolicyKind::LeastLoad);
-        let busy: Vec<_> = (0..5)
-            .map(|_| LoadGuard::new(p.workers()[0].clone()))
-            .collect();
-        for _ in 0..20 {
-            let g = p.pick(None, None).expect("worker");
-            assert_eq!(g.worker().url, p.workers()[1].url);
-        }
-        drop(busy);
-    }
-
-    #[test]
-    fn unhealthy_after_threshold_and_back() {
-        let p = pool(2, PolicyKind::RoundRobin);
-        let cfg = HealthConfig {
-            interval_ms: 1,
-            timeout_ms: 1,
-            failure_threshold: 2,
-            success_threshold: 2,
-        };
-        let w = &p.workers()[0];
-        w.record_health(false, &cfg);
-        assert!(w.is_healthy());
-        w.record_health(false, &cfg);
-        assert!(!w.is_healthy());
-        for _ in 0..10 {
-            assert_eq!(
-                p.pick(None, None).expect("worker").worker().url,
-                p.workers()[1].url
-            );
-        }
-        w.record_health(true, &cfg);
-        assert!(!w.is_healthy());
-        w.record_health(true, &cfg);
-        assert!(w.is_healthy());
-        p.workers()[1].record_health(false, &cfg);
-        p.workers()[1].record_health(false, &cfg);
-        w.record_health(false, &cfg);
-        w.record_health(false, &cfg);
-        assert!(p.pick(None, None).is_none());
-    }
-
-    #[test]
-    fn avoid_skips_failed_worker_when_possible() {
-        let p = pool(2, PolicyKind::RoundRobin);
-        let bad = p.workers()[0].clone();
-        for _ in 0..6 {
-            assert_eq!(
-                p.pick(Some(&bad), None).expect("worker").worker().url,
-                p.workers()[1].url
-            );
-        }
-        let one = pool(1, PolicyKind::RoundRobin);
-        let only = one.workers()[0].clone();
-        assert!(one.pick(Some(&only), None).is_some());
-    }
-
-    fn prompt(seed: u32, len: usize) -> Vec<u32> {
-        (0..len as u32).map(|i| seed * 1000 + i).collect()
-    }
-
-    fn url_of(p: &WorkerPool, tokens: &[u32], salt: u64) -> String {
-        let key = RouteKey { tokens, salt };
-        p.pick(None, Some(&key))
-            .expect("worker")
-            .worker()
-            .url
-            .clone()
-    }
-
-    #[test]
-    fn prefix_policy_keeps_a_tenants_prefix_on_one_worker() {
-        let p = pool(3, PolicyKind::PrefixAware);
-        let shared = prompt(1, 64);
-        let home = url_of(&p, &shared, 7);
-        // The same prefix with different endings, again and again: the same worker.
-        for i in 0..10u32 {
-            let mut t = shared.clone();
-            t.extend([90_000 + i, 90_100 + i, 90_200 + i]);
-            assert_eq!(url_of(&p, &t, 7), home, "request {i}");
-        }
-        let (routed, hit) = p.prefix_prediction();
-        assert_eq!(routed, 64 + 10 * 67);
-        assert_eq!(hit, 10 * 64, "every repeat predicted a 4-block hit");
-        // Unrelated prompts spread over the workers (least loaded, then least cached).
-        let spread: std::collections::HashSet<String> =
-            (2..8).map(|s| url_of(&p, &prompt(s, 64), 7)).collect();
-        assert_eq!(spread.len(), 3, "{spread:?}");
-    }
-
-    #[test]
-    fn prefix_policy_never_counts_another_tenants_prefix_as_a_hit() {
-        let p = pool(2, PolicyKind::PrefixAware);
-        let shared = prompt(1, 64);
-        let _ = url_of(&p, &shared, 7);
-        let (_, before) = p.prefix_prediction();
-        // Tenant 8 sends the identical prompt: no hit is predicted anywhere.
-        let _ = url_of(&p, &shared, 8);
-        assert_eq!(
-            p.prefix_prediction().1,
-            before,
-            "another tenant's blocks are not a hit"
-        );
-        // Tenant 8's own repeat is.
-        let _ = url_of(&p, &shared, 8);
-        assert_eq!(p.prefix_prediction().1, before + 64);
-    }
-
-    #[test]
-    fn prefix_policy_yields_to_load_when_out_of_balance() {
-        let p = pool(2, PolicyKind::PrefixAware);
-        let shared = prompt(1, 64);
-        let key = RouteKey {
-            tokens: &shared,
-            salt: 7,
-        };
-        let first = p.pick(None, Some(&key)).expect("worker");
-        let home = first.worker().url.clone();
-        // Pile load on the home worker: past the thresholds (more than 4 over, and 1.5x), the
-        // same prefix goes to the idle worker.
-        let mut held = vec![first];
-        while held.len() < 5 {
-            let g = p.pick(None, Some(&key)).expect("worker");
-            assert_eq!(g.worker().url, home, "balanced enough: stays on its prefix");
-            held.push(g);
-        }
-        let g = p.pick(None, Some(&key)).expect("worker");
-        assert_ne!(g.worker().url, home, "out of balance: the idle worker");
-    }
-
-    #[test]
-    fn prefix_index_forgets_the_least_recently_routed_blocks_first() {
-        let tick = AtomicU64::new(0);
-        let mut b = Blocks::default();
-        b.insert(&[1, 2, 3], &tick, 4);
-        b.insert(&[4, 5], &tick, 4);
-        assert_eq!(b.by_hash.len(), 4);
-        assert_eq!(b.matched(&[1, 2, 3]), 0, "block 1 was the oldest");
-        assert_eq!(b.matched(&[2, 3, 4]), 3);
-        b.insert(&[2], &tick, 4); // touched: now the newest
-        b.insert(&[6], &tick, 4);
-        assert!(b.by_hash.contains_key(&2) && !b.by_hash.contains_key(&3));
-    }
-}
+mod tests;

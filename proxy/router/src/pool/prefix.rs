@@ -2,7 +2,6 @@
 //! there (least recently routed forgotten first).
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::config::PrefixRouting;
@@ -10,7 +9,7 @@ use crate::config::PrefixRouting;
 /// The blocks one worker is predicted to hold: block hash → when it was last routed there,
 /// and the reverse, for forgetting the least recently routed first.
 /// One worker's remembered blocks: hash -> routing tick, and tick -> hash for eviction.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub(super) struct Blocks {
     pub(super) by_hash: HashMap<u64, u64>,
     by_age: BTreeMap<u64, u64>,
@@ -44,11 +43,12 @@ impl Blocks {
 }
 
 /// The prefix-aware policy's view of the workers' caches (approximate: what was routed where).
-/// Every worker's blocks, and the predicted-hit counters.
+/// Every worker's blocks, keyed by its URL (so a member that joins, leaves or moves in the list
+/// keeps or drops exactly its own), and the predicted-hit counters.
 #[derive(Debug, Default)]
 pub(super) struct PrefixIndex {
     pub(super) cfg: PrefixRouting,
-    pub(super) workers: Vec<Mutex<Blocks>>,
+    pub(super) workers: dashmap::DashMap<String, Blocks>,
     pub(super) tick: AtomicU64,
     /// Prompt tokens routed with a key, and how many of them were predicted cached.
     pub(super) routed_tokens: AtomicU64,

@@ -1,0 +1,256 @@
+//! The worker pool's tests: pair limits, policies, the prefix index.
+
+use super::*;
+use std::sync::atomic::AtomicU64;
+
+#[test]
+fn a_pair_limit_per_worker_is_never_exceeded() {
+    let p = WorkerPool::new(&PoolConfig {
+        max_pairs_per_worker: 2,
+        ..PoolConfig {
+            policy: PolicyKind::LeastLoad,
+            workers: (0..2)
+                .map(|i| WorkerConfig {
+                    url: format!("http://127.0.0.1:{}", 2000 + i),
+                    bootstrap_port: None,
+                    bootstrap_host: None,
+                })
+                .collect(),
+            ..PoolConfig::default()
+        }
+    });
+    let held: Vec<LoadGuard> = (0..4)
+        .map(|_| p.pick(None, None).expect("a slot"))
+        .collect();
+    assert!(p.workers().iter().all(|w| w.in_flight() == 2));
+    assert!(p.pick(None, None).is_none() && p.all_busy());
+    drop(held);
+    assert!(!p.all_busy() && p.pick(None, None).is_some());
+    // Concurrent takers never exceed the limit.
+    let w = p.workers()[0].clone();
+    let got: Vec<Option<LoadGuard>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..16)
+            .map(|_| s.spawn(|| LoadGuard::try_new(w.clone(), 3)))
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("thread")).collect()
+    });
+    assert_eq!(got.iter().filter(|g| g.is_some()).count(), 3);
+}
+
+fn pool(n: usize, policy: PolicyKind) -> WorkerPool {
+    WorkerPool::new(&PoolConfig {
+        policy,
+        workers: (0..n)
+            .map(|i| WorkerConfig {
+                url: format!("http://127.0.0.1:{}", 1000 + i),
+                bootstrap_port: None,
+                bootstrap_host: None,
+            })
+            .collect(),
+        ..PoolConfig::default()
+    })
+}
+
+#[test]
+fn round_robin_cycles_and_guards_count() {
+    let p = pool(3, PolicyKind::RoundRobin);
+    let g: Vec<_> = (0..6)
+        .map(|_| p.pick(None, None).expect("worker"))
+        .collect();
+    let urls: Vec<_> = g.iter().map(|g| g.worker().url.clone()).collect();
+    assert_eq!(urls[0..3], urls[3..6]);
+    assert_ne!(urls[0], urls[1]);
+    assert!(p.workers().iter().all(|w| w.in_flight() == 2));
+    drop(g);
+    assert!(p.workers().iter().all(|w| w.in_flight() == 0));
+}
+
+#[test]
+fn least_load_prefers_idle_worker() {
+    let p = pool(2, PolicyKind::LeastLoad);
+    let busy: Vec<_> = (0..5)
+        .map(|_| LoadGuard::new(p.workers()[0].clone()))
+        .collect();
+    for _ in 0..20 {
+        let g = p.pick(None, None).expect("worker");
+        assert_eq!(g.worker().url, p.workers()[1].url);
+    }
+    drop(busy);
+}
+
+#[test]
+fn unhealthy_after_threshold_and_back() {
+    let p = pool(2, PolicyKind::RoundRobin);
+    let cfg = HealthConfig {
+        interval_ms: 1,
+        timeout_ms: 1,
+        failure_threshold: 2,
+        success_threshold: 2,
+    };
+    let w = &p.workers()[0];
+    w.record_health(false, &cfg);
+    assert!(w.is_healthy());
+    w.record_health(false, &cfg);
+    assert!(!w.is_healthy());
+    for _ in 0..10 {
+        assert_eq!(
+            p.pick(None, None).expect("worker").worker().url,
+            p.workers()[1].url
+        );
+    }
+    w.record_health(true, &cfg);
+    assert!(!w.is_healthy());
+    w.record_health(true, &cfg);
+    assert!(w.is_healthy());
+    p.workers()[1].record_health(false, &cfg);
+    p.workers()[1].record_health(false, &cfg);
+    w.record_health(false, &cfg);
+    w.record_health(false, &cfg);
+    assert!(p.pick(None, None).is_none());
+}
+
+#[test]
+fn avoid_skips_failed_worker_when_possible() {
+    let p = pool(2, PolicyKind::RoundRobin);
+    let bad = p.workers()[0].clone();
+    for _ in 0..6 {
+        assert_eq!(
+            p.pick(Some(&bad), None).expect("worker").worker().url,
+            p.workers()[1].url
+        );
+    }
+    let one = pool(1, PolicyKind::RoundRobin);
+    let only = one.workers()[0].clone();
+    assert!(one.pick(Some(&only), None).is_some());
+}
+
+fn prompt(seed: u32, len: usize) -> Vec<u32> {
+    (0..len as u32).map(|i| seed * 1000 + i).collect()
+}
+
+fn url_of(p: &WorkerPool, tokens: &[u32], salt: u64) -> String {
+    let key = RouteKey { tokens, salt };
+    p.pick(None, Some(&key))
+        .expect("worker")
+        .worker()
+        .url
+        .clone()
+}
+
+#[test]
+fn prefix_policy_keeps_a_tenants_prefix_on_one_worker() {
+    let p = pool(3, PolicyKind::PrefixAware);
+    let shared = prompt(1, 64);
+    let home = url_of(&p, &shared, 7);
+    // The same prefix with different endings, again and again: the same worker.
+    for i in 0..10u32 {
+        let mut t = shared.clone();
+        t.extend([90_000 + i, 90_100 + i, 90_200 + i]);
+        assert_eq!(url_of(&p, &t, 7), home, "request {i}");
+    }
+    let (routed, hit) = p.prefix_prediction();
+    assert_eq!(routed, 64 + 10 * 67);
+    assert_eq!(hit, 10 * 64, "every repeat predicted a 4-block hit");
+    // Unrelated prompts spread over the workers (least loaded, then least cached).
+    let spread: std::collections::HashSet<String> =
+        (2..8).map(|s| url_of(&p, &prompt(s, 64), 7)).collect();
+    assert_eq!(spread.len(), 3, "{spread:?}");
+}
+
+#[test]
+fn prefix_policy_never_counts_another_tenants_prefix_as_a_hit() {
+    let p = pool(2, PolicyKind::PrefixAware);
+    let shared = prompt(1, 64);
+    let _ = url_of(&p, &shared, 7);
+    let (_, before) = p.prefix_prediction();
+    // Tenant 8 sends the identical prompt: no hit is predicted anywhere.
+    let _ = url_of(&p, &shared, 8);
+    assert_eq!(
+        p.prefix_prediction().1,
+        before,
+        "another tenant's blocks are not a hit"
+    );
+    // Tenant 8's own repeat is.
+    let _ = url_of(&p, &shared, 8);
+    assert_eq!(p.prefix_prediction().1, before + 64);
+}
+
+#[test]
+fn prefix_policy_yields_to_load_when_out_of_balance() {
+    let p = pool(2, PolicyKind::PrefixAware);
+    let shared = prompt(1, 64);
+    let key = RouteKey {
+        tokens: &shared,
+        salt: 7,
+    };
+    let first = p.pick(None, Some(&key)).expect("worker");
+    let home = first.worker().url.clone();
+    // Pile load on the home worker: past the thresholds (more than 4 over, and 1.5x), the
+    // same prefix goes to the idle worker.
+    let mut held = vec![first];
+    while held.len() < 5 {
+        let g = p.pick(None, Some(&key)).expect("worker");
+        assert_eq!(g.worker().url, home, "balanced enough: stays on its prefix");
+        held.push(g);
+    }
+    let g = p.pick(None, Some(&key)).expect("worker");
+    assert_ne!(g.worker().url, home, "out of balance: the idle worker");
+}
+
+#[test]
+fn prefix_index_forgets_the_least_recently_routed_blocks_first() {
+    let tick = AtomicU64::new(0);
+    let mut b = Blocks::default();
+    b.insert(&[1, 2, 3], &tick, 4);
+    b.insert(&[4, 5], &tick, 4);
+    assert_eq!(b.by_hash.len(), 4);
+    assert_eq!(b.matched(&[1, 2, 3]), 0, "block 1 was the oldest");
+    assert_eq!(b.matched(&[2, 3, 4]), 3);
+    b.insert(&[2], &tick, 4); // touched: now the newest
+    b.insert(&[6], &tick, 4);
+    assert!(b.by_hash.contains_key(&2) && !b.by_hash.contains_key(&3));
+}
+
+#[test]
+fn the_prefix_memory_follows_a_workers_url_across_a_reload() {
+    let cfg = |ports: [u16; 2]| PoolConfig {
+        policy: PolicyKind::PrefixAware,
+        workers: ports
+            .iter()
+            .map(|p| WorkerConfig {
+                url: format!("http://127.0.0.1:{p}"),
+                bootstrap_port: None,
+                bootstrap_host: None,
+            })
+            .collect(),
+        ..PoolConfig::default()
+    };
+    let old = WorkerPool::new(&cfg([5000, 5001]));
+    let tokens: Vec<u32> = (0..256).collect();
+    let key = RouteKey {
+        tokens: &tokens,
+        salt: 7,
+    };
+    let first = old
+        .pick(None, Some(&key))
+        .expect("a worker")
+        .worker()
+        .url
+        .clone();
+    // The reloaded pool lists the workers the other way round: the prompt still goes where its
+    // blocks were routed, and a worker new to the pool starts with nothing remembered.
+    let mut new = WorkerPool::new(&cfg([5001, 5000]));
+    new.carry_from(&old);
+    for _ in 0..3 {
+        let again = new
+            .pick(None, Some(&key))
+            .expect("a worker")
+            .worker()
+            .url
+            .clone();
+        assert_eq!(again, first);
+    }
+    let mut other = WorkerPool::new(&cfg([5002, 5003]));
+    other.carry_from(&old);
+    assert!(other.prefix.workers.is_empty());
+}
