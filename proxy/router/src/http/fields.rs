@@ -434,4 +434,108 @@ mod tests {
         );
         assert_eq!(check(MESSAGE, json!({"name": "bob"})), Err("name".into()));
     }
+
+    #[test]
+    fn each_no_op_predicate_takes_exactly_its_no_op_values() {
+        let vals = [
+            json!(null),
+            json!(false),
+            json!(true),
+            json!(0),
+            json!(1),
+            json!([]),
+            json!(["x"]),
+            json!({}),
+            json!({"a": 1}),
+            json!("auto"),
+            json!("default"),
+            json!("none"),
+            json!("flex"),
+            json!(["text"]),
+            json!(["text", "audio"]),
+        ];
+        let takes = |f: fn(&Value) -> bool| -> Vec<String> {
+            vals.iter().filter(|v| f(v)).map(Value::to_string).collect()
+        };
+        assert_eq!(takes(null), ["null"]);
+        assert_eq!(takes(falsy), ["null", "false"]);
+        assert_eq!(takes(truthy), ["null", "true"]);
+        assert_eq!(takes(empty), ["null", "[]", "{}"]);
+        assert_eq!(takes(zero), ["null", "0"]);
+        assert_eq!(takes(one), ["null", "1"]);
+        assert_eq!(takes(no_tool_choice), ["null", "\"auto\"", "\"none\""]);
+        assert_eq!(takes(text_modality), ["null", "[\"text\"]"]);
+        assert_eq!(takes(default_tier), ["null", "\"auto\"", "\"default\""]);
+        assert_eq!(takes(any).len(), vals.len());
+    }
+
+    #[test]
+    fn structured_output_fields_become_the_constraint_they_name() {
+        let take = |v: Value| {
+            let mut rest = v.as_object().cloned().unwrap_or_default();
+            let c = response_format(&mut rest, BackendKind::Sglang).map_err(|e| e.to_string());
+            assert!(
+                !rest.contains_key("response_format"),
+                "taken out of the rest"
+            );
+            c
+        };
+        assert_eq!(take(json!({})), Ok(None));
+        assert_eq!(take(json!({"response_format": null})), Ok(None));
+        assert_eq!(take(json!({"response_format": {"type": "text"}})), Ok(None));
+        assert_eq!(
+            take(json!({"response_format": {"type": "json_object"}})),
+            Ok(Some(Constraint::JsonObject))
+        );
+        assert_eq!(
+            take(
+                json!({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "string"}}}})
+            ),
+            Ok(Some(Constraint::JsonSchema(r#"{"type":"string"}"#.into())))
+        );
+        assert!(
+            take(json!({"response_format": {"type": "json_schema", "json_schema": {}}})).is_err()
+        );
+        // A boolean schema is a schema too (JSON Schema's `true`: anything).
+        assert_eq!(
+            take(
+                json!({"response_format": {"type": "json_schema", "json_schema": {"schema": true}}})
+            ),
+            Ok(Some(Constraint::JsonSchema("true".into())))
+        );
+        let native = |v: Value| {
+            let mut rest = v.as_object().cloned().unwrap_or_default();
+            native_constraint(&mut rest, BackendKind::Sglang).map_err(|e| e.to_string())
+        };
+        assert_eq!(native(json!({"regex": null})), Ok(None));
+        assert_eq!(
+            native(json!({"regex": "a+"})),
+            Ok(Some(Constraint::Regex("a+".into())))
+        );
+        assert_eq!(
+            native(json!({"json_schema": "{\"type\":\"object\"}"})),
+            Ok(Some(Constraint::JsonSchema("{\"type\":\"object\"}".into())))
+        );
+        assert_eq!(
+            native(json!({"ebnf": "root ::= \"a\""})),
+            Ok(Some(Constraint::Ebnf("root ::= \"a\"".into())))
+        );
+        assert!(native(json!({"json_schema": "not json"})).is_err());
+        assert!(native(json!({"regex": "a", "ebnf": "b"})).is_err());
+    }
+
+    #[test]
+    fn the_constraint_cap_is_inclusive_at_its_limit() {
+        let at = |n: usize| within_cap(&Constraint::Regex("a".repeat(n)), "regex");
+        assert!(at(MAX_CONSTRAINT_BYTES).is_ok());
+        assert!(at(MAX_CONSTRAINT_BYTES - 1).is_ok());
+        assert!(at(0).is_ok());
+        let e = at(MAX_CONSTRAINT_BYTES + 1).expect_err("over the cap");
+        assert!(
+            matches!(&e, LockstepError::InvalidRequest { param: Some(p), .. } if p == "regex"),
+            "{e:?}"
+        );
+        assert!(within_cap(&Constraint::JsonObject, "x").is_ok());
+        assert_eq!(MAX_CONSTRAINT_BYTES, 32 * 1024);
+    }
 }
