@@ -21,4 +21,4 @@ if [ "${MUTANTS_TESTS:-package}" = workspace ]; then
 else
   scope=(--test-package lockstep-router)
 fi
-exec cargo mutants "${args[@]}" "${scope[@]}" --timeout 180
+exec cargo mutants "${args[@]}" "${scope[@]}" --timeout 180 --cap-lints true
