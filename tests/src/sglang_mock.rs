@@ -709,6 +709,18 @@ async fn abort(State(ctx): State<Ctx>, body: Bytes) -> Response {
     StatusCode::OK.into_response()
 }
 
+/// A `stop` field's strings, as both servers take it: one string or a list of them.
+pub(crate) fn stop_strings(v: Option<&Value>) -> Vec<String> {
+    match v {
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(|s| s.as_str().map(str::to_string))
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
 fn sglang_error(status: StatusCode, message: &str) -> Response {
     (status, axum::Json(json!({ "object": "error", "message": message, "type": "BadRequestError", "code": status.as_u16() }))).into_response()
 }
@@ -765,14 +777,7 @@ fn parse_half(v: &Value) -> Result<Half, &'static str> {
             .get("cache_salt")
             .and_then(Value::as_str)
             .map(str::to_string),
-        stop: match v.pointer("/sampling_params/stop") {
-            Some(Value::String(s)) => vec![s.clone()],
-            Some(Value::Array(a)) => a
-                .iter()
-                .filter_map(|s| s.as_str().map(str::to_string))
-                .collect(),
-            _ => Vec::new(),
-        },
+        stop: stop_strings(v.pointer("/sampling_params/stop")),
         no_stop_trim: v
             .pointer("/sampling_params/no_stop_trim")
             .and_then(Value::as_bool)

@@ -49,7 +49,7 @@ use tokenizers::Tokenizer;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
-use crate::sglang_mock::{KEPT, lock};
+use crate::sglang_mock::{KEPT, lock, stop_strings};
 
 /// Injected faults.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -327,14 +327,7 @@ fn include_usage(req: &Value) -> (bool, bool) {
 
 /// The request's `stop` strings (a string or a list, `completion/protocol.py`).
 fn stops(req: &Value) -> Vec<String> {
-    match req.get("stop") {
-        Some(Value::String(s)) => vec![s.clone()],
-        Some(Value::Array(a)) => a
-            .iter()
-            .filter_map(|s| s.as_str().map(str::to_string))
-            .collect(),
-        _ => Vec::new(),
-    }
+    stop_strings(req.get("stop"))
 }
 
 /// `check_stop_strings` over the whole text: where the earliest-ending stop string starts, and

@@ -3,6 +3,25 @@
 use super::*;
 use std::sync::atomic::AtomicU64;
 
+use crate::vocab::Side;
+
+/// A pool of workers on these loopback ports, each taking at most `max` pairs (0: any number).
+fn on_ports(policy: PolicyKind, ports: &[u16], max: usize) -> WorkerPool {
+    WorkerPool::new(&PoolConfig {
+        policy,
+        max_pairs_per_worker: max,
+        workers: ports
+            .iter()
+            .map(|p| WorkerConfig {
+                url: format!("http://127.0.0.1:{p}"),
+                bootstrap_port: None,
+                bootstrap_host: None,
+            })
+            .collect(),
+        ..PoolConfig::default()
+    })
+}
+
 #[test]
 fn a_pair_limit_per_worker_is_never_exceeded() {
     let p = WorkerPool::new(&PoolConfig {
@@ -38,17 +57,8 @@ fn a_pair_limit_per_worker_is_never_exceeded() {
 }
 
 fn pool(n: usize, policy: PolicyKind) -> WorkerPool {
-    WorkerPool::new(&PoolConfig {
-        policy,
-        workers: (0..n)
-            .map(|i| WorkerConfig {
-                url: format!("http://127.0.0.1:{}", 1000 + i),
-                bootstrap_port: None,
-                bootstrap_host: None,
-            })
-            .collect(),
-        ..PoolConfig::default()
-    })
+    let ports: Vec<u16> = (1000..).take(n).collect();
+    on_ports(policy, &ports, 0)
 }
 
 #[test]
@@ -213,19 +223,8 @@ fn prefix_index_forgets_the_least_recently_routed_blocks_first() {
 
 #[test]
 fn the_prefix_memory_follows_a_workers_url_across_a_reload() {
-    let cfg = |ports: [u16; 2]| PoolConfig {
-        policy: PolicyKind::PrefixAware,
-        workers: ports
-            .iter()
-            .map(|p| WorkerConfig {
-                url: format!("http://127.0.0.1:{p}"),
-                bootstrap_port: None,
-                bootstrap_host: None,
-            })
-            .collect(),
-        ..PoolConfig::default()
-    };
-    let old = WorkerPool::new(&cfg([5000, 5001]));
+    let cfg = |ports: [u16; 2]| on_ports(PolicyKind::PrefixAware, &ports, 0);
+    let old = cfg([5000, 5001]);
     let tokens: Vec<u32> = (0..256).collect();
     let key = RouteKey {
         tokens: &tokens,
@@ -239,7 +238,7 @@ fn the_prefix_memory_follows_a_workers_url_across_a_reload() {
         .clone();
     // The reloaded pool lists the workers the other way round: the prompt still goes where its
     // blocks were routed, and a worker new to the pool starts with nothing remembered.
-    let mut new = WorkerPool::new(&cfg([5001, 5000]));
+    let mut new = cfg([5001, 5000]);
     new.carry_from(&old);
     for _ in 0..3 {
         let again = new
@@ -250,7 +249,61 @@ fn the_prefix_memory_follows_a_workers_url_across_a_reload() {
             .clone();
         assert_eq!(again, first);
     }
-    let mut other = WorkerPool::new(&cfg([5002, 5003]));
+    let mut other = cfg([5002, 5003]);
     other.carry_from(&old);
     assert!(other.prefix.workers.is_empty());
+}
+
+#[test]
+fn both_sides_are_picked_and_a_pinned_prefill_must_be_a_member() {
+    let (p, d) = (
+        on_ports(PolicyKind::RoundRobin, &[3000, 3001], 1),
+        on_ports(PolicyKind::RoundRobin, &[4000], 0),
+    );
+    let got = pick_pair(&p, &d, None, PrefillChoice::Pick { avoid: None }, None).expect("a pair");
+    assert_eq!(got.decode.worker().url, "http://127.0.0.1:4000");
+    drop(got);
+    let pinned = pick_pair(
+        &p,
+        &d,
+        None,
+        PrefillChoice::Pinned("http://127.0.0.1:3001"),
+        None,
+    )
+    .expect("the pinned member");
+    assert_eq!(pinned.prefill.worker().url, "http://127.0.0.1:3001");
+    // Its one slot is held: pinning it again finds it full.
+    let again = pick_pair(
+        &p,
+        &d,
+        None,
+        PrefillChoice::Pinned("http://127.0.0.1:3001"),
+        None,
+    );
+    assert_eq!(again.err(), Some(Side::Prefill));
+    drop(pinned);
+    // A URL outside the pool is never picked, however it is spelled.
+    for url in ["http://127.0.0.1:9999", "http://127.0.0.1:3001/", ""] {
+        let r = pick_pair(&p, &d, None, PrefillChoice::Pinned(url), None);
+        assert_eq!(r.err(), Some(Side::Prefill), "{url}");
+    }
+    assert!(p.workers().iter().all(|w| w.in_flight() == 0));
+}
+
+#[test]
+fn a_decode_side_that_cannot_take_the_pair_gives_the_prefill_slot_back() {
+    let (p, d) = (
+        on_ports(PolicyKind::RoundRobin, &[3000], 0),
+        on_ports(PolicyKind::RoundRobin, &[4000], 1),
+    );
+    let held = d.pick(None, None).expect("the decode's only slot");
+    let r = pick_pair(&p, &d, None, PrefillChoice::Pick { avoid: None }, None);
+    assert_eq!(r.err(), Some(Side::Decode));
+    assert_eq!(
+        p.workers()[0].in_flight(),
+        0,
+        "the prefill slot was given back"
+    );
+    drop(held);
+    assert!(pick_pair(&p, &d, None, PrefillChoice::Pick { avoid: None }, None).is_ok());
 }
