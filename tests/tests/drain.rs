@@ -193,6 +193,13 @@ async fn drain_waits_for_the_abort_calls_to_land() {
     stack.mock.set_fault(Fault::PrefillHang);
     let client = post(&stack, "red green blue", false, 4);
     wait_pairs(&stack, 1, 0).await;
+    // The pair is registered before its halves are sent: wait (bounded) for the prefill to
+    // arrive at the mock.
+    let sent = Instant::now() + Duration::from_secs(5);
+    while stack.mock.requests().is_empty() {
+        assert!(Instant::now() < sent, "the prefill never reached the mock");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     let rid = stack.mock.requests()[0]
         .1
         .get("rid")
