@@ -193,3 +193,15 @@ impl Stack {
         false
     }
 }
+
+/// Polls `f` every 10 ms until it holds or `bound` passes; its last answer.
+pub async fn wait_for(bound: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let deadline = std::time::Instant::now() + bound;
+    while std::time::Instant::now() < deadline {
+        if f() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    f()
+}

@@ -2,24 +2,12 @@
 //! *starts with* the rid named (`srt/managers/scheduler.py` `abort_request`), and so does the
 //! mock; lockstep's rids are one length, so none is another's prefix.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use lockstep_tests::client::{self, Endpoint, TestClient};
-use lockstep_tests::harness::{MODEL, Stack, TEST_TIMEOUTS};
+use lockstep_tests::harness::{MODEL, Stack, TEST_TIMEOUTS, wait_for};
 use lockstep_tests::sglang_mock::{MockConfig, PdMock, Role};
 use serde_json::json;
-
-/// Polls `f` every 10 ms for at most `bound`.
-async fn until(bound: Duration, f: impl Fn() -> bool) -> bool {
-    let end = Instant::now() + bound;
-    while Instant::now() < end {
-        if f() {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    f()
-}
 
 /// The mock itself: an abort naming a running rid stops every half whose rid starts with it; one
 /// naming a rid that is not running (a bare prefix) is dropped, as SGLang's tokenizer manager
@@ -42,7 +30,7 @@ async fn the_mock_aborts_by_rid_prefix_as_sglang_does() {
             c.post(&url, &body, Duration::from_secs(10)).await
         }));
     }
-    assert!(until(Duration::from_secs(5), || mock.live_halves().len() == 3).await);
+    assert!(wait_for(Duration::from_secs(5), || mock.live_halves().len() == 3).await);
     let abort = async |body: serde_json::Value| {
         let a = c
             .post(
@@ -62,7 +50,7 @@ async fn the_mock_aborts_by_rid_prefix_as_sglang_does() {
     // "12" runs: it and "123" stop; "21" runs on.
     assert_eq!(abort(json!({ "rid": "12" })).await.stopped, 2);
     assert!(
-        until(Duration::from_secs(5), || mock.live_halves()
+        wait_for(Duration::from_secs(5), || mock.live_halves()
             == vec![(Role::Decode, "21".to_string())])
         .await,
         "{:?}",
@@ -77,7 +65,7 @@ async fn the_mock_aborts_by_rid_prefix_as_sglang_does() {
             a.body
         );
     }
-    assert!(until(Duration::from_secs(5), || mock.live_halves().is_empty()).await);
+    assert!(wait_for(Duration::from_secs(5), || mock.live_halves().is_empty()).await);
 }
 
 /// Six pairs stream at once; one client goes away. lockstep's aborts stop that pair's halves
@@ -105,7 +93,7 @@ async fn one_pairs_abort_never_reaches_another_pair() {
     }
     // Every decode is streaming (and every prefill has answered) before one client leaves.
     assert!(
-        until(Duration::from_secs(5), || {
+        wait_for(Duration::from_secs(5), || {
             let live = stack.mock.live_halves();
             live.len() == 6 && live.iter().all(|(r, _)| *r == Role::Decode)
         })
@@ -116,7 +104,7 @@ async fn one_pairs_abort_never_reaches_another_pair() {
     let running = stack.mock.live_halves();
     pairs.remove(0).abort();
     assert!(
-        until(Duration::from_secs(3), || stack
+        wait_for(Duration::from_secs(3), || stack
             .mock
             .aborts()
             .iter()

@@ -9,22 +9,11 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use lockstep_tests::client::TestClient;
-use lockstep_tests::harness::{MODEL, Stack};
+use lockstep_tests::harness::{MODEL, Stack, wait_for};
 use lockstep_tests::sglang_mock::{Fault, MockConfig, Role};
 use serde_json::{Value, json};
 
 const LONG_TIMEOUTS: &str = "total_ms = 30000\nprefill_ms = 20000\nfirst_token_ms = 20000\nidle_ms = 20000\nabort_ms = 1000";
-
-async fn wait_for(bound: Duration, mut f: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + bound;
-    while Instant::now() < deadline {
-        if f() {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    f()
-}
 
 fn both_aborted(stack: &Stack) -> bool {
     let rids: Vec<String> = stack
