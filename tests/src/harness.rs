@@ -162,6 +162,34 @@ impl Stack {
         }
     }
 
+    /// Calls lockstep's admin API (`key`: the bearer sent, if any); the status and the JSON body
+    /// (`null` when it is not JSON).
+    pub async fn admin(
+        &self,
+        method: &str,
+        path: &str,
+        key: Option<&str>,
+        body: serde_json::Value,
+    ) -> (u16, serde_json::Value) {
+        let addr = self.lockstep.admin_addr.expect("admin listener");
+        let auth = key.map(|k| format!("Bearer {k}"));
+        let headers: Vec<(&str, &str)> =
+            auth.iter().map(|a| ("authorization", a.as_str())).collect();
+        let a = crate::client::TestClient::default()
+            .send_with(
+                method,
+                &format!("http://{addr}{path}"),
+                &headers,
+                body.to_string(),
+                Duration::from_secs(10),
+            )
+            .await;
+        (
+            a.status,
+            serde_json::from_str(&a.body).unwrap_or(serde_json::Value::Null),
+        )
+    }
+
     /// The config text of this stack, for tests that start a second lockstep with changes.
     pub fn config_text(&self, model_extra: &str, timeouts: &str) -> String {
         config_text(&self.mock, &self.tokenizer, model_extra, timeouts)
@@ -176,7 +204,7 @@ impl Stack {
                     .prefill
                     .workers()
                     .iter()
-                    .chain(m.pairs.decode.workers())
+                    .chain(m.pairs.decode.workers().iter())
                     .all(|w| w.in_flight() == 0)
             })
     }

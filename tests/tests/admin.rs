@@ -18,22 +18,7 @@ async fn admin(
     key: Option<&str>,
     body: Value,
 ) -> (u16, Value) {
-    let addr = stack.lockstep.admin_addr.expect("admin listener");
-    let auth = key.map(|k| format!("Bearer {k}"));
-    let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("authorization", a.as_str())).collect();
-    let a = TestClient::default()
-        .send_with(
-            method,
-            &format!("http://{addr}{path}"),
-            &headers,
-            body.to_string(),
-            Duration::from_secs(10),
-        )
-        .await;
-    (
-        a.status,
-        serde_json::from_str(&a.body).unwrap_or(Value::Null),
-    )
+    stack.admin(method, path, key, body).await
 }
 
 const KEY: Option<&str> = Some("admin-key");

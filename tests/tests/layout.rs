@@ -654,7 +654,7 @@ const ROUTER_LAYERS: &[&[&str]] = &[
     &["pool", "backend"],
     &["pair"],
     &["state"],
-    &["admission", "models"],
+    &["admission", "models", "members"],
     &["http", "admin"],
     &["app"],
     &["fuzzing", "lib"],

@@ -6,6 +6,12 @@
 //! - `GET /admin/workers`: every worker with side, health, drain state and in-flight pairs.
 //! - `POST /admin/workers/drain`, `/admin/workers/undrain` with `{"url": ...}`: a drained worker
 //!   gets no new pairs, running ones finish (kept across reloads).
+//! - `POST /admin/workers/add` with `{"model", "side", "url"}` (and `bootstrap_port`,
+//!   `bootstrap_host` as in the configuration): a worker joins the model's pool at run time; it
+//!   gets pairs once it passes the deployment check with the other workers (`GET /admin/workers`
+//!   shows it `verified`). A reload keeps it. 202: the change is queued to the model.
+//! - `POST /admin/workers/remove` with `{"model", "side", "url"}`: the worker leaves the pool; it
+//!   takes no new pairs, those it runs finish. 202.
 //! - `POST /admin/reload`: re-reads the configuration file and applies it as SIGHUP does
 //!   (validate, deployment check, atomic swap); 422 with the reasons when refused.
 //!
@@ -25,7 +31,9 @@ use sha2::{Digest, Sha256};
 use crate::error::LockstepError;
 use crate::models::reload_state;
 use crate::pair::{CancelReason, PairId};
+use crate::pool::MemberChange;
 use crate::state::AppState;
+use crate::vocab::Side;
 
 /// What the admin handlers share.
 #[derive(Debug, Clone)]
@@ -52,6 +60,8 @@ pub fn router(state: AdminState, with_metrics: bool) -> Router {
         .route("/admin/workers", get(workers))
         .route("/admin/workers/drain", post(drain_worker))
         .route("/admin/workers/undrain", post(undrain_worker))
+        .route("/admin/workers/add", post(add_worker))
+        .route("/admin/workers/remove", post(remove_worker))
         .route("/admin/reload", post(reload))
         .fallback(|| async {
             LockstepError::RouteNotFound {
@@ -136,13 +146,15 @@ async fn workers(State(st): State<AdminState>) -> Response {
     let mut list = Vec::new();
     for m in st.app.models.load().by_name.values() {
         for (side, pool) in [("prefill", &m.pairs.prefill), ("decode", &m.pairs.decode)] {
-            for (i, w) in pool.workers().iter().enumerate() {
+            for w in pool.workers().iter() {
                 list.push(json!({
                     "model": &*m.name,
                     "side": side,
                     "url": w.url,
-                    "label": crate::pool::worker_label(side, i),
+                    "label": w.label(side),
                     "healthy": w.is_healthy(),
+                    "verified": w.is_verified(),
+                    "joined": w.joined(),
                     "draining": w.is_draining(),
                     "in_flight": w.in_flight(),
                 }));
@@ -200,6 +212,106 @@ async fn drain_worker(State(st): State<AdminState>, body: axum::body::Bytes) -> 
 
 async fn undrain_worker(State(st): State<AdminState>, body: axum::body::Bytes) -> Response {
     set_drain(&st, &body, false)
+}
+
+/// A worker to add to or remove from a model's pool.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Membership {
+    model: String,
+    side: String,
+    url: String,
+    #[serde(default)]
+    bootstrap_port: Option<u16>,
+    #[serde(default)]
+    bootstrap_host: Option<String>,
+}
+
+fn bad(message: String, param: &str) -> LockstepError {
+    LockstepError::InvalidRequest {
+        message,
+        param: Some(param.into()),
+    }
+}
+
+/// Reads a membership change and checks it against the model it names.
+fn membership(st: &AdminState, body: &[u8], join: bool) -> Result<MemberChange, LockstepError> {
+    let req: Membership = serde_json::from_slice(body).map_err(|e| {
+        bad(
+            format!(
+                "expected {{\"model\": ..., \"side\": \"prefill\" | \"decode\", \"url\": ...}}: {e}"
+            ),
+            "url",
+        )
+    })?;
+    let side = match req.side.as_str() {
+        "prefill" => Side::Prefill,
+        "decode" => Side::Decode,
+        other => {
+            return Err(bad(
+                format!("side must be `prefill` or `decode`, not `{other}`"),
+                "side",
+            ));
+        }
+    };
+    let models = st.app.models.load();
+    let Some(m) = models.by_name.get(&req.model) else {
+        return Err(LockstepError::ModelNotFound { model: req.model });
+    };
+    let Some(feed) = &m.members else {
+        return Err(bad(
+            format!(
+                "model `{}` runs on the embedded engine: it has no worker pools",
+                req.model
+            ),
+            "model",
+        ));
+    };
+    let url = req.url.trim_end_matches('/').to_string();
+    let worker = crate::config::WorkerConfig {
+        url: url.clone(),
+        bootstrap_port: req.bootstrap_port,
+        bootstrap_host: req.bootstrap_host,
+    };
+    let change = if join {
+        let problems = m.cfg.joining_problems(side == Side::Prefill, &worker);
+        if !problems.is_empty() {
+            return Err(bad(problems.join("\n"), "url"));
+        }
+        MemberChange::Join { side, worker }
+    } else {
+        MemberChange::Leave { side, url }
+    };
+    if !feed.send(change.clone()) {
+        return Err(LockstepError::Unavailable {
+            message: "the model is being replaced; try again".into(),
+        });
+    }
+    Ok(change)
+}
+
+/// Queues a membership change; 202 with what was queued.
+fn change_members(st: &AdminState, body: &[u8], join: bool) -> Response {
+    let (side, url) = match membership(st, body, join) {
+        Ok(MemberChange::Join { side, worker }) => (side, worker.url),
+        Ok(MemberChange::Leave { side, url }) => (side, url),
+        Err(e) => return e.into_response(),
+    };
+    let what = if join { "joining" } else { "leaving" };
+    tracing::info!(worker = %url, side = side.as_str(), change = what, "worker membership changed by an operator");
+    (
+        StatusCode::ACCEPTED,
+        axum::Json(json!({ "url": url, "side": side.as_str(), what: true })),
+    )
+        .into_response()
+}
+
+async fn add_worker(State(st): State<AdminState>, body: axum::body::Bytes) -> Response {
+    change_members(&st, &body, true)
+}
+
+async fn remove_worker(State(st): State<AdminState>, body: axum::body::Bytes) -> Response {
+    change_members(&st, &body, false)
 }
 
 async fn reload(State(st): State<AdminState>) -> Response {

@@ -15,6 +15,7 @@ pub mod error;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod http;
+pub(crate) mod members;
 pub mod metrics;
 pub mod models;
 pub mod pair;

@@ -16,7 +16,7 @@ use crate::backend::{Deployment, PdBackend, UpstreamClient};
 use crate::config::{BackendKind, Config, ModelConfig, PoolConfig, WorkerConfig};
 use crate::metrics::Metrics;
 use crate::pair::{ModelPairs, PairRegistry, PairStats};
-use crate::pool::{WorkerPool, health_loop};
+use crate::pool::{MemberFeed, WorkerPool};
 use crate::state::{AppState, ModelRuntime, Models, WorkerLimits};
 
 /// The deployment check of `m` against its live workers, through its backend's probe
@@ -75,7 +75,7 @@ pub async fn reload_state(st: &AppState, cfg: Config) -> Result<(), String> {
             .prefill
             .workers()
             .iter()
-            .chain(m.pairs.decode.workers())
+            .chain(m.pairs.decode.workers().iter())
         {
             w.set_draining(st.drained.contains(&w.url));
         }
@@ -140,35 +140,35 @@ pub(crate) async fn build_models(
                 if let Some(new) = Arc::get_mut(new) {
                     new.carry_from(old);
                 }
+                // Workers that joined at run time stay members, checked again with the new
+                // set before they take pairs.
+                if engine.is_none() {
+                    new.carry_joined(old);
+                }
             }
         }
         let limits = Arc::new(WorkerLimits::new(&deployment));
+        let mut feed = None;
         if engine.is_none() {
-            let workers: Vec<_> = prefill
-                .workers()
-                .iter()
-                .chain(decode.workers())
-                .cloned()
-                .collect();
-            for w in &workers {
+            for w in prefill.workers().iter().chain(decode.workers().iter()) {
                 if deployment.unverified.iter().any(|(url, _)| *url == w.url) {
                     w.set_verified(false);
                 }
             }
-            if !deployment.unverified.is_empty() {
-                models.health.push(tokio::spawn(verify_loop(
-                    backend.clone(),
-                    m.clone(),
-                    workers.clone(),
-                    limits.clone(),
-                )));
-            }
-            let (b, c) = (backend.clone(), client.clone());
-            models.health.push(tokio::spawn(health_loop(
-                move |url: String, timeout| b.health(&c, &url, timeout),
-                workers,
-                m.health.clone(),
-            )));
+            let (tx, source) = MemberFeed::new();
+            feed = Some(tx);
+            let members = Arc::new(crate::members::Members {
+                model: m.clone(),
+                backend: backend.clone(),
+                client: client.clone(),
+                limits: limits.clone(),
+                prefill: prefill.clone(),
+                decode: decode.clone(),
+                metrics: metrics.clone(),
+                verified: std::sync::Mutex::new(deployment.verified.clone()),
+                checking: tokio::sync::Mutex::new(()),
+            });
+            models.health.push(tokio::spawn(members.run(source)));
         }
         let name: Arc<str> = m.name.as_str().into();
         let pairs = Arc::new(ModelPairs {
@@ -195,6 +195,7 @@ pub(crate) async fn build_models(
                 pairs,
                 engine,
                 limits,
+                members: feed,
             }),
         );
     }
@@ -202,38 +203,6 @@ pub(crate) async fn build_models(
         Ok(models)
     } else {
         Err(errors.join("\n"))
-    }
-}
-
-/// Checks, every health interval, the workers the deployment check could not reach, until each
-/// has passed ([`PdBackend::verify_worker`]); until then they get no pairs.
-async fn verify_loop(
-    backend: Arc<dyn PdBackend>,
-    m: ModelConfig,
-    workers: Vec<Arc<crate::pool::Upstream>>,
-    limits: Arc<WorkerLimits>,
-) {
-    let mut tick = tokio::time::interval(std::time::Duration::from_millis(m.health.interval_ms));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
-        let pending: Vec<_> = workers.iter().filter(|w| !w.is_verified()).collect();
-        if pending.is_empty() {
-            return;
-        }
-        for w in pending {
-            match backend.verify_worker(&m, &w.url).await {
-                Ok(d) => {
-                    // Limits only tighten: admission stays within every verified worker's.
-                    limits.tighten(&d);
-                    tracing::info!(model = %m.name, worker = %w.url, kv_capacity = d.kv_capacity, prompt_limit = ?d.max_prompt_tokens, "worker verified: it takes pairs");
-                    w.set_verified(true);
-                }
-                Err(e) => {
-                    tracing::warn!(model = %m.name, worker = %w.url, error = %e, "worker not verified: it gets no pairs")
-                }
-            }
-        }
     }
 }
 

@@ -30,13 +30,16 @@ pub struct ModelRuntime {
     /// The embedded engines, for `backend = "embedded"`.
     pub engine: Option<Arc<Pd>>,
     pub(crate) limits: Arc<WorkerLimits>,
+    /// Where membership changes for its remote pools go (the admin API's add and remove);
+    /// `None` for the embedded engine.
+    pub members: Option<crate::pool::MemberFeed>,
 }
 
 /// The limits the workers report, as admission applies them: set by the deployment check and
 /// only ever lowered after it (a worker verified later may report less).
 #[derive(Debug)]
 pub struct WorkerLimits {
-    kv_capacity: AtomicU64,
+    pub(crate) kv_capacity: AtomicU64,
     /// `u64::MAX`: the workers report no prompt limit.
     prompt_limit: AtomicU64,
     /// The longest KV lease the workers reported (ms; 0: none reported).
@@ -216,8 +219,8 @@ impl AppState {
                         .with_label_values(&[name, side]),
                     hit,
                 );
-                for (i, w) in pool.workers().iter().enumerate() {
-                    let label = crate::pool::worker_label(side, i);
+                for w in pool.workers().iter() {
+                    let label = w.label(side);
                     let labels = [name, side, label.as_str()];
                     m.worker_inflight
                         .with_label_values(&labels)

@@ -13,9 +13,8 @@ use crate::error::LockstepError;
 use crate::state::AppState;
 
 /// Admits a request from its JSON body (already read within the size and time bounds) for a
-/// caller already authorized: a body up to [`INLINE_TOKENIZE_BYTES`] is parsed and admitted
-/// here ([`admit`]); a longer one is parsed, templated and tokenized in one trip to the
-/// low-priority pool ([`admit_here`] there). Every refusal is counted once.
+/// caller already authorized ([`admit_sized`]: parsed with the rest of the work, inline or on
+/// the low-priority pool by its size). Every refusal is counted once.
 pub async fn admit_body<R>(
     state: &Arc<AppState>,
     caller: Caller,
@@ -25,14 +24,48 @@ where
     R: FrontRequest + DeserializeOwned + Send + 'static,
     R::Shape: Send,
 {
-    if bytes.len() <= INLINE_TOKENIZE_BYTES {
-        let parsed: R = parse_json(&bytes).map_err(|e| Refusal::count(state, "", e))?;
-        return admit(state, caller, parsed).await;
+    let size = bytes.len();
+    admit_sized(state, caller, size, move || parse_json::<R>(&bytes)).await
+}
+
+/// Admits a request already decoded by its transport (gRPC's protobuf; `size`: its encoded
+/// length) as [`admit_body`] admits a JSON body of that size.
+pub async fn admit_decoded<R>(
+    state: &Arc<AppState>,
+    caller: Caller,
+    req: R,
+    size: usize,
+) -> Result<(Admitted, R::Shape), Refusal>
+where
+    R: FrontRequest + Send + 'static,
+    R::Shape: Send,
+{
+    admit_sized(state, caller, size, move || Ok(req)).await
+}
+
+/// The one split between admitting inline and on the low-priority pool: a request up to
+/// [`INLINE_TOKENIZE_BYTES`] is read (`read`: parsed, or already decoded) and admitted here
+/// ([`admit`]); a longer one is read, templated and tokenized in one trip to the low-priority
+/// pool ([`admit_here`] there), so a long prompt never holds a front-end thread.
+async fn admit_sized<R, F>(
+    state: &Arc<AppState>,
+    caller: Caller,
+    size: usize,
+    read: F,
+) -> Result<(Admitted, R::Shape), Refusal>
+where
+    R: FrontRequest + Send + 'static,
+    R::Shape: Send,
+    F: FnOnce() -> Result<R, LockstepError> + Send + 'static,
+{
+    if size <= INLINE_TOKENIZE_BYTES {
+        let req = read().map_err(|e| Refusal::count(state, "", e))?;
+        return admit(state, caller, req).await;
     }
     let st = state.clone();
     in_background(state, move || {
-        let parsed = parse_json::<R>(&bytes).map_err(|e| Refusal::count(&st, "", e));
-        Ok(parsed.and_then(|req| admit_here(&st, caller, req)))
+        let req = read().map_err(|e| Refusal::count(&st, "", e));
+        Ok(req.and_then(|req| admit_here(&st, caller, req)))
     })
     .await
     .map_err(|e| Refusal::count(state, "", e))?

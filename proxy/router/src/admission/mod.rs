@@ -25,7 +25,7 @@ pub mod segments;
 pub(crate) mod text_or;
 mod words;
 
-pub use body::admit_body;
+pub use body::{admit_body, admit_decoded};
 
 pub use codec::{ChatMessage, PromptCodec, check_fits};
 

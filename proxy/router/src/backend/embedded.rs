@@ -12,9 +12,10 @@ use lockstep_engine::engine::{EngineError, Event};
 use lockstep_engine::pd::{Half, Pd};
 use lockstep_engine::sample::{Finish, SamplingConfig};
 
+use super::events::{HalfEvent, decode_chunks};
 use super::{
-    DecodeChunk, DecodeStream, Deployment, Dispatch, FinishReason, HalfError, HalfFailure,
-    PdBackend, PrefillReport, SamplingParams, Side,
+    DecodeStream, Deployment, Dispatch, FinishReason, HalfError, HalfFailure, PdBackend,
+    PrefillReport, SamplingParams, Side,
 };
 use crate::config::{ModelConfig, deployment_check};
 
@@ -45,6 +46,34 @@ fn sampling(p: &SamplingParams) -> SamplingConfig {
         presence_penalty: p.presence_penalty.unwrap_or(0.0) as f32,
         frequency_penalty: p.frequency_penalty.unwrap_or(0.0) as f32,
         constraint: p.constraint.as_ref().and_then(|c| c.for_engine()),
+    }
+}
+
+/// An engine event as the decode adapter reads it.
+fn half_event(e: Event) -> HalfEvent {
+    match e {
+        Event::Started {
+            prompt_tokens,
+            kv_digest,
+        } => HalfEvent::Started {
+            prompt_tokens,
+            kv_digest,
+        },
+        Event::Token {
+            id,
+            text,
+            finish,
+            matched_stop,
+        } => HalfEvent::Token {
+            id,
+            text,
+            finish: finish.map(|f| match f {
+                Finish::Stop => FinishReason::Stop,
+                Finish::Length => FinishReason::Length,
+            }),
+            matched_stop,
+        },
+        Event::Failed(e) => HalfEvent::Failed(half_error(Side::Decode, e)),
     }
 }
 
@@ -113,67 +142,16 @@ impl PdBackend for EmbeddedBackend {
             sampling(&d.sampling),
             Some(d.cache_salt()),
         );
-        // (events, prompt tokens and digest from `Started`, completion tokens, done)
-        type State = (
-            tokio::sync::mpsc::UnboundedReceiver<Event>,
-            Option<(u64, Option<u64>)>,
-            u64,
-            bool,
-        );
+        let ended = HalfError {
+            side: Side::Decode,
+            failure: HalfFailure::InBandAbort("the engine ended the stream".into()),
+        };
         rx.map(|rx| {
-            stream::unfold::<State, _, _, _>(
-                (rx, None, 0, false),
-                |(mut rx, started, n, done)| async move {
-                    if done {
-                        return None;
-                    }
-                    let mut started = started;
-                    loop {
-                        match rx.recv().await {
-                            Some(Event::Started {
-                                prompt_tokens,
-                                kv_digest,
-                            }) => started = Some((prompt_tokens, kv_digest)),
-                            Some(Event::Token {
-                                id,
-                                text,
-                                finish,
-                                matched_stop,
-                            }) => {
-                                let chunk = DecodeChunk {
-                                    delta: text,
-                                    token_ids: vec![id],
-                                    prompt_tokens: started.map(|s| s.0),
-                                    kv_digest: started.and_then(|s| s.1),
-                                    completion_tokens: n + 1,
-                                    finish: finish.map(|f| match f {
-                                        Finish::Stop => FinishReason::Stop,
-                                        Finish::Length => FinishReason::Length,
-                                    }),
-                                    matched_stop,
-                                };
-                                let last = finish.is_some();
-                                return Some((Ok(chunk), (rx, started, n + 1, last)));
-                            }
-                            Some(Event::Failed(e)) => {
-                                return Some((
-                                    Err(half_error(Side::Decode, e)),
-                                    (rx, started, n, true),
-                                ));
-                            }
-                            None => {
-                                let e = HalfError {
-                                    side: Side::Decode,
-                                    failure: HalfFailure::InBandAbort(
-                                        "the engine ended the stream".into(),
-                                    ),
-                                };
-                                return Some((Err(e), (rx, started, n, true)));
-                            }
-                        }
-                    }
-                },
-            )
+            let events = stream::unfold(rx, |mut rx| async move {
+                let e = rx.recv().await?;
+                Some((half_event(e), rx))
+            });
+            decode_chunks(events, ended)
         })
         .flatten_stream()
         .boxed()

@@ -17,11 +17,13 @@ use lockstep_proto::v1::worker_client::WorkerClient;
 use tonic::transport::Channel;
 use tonic::{Code, Status};
 
+use super::events::{HalfEvent, decode_chunks};
+use super::probe::{ProbeError, WorkerReport};
 use super::{
-    DecodeChunk, DecodeStream, Deployment, Dispatch, FinishReason, HalfError, HalfFailure,
-    PdBackend, PrefillReport, SamplingParams, Side,
+    DecodeStream, Dispatch, FinishReason, HalfError, HalfFailure, PdBackend, PrefillReport,
+    SamplingParams, Side,
 };
-use crate::config::ModelConfig;
+use crate::config::{ModelConfig, WorkerConfig};
 use lockstep_proto::MAX_MESSAGE_BYTES;
 use lockstep_serve::tls::{PlaneTls, worker_channel};
 
@@ -161,8 +163,44 @@ impl PdBackend for LockstepBackend {
         self.clients.remove(url);
     }
 
-    fn deployment<'a>(&'a self, m: &'a ModelConfig) -> BoxFuture<'a, Result<Deployment, String>> {
-        Box::pin(check_deployment(self, m))
+    /// A worker's `Capacity`: its KV pool, its lease, its role (which must fit its pool) and its
+    /// model's fingerprint (which every worker must share: KV moves between them).
+    fn probe_worker<'a>(
+        &'a self,
+        _m: &'a ModelConfig,
+        side: Side,
+        w: &'a WorkerConfig,
+    ) -> BoxFuture<'a, Result<WorkerReport, ProbeError>> {
+        Box::pin(async move {
+            let mut req = tonic::Request::new(pb::CapacityRequest {});
+            req.set_timeout(Duration::from_secs(2));
+            let mut c = self
+                .client(w.url.trim_end_matches('/'))
+                .map_err(ProbeError::Refused)?;
+            let c = c
+                .capacity(req)
+                .await
+                .map_err(|s| ProbeError::Unreachable(s.message().to_string()))?
+                .into_inner();
+            let mut report = WorkerReport {
+                kv_tokens: Some(c.kv_capacity_tokens),
+                kv_lease_ms: Some(c.lease_ms),
+                ..WorkerReport::default()
+            };
+            let roles = match side {
+                Side::Prefill => ["prefill", "unified"],
+                Side::Decode => ["decode", "unified"],
+            };
+            if !roles.contains(&c.role.as_str()) {
+                report.problems.push(format!("is a `{}` worker", c.role));
+            }
+            report.share(
+                "model fingerprint",
+                format!("{:#x}", c.model_fingerprint),
+                "it serves another model, and KV cannot be exchanged between models",
+            );
+            Ok(report)
+        })
     }
 
     fn prefill(&self, d: &Dispatch) -> BoxFuture<'static, Result<PrefillReport, HalfError>> {
@@ -210,59 +248,34 @@ impl PdBackend for LockstepBackend {
                 .map(tonic::Response::into_inner)
                 .map_err(|s| half_error(Side::Decode, &s, false))
         };
-        // (events, prompt tokens and digest from `started`, completion tokens, done)
-        type State = (
-            tonic::Streaming<pb::DecodeEvent>,
-            Option<(u64, Option<u64>)>,
-            u64,
-            bool,
-        );
+        let ended = HalfError {
+            side: Side::Decode,
+            failure: HalfFailure::Transport(
+                "the worker ended the stream before the last token".into(),
+            ),
+        };
         start
             .map(|started| match started {
                 Err(e) => stream::once(async move { Err(e) }).boxed(),
-                Ok(events) => stream::unfold::<State, _, _, _>(
-                    (events, None, 0, false),
-                    |(mut events, mut started, n, done)| async move {
-                        use pb::decode_event::Event as E;
-                        if done {
-                            return None;
-                        }
-                        loop {
-                            match events.message().await {
-                                Ok(Some(pb::DecodeEvent {
-                                    event: Some(E::Started(s)),
-                                })) => started = Some((s.prompt_tokens, s.kv_digest)),
-                                Ok(Some(pb::DecodeEvent {
-                                    event: Some(E::Token(t)),
-                                })) => {
-                                    return Some(match token_chunk(t, started, n) {
-                                        Ok(c) => {
-                                            let last = c.finish.is_some();
-                                            (Ok(c), (events, started, n + 1, last))
-                                        }
-                                        Err(e) => (Err(e), (events, started, n, true)),
-                                    });
-                                }
-                                Ok(Some(pb::DecodeEvent { event: None })) => {}
-                                Ok(None) => {
-                                    let e = HalfError {
-                                        side: Side::Decode,
-                                        failure: HalfFailure::Transport(
-                                            "the worker ended the stream before the last token"
-                                                .into(),
-                                        ),
-                                    };
-                                    return Some((Err(e), (events, started, n, true)));
-                                }
+                Ok(events) => {
+                    // (the gRPC stream, whether `Started` came: a broken stream after it is a
+                    // transport failure, not a refused connection)
+                    let events =
+                        stream::unfold((events, false), |(mut events, started)| async move {
+                            let e = match events.message().await {
+                                Ok(Some(e)) => e,
+                                Ok(None) => return None,
                                 Err(s) => {
-                                    let e = half_error(Side::Decode, &s, started.is_some());
-                                    return Some((Err(e), (events, started, n, true)));
+                                    let e = half_error(Side::Decode, &s, started);
+                                    return Some((HalfEvent::Failed(e), (events, started)));
                                 }
-                            }
-                        }
-                    },
-                )
-                .boxed(),
+                            };
+                            let e = half_event(e);
+                            let started = started || matches!(e, HalfEvent::Started { .. });
+                            Some((e, (events, started)))
+                        });
+                    decode_chunks(events, ended)
+                }
             })
             .flatten_stream()
             .boxed()
@@ -314,86 +327,26 @@ impl PdBackend for LockstepBackend {
     }
 }
 
-/// Invariant 6 against lockstep workers, through their `Capacity`: the effective KV capacity is
-/// the smallest of the configured one and every worker's; every worker serves the same model
-/// (fingerprint) and a role that fits its pool. A worker that cannot be reached is a warning
-/// (it is health-checked like any other); a wrong role or a second model is an error.
-async fn check_deployment(
-    backend: &LockstepBackend,
-    m: &ModelConfig,
-) -> Result<Deployment, String> {
-    let mut capacity = m.kv_capacity_tokens;
-    let mut lease_ms: Option<u64> = None;
-    let mut source = "configured kv_capacity_tokens".to_string();
-    let mut problems = Vec::new();
-    let mut fingerprint: Option<(u64, String)> = None;
-    for (side, pool, roles) in [
-        ("prefill", &m.prefill, ["prefill", "unified"]),
-        ("decode", &m.decode, ["decode", "unified"]),
-    ] {
-        for w in &pool.workers {
-            let mut req = tonic::Request::new(pb::CapacityRequest {});
-            req.set_timeout(Duration::from_secs(2));
-            let reply = match backend.client(&w.url) {
-                Ok(mut c) => c.capacity(req).await.map_err(|s| s.message().to_string()),
-                Err(e) => Err(e),
+/// One worker event as the decode adapter reads it. A finish code lockstep does not know is a
+/// protocol error: reading it as a stop would end a stream on a worker's say-so it cannot check.
+fn half_event(e: pb::DecodeEvent) -> HalfEvent {
+    use pb::decode_event::Event as E;
+    let t = match e.event {
+        Some(E::Started(s)) => {
+            return HalfEvent::Started {
+                prompt_tokens: s.prompt_tokens,
+                kv_digest: s.kv_digest,
             };
-            let c = match reply {
-                Ok(r) => r.into_inner(),
-                Err(e) => {
-                    tracing::warn!(model = %m.name, worker = %w.url, error = %e, "worker did not report its capacity; using the configured one");
-                    continue;
-                }
-            };
-            if !roles.contains(&c.role.as_str()) {
-                problems.push(format!(
-                    "model `{}`: {side} worker {} is a `{}` worker",
-                    m.name, w.url, c.role
-                ));
-            }
-            match &fingerprint {
-                None => fingerprint = Some((c.model_fingerprint, w.url.clone())),
-                Some((f, first)) if *f != c.model_fingerprint => problems.push(format!(
-                    "model `{}`: worker {} serves another model than worker {first} (fingerprint {:#x} vs {f:#x}): their KV cannot be exchanged",
-                    m.name, w.url, c.model_fingerprint
-                )),
-                Some(_) => {}
-            }
-            if c.kv_capacity_tokens < capacity {
-                capacity = c.kv_capacity_tokens;
-                source = format!("reported by worker {}", w.url);
-            }
-            lease_ms = lease_ms.max(Some(c.lease_ms));
         }
-    }
-    if let Err(e) =
-        crate::config::deployment_check(&m.name, m.context_window, m.headroom, capacity, &source)
-    {
-        problems.push(e);
-    }
-    if problems.is_empty() {
-        Ok(Deployment {
-            kv_lease_ms: lease_ms,
-            ..Deployment::capacity(capacity)
-        })
-    } else {
-        Err(problems.join("\n"))
-    }
-}
-/// One worker token as a decode chunk (`started`: the decode's `DecodeStarted` count and
-/// digest; `n`: tokens before this one). A finish code lockstep does not know is a protocol
-/// error: reading it as a stop would end a stream on a worker's say-so it cannot check.
-fn token_chunk(
-    t: pb::DecodeToken,
-    started: Option<(u64, Option<u64>)>,
-    n: u64,
-) -> Result<DecodeChunk, HalfError> {
+        Some(E::Token(t)) => t,
+        None => return HalfEvent::Nothing,
+    };
     let finish = match pb::DecodeFinish::try_from(t.finish) {
         Ok(pb::DecodeFinish::None) => None,
         Ok(pb::DecodeFinish::Stop) => Some(FinishReason::Stop),
         Ok(pb::DecodeFinish::Length) => Some(FinishReason::Length),
         Err(_) => {
-            return Err(HalfError {
+            return HalfEvent::Failed(HalfError {
                 side: Side::Decode,
                 failure: HalfFailure::Protocol(format!(
                     "unknown finish code {} from the worker",
@@ -402,17 +355,12 @@ fn token_chunk(
             });
         }
     };
-    Ok(DecodeChunk {
-        delta: t.text,
-        token_ids: vec![t.id],
-        prompt_tokens: started.map(|s| s.0),
-        kv_digest: started.and_then(|s| s.1),
-        completion_tokens: n + 1,
-        matched_stop: finish
-            .filter(|_| !t.matched_stop.is_empty())
-            .map(|_| t.matched_stop),
+    HalfEvent::Token {
+        id: t.id,
+        text: t.text,
         finish,
-    })
+        matched_stop: Some(t.matched_stop).filter(|m| !m.is_empty()),
+    }
 }
 
 #[cfg(test)]
@@ -447,28 +395,52 @@ mod tests {
 
     #[test]
     fn a_tokens_finish_code_is_read_exactly_and_an_unknown_one_is_an_error() {
-        let started = Some((5, Some(9)));
-        let c = token_chunk(token(0, ""), started, 2).expect("generating");
+        use pb::decode_event::Event as E;
+        let ev = |t| {
+            half_event(pb::DecodeEvent {
+                event: Some(E::Token(t)),
+            })
+        };
+        let read = |finish, matched: &str| match ev(token(finish, matched)) {
+            HalfEvent::Token {
+                id,
+                finish,
+                matched_stop,
+                ..
+            } => Ok((id, finish, matched_stop)),
+            HalfEvent::Failed(e) => Err(e),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(read(0, ""), Ok((7, None, None)));
         assert_eq!(
-            (c.finish, c.completion_tokens, c.prompt_tokens),
-            (None, 3, Some(5))
+            read(1, "end"),
+            Ok((7, Some(FinishReason::Stop), Some("end".into())))
         );
-        assert_eq!(c.kv_digest, Some(9));
-        let c = token_chunk(token(1, "end"), started, 0).expect("stop");
-        assert_eq!(c.finish, Some(FinishReason::Stop));
-        assert_eq!(c.matched_stop.as_deref(), Some("end"));
-        let c = token_chunk(token(2, ""), started, 0).expect("length");
-        assert_eq!(
-            (c.finish, c.matched_stop),
-            (Some(FinishReason::Length), None)
-        );
+        assert_eq!(read(2, ""), Ok((7, Some(FinishReason::Length), None)));
         for code in [3, 7, -1] {
-            let e = token_chunk(token(code, ""), started, 0).expect_err("unknown");
+            let e = read(code, "").expect_err("unknown");
             assert_eq!(e.side, Side::Decode);
             assert!(
                 matches!(&e.failure, HalfFailure::Protocol(m) if m.contains(&code.to_string())),
                 "{e:?}"
             );
         }
+        let started = half_event(pb::DecodeEvent {
+            event: Some(E::Started(pb::DecodeStarted {
+                prompt_tokens: 5,
+                kv_digest: Some(9),
+            })),
+        });
+        assert!(matches!(
+            started,
+            HalfEvent::Started {
+                prompt_tokens: 5,
+                kv_digest: Some(9)
+            }
+        ));
+        assert!(matches!(
+            half_event(pb::DecodeEvent { event: None }),
+            HalfEvent::Nothing
+        ));
     }
 }

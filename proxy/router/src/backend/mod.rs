@@ -7,7 +7,9 @@ mod body;
 mod bulk;
 mod client;
 pub mod embedded;
+mod events;
 pub mod lockstep;
+pub mod probe;
 pub mod sglang;
 pub(crate) mod sglang_answer;
 pub mod sglang_info;
@@ -154,10 +156,13 @@ pub struct Deployment {
     /// `max_req_input_len - 1`).
     pub max_prompt_tokens: Option<u64>,
     /// Workers the check could not reach (URL without a trailing slash, and why): they get no
-    /// pairs until [`PdBackend::verify_worker`] passes for them.
+    /// pairs until they answer and pass ([`probe::verify_member`]).
     pub unverified: Vec<(String, String)>,
     /// The longest lease the workers report for KV waiting on a pair (lockstep workers).
     pub kv_lease_ms: Option<u64>,
+    /// The workers the check verified, with what each reported: a worker checked later is
+    /// checked together with them ([`probe::verify_member`]).
+    pub verified: Vec<probe::Probed>,
 }
 
 impl Deployment {
@@ -168,6 +173,7 @@ impl Deployment {
             max_prompt_tokens: None,
             unverified: Vec::new(),
             kv_lease_ms: None,
+            verified: Vec::new(),
         }
     }
 }
@@ -272,15 +278,34 @@ pub type DecodeStream = BoxStream<'static, Result<DecodeChunk, HalfError>>;
 /// `ProxyHttp` style: the driver, `pair::ModelPairs`, owns the order, the deadlines,
 /// the commit barrier, abort-both and retries; an implementation reports protocol facts).
 pub trait PdBackend: Send + Sync + 'static {
-    /// **Before the model serves** (start, every reload, `lockstep check`): asks the workers of
-    /// `m` what they are (the KV capacity one request can get, their prompt limit, and for SGLang
-    /// their roles, KV checksum, layouts and stream mode) and runs the deployment check
-    /// (invariant 6) against the smaller of the reported and the configured capacity. No pair
-    /// exists yet. Returns what admission will use, or every problem found (the model does not
-    /// serve). Whether a worker that does not answer is a problem is the backend's call: SGLang
-    /// refuses (its KV checksum and stream mode cannot be verified); the others warn and
-    /// health-check it later.
-    fn deployment<'a>(&'a self, m: &'a ModelConfig) -> BoxFuture<'a, Result<Deployment, String>>;
+    /// **Before the model serves** (start, every reload, `lockstep check`): the deployment check
+    /// (invariant 6) against what the workers of `m` report, smaller of the reported and the
+    /// configured capacity. No pair exists yet. Returns what admission will use, or every problem
+    /// found (the model does not serve). Default: every worker through
+    /// [`PdBackend::probe_worker`], the set through the one fold ([`probe::check`]).
+    fn deployment<'a>(&'a self, m: &'a ModelConfig) -> BoxFuture<'a, Result<Deployment, String>> {
+        Box::pin(probe::check(self, m))
+    }
+    /// What one worker of `m` (on `side`) reports about itself: the KV capacity one request can
+    /// get, its prompt limit, the facts every worker must share (SGLang: role, KV checksum,
+    /// layouts, stream mode; vLLM: served model, block size; lockstep workers: role, model
+    /// fingerprint). Used by the deployment check and for every worker checked later (one that
+    /// did not answer at start, one that joins the pool at run time). Default: nothing to ask.
+    fn probe_worker<'a>(
+        &'a self,
+        _m: &'a ModelConfig,
+        _side: Side,
+        _w: &'a crate::config::WorkerConfig,
+    ) -> BoxFuture<'a, Result<probe::WorkerReport, probe::ProbeError>> {
+        Box::pin(std::future::ready(Ok(probe::WorkerReport::default())))
+    }
+    /// Whether a worker that does not answer the deployment check waits, without pairs, until it
+    /// answers and passes (SGLang: its KV checksum and stream mode cannot be known otherwise);
+    /// otherwise it is a warning and the configured limits hold. A worker that joins at run time
+    /// is always checked before it takes pairs.
+    fn unreached_waits(&self) -> bool {
+        false
+    }
     /// **Phase 1, after admission**: the pair is registered, both workers are chosen and
     /// [`PdBackend::decode`] was started alongside. Runs the prefill half to completion and
     /// reports what the worker said it computed; nothing has reached the client.
@@ -337,19 +362,6 @@ pub trait PdBackend: Send + Sync + 'static {
     ) -> BoxFuture<'static, bool> {
         let (client, url) = (client.clone(), url.to_string());
         Box::pin(async move { client.health(&url, timeout).await })
-    }
-    /// **After start, for a worker [`Deployment::unverified`] named**: checks it now that it may
-    /// answer, together with the workers already verified; `Ok` lets it take pairs and gives the
-    /// limits of the whole set (admission lowers its own to them). Called every health interval
-    /// until it passes.
-    fn verify_worker<'a>(
-        &'a self,
-        m: &'a ModelConfig,
-        _url: &'a str,
-    ) -> BoxFuture<'a, Result<Deployment, String>> {
-        Box::pin(std::future::ready(Ok(Deployment::capacity(
-            m.kv_capacity_tokens,
-        ))))
     }
 }
 

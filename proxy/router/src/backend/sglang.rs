@@ -10,12 +10,13 @@ use http::Method;
 use serde_json::{Value, json};
 
 use super::client::{CallError, UpstreamClient};
+use super::probe::{ProbeError, WorkerReport};
 use super::sglang_answer::Answer;
 use super::sglang_info::StreamMode;
 use super::sse::{ChunkSource, SseReader, decode_stream};
 use super::{
-    Constraint, DecodeChunk, DecodeStream, Deployment, Dispatch, FinishReason, HalfError,
-    HalfFailure, PdBackend, PrefillReport, Side,
+    Constraint, DecodeChunk, DecodeStream, Dispatch, FinishReason, HalfError, HalfFailure,
+    PdBackend, PrefillReport, Side,
 };
 use crate::config::ModelConfig;
 
@@ -23,16 +24,9 @@ use crate::config::ModelConfig;
 #[derive(Debug, Clone)]
 pub struct SglangBackend {
     client: UpstreamClient,
-    /// What the deployment check verified, and each decode worker's stream mode.
-    checked: Arc<RwLock<Checked>>,
-}
-
-/// The verified workers' `/server_info` answers and each verified decode worker's stream mode
-/// (by URL).
-#[derive(Debug, Default)]
-struct Checked {
-    infos: Vec<super::sglang_info::Info>,
-    stream_modes: HashMap<String, StreamMode>,
+    /// Each probed decode worker's stream mode, by URL (a worker gets pairs only once its probe
+    /// passed the deployment check; one never probed has none, and its stream fails closed).
+    stream_modes: Arc<RwLock<HashMap<String, StreamMode>>>,
 }
 
 /// What SGLang's decode says when the KV it received does not match the prefill's checksum
@@ -44,13 +38,13 @@ impl SglangBackend {
     pub fn new(client: UpstreamClient) -> SglangBackend {
         SglangBackend {
             client,
-            checked: Arc::default(),
+            stream_modes: Arc::default(),
         }
     }
 
     fn stream_mode(&self, decode_url: &str) -> Option<StreamMode> {
-        let c = self.checked.read().unwrap_or_else(|p| p.into_inner());
-        c.stream_modes.get(decode_url).copied()
+        let modes = self.stream_modes.read().unwrap_or_else(|p| p.into_inner());
+        modes.get(decode_url).copied()
     }
 
     /// The `/generate` body of one half. Client-sent routing fields never reach here: lockstep
@@ -240,38 +234,32 @@ pub(crate) fn prefill_report(v: &Answer, rid: &str) -> Result<PrefillReport, Hal
 
 impl PdBackend for SglangBackend {
     fn forget(&self, url: &str) {
-        let mut c = self.checked.write().unwrap_or_else(|p| p.into_inner());
-        c.stream_modes.remove(url);
-        c.infos.retain(|(_, w, _)| w.url != url);
+        let mut modes = self.stream_modes.write().unwrap_or_else(|p| p.into_inner());
+        modes.remove(url);
     }
 
-    fn deployment<'a>(&'a self, m: &'a ModelConfig) -> BoxFuture<'a, Result<Deployment, String>> {
-        Box::pin(async move {
-            let (v, infos) = super::sglang_info::verify(&self.client, m).await?;
-            *self.checked.write().unwrap_or_else(|p| p.into_inner()) = Checked {
-                infos,
-                stream_modes: v.stream_modes,
-            };
-            Ok(v.deployment)
-        })
-    }
-
-    fn verify_worker<'a>(
+    /// `/server_info` ([`super::sglang_info`]); a decode worker's stream mode is kept for its
+    /// streams.
+    fn probe_worker<'a>(
         &'a self,
         m: &'a ModelConfig,
-        url: &'a str,
-    ) -> BoxFuture<'a, Result<Deployment, String>> {
+        side: Side,
+        w: &'a crate::config::WorkerConfig,
+    ) -> BoxFuture<'a, Result<WorkerReport, ProbeError>> {
         Box::pin(async move {
-            let known = {
-                let c = self.checked.read().unwrap_or_else(|p| p.into_inner());
-                c.infos.clone()
-            };
-            let (info, v) = super::sglang_info::verify_one(&self.client, m, url, &known).await?;
-            let mut c = self.checked.write().unwrap_or_else(|p| p.into_inner());
-            c.infos.push(info);
-            c.stream_modes = v.stream_modes;
-            Ok(v.deployment)
+            let (report, mode) = super::sglang_info::probe_worker(&self.client, m, side, w).await?;
+            if let Some(mode) = mode {
+                let mut modes = self.stream_modes.write().unwrap_or_else(|p| p.into_inner());
+                modes.insert(w.url.trim_end_matches('/').to_string(), mode);
+            }
+            Ok(report)
         })
+    }
+
+    /// An SGLang worker that does not answer cannot be known to checksum its KV or to stream as
+    /// lockstep reads it: no pairs until it answers and passes.
+    fn unreached_waits(&self) -> bool {
+        true
     }
 
     fn prefill(&self, d: &Dispatch) -> BoxFuture<'static, Result<PrefillReport, HalfError>> {

@@ -5,17 +5,19 @@
 //! alias, asked only when `/server_info` is missing).
 //!
 //! Fails closed: a worker that answers what lockstep cannot accept stops the model from serving;
-//! one that does not answer gets no pairs until it answers and passes ([`verify_one`], run by
-//! the model's background checks), since its KV checksum, role and stream mode are unknown.
+//! one that does not answer gets no pairs until it answers and passes
+//! ([`super::probe::verify_member`], run by the model's background checks), since its KV
+//! checksum, role and stream mode are unknown. The set is checked by the one fold
+//! ([`super::probe::fold`]): this file reads one worker's answer ([`read`]).
 
-use std::collections::HashMap;
 use std::time::Duration;
 
 use serde_json::Value;
 
+use super::Side;
 use super::client::UpstreamClient;
-use super::{Deployment, Side};
-use crate::config::{ModelConfig, WorkerConfig, deployment_check};
+use super::probe::{ProbeError, WorkerReport};
+use crate::config::{ModelConfig, WorkerConfig};
 
 /// How a decode worker streams `/generate` output.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,86 +28,23 @@ pub enum StreamMode {
     Incremental,
 }
 
-/// What the check found: the limits admission uses and each decode worker's stream mode (by
-/// URL, without a trailing slash).
-#[derive(Debug, Clone, PartialEq)]
-pub struct Verified {
-    /// Limits for admission.
-    pub deployment: Deployment,
-    /// Stream mode of each decode worker.
-    pub stream_modes: HashMap<String, StreamMode>,
-}
-
 /// The layout keys SGLang's KV checksum needs equal on both ends; where they differ it switches
 /// itself off without a word (`srt/disaggregation/base/conn.py` `should_verify_kv_checksum`).
 const LAYOUT_KEYS: [&str; 4] = ["page_size", "kv_cache_dtype", "tp_size", "pp_size"];
 
-/// One worker's `/server_info` answer, with its side and configuration.
-pub type Info = (Side, WorkerConfig, Value);
-
-/// Reads every worker's `/server_info` and checks them ([`check`]). A worker that does not
-/// answer at all is left unverified (it gets no pairs until [`verify_one`] passes for it); one
-/// that answers what lockstep cannot accept is a problem.
-pub async fn verify(
+/// One worker's `/server_info`, read ([`read`]): what it reports, and for a decode worker how it
+/// streams.
+pub async fn probe_worker(
     client: &UpstreamClient,
     m: &ModelConfig,
-) -> Result<(Verified, Vec<Info>), String> {
-    let mut infos = Vec::new();
-    let mut problems = Vec::new();
-    let mut unverified = Vec::new();
-    for (side, w) in workers(m) {
-        match server_info(client, m, side, w).await {
-            Ok(v) => infos.push((side, w.clone(), v)),
-            Err(Fetch::Unreachable(e)) => {
-                tracing::warn!(model = %m.name, worker = %w.url, error = %e, "SGLang worker did not answer /server_info: it gets no pairs until it answers and passes the deployment check");
-                unverified.push((w.url.trim_end_matches('/').to_string(), e));
-            }
-            Err(Fetch::Refused(e)) => problems.push(format!(
-                "model `{}`: {} worker {}: {e}",
-                m.name,
-                side.as_str(),
-                w.url
-            )),
-        }
+    side: Side,
+    w: &WorkerConfig,
+) -> Result<(WorkerReport, Option<StreamMode>), ProbeError> {
+    match server_info(client, m, side, w).await {
+        Ok(v) => Ok(read(m, side, w, &v)),
+        Err(Fetch::Unreachable(e)) => Err(ProbeError::Unreachable(e)),
+        Err(Fetch::Refused(e)) => Err(ProbeError::Refused(e)),
     }
-    let checked = check(m, &infos);
-    match checked {
-        Ok(mut v) if problems.is_empty() => {
-            v.deployment.unverified = unverified;
-            Ok((v, infos))
-        }
-        Ok(_) => Err(problems.join("\n")),
-        Err(more) => {
-            problems.push(more);
-            Err(problems.join("\n"))
-        }
-    }
-}
-
-/// Checks one worker the deployment check could not reach, together with those it verified
-/// (`known`): it passes when the whole set passes. Returns its answer and what the set gives.
-pub async fn verify_one(
-    client: &UpstreamClient,
-    m: &ModelConfig,
-    url: &str,
-    known: &[Info],
-) -> Result<(Info, Verified), String> {
-    let (side, w) = workers(m)
-        .find(|(_, w)| w.url.trim_end_matches('/') == url)
-        .ok_or_else(|| format!("worker {url} is not in model `{}`", m.name))?;
-    let v = server_info(client, m, side, w).await.map_err(|e| match e {
-        Fetch::Unreachable(e) | Fetch::Refused(e) => e,
-    })?;
-    let mut all = known.to_vec();
-    all.push((side, w.clone(), v.clone()));
-    let checked = check(m, &all)?;
-    Ok(((side, w.clone(), v), checked))
-}
-
-/// Every worker of `m` with its side.
-fn workers(m: &ModelConfig) -> impl Iterator<Item = (Side, &WorkerConfig)> {
-    (m.prefill.workers.iter().map(|w| (Side::Prefill, w)))
-        .chain(m.decode.workers.iter().map(|w| (Side::Decode, w)))
 }
 
 /// Why a `/server_info` read failed.
@@ -172,135 +111,83 @@ fn field<'a>(v: &'a Value, key: &str) -> Option<&'a Value> {
         .filter(|x| !x.is_null())
 }
 
-/// What lockstep requires of the workers' `/server_info` answers: each in the role of its pool,
-/// one real transfer backend, prefill bootstrap ports as configured, decode text to read, and
-/// (unless `sglang.require_kv_checksum = false`) the KV checksum on everywhere with equal
-/// layouts. Takes the smallest reported capacity and prompt limit. Lists every problem.
-pub fn check(m: &ModelConfig, infos: &[Info]) -> Result<Verified, String> {
-    let mut problems = Vec::new();
-    let mut say = |w: &WorkerConfig, side: Side, what: String| {
-        problems.push(format!(
-            "model `{}`: {} worker {}: {what}",
-            m.name,
-            side.as_str(),
-            w.url
-        ))
-    };
-    let mut capacity = m.kv_capacity_tokens;
-    let mut source = "configured kv_capacity_tokens".to_string();
-    let mut prompt_limit: Option<u64> = None;
-    let mut stream_modes = HashMap::new();
-    let mut transfer: Option<(&str, &str)> = None;
-    let mut layout: Option<(&str, Vec<Option<&Value>>)> = None;
-    for (side, w, v) in infos {
-        let side = *side;
-        let mode = field(v, "disaggregation_mode").and_then(Value::as_str);
-        if mode != Some(side.as_str()) {
-            say(
-                w,
-                side,
-                format!(
-                    "runs with disaggregation_mode = {}, not `{}`: a server outside PD mode would compute the whole request on its own",
-                    mode.map_or("(none)".to_string(), |s| format!("`{s}`")),
-                    side.as_str()
-                ),
-            );
+/// What lockstep requires of one worker's `/server_info`: the role of its pool, one real
+/// transfer backend (the same on every worker), prefill bootstrap ports as configured, decode
+/// text to read, and (unless `sglang.require_kv_checksum = false`) the KV checksum on, with the
+/// layout every worker shares. Its capacity and prompt limit; a decode worker's stream mode.
+pub fn read(
+    m: &ModelConfig,
+    side: Side,
+    w: &WorkerConfig,
+    v: &Value,
+) -> (WorkerReport, Option<StreamMode>) {
+    let mut r = WorkerReport::default();
+    let mode = field(v, "disaggregation_mode").and_then(Value::as_str);
+    if mode != Some(side.as_str()) {
+        r.problems.push(format!(
+            "runs with disaggregation_mode = {}, not `{}`: a server outside PD mode would compute the whole request on its own",
+            mode.map_or("(none)".to_string(), |s| format!("`{s}`")),
+            side.as_str()
+        ));
+    }
+    match field(v, "disaggregation_transfer_backend").and_then(Value::as_str) {
+        Some("fake") => r.problems.push("runs disaggregation_transfer_backend = `fake`: its decode generates without receiving any KV".into()),
+        Some(t) => r.share(
+            "disaggregation_transfer_backend",
+            format!("`{t}`"),
+            "a decode can only receive KV over the transfer backend its prefill sends on",
+        ),
+        None => r.problems.push("reports no disaggregation_transfer_backend".into()),
+    }
+    if side == Side::Prefill
+        && let (Some(want), Some(got)) = (
+            w.bootstrap_port,
+            field(v, "disaggregation_bootstrap_port").and_then(Value::as_u64),
+        )
+        && u64::from(want) != got
+    {
+        r.problems.push(format!(
+            "its bootstrap server listens on port {got}, but lockstep is configured to send decodes to {want}"
+        ));
+    }
+    let mut stream = None;
+    if side == Side::Decode {
+        if field(v, "skip_tokenizer_init").and_then(Value::as_bool) == Some(true) {
+            r.problems.push("runs with skip_tokenizer_init: its stream carries no text, and lockstep does not detokenize SGLang output".into());
         }
-        match field(v, "disaggregation_transfer_backend").and_then(Value::as_str) {
-            Some("fake") => say(w, side, "runs disaggregation_transfer_backend = `fake`: its decode generates without receiving any KV".into()),
-            Some(t) => match transfer {
-                Some((seen, at)) if seen != t => say(w, side, format!("runs disaggregation_transfer_backend = `{t}`, but {at} runs `{seen}`")),
-                Some(_) => {}
-                None => transfer = Some((t, &w.url)),
-            },
-            None => say(w, side, "reports no disaggregation_transfer_backend".into()),
-        }
-        if side == Side::Prefill
-            && let (Some(want), Some(got)) = (
-                w.bootstrap_port,
-                field(v, "disaggregation_bootstrap_port").and_then(Value::as_u64),
-            )
-            && u64::from(want) != got
-        {
-            say(
-                w,
-                side,
-                format!(
-                    "its bootstrap server listens on port {got}, but lockstep is configured to send decodes to {want}"
-                ),
-            );
-        }
-        if side == Side::Decode {
-            if field(v, "skip_tokenizer_init").and_then(Value::as_bool) == Some(true) {
-                say(w, side, "runs with skip_tokenizer_init: its stream carries no text, and lockstep does not detokenize SGLang output".into());
-            }
-            let mode = if field(v, "incremental_streaming_output").and_then(Value::as_bool)
-                == Some(true)
-            {
+        stream = Some(
+            if field(v, "incremental_streaming_output").and_then(Value::as_bool) == Some(true) {
                 StreamMode::Incremental
             } else {
                 StreamMode::Cumulative
-            };
-            stream_modes.insert(w.url.trim_end_matches('/').to_string(), mode);
-        }
-        if m.sglang.require_kv_checksum {
-            if field(v, "disaggregation_enable_kv_checksum").and_then(Value::as_bool) != Some(true)
-            {
-                say(w, side, "runs without --disaggregation-enable-kv-checksum, so nothing would verify the KV its decodes read; start every prefill and decode worker with it (or set sglang.require_kv_checksum = false, UNSAFE)".into());
-            }
-            let mine: Vec<Option<&Value>> = LAYOUT_KEYS.iter().map(|k| field(v, k)).collect();
-            match &layout {
-                None => layout = Some((&w.url, mine)),
-                Some((at, first)) => {
-                    for (k, (a, b)) in LAYOUT_KEYS.iter().zip(first.iter().zip(&mine)) {
-                        if a != b {
-                            say(
-                                w,
-                                side,
-                                format!(
-                                    "{k} = {} differs from {at}'s {}; SGLang silently skips its KV checksum between workers whose layouts differ",
-                                    b.map_or("(none)".into(), Value::to_string),
-                                    a.map_or("(none)".into(), Value::to_string)
-                                ),
-                            );
-                        }
-                    }
-                }
-            }
-        }
-        if let Some(c) = field(v, "max_total_num_tokens").and_then(Value::as_u64)
-            && c < capacity
-        {
-            capacity = c;
-            source = format!("reported by worker {}", w.url);
-        }
-        // The scheduler refuses `len(input_ids) >= max_req_input_len`
-        // (`srt/managers/scheduler.py`, `_add_request_to_queue`).
-        if let Some(limit) = field(v, "max_req_input_len").and_then(Value::as_u64) {
-            let limit = limit.saturating_sub(1);
-            prompt_limit = Some(prompt_limit.map_or(limit, |p| p.min(limit)));
-        }
-    }
-    if let Err(e) = deployment_check(&m.name, m.context_window, m.headroom, capacity, &source) {
-        problems.push(e);
-    }
-    if problems.is_empty() {
-        Ok(Verified {
-            deployment: Deployment {
-                kv_capacity: capacity,
-                max_prompt_tokens: prompt_limit,
-                unverified: Vec::new(),
-                kv_lease_ms: None,
             },
-            stream_modes,
-        })
-    } else {
-        Err(problems.join("\n"))
+        );
     }
+    if m.sglang.require_kv_checksum {
+        if field(v, "disaggregation_enable_kv_checksum").and_then(Value::as_bool) != Some(true) {
+            r.problems.push("runs without --disaggregation-enable-kv-checksum, so nothing would verify the KV its decodes read; start every prefill and decode worker with it (or set sglang.require_kv_checksum = false, UNSAFE)".into());
+        }
+        for k in LAYOUT_KEYS {
+            r.share(
+                k,
+                field(v, k).map_or("(none)".into(), Value::to_string),
+                "SGLang silently skips its KV checksum between workers whose layouts differ",
+            );
+        }
+    }
+    r.kv_tokens = field(v, "max_total_num_tokens").and_then(Value::as_u64);
+    // The scheduler refuses `len(input_ids) >= max_req_input_len`
+    // (`srt/managers/scheduler.py`, `_add_request_to_queue`).
+    r.max_prompt_tokens = field(v, "max_req_input_len")
+        .and_then(Value::as_u64)
+        .map(|l| l.saturating_sub(1));
+    (r, stream)
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::Deployment;
+    use super::super::probe::{Probed, fold};
     use super::*;
     use serde_json::json;
 
@@ -337,31 +224,37 @@ workers = [{{ url = "http://d/" }}]
         })
     }
 
-    fn run(m: &ModelConfig, p: Value, d: Value) -> Result<Verified, String> {
-        check(
-            m,
-            &[
-                (Side::Prefill, m.prefill.workers[0].clone(), p),
-                (Side::Decode, m.decode.workers[0].clone(), d),
-            ],
-        )
+    /// Both workers' answers through the one fold; the limits and the decode's stream mode.
+    fn run(m: &ModelConfig, p: Value, d: Value) -> Result<(Deployment, StreamMode), String> {
+        let (pr, _) = read(m, Side::Prefill, &m.prefill.workers[0], &p);
+        let (dr, mode) = read(m, Side::Decode, &m.decode.workers[0], &d);
+        let set = [
+            ("http://p", Side::Prefill, pr),
+            ("http://d", Side::Decode, dr),
+        ]
+        .map(|(url, side, report)| Probed {
+            side,
+            url: url.into(),
+            report,
+        });
+        fold(m, &set).map(|dep| (dep, mode.expect("a decode's stream mode")))
     }
 
     #[test]
     fn a_correct_deployment_gives_its_limits_and_stream_modes() {
         let m = model("");
-        let v = run(&m, info("prefill"), info("decode")).expect("ok");
-        assert_eq!(v.deployment.kv_capacity, 3000);
-        assert_eq!(v.deployment.max_prompt_tokens, Some(993));
-        assert_eq!(v.stream_modes["http://d"], StreamMode::Cumulative);
+        let (dep, mode) = run(&m, info("prefill"), info("decode")).expect("ok");
+        assert_eq!(dep.kv_capacity, 3000);
+        assert_eq!(dep.max_prompt_tokens, Some(993));
+        assert_eq!(mode, StreamMode::Cumulative);
         let mut d = info("decode");
         d["incremental_streaming_output"] = json!(true);
         // Figures nested in internal_states are read too.
         d["max_req_input_len"] = Value::Null;
         d["internal_states"] = json!([{ "max_req_input_len": 500 }]);
-        let v = run(&m, info("prefill"), d).expect("ok");
-        assert_eq!(v.stream_modes["http://d"], StreamMode::Incremental);
-        assert_eq!(v.deployment.max_prompt_tokens, Some(499));
+        let (dep, mode) = run(&m, info("prefill"), d).expect("ok");
+        assert_eq!(mode, StreamMode::Incremental);
+        assert_eq!(dep.max_prompt_tokens, Some(499));
     }
 
     #[test]
@@ -409,7 +302,7 @@ workers = [{{ url = "http://d/" }}]
             (
                 "decode",
                 json!({"disaggregation_transfer_backend": "nixl"}),
-                "runs `mooncake`",
+                "disaggregation_transfer_backend = `nixl` differs from http://p's `mooncake`",
             ),
             (
                 "prefill",

@@ -30,8 +30,8 @@ use tokio::sync::watch;
 use super::client::UpstreamClient;
 use super::sse::{ChunkSource, SseReader, decode_stream};
 use super::{
-    Constraint, DecodeChunk, DecodeStream, Deployment, Dispatch, FinishReason, HalfError,
-    HalfFailure, PdBackend, PrefillReport, Side,
+    Constraint, DecodeChunk, DecodeStream, Dispatch, FinishReason, HalfError, HalfFailure,
+    PdBackend, PrefillReport, Side,
 };
 use crate::config::ModelConfig;
 use crate::config::{VllmConnector, VllmSection};
@@ -194,12 +194,20 @@ pub(crate) fn usage(v: &Value, key: &str) -> Option<u64> {
 }
 
 impl PdBackend for VllmBackend {
-    fn deployment<'a>(&'a self, m: &'a ModelConfig) -> BoxFuture<'a, Result<Deployment, String>> {
-        Box::pin(async move {
-            super::vllm_probe::reported_capacity(&self.client, m, &self.served_model)
-                .await
-                .map(Deployment::capacity)
-        })
+    /// `/v1/models` and `/metrics` ([`super::vllm_probe`]).
+    fn probe_worker<'a>(
+        &'a self,
+        m: &'a ModelConfig,
+        side: Side,
+        w: &'a crate::config::WorkerConfig,
+    ) -> BoxFuture<'a, Result<super::probe::WorkerReport, super::probe::ProbeError>> {
+        Box::pin(super::vllm_probe::probe_worker(
+            &self.client,
+            m,
+            side,
+            w,
+            &self.served_model,
+        ))
     }
 
     fn ids_as_json(&self) -> bool {

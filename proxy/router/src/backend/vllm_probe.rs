@@ -18,7 +18,9 @@ use std::time::Duration;
 use serde_json::Value;
 
 use super::UpstreamClient;
-use crate::config::{ModelConfig, deployment_check};
+use super::probe::{ProbeError, WorkerReport};
+use crate::config::{ModelConfig, WorkerConfig};
+use crate::vocab::Side;
 
 /// What one worker reported (each `None` where it did not say).
 #[derive(Debug, Default, PartialEq)]
@@ -31,35 +33,26 @@ pub(super) struct Report {
     pub kv_tokens: Option<u64>,
 }
 
-/// Reads every worker and checks what they say against the model's configuration; returns the
-/// effective KV capacity.
-pub async fn reported_capacity(
+/// What one worker reports, read against the model's configuration
+/// ([`super::PdBackend::probe_worker`] for vLLM).
+pub(super) async fn probe_worker(
     client: &UpstreamClient,
     m: &ModelConfig,
+    side: Side,
+    w: &WorkerConfig,
     served: &str,
-) -> Result<u64, String> {
-    let mut reports = Vec::new();
-    let mut problems = Vec::new();
-    let workers = (m.prefill.workers.iter().map(|w| (w, &m.prefill)))
-        .chain(m.decode.workers.iter().map(|w| (w, &m.decode)));
-    for (w, pool) in workers {
-        let base = w.url.trim_end_matches('/');
-        let auth = pool.auth_headers();
-        match probe(client, base, &auth, served).await {
-            Ok(r) => reports.push((w.url.as_str(), r)),
-            Err(Some(e)) => problems.push(format!("model `{}`: worker {}: {e}", m.name, w.url)),
-            Err(None) => {
-                tracing::warn!(model = %m.name, worker = %w.url, "worker did not answer the deployment probe; using the configured limits")
-            }
-        }
-    }
-    match check(m, served, &reports) {
-        Ok(capacity) if problems.is_empty() => Ok(capacity),
-        Ok(_) => Err(problems.join("\n")),
-        Err(more) => {
-            problems.push(more);
-            Err(problems.join("\n"))
-        }
+) -> Result<WorkerReport, ProbeError> {
+    let pool = match side {
+        Side::Prefill => &m.prefill,
+        Side::Decode => &m.decode,
+    };
+    let base = w.url.trim_end_matches('/');
+    match probe(client, base, &pool.auth_headers(), served).await {
+        Ok(r) => Ok(read(m, served, &r)),
+        Err(Some(e)) => Err(ProbeError::Refused(e)),
+        Err(None) => Err(ProbeError::Unreachable(
+            "no answer to /v1/models or /metrics within 5 s".into(),
+        )),
     }
 }
 
@@ -129,50 +122,32 @@ pub(crate) fn label(line: &str, name: &str) -> Option<u64> {
     None
 }
 
-/// The checks over what the workers reported; the effective capacity or every problem.
-pub(super) fn check(
-    m: &ModelConfig,
-    served: &str,
-    reports: &[(&str, Report)],
-) -> Result<u64, String> {
-    let mut problems = Vec::new();
-    let mut capacity = m.kv_capacity_tokens;
-    let mut source = "configured kv_capacity_tokens".to_string();
-    for (url, r) in reports {
-        match r.max_model_len {
-            Some(None) => problems.push(format!(
-                "model `{}`: worker {url} does not serve `{served}` (its /v1/models lists other models; set vllm.served_model_name)",
-                m.name
-            )),
-            Some(Some(len)) if len < m.context_window => problems.push(format!(
-                "model `{}`: worker {url} has max_model_len {len}, below context_window {}: requests that fit the window would be refused",
-                m.name, m.context_window
-            )),
-            _ => {}
-        }
-        if let Some(bs) = r.block_size
-            && bs != m.vllm.block_size
-        {
-            problems.push(format!(
-                "model `{}`: worker {url} runs block_size {bs}, but vllm.block_size is {}: lockstep checks the prefill's block ids against it",
-                m.name, m.vllm.block_size
-            ));
-        }
-        if let Some(t) = r.kv_tokens
-            && t < capacity
-        {
-            capacity = t;
-            source = format!("reported by worker {url}");
-        }
+/// What lockstep requires of one worker's report: it serves the model, within the window, with
+/// the configured block size. Its KV pool is its capacity.
+pub(super) fn read(m: &ModelConfig, served: &str, r: &Report) -> WorkerReport {
+    let mut out = WorkerReport {
+        kv_tokens: r.kv_tokens,
+        ..WorkerReport::default()
+    };
+    match r.max_model_len {
+        Some(None) => out.problems.push(format!(
+            "does not serve `{served}` (its /v1/models lists other models; set vllm.served_model_name)"
+        )),
+        Some(Some(len)) if len < m.context_window => out.problems.push(format!(
+            "has max_model_len {len}, below context_window {}: requests that fit the window would be refused",
+            m.context_window
+        )),
+        _ => {}
     }
-    if let Err(e) = deployment_check(&m.name, m.context_window, m.headroom, capacity, &source) {
-        problems.push(e);
+    if let Some(bs) = r.block_size
+        && bs != m.vllm.block_size
+    {
+        out.problems.push(format!(
+            "runs block_size {bs}, but vllm.block_size is {}: lockstep checks the prefill's block ids against it",
+            m.vllm.block_size
+        ));
     }
-    if problems.is_empty() {
-        Ok(capacity)
-    } else {
-        Err(problems.join("\n"))
-    }
+    out
 }
 
 #[cfg(test)]
@@ -216,20 +191,30 @@ workers = [{ url = "http://d" }]
         assert_eq!(label(l, "gpu_blocks"), None);
     }
 
+    /// The fold over one worker's report: its capacity, or its problem.
+    fn check(m: &ModelConfig, served: &str, r: &Report) -> Result<u64, String> {
+        let p = super::super::probe::Probed {
+            side: Side::Prefill,
+            url: "http://p".into(),
+            report: read(m, served, r),
+        };
+        super::super::probe::fold(m, &[p]).map(|d| d.kv_capacity)
+    }
+
     #[test]
     fn what_vllm_workers_report_is_checked_against_the_model() {
         let m = model();
         let ok = report(Some(Some(2048)), Some(16), Some(3000));
-        assert_eq!(check(&m, "m", &[("p", ok)]), Ok(3000));
+        assert_eq!(check(&m, "m", &ok), Ok(3000));
         // Nothing readable: the configured limits.
-        assert_eq!(check(&m, "m", &[("p", Report::default())]), Ok(4000));
+        assert_eq!(check(&m, "m", &Report::default()), Ok(4000));
         for (r, why) in [
             (report(Some(None), None, None), "does not serve `m`"),
             (report(Some(Some(512)), None, None), "max_model_len 512"),
             (report(None, Some(32), None), "block_size 32"),
             (report(None, Some(16), Some(800)), "deployment check failed"),
         ] {
-            let e = check(&m, "m", &[("p", r)]).expect_err(why);
+            let e = check(&m, "m", &r).expect_err(why);
             assert!(e.contains(why), "{why}: {e}");
         }
     }

@@ -6,7 +6,7 @@ use lockstep_serve::engine_section::EngineSection;
 use lockstep_serve::toml_file::{Problems, Section};
 use serde::Deserialize;
 
-use super::pool::{HealthConfig, PoolConfig};
+use super::pool::{HealthConfig, PoolConfig, WorkerConfig};
 use super::timeouts::{RetryConfig, TimeoutConfig};
 
 /// Which kind of backend serves a model.
@@ -290,6 +290,22 @@ impl Section for ModelConfig {
 }
 
 impl ModelConfig {
+    /// What would be wrong with `w` as a member of this model's prefill (`prefill`) or decode
+    /// pool: a worker that joins at run time is held to what a configured one is (its URL, an
+    /// SGLang prefill's bootstrap port, plaintext with an API key). Empty when it may join.
+    pub fn joining_problems(&self, prefill: bool, w: &WorkerConfig) -> Vec<String> {
+        let mut m = self.clone();
+        let pool = if prefill {
+            &mut m.prefill
+        } else {
+            &mut m.decode
+        };
+        pool.workers = vec![w.clone()];
+        let mut out = Problems::default();
+        m.validate(&format!("models ({})", self.name), &mut out);
+        lockstep_serve::toml_file::lines(&out.into_vec())
+    }
+
     /// Whether the tokenizer and template come from a model file (`backend = "lockstep"` with
     /// `[models.engine]`).
     fn reads_model_file(&self) -> bool {

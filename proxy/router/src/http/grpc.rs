@@ -21,11 +21,11 @@ pub use super::grpc_guard::GrpcLimits;
 use super::openai::{CommonParams, Content, MessageIn, Stop, to_messages};
 use super::respond::{Committed, commit};
 use crate::admission::{
-    Admitted, FrontRequest, Identity, Input, Prompt, admit, authorize_identified, identify,
+    Admitted, FrontRequest, Identity, Input, Prompt, admit_decoded, authorize_identified, identify,
 };
 use crate::backend::{FinishReason, SamplingParams};
 use crate::error::LockstepError;
-use crate::pair::{CancelReason, PairEvent, PairId};
+use crate::pair::{CancelReason, PairId};
 use crate::state::AppState;
 use crate::tenant::Tenant;
 
@@ -140,14 +140,16 @@ impl Front {
     }
 
     /// A generation call through the admission stage, then its pair.
-    async fn generation<R: FrontRequest<Shape = ()>>(
+    async fn generation<R: FrontRequest<Shape = ()> + prost::Message + 'static>(
         &self,
         req: Request<R>,
     ) -> Result<Response<EventStream>, Status> {
         let deadline = lockstep_serve::grpc_timeout(req.metadata()).map(|d| Instant::now() + d);
         let caller =
             authorize_identified(&self.state, self.identity(&req)?).map_err(|r| r.0.to_status())?;
-        let (admitted, ()) = admit(&self.state, caller, req.into_inner())
+        let req = req.into_inner();
+        let size = req.encoded_len();
+        let (admitted, ()) = admit_decoded(&self.state, caller, req, size)
             .await
             .map_err(|r| r.0.to_status())?;
         self.run(deadline, admitted).await
@@ -183,67 +185,55 @@ impl Front {
                 prompt_tokens: prompt_tokens as u32,
             })),
         };
-        let pair = futures_util::stream::unfold(
-            (rx, permit, pair_id, prompt_tokens, false),
-            move |(mut rx, permit, pair_id, prompt, done)| async move {
-                use pb::generate_response::Event as E;
-                if done {
-                    return None;
-                }
-                let next = match deadline {
-                    Some(d) => match tokio::time::timeout_at(d, rx.recv()).await {
-                        Ok(ev) => ev,
-                        // Ending the stream drops the receiver: both halves abort.
-                        Err(_) => {
-                            let s = Status::deadline_exceeded(format!(
-                                "the call's deadline passed; pair {pair_id} aborted"
-                            ));
-                            return Some((Err(s), (rx, permit, pair_id, prompt, true)));
-                        }
-                    },
-                    None => rx.recv().await,
-                };
-                let item = match next {
-                    Some(PairEvent::Chunk(c)) => {
-                        let mut out = vec![pb::GenerateResponse {
-                            event: Some(E::Delta(pb::Delta {
-                                text: c.delta,
-                                token_ids: c.token_ids,
-                                completion_tokens: c.completion_tokens as u32,
-                            })),
-                        }];
-                        if let Some(f) = c.finish {
-                            out.push(pb::GenerateResponse {
-                                event: Some(E::Finished(pb::Finished {
-                                    finish_reason: match f {
-                                        FinishReason::Stop => pb::FinishReason::Stop,
-                                        FinishReason::Length => pb::FinishReason::Length,
-                                    } as i32,
-                                    usage: Some(pb::Usage {
-                                        prompt_tokens: clamp_u32(prompt),
-                                        completion_tokens: clamp_u32(c.completion_tokens),
-                                        total_tokens: clamp_u32(
-                                            prompt.saturating_add(c.completion_tokens),
-                                        ),
-                                        cached_tokens: clamp_u32(cached_tokens),
-                                    }),
-                                })),
-                            });
-                        }
-                        let last = c.finish.is_some();
-                        return Some((Ok(out), (rx, permit, pair_id, prompt, last)));
+        let prompt = prompt_tokens;
+        let chunks = Box::pin(super::respond::committed_chunks(rx, pair_id, permit));
+        // The committed answer, ended at the call's deadline (ending it drops the pair's
+        // receiver: both halves abort).
+        let pair = futures_util::stream::unfold(Some(chunks), move |open| async move {
+            use futures_util::StreamExt;
+            use pb::generate_response::Event as E;
+            let mut chunks = open?;
+            let next = match deadline {
+                Some(d) => match tokio::time::timeout_at(d, chunks.next()).await {
+                    Ok(next) => next,
+                    Err(_) => {
+                        let s = Status::deadline_exceeded(format!(
+                            "the call's deadline passed; pair {pair_id} aborted"
+                        ));
+                        return Some((Err(s), None));
                     }
-                    Some(PairEvent::Failed(e)) => e.to_status(),
-                    // Ended without a finish or an error: fail closed.
-                    Some(PairEvent::Committed { .. }) | None => LockstepError::DecodeFailed {
-                        pair_id,
-                        message: "pair ended without finishing".into(),
-                    }
-                    .to_status(),
-                };
-                Some((Err(item), (rx, permit, pair_id, prompt, true)))
-            },
-        );
+                },
+                None => chunks.next().await,
+            }?;
+            let c = match next {
+                Ok(c) => c,
+                Err(e) => return Some((Err(e.to_status()), None)),
+            };
+            let mut out = vec![pb::GenerateResponse {
+                event: Some(E::Delta(pb::Delta {
+                    text: c.delta,
+                    token_ids: c.token_ids,
+                    completion_tokens: c.completion_tokens as u32,
+                })),
+            }];
+            if let Some(f) = c.finish {
+                out.push(pb::GenerateResponse {
+                    event: Some(E::Finished(pb::Finished {
+                        finish_reason: match f {
+                            FinishReason::Stop => pb::FinishReason::Stop,
+                            FinishReason::Length => pb::FinishReason::Length,
+                        } as i32,
+                        usage: Some(pb::Usage {
+                            prompt_tokens: clamp_u32(prompt),
+                            completion_tokens: clamp_u32(c.completion_tokens),
+                            total_tokens: clamp_u32(prompt.saturating_add(c.completion_tokens)),
+                            cached_tokens: clamp_u32(cached_tokens),
+                        }),
+                    })),
+                });
+            }
+            Some((Ok(out), Some(chunks)))
+        });
         use futures_util::StreamExt;
         let events = futures_util::stream::once(async move { Ok(started) }).chain(pair.flat_map(
             |r: Result<Vec<pb::GenerateResponse>, Status>| match r {

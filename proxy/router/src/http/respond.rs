@@ -9,6 +9,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use axum::body::Body;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
+use futures_util::StreamExt;
 use serde_json::{Value, json};
 
 use super::openai_out::{
@@ -122,6 +123,33 @@ pub(crate) async fn commit(admitted: Admitted) -> Result<Committed, LockstepErro
     }
 }
 
+/// A committed pair's answer as every front end reads it (HTTP shapes and gRPC): its chunks up
+/// to and including the one that finishes, or the error that ends it. A pair whose task ends
+/// without a finish or an error ends with an error: fail closed, so no front end can end a
+/// committed answer as a success unless a chunk said it finished. The tenant's permit travels
+/// with the stream (released when it ends or is dropped).
+pub(crate) fn committed_chunks(
+    rx: tokio::sync::mpsc::Receiver<PairEvent>,
+    pair_id: PairId,
+    permit: Option<tokio::sync::OwnedSemaphorePermit>,
+) -> impl futures_util::Stream<Item = Result<DecodeChunk, LockstepError>> + Send + 'static {
+    futures_util::stream::unfold(Some((rx, permit)), move |open| async move {
+        let (mut rx, permit) = open?;
+        let item = match rx.recv().await {
+            Some(PairEvent::Chunk(c)) => {
+                let last = c.finish.is_some();
+                return Some((Ok(c), (!last).then_some((rx, permit))));
+            }
+            Some(PairEvent::Failed(e)) => e,
+            Some(PairEvent::Committed { .. }) | None => LockstepError::DecodeFailed {
+                pair_id,
+                message: "pair ended without finishing".into(),
+            },
+        };
+        Some((Err(item), None))
+    })
+}
+
 /// How one API answers: its whole response, its stream events and its errors. The pair's
 /// progress ([`Progress`]) is kept by [`serve_pair`]; a renderer only shapes it.
 pub(crate) trait Render: Send + 'static {
@@ -226,32 +254,18 @@ pub(crate) async fn serve_pair<R: Render>(admitted: Admitted, shape: R) -> Respo
         completion_tokens: 0,
         matched_stop: None,
     };
-    let mut rx = rx;
+    let chunks = committed_chunks(rx, pair_id, permit);
     if shape.stream() {
-        let body =
-            // The tenant's permit travels with the stream: released when the stream ends.
-            futures_util::stream::unfold((rx, p, shape, false, permit), |(mut rx, mut p, mut shape, done, permit)| async move {
-                if done {
-                    return None;
+        let body = chunks.scan((p, shape), |(p, shape), next| {
+            let out = match next {
+                Ok(c) => {
+                    p.absorb(&c);
+                    shape.chunk(p, &c)
                 }
-                let (out, last) = match rx.recv().await {
-                    Some(PairEvent::Chunk(c)) => {
-                        p.absorb(&c);
-                        (shape.chunk(&p, &c), c.finish.is_some())
-                    }
-                    Some(PairEvent::Failed(e)) => (shape.stream_error(&p, &e), true),
-                    // The task ended without a finish or an error: fail closed, never a success
-                    // ending.
-                    Some(PairEvent::Committed { .. }) | None => {
-                        let e = Error::DecodeFailed {
-                            pair_id: p.pair_id,
-                            message: "pair ended without finishing".into(),
-                        };
-                        (shape.stream_error(&p, &e), true)
-                    }
-                };
-                Some((Ok::<_, Infallible>(out), (rx, p, shape, last, permit)))
-            });
+                Err(e) => shape.stream_error(p, &e),
+            };
+            std::future::ready(Some(Ok::<_, Infallible>(out)))
+        });
         return answer(
             Response::builder()
                 .header(
@@ -266,33 +280,29 @@ pub(crate) async fn serve_pair<R: Render>(admitted: Admitted, shape: R) -> Respo
             Body::from_stream(body),
         );
     }
-    loop {
-        match rx.recv().await {
-            Some(PairEvent::Chunk(c)) => {
-                p.absorb(&c);
-                if let Some(finish) = c.finish {
-                    let Ok(json) = shape.full_json(&p, finish) else {
-                        return shape.error(build_failed());
-                    };
-                    return answer(
-                        Response::builder().header(
-                            http::header::CONTENT_TYPE,
-                            http::HeaderValue::from_static("application/json"),
-                        ),
-                        pair_id,
-                        Body::from(json),
-                    );
-                }
-            }
-            Some(PairEvent::Failed(e)) => return shape.error(e),
-            Some(PairEvent::Committed { .. }) | None => {
-                return shape.error(LockstepError::DecodeFailed {
-                    pair_id,
-                    message: "pair ended without finishing".into(),
-                });
-            }
+    let mut chunks = std::pin::pin!(chunks);
+    while let Some(next) = chunks.next().await {
+        let c = match next {
+            Ok(c) => c,
+            Err(e) => return shape.error(e),
+        };
+        p.absorb(&c);
+        if let Some(finish) = c.finish {
+            let Ok(json) = shape.full_json(&p, finish) else {
+                return shape.error(build_failed());
+            };
+            return answer(
+                Response::builder().header(
+                    http::header::CONTENT_TYPE,
+                    http::HeaderValue::from_static("application/json"),
+                ),
+                pair_id,
+                Body::from(json),
+            );
         }
     }
+    // The chunks end with a finish or an error: never here.
+    shape.error(build_failed())
 }
 
 /// Seconds since the Unix epoch.

@@ -258,3 +258,65 @@ fn a_streamed_tool_call_comes_as_its_own_delta() {
     assert_eq!(last["choices"][0]["delta"], json!({}));
     assert_eq!(got.last().map(String::as_str), Some("[DONE]"));
 }
+
+/// What every front end reads of a committed pair: its chunks up to the finished one, or the
+/// error that ends it; a pair that ends without finishing is an error, never a quiet end.
+#[tokio::test]
+async fn a_committed_answer_ends_with_a_finish_or_an_error_never_quietly() {
+    let id = PairId::from_raw(7);
+    let read = |events: Vec<PairEvent>| async move {
+        let (tx, rx) = tokio::sync::mpsc::channel(8);
+        for e in events {
+            tx.send(e).await.expect("room");
+        }
+        drop(tx);
+        committed_chunks(rx, id, None).collect::<Vec<_>>().await
+    };
+    // A finish ends it: nothing after is read.
+    let got = read(vec![
+        PairEvent::Chunk(chunk("t", None, 1)),
+        PairEvent::Chunk(chunk("t", Some(FinishReason::Stop), 2)),
+        PairEvent::Chunk(chunk("t", None, 3)),
+    ])
+    .await;
+    let ns: Vec<u64> = got
+        .iter()
+        .map(|c| c.as_ref().expect("chunk").completion_tokens)
+        .collect();
+    assert_eq!(ns, [1, 2]);
+    // The task ends without a finish: the last item is the pair's failure.
+    for events in [
+        vec![PairEvent::Chunk(chunk("t", None, 1))],
+        vec![],
+        vec![
+            PairEvent::Chunk(chunk("t", None, 1)),
+            PairEvent::Committed {
+                pair_id: id,
+                prompt_tokens: 1,
+                cached_tokens: 0,
+            },
+        ],
+    ] {
+        let n = events
+            .iter()
+            .filter(|e| matches!(e, PairEvent::Chunk(_)))
+            .count();
+        let got = read(events).await;
+        let last = got.last().expect("an item").as_ref().expect_err("an error");
+        assert!(
+            matches!(last, LockstepError::DecodeFailed { pair_id, .. } if *pair_id == id),
+            "{last:?}"
+        );
+        assert_eq!(got.len(), n + 1, "each chunk, then the error, then nothing");
+    }
+    // A failure is passed on as it is, and ends the answer.
+    let got = read(vec![
+        PairEvent::Failed(LockstepError::Unavailable {
+            message: "x".into(),
+        }),
+        PairEvent::Chunk(chunk("t", Some(FinishReason::Stop), 1)),
+    ])
+    .await;
+    assert_eq!(got.len(), 1);
+    assert!(matches!(got[0], Err(LockstepError::Unavailable { .. })));
+}

@@ -381,7 +381,7 @@ fn run_case(script: Script) -> Result<(), TestCaseError> {
             prefill
                 .workers()
                 .iter()
-                .chain(decode.workers())
+                .chain(decode.workers().iter())
                 .all(|w| w.in_flight() == 0),
             "load counters not zero"
         );

@@ -1,19 +1,21 @@
-//! Worker pools (each worker an [`Upstream`]): selection policies, RAII load guards and background health checks.
+//! Worker pools (each worker an [`Upstream`]): selection policies, RAII load guards, members
+//! that join and leave at run time (their checks: the `members` module, a layer up).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 
+use arc_swap::ArcSwap;
 use rand::Rng;
 
 mod endpoint;
-mod health;
 mod label;
 mod pair_pick;
 mod prefix;
+mod source;
 
 pub use endpoint::{Endpoint, Origin};
+pub use source::{MemberChange, MemberFeed, WorkerSource};
 
-pub use health::health_loop;
 pub use label::worker_label;
 pub use pair_pick::{PairPick, PrefillChoice, pick_pair};
 #[cfg(test)]
@@ -48,10 +50,17 @@ pub struct Upstream {
     pub admin_auth: Option<http::HeaderValue>,
     /// `url` taken apart once, where it is an origin alone ([`Upstream::endpoint`]).
     origin: Option<Origin>,
+    /// Its place in the pool, kept while it is a member: `prefill-2` in metrics and API answers
+    /// ([`worker_label`]), whoever joins or leaves after it.
+    ordinal: usize,
     in_flight: Arc<AtomicUsize>,
     healthy: AtomicBool,
     verified: AtomicBool,
     draining: AtomicBool,
+    /// It joined at run time ([`WorkerPool::join`]), not from the configuration: a reload keeps it.
+    joined: AtomicBool,
+    /// It left the pool: no new pairs; its checks stop.
+    left: AtomicBool,
     fails: AtomicU32,
     oks: AtomicU32,
 }
@@ -73,10 +82,13 @@ impl Upstream {
             admin_auth: None,
             origin: Origin::of(&url),
             url,
+            ordinal: 0,
             in_flight: Arc::new(AtomicUsize::new(0)),
             healthy: AtomicBool::new(true),
             verified: AtomicBool::new(true),
             draining: AtomicBool::new(false),
+            joined: AtomicBool::new(false),
+            left: AtomicBool::new(false),
             fails: AtomicU32::new(0),
             oks: AtomicU32::new(0),
         }
@@ -131,9 +143,38 @@ impl Upstream {
         self.draining.store(on, Ordering::Release);
     }
 
-    /// Whether the worker gets new pairs: healthy and not draining.
+    /// Whether the worker gets new pairs: a member, healthy and not draining.
     pub fn accepts_pairs(&self) -> bool {
-        self.is_healthy() && !self.is_draining()
+        self.is_healthy() && !self.is_draining() && !self.has_left()
+    }
+
+    /// Whether it left its pool ([`WorkerPool::leave`]); pairs it runs finish.
+    pub fn has_left(&self) -> bool {
+        self.left.load(Ordering::Acquire)
+    }
+
+    /// Whether it joined at run time rather than from the configuration.
+    pub fn joined(&self) -> bool {
+        self.joined.load(Ordering::Acquire)
+    }
+
+    /// Marks it as joined at run time (a reload keeps it in the pool).
+    pub fn set_joined(&self, on: bool) {
+        self.joined.store(on, Ordering::Release);
+    }
+
+    /// Its name in metrics and API answers on `side`: `prefill-2` ([`worker_label`]).
+    pub fn label(&self, side: &str) -> String {
+        worker_label(side, self.ordinal)
+    }
+
+    /// The configuration it was built from (to carry a joined worker over a reload).
+    pub fn config(&self) -> WorkerConfig {
+        WorkerConfig {
+            url: self.url.clone(),
+            bootstrap_port: self.bootstrap_port,
+            bootstrap_host: Some(self.bootstrap_host.clone()),
+        }
     }
 
     /// Records one health-check result, applying the consecutive thresholds.
@@ -195,24 +236,33 @@ impl Drop for LoadGuard {
     }
 }
 
-/// The workers of one side of a model, with their selection policy.
+/// The workers of one side of a model, with their selection policy. Its members can change at
+/// run time ([`WorkerPool::join`], [`WorkerPool::leave`]): a pick sees one membership, whole.
 #[derive(Debug)]
 pub struct WorkerPool {
-    workers: Vec<Arc<Upstream>>,
+    workers: ArcSwap<Vec<Arc<Upstream>>>,
     policy: PolicyKind,
     max_pairs: usize,
     next: AtomicUsize,
     prefix: PrefixIndex,
+    /// The next member's ordinal.
+    ordinals: AtomicUsize,
+    /// The credentials every member is called with (the pool's `api_key`, `admin_api_key`).
+    auth: (Option<http::HeaderValue>, Option<http::HeaderValue>),
 }
 
 impl WorkerPool {
     /// Carries over, from the pool of the configuration this one replaces, each same-URL
     /// worker's pair count (shared: pairs started before the reload still count against
-    /// `max_pairs_per_worker`, and give their slot back when they end) and health.
+    /// `max_pairs_per_worker`, and give their slot back when they end) and health. Called
+    /// before the pool is shared.
     pub fn carry_from(&mut self, old: &WorkerPool) {
-        for w in &mut self.workers {
+        let old_members = old.workers();
+        let taken = self.workers.swap(Arc::new(Vec::new()));
+        let mut list = Arc::try_unwrap(taken).unwrap_or_else(|shared| (*shared).clone());
+        for w in &mut list {
             if let (Some(o), Some(w)) =
-                (old.workers.iter().find(|o| o.url == w.url), Arc::get_mut(w))
+                (old_members.iter().find(|o| o.url == w.url), Arc::get_mut(w))
             {
                 w.in_flight = o.in_flight.clone();
                 w.healthy
@@ -223,22 +273,20 @@ impl WorkerPool {
                 self.prefix.workers.insert(w.url.clone(), b.clone());
             }
         }
+        self.workers = ArcSwap::from_pointee(list);
     }
 
     /// A pool from configuration.
     pub fn new(cfg: &PoolConfig) -> WorkerPool {
+        let auth = (cfg.auth(), cfg.admin_auth());
         WorkerPool {
-            workers: cfg
-                .workers
-                .iter()
-                .map(|w| {
-                    Arc::new(Upstream {
-                        auth: cfg.auth(),
-                        admin_auth: cfg.admin_auth(),
-                        ..Upstream::new(w)
-                    })
-                })
-                .collect(),
+            workers: ArcSwap::from_pointee(
+                cfg.workers
+                    .iter()
+                    .enumerate()
+                    .map(|(i, w)| Arc::new(Self::member(&auth, w, i)))
+                    .collect(),
+            ),
             policy: cfg.policy,
             max_pairs: cfg.max_pairs_per_worker,
             next: AtomicUsize::new(0),
@@ -246,7 +294,82 @@ impl WorkerPool {
                 cfg: cfg.prefix,
                 ..PrefixIndex::default()
             },
+            ordinals: AtomicUsize::new(cfg.workers.len()),
+            auth,
         }
+    }
+
+    fn member(
+        auth: &(Option<http::HeaderValue>, Option<http::HeaderValue>),
+        w: &WorkerConfig,
+        ordinal: usize,
+    ) -> Upstream {
+        Upstream {
+            auth: auth.0.clone(),
+            admin_auth: auth.1.clone(),
+            ordinal,
+            ..Upstream::new(w)
+        }
+    }
+
+    /// Adds a worker at run time (a pod that appeared). It is not verified: it gets no pairs
+    /// until its backend's check passes for it together with the verified members
+    /// (`backend::probe::verify_member`). `None` when its URL is already a member.
+    pub fn join(&self, cfg: &WorkerConfig) -> Option<Arc<Upstream>> {
+        self.join_carrying(cfg, None)
+    }
+
+    /// Joins the workers that joined `old` at run time and are still members (unless the
+    /// configuration now lists them), each with its pair count and health: a reload keeps them,
+    /// checked again with the new set before they take pairs.
+    pub fn carry_joined(&self, old: &WorkerPool) {
+        for o in old.workers().iter().filter(|o| o.joined()) {
+            self.join_carrying(&o.config(), Some(o));
+        }
+    }
+
+    fn join_carrying(
+        &self,
+        cfg: &WorkerConfig,
+        carried: Option<&Upstream>,
+    ) -> Option<Arc<Upstream>> {
+        let url = cfg.url.trim_end_matches('/');
+        let mut added = None;
+        self.workers.rcu(|list| {
+            added = None;
+            if list.iter().any(|w| w.url == url) {
+                return list.clone();
+            }
+            let ordinal = self.ordinals.fetch_add(1, Ordering::Relaxed);
+            let mut w = Self::member(&self.auth, cfg, ordinal);
+            if let Some(c) = carried {
+                w.in_flight = c.in_flight.clone();
+                w.healthy = AtomicBool::new(c.healthy.load(Ordering::Acquire));
+            }
+            w.verified = AtomicBool::new(false);
+            w.joined = AtomicBool::new(true);
+            let w = Arc::new(w);
+            added = Some(w.clone());
+            let mut next = (**list).clone();
+            next.push(w);
+            Arc::new(next)
+        });
+        added
+    }
+
+    /// Removes the worker at `url` (a pod gone): it takes no new pairs, pairs it runs finish, and
+    /// what the prefix policy predicted it holds is dropped. `None` when it is not a member.
+    pub fn leave(&self, url: &str) -> Option<Arc<Upstream>> {
+        let url = url.trim_end_matches('/');
+        let mut gone = None;
+        self.workers.rcu(|list| {
+            gone = list.iter().find(|w| w.url == url).cloned();
+            Arc::new(list.iter().filter(|w| w.url != url).cloned().collect())
+        });
+        let w = gone?;
+        w.left.store(true, Ordering::Release);
+        self.prefix.workers.remove(url);
+        Some(w)
     }
 
     /// Prompt tokens routed by the prefix-aware policy, and how many of them it predicted the
@@ -315,22 +438,27 @@ impl WorkerPool {
         w
     }
 
-    /// All workers.
-    pub fn workers(&self) -> &[Arc<Upstream>] {
-        &self.workers
+    /// The members now (one membership, whole; later joins and leaves do not change it).
+    pub fn workers(&self) -> Arc<Vec<Arc<Upstream>>> {
+        self.workers.load_full()
+    }
+
+    /// The member at `url`, if it is one.
+    pub fn member_at(&self, url: &str) -> Option<Arc<Upstream>> {
+        self.workers.load().iter().find(|w| w.url == url).cloned()
     }
 
     /// Whether at least one worker takes new pairs (healthy, not draining).
     pub fn any_healthy(&self) -> bool {
-        self.workers.iter().any(|w| w.accepts_pairs())
+        self.workers.load().iter().any(|w| w.accepts_pairs())
     }
 
     /// Whether workers would take pairs but every one is at `max_pairs_per_worker`.
     pub fn all_busy(&self) -> bool {
+        let workers = self.workers.load();
         self.max_pairs > 0
-            && self.workers.iter().any(|w| w.accepts_pairs())
-            && self
-                .workers
+            && workers.iter().any(|w| w.accepts_pairs())
+            && workers
                 .iter()
                 .filter(|w| w.accepts_pairs())
                 .all(|w| w.in_flight() >= self.max_pairs)
@@ -341,15 +469,16 @@ impl WorkerPool {
     pub fn pick(&self, avoid: Option<&Arc<Upstream>>, key: Option<&RouteKey>) -> Option<LoadGuard> {
         let max = self.max_pairs;
         let open = |w: &Arc<Upstream>| w.accepts_pairs() && (max == 0 || w.in_flight() < max);
+        let workers = self.workers.load();
         // Fast path: one worker, no allocation.
-        if let [only] = self.workers.as_slice() {
+        if let [only] = workers.as_slice() {
             return if only.accepts_pairs() {
                 LoadGuard::try_new(only.clone(), max)
             } else {
                 None
             };
         }
-        let healthy: Vec<&Arc<Upstream>> = self.workers.iter().filter(|w| open(w)).collect();
+        let healthy: Vec<&Arc<Upstream>> = workers.iter().filter(|w| open(w)).collect();
         let candidates: Vec<&Arc<Upstream>> = match avoid {
             Some(a) if healthy.len() > 1 => healthy
                 .iter()

@@ -44,9 +44,7 @@ pub fn pick_pair(
     let p = match prefill_choice {
         PrefillChoice::Pick { avoid } => prefill.pick(avoid, key),
         PrefillChoice::Pinned(url) => prefill
-            .workers()
-            .iter()
-            .find(|w| w.url == url)
+            .member_at(url)
             .filter(|w| w.accepts_pairs())
             .and_then(|w| LoadGuard::try_new(w.clone(), prefill.max_pairs)),
     }

@@ -307,3 +307,94 @@ fn a_decode_side_that_cannot_take_the_pair_gives_the_prefill_slot_back() {
     drop(held);
     assert!(pick_pair(&p, &d, None, PrefillChoice::Pick { avoid: None }, None).is_ok());
 }
+
+fn worker(port: u16) -> WorkerConfig {
+    WorkerConfig {
+        url: format!("http://127.0.0.1:{port}/"),
+        bootstrap_port: None,
+        bootstrap_host: None,
+    }
+}
+
+#[test]
+fn a_joined_worker_waits_for_its_check_and_a_left_one_takes_no_pairs() {
+    let p = on_ports(PolicyKind::RoundRobin, &[5000, 5001], 0);
+    let w = p.join(&worker(5002)).expect("a new member");
+    assert_eq!(w.url, "http://127.0.0.1:5002");
+    assert!(w.joined() && !w.is_verified() && !w.accepts_pairs());
+    assert_eq!(w.label("decode"), "decode-2");
+    assert!(p.join(&worker(5002)).is_none(), "already a member");
+    assert!(p.join(&worker(5000)).is_none(), "a configured member");
+    assert_eq!(p.workers().len(), 3);
+    // Unverified: never picked.
+    for _ in 0..6 {
+        let g = p.pick(None, None).expect("a verified worker");
+        assert_ne!(g.worker().url, w.url);
+    }
+    w.set_verified(true);
+    assert!((0..6).any(|_| p.pick(None, None).expect("w").worker().url == w.url));
+    // A member leaves: a pair it runs keeps its slot; it gets no new pair; names stay.
+    let running = LoadGuard::new(p.member_at("http://127.0.0.1:5000").expect("member"));
+    let gone = p.leave("http://127.0.0.1:5000/").expect("it was a member");
+    assert!(gone.has_left() && !gone.accepts_pairs());
+    assert!(p.leave("http://127.0.0.1:5000").is_none());
+    assert_eq!(p.workers().len(), 2);
+    assert_eq!(
+        p.label_of("decode", "http://127.0.0.1:5001").as_deref(),
+        Some("decode-1")
+    );
+    assert_eq!(p.label_of("decode", "http://127.0.0.1:5000"), None);
+    for _ in 0..6 {
+        assert_ne!(p.pick(None, None).expect("w").worker().url, gone.url);
+    }
+    assert_eq!(running.worker().in_flight(), 1);
+    drop(running);
+    assert_eq!(gone.in_flight(), 0);
+    // Rejoining gives a new name.
+    let back = p.join(&worker(5000)).expect("rejoins");
+    assert_eq!(back.label("prefill"), "prefill-3");
+}
+
+#[test]
+fn a_left_workers_prefix_predictions_go_and_a_reload_keeps_joined_workers() {
+    let p = on_ports(PolicyKind::PrefixAware, &[6000], 0);
+    let w = p.join(&worker(6001)).expect("joins");
+    w.set_verified(true);
+    let tokens: Vec<u32> = (0..256).collect();
+    let key = RouteKey {
+        tokens: &tokens,
+        salt: 0,
+    };
+    let g = p.pick(None, Some(&key)).expect("a worker");
+    let chosen = g.worker().url.clone();
+    assert!(p.prefix.workers.contains_key(&chosen));
+    p.leave(&chosen).expect("member");
+    assert!(!p.prefix.workers.contains_key(&chosen));
+    // A reload: the new pool has the configured worker; the joined one (if still a member) is
+    // carried, with its pair count, unverified until checked again.
+    let old = on_ports(PolicyKind::RoundRobin, &[7000], 0);
+    let j = old.join(&worker(7001)).expect("joins");
+    j.set_verified(true);
+    let running = LoadGuard::new(j.clone());
+    let gone = old.join(&worker(7002)).expect("joins");
+    old.leave(&gone.url);
+    let new = on_ports(PolicyKind::RoundRobin, &[7000], 0);
+    new.carry_joined(&old);
+    let urls: Vec<String> = new.workers().iter().map(|w| w.url.clone()).collect();
+    assert_eq!(urls, ["http://127.0.0.1:7000", "http://127.0.0.1:7001"]);
+    let carried = new.member_at("http://127.0.0.1:7001").expect("carried");
+    assert!(carried.joined() && !carried.is_verified());
+    assert_eq!(carried.in_flight(), 1);
+    drop(running);
+    assert_eq!(carried.in_flight(), 0);
+    // A worker the new configuration lists is not carried as joined.
+    let listed = on_ports(PolicyKind::RoundRobin, &[7000, 7001], 0);
+    listed.carry_joined(&old);
+    assert_eq!(listed.workers().len(), 2);
+    assert!(
+        !listed
+            .member_at("http://127.0.0.1:7001")
+            .expect("w")
+            .joined()
+    );
+}

@@ -1,0 +1,351 @@
+//! A model's workers at run time: one task per model follows its source of membership changes
+//! ([`crate::pool::WorkerSource`]), and one task per member checks that member:
+//! - a member not verified (it did not answer the deployment check, or it joined at run time)
+//!   is checked by its backend together with the verified members
+//!   ([`crate::backend::probe::verify_member`]) every health interval until it passes; until
+//!   then it gets no pairs, and when it passes the model's limits tighten to the set's;
+//! - every member's health: the backend's probe (`GET /health`, or the worker service's `Health`
+//!   for lockstep workers), unhealthy after `failure_threshold` failures in a row, healthy again
+//!   after `success_threshold` successes;
+//! - a member that leaves takes no new pairs (those it runs finish), its checks stop, its backend
+//!   forgets what it kept for it ([`PdBackend::forget`]) and its metric series go.
+//!
+//! Dropping the model (a reload, shutdown) aborts the model's task and with it every member's.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use tokio::task::{AbortHandle, JoinSet};
+
+use crate::backend::probe::{Probed, verify_member};
+use crate::backend::{PdBackend, UpstreamClient};
+use crate::config::{ModelConfig, WorkerConfig};
+use crate::metrics::Metrics;
+use crate::pool::{MemberChange, Upstream, WorkerPool, WorkerSource};
+use crate::state::WorkerLimits;
+use crate::vocab::Side;
+
+/// What a model's member tasks share.
+pub(crate) struct Members {
+    /// The model's configuration (health settings, the deployment check's limits).
+    pub model: ModelConfig,
+    /// Its backend: the probes, the health checks, what it forgets.
+    pub backend: Arc<dyn PdBackend>,
+    /// The upstream client health checks go through.
+    pub client: UpstreamClient,
+    /// The limits admission applies; they tighten as workers pass their check.
+    pub limits: Arc<WorkerLimits>,
+    /// The prefill pool.
+    pub prefill: Arc<WorkerPool>,
+    /// The decode pool.
+    pub decode: Arc<WorkerPool>,
+    /// The metrics whose per-worker series a member that leaves takes with it.
+    pub metrics: Arc<Metrics>,
+    /// The verified members with what each reported: a worker checked later is checked with
+    /// them.
+    pub verified: Mutex<Vec<Probed>>,
+    /// One check of a new member at a time: two members checked at once would each be checked
+    /// without the other.
+    pub checking: tokio::sync::Mutex<()>,
+}
+
+impl Members {
+    fn pool(&self, side: Side) -> &Arc<WorkerPool> {
+        match side {
+            Side::Prefill => &self.prefill,
+            Side::Decode => &self.decode,
+        }
+    }
+
+    /// Checks every member, then applies each change `source` sends, for as long as the model
+    /// serves (the caller aborts the task).
+    pub async fn run(self: Arc<Self>, mut source: WorkerSource) {
+        let mut tasks = JoinSet::new();
+        let mut handles: HashMap<(Side, String), AbortHandle> = HashMap::new();
+        for side in [Side::Prefill, Side::Decode] {
+            for w in self.pool(side).workers().iter() {
+                let h = tasks.spawn(self.clone().watch(side, w.clone()));
+                handles.insert((side, w.url.clone()), h);
+            }
+        }
+        let mut open = true;
+        loop {
+            tokio::select! {
+                change = source.next(), if open => match change {
+                    Some(c) => self.apply(c, &mut tasks, &mut handles),
+                    // No more changes: the members stay checked.
+                    None => open = false,
+                },
+                // Reaps member tasks that ended (aborted when their member left).
+                Some(_) = tasks.join_next() => {}
+                else => std::future::pending::<()>().await,
+            }
+        }
+    }
+
+    fn apply(
+        self: &Arc<Self>,
+        change: MemberChange,
+        tasks: &mut JoinSet<()>,
+        handles: &mut HashMap<(Side, String), AbortHandle>,
+    ) {
+        let name = &self.model.name;
+        match change {
+            MemberChange::Join { side, worker } => match self.pool(side).join(&worker) {
+                Some(w) => {
+                    tracing::info!(model = %name, side = side.as_str(), worker = %w.url, "worker joined: it gets pairs once it passes the deployment check");
+                    let h = tasks.spawn(self.clone().watch(side, w.clone()));
+                    handles.insert((side, w.url.clone()), h);
+                }
+                None => {
+                    tracing::debug!(model = %name, side = side.as_str(), worker = %worker.url, "worker already a member")
+                }
+            },
+            MemberChange::Leave { side, url } => {
+                let Some(w) = self.pool(side).leave(&url) else {
+                    tracing::debug!(model = %name, side = side.as_str(), worker = %url, "worker not a member");
+                    return;
+                };
+                if let Some(h) = handles.remove(&(side, w.url.clone())) {
+                    h.abort();
+                }
+                self.gone(side, &w);
+            }
+        }
+    }
+
+    /// What a worker that left takes with it: its place in the verified set, its metric series,
+    /// and (when no pool of the model still has it) what the backend kept for its URL.
+    fn gone(&self, side: Side, w: &Upstream) {
+        let other = match side {
+            Side::Prefill => &self.decode,
+            Side::Decode => &self.prefill,
+        };
+        let still_member = other.member_at(&w.url).is_some();
+        if !still_member {
+            self.backend.forget(&w.url);
+        }
+        let mut verified = self.verified.lock().unwrap_or_else(|p| p.into_inner());
+        verified.retain(|p| !(p.url == w.url && p.side == side));
+        drop(verified);
+        let label = w.label(side.as_str());
+        let labels = [self.model.name.as_str(), side.as_str(), label.as_str()];
+        let _ = self.metrics.worker_inflight.remove_label_values(&labels);
+        let _ = self.metrics.worker_healthy.remove_label_values(&labels);
+        tracing::info!(model = %self.model.name, side = side.as_str(), worker = %w.url, in_flight = w.in_flight(), "worker left: no new pairs; those it runs finish");
+    }
+
+    /// One member's checks, every health interval, until it leaves.
+    async fn watch(self: Arc<Self>, side: Side, w: Arc<Upstream>) {
+        let cfg = &self.model.health;
+        let mut tick = tokio::time::interval(Duration::from_millis(cfg.interval_ms));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            if w.has_left() {
+                return;
+            }
+            if !w.is_verified() {
+                self.verify(side, &w).await;
+            }
+            let ok = self
+                .backend
+                .health(&self.client, &w.url, Duration::from_millis(cfg.timeout_ms))
+                .await;
+            w.record_health(ok, cfg);
+        }
+    }
+
+    /// Checks a member not verified together with the verified ones; on a pass it takes pairs
+    /// and the model's limits tighten to the set's.
+    async fn verify(&self, side: Side, w: &Upstream) {
+        let _one = self.checking.lock().await;
+        let known = self
+            .verified
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let cfg: WorkerConfig = w.config();
+        let name = &self.model.name;
+        match verify_member(&*self.backend, &self.model, side, &cfg, &known).await {
+            Ok(_) if w.has_left() => {}
+            Ok((me, d)) => {
+                // Limits only tighten: admission stays within every verified worker's.
+                self.limits.tighten(&d);
+                self.verified
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(me);
+                w.set_verified(true);
+                tracing::info!(model = %name, worker = %w.url, kv_capacity = d.kv_capacity, prompt_limit = ?d.max_prompt_tokens, "worker verified: it takes pairs");
+            }
+            Err(e) => {
+                tracing::warn!(model = %name, worker = %w.url, error = %e, "worker not verified: it gets no pairs")
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::probe::{ProbeError, WorkerReport};
+    use crate::backend::{
+        DecodeStream, Deployment, Dispatch, HalfError, PrefillReport, UpstreamClient,
+    };
+    use crate::config::PoolConfig;
+    use futures_util::future::BoxFuture;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// Records what the member tasks ask of a backend; a worker on port 9 never passes its check.
+    #[derive(Default)]
+    struct Recorder {
+        forgotten: Mutex<Vec<String>>,
+        health: Mutex<Vec<String>>,
+        probes: AtomicUsize,
+    }
+
+    impl PdBackend for Arc<Recorder> {
+        fn prefill(&self, _: &Dispatch) -> BoxFuture<'static, Result<PrefillReport, HalfError>> {
+            unreachable!("no pairs here")
+        }
+        fn decode(&self, _: &Dispatch) -> DecodeStream {
+            unreachable!("no pairs here")
+        }
+        fn abort(&self, _: &Dispatch, _: Side) -> BoxFuture<'static, Result<(), HalfError>> {
+            unreachable!("no pairs here")
+        }
+        fn forget(&self, url: &str) {
+            self.forgotten.lock().expect("lock").push(url.into());
+        }
+        fn probe_worker<'a>(
+            &'a self,
+            _: &'a ModelConfig,
+            _: Side,
+            w: &'a WorkerConfig,
+        ) -> BoxFuture<'a, Result<WorkerReport, ProbeError>> {
+            self.probes.fetch_add(1, Ordering::Relaxed);
+            let refused = w.url.ends_with(":9");
+            Box::pin(async move {
+                if refused {
+                    Err(ProbeError::Unreachable("down".into()))
+                } else {
+                    Ok(WorkerReport {
+                        kv_tokens: Some(3000),
+                        ..WorkerReport::default()
+                    })
+                }
+            })
+        }
+        fn health(&self, _: &UpstreamClient, url: &str, _: Duration) -> BoxFuture<'static, bool> {
+            self.health.lock().expect("lock").push(url.into());
+            Box::pin(std::future::ready(true))
+        }
+    }
+
+    /// Waits (5 s at most) until `f` holds.
+    async fn until(f: impl Fn() -> bool) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while !f() {
+            assert!(std::time::Instant::now() < deadline, "timed out");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    fn worker(url: &str) -> WorkerConfig {
+        WorkerConfig {
+            url: url.into(),
+            bootstrap_port: None,
+            bootstrap_host: None,
+        }
+    }
+
+    fn members(rec: &Arc<Recorder>) -> Arc<Members> {
+        let text = r#"
+[[models]]
+name = "m"
+backend = "vllm"
+context_window = 1000
+kv_capacity_tokens = 4000
+tokenizer = "/t.json"
+chat_template = { inline = "x" }
+[models.prefill]
+workers = [{ url = "http://a:1" }]
+[models.decode]
+workers = [{ url = "http://a:1" }]
+[models.health]
+interval_ms = 10
+"#;
+        let model = crate::config::Config::parse(text)
+            .expect("config")
+            .models
+            .remove(0);
+        let pool = |p: &PoolConfig| Arc::new(WorkerPool::new(p));
+        Arc::new(Members {
+            prefill: pool(&model.prefill),
+            decode: pool(&model.decode),
+            backend: Arc::new(rec.clone()),
+            client: UpstreamClient::with_ca(Duration::from_secs(1), None).expect("client"),
+            limits: Arc::new(WorkerLimits::new(&Deployment::capacity(4000))),
+            metrics: Arc::new(Metrics::new()),
+            verified: Mutex::new(Vec::new()),
+            checking: tokio::sync::Mutex::new(()),
+            model,
+        })
+    }
+
+    #[tokio::test]
+    async fn joins_are_checked_and_a_left_worker_is_forgotten_once_no_pool_has_it() {
+        let rec = Arc::new(Recorder::default());
+        let m = members(&rec);
+        let (feed, source) = crate::pool::MemberFeed::new();
+        let task = tokio::spawn(m.clone().run(source));
+        let send = |c| assert!(feed.send(c));
+        send(MemberChange::Join {
+            side: Side::Decode,
+            worker: worker("http://b:2"),
+        });
+        send(MemberChange::Join {
+            side: Side::Decode,
+            worker: worker("http://c:9"),
+        });
+        let member = |url: &str| m.decode.member_at(url);
+        until(|| member("http://b:2").is_some_and(|w| w.is_verified())).await;
+        // The unreachable one stays unverified, probed again and again; the limits tightened
+        // to what the verified one reported.
+        let probes = rec.probes.load(Ordering::Relaxed);
+        until(|| rec.probes.load(Ordering::Relaxed) > probes + 2).await;
+        assert!(member("http://c:9").is_some_and(|w| !w.is_verified()));
+        let cap = m
+            .limits
+            .kv_capacity
+            .load(std::sync::atomic::Ordering::Acquire);
+        assert_eq!(cap, 3000);
+        assert_eq!(m.verified.lock().expect("lock").len(), 1);
+        // The worker in both pools leaves the decode pool only: not forgotten.
+        send(MemberChange::Leave {
+            side: Side::Decode,
+            url: "http://a:1".into(),
+        });
+        send(MemberChange::Leave {
+            side: Side::Decode,
+            url: "http://b:2".into(),
+        });
+        until(|| member("http://b:2").is_none() && member("http://a:1").is_none()).await;
+        assert_eq!(*rec.forgotten.lock().expect("lock"), ["http://b:2"]);
+        assert!(m.verified.lock().expect("lock").is_empty());
+        // A left member's health checks stop; the others' go on.
+        let checks = |url: &str| {
+            let h = rec.health.lock().expect("lock");
+            h.iter().filter(|u| *u == url).count()
+        };
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        let (b, c) = (checks("http://b:2"), checks("http://c:9"));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(checks("http://b:2"), b, "a left member is still checked");
+        assert!(checks("http://c:9") > c, "a member is no longer checked");
+        task.abort();
+    }
+}
