@@ -146,20 +146,71 @@ impl Stack {
         .expect("write tokenizer");
         let mock = PdMock::start(mock_cfg, tok).await.expect("mock starts");
         let text = config_text_with(&mock, &tok_path, server_extra, model_extra, timeouts);
+        Stack::start_from(mock, dir, tok_path, text)
+            .await
+            .expect("lockstep starts")
+    }
+
+    /// A stack whose configuration is [`config_text_with`]'s, edited by `edit` (a decode pool
+    /// from discovery instead of its worker, say); `Err`: why lockstep refused to start.
+    pub async fn start_edited(
+        mock_cfg: MockConfig,
+        server_extra: &str,
+        timeouts: &str,
+        edit: impl FnOnce(&PdMock, String) -> String,
+    ) -> Result<Stack, String> {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let tok = tokenizer::build();
+        let tok_path: PathBuf = dir.path().join("tokenizer.json");
+        std::fs::write(
+            &tok_path,
+            tok.to_string(true).expect("tokenizer serialises"),
+        )
+        .expect("write tokenizer");
+        let mock = PdMock::start(mock_cfg, tok).await.expect("mock starts");
+        let text = edit(
+            &mock,
+            config_text_with(&mock, &tok_path, server_extra, "", timeouts),
+        );
+        Stack::start_from(mock, dir, tok_path, text).await
+    }
+
+    async fn start_from(
+        mock: PdMock,
+        dir: tempfile::TempDir,
+        tok_path: PathBuf,
+        text: String,
+    ) -> Result<Stack, String> {
         // From a file, as in production: the admin API's reload re-reads it.
         let config_path = dir.path().join("lockstep.toml");
         std::fs::write(&config_path, &text).expect("write config");
-        let cfg = Config::load(&config_path).expect("test config loads");
-        let lockstep = Lockstep::start(cfg).await.expect("lockstep starts");
+        let cfg = Config::load(&config_path).map_err(|e| e.to_string())?;
+        let lockstep = Lockstep::start(cfg).await.map_err(|e| e.to_string())?;
         let url = format!("http://{}", lockstep.http_addr);
-        Stack {
+        Ok(Stack {
             mock,
             lockstep,
             url,
             tokenizer: tok_path,
             config_path,
             _dir: dir,
-        }
+        })
+    }
+
+    /// One pool of the model as lockstep holds it now (`side`: `prefill` or `decode`): (url,
+    /// label, verified, joined at run time) per member.
+    pub fn pool(&self, side: &str) -> Vec<(String, String, bool, bool)> {
+        let models = self.lockstep.state.models.load();
+        let m = &models.by_name[MODEL];
+        let pool = if side == "prefill" {
+            &m.pairs.prefill
+        } else {
+            &m.pairs.decode
+        };
+        pool.workers()
+            .iter()
+            .map(|w| (w.url.clone(), w.label(side), w.is_verified(), w.joined()))
+            .collect()
     }
 
     /// Calls lockstep's admin API (`key`: the bearer sent, if any); the status and the JSON body

@@ -6,6 +6,7 @@ pub mod client;
 pub mod embedded;
 pub mod fuzz;
 pub mod harness;
+pub mod kube_api;
 pub mod naive_front;
 pub mod sglang_mock;
 pub mod stops;

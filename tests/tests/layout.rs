@@ -651,7 +651,7 @@ fn router_and_worker_never_depend_on_each_other() {
 /// `lib.rs` sit above them all.
 const ROUTER_LAYERS: &[&[&str]] = &[
     &["vocab", "config", "error", "metrics", "audit", "tenant"],
-    &["pool", "backend"],
+    &["pool", "backend", "discovery"],
     &["pair"],
     &["state"],
     &["admission", "models", "members"],

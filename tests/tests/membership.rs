@@ -46,23 +46,8 @@ async fn complete(stack: &Stack, prompt: &str, stream: bool, max_tokens: u64) ->
         .await
 }
 
-/// The decode pool as lockstep holds it now: (url, label, verified, joined) per member.
 fn decode_pool(stack: &Stack) -> Vec<(String, String, bool, bool)> {
-    let models = stack.lockstep.state.models.load();
-    models.by_name[MODEL]
-        .pairs
-        .decode
-        .workers()
-        .iter()
-        .map(|w| {
-            (
-                w.url.clone(),
-                w.label("decode"),
-                w.is_verified(),
-                w.joined(),
-            )
-        })
-        .collect()
+    stack.pool("decode")
 }
 
 async fn change(stack: &Stack, path: &str, body: Value) -> (u16, Value) {

@@ -148,6 +148,21 @@ async fn run(cli: Cli, huge_pages_off: bool) -> ExitCode {
                 };
                 let mut failed = false;
                 for m in &cfg.models {
+                    // Discovered pools are checked with the workers their pods are now.
+                    let m = match lockstep_router::models::with_discovered(m).await {
+                        Ok((m, found)) => {
+                            for line in found {
+                                println!("{}: {line}", shown(config.as_ref()));
+                            }
+                            m
+                        }
+                        Err(e) => {
+                            eprintln!("{}: {e}", shown(config.as_ref()));
+                            failed = true;
+                            continue;
+                        }
+                    };
+                    let m = &m;
                     match check_deployment(&client, m).await {
                         Err(e) => {
                             eprintln!("{}: {e}", shown(config.as_ref()));

@@ -651,3 +651,65 @@ async fn https_workers_are_reached_with_the_configured_ca() {
     }
     server.abort();
 }
+
+/// `lockstep check` on a discovered pool: the API server found as kube infers it (`KUBECONFIG`),
+/// the pods the selector matches printed and checked like configured workers; RBAC refusing the
+/// list fails the check, naming the verb and resource.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_prints_and_checks_what_discovery_finds() {
+    use lockstep_tests::kube_api::{KubeApi, PodSpec};
+    let (prefill, h1) = worker(1 << 20, "prefill").await;
+    let (decode, h2) = worker(1 << 20, "decode").await;
+    let api = KubeApi::start().await;
+    let labels = [("app", "sglang"), ("component", "decode")];
+    api.put_pod("inference", "d-0", &PodSpec::ready("127.0.0.1", &labels));
+    let mut starting = PodSpec::ready("10.9.9.9", &labels);
+    starting.ready = false;
+    api.put_pod("inference", "d-1", &starting);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let kubeconfig = api.kubeconfig(dir.path());
+    let port = decode.rsplit(':').next().expect("port").to_string();
+    let path = config(dir.path(), 2000, 4096, &prefill, "http://unused", "");
+    let text = std::fs::read_to_string(&path).expect("read").replace(
+        "workers = [{ url = \"http://unused\" }]",
+        &format!("discovery = {{ kind = \"kubernetes\", namespace = \"inference\", selector = \"app=sglang,component=decode\", port = {port} }}"),
+    );
+    std::fs::write(&path, text).expect("write");
+    let check = |kubeconfig: PathBuf, path: PathBuf| async move {
+        tokio::task::spawn_blocking(move || {
+            let out = Command::new(BIN)
+                .args(["check", "--config"])
+                .arg(&path)
+                .env("KUBECONFIG", &kubeconfig)
+                .output()
+                .expect("run lockstep");
+            (
+                out.status.success(),
+                format!(
+                    "{}{}",
+                    String::from_utf8_lossy(&out.stdout),
+                    String::from_utf8_lossy(&out.stderr)
+                ),
+            )
+        })
+        .await
+        .expect("join")
+    };
+    let (ok, out) = check(kubeconfig.clone(), path.clone()).await;
+    assert!(ok, "{out}");
+    assert!(
+        out.contains(&format!(
+            "model `m`: decode pool: discovery (namespace `inference`, selector `app=sglang,component=decode`) finds 1 ready pod(s): http://127.0.0.1:{port}; 1 not ready"
+        )),
+        "{out}"
+    );
+    api.set_forbidden(true);
+    let (ok, out) = check(kubeconfig, path).await;
+    assert!(!ok, "{out}");
+    assert!(
+        out.contains("forbidden to `list`") && out.contains("`pods`"),
+        "{out}"
+    );
+    h1.abort();
+    h2.abort();
+}

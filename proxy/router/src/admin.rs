@@ -235,7 +235,7 @@ fn bad(message: String, param: &str) -> LockstepError {
 }
 
 /// Reads a membership change and checks it against the model it names.
-fn membership(st: &AdminState, body: &[u8], join: bool) -> Result<MemberChange, LockstepError> {
+fn membership(st: &AdminState, body: &[u8], join: bool) -> Result<(Side, String), LockstepError> {
     let req: Membership = serde_json::from_slice(body).map_err(|e| {
         bad(
             format!(
@@ -280,21 +280,23 @@ fn membership(st: &AdminState, body: &[u8], join: bool) -> Result<MemberChange, 
         }
         MemberChange::Join { side, worker }
     } else {
-        MemberChange::Leave { side, url }
+        MemberChange::Leave {
+            side,
+            url: url.clone(),
+        }
     };
-    if !feed.send(change.clone()) {
+    if !feed.send(change) {
         return Err(LockstepError::Unavailable {
             message: "the model is being replaced; try again".into(),
         });
     }
-    Ok(change)
+    Ok((side, url))
 }
 
 /// Queues a membership change; 202 with what was queued.
 fn change_members(st: &AdminState, body: &[u8], join: bool) -> Response {
     let (side, url) = match membership(st, body, join) {
-        Ok(MemberChange::Join { side, worker }) => (side, worker.url),
-        Ok(MemberChange::Leave { side, url }) => (side, url),
+        Ok(changed) => changed,
         Err(e) => return e.into_response(),
     };
     let what = if join { "joining" } else { "leaving" };

@@ -11,6 +11,7 @@ pub mod app;
 pub mod audit;
 pub mod backend;
 pub mod config;
+pub mod discovery;
 pub mod error;
 #[doc(hidden)]
 pub mod fuzzing;

@@ -103,17 +103,36 @@ impl Members {
                     tracing::debug!(model = %name, side = side.as_str(), worker = %worker.url, "worker already a member")
                 }
             },
-            MemberChange::Leave { side, url } => {
-                let Some(w) = self.pool(side).leave(&url) else {
-                    tracing::debug!(model = %name, side = side.as_str(), worker = %url, "worker not a member");
-                    return;
-                };
-                if let Some(h) = handles.remove(&(side, w.url.clone())) {
-                    h.abort();
+            MemberChange::Leave { side, url } => self.leave(side, &url, handles),
+            MemberChange::Replace { side, workers } => {
+                let want: HashMap<String, WorkerConfig> = workers
+                    .into_iter()
+                    .map(|w| (w.url.trim_end_matches('/').to_string(), w))
+                    .collect();
+                for w in self.pool(side).workers().iter().filter(|w| w.joined()) {
+                    let keep = want
+                        .get(&w.url)
+                        .is_some_and(|c| c.bootstrap_port == w.bootstrap_port);
+                    if !keep {
+                        self.leave(side, &w.url, handles);
+                    }
                 }
-                self.gone(side, &w);
+                for worker in want.into_values() {
+                    self.apply(MemberChange::Join { side, worker }, tasks, handles);
+                }
             }
         }
+    }
+
+    fn leave(&self, side: Side, url: &str, handles: &mut HashMap<(Side, String), AbortHandle>) {
+        let Some(w) = self.pool(side).leave(url) else {
+            tracing::debug!(model = %self.model.name, side = side.as_str(), worker = %url, "worker not a member");
+            return;
+        };
+        if let Some(h) = handles.remove(&(side, w.url.clone())) {
+            h.abort();
+        }
+        self.gone(side, &w);
     }
 
     /// What a worker that left takes with it: its place in the verified set, its metric series,

@@ -55,6 +55,13 @@ pub struct Metrics {
     pub worker_inflight: IntGaugeVec,
     /// 1 if the worker is healthy (read at scrape).
     pub worker_healthy: IntGaugeVec,
+    /// Pods a discovered pool's selector matches, by state: `ready` (a worker) or `not_ready`.
+    pub discovery_pods: IntGaugeVec,
+    /// Times a pool's watch of the API server failed and was restarted.
+    pub discovery_watch_restarts: IntCounterVec,
+    /// When a pool's discovery last had a complete, current list from the API server (Unix
+    /// seconds).
+    pub discovery_last_sync: IntGaugeVec,
     /// Embedded engines' KV pages by state `used` / `free` (read at scrape).
     pub kv_pages: IntGaugeVec,
     /// Prompt tokens an embedded engine took from its prefix cache (brought up to the engine's
@@ -253,6 +260,24 @@ impl Metrics {
                 "lockstep_worker_healthy",
                 "1 when the worker passes its health checks, else 0.",
                 &["model", "side", "worker"],
+            ),
+            discovery_pods: gauge(
+                &r,
+                "lockstep_discovery_pods",
+                "Pods a discovered pool's selector matches, by state (ready: a worker; not_ready).",
+                &["model", "side", "state"],
+            ),
+            discovery_watch_restarts: counter(
+                &r,
+                "lockstep_discovery_watch_restarts_total",
+                "Times a discovered pool's watch of the Kubernetes API failed and was restarted (the last known workers keep serving).",
+                &["model", "side"],
+            ),
+            discovery_last_sync: gauge(
+                &r,
+                "lockstep_discovery_last_sync_timestamp_seconds",
+                "When a discovered pool last had a complete, current list of its pods (Unix seconds).",
+                &["model", "side"],
             ),
             kv_pages: gauge(
                 &r,

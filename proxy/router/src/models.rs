@@ -32,6 +32,50 @@ pub async fn check_deployment(
     }
 }
 
+/// `m` with each discovered pool's current workers in place of its discovery (what `lockstep
+/// check` checks), and a line per pool saying what discovery found.
+pub async fn with_discovered(m: &ModelConfig) -> Result<(ModelConfig, Vec<String>), String> {
+    let mut m = m.clone();
+    let mut found = Vec::new();
+    for (side, pool) in [("prefill", &mut m.prefill), ("decode", &mut m.decode)] {
+        let Some(d) = pool.discovery.take() else {
+            continue;
+        };
+        let at = format!("model `{}`: {side} pool", m.name);
+        let client = crate::discovery::client(&d)
+            .await
+            .map_err(|e| format!("{at}: {e}"))?;
+        let (workers, not_ready) = tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            crate::discovery::list(&client, &d),
+        )
+        .await
+        .map_err(|_| {
+            format!("{at}: Kubernetes discovery: the API server did not answer within 10 s")
+        })?
+        .map_err(|e| format!("{at}: {e}"))?;
+        let urls: Vec<&str> = workers.iter().map(|w| w.url.as_str()).collect();
+        found.push(format!(
+            "{at}: discovery (namespace `{}`, selector `{}`) finds {} ready pod(s){}{}",
+            d.namespace,
+            d.selector,
+            workers.len(),
+            if urls.is_empty() {
+                String::new()
+            } else {
+                format!(": {}", urls.join(", "))
+            },
+            if not_ready > 0 {
+                format!("; {not_ready} not ready")
+            } else {
+                String::new()
+            },
+        ));
+        pool.workers = workers;
+    }
+    Ok((m, found))
+}
+
 /// The backend of a model served by remote workers (`None` for the embedded engine).
 pub fn remote_backend(m: &ModelConfig, client: &UpstreamClient) -> Option<Arc<dyn PdBackend>> {
     Some(match m.backend {
@@ -110,7 +154,7 @@ pub(crate) async fn build_models(
     for m in &cfg.models {
         let built = match m.backend {
             BackendKind::Embedded => build_embedded(m).await,
-            _ => build_remote(m, client).await,
+            _ => build_remote(m, client, metrics).await,
         };
         let Built {
             deployment,
@@ -119,6 +163,7 @@ pub(crate) async fn build_models(
             mut prefill,
             mut decode,
             engine,
+            discovered,
         } = match built {
             Ok(b) => b,
             Err(e) => {
@@ -168,6 +213,9 @@ pub(crate) async fn build_models(
                 verified: std::sync::Mutex::new(deployment.verified.clone()),
                 checking: tokio::sync::Mutex::new(()),
             });
+            let mut sources = vec![source];
+            sources.extend(discovered);
+            let source = Box::pin(futures_util::stream::select_all(sources));
             models.health.push(tokio::spawn(members.run(source)));
         }
         let name: Arc<str> = m.name.as_str().into();
@@ -214,12 +262,19 @@ struct Built {
     prefill: Arc<WorkerPool>,
     decode: Arc<WorkerPool>,
     engine: Option<Arc<Pd>>,
+    /// The membership changes of each discovered pool.
+    discovered: Vec<crate::pool::WorkerSource>,
 }
 
 /// A model served by remote workers (SGLang, vLLM, lockstep workers): the backend's deployment
 /// probe, then the tokenizer and template.
-async fn build_remote(m: &ModelConfig, client: &UpstreamClient) -> Result<Built, String> {
+async fn build_remote(
+    m: &ModelConfig,
+    client: &UpstreamClient,
+    metrics: &Arc<Metrics>,
+) -> Result<Built, String> {
     let backend = remote_backend(m, client).ok_or("not a remote backend")?;
+    let discovered = discover(m, metrics).await?;
     let deployment = backend.deployment(m).await?;
     let codec = remote_codec(m).await?;
     Ok(Built {
@@ -229,7 +284,42 @@ async fn build_remote(m: &ModelConfig, client: &UpstreamClient) -> Result<Built,
         prefill: Arc::new(WorkerPool::new(&m.prefill)),
         decode: Arc::new(WorkerPool::new(&m.decode)),
         engine: None,
+        discovered,
     })
+}
+
+/// The watches of `m`'s discovered pools. Each starts empty: its pods join as the watch lists
+/// them, and are checked like any worker that joins. One list first shows lockstep may see the
+/// pods (RBAC, the selector, the API server's address): otherwise the model does not serve.
+async fn discover(
+    m: &ModelConfig,
+    metrics: &Arc<Metrics>,
+) -> Result<Vec<crate::pool::WorkerSource>, String> {
+    use crate::vocab::Side;
+    let mut sources = Vec::new();
+    for (side, pool) in [(Side::Prefill, &m.prefill), (Side::Decode, &m.decode)] {
+        let Some(d) = &pool.discovery else { continue };
+        let at = format!("model `{}`: {} pool", m.name, side.as_str());
+        let client = crate::discovery::client(d)
+            .await
+            .map_err(|e| format!("{at}: {e}"))?;
+        let listed = tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            crate::discovery::list(&client, d),
+        )
+        .await
+        .map_err(|_| format!("{at}: Kubernetes discovery: the API server did not answer a list of pods within 10 s"))?
+        .map_err(|e| format!("{at}: {e}"))?;
+        tracing::info!(model = %m.name, side = side.as_str(), namespace = %d.namespace, selector = %d.selector, workers = listed.0.len(), not_ready = listed.1, "Kubernetes discovery: pods listed; they join as the watch sees them");
+        sources.push(crate::discovery::watch(
+            client,
+            m.name.as_str().into(),
+            side,
+            d.clone(),
+            metrics.clone(),
+        ));
+    }
+    Ok(sources)
 }
 
 /// The tokenizer and template of a remote model: from `tokenizer` and `chat_template`, or (for
@@ -325,11 +415,7 @@ async fn build_embedded(m: &ModelConfig) -> Result<Built, String> {
                 bootstrap_port: None,
                 bootstrap_host: None,
             }],
-            max_pairs_per_worker: 0,
-            prefix: Default::default(),
-            api_key: None,
-            admin_api_key: None,
-            insecure_plaintext: false,
+            ..PoolConfig::default()
         }))
     };
     Ok(Built {
@@ -339,5 +425,6 @@ async fn build_embedded(m: &ModelConfig) -> Result<Built, String> {
         prefill: pool("prefill"),
         decode: pool("decode"),
         engine: Some(pd),
+        discovered: Vec::new(),
     })
 }

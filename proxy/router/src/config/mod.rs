@@ -27,7 +27,10 @@ pub use model::{
     VllmSection, deployment_check,
 };
 pub use plane::WorkerPlaneConfig;
-pub use pool::{HealthConfig, PolicyKind, PoolConfig, PrefixRouting, WorkerConfig};
+pub use pool::{
+    DiscoveryConfig, DiscoveryKind, DiscoveryScheme, HealthConfig, PolicyKind, PoolConfig,
+    PrefixRouting, WorkerConfig,
+};
 pub use server::{Connections, ServerConfig};
 pub use tenant::TenantConfig;
 pub use timeouts::{RetryConfig, TimeoutConfig};

@@ -301,6 +301,7 @@ impl ModelConfig {
             &mut m.decode
         };
         pool.workers = vec![w.clone()];
+        pool.discovery = None;
         let mut out = Problems::default();
         m.validate(&format!("models ({})", self.name), &mut out);
         lockstep_serve::toml_file::lines(&out.into_vec())
@@ -319,8 +320,14 @@ impl ModelConfig {
         }
         for (k, set) in [
             ("tokenizer", self.tokenizer.is_some()),
-            ("prefill", !self.prefill.workers.is_empty()),
-            ("decode", !self.decode.workers.is_empty()),
+            (
+                "prefill",
+                !self.prefill.workers.is_empty() || self.prefill.discovery.is_some(),
+            ),
+            (
+                "decode",
+                !self.decode.workers.is_empty() || self.decode.discovery.is_some(),
+            ),
         ] {
             if set {
                 out.push(
@@ -409,6 +416,11 @@ impl ModelConfig {
         }
         if let Some(e) = &mut self.engine {
             e.resolve_paths(base);
+        }
+        for pool in [&mut self.prefill, &mut self.decode] {
+            if let Some(k) = pool.discovery.as_mut().and_then(|d| d.kubeconfig.as_mut()) {
+                resolve(k, base);
+            }
         }
     }
 }

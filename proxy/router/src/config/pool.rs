@@ -57,6 +57,10 @@ pub struct PoolConfig {
     /// The workers.
     #[serde(default)]
     pub workers: Vec<WorkerConfig>,
+    /// Where the workers come from at run time, instead of `workers`:
+    /// `{ kind = "kubernetes", namespace, selector, port }` (the pods the selector matches).
+    #[serde(default)]
+    pub discovery: Option<DiscoveryConfig>,
     /// Pairs one worker of this side may hold at once (0: no limit); over it, 503 `workers_busy`.
     #[serde(default)]
     pub max_pairs_per_worker: usize,
@@ -128,8 +132,63 @@ impl PoolConfig {
     }
 }
 
+/// Where a pool's workers come from (`discovery = { kind = "kubernetes", ... }`).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiscoveryConfig {
+    /// The source; `kubernetes`: Pods from the API server (`KUBECONFIG`, or the in-cluster
+    /// service account).
+    pub kind: DiscoveryKind,
+    /// The namespace watched.
+    pub namespace: String,
+    /// The label selector, sent to the API server (`app=sglang,component=prefill`).
+    pub selector: String,
+    /// The port each pod's worker listens on.
+    pub port: u16,
+    /// `https` to call the pods over TLS (default `http`).
+    #[serde(default)]
+    pub scheme: DiscoveryScheme,
+    /// An SGLang prefill's bootstrap port when its pod has no `sglang.ai/bootstrap-port`
+    /// annotation.
+    #[serde(default)]
+    pub bootstrap_port: Option<u16>,
+    /// A kubeconfig file naming the API server (a cluster other than the one lockstep runs
+    /// in); default: `KUBECONFIG`, else the in-cluster service account.
+    #[serde(default)]
+    pub kubeconfig: Option<std::path::PathBuf>,
+}
+
+/// The kinds of discovery.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DiscoveryKind {
+    /// Pods from the Kubernetes API.
+    Kubernetes,
+}
+
+/// How discovered workers are called.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DiscoveryScheme {
+    /// Plain HTTP.
+    #[default]
+    Http,
+    /// TLS (`server.upstream_ca_file` for a private CA).
+    Https,
+}
+
+impl DiscoveryScheme {
+    /// `http` or `https`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DiscoveryScheme::Http => "http",
+            DiscoveryScheme::Https => "https",
+        }
+    }
+}
+
 /// One worker.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WorkerConfig {
     /// Base URL, e.g. `http://10.0.0.5:30000`.
@@ -179,8 +238,39 @@ impl Section for PoolConfig {
         {
             out.push(format!("{at}.prefix"), "block_tokens and capacity_blocks must be positive, cache_threshold in [0, 1], balance_rel_threshold at least 1");
         }
-        if self.workers.is_empty() {
-            out.push(format!("{at}.workers"), "at least one worker is required");
+        match &self.discovery {
+            None if self.workers.is_empty() => out.push(
+                format!("{at}.workers"),
+                "at least one worker is required (or `discovery`)",
+            ),
+            Some(_) if !self.workers.is_empty() => out.push(
+                format!("{at}.discovery"),
+                "give either `workers` or `discovery`, not both",
+            ),
+            Some(d) => {
+                if d.namespace.is_empty() {
+                    out.push(format!("{at}.discovery.namespace"), "must not be empty");
+                }
+                if d.selector.trim().is_empty() {
+                    out.push(
+                        format!("{at}.discovery.selector"),
+                        "must not be empty: an empty selector would take every pod of the namespace as a worker",
+                    );
+                }
+                if d.port == 0 {
+                    out.push(format!("{at}.discovery.port"), "must be greater than 0");
+                }
+                if (self.api_key.is_some() || self.admin_api_key.is_some())
+                    && d.scheme == DiscoveryScheme::Http
+                    && !self.insecure_plaintext
+                {
+                    out.push(
+                        format!("{at}.discovery.scheme"),
+                        format!("the pool's API key would cross the network in plaintext to every pod; set scheme = \"https\", or {at}.insecure_plaintext = true (UNSAFE)"),
+                    );
+                }
+            }
+            None => {}
         }
         for (k, key) in [
             ("api_key", &self.api_key),

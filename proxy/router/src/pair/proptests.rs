@@ -217,11 +217,7 @@ fn pool() -> Arc<WorkerPool> {
             bootstrap_port: Some(1),
             bootstrap_host: None,
         }],
-        max_pairs_per_worker: 0,
-        prefix: Default::default(),
-        api_key: None,
-        admin_api_key: None,
-        insecure_plaintext: false,
+        ..PoolConfig::default()
     }))
 }
 

@@ -27,6 +27,15 @@ pub enum MemberChange {
         /// Its URL.
         url: String,
     },
+    /// The workers that joined `side` at run time are now exactly these (a discovery source's
+    /// whole current list): the others leave, the new ones join, one whose settings changed
+    /// (its bootstrap port) leaves and joins again. Configured workers are not touched.
+    Replace {
+        /// Its side.
+        side: Side,
+        /// The workers.
+        workers: Vec<WorkerConfig>,
+    },
 }
 
 /// A source of membership changes for one model.
