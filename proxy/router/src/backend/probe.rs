@@ -303,4 +303,160 @@ workers = [{ url = "http://d" }]
         // The third agrees with the first: two problems, not three.
         assert_eq!(e.lines().count(), 2, "{e}");
     }
+
+    /// A backend whose workers answer as `answers` says, by URL (unlisted: unreachable).
+    struct Answers {
+        answers: Vec<(&'static str, Result<WorkerReport, ProbeError>)>,
+        waits: bool,
+    }
+
+    impl PdBackend for Answers {
+        fn prefill(
+            &self,
+            _: &super::super::Dispatch,
+        ) -> futures_util::future::BoxFuture<
+            'static,
+            Result<super::super::PrefillReport, super::super::HalfError>,
+        > {
+            unreachable!("no pairs here")
+        }
+        fn decode(&self, _: &super::super::Dispatch) -> super::super::DecodeStream {
+            unreachable!("no pairs here")
+        }
+        fn abort(
+            &self,
+            _: &super::super::Dispatch,
+            _: Side,
+        ) -> futures_util::future::BoxFuture<'static, Result<(), super::super::HalfError>> {
+            unreachable!("no pairs here")
+        }
+        fn unreached_waits(&self) -> bool {
+            self.waits
+        }
+        fn probe_worker<'a>(
+            &'a self,
+            _: &'a ModelConfig,
+            _: Side,
+            w: &'a WorkerConfig,
+        ) -> futures_util::future::BoxFuture<'a, Result<WorkerReport, ProbeError>> {
+            let got = self
+                .answers
+                .iter()
+                .find(|(u, _)| w.url.trim_end_matches('/') == *u)
+                .map(|(_, r)| r.clone())
+                .unwrap_or(Err(ProbeError::Unreachable("no answer".into())));
+            Box::pin(std::future::ready(got))
+        }
+    }
+
+    fn capacity(kv: u64) -> Result<WorkerReport, ProbeError> {
+        Ok(WorkerReport {
+            kv_tokens: Some(kv),
+            ..WorkerReport::default()
+        })
+    }
+
+    #[tokio::test]
+    async fn every_worker_is_probed_and_one_that_does_not_answer_waits_where_the_backend_says() {
+        let m = model();
+        for waits in [true, false] {
+            let b = Answers {
+                answers: vec![("http://p", capacity(3000))],
+                waits,
+            };
+            let d = check(&b, &m).await.expect("passes");
+            assert_eq!(d.kv_capacity, 3000, "the prefill was probed");
+            assert_eq!(d.verified.len(), 1);
+            assert_eq!(d.verified[0].url, "http://p");
+            let unverified: Vec<&str> = d.unverified.iter().map(|(u, _)| u.as_str()).collect();
+            if waits {
+                assert_eq!(unverified, ["http://d"]);
+            } else {
+                assert!(unverified.is_empty(), "{unverified:?}");
+            }
+        }
+        // A refusal fails the check, named, whatever the others say.
+        let b = Answers {
+            answers: vec![
+                ("http://p", capacity(3000)),
+                ("http://d", Err(ProbeError::Refused("wants a key".into()))),
+            ],
+            waits: false,
+        };
+        let e = check(&b, &m).await.expect_err("refused");
+        assert_eq!(e, "model `m`: decode worker http://d: wants a key");
+        // A refusal and a failing fold: both reasons.
+        let b = Answers {
+            answers: vec![
+                ("http://p", capacity(10)),
+                ("http://d", Err(ProbeError::Refused("wants a key".into()))),
+            ],
+            waits: false,
+        };
+        let e = check(&b, &m).await.expect_err("refused");
+        assert!(
+            e.contains("wants a key") && e.contains("deployment check failed"),
+            "{e}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_member_checked_later_is_checked_with_the_set_and_replaces_its_old_report() {
+        let m = model();
+        let mut shared = WorkerReport::default();
+        shared.share("page_size", "16".into(), "layouts");
+        let known = vec![probed(Side::Prefill, "http://p", shared.clone())];
+        let mut other = WorkerReport::default();
+        other.share("page_size", "32".into(), "layouts");
+        let w = WorkerConfig {
+            url: "http://d/".into(),
+            bootstrap_port: None,
+            bootstrap_host: None,
+        };
+        let b = Answers {
+            answers: vec![("http://d", Ok(other))],
+            waits: true,
+        };
+        let e = verify_member(&b, &m, Side::Decode, &w, &known)
+            .await
+            .expect_err("differs from the set");
+        assert!(
+            e.contains("page_size = 32 differs from http://p's 16"),
+            "{e}"
+        );
+        // Agreeing, it passes; a stale report of its own URL is replaced, not kept beside it.
+        let b = Answers {
+            answers: vec![("http://d", Ok(shared.clone()))],
+            waits: true,
+        };
+        let mut stale = WorkerReport::default();
+        stale.share("page_size", "64".into(), "layouts");
+        let known = vec![
+            probed(Side::Prefill, "http://p", shared),
+            probed(Side::Decode, "http://d", stale),
+        ];
+        let (me, d) = verify_member(&b, &m, Side::Decode, &w, &known)
+            .await
+            .expect("agrees");
+        assert_eq!(me.url, "http://d");
+        assert_eq!(d.verified.len(), 2);
+        // Unreachable: an error, never a pass.
+        let b = Answers {
+            answers: Vec::new(),
+            waits: true,
+        };
+        assert!(verify_member(&b, &m, Side::Decode, &w, &[]).await.is_err());
+    }
+
+    #[test]
+    fn a_report_equal_to_the_configured_capacity_is_not_named_as_its_source() {
+        let mut m = model();
+        m.kv_capacity_tokens = 900;
+        let e = fold(
+            &m,
+            &[probed(Side::Decode, "http://d", capacity(900).expect("r"))],
+        )
+        .expect_err("too small for the window");
+        assert!(e.contains("configured kv_capacity_tokens"), "{e}");
+    }
 }
