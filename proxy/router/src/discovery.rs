@@ -133,6 +133,11 @@ pub fn watch(
         .default_backoff()
         .boxed();
     let labels = [model.to_string(), side.as_str().to_string()];
+    // Counted from 0, so a rate over it exists before the first failure.
+    metrics
+        .discovery_watch_restarts
+        .with_label_values(&[labels[0].as_str(), labels[1].as_str()])
+        .inc_by(0);
     let state = Watch {
         pods: BTreeMap::new(),
         listing: None,

@@ -8,7 +8,7 @@
 //!   for lockstep workers), unhealthy after `failure_threshold` failures in a row, healthy again
 //!   after `success_threshold` successes;
 //! - a member that leaves takes no new pairs (those it runs finish), its checks stop, its backend
-//!   forgets what it kept for it ([`PdBackend::forget`]) and its metric series go.
+//!   forgets what it kept for it ([`PdBackend::forget`]).
 //!
 //! Dropping the model (a reload, shutdown) aborts the model's task and with it every member's.
 
@@ -22,7 +22,6 @@ use tokio::task::{AbortHandle, JoinSet};
 use crate::backend::probe::{Probed, verify_member};
 use crate::backend::{PdBackend, UpstreamClient};
 use crate::config::{ModelConfig, WorkerConfig};
-use crate::metrics::Metrics;
 use crate::pool::{MemberChange, Upstream, WorkerPool, WorkerSource};
 use crate::state::WorkerLimits;
 use crate::vocab::Side;
@@ -41,8 +40,6 @@ pub(crate) struct Members {
     pub prefill: Arc<WorkerPool>,
     /// The decode pool.
     pub decode: Arc<WorkerPool>,
-    /// The metrics whose per-worker series a member that leaves takes with it.
-    pub metrics: Arc<Metrics>,
     /// The verified members with what each reported: a worker checked later is checked with
     /// them.
     pub verified: Mutex<Vec<Probed>>,
@@ -135,8 +132,8 @@ impl Members {
         self.gone(side, &w);
     }
 
-    /// What a worker that left takes with it: its place in the verified set, its metric series,
-    /// and (when no pool of the model still has it) what the backend kept for its URL.
+    /// What a worker that left takes with it: its place in the verified set (its metric series
+    /// go at the next scrape, which writes the members of the moment), and (when no pool of the model still has it) what the backend kept for its URL.
     fn gone(&self, side: Side, w: &Upstream) {
         let other = match side {
             Side::Prefill => &self.decode,
@@ -149,10 +146,6 @@ impl Members {
         let mut verified = self.verified.lock().unwrap_or_else(|p| p.into_inner());
         verified.retain(|p| !(p.url == w.url && p.side == side));
         drop(verified);
-        let label = w.label(side.as_str());
-        let labels = [self.model.name.as_str(), side.as_str(), label.as_str()];
-        let _ = self.metrics.worker_inflight.remove_label_values(&labels);
-        let _ = self.metrics.worker_healthy.remove_label_values(&labels);
         tracing::info!(model = %self.model.name, side = side.as_str(), worker = %w.url, in_flight = w.in_flight(), "worker left: no new pairs; those it runs finish");
     }
 
@@ -308,7 +301,6 @@ interval_ms = 10
             backend: Arc::new(rec.clone()),
             client: UpstreamClient::with_ca(Duration::from_secs(1), None).expect("client"),
             limits: Arc::new(WorkerLimits::new(&Deployment::capacity(4000))),
-            metrics: Arc::new(Metrics::new()),
             verified: Mutex::new(Vec::new()),
             checking: tokio::sync::Mutex::new(()),
             model,

@@ -55,6 +55,9 @@ pub struct Metrics {
     pub worker_inflight: IntGaugeVec,
     /// 1 if the worker is healthy (read at scrape).
     pub worker_healthy: IntGaugeVec,
+    /// The KV capacity one request can get, by model: the configured one, or less where workers
+    /// reported less (set at scrape).
+    pub kv_capacity_tokens: IntGaugeVec,
     /// Pods a discovered pool's selector matches, by state: `ready` (a worker) or `not_ready`.
     pub discovery_pods: IntGaugeVec,
     /// Times a pool's watch of the API server failed and was restarted.
@@ -260,6 +263,12 @@ impl Metrics {
                 "lockstep_worker_healthy",
                 "1 when the worker passes its health checks, else 0.",
                 &["model", "side", "worker"],
+            ),
+            kv_capacity_tokens: gauge(
+                &r,
+                "lockstep_kv_capacity_tokens",
+                "The KV capacity one request can get: the configured one, or less where the workers reported less.",
+                &["model"],
             ),
             discovery_pods: gauge(
                 &r,

@@ -209,7 +209,6 @@ pub(crate) async fn build_models(
                 limits: limits.clone(),
                 prefill: prefill.clone(),
                 decode: decode.clone(),
-                metrics: metrics.clone(),
                 verified: std::sync::Mutex::new(deployment.verified.clone()),
                 checking: tokio::sync::Mutex::new(()),
             });

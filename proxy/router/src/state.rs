@@ -173,8 +173,12 @@ impl AppState {
         m.worker_healthy.reset();
         m.kv_pages.reset();
         m.stranded_kv_bound_seconds.reset();
+        m.kv_capacity_tokens.reset();
         for model in self.models.load().by_name.values() {
             let name = &*model.name;
+            m.kv_capacity_tokens
+                .with_label_values(&[name])
+                .set(i64::try_from(model.kv_capacity()).unwrap_or(i64::MAX));
             m.stranded_kv_bound_seconds
                 .with_label_values(&[name])
                 .set(model.stranded_kv_bound().as_secs_f64());
