@@ -480,6 +480,10 @@ async fn every_metric_and_label_the_rules_and_dashboard_use_exists() {
             have.insert(name, labels);
         }
     }
+    // The probe's own series (`lockstep probe --metrics-listen`), as it writes them.
+    for (name, labels) in families(&lockstep_probe::stats::Stats::default().prometheus()) {
+        have.entry(name).or_default().extend(labels);
+    }
     let mut missing = Vec::new();
     for expr in expressions() {
         let names = used(&expr);
