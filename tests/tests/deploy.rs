@@ -420,7 +420,11 @@ async fn every_metric_and_label_the_rules_and_dashboard_use_exists() {
         TEST_TIMEOUTS,
         move |mock: &PdMock, text: String| {
             let port = mock.decode_url().rsplit(':').next().expect("port").to_string();
-            text.replace(
+            let tenant = format!(
+                "\n[[tenants]]\nname = \"acme\"\napi_keys_sha256 = [\"{}\"]\n",
+                lockstep_router::tenant::key_hash_hex("acme-key")
+            );
+            (text + &tenant).replace(
                 &format!("workers = [{{ url = \"{}\" }}]", mock.decode_url()),
                 &format!(
                     "discovery = {{ kind = \"kubernetes\", namespace = \"metrics\", selector = \"app=sglang,component=decode\", port = {port}, kubeconfig = \"{}\" }}",
@@ -440,31 +444,38 @@ async fn every_metric_and_label_the_rules_and_dashboard_use_exists() {
         "{:?}",
         stack.pool("decode")
     );
-    let send = |prompt: &str| {
-        let (path, body) = client::request(Endpoint::Completions, MODEL, prompt, false, 2, &[]);
-        let url = format!("{}{path}", stack.url);
+    let send = |body: Value| {
+        let url = format!("{}/v1/completions", stack.url);
         async move {
             TestClient::default()
-                .post(&url, &body, Duration::from_secs(20))
+                .send_with(
+                    "POST",
+                    &url,
+                    &[("authorization", "Bearer acme-key")],
+                    body.to_string(),
+                    Duration::from_secs(20),
+                )
                 .await
         }
     };
-    assert_eq!(send("red green").await.status, 200);
+    let prompt = |p: &str| client::request(Endpoint::Completions, MODEL, p, false, 2, &[]).1;
+    let ok = send(prompt("red green")).await;
+    assert_eq!(ok.status, 200, "{}", ok.body);
     stack.mock.set_fault(Fault::DecodeCountMismatch);
-    assert_ne!(send("red green").await.status, 200);
+    assert_ne!(send(prompt("red green")).await.status, 200);
     stack.mock.set_fault(Fault::DecodeStatus(500));
-    assert_ne!(send("red green").await.status, 200);
+    assert_ne!(send(prompt("red green")).await.status, 200);
     stack.mock.set_fault(Fault::None);
-    let bad = TestClient::default()
-        .post(
-            &format!("{}/v1/completions", stack.url),
-            &serde_json::json!({ "model": MODEL, "prompt": "x", "n": 3 }),
-            Duration::from_secs(10),
-        )
-        .await;
+    let bad = send(serde_json::json!({ "model": MODEL, "prompt": "x", "n": 3 })).await;
     assert_eq!(bad.status, 400, "{}", bad.body);
     let scrape = TestClient::default()
-        .get(&format!("{}/metrics", stack.url), Duration::from_secs(10))
+        .send_with(
+            "GET",
+            &format!("{}/metrics", stack.url),
+            &[("authorization", "Bearer acme-key")],
+            String::new(),
+            Duration::from_secs(10),
+        )
         .await;
     assert_eq!(scrape.status, 200);
     let mut have = families(&scrape.body);

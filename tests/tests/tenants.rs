@@ -214,6 +214,19 @@ async fn keys_models_and_limits_are_enforced_per_tenant() {
             .sum();
         assert_eq!(total, n, "{code}: {m}");
     }
+    // And by tenant, where the key named one (an unknown key names none).
+    for (tenant, code, n) in [
+        ("acme", "rate_limit_exceeded", 2),
+        ("viewer", "model_not_allowed", 1),
+    ] {
+        let line =
+            format!("lockstep_tenant_refusals_total{{code=\"{code}\",tenant=\"{tenant}\"}} {n}");
+        assert!(m.lines().any(|l| l == line), "{line}: {m}");
+    }
+    assert!(
+        !m.contains("lockstep_tenant_refusals_total{code=\"invalid_api_key\""),
+        "{m}"
+    );
 }
 
 /// The official `openai` client sends its key as `Authorization: Bearer`; a wrong key surfaces

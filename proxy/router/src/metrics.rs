@@ -55,6 +55,8 @@ pub struct Metrics {
     pub worker_inflight: IntGaugeVec,
     /// 1 if the worker is healthy (read at scrape).
     pub worker_healthy: IntGaugeVec,
+    /// Requests refused before dispatch, by tenant (a configured name) and error code.
+    pub tenant_refusals: IntCounterVec,
     /// The KV capacity one request can get, by model: the configured one, or less where workers
     /// reported less (set at scrape).
     pub kv_capacity_tokens: IntGaugeVec,
@@ -151,6 +153,13 @@ impl ModelMetrics {
 }
 
 impl Metrics {
+    /// Counts a refusal against a tenant (a configured name, never a client's string).
+    pub fn tenant_refusal(&self, tenant: &str, code: &str) {
+        self.tenant_refusals
+            .with_label_values(&[tenant, code])
+            .inc();
+    }
+
     /// Counts a request refused before any pair was dispatched, by model (a configured name, or
     /// "" before the model is known: never a client's string) and stable error code.
     pub fn refusal(&self, model: &str, code: &str) {
@@ -263,6 +272,12 @@ impl Metrics {
                 "lockstep_worker_healthy",
                 "1 when the worker passes its health checks, else 0.",
                 &["model", "side", "worker"],
+            ),
+            tenant_refusals: counter(
+                &r,
+                "lockstep_tenant_refusals_total",
+                "Requests of a tenant refused before dispatch, by tenant and error code (rate limits, its concurrency cap, invalid requests).",
+                &["tenant", "code"],
             ),
             kv_capacity_tokens: gauge(
                 &r,

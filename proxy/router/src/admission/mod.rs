@@ -188,6 +188,20 @@ impl Refusal {
         state.metrics.refusal(model, e.code());
         Refusal(e)
     }
+
+    /// [`Refusal::count`], also counted against the caller's tenant (a configured name) when
+    /// there is one.
+    pub fn count_for(
+        state: &AppState,
+        model: &str,
+        tenant: Option<&Tenant>,
+        e: LockstepError,
+    ) -> Refusal {
+        if let Some(t) = tenant {
+            state.metrics.tenant_refusal(&t.name, e.code());
+        }
+        Refusal::count(state, model, e)
+    }
 }
 
 /// Who a request's API key says it is, and the configuration that was checked against.
@@ -225,7 +239,9 @@ pub fn authorize_identified(state: &AppState, who: Identity) -> Result<Caller, R
     }
     let permit = match &tenant {
         None => None,
-        Some(t) => t.take_permit().map_err(|e| Refusal::count(state, "", e))?,
+        Some(t) => t
+            .take_permit()
+            .map_err(|e| Refusal::count_for(state, "", Some(t), e))?,
     };
     Ok(Caller {
         catalog,
@@ -350,10 +366,13 @@ fn check<R: FrontRequest>(
     caller: Caller,
     req: R,
 ) -> Result<Checked<R::Shape>, Refusal> {
-    let model = find_model(&caller, req.model()).map_err(|e| Refusal::count(state, "", e))?;
+    let tenant = caller.tenant.clone();
+    let tenant = tenant.as_deref();
+    let model =
+        find_model(&caller, req.model()).map_err(|e| Refusal::count_for(state, "", tenant, e))?;
     let (input, sampling, shape) = req
         .validate(&model.cfg)
-        .map_err(|e| Refusal::count(state, &model.name, e))?;
+        .map_err(|e| Refusal::count_for(state, &model.name, tenant, e))?;
     let bytes = input.text_bytes();
     let limit = model.cfg.context_window.min(model.kv_capacity());
     let floor = model.codec.min_tokens(bytes);
@@ -363,7 +382,7 @@ fn check<R: FrontRequest>(
             min_tokens: floor,
             limit,
         };
-        return Err(Refusal::count(state, &model.name, e));
+        return Err(Refusal::count_for(state, &model.name, tenant, e));
     }
     Ok(Checked {
         model,
@@ -379,7 +398,8 @@ impl<S> Checked<S> {
     /// Steps 4 to 6 on the calling thread.
     fn finish(self, state: &AppState) -> Result<(Admitted, S), Refusal> {
         let model = self.model;
-        let refuse = |e| Refusal::count(state, &model.name, e);
+        let tenant = self.caller.tenant.clone();
+        let refuse = |e| Refusal::count_for(state, &model.name, tenant.as_deref(), e);
         // The tenant's salt keys the tokenizer's segment cache (a hit never crosses tenants);
         // an HMAC, so only for prompts long enough to use the cache.
         let salt = (self.bytes >= segments::MIN_PROMPT_BYTES).then(|| {
