@@ -139,6 +139,14 @@ pub fn read(
         ),
         None => r.problems.push("reports no disaggregation_transfer_backend".into()),
     }
+    if side == Side::Prefill && w.bootstrap_port.is_none() {
+        // A configured prefill must name one (config validation); a discovered one names it by
+        // annotation or the pool's `discovery.bootstrap_port`.
+        r.problems.push(format!(
+            "has no bootstrap port for its decodes to fetch KV from: annotate its pod with `{}` or set the pool's discovery.bootstrap_port",
+            crate::discovery::BOOTSTRAP_PORT_ANNOTATION
+        ));
+    }
     if side == Side::Prefill
         && let (Some(want), Some(got)) = (
             w.bootstrap_port,
@@ -328,6 +336,21 @@ workers = [{{ url = "http://d/" }}]
                 "{e}"
             );
         }
+    }
+
+    #[test]
+    fn a_prefill_without_a_bootstrap_port_is_refused() {
+        let m = model("");
+        let mut w = m.prefill.workers[0].clone();
+        w.bootstrap_port = None;
+        let (r, _) = read(&m, Side::Prefill, &w, &info("prefill"));
+        assert!(
+            r.problems.iter().any(|p| p.contains("sglang.ai/bootstrap-port")),
+            "{:?}",
+            r.problems
+        );
+        let (r, _) = read(&m, Side::Prefill, &m.prefill.workers[0], &info("prefill"));
+        assert!(r.problems.is_empty(), "{:?}", r.problems);
     }
 
     #[test]
