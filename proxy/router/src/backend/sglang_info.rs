@@ -345,7 +345,9 @@ workers = [{{ url = "http://d/" }}]
         w.bootstrap_port = None;
         let (r, _) = read(&m, Side::Prefill, &w, &info("prefill"));
         assert!(
-            r.problems.iter().any(|p| p.contains("sglang.ai/bootstrap-port")),
+            r.problems
+                .iter()
+                .any(|p| p.contains("sglang.ai/bootstrap-port")),
             "{:?}",
             r.problems
         );
