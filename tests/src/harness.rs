@@ -29,6 +29,9 @@ pub struct Stack {
     _dir: tempfile::TempDir,
 }
 
+/// The admin key of [`Stack::start_with_admin`].
+pub const ADMIN_KEY: &str = "admin-key";
+
 /// The model name the stack serves.
 pub const MODEL: &str = "mock-pd";
 
@@ -195,6 +198,16 @@ impl Stack {
             config_path,
             _dir: dir,
         })
+    }
+
+    /// A stack whose lockstep has the admin listener, behind the key [`ADMIN_KEY`], with
+    /// `timeouts`.
+    pub async fn start_with_admin(timeouts: &str) -> Stack {
+        let server = format!(
+            "admin_listen = \"127.0.0.1:0\"\nadmin_key_sha256 = \"{}\"",
+            lockstep_router::tenant::key_hash_hex(ADMIN_KEY)
+        );
+        Stack::start_full(MockConfig::default(), &server, "", timeouts).await
     }
 
     /// One pool of the model as lockstep holds it now (`side`: `prefill` or `decode`): (url,

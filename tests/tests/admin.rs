@@ -35,14 +35,7 @@ async fn complete(stack: &Stack, prompt: &str) -> Answer {
 }
 
 async fn start() -> Stack {
-    let server = format!(
-        "admin_listen = \"127.0.0.1:0\"\nadmin_key_sha256 = \"{}\"",
-        key_hash_hex("admin-key")
-    );
-    Stack::start_full(
-        MockConfig::default(),
-        &server,
-        "",
+    Stack::start_with_admin(
         &TEST_TIMEOUTS
             .replace("idle_ms = 500", "idle_ms = 3000")
             .replace("total_ms = 5000", "total_ms = 20000"),

@@ -5,7 +5,6 @@
 
 use std::time::Duration;
 
-use lockstep_router::tenant::key_hash_hex;
 use lockstep_tests::client::{self, Answer, Endpoint, TestClient};
 use lockstep_tests::harness::{MODEL, Stack, TEST_TIMEOUTS, wait_for};
 use lockstep_tests::sglang_mock::{Fault, MockConfig, PdMock, Role};
@@ -15,17 +14,7 @@ use serde_json::{Value, json};
 const KEY: Option<&str> = Some("admin-key");
 
 async fn start() -> Stack {
-    let server = format!(
-        "admin_listen = \"127.0.0.1:0\"\nadmin_key_sha256 = \"{}\"",
-        key_hash_hex("admin-key")
-    );
-    Stack::start_full(
-        MockConfig::default(),
-        &server,
-        "",
-        &TEST_TIMEOUTS.replace("total_ms = 5000", "total_ms = 20000"),
-    )
-    .await
+    Stack::start_with_admin(&TEST_TIMEOUTS.replace("total_ms = 5000", "total_ms = 20000")).await
 }
 
 async fn complete(stack: &Stack, prompt: &str, stream: bool, max_tokens: u64) -> Answer {

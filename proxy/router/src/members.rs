@@ -275,25 +275,11 @@ mod tests {
     }
 
     fn members(rec: &Arc<Recorder>) -> Arc<Members> {
-        let text = r#"
-[[models]]
-name = "m"
-backend = "vllm"
-context_window = 1000
-kv_capacity_tokens = 4000
-tokenizer = "/t.json"
-chat_template = { inline = "x" }
-[models.prefill]
-workers = [{ url = "http://a:1" }]
-[models.decode]
-workers = [{ url = "http://a:1" }]
-[models.health]
-interval_ms = 10
-"#;
-        let model = crate::config::Config::parse(text)
-            .expect("config")
-            .models
-            .remove(0);
+        let model = crate::config::test_model(
+            "http://a:1",
+            "http://a:1",
+            "[models.health]\ninterval_ms = 10",
+        );
         let pool = |p: &PoolConfig| Arc::new(WorkerPool::new(p));
         Arc::new(Members {
             prefill: pool(&model.prefill),

@@ -201,23 +201,7 @@ mod tests {
     use super::*;
 
     fn model() -> ModelConfig {
-        let text = r#"
-[[models]]
-name = "m"
-backend = "vllm"
-context_window = 1000
-kv_capacity_tokens = 4000
-tokenizer = "/t.json"
-chat_template = { inline = "x" }
-[models.prefill]
-workers = [{ url = "http://p" }]
-[models.decode]
-workers = [{ url = "http://d" }]
-"#;
-        crate::config::Config::parse(text)
-            .expect("config")
-            .models
-            .remove(0)
+        crate::config::test_model("http://p", "http://d", "")
     }
 
     fn probed(side: Side, url: &str, report: WorkerReport) -> Probed {

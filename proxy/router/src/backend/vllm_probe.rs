@@ -155,23 +155,7 @@ mod tests {
     use super::*;
 
     fn model() -> ModelConfig {
-        let text = r#"
-[[models]]
-name = "m"
-backend = "vllm"
-context_window = 1000
-kv_capacity_tokens = 4000
-tokenizer = "/t.json"
-chat_template = { inline = "x" }
-[models.prefill]
-workers = [{ url = "http://p" }]
-[models.decode]
-workers = [{ url = "http://d" }]
-"#;
-        crate::config::Config::parse(text)
-            .expect("config")
-            .models
-            .remove(0)
+        crate::config::test_model("http://p", "http://d", "")
     }
 
     fn report(len: Option<Option<u64>>, bs: Option<u64>, kv: Option<u64>) -> Report {
