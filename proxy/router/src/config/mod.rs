@@ -168,6 +168,29 @@ impl Config {
     }
 }
 
+/// A vLLM model `m` for unit tests (window 1000, capacity 4000), its prefill at `prefill` and its
+/// decode at `decode`, with `extra` TOML lines after the pools.
+#[cfg(test)]
+pub(crate) fn test_model(prefill: &str, decode: &str, extra: &str) -> ModelConfig {
+    let text = format!(
+        r#"
+[[models]]
+name = "m"
+backend = "vllm"
+context_window = 1000
+kv_capacity_tokens = 4000
+tokenizer = "/t.json"
+chat_template = {{ inline = "x" }}
+[models.prefill]
+workers = [{{ url = "{prefill}" }}]
+[models.decode]
+workers = [{{ url = "{decode}" }}]
+{extra}
+"#
+    );
+    Config::parse(&text).expect("config").models.remove(0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -314,27 +337,4 @@ workers = [{ url = "http://127.0.0.1:2" }]
         let e = deployment_check("glm", 1_048_576, 1.0, 681_280, "worker").unwrap_err();
         assert!(e.contains("1048576") && e.contains("681280"), "{e}");
     }
-}
-
-/// A vLLM model `m` for unit tests (window 1000, capacity 4000), its prefill at `prefill` and its
-/// decode at `decode`, with `extra` TOML lines after the pools.
-#[cfg(test)]
-pub(crate) fn test_model(prefill: &str, decode: &str, extra: &str) -> ModelConfig {
-    let text = format!(
-        r#"
-[[models]]
-name = "m"
-backend = "vllm"
-context_window = 1000
-kv_capacity_tokens = 4000
-tokenizer = "/t.json"
-chat_template = {{ inline = "x" }}
-[models.prefill]
-workers = [{{ url = "{prefill}" }}]
-[models.decode]
-workers = [{{ url = "{decode}" }}]
-{extra}
-"#
-    );
-    Config::parse(&text).expect("config").models.remove(0)
 }
