@@ -101,6 +101,22 @@ pub async fn list(
     Ok((workers, not_ready))
 }
 
+/// The client for `d` and one list of its pods (bounded by 10 s): what start, reload and
+/// `lockstep check` each do first.
+pub async fn connect_and_list(
+    d: &DiscoveryConfig,
+) -> Result<(Client, Vec<WorkerConfig>, usize), String> {
+    let client = self::client(d).await?;
+    let (workers, not_ready) =
+        tokio::time::timeout(std::time::Duration::from_secs(10), list(&client, d))
+            .await
+            .map_err(|_| {
+                "Kubernetes discovery: the API server did not answer a list of pods within 10 s"
+                    .to_string()
+            })??;
+    Ok((client, workers, not_ready))
+}
+
 /// What a failed call to the API server means for an operator.
 fn refusal(d: &DiscoveryConfig, e: &kube::Error) -> String {
     match e {

@@ -42,18 +42,9 @@ pub async fn with_discovered(m: &ModelConfig) -> Result<(ModelConfig, Vec<String
             continue;
         };
         let at = format!("model `{}`: {side} pool", m.name);
-        let client = crate::discovery::client(&d)
+        let (_, workers, not_ready) = crate::discovery::connect_and_list(&d)
             .await
             .map_err(|e| format!("{at}: {e}"))?;
-        let (workers, not_ready) = tokio::time::timeout(
-            std::time::Duration::from_secs(10),
-            crate::discovery::list(&client, &d),
-        )
-        .await
-        .map_err(|_| {
-            format!("{at}: Kubernetes discovery: the API server did not answer within 10 s")
-        })?
-        .map_err(|e| format!("{at}: {e}"))?;
         let urls: Vec<&str> = workers.iter().map(|w| w.url.as_str()).collect();
         found.push(format!(
             "{at}: discovery (namespace `{}`, selector `{}`) finds {} ready pod(s){}{}",
@@ -299,17 +290,10 @@ async fn discover(
     for (side, pool) in [(Side::Prefill, &m.prefill), (Side::Decode, &m.decode)] {
         let Some(d) = &pool.discovery else { continue };
         let at = format!("model `{}`: {} pool", m.name, side.as_str());
-        let client = crate::discovery::client(d)
+        let (client, workers, not_ready) = crate::discovery::connect_and_list(d)
             .await
             .map_err(|e| format!("{at}: {e}"))?;
-        let listed = tokio::time::timeout(
-            std::time::Duration::from_secs(10),
-            crate::discovery::list(&client, d),
-        )
-        .await
-        .map_err(|_| format!("{at}: Kubernetes discovery: the API server did not answer a list of pods within 10 s"))?
-        .map_err(|e| format!("{at}: {e}"))?;
-        tracing::info!(model = %m.name, side = side.as_str(), namespace = %d.namespace, selector = %d.selector, workers = listed.0.len(), not_ready = listed.1, "Kubernetes discovery: pods listed; they join as the watch sees them");
+        tracing::info!(model = %m.name, side = side.as_str(), namespace = %d.namespace, selector = %d.selector, workers = workers.len(), not_ready, "Kubernetes discovery: pods listed; they join as the watch sees them");
         sources.push(crate::discovery::watch(
             client,
             m.name.as_str().into(),
