@@ -546,7 +546,11 @@ fn decode(inner: Arc<Inner>, fault: VllmFault, req: &Value, prompt_tokens: usize
         return error(status, "decode failed (injected)".into());
     }
     let Some(params) = req.get("kv_transfer_params").filter(|p| p.is_object()) else {
-        return error(StatusCode::BAD_REQUEST, "no kv_transfer_params".into());
+        // No transfer asked for: the server computes the prompt itself (vLLM 0.33's
+        // NixlConnector matches no external tokens without `do_remote_prefill`,
+        // `nixl/pull_scheduler.py` `get_num_new_matched_tokens`), so its KV is the prompt's.
+        let prompt = prompt_of(req);
+        return stream_from(inner, fault, req, prompt_tokens, prompt);
     };
     // Nested (0.33: the decode walks every group, `nixl/base_worker.py`) or flat (before).
     let ids: Vec<usize> = params
@@ -575,6 +579,29 @@ fn decode(inner: Arc<Inner>, fault: VllmFault, req: &Value, prompt_tokens: usize
     {
         lock(&inner.pool).free.extend(blocks);
     }
+    stream_from(inner, fault, req, prompt_tokens, kv)
+}
+
+/// The prompt's token ids of a request (already checked to be ids).
+fn prompt_of(req: &Value) -> Vec<u32> {
+    req.get("prompt")
+        .and_then(Value::as_array)
+        .map(|a| {
+            a.iter()
+                .filter_map(|t| t.as_u64().map(|t| t as u32))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The decode's stream, generating from `kv` (what its blocks hold).
+fn stream_from(
+    inner: Arc<Inner>,
+    fault: VllmFault,
+    req: &Value,
+    prompt_tokens: usize,
+    kv: Vec<u32>,
+) -> Response {
     // vLLM refuses `max_tokens` below 1 (`completion/protocol.py`).
     let max = req
         .get("max_tokens")

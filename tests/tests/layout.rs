@@ -654,7 +654,7 @@ const ROUTER_LAYERS: &[&[&str]] = &[
     &["pool", "backend", "discovery"],
     &["pair"],
     &["state"],
-    &["admission", "models", "members"],
+    &["admission", "models", "members", "sidecar"],
     &["http", "admin"],
     &["app"],
     &["fuzzing", "lib"],

@@ -15,6 +15,8 @@ use lockstep_serve::signals::Signals;
 use lockstep_serve::telemetry::init_logs;
 use lockstep_worker::{Role, RunningWorker, WorkerFile};
 
+mod roles;
+
 // Many small short-lived allocations per request (JSON, frames): mimalloc measurably beats glibc.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -40,6 +42,20 @@ enum Command {
         #[arg(long)]
         http_listen: Option<SocketAddr>,
         /// Override `server.log_level` (e.g. `debug`, `lockstep=debug,info`).
+        #[arg(long)]
+        log_level: Option<String>,
+    },
+    /// The prefill/decode sidecar of a decode engine behind a Gateway (llm-d's routing sidecar):
+    /// the whole pair lifecycle between the prefill the endpoint picker names in
+    /// `x-prefiller-host-port` and the local engine (the model's one decode worker); the
+    /// engine's own pages (`/health`, `/server_info`, `/v1/models`, `/metrics`) pass through.
+    Sidecar {
+        /// Configuration file (TOML), with a `[sidecar]` table (`prefill_allow`).
+        #[arg(short, long, env = "LOCKSTEP_CONFIG")]
+        config: PathBuf,
+        #[command(flatten)]
+        flags: roles::SidecarFlags,
+        /// Override `server.log_level`.
         #[arg(long)]
         log_level: Option<String>,
     },
@@ -100,6 +116,9 @@ fn main() -> ExitCode {
     // The runtime's size comes from the config, so the config is read before the runtime exists.
     let threads = match &cli.command {
         Command::Serve { config, .. } => load(config.as_ref())
+            .map(|c| c.server.worker_threads)
+            .unwrap_or(0),
+        Command::Sidecar { config, .. } => Config::load(config)
             .map(|c| c.server.worker_threads)
             .unwrap_or(0),
         Command::Check { .. } | Command::HashKey => 1,
@@ -259,59 +278,92 @@ async fn run(cli: Cli, huge_pages_off: bool) -> ExitCode {
             http_listen,
             log_level,
         } => {
-            let mut cfg = match load(config.as_ref()) {
-                Ok(c) => c,
-                Err(e) => {
-                    init_logs("info");
-                    eprintln!("{e}");
-                    return ExitCode::FAILURE;
+            let prepare = move |mut cfg: Config| {
+                cfg.for_role(lockstep_router::config::Role::Serve)?;
+                if let Some(a) = http_listen {
+                    cfg.server.http_listen = a;
                 }
+                Ok(cfg)
             };
-            if let Some(a) = http_listen {
-                cfg.server.http_listen = a;
-            }
-            if let Some(l) = log_level {
-                cfg.server.log_level = l;
-            }
-            let telemetry =
-                match lockstep_serve::telemetry::init(&cfg.server.log_level, &cfg.telemetry) {
-                    Ok(t) => t,
-                    Err(e) => {
-                        init_logs("info");
-                        eprintln!("{}: {e}", shown(config.as_ref()));
-                        return ExitCode::FAILURE;
-                    }
-                };
-            if !huge_pages_off && cfg!(target_os = "linux") {
-                tracing::warn!(
-                    "transparent huge pages could not be turned off: long prompts cost more CPU"
-                );
-            }
-            // Signal handlers go in before the listener opens: a SIGHUP or SIGTERM that arrives
-            // right after "listening" must reach them, not the default action (terminate).
-            let signals = Signals::install();
-            let running = match Lockstep::start(cfg).await {
-                Ok(r) => r,
-                Err(e) => {
-                    eprintln!("{}: refusing to start:\n{e}", shown(config.as_ref()));
-                    return ExitCode::FAILURE;
-                }
-            };
-            serve_until_stopped(&running, config.as_ref(), signals).await;
-            tracing::info!("shutting down");
-            running.shutdown().await;
-            telemetry.shutdown();
-            ExitCode::SUCCESS
+            serve(config, log_level, prepare, huge_pages_off).await
+        }
+        Command::Sidecar {
+            config,
+            flags,
+            log_level,
+        } => {
+            serve(
+                Some(config),
+                log_level,
+                move |cfg| flags.apply(cfg),
+                huge_pages_off,
+            )
+            .await
         }
     }
 }
 
+/// Starts the router (`serve`, `sidecar`) from the file at `path` made fit for its role by
+/// `prepare` (at start and at every reload), and serves until a stop signal.
+async fn serve(
+    path: Option<PathBuf>,
+    log_level: Option<String>,
+    prepare: impl Fn(Config) -> Result<Config, String> + Send + Sync + Copy + 'static,
+    huge_pages_off: bool,
+) -> ExitCode {
+    let path = path.as_ref();
+    let mut cfg = match load(path).and_then(prepare) {
+        Ok(c) => c,
+        Err(e) => {
+            init_logs("info");
+            eprintln!("{}: {e}", shown(path));
+            return ExitCode::FAILURE;
+        }
+    };
+    if let Some(l) = log_level {
+        cfg.server.log_level = l;
+    }
+    let telemetry = match lockstep_serve::telemetry::init(&cfg.server.log_level, &cfg.telemetry) {
+        Ok(t) => t,
+        Err(e) => {
+            init_logs("info");
+            eprintln!("{}: {e}", shown(path));
+            return ExitCode::FAILURE;
+        }
+    };
+    if !huge_pages_off && cfg!(target_os = "linux") {
+        tracing::warn!(
+            "transparent huge pages could not be turned off: long prompts cost more CPU"
+        );
+    }
+    // Signal handlers go in before the listener opens: a SIGHUP or SIGTERM that arrives right
+    // after "listening" must reach them, not the default action (terminate).
+    let signals = Signals::install();
+    let running = match Lockstep::start(cfg).await {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("{}: refusing to start:\n{e}", shown(path));
+            return ExitCode::FAILURE;
+        }
+    };
+    serve_until_stopped(&running, path, prepare, signals).await;
+    tracing::info!("shutting down");
+    running.shutdown().await;
+    telemetry.shutdown();
+    ExitCode::SUCCESS
+}
+
 /// Waits for SIGINT or SIGTERM; on SIGHUP reloads the configuration file (validate, deployment
 /// check, swap atomically; an invalid file is refused with its reasons and the old one kept).
-async fn serve_until_stopped(running: &Lockstep, path: Option<&PathBuf>, signals: Signals) {
+async fn serve_until_stopped(
+    running: &Lockstep,
+    path: Option<&PathBuf>,
+    prepare: impl Fn(Config) -> Result<Config, String> + Copy,
+    signals: Signals,
+) {
     signals
         .until_stop(|| async move {
-            let result = match load(path) {
+            let result = match load(path).and_then(prepare) {
                 Ok(cfg) => running.reload(cfg).await,
                 Err(e) => Err(e),
             };

@@ -72,6 +72,10 @@ impl Lockstep {
             tokenize_slots: Arc::new(tokio::sync::Semaphore::new(cores)),
             compile_slots: Arc::new(tokio::sync::Semaphore::new(cores)),
             tokenize_pool: Arc::new(tokenize_pool),
+            named_prefills: match &cfg.sidecar {
+                Some(s) => Some(crate::pool::NamedPrefills::new(s)?),
+                None => None,
+            },
         });
         let threads = match cfg.server.connections {
             crate::config::Connections::Shared => None,

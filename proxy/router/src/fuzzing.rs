@@ -59,6 +59,7 @@ fn anonymous(state: &AppState) -> Caller {
         catalog: state.models.load_full(),
         tenant: None,
         permit: None,
+        named_prefill: None,
     }
 }
 

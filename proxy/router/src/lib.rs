@@ -21,6 +21,7 @@ pub mod metrics;
 pub mod models;
 pub mod pair;
 pub mod pool;
+pub(crate) mod sidecar;
 pub mod state;
 pub mod tenant;
 pub mod vocab;

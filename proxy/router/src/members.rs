@@ -190,11 +190,12 @@ impl Members {
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
                     .push(me);
-                w.set_verified(true);
+                w.checked(Ok(()));
                 tracing::info!(model = %name, worker = %w.url, kv_capacity = d.kv_capacity, prompt_limit = ?d.max_prompt_tokens, "worker verified: it takes pairs");
             }
             Err(e) => {
-                tracing::warn!(model = %name, worker = %w.url, error = %e, "worker not verified: it gets no pairs")
+                tracing::warn!(model = %name, worker = %w.url, error = %e, "worker not verified: it gets no pairs");
+                w.checked(Err(e.to_string()));
             }
         }
     }

@@ -160,6 +160,9 @@ pub struct AppState {
     pub(crate) tokenize_pool: Arc<rayon::ThreadPool>,
     /// Held for the whole of a reload: reloads run one at a time.
     pub(crate) reload_lock: tokio::sync::Mutex<()>,
+    /// `lockstep sidecar`: what a request may name as its prefill (`x-prefiller-host-port`);
+    /// `None` elsewhere, where the header is not read.
+    pub named_prefills: Option<crate::pool::NamedPrefills>,
 }
 
 impl AppState {

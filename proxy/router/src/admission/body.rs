@@ -58,17 +58,28 @@ where
     R::Shape: Send,
     F: FnOnce() -> Result<R, LockstepError> + Send + 'static,
 {
-    if size <= INLINE_TOKENIZE_BYTES {
+    let (mut admitted, shape) = if size <= INLINE_TOKENIZE_BYTES {
         let req = read().map_err(|e| Refusal::count(state, "", e))?;
-        return admit(state, caller, req).await;
+        admit(state, caller, req).await?
+    } else {
+        let st = state.clone();
+        in_background(state, move || {
+            let req = read().map_err(|e| Refusal::count(&st, "", e));
+            Ok(req.and_then(|req| admit_here(&st, caller, req)))
+        })
+        .await
+        .map_err(|e| Refusal::count(state, "", e))??
+    };
+    // `lockstep sidecar`: the prefill the request named, checked (after the prompt is known to
+    // fit, so a refused prompt never makes a prefill join).
+    if let Some(policy) = &state.named_prefills {
+        let a = &admitted;
+        let named = a.caller.named_prefill.as_ref();
+        admitted.prefill = crate::sidecar::pin(policy, &a.model, named)
+            .await
+            .map_err(|e| Refusal::count_for(state, &a.model.name, a.caller.tenant.as_deref(), e))?;
     }
-    let st = state.clone();
-    in_background(state, move || {
-        let req = read().map_err(|e| Refusal::count(&st, "", e));
-        Ok(req.and_then(|req| admit_here(&st, caller, req)))
-    })
-    .await
-    .map_err(|e| Refusal::count(state, "", e))?
+    Ok((admitted, shape))
 }
 
 /// Parses `bytes` as `T`: 400 `invalid_json`, or 400 `invalid_request` with the offending field

@@ -50,6 +50,8 @@ pub struct Caller {
     pub tenant: Option<Arc<Tenant>>,
     /// Held as long as the response lives; dropping it frees the tenant's slot.
     pub permit: Option<OwnedSemaphorePermit>,
+    /// The prefill the request named (`x-prefiller-host-port`), read only by `lockstep sidecar`.
+    pub named_prefill: Option<crate::pool::NamedPrefill>,
 }
 
 /// A completion-style prompt as clients send it: a string, a list of one string, or token ids.
@@ -176,6 +178,8 @@ pub struct Admitted {
     pub sampling: SamplingParams,
     /// Who asked, with their concurrency slot.
     pub caller: Caller,
+    /// Where its prefill runs (`lockstep sidecar`: the prefill the request named, checked).
+    pub prefill: crate::pool::PrefillPin,
 }
 
 /// A refused request: counted (by model and code) when made, then answered by the front end.
@@ -211,6 +215,8 @@ pub struct Identity {
     pub catalog: Arc<crate::state::Models>,
     /// The tenant (`None` when lockstep runs open).
     pub tenant: Option<Arc<Tenant>>,
+    /// The prefill the request named (`x-prefiller-host-port`), read only by `lockstep sidecar`.
+    pub named_prefill: Option<crate::pool::NamedPrefill>,
 }
 
 /// Step 1: the caller's tenant from its API key (401 for a missing or unknown one).
@@ -220,7 +226,16 @@ pub fn identify(state: &AppState, headers: &HeaderMap) -> Result<Identity, Refus
         .tenants
         .authenticate(headers)
         .map_err(|e| Refusal::count(state, "", e))?;
-    Ok(Identity { catalog, tenant })
+    let named_prefill = match &state.named_prefills {
+        Some(_) => crate::pool::NamedPrefills::read(headers)
+            .map_err(|e| Refusal::count_for(state, "", tenant.as_deref(), e))?,
+        None => None,
+    };
+    Ok(Identity {
+        catalog,
+        tenant,
+        named_prefill,
+    })
 }
 
 /// Steps 1 and 2: the caller's tenant from its API key, then draining and the tenant's limits.
@@ -230,7 +245,11 @@ pub fn authorize(state: &AppState, headers: &HeaderMap) -> Result<Caller, Refusa
 
 /// Step 2 for a caller already identified (the gRPC guard checked its key on the headers).
 pub fn authorize_identified(state: &AppState, who: Identity) -> Result<Caller, Refusal> {
-    let Identity { catalog, tenant } = who;
+    let Identity {
+        catalog,
+        tenant,
+        named_prefill,
+    } = who;
     if state.registry.is_draining() {
         let e = LockstepError::Unavailable {
             message: "lockstep is draining: not accepting new requests".into(),
@@ -247,6 +266,7 @@ pub fn authorize_identified(state: &AppState, who: Identity) -> Result<Caller, R
         catalog,
         tenant,
         permit,
+        named_prefill,
     })
 }
 
@@ -420,6 +440,7 @@ impl<S> Checked<S> {
             ids_json,
             sampling: self.sampling,
             caller: self.caller,
+            prefill: crate::pool::PrefillPin::Pool,
         };
         Ok((admitted, self.shape))
     }

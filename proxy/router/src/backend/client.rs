@@ -302,6 +302,24 @@ impl UpstreamClient {
         collect(resp, url).await
     }
 
+    /// `GET url` read whole (bounded), with the answer's `Content-Type`: a worker's own page
+    /// passed on as it is (`lockstep sidecar`'s `/server_info`, `/metrics`).
+    pub async fn get_page(
+        &self,
+        url: &str,
+        extra: &[(http::HeaderName, http::HeaderValue)],
+    ) -> Result<(u16, Option<http::HeaderValue>, Bytes), CallError> {
+        let resp = self
+            .send_with(Method::GET, url, Bytes::new(), extra)
+            .await?;
+        let status = resp.status().as_u16();
+        let kind = resp.headers().get(http::header::CONTENT_TYPE).cloned();
+        let body = collect_bounded(resp.into_body())
+            .await
+            .map_err(|e| CallError::Transport(format!("{url}: {e}")))?;
+        Ok((status, kind, body))
+    }
+
     /// `GET {base}/health` answered 2xx within `timeout`.
     pub async fn health(&self, base: &str, timeout: Duration) -> bool {
         matches!(

@@ -52,6 +52,9 @@ pub struct Dispatch {
     pub salt: u64,
     /// `input_ids` as a JSON array, written once for both halves ([`Dispatch::ids_json`]).
     pub ids_json: std::sync::OnceLock<Bytes>,
+    /// No prefill: the decode worker serves the whole request (`prefill` is the decode worker;
+    /// only for a backend that [`PdBackend::serves_alone`]).
+    pub alone: bool,
 }
 
 impl Dispatch {
@@ -338,6 +341,13 @@ pub trait PdBackend: Send + Sync + 'static {
     /// then a first chunk without one fails the pair instead of passing the count check
     /// unchecked.
     fn decode_counts_prompt(&self) -> bool {
+        false
+    }
+    /// Whether a decode worker can serve a request alone, with no prefill half (vLLM: a request
+    /// without `kv_transfer_params` runs whole on the server it is sent to); then its first
+    /// chunk's prompt count is the count the barrier checks
+    /// ([`PdBackend::decode_counts_prompt`] must hold).
+    fn serves_alone(&self) -> bool {
         false
     }
     /// Whether the prefill's prefix-cache report (`cached_tokens`) can be told to a tenant's

@@ -89,6 +89,12 @@ impl VllmBackend {
             "kv_transfer_params": kv,
             "cache_salt": format!("{:016x}", d.cache_salt()),
         });
+        if kv.is_null() {
+            // A decode serving alone: no transfer.
+            if let Some(o) = b.as_object_mut() {
+                o.remove("kv_transfer_params");
+            }
+        }
         if !prefill {
             b["stream_options"] = json!({ "include_usage": true, "continuous_usage_stats": true });
         }
@@ -220,7 +226,27 @@ impl PdBackend for VllmBackend {
         true
     }
 
+    /// A request without `kv_transfer_params` runs whole on the decode server: its usage on
+    /// every chunk still says how many prompt tokens it computed.
+    fn serves_alone(&self) -> bool {
+        true
+    }
+
     fn prefill(&self, d: &Dispatch) -> BoxFuture<'static, Result<PrefillReport, HalfError>> {
+        if d.alone {
+            // Nothing to send: the decode goes at once, without transfer params, and its first
+            // chunk's prompt count is the one the barrier checks.
+            self.handoff(d.pair_id).send_replace(Handoff::Go(
+                Arc::new(Value::Null),
+                std::time::Instant::now(),
+            ));
+            let report = PrefillReport {
+                prompt_tokens: d.input_ids.len() as u64,
+                kv_digest: None,
+                cached_tokens: None,
+            };
+            return Box::pin(std::future::ready(Ok(report)));
+        }
         let client = self.client.clone();
         let url = format!("{}/v1/completions", d.prefill.url);
         let body = self.body(d, true, self.prefill_params());
@@ -515,6 +541,7 @@ mod tests {
             sampling: Arc::default(),
             tenant: None,
             salt: 0,
+            alone: false,
         };
         let answered = std::time::Instant::now() - std::time::Duration::from_millis(800);
         backend

@@ -8,6 +8,7 @@ mod model;
 mod plane;
 mod pool;
 mod server;
+mod sidecar;
 mod tenant;
 mod timeouts;
 
@@ -32,6 +33,7 @@ pub use pool::{
     PrefixRouting, WorkerConfig,
 };
 pub use server::{Connections, ServerConfig};
+pub use sidecar::{EppConfig, Role, SidecarConfig};
 pub use tenant::TenantConfig;
 pub use timeouts::{RetryConfig, TimeoutConfig};
 
@@ -53,6 +55,12 @@ pub struct Config {
     /// How the router reaches lockstep workers (`backend = "lockstep"`).
     #[serde(default)]
     pub worker_plane: WorkerPlaneConfig,
+    /// `lockstep sidecar`: the prefills a request may name (`x-prefiller-host-port`).
+    #[serde(default)]
+    pub sidecar: Option<SidecarConfig>,
+    /// `lockstep epp`: Envoy's endpoint picker.
+    #[serde(default)]
+    pub epp: Option<EppConfig>,
     /// The file this configuration was read from (admin reload re-reads it).
     #[serde(skip)]
     pub source: Option<PathBuf>,
@@ -85,6 +93,12 @@ impl ConfigFile for Config {
         }
         self.server.validate("server", &mut out);
         self.telemetry.validate("telemetry", &mut out);
+        if let Some(s) = &self.sidecar {
+            s.validate("sidecar", &mut out);
+        }
+        if let Some(e) = &self.epp {
+            e.validate("epp", &mut out);
+        }
         let model_names: HashSet<&str> = self.models.iter().map(|m| m.name.as_str()).collect();
         tenant::validate_tenants(&self.tenants, &model_names, &mut out);
         let mut names = HashSet::new();
@@ -101,7 +115,15 @@ impl ConfigFile for Config {
                 self.worker_plane.validate_workers(i, m, &mut out);
             }
         }
-        out.into_vec()
+        let mut out = out.into_vec();
+        if self.sidecar.is_some() {
+            // A sidecar's prefills may all be named by the requests (`x-prefiller-host-port`).
+            out.retain(|p| {
+                !(p.key.ends_with(".prefill.workers")
+                    && p.message.starts_with("at least one worker"))
+            });
+        }
+        out
     }
 
     fn set_source(&mut self, path: &Path) {

@@ -393,12 +393,12 @@ impl ModelConfig {
                 "`mooncake` is not supported yet: vLLM 0.33's in-tree MooncakeConnector takes a router-chosen `transfer_id` and a bootstrap address and returns no kv_transfer_params from the prefill (`vllm/distributed/kv_transfer/kv_connector/v1/mooncake/`), a protocol lockstep does not speak yet; use `nixl`",
             );
         }
-        if self.backend == BackendKind::Sglang {
+        if self.backend == BackendKind::Sglang && self.prefill.bootstrap_port.is_none() {
             for (j, w) in self.prefill.workers.iter().enumerate() {
                 if w.bootstrap_port.is_none() {
                     out.push(
                         format!("{at}.prefill.workers[{j}].bootstrap_port"),
-                        "required for the sglang backend",
+                        "required for the sglang backend (or the pool's `bootstrap_port`)",
                     );
                 }
             }

@@ -64,6 +64,11 @@ pub struct PoolConfig {
     /// Pairs one worker of this side may hold at once (0: no limit); over it, 503 `workers_busy`.
     #[serde(default)]
     pub max_pairs_per_worker: usize,
+    /// SGLang: the bootstrap port of a prefill worker whose entry names none (a configured
+    /// worker, a discovered pod without the annotation, a prefill `lockstep sidecar` is named
+    /// by `x-prefiller-host-port`; the sidecar's default is SGLang's 8998).
+    #[serde(default)]
+    pub bootstrap_port: Option<u16>,
     /// Tuning of the `prefix_aware` policy.
     #[serde(default)]
     pub prefix: PrefixRouting,

@@ -203,6 +203,32 @@ pub enum LockstepError {
         /// `prefill` or `decode`.
         side: &'static str,
     },
+    /// `lockstep sidecar`: the prefill `x-prefiller-host-port` names is neither a member of the
+    /// prefill pool nor in `sidecar.prefill_allow` (never contacted).
+    #[error(
+        "prefill `{prefill}` (x-prefiller-host-port) is not a prefill this sidecar may call: not a member of the prefill pool, not in sidecar.prefill_allow"
+    )]
+    PrefillNotAllowed {
+        /// What the header named.
+        prefill: String,
+    },
+    /// `lockstep sidecar` on SGLang: no prefill named, and an SGLang decode cannot serve alone.
+    #[error(
+        "model `{model}`: no prefill named (x-prefiller-host-port) and an SGLang decode server cannot serve a request alone"
+    )]
+    PrefillRequired {
+        /// The model.
+        model: String,
+    },
+    /// `lockstep sidecar`: the named prefill has not passed its deployment check with the
+    /// local decode (yet).
+    #[error("prefill `{prefill}` is not verified for this decode: {reason}")]
+    PrefillUnverified {
+        /// The prefill's URL.
+        prefill: String,
+        /// Its check's failure, or that it did not finish in time.
+        reason: String,
+    },
     /// A tenant's rate or concurrency limit.
     #[error("{message}")]
     RateLimited {
@@ -237,6 +263,9 @@ impl LockstepError {
             LockstepError::ModelNotAllowed { .. } => "model_not_allowed",
             LockstepError::RateLimited { .. } => "rate_limit_exceeded",
             LockstepError::WorkersBusy { .. } => "workers_busy",
+            LockstepError::PrefillNotAllowed { .. } => "prefill_not_allowed",
+            LockstepError::PrefillRequired { .. } => "prefill_required",
+            LockstepError::PrefillUnverified { .. } => "prefill_unverified",
         }
     }
 
@@ -260,9 +289,13 @@ impl LockstepError {
             LockstepError::Timeout { .. } => StatusCode::GATEWAY_TIMEOUT,
             LockstepError::NoHealthyWorker { .. }
             | LockstepError::Unavailable { .. }
-            | LockstepError::WorkersBusy { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            | LockstepError::WorkersBusy { .. }
+            | LockstepError::PrefillRequired { .. }
+            | LockstepError::PrefillUnverified { .. } => StatusCode::SERVICE_UNAVAILABLE,
             LockstepError::Unauthorized { .. } => StatusCode::UNAUTHORIZED,
-            LockstepError::ModelNotAllowed { .. } => StatusCode::FORBIDDEN,
+            LockstepError::ModelNotAllowed { .. } | LockstepError::PrefillNotAllowed { .. } => {
+                StatusCode::FORBIDDEN
+            }
             LockstepError::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
         }
     }
@@ -340,14 +373,17 @@ impl LockstepError {
             LockstepError::Timeout { .. } | LockstepError::BodyTimeout { .. } => {
                 Code::DeadlineExceeded
             }
-            LockstepError::NoHealthyWorker { .. } | LockstepError::Unavailable { .. } => {
-                Code::Unavailable
-            }
+            LockstepError::NoHealthyWorker { .. }
+            | LockstepError::Unavailable { .. }
+            | LockstepError::PrefillRequired { .. }
+            | LockstepError::PrefillUnverified { .. } => Code::Unavailable,
             LockstepError::WorkersBusy { .. } | LockstepError::RateLimited { .. } => {
                 Code::ResourceExhausted
             }
             LockstepError::Unauthorized { .. } => Code::Unauthenticated,
-            LockstepError::ModelNotAllowed { .. } => Code::PermissionDenied,
+            LockstepError::ModelNotAllowed { .. } | LockstepError::PrefillNotAllowed { .. } => {
+                Code::PermissionDenied
+            }
         }
     }
 

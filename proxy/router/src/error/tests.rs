@@ -139,6 +139,20 @@ fn every_code_has_one_status_and_a_complete_body() {
             },
             503,
         ),
+        (
+            LockstepError::PrefillNotAllowed {
+                prefill: "10.0.0.9:8000".into(),
+            },
+            403,
+        ),
+        (LockstepError::PrefillRequired { model: "m".into() }, 503),
+        (
+            LockstepError::PrefillUnverified {
+                prefill: "http://10.0.0.9:8000".into(),
+                reason: "not reachable".into(),
+            },
+            503,
+        ),
     ];
     // Every variant has an example here (the derived discriminants list them all).
     use strum::IntoEnumIterator;

@@ -1,6 +1,7 @@
 //! The HTTP front end: OpenAI-compatible and SGLang-native routes, health and readiness.
 
 pub(crate) mod anthropic;
+mod engine_pages;
 mod extract;
 mod fields;
 pub(crate) mod generate;
@@ -36,15 +37,21 @@ pub fn router(state: Arc<AppState>, with_metrics: bool) -> Router {
         .route("/v1/completions", post(openai::completions))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/responses", post(responses::responses))
-        .route("/v1/models", get(models))
         .route("/generate", post(generate::generate))
-        .route("/health", get(health))
         .route("/ready", get(ready));
-    // `server.metrics_on_admin` moves it behind the admin key.
-    let r = if with_metrics {
-        r.route("/metrics", get(metrics))
+    let r = if state.named_prefills.is_some() {
+        // `lockstep sidecar`: the engine's own pages, lockstep's metrics beside them.
+        engine_pages::routes(r, with_metrics)
     } else {
-        r
+        let r = r
+            .route("/v1/models", get(models))
+            .route("/health", get(health));
+        // `server.metrics_on_admin` moves it behind the admin key.
+        if with_metrics {
+            r.route("/metrics", get(metrics))
+        } else {
+            r
+        }
     };
     r.fallback(not_found)
         .layer(axum::middleware::from_fn(trace_request))
@@ -85,7 +92,9 @@ async fn ready(State(state): State<Arc<AppState>>) -> Response {
     }
     for m in state.models.load().by_name.values() {
         for (side, pool) in [("prefill", &m.pairs.prefill), ("decode", &m.pairs.decode)] {
-            if !pool.any_healthy() {
+            // A sidecar's prefills are named by its requests: none may be known yet.
+            let named = side == "prefill" && state.named_prefills.is_some();
+            if !named && !pool.any_healthy() {
                 not_ready.push(format!("model `{}` has no healthy {side} worker", m.name));
             }
         }

@@ -97,12 +97,14 @@ pub(crate) async fn commit(admitted: Admitted) -> Result<Committed, LockstepErro
         ids_json,
         sampling,
         caller,
+        prefill,
     } = admitted;
     let (mut rx, _task) = model.pairs.start(
         ids.into(),
         ids_json,
         sampling.into(),
         caller.tenant.map(|t| (t.name.clone(), t.salt)),
+        prefill,
     );
     match rx.recv().await {
         Some(PairEvent::Committed {

@@ -21,7 +21,9 @@ use crate::backend::{
 use crate::config::{RetryConfig, TimeoutConfig};
 use crate::error::{LockstepError, Phase};
 use crate::metrics::{Metrics, ModelMetrics};
-use crate::pool::{LoadGuard, RouteKey, Upstream, WorkerPool};
+use crate::pool::{
+    LoadGuard, PrefillChoice, PrefillPin, RouteKey, Upstream, WorkerPool, pick_pair,
+};
 
 /// Everything the lifecycle of one model's pairs needs.
 pub struct ModelPairs {
@@ -64,52 +66,45 @@ impl ModelPairs {
     /// Starts a request's pair task. Events arrive on the receiver; dropping the receiver is a
     /// client disconnect and aborts both halves. The join handle yields the terminal state.
     /// `ids_json`: the ids as JSON where admission already wrote them (else written at the first
-    /// dispatch that needs them).
+    /// dispatch that needs them). `prefill`: where the prefill runs, as admission settled it.
     pub fn start(
         self: &Arc<Self>,
         input_ids: Arc<[u32]>,
         ids_json: Option<Bytes>,
         sampling: Arc<SamplingParams>,
         tenant: Option<(Arc<str>, u64)>,
+        prefill: PrefillPin,
     ) -> (mpsc::Receiver<PairEvent>, tokio::task::JoinHandle<Outcome>) {
         let (tx, rx) = mpsc::channel(64);
         let me = self.clone();
         // The request's span (current here) parents every pair this request dispatches.
         let request_span = tracing::Span::current();
         let handle = tokio::spawn(async move {
-            me.run(input_ids, ids_json, sampling, tenant, tx, request_span)
-                .await
+            let req = Request {
+                salt: tenant
+                    .as_ref()
+                    .map_or_else(|| crate::tenant::cache_salt(None), |t| t.1),
+                tenant: tenant.map(|t| t.0),
+                input_ids,
+                ids_json: ids_json.map(std::sync::OnceLock::from).unwrap_or_default(),
+                sampling,
+                span: request_span,
+                prefill,
+            };
+            me.run(req, tx).await
         });
         (rx, handle)
     }
 
-    async fn run(
-        &self,
-        input_ids: Arc<[u32]>,
-        ids_json: Option<Bytes>,
-        sampling: Arc<SamplingParams>,
-        tenant: Option<(Arc<str>, u64)>,
-        tx: mpsc::Sender<PairEvent>,
-        request_span: tracing::Span,
-    ) -> Outcome {
+    async fn run(&self, req: Request, tx: mpsc::Sender<PairEvent>) -> Outcome {
         let started = TokioInstant::now();
         let total_at = started + self.timeouts.total();
-        let expected = input_ids.len() as u64;
+        let expected = req.input_ids.len() as u64;
         let mut machine = Machine::new(Limits {
             expected,
             decode_counts_prompt: self.backend.decode_counts_prompt(),
             max_retries: self.retry.max_retries,
         });
-        let req = Request {
-            input_ids,
-            ids_json: ids_json.map(std::sync::OnceLock::from).unwrap_or_default(),
-            sampling,
-            salt: tenant
-                .as_ref()
-                .map_or_else(|| crate::tenant::cache_salt(None), |t| t.1),
-            tenant: tenant.map(|t| t.0),
-            span: request_span,
-        };
         let mut avoid: Avoid = (None, None);
         let mut cur: Option<Attempt> = None;
         let mut failure: Option<Failure> = None;
@@ -236,21 +231,34 @@ impl ModelPairs {
             tokens: &req.input_ids,
             salt: req.salt,
         };
-        let crate::pool::PairPick {
-            prefill: pg,
-            decode: dg,
-        } = crate::pool::pick_pair(
-            &self.prefill,
-            &self.decode,
-            Some(&key),
-            crate::pool::PrefillChoice::Pick {
-                avoid: avoid.0.as_ref(),
-            },
-            avoid.1.as_ref(),
-        )?;
+        let (pg, dg) = match &req.prefill {
+            // A decode serving alone: no prefill slot, the decode worker stands for both.
+            PrefillPin::Alone if self.backend.serves_alone() => {
+                let d = self.decode.pick(avoid.1.as_ref(), Some(&key));
+                (None, d.ok_or(Side::Decode)?)
+            }
+            PrefillPin::Alone => return Err(Side::Prefill),
+            pin => {
+                let choice = match pin {
+                    PrefillPin::At(url) => PrefillChoice::Pinned(url),
+                    _ => PrefillChoice::Pick {
+                        avoid: avoid.0.as_ref(),
+                    },
+                };
+                let p = pick_pair(
+                    &self.prefill,
+                    &self.decode,
+                    Some(&key),
+                    choice,
+                    avoid.1.as_ref(),
+                )?;
+                (Some(p.prefill), p.decode)
+            }
+        };
+        let prefill = pg.as_ref().unwrap_or(&dg).worker().clone();
         let guard = self.registry.register(PairInfo {
             model: self.model.clone(),
-            prefill: pg.worker().url.clone(),
+            prefill: prefill.url.clone(),
             decode: dg.worker().url.clone(),
             started: Instant::now(),
             state: PairState::Dispatched,
@@ -258,7 +266,8 @@ impl ModelPairs {
         });
         let d = Dispatch {
             pair_id: guard.id(),
-            prefill: pg.worker().clone(),
+            alone: pg.is_none(),
+            prefill,
             decode: dg.worker().clone(),
             input_ids: req.input_ids.clone(),
             sampling: req.sampling.clone(),
@@ -439,6 +448,8 @@ struct Request {
     salt: u64,
     /// The request's span: it parents every pair the request dispatches.
     span: tracing::Span,
+    /// Where its prefill runs.
+    prefill: PrefillPin,
 }
 
 /// The workers a retry avoids: the side that failed.
@@ -449,8 +460,9 @@ struct Attempt {
     d: Dispatch,
     /// The registry entry: the pair is live while this is held.
     guard: PairGuard,
-    /// Both workers' in-flight counts, held as long as the attempt.
-    _load: (LoadGuard, LoadGuard),
+    /// Both workers' in-flight counts, held as long as the attempt (no prefill slot for a
+    /// decode serving alone).
+    _load: (Option<LoadGuard>, LoadGuard),
     span: tracing::Span,
     dispatched: TokioInstant,
     halves: Halves,

@@ -285,6 +285,7 @@ fn run_case(script: Script) -> Result<(), TestCaseError> {
                 ..Default::default()
             }),
             None,
+            crate::pool::PrefillPin::Pool,
         );
         let mut events = Vec::new();
         loop {
@@ -428,6 +429,7 @@ fn a_stalled_reader_aborts_both_halves_after_client_idle() {
                 ..Default::default()
             }),
             None,
+            crate::pool::PrefillPin::Pool,
         );
         assert!(matches!(rx.recv().await, Some(PairEvent::Committed { .. })));
         // Stall: hold the receiver, read nothing.

@@ -9,6 +9,7 @@ use rand::Rng;
 
 mod endpoint;
 mod label;
+mod named;
 mod pair_pick;
 mod prefix;
 mod source;
@@ -17,7 +18,8 @@ pub use endpoint::{Endpoint, Origin};
 pub use source::{MemberChange, MemberFeed, WorkerSource};
 
 pub use label::worker_label;
-pub use pair_pick::{PairPick, PrefillChoice, pick_pair};
+pub use named::{NamedPrefill, NamedPrefills, PREFILLER_HEADER};
+pub use pair_pick::{PairPick, PrefillChoice, PrefillPin, pick_pair};
 #[cfg(test)]
 use prefix::Blocks;
 use prefix::PrefixIndex;
@@ -63,6 +65,8 @@ pub struct Upstream {
     left: AtomicBool,
     fails: AtomicU32,
     oks: AtomicU32,
+    /// Why its last deployment check failed (cleared when one passes).
+    check_error: std::sync::Mutex<Option<String>>,
 }
 
 impl Upstream {
@@ -91,6 +95,7 @@ impl Upstream {
             left: AtomicBool::new(false),
             fails: AtomicU32::new(0),
             oks: AtomicU32::new(0),
+            check_error: std::sync::Mutex::new(None),
         }
     }
 
@@ -126,6 +131,21 @@ impl Upstream {
     /// Whether the backend verified this worker's settings (true unless it could not yet).
     pub fn is_verified(&self) -> bool {
         self.verified.load(Ordering::Acquire)
+    }
+
+    /// Why the worker's last deployment check failed (`None` when none did, or one passed since).
+    pub fn check_error(&self) -> Option<String> {
+        self.check_error
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Records the outcome of a deployment check of this worker: verified, or why not.
+    pub fn checked(&self, outcome: Result<(), String>) {
+        let ok = outcome.is_ok();
+        *self.check_error.lock().unwrap_or_else(|p| p.into_inner()) = outcome.err();
+        self.set_verified(ok);
     }
 
     /// Marks the worker verified or not.
@@ -249,6 +269,8 @@ pub struct WorkerPool {
     ordinals: AtomicUsize,
     /// The credentials every member is called with (the pool's `api_key`, `admin_api_key`).
     auth: (Option<http::HeaderValue>, Option<http::HeaderValue>),
+    /// The bootstrap port of a member whose entry names none (the pool's `bootstrap_port`).
+    bootstrap_port: Option<u16>,
 }
 
 impl WorkerPool {
@@ -284,7 +306,7 @@ impl WorkerPool {
                 cfg.workers
                     .iter()
                     .enumerate()
-                    .map(|(i, w)| Arc::new(Self::member(&auth, w, i)))
+                    .map(|(i, w)| Arc::new(Self::member(&auth, cfg.bootstrap_port, w, i)))
                     .collect(),
             ),
             policy: cfg.policy,
@@ -296,19 +318,23 @@ impl WorkerPool {
             },
             ordinals: AtomicUsize::new(cfg.workers.len()),
             auth,
+            bootstrap_port: cfg.bootstrap_port,
         }
     }
 
     fn member(
         auth: &(Option<http::HeaderValue>, Option<http::HeaderValue>),
+        bootstrap_port: Option<u16>,
         w: &WorkerConfig,
         ordinal: usize,
     ) -> Upstream {
+        let u = Upstream::new(w);
         Upstream {
             auth: auth.0.clone(),
             admin_auth: auth.1.clone(),
             ordinal,
-            ..Upstream::new(w)
+            bootstrap_port: u.bootstrap_port.or(bootstrap_port),
+            ..u
         }
     }
 
@@ -341,7 +367,7 @@ impl WorkerPool {
                 return list.clone();
             }
             let ordinal = self.ordinals.fetch_add(1, Ordering::Relaxed);
-            let mut w = Self::member(&self.auth, cfg, ordinal);
+            let mut w = Self::member(&self.auth, self.bootstrap_port, cfg, ordinal);
             if let Some(c) = carried {
                 w.in_flight = c.in_flight.clone();
                 w.healthy = AtomicBool::new(c.healthy.load(Ordering::Acquire));

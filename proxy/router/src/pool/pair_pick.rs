@@ -21,6 +21,21 @@ pub enum PrefillChoice<'a> {
     Pinned(&'a str),
 }
 
+/// Where a request's prefill runs, as admission settled it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum PrefillPin {
+    /// Picked from the prefill pool by its policy.
+    #[default]
+    Pool,
+    /// The member of the prefill pool at this URL (`lockstep sidecar`: the prefill an endpoint
+    /// picker named, verified).
+    At(Arc<str>),
+    /// No prefill: the decode worker serves the request alone (`lockstep sidecar` on vLLM when
+    /// the picker named none); only for backends that serve alone
+    /// (`PdBackend::serves_alone`).
+    Alone,
+}
+
 /// Both workers of one pair, each holding its slot (`max_pairs_per_worker`) while the guard
 /// lives.
 #[derive(Debug)]

@@ -1,0 +1,175 @@
+//! Prefills named per request: `lockstep sidecar` serves the pair between the prefill an endpoint
+//! picker names in `x-prefiller-host-port` (llm-d's routing sidecar header) and its local decode.
+//! A name is read once, at admission; what it may name is decided here, before any connection is
+//! made: a member of the prefill pool (configured or discovered), or an IP address inside
+//! `sidecar.prefill_allow`. A host name that is not a pool member is never resolved (DNS would
+//! decide where the prefill goes).
+
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+use crate::config::SidecarConfig;
+use crate::error::LockstepError;
+
+/// The header an endpoint picker names the prefill in (`host:port`, the first of a comma list).
+pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";
+
+/// A prefill a request named.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NamedPrefill {
+    /// `host:port` as named.
+    pub host_port: String,
+    /// Its address, when the host is an IP literal.
+    pub ip: Option<IpAddr>,
+}
+
+impl NamedPrefill {
+    /// The worker URL it names (`http://host:port`).
+    pub fn url(&self) -> String {
+        format!("http://{}", self.host_port)
+    }
+}
+
+/// What a sidecar lets requests name.
+#[derive(Debug, Clone)]
+pub struct NamedPrefills {
+    allow: Vec<ipnet::IpNet>,
+    /// Prefills named at run time kept as members at once.
+    pub max_members: usize,
+    /// How long a request waits for a newly named prefill's deployment check.
+    pub verify_wait: Duration,
+}
+
+impl NamedPrefills {
+    /// The policy of a `[sidecar]` section (already validated).
+    pub fn new(cfg: &SidecarConfig) -> Result<NamedPrefills, String> {
+        Ok(NamedPrefills {
+            allow: cfg.networks()?,
+            max_members: cfg.max_prefills,
+            verify_wait: Duration::from_millis(cfg.verify_wait_ms),
+        })
+    }
+
+    /// Whether `ip` is inside one of the allowed networks.
+    pub fn allows(&self, ip: IpAddr) -> bool {
+        // An IPv4-mapped IPv6 address is judged as the IPv4 address it is.
+        let ip = match ip {
+            IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+            v4 => v4,
+        };
+        self.allow.iter().any(|n| n.contains(&ip))
+    }
+
+    /// The prefill the request's headers name, if any: 400 `invalid_request` for a value that is
+    /// not `host:port` (several headers, or a comma list: the first entry).
+    pub fn read(headers: &http::HeaderMap) -> Result<Option<NamedPrefill>, LockstepError> {
+        let Some(v) = headers.get(PREFILLER_HEADER) else {
+            return Ok(None);
+        };
+        let bad = |why: &str| LockstepError::InvalidRequest {
+            message: format!("header {PREFILLER_HEADER}: {why}"),
+            param: Some(PREFILLER_HEADER.into()),
+        };
+        let text = v.to_str().map_err(|_| bad("not ASCII"))?;
+        let first = text.split(',').next().unwrap_or("").trim();
+        if first.is_empty() {
+            return Err(bad("empty"));
+        }
+        if let Ok(a) = first.parse::<SocketAddr>() {
+            if a.port() == 0 {
+                return Err(bad("port 0"));
+            }
+            return Ok(Some(NamedPrefill {
+                host_port: a.to_string(),
+                ip: Some(a.ip()),
+            }));
+        }
+        // A host name: `name:port`, nothing else (no user, path or scheme).
+        let auth = first
+            .parse::<http::uri::Authority>()
+            .map_err(|_| bad("not host:port"))?;
+        match auth.port_u16() {
+            Some(p) if p > 0 && !first.contains('@') => Ok(Some(NamedPrefill {
+                host_port: format!("{}:{p}", auth.host().to_ascii_lowercase()),
+                ip: None,
+            })),
+            _ => Err(bad("not host:port")),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn named(v: &str) -> Result<Option<NamedPrefill>, LockstepError> {
+        let mut h = http::HeaderMap::new();
+        h.insert(PREFILLER_HEADER, v.parse().expect("header value"));
+        NamedPrefills::read(&h)
+    }
+
+    #[test]
+    fn the_first_entry_is_read_and_only_host_port_is_accepted() {
+        assert_eq!(
+            NamedPrefills::read(&http::HeaderMap::new()).ok(),
+            Some(None)
+        );
+        let n = named("10.0.0.7:8000, 10.0.0.8:8000")
+            .expect("ok")
+            .expect("named");
+        assert_eq!(n.host_port, "10.0.0.7:8000");
+        assert_eq!(n.url(), "http://10.0.0.7:8000");
+        assert_eq!(n.ip, Some("10.0.0.7".parse().expect("ip")));
+        let v6 = named("[fd00::1]:30000").expect("ok").expect("named");
+        assert_eq!(v6.url(), "http://[fd00::1]:30000");
+        let host = named("Prefill-0.svc:8000").expect("ok").expect("named");
+        assert_eq!(
+            (host.host_port.as_str(), host.ip),
+            ("prefill-0.svc:8000", None)
+        );
+        for bad in [
+            "",
+            " , 10.0.0.1:1",
+            "10.0.0.7",
+            "10.0.0.7:0",
+            "http://10.0.0.7:80",
+            "u@h:80",
+            "h:80/x",
+        ] {
+            let e = named(bad).expect_err(bad);
+            assert_eq!(e.code(), "invalid_request", "{bad}");
+            assert_eq!(e.param(), Some(PREFILLER_HEADER), "{bad}");
+        }
+    }
+
+    #[test]
+    fn only_addresses_inside_the_allowed_networks_are_allowed() {
+        let cfg = SidecarConfig {
+            prefill_allow: vec![
+                "10.1.0.0/16".into(),
+                "192.168.5.7".into(),
+                "fd00::/8".into(),
+            ],
+            ..SidecarConfig::default()
+        };
+        let p = NamedPrefills::new(&cfg).expect("policy");
+        let ip = |s: &str| s.parse::<IpAddr>().expect("ip");
+        assert!(p.allows(ip("10.1.255.3")));
+        assert!(!p.allows(ip("10.2.0.1")));
+        assert!(p.allows(ip("192.168.5.7")));
+        assert!(!p.allows(ip("192.168.5.8")));
+        assert!(p.allows(ip("fd12::9")));
+        assert!(
+            p.allows(ip("::ffff:10.1.0.1")),
+            "an IPv4-mapped address is its IPv4 one"
+        );
+        assert!(!p.allows(ip("::ffff:10.2.0.1")));
+        let none = NamedPrefills::new(&SidecarConfig::default()).expect("policy");
+        assert!(!none.allows(ip("127.0.0.1")), "no list: no address");
+        let bad = SidecarConfig {
+            prefill_allow: vec!["10.0.0.0/33".into()],
+            ..SidecarConfig::default()
+        };
+        assert!(NamedPrefills::new(&bad).is_err());
+    }
+}

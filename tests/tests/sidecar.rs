@@ -1,0 +1,390 @@
+//! `lockstep sidecar` (a router whose configuration has `[sidecar]`) in front of the SGLang and
+//! vLLM mocks: the prefill is the one `x-prefiller-host-port` names, checked before it is
+//! contacted (a pool member, or an address in `prefill_allow` that passes the deployment check
+//! with the local decode); the pair's whole lifecycle runs between it and the local decode; the
+//! engine's own pages pass through.
+
+use std::time::Duration;
+
+use lockstep_router::app::Lockstep;
+use lockstep_router::config::Config;
+use lockstep_tests::client::TestClient;
+use lockstep_tests::harness::{MODEL, Stack, TEST_TIMEOUTS};
+use lockstep_tests::sglang_mock::{Fault, MockConfig, Role};
+use lockstep_tests::vllm_mock::{VllmFault, VllmMock, VllmMockConfig, VllmRole};
+use serde_json::{Value, json};
+
+const BOUND: Duration = Duration::from_secs(20);
+const HEADER: &str = "x-prefiller-host-port";
+
+/// An SGLang sidecar: no configured prefill, the mock's decode as the local engine, loopback
+/// allowed (`allow`: the `[sidecar]` table's `prefill_allow`).
+async fn sglang_sidecar(allow: &str) -> Stack {
+    let allow = allow.to_string();
+    Stack::start_edited(
+        MockConfig::default(),
+        "",
+        TEST_TIMEOUTS,
+        move |mock, text| {
+            let prefill = format!(
+                "workers = [{{ url = \"{}\", bootstrap_port = 8998 }}]",
+                mock.prefill_url()
+            );
+            assert!(text.contains(&prefill));
+            let text = text.replace(&prefill, "workers = []\nbootstrap_port = 8998");
+            format!("{text}\n[sidecar]\nprefill_allow = [{allow}]\nverify_wait_ms = 3000\n")
+        },
+    )
+    .await
+    .expect("the sidecar starts")
+}
+
+fn chat(stream: bool) -> Value {
+    json!({
+        "model": MODEL,
+        "messages": [{ "role": "user", "content": "hello there" }],
+        "max_tokens": 4,
+        "stream": stream,
+    })
+}
+
+async fn post(url: &str, named: Option<&str>, body: &Value) -> lockstep_tests::client::Answer {
+    let headers: Vec<(&str, &str)> = named.map(|n| (HEADER, n)).into_iter().collect();
+    TestClient::default()
+        .send_with(
+            "POST",
+            &format!("{url}/v1/chat/completions"),
+            &headers,
+            body.to_string(),
+            BOUND,
+        )
+        .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_named_prefill_in_the_allowed_network_is_checked_then_paired_with_the_local_decode() {
+    let s = sglang_sidecar("\"127.0.0.0/8\"").await;
+    let named = s.mock.prefill_addr.to_string();
+    assert!(
+        s.pool("prefill").is_empty(),
+        "no prefill before a request names one"
+    );
+    for stream in [false, true] {
+        let a = post(&s.url, Some(&named), &chat(stream)).await;
+        assert_eq!(a.status, 200, "{}", a.body);
+        if stream {
+            assert!(a.body.contains("data: [DONE]"), "{}", a.body);
+        } else {
+            let text = a.json()["choices"][0]["message"]["content"].clone();
+            assert!(text.as_str().is_some_and(|t| !t.is_empty()), "{}", a.body);
+        }
+    }
+    // The named prefill joined the pool, verified; both halves of each pair share a room.
+    let pool = s.pool("prefill");
+    assert_eq!(pool.len(), 1, "{pool:?}");
+    assert_eq!(pool[0].0, s.mock.prefill_url());
+    assert!(pool[0].2 && pool[0].3, "verified and joined: {pool:?}");
+    let reqs = s.mock.requests();
+    let rooms = |r: Role| -> Vec<Value> {
+        reqs.iter()
+            .filter(|(role, _)| *role == r)
+            .map(|(_, b)| b["bootstrap_room"].clone())
+            .collect()
+    };
+    assert_eq!(rooms(Role::Prefill).len(), 2);
+    assert_eq!(rooms(Role::Prefill), rooms(Role::Decode));
+    // The decode was told the named prefill's bootstrap address.
+    let decode = reqs
+        .iter()
+        .find(|(r, _)| *r == Role::Decode)
+        .expect("a decode");
+    assert_eq!(decode.1["bootstrap_host"], "127.0.0.1");
+    assert_eq!(decode.1["bootstrap_port"], 8998);
+    assert!(s.mock.wait_idle(Duration::from_secs(5)).await);
+    assert!(s.wait_all_idle(Duration::from_secs(5)).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_outside_the_allowed_networks_is_refused_before_any_connection() {
+    let s = sglang_sidecar("\"10.1.0.0/16\"").await;
+    let before = s.mock.info_calls();
+    // Loopback is not allowed here; 10.9.9.9 is outside the list; a host name is never
+    // resolved; none of them is contacted.
+    let port = s.mock.prefill_addr.port();
+    for named in [
+        format!("127.0.0.1:{port}"),
+        "10.9.9.9:8000".to_string(),
+        format!("localhost:{port}"),
+    ] {
+        let started = std::time::Instant::now();
+        let a = post(&s.url, Some(&named), &chat(false)).await;
+        assert_eq!(a.status, 403, "{named}: {}", a.body);
+        assert_eq!(
+            a.error_code().as_deref(),
+            Some("prefill_not_allowed"),
+            "{named}"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "{named}: it waited on something"
+        );
+    }
+    // A malformed header is a 400 naming it.
+    let a = post(&s.url, Some("not a host"), &chat(false)).await;
+    assert_eq!(a.status, 400, "{}", a.body);
+    assert_eq!(a.json()["error"]["param"], HEADER);
+    assert_eq!(s.mock.request_count(), 0, "a worker got a request");
+    assert_eq!(s.mock.info_calls(), before, "a refused prefill was probed");
+    assert!(s.pool("prefill").is_empty());
+    // No header: an SGLang decode cannot serve alone.
+    let a = post(&s.url, None, &chat(false)).await;
+    assert_eq!(a.status, 503, "{}", a.body);
+    assert_eq!(a.error_code().as_deref(), Some("prefill_required"));
+    // The refusals are counted by code.
+    let m = TestClient::default()
+        .get(&format!("{}/lockstep/metrics", s.url), BOUND)
+        .await;
+    assert_eq!(m.status, 200);
+    assert!(
+        m.body
+            .lines()
+            .any(|l| l.contains("code=\"prefill_not_allowed\"") && !l.ends_with(" 0")),
+        "{}",
+        m.body
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_named_prefill_that_fails_its_deployment_check_gets_no_pair() {
+    let s = sglang_sidecar("\"127.0.0.0/8\"").await;
+    // The decode server named as the prefill: its role is wrong for the prefill side.
+    let named = s.mock.decode_addr.to_string();
+    let a = post(&s.url, Some(&named), &chat(false)).await;
+    assert_eq!(a.status, 503, "{}", a.body);
+    assert_eq!(
+        a.error_code().as_deref(),
+        Some("prefill_unverified"),
+        "{}",
+        a.body
+    );
+    assert!(
+        a.body.contains("disaggregation_mode"),
+        "the reason is named: {}",
+        a.body
+    );
+    assert!(
+        !s.mock.requests().iter().any(|(r, _)| *r == Role::Decode),
+        "a decode was sent"
+    );
+    assert_eq!(s.mock.request_count(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_prefill_fault_through_the_sidecar_ends_in_an_error_with_both_halves_aborted() {
+    let s = sglang_sidecar("\"127.0.0.0/8\"").await;
+    let named = s.mock.prefill_addr.to_string();
+    // Verified first, on a healthy pair.
+    assert_eq!(post(&s.url, Some(&named), &chat(false)).await.status, 200);
+    for fault in [
+        Fault::PrefillInBandAbortDecoy,
+        Fault::PrefillHang,
+        Fault::PrefillCountMismatch,
+        Fault::KvCorrupt,
+    ] {
+        s.mock.set_fault(fault);
+        let aborts = s.mock.aborts().len();
+        for stream in [false, true] {
+            let a = post(&s.url, Some(&named), &chat(stream)).await;
+            assert!(
+                a.status >= 500 || a.error_code().is_some(),
+                "{fault:?} stream={stream}: {} {}",
+                a.status,
+                a.body
+            );
+            assert!(!a.body.contains("[DONE]"), "{fault:?}: a success ending");
+            assert!(!a.body.contains("decoy"), "{fault:?}: the decoy leaked");
+        }
+        // Both halves of every failed pair were aborted (the decode too).
+        let new: Vec<_> = s.mock.aborts()[aborts..].to_vec();
+        if fault != Fault::KvCorrupt {
+            for role in [Role::Prefill, Role::Decode] {
+                assert!(
+                    new.iter().any(|r| r.role == role),
+                    "{fault:?}: no {role:?} abort: {new:?}"
+                );
+            }
+        }
+        s.mock.set_fault(Fault::None);
+        assert!(
+            s.mock.wait_idle(Duration::from_secs(5)).await,
+            "{fault:?}: the mock holds something"
+        );
+    }
+    assert!(s.wait_all_idle(Duration::from_secs(5)).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_engines_own_pages_pass_through_and_lockstep_keeps_its_metrics_beside_them() {
+    let s = sglang_sidecar("\"127.0.0.0/8\"").await;
+    let c = TestClient::default();
+    let info = c.get(&format!("{}/server_info", s.url), BOUND).await;
+    assert_eq!(info.status, 200, "{}", info.body);
+    assert_eq!(
+        info.json()["disaggregation_mode"],
+        "decode",
+        "{}",
+        info.body
+    );
+    let health = c.get(&format!("{}/health", s.url), BOUND).await;
+    assert_eq!(health.status, 200);
+    s.mock.set_healthy(Role::Decode, false);
+    let health = c.get(&format!("{}/health", s.url), BOUND).await;
+    assert_ne!(
+        health.status, 200,
+        "the engine's own health, not lockstep's"
+    );
+    let ours = c.get(&format!("{}/lockstep/metrics", s.url), BOUND).await;
+    assert!(ours.body.contains("lockstep_"), "{}", ours.body);
+    // Ready needs no prefill: a sidecar's are named by its requests.
+    s.mock.set_healthy(Role::Decode, true);
+}
+
+/// A vLLM sidecar: no configured prefill, the mock's decode server as the local engine.
+async fn vllm_sidecar() -> (VllmMock, Lockstep, tempfile::TempDir) {
+    let mock = VllmMock::start(
+        VllmMockConfig::default(),
+        lockstep_tests::tokenizer::build(),
+    )
+    .await
+    .expect("mock");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tok = dir.path().join("tokenizer.json");
+    lockstep_tests::tokenizer::write(&tok).expect("tokenizer");
+    let text = format!(
+        r#"
+[server]
+http_listen = "127.0.0.1:0"
+
+[sidecar]
+prefill_allow = ["127.0.0.1"]
+
+[[models]]
+name = "vllm-pd"
+backend = "vllm"
+context_window = 256
+kv_capacity_tokens = 1024
+default_max_tokens = 8
+tokenizer = "{tok}"
+chat_template = {{ inline = '{tpl}' }}
+
+[models.vllm]
+connector = "nixl"
+block_size = 16
+
+[models.prefill]
+workers = []
+
+[models.decode]
+workers = [{{ url = "{d}" }}]
+
+[models.timeouts]
+total_ms = 10000
+prefill_ms = 3000
+first_token_ms = 1500
+idle_ms = 1500
+
+[models.retry]
+max_retries = 0
+"#,
+        tok = tok.display(),
+        tpl = lockstep_tests::tokenizer::CHAT_TEMPLATE,
+        d = mock.decode_url(),
+    );
+    let mut cfg = Config::parse(&text).expect("config parses");
+    assert!(cfg.problems().is_empty(), "{:?}", cfg.problems());
+    cfg.for_role(lockstep_router::config::Role::Sidecar)
+        .expect("a sidecar's configuration");
+    let lockstep = Lockstep::start(cfg).await.expect("the sidecar starts");
+    (mock, lockstep, dir)
+}
+
+fn completion(stream: bool) -> Value {
+    json!({ "model": "vllm-pd", "prompt": "hello there", "max_tokens": 4, "stream": stream })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vllm_sidecar_pairs_with_the_named_prefill_and_serves_alone_without_one() {
+    let (mock, lockstep, _dir) = vllm_sidecar().await;
+    let url = format!("http://{}/v1/completions", lockstep.http_addr);
+    let c = TestClient::default();
+    let prefill = mock.prefill_addr.to_string();
+    for stream in [false, true] {
+        let a = c
+            .send_with(
+                "POST",
+                &url,
+                &[(HEADER, &prefill)],
+                completion(stream).to_string(),
+                BOUND,
+            )
+            .await;
+        assert_eq!(a.status, 200, "{}", a.body);
+    }
+    let reqs = mock.requests();
+    let prefills = reqs
+        .iter()
+        .filter(|(r, _, _)| *r == VllmRole::Prefill)
+        .count();
+    assert_eq!(prefills, 2, "{reqs:?}");
+    assert!(
+        reqs.iter()
+            .filter(|(r, _, _)| *r == VllmRole::Decode)
+            .all(|(_, _, b)| b["kv_transfer_params"].is_object()),
+        "a paired decode without the prefill's params"
+    );
+    // No header: the decode serves the request alone (no transfer params), its own prompt
+    // count checked.
+    let before = mock.requests().len();
+    for stream in [false, true] {
+        let a = c
+            .send_raw("POST", &url, completion(stream).to_string(), BOUND)
+            .await;
+        assert_eq!(a.status, 200, "{}", a.body);
+    }
+    let alone: Vec<_> = mock.requests()[before..].to_vec();
+    assert_eq!(alone.len(), 2, "{alone:?}");
+    for (role, _, body) in &alone {
+        assert_eq!(*role, VllmRole::Decode);
+        assert!(body.get("kv_transfer_params").is_none(), "{body}");
+    }
+    // A decode that fails alone is an error, never a success.
+    mock.set_fault(VllmFault::DecodeStatus(500));
+    let a = c
+        .send_raw("POST", &url, completion(false).to_string(), BOUND)
+        .await;
+    assert!(a.status >= 500, "{}", a.body);
+    mock.set_fault(VllmFault::None);
+    // Stale blocks through a named prefill: refused, nothing held.
+    mock.set_fault(VllmFault::StaleReference);
+    let a = c
+        .send_with(
+            "POST",
+            &url,
+            &[(HEADER, &prefill)],
+            completion(false).to_string(),
+            BOUND,
+        )
+        .await;
+    assert!(a.status >= 500, "{}", a.body);
+    mock.set_fault(VllmFault::None);
+    assert!(mock.wait_idle(Duration::from_secs(5)).await);
+    // vLLM's own pages pass through.
+    let models = c
+        .get(&format!("http://{}/v1/models", lockstep.http_addr), BOUND)
+        .await;
+    assert_eq!(models.json()["data"][0]["id"], "vllm-pd", "{}", models.body);
+    let metrics = c
+        .get(&format!("http://{}/metrics", lockstep.http_addr), BOUND)
+        .await;
+    assert!(metrics.body.contains("vllm:"), "{}", metrics.body);
+}
