@@ -5,6 +5,7 @@
 pub mod client;
 pub mod embedded;
 pub mod fuzz;
+pub mod gateway;
 pub mod harness;
 pub mod kube_api;
 pub mod naive_front;

@@ -7,6 +7,13 @@
 //! `lockstep probe` can be shown to catch the incident's leak through it (and not through
 //! lockstep, over the same mock and fault). OpenAI chat and completions, streamed and not;
 //! `/v1/models` without `max_model_len` (as many gateways answer); no `/generate` (404).
+//!
+//! It is also the naive *sidecar* behind a Gateway: a request naming its prefill in
+//! `x-prefiller-host-port` is sent there, the way llm-d's routing sidecar does for SGLang
+//! (`pkg/sidecar/proxy/connector_sglang.go`: the prefill sent asynchronously, its cancellation
+//! detached, its result only logged, then the local decode's answer returned), and
+//! `/server_info` and `/health` pass through to the decode, so an endpoint picker's deployment
+//! check sees the engine behind it.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -63,6 +70,8 @@ pub async fn start(prefill: String, decode: String, tok: Tokenizer) -> NaiveFron
         .route("/v1/models", get(models))
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
+        .route("/server_info", get(decode_page))
+        .route("/health", get(decode_page))
         .with_state(ctx);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
@@ -81,7 +90,40 @@ async fn models() -> Response {
     .into_response()
 }
 
-async fn chat(State(ctx): State<Ctx>, axum::Json(v): axum::Json<Value>) -> Response {
+/// The decode server's own page, as it answered.
+async fn decode_page(State(ctx): State<Ctx>, uri: http::Uri) -> Response {
+    let Ok(req) =
+        http::Request::get(format!("{}{}", ctx.decode, uri.path())).body(Full::new(Bytes::new()))
+    else {
+        return StatusCode::BAD_GATEWAY.into_response();
+    };
+    match ctx.client.request(req).await {
+        Ok(r) => {
+            let status = r.status();
+            let body = r.into_body().collect().await.map(|b| b.to_bytes());
+            (status, body.unwrap_or_default()).into_response()
+        }
+        Err(_) => StatusCode::BAD_GATEWAY.into_response(),
+    }
+}
+
+/// The prefill a request names (`x-prefiller-host-port`, trusted as llm-d's sidecar trusts it),
+/// else the configured one.
+fn prefill_of(ctx: &Ctx, headers: &http::HeaderMap) -> String {
+    headers
+        .get("x-prefiller-host-port")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(',').next())
+        .map(|hp| format!("http://{}", hp.trim()))
+        .unwrap_or_else(|| ctx.prefill.clone())
+}
+
+async fn chat(
+    State(mut ctx): State<Ctx>,
+    headers: http::HeaderMap,
+    axum::Json(v): axum::Json<Value>,
+) -> Response {
+    ctx.prefill = prefill_of(&ctx, &headers);
     let mut text = String::new();
     for m in v["messages"].as_array().into_iter().flatten() {
         text.push_str(&format!(
@@ -94,7 +136,12 @@ async fn chat(State(ctx): State<Ctx>, axum::Json(v): axum::Json<Value>) -> Respo
     pair(ctx, &v, &text, true).await
 }
 
-async fn completions(State(ctx): State<Ctx>, axum::Json(v): axum::Json<Value>) -> Response {
+async fn completions(
+    State(mut ctx): State<Ctx>,
+    headers: http::HeaderMap,
+    axum::Json(v): axum::Json<Value>,
+) -> Response {
+    ctx.prefill = prefill_of(&ctx, &headers);
     let prompt = v["prompt"].as_str().unwrap_or_default().to_string();
     pair(ctx, &v, &prompt, false).await
 }

@@ -59,6 +59,21 @@ enum Command {
         #[arg(long)]
         log_level: Option<String>,
     },
+    /// The endpoint picker of a Gateway API Inference Extension `InferencePool`: Envoy's
+    /// `ext_proc` on `epp.grpc_listen`; lockstep's admission and pool policies pick the decode
+    /// sidecar (`[models.decode]` lists the `lockstep sidecar`s) and the prefill
+    /// (`x-prefiller-host-port`). Its HTTP listener serves `/health`, `/ready` and `/metrics`.
+    Epp {
+        /// Configuration file (TOML), with an `[epp]` table (`grpc_listen`).
+        #[arg(short, long, env = "LOCKSTEP_CONFIG")]
+        config: PathBuf,
+        /// Override `epp.grpc_listen`.
+        #[arg(long)]
+        grpc_listen: Option<SocketAddr>,
+        /// Override `server.log_level`.
+        #[arg(long)]
+        log_level: Option<String>,
+    },
     /// Validate a configuration file, list every problem, exit non-zero if there is one.
     Check {
         /// Configuration file (TOML). Without it, the built-in default configuration.
@@ -118,7 +133,7 @@ fn main() -> ExitCode {
         Command::Serve { config, .. } => load(config.as_ref())
             .map(|c| c.server.worker_threads)
             .unwrap_or(0),
-        Command::Sidecar { config, .. } => Config::load(config)
+        Command::Sidecar { config, .. } | Command::Epp { config, .. } => Config::load(config)
             .map(|c| c.server.worker_threads)
             .unwrap_or(0),
         Command::Check { .. } | Command::HashKey => 1,
@@ -300,6 +315,20 @@ async fn run(cli: Cli, huge_pages_off: bool) -> ExitCode {
             )
             .await
         }
+        Command::Epp {
+            config,
+            grpc_listen,
+            log_level,
+        } => {
+            let prepare = move |mut cfg: Config| {
+                cfg.for_role(lockstep_router::config::Role::Epp)?;
+                if let (Some(a), Some(e)) = (grpc_listen, cfg.epp.as_mut()) {
+                    e.grpc_listen = a;
+                }
+                Ok(cfg)
+            };
+            serve(Some(config), log_level, prepare, huge_pages_off).await
+        }
     }
 }
 
@@ -339,6 +368,7 @@ async fn serve(
     // Signal handlers go in before the listener opens: a SIGHUP or SIGTERM that arrives right
     // after "listening" must reach them, not the default action (terminate).
     let signals = Signals::install();
+    let epp = cfg.epp.clone();
     let running = match Lockstep::start(cfg).await {
         Ok(r) => r,
         Err(e) => {
@@ -346,8 +376,27 @@ async fn serve(
             return ExitCode::FAILURE;
         }
     };
+    // `lockstep epp`: the ext_proc listener over the same models and pools.
+    let picker = match epp {
+        None => None,
+        Some(e) => {
+            match lockstep_epp::serve(running.state.clone(), e.grpc_listen, e.body_chunk_bytes)
+                .await
+            {
+                Ok(p) => Some(p),
+                Err(e) => {
+                    eprintln!("{}: refusing to start:\n{e}", shown(path));
+                    running.shutdown().await;
+                    return ExitCode::FAILURE;
+                }
+            }
+        }
+    };
     serve_until_stopped(&running, path, prepare, signals).await;
     tracing::info!("shutting down");
+    if let Some(p) = picker {
+        p.shutdown().await;
+    }
     running.shutdown().await;
     telemetry.shutdown();
     ExitCode::SUCCESS

@@ -72,6 +72,7 @@ impl Lockstep {
             tokenize_slots: Arc::new(tokio::sync::Semaphore::new(cores)),
             compile_slots: Arc::new(tokio::sync::Semaphore::new(cores)),
             tokenize_pool: Arc::new(tokenize_pool),
+            picker_only: cfg.epp.is_some(),
             named_prefills: match &cfg.sidecar {
                 Some(s) => Some(crate::pool::NamedPrefills::new(s)?),
                 None => None,

@@ -163,6 +163,9 @@ pub struct AppState {
     /// `lockstep sidecar`: what a request may name as its prefill (`x-prefiller-host-port`);
     /// `None` elsewhere, where the header is not read.
     pub named_prefills: Option<crate::pool::NamedPrefills>,
+    /// `lockstep epp`: its HTTP listener serves health, readiness and metrics only (generation
+    /// requests reach it through Envoy's `ext_proc`).
+    pub picker_only: bool,
 }
 
 impl AppState {

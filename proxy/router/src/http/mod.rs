@@ -9,6 +9,7 @@ pub mod grpc;
 mod grpc_guard;
 pub(crate) mod openai;
 mod openai_out;
+pub mod picker;
 mod respond;
 pub(crate) mod responses;
 mod responses_out;
@@ -32,6 +33,22 @@ use extract::Authenticated;
 
 /// The router of all HTTP routes.
 pub fn router(state: Arc<AppState>, with_metrics: bool) -> Router {
+    if state.picker_only {
+        // `lockstep epp`: requests come through Envoy's ext_proc; over HTTP only the
+        // process's own health, readiness and metrics.
+        let r = Router::new()
+            .route("/health", get(health))
+            .route("/ready", get(ready));
+        let r = if with_metrics {
+            r.route("/metrics", get(metrics))
+        } else {
+            r
+        };
+        return r
+            .fallback(not_found)
+            .layer(axum::middleware::from_fn(trace_request))
+            .with_state(state);
+    }
     let r = Router::new()
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/completions", post(openai::completions))

@@ -19,7 +19,7 @@ pub use source::{MemberChange, MemberFeed, WorkerSource};
 
 pub use label::worker_label;
 pub use named::{NamedPrefill, NamedPrefills, PREFILLER_HEADER};
-pub use pair_pick::{PairPick, PrefillChoice, PrefillPin, pick_pair};
+pub use pair_pick::{PairPick, PrefillChoice, PrefillPin, host_port, pick_pair, pick_within};
 #[cfg(test)]
 use prefix::Blocks;
 use prefix::PrefixIndex;

@@ -70,3 +70,30 @@ pub fn pick_pair(
         decode: d,
     })
 }
+
+/// A worker's `host:port` (how Envoy and the endpoint picker protocol name an endpoint), from
+/// its URL.
+pub fn host_port(url: &str) -> Option<String> {
+    let uri = url.parse::<http::Uri>().ok()?;
+    let auth = uri.authority()?;
+    let port = auth.port_u16().or(match uri.scheme_str() {
+        Some("https") => Some(443),
+        _ => Some(80),
+    })?;
+    Some(format!("{}:{port}", auth.host()))
+}
+
+/// The least-loaded worker of `pool` that takes pairs and whose `host:port` is in `subset` (the
+/// data plane's subset hint: the picker must choose from it), with its slot taken.
+pub fn pick_within(pool: &WorkerPool, subset: &[String]) -> Option<LoadGuard> {
+    let max = pool.max_pairs;
+    let workers = pool.workers();
+    let mut open: Vec<&Arc<Upstream>> = workers
+        .iter()
+        .filter(|w| w.accepts_pairs() && (max == 0 || w.in_flight() < max))
+        .filter(|w| host_port(&w.url).is_some_and(|hp| subset.contains(&hp)))
+        .collect();
+    open.sort_by_key(|w| w.in_flight());
+    open.into_iter()
+        .find_map(|w| LoadGuard::try_new(w.clone(), max))
+}

@@ -1,0 +1,422 @@
+//! One ext_proc stream: one HTTP request and its response, as Envoy streams them in
+//! `FULL_DUPLEX_STREAMED` mode (request headers, body chunks to end of stream, optional
+//! trailers; then response headers, body chunks, optional trailers). Every message Envoy sends
+//! gets its answer in order; the request's headers are answered only once its body is whole and
+//! the endpoints are picked.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use bytes::{Bytes, BytesMut};
+use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
+use envoy_types::pb::envoy::config::core::v3::{
+    HeaderMap as EnvoyHeaders, HeaderValue, HeaderValueOption, Metadata,
+};
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as In;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as Out;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, ImmediateResponse,
+    ProcessingRequest, ProcessingResponse, StreamedBodyResponse, TrailersResponse, body_mutation,
+};
+use envoy_types::pb::envoy::r#type::v3::HttpStatus;
+use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
+use lockstep_router::error::LockstepError;
+use lockstep_router::http::picker;
+use lockstep_router::pool::{LoadGuard, PREFILLER_HEADER, host_port};
+use lockstep_router::state::AppState;
+use tokio::sync::mpsc;
+use tonic::{Status, Streaming};
+
+/// The header (and `envoy.lb` metadata key) naming the picked endpoint.
+pub const DESTINATION: &str = "x-gateway-destination-endpoint";
+/// The `envoy.lb` metadata key the data plane names the endpoint that served in.
+pub const SERVED: &str = "x-gateway-destination-endpoint-served";
+/// The metadata namespace of the subset hint.
+pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
+/// The subset hint's key: the endpoints the picker must choose from.
+pub const SUBSET: &str = "x-gateway-destination-endpoint-subset";
+
+type Tx = mpsc::Sender<Result<ProcessingResponse, Status>>;
+
+/// What is held while the request lives: both workers' slots, the tenant's permit.
+struct Held {
+    _slots: Vec<LoadGuard>,
+    _permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    /// The endpoint picked.
+    destination: String,
+}
+
+/// One stream's state.
+pub(crate) struct Exchange {
+    state: Arc<AppState>,
+    chunk: usize,
+    tx: Tx,
+    headers: http::HeaderMap,
+    path: String,
+    subset: Option<Vec<String>>,
+    body: BytesMut,
+    /// The request's headers are answered (the endpoints picked).
+    decided: bool,
+    held: Option<Held>,
+}
+
+impl Exchange {
+    pub(crate) fn new(state: Arc<AppState>, chunk: usize, tx: Tx) -> Exchange {
+        Exchange {
+            state,
+            chunk,
+            tx,
+            headers: http::HeaderMap::new(),
+            path: String::new(),
+            subset: None,
+            body: BytesMut::new(),
+            decided: false,
+            held: None,
+        }
+    }
+
+    /// Answers every message of the stream until it ends, or until an immediate response ends
+    /// the request. Dropping the exchange frees what it held.
+    pub(crate) async fn run(mut self, mut inbound: Streaming<ProcessingRequest>) {
+        loop {
+            let msg = match inbound.message().await {
+                Ok(Some(m)) => m,
+                Ok(None) => return,
+                Err(e) => {
+                    tracing::debug!(error = %e, "ext_proc stream ended");
+                    return;
+                }
+            };
+            match self.step(msg).await {
+                Ok(true) => {}
+                Ok(false) => return,
+                Err(e) => {
+                    // Fail closed: the request ends here with the error, in its API's shape.
+                    self.immediate(&e).await;
+                    return;
+                }
+            }
+        }
+    }
+
+    /// One message; `Ok(false)`: the stream is over for us.
+    async fn step(&mut self, msg: ProcessingRequest) -> Result<bool, LockstepError> {
+        let metadata = msg.metadata_context;
+        match msg.request {
+            Some(In::RequestHeaders(h)) => {
+                if self.decided || !self.path.is_empty() {
+                    return Err(protocol("request headers twice"));
+                }
+                self.read_headers(h.headers.as_ref());
+                self.subset = subset_of(metadata.as_ref());
+                if h.end_of_stream {
+                    self.decide().await?;
+                }
+            }
+            Some(In::RequestBody(b)) => {
+                if self.decided {
+                    return Err(protocol("request body after the request ended"));
+                }
+                if self.body.len() + b.body.len() > self.state.max_body_bytes {
+                    return Err(LockstepError::BodyTooLarge {
+                        limit: self.state.max_body_bytes,
+                    });
+                }
+                self.body.extend_from_slice(&b.body);
+                if b.end_of_stream || b.end_of_stream_without_message {
+                    self.decide().await?;
+                }
+            }
+            Some(In::RequestTrailers(_)) => {
+                if !self.decided {
+                    self.decide().await?;
+                }
+                self.send(Out::RequestTrailers(TrailersResponse::default()), None)
+                    .await?;
+            }
+            Some(In::ResponseHeaders(h)) => {
+                self.check_served(metadata.as_ref())?;
+                let end = h.end_of_stream;
+                self.send(Out::ResponseHeaders(HeadersResponse::default()), None)
+                    .await?;
+                if end {
+                    self.held = None;
+                }
+            }
+            Some(In::ResponseBody(b)) => {
+                let end = b.end_of_stream || b.end_of_stream_without_message;
+                self.send_body(false, Bytes::from(b.body), end).await?;
+                if end {
+                    self.held = None;
+                }
+            }
+            Some(In::ResponseTrailers(_)) => {
+                self.send(Out::ResponseTrailers(TrailersResponse::default()), None)
+                    .await?;
+                self.held = None;
+            }
+            None => return Err(protocol("a message with no request")),
+        }
+        Ok(true)
+    }
+
+    fn read_headers(&mut self, h: Option<&EnvoyHeaders>) {
+        for hv in h.map(|h| h.headers.as_slice()).unwrap_or_default() {
+            let value = if hv.raw_value.is_empty() {
+                hv.value.as_bytes()
+            } else {
+                &hv.raw_value
+            };
+            match hv.key.as_str() {
+                ":path" => self.path = String::from_utf8_lossy(value).into_owned(),
+                k if k.starts_with(':') => {}
+                k => {
+                    if let (Ok(n), Ok(v)) = (
+                        http::HeaderName::from_bytes(k.as_bytes()),
+                        http::HeaderValue::from_bytes(value),
+                    ) {
+                        self.headers.append(n, v);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The request is whole: admit it, pick, answer its headers, then send its body back.
+    async fn decide(&mut self) -> Result<(), LockstepError> {
+        self.decided = true;
+        let body = std::mem::take(&mut self.body).freeze();
+        let (slots, permit, prefill) = if picker::is_generation(&self.path) {
+            let admitted = picker::admit_wire(&self.state, &self.path, &self.headers, body.clone())
+                .await
+                .map_err(|r| r.0)?;
+            let pick = picker::pick(&self.state, &admitted, self.subset.as_deref())?;
+            let prefill = endpoint(&pick.prefill)?;
+            (
+                vec![pick.decode, pick.prefill],
+                admitted.caller.permit,
+                Some(prefill),
+            )
+        } else {
+            let d = match &self.subset {
+                Some(s) => self
+                    .state
+                    .models
+                    .load()
+                    .by_name
+                    .values()
+                    .find_map(|m| lockstep_router::pool::pick_within(&m.pairs.decode, s)),
+                None => picker::any_decode(&self.state),
+            };
+            let d = d.ok_or_else(|| LockstepError::Unavailable {
+                message: "no decode endpoint takes requests".into(),
+            })?;
+            (vec![d], None, None)
+        };
+        let destination = endpoint(&slots[0])?;
+        tracing::debug!(path = %self.path, %destination, prefill = ?prefill, "picked");
+        let mut set = vec![header(DESTINATION, &destination)];
+        // A client's own `x-prefiller-host-port` never reaches a sidecar: it is replaced, or
+        // removed where no prefill was picked.
+        let mut remove = Vec::new();
+        match &prefill {
+            Some(p) => set.push(header(PREFILLER_HEADER, p)),
+            None => remove.push(PREFILLER_HEADER.to_string()),
+        }
+        let common = CommonResponse {
+            header_mutation: Some(HeaderMutation {
+                set_headers: set,
+                remove_headers: remove,
+            }),
+            clear_route_cache: true,
+            ..CommonResponse::default()
+        };
+        let metadata = destination_metadata(&destination);
+        self.held = Some(Held {
+            _slots: slots,
+            _permit: permit,
+            destination,
+        });
+        self.send(
+            Out::RequestHeaders(HeadersResponse {
+                response: Some(common),
+            }),
+            Some(metadata),
+        )
+        .await?;
+        // The body goes on unchanged, in chunks Envoy takes.
+        if body.is_empty() {
+            return Ok(());
+        }
+        let mut rest = body;
+        while !rest.is_empty() {
+            let piece = rest.split_to(rest.len().min(self.chunk));
+            self.send_body(true, piece, rest.is_empty()).await?;
+        }
+        Ok(())
+    }
+
+    /// The data plane's report of the endpoint that served, where it sends one, must be the
+    /// one picked (this picker names one endpoint, so no other may answer).
+    fn check_served(&self, metadata: Option<&Metadata>) -> Result<(), LockstepError> {
+        let served = metadata
+            .and_then(|m| m.filter_metadata.get("envoy.lb"))
+            .and_then(|s| s.fields.get(SERVED))
+            .and_then(|v| match &v.kind {
+                Some(Kind::StringValue(s)) => Some(s.clone()),
+                _ => None,
+            });
+        match (served, &self.held) {
+            (Some(s), Some(h)) if s != h.destination => Err(LockstepError::Unavailable {
+                message: format!(
+                    "the data plane reports endpoint {s} served the request; {} was picked",
+                    h.destination
+                ),
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    async fn send_body(
+        &self,
+        request: bool,
+        body: Bytes,
+        end_of_stream: bool,
+    ) -> Result<(), LockstepError> {
+        let common = CommonResponse {
+            body_mutation: Some(BodyMutation {
+                mutation: Some(body_mutation::Mutation::StreamedResponse(
+                    StreamedBodyResponse {
+                        body: body.to_vec(),
+                        end_of_stream,
+                        ..StreamedBodyResponse::default()
+                    },
+                )),
+            }),
+            ..CommonResponse::default()
+        };
+        let r = BodyResponse {
+            response: Some(common),
+        };
+        let out = if request {
+            Out::RequestBody(r)
+        } else {
+            Out::ResponseBody(r)
+        };
+        self.send(out, None).await
+    }
+
+    async fn send(&self, out: Out, metadata: Option<Struct>) -> Result<(), LockstepError> {
+        let msg = ProcessingResponse {
+            response: Some(out),
+            dynamic_metadata: metadata,
+            ..ProcessingResponse::default()
+        };
+        self.tx
+            .send(Ok(msg))
+            .await
+            .map_err(|_| LockstepError::Unavailable {
+                message: "Envoy closed the ext_proc stream".into(),
+            })
+    }
+
+    /// Ends the request with `e` as its response: status, the API's error body, `Retry-After`
+    /// where the error has one.
+    async fn immediate(&self, e: &LockstepError) {
+        let mut set = vec![header("content-type", "application/json")];
+        let retry = match e {
+            LockstepError::RateLimited { retry_after_s, .. } => Some(*retry_after_s),
+            LockstepError::WorkersBusy { .. } => Some(1),
+            _ => None,
+        };
+        if let Some(s) = retry {
+            set.push(header("retry-after", &s.to_string()));
+        }
+        let body = picker::error_body(&self.path, e).to_string();
+        let r = ImmediateResponse {
+            status: Some(HttpStatus {
+                code: i32::from(e.status().as_u16()),
+            }),
+            headers: Some(HeaderMutation {
+                set_headers: set,
+                remove_headers: Vec::new(),
+            }),
+            body: body.into_bytes(),
+            details: format!("lockstep_epp_{}", e.code()),
+            ..ImmediateResponse::default()
+        };
+        let _ = self
+            .tx
+            .send(Ok(ProcessingResponse {
+                response: Some(Out::ImmediateResponse(r)),
+                ..ProcessingResponse::default()
+            }))
+            .await;
+    }
+}
+
+fn protocol(what: &str) -> LockstepError {
+    LockstepError::Unavailable {
+        message: format!("endpoint picker: ext_proc protocol: {what}"),
+    }
+}
+
+/// A picked worker's `host:port`.
+fn endpoint(g: &LoadGuard) -> Result<String, LockstepError> {
+    host_port(&g.worker().url).ok_or_else(|| LockstepError::Unavailable {
+        message: format!("worker URL {} has no host:port", g.worker().url),
+    })
+}
+
+fn header(key: &str, value: &str) -> HeaderValueOption {
+    HeaderValueOption {
+        header: Some(HeaderValue {
+            key: key.to_string(),
+            raw_value: value.as_bytes().to_vec(),
+            ..HeaderValue::default()
+        }),
+        append_action: HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
+        ..HeaderValueOption::default()
+    }
+}
+
+/// `{"envoy.lb": {"x-gateway-destination-endpoint": "<ip:port>"}}`.
+fn destination_metadata(destination: &str) -> Struct {
+    let inner = Struct {
+        fields: HashMap::from([(
+            DESTINATION.to_string(),
+            Value {
+                kind: Some(Kind::StringValue(destination.to_string())),
+            },
+        )]),
+    };
+    Struct {
+        fields: HashMap::from([(
+            "envoy.lb".to_string(),
+            Value {
+                kind: Some(Kind::StructValue(inner)),
+            },
+        )]),
+    }
+}
+
+/// The subset hint's endpoints, where the data plane sent one.
+fn subset_of(metadata: Option<&Metadata>) -> Option<Vec<String>> {
+    let v = metadata?
+        .filter_metadata
+        .get(SUBSET_NAMESPACE)?
+        .fields
+        .get(SUBSET)?;
+    match &v.kind {
+        Some(Kind::ListValue(l)) => Some(
+            l.values
+                .iter()
+                .filter_map(|v| match &v.kind {
+                    Some(Kind::StringValue(s)) => Some(s.clone()),
+                    _ => None,
+                })
+                .collect(),
+        ),
+        _ => Some(Vec::new()),
+    }
+}

@@ -1,0 +1,154 @@
+//! `lockstep epp`: an Endpoint Picker for the Gateway API Inference Extension (its protocol:
+//! gateway-api-inference-extension `docs/proposals/004-endpoint-picker-protocol`), serving
+//! Envoy's `ext_proc` v3 with request and response bodies `FULL_DUPLEX_STREAMED`.
+//!
+//! For each request Envoy streams the headers and the body here. The picker reads the body to
+//! its end, runs lockstep's admission stage on it (tenant key and limits, every field honoured or
+//! refused, the prompt tokenized and refused when it cannot fit) and lockstep's pool policies
+//! (tenant-salted prefix routing, least load, each worker's pair limit) to pick the decode, a
+//! `lockstep sidecar` (`[models.decode]` lists the sidecars), and the prefill (`[models.prefill]`:
+//! the prefill engines). It answers the headers with the destination, in the
+//! `x-gateway-destination-endpoint` header and in `envoy.lb` dynamic metadata, the prefill in
+//! `x-prefiller-host-port` (replacing whatever the client sent), and `clear_route_cache`; then
+//! the body, unchanged, in chunks of at most 62 KiB. The response streams back through as it
+//! comes; the picked workers' slots are held until it ends.
+//!
+//! Fail closed: a refusal, no worker, a protocol message out of order or any internal error is
+//! an `ImmediateResponse` in the API's own error shape, never a pass-through; Envoy's filter is
+//! configured with `failure_mode_allow: false`, so a picker that is down fails the request too.
+
+mod exchange;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
+    ExternalProcessor, ExternalProcessorServer,
+};
+use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
+use lockstep_router::state::AppState;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+pub use exchange::{DESTINATION, SERVED, SUBSET, SUBSET_NAMESPACE};
+
+/// The gRPC health service names the protocol asks for, besides the ext_proc service's own.
+pub const HEALTH_SERVICES: &[&str] = &["liveness", "readiness"];
+
+/// The ext_proc service.
+#[derive(Debug, Clone)]
+pub struct Picker {
+    state: Arc<AppState>,
+    chunk: usize,
+}
+
+#[tonic::async_trait]
+impl ExternalProcessor for Picker {
+    type ProcessStream = ReceiverStream<Result<ProcessingResponse, Status>>;
+
+    async fn process(
+        &self,
+        request: Request<Streaming<ProcessingRequest>>,
+    ) -> Result<Response<Self::ProcessStream>, Status> {
+        let inbound = request.into_inner();
+        let (tx, rx) = tokio::sync::mpsc::channel(16);
+        let exchange = exchange::Exchange::new(self.state.clone(), self.chunk, tx);
+        tokio::spawn(exchange.run(inbound));
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// A running picker: its gRPC listener's address and how to stop it.
+#[derive(Debug)]
+pub struct RunningPicker {
+    /// Where the ext_proc and health services listen.
+    pub addr: SocketAddr,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl RunningPicker {
+    /// Stops serving (streams in progress are cut; Envoy fails their requests closed).
+    pub async fn shutdown(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(5), &mut self.task).await;
+    }
+}
+
+/// Serves the picker on `listen` over `state` (the models, pools and tenants of a lockstep
+/// started from the same configuration). `chunk`: the largest body chunk sent back to Envoy.
+pub async fn serve(
+    state: Arc<AppState>,
+    listen: SocketAddr,
+    chunk: usize,
+) -> Result<RunningPicker, String> {
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .map_err(|e| format!("cannot listen on {listen} (epp.grpc_listen): {e}"))?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let (reporter, health) = tonic_health::server::health_reporter();
+    let ready = readiness(&state);
+    set_health(&reporter, true, ready).await;
+    let picker = Picker {
+        state: state.clone(),
+        chunk,
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let watch_state = state.clone();
+    let watch_reporter = reporter.clone();
+    // Readiness follows the pools: ready while every model has a decode and a prefill that take
+    // pairs.
+    let watcher = tokio::spawn(async move {
+        let mut last = ready;
+        loop {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let now = readiness(&watch_state);
+            if now != last {
+                set_health(&watch_reporter, true, now).await;
+                last = now;
+            }
+        }
+    });
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    let task = tokio::spawn(async move {
+        let served = tonic::transport::Server::builder()
+            .add_service(health)
+            .add_service(ExternalProcessorServer::new(picker))
+            .serve_with_incoming_shutdown(incoming, async {
+                let _ = stopped.await;
+            })
+            .await;
+        watcher.abort();
+        if let Err(e) = served {
+            tracing::error!(error = %e, "the endpoint picker's listener stopped");
+        }
+    });
+    tracing::info!(%addr, "endpoint picker listening (Envoy ext_proc v3, gRPC health)");
+    Ok(RunningPicker {
+        addr,
+        stop: Some(stop),
+        task,
+    })
+}
+
+fn readiness(state: &AppState) -> bool {
+    let models = state.models.load();
+    !state.registry.is_draining()
+        && models
+            .by_name
+            .values()
+            .all(|m| m.pairs.decode.any_healthy() && m.pairs.prefill.any_healthy())
+}
+
+async fn set_health(r: &tonic_health::server::HealthReporter, alive: bool, ready: bool) {
+    use tonic_health::ServingStatus::{NotServing, Serving};
+    let of = |on: bool| if on { Serving } else { NotServing };
+    r.set_service_status("liveness", of(alive)).await;
+    r.set_service_status("readiness", of(ready)).await;
+    r.set_service_status("envoy.service.ext_proc.v3.ExternalProcessor", of(ready))
+        .await;
+    r.set_service_status("", of(ready)).await;
+}

@@ -1,0 +1,159 @@
+//! The admission stage for a request read off the wire by an endpoint picker (`lockstep epp`,
+//! in front of Envoy): the same stage the HTTP front ends run (tenant key and limits, the API's
+//! typed body with nothing dropped, tokenize, refuse what cannot fit), by the path's API, then
+//! both workers picked by the pools' policies. Nothing is proxied here: the picker tells Envoy
+//! where to send the request and a `lockstep sidecar` there runs the pair.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::HeaderMap;
+
+use crate::admission::{Admitted, Refusal, admit_body, authorize};
+use crate::error::LockstepError;
+use crate::pool::{PairPick, PrefillChoice, RouteKey, pick_pair};
+use crate::state::AppState;
+use crate::vocab::Side;
+
+/// The generation paths a picker admits (their bodies are read and checked); any other path
+/// gets a decode worker without admission (the engine's own pages, `/v1/models`).
+pub const GENERATION_PATHS: &[&str] = &[
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/messages",
+    "/v1/responses",
+    "/generate",
+];
+
+/// Whether `path` (without its query) is one the picker admits.
+pub fn is_generation(path: &str) -> bool {
+    GENERATION_PATHS.contains(&path_only(path))
+}
+
+fn path_only(path: &str) -> &str {
+    path.split('?').next().unwrap_or(path)
+}
+
+/// A request through the admission stage of the API at `path` (`POST` with a JSON body already
+/// read whole). Every refusal is counted once.
+pub async fn admit_wire(
+    state: &Arc<AppState>,
+    path: &str,
+    headers: &HeaderMap,
+    body: Bytes,
+) -> Result<Admitted, Refusal> {
+    use super::{anthropic, generate, openai, responses};
+    let caller = authorize(state, headers)?;
+    let a = match path_only(path) {
+        "/v1/chat/completions" => {
+            admit_body::<openai::ChatRequest>(state, caller, body)
+                .await?
+                .0
+        }
+        "/v1/completions" => {
+            admit_body::<openai::CompletionRequest>(state, caller, body)
+                .await?
+                .0
+        }
+        "/v1/messages" => {
+            admit_body::<anthropic::MessagesRequest>(state, caller, body)
+                .await?
+                .0
+        }
+        "/v1/responses" => {
+            admit_body::<responses::ResponsesRequest>(state, caller, body)
+                .await?
+                .0
+        }
+        "/generate" => {
+            admit_body::<generate::GenerateRequest>(state, caller, body)
+                .await?
+                .0
+        }
+        other => {
+            let e = LockstepError::RouteNotFound {
+                method: "POST".into(),
+                path: other.to_string(),
+            };
+            return Err(Refusal::count(state, "", e));
+        }
+    };
+    Ok(a)
+}
+
+/// The error body in the shape of the API at `path` (Anthropic's for `/v1/messages`, OpenAI's
+/// elsewhere).
+pub fn error_body(path: &str, e: &LockstepError) -> serde_json::Value {
+    if path_only(path) == "/v1/messages" {
+        e.anthropic_body()
+    } else {
+        e.body()
+    }
+}
+
+/// Both workers for an admitted request, by the pools' policies (the prompt's tokens and the
+/// tenant's salt for prefix-aware routing, least load, each worker's pair limit); the decode
+/// from `subset` when the data plane gave one (`host:port`s). The guards hold both slots. A side
+/// no worker can take is 503: `workers_busy` when its healthy workers are all at their limit,
+/// else `no_healthy_worker`.
+pub fn pick(
+    state: &AppState,
+    a: &Admitted,
+    subset: Option<&[String]>,
+) -> Result<PairPick, LockstepError> {
+    let pairs = &a.model.pairs;
+    let salt = a
+        .caller
+        .tenant
+        .as_ref()
+        .map_or_else(|| crate::tenant::cache_salt(None), |t| t.salt);
+    let key = RouteKey {
+        tokens: &a.ids,
+        salt,
+    };
+    let picked = match subset {
+        None => pick_pair(
+            &pairs.prefill,
+            &pairs.decode,
+            Some(&key),
+            PrefillChoice::Pick { avoid: None },
+            None,
+        ),
+        Some(allowed) => crate::pool::pick_within(&pairs.decode, allowed)
+            .ok_or(Side::Decode)
+            .and_then(|decode| {
+                let prefill = pairs.prefill.pick(None, Some(&key)).ok_or(Side::Prefill)?;
+                Ok(PairPick { prefill, decode })
+            }),
+    };
+    picked.map_err(|side| {
+        let pool = match side {
+            Side::Prefill => &pairs.prefill,
+            Side::Decode => &pairs.decode,
+        };
+        let model = a.model.name.to_string();
+        let e = if pool.any_healthy() && subset.is_none() {
+            LockstepError::WorkersBusy {
+                model,
+                side: side.as_str(),
+            }
+        } else {
+            LockstepError::NoHealthyWorker {
+                model,
+                side: side.as_str(),
+            }
+        };
+        state.metrics.refusal(&a.model.name, e.code());
+        e
+    })
+}
+
+/// A decode worker for a request that is not a generation (the engine's pages): the least
+/// loaded healthy one of the only model, or of the model the path does not name.
+pub fn any_decode(state: &AppState) -> Option<crate::pool::LoadGuard> {
+    let models = state.models.load();
+    models
+        .by_name
+        .values()
+        .find_map(|m| m.pairs.decode.pick(None, None))
+}

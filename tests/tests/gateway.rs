@@ -1,0 +1,426 @@
+//! Behind a Gateway: the real Envoy 1.40 running `deploy/envoy/envoy.yaml`, `lockstep epp` as its
+//! ext_proc endpoint picker, `lockstep sidecar` as the decode endpoint, over the SGLang and vLLM
+//! mocks. Every API served, streamed and not; an over-long prompt refused at the picker with no
+//! worker contacted; every prefill fault an error with both halves aborted; a prefill outside the
+//! sidecar's `prefill_allow` refused; the picker down fails closed; `lockstep probe` through
+//! Envoy finds no leak, where a naive sidecar following llm-d's SGLang sequence leaks under the
+//! same fault.
+
+use std::time::Duration;
+
+use lockstep_epp::RunningPicker;
+use lockstep_router::app::Lockstep;
+use lockstep_router::config::Role;
+use lockstep_tests::client::{Answer, TestClient};
+use lockstep_tests::gateway::{Envoy, as_epp, as_sidecar, start_role};
+use lockstep_tests::harness::{MODEL, TEST_TIMEOUTS, config_text_with};
+use lockstep_tests::sglang_mock::{Fault, MockConfig, PdMock, Role as Half};
+use lockstep_tests::vllm_mock::{VllmFault, VllmMock, VllmMockConfig, VllmRole};
+use lockstep_tests::{naive_front, tokenizer};
+use serde_json::{Value, json};
+
+const BOUND: Duration = Duration::from_secs(20);
+
+/// Envoy → `lockstep epp` → the decode endpoint (a `lockstep sidecar`, or the naive one) → the
+/// SGLang mock.
+struct Gateway {
+    mock: PdMock,
+    sidecar: Option<Lockstep>,
+    _naive: Option<naive_front::NaiveFront>,
+    _epp: Lockstep,
+    picker: Option<RunningPicker>,
+    envoy: Envoy,
+    _dir: tempfile::TempDir,
+}
+
+/// `allow`: the sidecar's `prefill_allow`; `naive`: llm-d's SGLang sequence as the sidecar.
+async fn gateway(tok: tokenizers::Tokenizer, allow: &str, naive: bool) -> Gateway {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tok_path = dir.path().join("tokenizer.json");
+    std::fs::write(&tok_path, tok.to_string(true).expect("tokenizer")).expect("write");
+    let mock = PdMock::start(MockConfig::default(), tok.clone())
+        .await
+        .expect("mock");
+    let base = config_text_with(&mock, &tok_path, "", "", TEST_TIMEOUTS);
+    let (sidecar, naive_front, endpoint) = if naive {
+        let f = naive_front::start(mock.prefill_url(), mock.decode_url(), tok).await;
+        let hp = f.url.trim_start_matches("http://").to_string();
+        (None, Some(f), hp)
+    } else {
+        let text = as_sidecar(&base, &mock.prefill_url(), allow);
+        let (s, _) = start_role(&text, Role::Sidecar).await;
+        let hp = s.http_addr.to_string();
+        (Some(s), None, hp)
+    };
+    let (epp, picker) = start_role(&as_epp(&base, &mock.decode_url(), &endpoint), Role::Epp).await;
+    let picker = picker.expect("a picker");
+    let envoy = Envoy::start(picker.addr.port()).await;
+    Gateway {
+        mock,
+        sidecar,
+        _naive: naive_front,
+        _epp: epp,
+        picker: Some(picker),
+        envoy,
+        _dir: dir,
+    }
+}
+
+async fn send(url: &str, path: &str, headers: &[(&str, &str)], body: &Value) -> Answer {
+    TestClient::default()
+        .send_with(
+            "POST",
+            &format!("{url}{path}"),
+            headers,
+            body.to_string(),
+            BOUND,
+        )
+        .await
+}
+
+/// One request per API, streamed or not: (path, body, what its success ends with).
+fn every_api(stream: bool) -> Vec<(&'static str, Value, &'static str)> {
+    let prompt = "hello there general";
+    vec![
+        (
+            "/v1/chat/completions",
+            json!({"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 4, "stream": stream}),
+            if stream {
+                "[DONE]"
+            } else {
+                "\"chat.completion\""
+            },
+        ),
+        (
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": prompt, "max_tokens": 4, "stream": stream}),
+            if stream {
+                "[DONE]"
+            } else {
+                "\"text_completion\""
+            },
+        ),
+        (
+            "/v1/messages",
+            json!({"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 4, "stream": stream}),
+            if stream {
+                "message_stop"
+            } else {
+                "\"stop_reason\""
+            },
+        ),
+        (
+            "/v1/responses",
+            json!({"model": MODEL, "input": prompt, "max_output_tokens": 4, "stream": stream}),
+            if stream {
+                "response.incomplete"
+            } else {
+                "\"max_output_tokens\""
+            },
+        ),
+        (
+            "/generate",
+            json!({"text": prompt, "sampling_params": {"max_new_tokens": 4}, "stream": stream}),
+            if stream { "[DONE]" } else { "\"meta_info\"" },
+        ),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_api_is_served_through_envoy_the_picker_and_the_sidecar() {
+    let g = gateway(tokenizer::build(), "\"127.0.0.0/8\"", false).await;
+    let mut served = 0;
+    for stream in [false, true] {
+        for (path, body, end) in every_api(stream) {
+            // A client's own `x-prefiller-host-port` is replaced by the picker's choice.
+            let a = send(
+                &g.envoy.url,
+                path,
+                &[("x-prefiller-host-port", "10.9.9.9:1")],
+                &body,
+            )
+            .await;
+            assert_eq!(
+                a.status,
+                200,
+                "{path} stream={stream}: {}\n{}",
+                a.body,
+                g.envoy.log()
+            );
+            assert!(a.body.contains(end), "{path} stream={stream}: {}", a.body);
+            served += 1;
+        }
+    }
+    // Each request was one pair: its two halves share a room, the prefill the picker named.
+    let reqs = g.mock.requests();
+    let rooms = |h: Half| -> Vec<Value> {
+        reqs.iter()
+            .filter(|(r, _)| *r == h)
+            .map(|(_, b)| b["bootstrap_room"].clone())
+            .collect()
+    };
+    assert_eq!(rooms(Half::Prefill).len(), served);
+    assert_eq!(rooms(Half::Prefill), rooms(Half::Decode));
+    let sidecar = g.sidecar.as_ref().expect("sidecar");
+    let models = sidecar.state.models.load();
+    let m = models.by_name.values().next().expect("model");
+    let named: Vec<String> = m
+        .pairs
+        .prefill
+        .workers()
+        .iter()
+        .map(|w| w.url.clone())
+        .collect();
+    assert_eq!(named, [g.mock.prefill_url()], "the sidecar's prefills");
+    assert!(g.mock.wait_idle(Duration::from_secs(5)).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_over_long_prompt_is_refused_at_the_picker_with_no_worker_contacted() {
+    let g = gateway(tokenizer::build(), "\"127.0.0.0/8\"", false).await;
+    let long = "word ".repeat(700);
+    for (path, body) in [
+        (
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": long, "max_tokens": 4}),
+        ),
+        (
+            "/v1/messages",
+            json!({"model": MODEL, "messages": [{"role": "user", "content": long}], "max_tokens": 4}),
+        ),
+    ] {
+        let a = send(&g.envoy.url, path, &[], &body).await;
+        assert_eq!(a.status, 400, "{path}: {}", a.body);
+        assert!(
+            a.body.contains("context_length_exceeded"),
+            "{path}: {}",
+            a.body
+        );
+        if path == "/v1/messages" {
+            assert_eq!(a.json()["type"], "error", "Anthropic's shape: {}", a.body);
+        }
+    }
+    // An unknown field is refused there too, never dropped.
+    let a = send(
+        &g.envoy.url,
+        "/v1/completions",
+        &[],
+        &json!({"model": MODEL, "prompt": "hi", "max_tokens": 4, "best_of": 3}),
+    )
+    .await;
+    assert_eq!(a.status, 400, "{}", a.body);
+    assert_eq!(g.mock.request_count(), 0, "a worker was contacted");
+    let sidecar = g.sidecar.as_ref().expect("sidecar");
+    let models = sidecar.state.models.load();
+    let m = models.by_name.values().next().expect("model");
+    assert!(
+        m.pairs.prefill.workers().is_empty(),
+        "the sidecar saw a request"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_prefill_fault_behind_the_gateway_is_an_error_with_both_halves_aborted() {
+    let g = gateway(tokenizer::build(), "\"127.0.0.0/8\"", false).await;
+    let (path, body, _) = every_api(false).remove(0);
+    assert_eq!(send(&g.envoy.url, path, &[], &body).await.status, 200);
+    for fault in [
+        Fault::PrefillInBandAbortDecoy,
+        Fault::PrefillHang,
+        Fault::PrefillCountMismatch,
+        Fault::KvCorrupt,
+    ] {
+        g.mock.set_fault(fault);
+        let before = g.mock.aborts().len();
+        for stream in [false, true] {
+            let (path, body, end) = every_api(stream).remove(0);
+            let a = send(&g.envoy.url, path, &[], &body).await;
+            assert!(
+                a.error_code().is_some(),
+                "{fault:?} stream={stream}: {} {}",
+                a.status,
+                a.body
+            );
+            assert!(
+                !a.body.contains(end),
+                "{fault:?}: a success ending: {}",
+                a.body
+            );
+        }
+        if fault != Fault::KvCorrupt {
+            let new = g.mock.aborts()[before..].to_vec();
+            for half in [Half::Prefill, Half::Decode] {
+                assert!(
+                    new.iter().any(|r| r.role == half),
+                    "{fault:?}: no {half:?} abort"
+                );
+            }
+        }
+        g.mock.set_fault(Fault::None);
+        assert!(
+            g.mock.wait_idle(Duration::from_secs(5)).await,
+            "{fault:?}: the mock holds something"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_outside_the_sidecars_allowed_networks_is_refused() {
+    // The picker names the mock's prefill (127.0.0.1); the sidecar allows 127.0.0.2 only.
+    let g = gateway(tokenizer::build(), "\"127.0.0.2/32\"", false).await;
+    let (path, body, _) = every_api(false).remove(0);
+    let a = send(&g.envoy.url, path, &[], &body).await;
+    assert_eq!(a.status, 403, "{}", a.body);
+    assert_eq!(a.error_code().as_deref(), Some("prefill_not_allowed"));
+    assert_eq!(g.mock.request_count(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_picker_down_envoy_fails_closed() {
+    let mut g = gateway(tokenizer::build(), "\"127.0.0.0/8\"", false).await;
+    let (path, body, _) = every_api(false).remove(0);
+    assert_eq!(send(&g.envoy.url, path, &[], &body).await.status, 200);
+    let before = g.mock.request_count();
+    g.picker.take().expect("picker").shutdown().await;
+    for (path, body, _) in every_api(false) {
+        let a = send(&g.envoy.url, path, &[], &body).await;
+        assert!(a.status >= 500, "{path}: {} {}", a.status, a.body);
+    }
+    assert_eq!(
+        g.mock.request_count(),
+        before,
+        "a request went past a picker that was down"
+    );
+}
+
+fn probe_args(target: &str) -> lockstep_probe::ProbeArgs {
+    lockstep_probe::ProbeArgs {
+        target: target.to_string(),
+        model: Some(MODEL.into()),
+        api_keys: Vec::new(),
+        api_key_file: None,
+        endpoints: Vec::new(),
+        duration: Some(4),
+        once: false,
+        concurrency: 4,
+        long_prompt_words: None,
+        metrics_listen: None,
+        grpc: false,
+    }
+}
+
+/// Probes through Envoy for 4 s, the incident's fault on after 1.5 s.
+async fn probe_through_fault(g: &Gateway) -> lockstep_probe::Report {
+    let run = tokio::spawn(lockstep_probe::probe(probe_args(&g.envoy.url)));
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    g.mock.set_fault(Fault::PrefillInBandAbortDecoy);
+    tokio::time::timeout(Duration::from_secs(60), run)
+        .await
+        .expect("probe ends in time")
+        .expect("probe task")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_probe_through_envoy_finds_the_leak_of_a_naive_sidecar_and_none_of_locksteps() {
+    let naive = gateway(tokenizer::build_canary(), "", true).await;
+    let r = probe_through_fault(&naive).await;
+    assert_eq!(r.code, 1, "{}", r.text);
+    assert!(r.text.contains("LEAK on"), "{}", r.text);
+    drop(naive);
+
+    let g = gateway(tokenizer::build_canary(), "\"127.0.0.0/8\"", false).await;
+    let r = probe_through_fault(&g).await;
+    assert_ne!(r.code, 1, "{}", r.text);
+    assert!(
+        r.text
+            .contains("leaks (another request's secret in an answer): 0"),
+        "{}",
+        r.text
+    );
+    assert!(
+        r.text.contains("http_5xx") || r.text.contains("http_4xx"),
+        "{}",
+        r.text
+    );
+    assert!(g.mock.wait_idle(Duration::from_secs(10)).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vllm_pair_behind_the_gateway_is_served_and_stale_blocks_are_refused() {
+    let mock = VllmMock::start(VllmMockConfig::default(), tokenizer::build())
+        .await
+        .expect("mock");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tok = dir.path().join("tokenizer.json");
+    tokenizer::write(&tok).expect("tokenizer");
+    let text = |prefill: &str, decode: &str, extra: &str| {
+        format!(
+            r#"
+[server]
+http_listen = "127.0.0.1:0"
+{extra}
+[[models]]
+name = "vllm-pd"
+backend = "vllm"
+context_window = 256
+kv_capacity_tokens = 1024
+default_max_tokens = 8
+tokenizer = "{tok}"
+chat_template = {{ inline = '{tpl}' }}
+
+[models.vllm]
+connector = "nixl"
+block_size = 16
+
+[models.prefill]
+workers = [{prefill}]
+
+[models.decode]
+workers = [{{ url = "{decode}" }}]
+
+[models.timeouts]
+total_ms = 10000
+prefill_ms = 3000
+first_token_ms = 1500
+idle_ms = 1500
+
+[models.retry]
+max_retries = 0
+"#,
+            tok = tok.display(),
+            tpl = tokenizer::CHAT_TEMPLATE,
+        )
+    };
+    let sidecar_text = text(
+        "",
+        &mock.decode_url(),
+        "\n[sidecar]\nprefill_allow = [\"127.0.0.1\"]\n",
+    );
+    let (sidecar, _) = start_role(&sidecar_text, Role::Sidecar).await;
+    let epp_text = text(
+        &format!("{{ url = \"{}\" }}", mock.prefill_url()),
+        &format!("http://{}", sidecar.http_addr),
+        "\n[epp]\ngrpc_listen = \"127.0.0.1:0\"\n",
+    );
+    let (_epp, picker) = start_role(&epp_text, Role::Epp).await;
+    let envoy = Envoy::start(picker.as_ref().expect("picker").addr.port()).await;
+    for stream in [false, true] {
+        let body =
+            json!({"model": "vllm-pd", "prompt": "hello there", "max_tokens": 4, "stream": stream});
+        let a = send(&envoy.url, "/v1/completions", &[], &body).await;
+        assert_eq!(a.status, 200, "{}\n{}", a.body, envoy.log());
+    }
+    let prefills = mock
+        .requests()
+        .iter()
+        .filter(|(r, _, _)| *r == VllmRole::Prefill)
+        .count();
+    assert_eq!(prefills, 2, "each request paired through the named prefill");
+    mock.set_fault(VllmFault::StaleReference);
+    let body = json!({"model": "vllm-pd", "prompt": "hello there", "max_tokens": 4});
+    let a = send(&envoy.url, "/v1/completions", &[], &body).await;
+    assert!(a.status >= 500, "{}", a.body);
+    assert!(a.error_code().is_some(), "{}", a.body);
+    mock.set_fault(VllmFault::None);
+    assert!(mock.wait_idle(Duration::from_secs(5)).await);
+}
