@@ -516,3 +516,163 @@ async fn every_metric_and_label_the_rules_and_dashboard_use_exists() {
     }
     assert!(missing.is_empty(), "{}", missing.join("\n"));
 }
+
+/// The keys an `inference.networking.k8s.io/v1` InferencePool's spec may hold, by path
+/// (gateway-api-inference-extension `api/v1/inferencepool_types.go`); kubernetes-validate has no
+/// schema for it, so this is its strict check.
+const INFERENCE_POOL_KEYS: &[(&str, &[&str])] = &[
+    ("", &["apiVersion", "kind", "metadata", "spec"]),
+    ("spec", &["selector", "targetPorts", "endpointPickerRef"]),
+    ("spec.selector", &["matchLabels"]),
+    (
+        "spec.endpointPickerRef",
+        &["group", "kind", "name", "portNumber", "failureMode"],
+    ),
+];
+
+#[test]
+fn the_gateway_manifests_wire_the_pool_to_the_picker_and_the_sidecars() {
+    let dir = root().join("deploy/kubernetes/gateway");
+    let mut objs = Vec::new();
+    for f in [
+        "configmap.yaml",
+        "epp.yaml",
+        "workers.yaml",
+        "inferencepool.yaml",
+    ] {
+        objs.extend(documents(&dir.join(f)));
+    }
+    // The pool: only the fields its API has, failing closed, its picker the EPP's Service.
+    let pool = find(&objs, "InferencePool", "lockstep-decode");
+    assert_eq!(pool["apiVersion"], "inference.networking.k8s.io/v1");
+    for (path, keys) in INFERENCE_POOL_KEYS {
+        let v = path
+            .split('.')
+            .filter(|p| !p.is_empty())
+            .fold(pool, |v, k| &v[k]);
+        for k in v.as_object().expect("an object").keys() {
+            assert!(
+                keys.contains(&k.as_str()),
+                "InferencePool {path}: unknown field {k}"
+            );
+        }
+    }
+    let picker = &pool["spec"]["endpointPickerRef"];
+    assert_eq!(picker["failureMode"], "FailClose");
+    let svc = find(&objs, "Service", picker["name"].as_str().expect("name"));
+    let svc_port = svc["spec"]["ports"]
+        .as_array()
+        .expect("ports")
+        .iter()
+        .find(|p| p["port"] == picker["portNumber"])
+        .expect("the Service has the picker's port");
+    assert_eq!(svc_port["targetPort"], "grpc");
+    // The two configurations: valid (but for the model files), each fit for its process.
+    let cm = &find(&objs, "ConfigMap", "lockstep-gateway-config")["data"];
+    let load = |key: &str, role| {
+        let text = cm[key].as_str().expect("config text");
+        let mut cfg = lockstep_router::config::Config::parse(text).expect("parses");
+        for p in cfg.problems() {
+            let p = p.to_string();
+            assert!(p.contains("file not found: /models/"), "{key}: {p}");
+        }
+        cfg.for_role(role).unwrap_or_else(|e| panic!("{key}: {e}"));
+        cfg
+    };
+    let epp = load("epp.toml", lockstep_router::config::Role::Epp);
+    let sidecar = load("sidecar.toml", lockstep_router::config::Role::Sidecar);
+    let grpc = epp.epp.as_ref().expect("[epp]").grpc_listen.port();
+    let dep = find(&objs, "Deployment", "lockstep-epp");
+    let c = &dep["spec"]["template"]["spec"]["containers"][0];
+    assert!(
+        c["ports"]
+            .as_array()
+            .expect("ports")
+            .iter()
+            .any(|p| p["name"] == "grpc" && p["containerPort"] == u64::from(grpc))
+    );
+    assert_eq!(c["readinessProbe"]["grpc"]["service"], "readiness");
+    assert_eq!(c["livenessProbe"]["grpc"]["service"], "liveness");
+    // The pool's pods are the decode pods; its port is their sidecar's, which the picker's
+    // decode discovery calls too.
+    let decode = find(&objs, "Deployment", "sglang-decode");
+    let labels = &decode["spec"]["template"]["metadata"]["labels"];
+    for (k, v) in pool["spec"]["selector"]["matchLabels"]
+        .as_object()
+        .expect("labels")
+    {
+        assert_eq!(&labels[k], v, "the pool selects {k}={v}");
+    }
+    let target = pool["spec"]["targetPorts"][0]["number"]
+        .as_u64()
+        .expect("port");
+    assert_eq!(target, u64::from(sidecar.server.http_listen.port()));
+    let dsc = epp.models[0]
+        .decode
+        .discovery
+        .as_ref()
+        .expect("decode discovery");
+    assert_eq!(u64::from(dsc.port), target);
+    let side = &decode["spec"]["template"]["spec"]["containers"][0];
+    assert_eq!(side["args"][0], "sidecar");
+    assert!(
+        side["ports"]
+            .as_array()
+            .expect("ports")
+            .iter()
+            .any(|p| p["containerPort"] == target)
+    );
+    // The engine listens where the sidecar's `--vllm-port` says, on loopback only.
+    let engine = &decode["spec"]["template"]["spec"]["containers"][1];
+    let args: Vec<&str> = engine["args"]
+        .as_array()
+        .expect("args")
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    assert!(
+        args.contains(&"--host=127.0.0.1") && args.contains(&"--port=30001"),
+        "{args:?}"
+    );
+    assert!(
+        side["args"]
+            .as_array()
+            .expect("args")
+            .iter()
+            .any(|a| a == "--vllm-port=30001")
+    );
+}
+
+#[test]
+fn the_envoy_example_fails_closed_and_routes_only_where_the_picker_says() {
+    let docs = documents(&root().join("deploy/envoy/envoy.yaml"));
+    let text = serde_json::to_string(&docs).expect("json");
+    let listener = &docs[0]["static_resources"]["listeners"][0];
+    let hcm = &listener["filter_chains"][0]["filters"][0]["typed_config"];
+    let ext = &hcm["http_filters"][0]["typed_config"];
+    assert_eq!(
+        hcm["http_filters"][0]["name"],
+        "envoy.filters.http.ext_proc"
+    );
+    assert_eq!(ext["failure_mode_allow"], false);
+    for k in ["request_body_mode", "response_body_mode"] {
+        assert_eq!(ext["processing_mode"][k], "FULL_DUPLEX_STREAMED", "{k}");
+    }
+    let clusters = docs[0]["static_resources"]["clusters"]
+        .as_array()
+        .expect("clusters");
+    let dst = clusters
+        .iter()
+        .find(|c| c["type"] == "ORIGINAL_DST")
+        .expect("an ORIGINAL_DST cluster");
+    assert_eq!(dst["original_dst_lb_config"]["use_http_header"], true);
+    assert_eq!(
+        dst["original_dst_lb_config"]["http_header_name"],
+        "x-gateway-destination-endpoint"
+    );
+    // Every route goes to that cluster: no endpoint the picker did not name.
+    let routes = &hcm["route_config"]["virtual_hosts"][0]["routes"];
+    for r in routes.as_array().expect("routes") {
+        assert_eq!(r["route"]["cluster"], dst["name"], "{text}");
+    }
+}
