@@ -280,6 +280,32 @@ async fn with_the_picker_down_envoy_fails_closed() {
     let mut g = gateway(tokenizer::build(), "\"127.0.0.0/8\"", false).await;
     let (path, body, _) = every_api(false).remove(0);
     assert_eq!(send(&g.envoy.url, path, &[], &body).await.status, 200);
+    // The protocol's gRPC health services, on the ext_proc listener.
+    let addr = g.picker.as_ref().expect("picker").addr;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .expect("endpoint")
+        .connect()
+        .await
+        .expect("h2c connect");
+    let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
+    for service in [
+        "liveness",
+        "readiness",
+        "envoy.service.ext_proc.v3.ExternalProcessor",
+    ] {
+        let r = health
+            .check(tonic_health::pb::HealthCheckRequest {
+                service: service.into(),
+            })
+            .await
+            .expect("check")
+            .into_inner();
+        assert_eq!(
+            r.status(),
+            tonic_health::pb::health_check_response::ServingStatus::Serving,
+            "{service}"
+        );
+    }
     let before = g.mock.request_count();
     g.picker.take().expect("picker").shutdown().await;
     for (path, body, _) in every_api(false) {
