@@ -259,21 +259,9 @@ impl Exchange {
     /// The data plane's report of the endpoint that served, where it sends one, must be the
     /// one picked (this picker names one endpoint, so no other may answer).
     fn check_served(&self, metadata: Option<&Metadata>) -> Result<(), LockstepError> {
-        let served = metadata
-            .and_then(|m| m.filter_metadata.get("envoy.lb"))
-            .and_then(|s| s.fields.get(SERVED))
-            .and_then(|v| match &v.kind {
-                Some(Kind::StringValue(s)) => Some(s.clone()),
-                _ => None,
-            });
-        match (served, &self.held) {
-            (Some(s), Some(h)) if s != h.destination => Err(LockstepError::Unavailable {
-                message: format!(
-                    "the data plane reports endpoint {s} served the request; {} was picked",
-                    h.destination
-                ),
-            }),
-            _ => Ok(()),
+        match &self.held {
+            Some(h) => served_as_picked(metadata, &h.destination),
+            None => Ok(()),
         }
     }
 
@@ -355,6 +343,26 @@ impl Exchange {
     }
 }
 
+/// The endpoint the data plane says served (`envoy.lb` / `x-gateway-destination-endpoint-served`),
+/// where it says one, must be `picked`.
+fn served_as_picked(metadata: Option<&Metadata>, picked: &str) -> Result<(), LockstepError> {
+    let served = metadata
+        .and_then(|m| m.filter_metadata.get("envoy.lb"))
+        .and_then(|s| s.fields.get(SERVED))
+        .and_then(|v| match &v.kind {
+            Some(Kind::StringValue(s)) => Some(s.clone()),
+            _ => None,
+        });
+    match served {
+        Some(s) if s != picked => Err(LockstepError::Unavailable {
+            message: format!(
+                "the data plane reports endpoint {s} served the request; {picked} was picked"
+            ),
+        }),
+        _ => Ok(()),
+    }
+}
+
 fn protocol(what: &str) -> LockstepError {
     LockstepError::Unavailable {
         message: format!("endpoint picker: ext_proc protocol: {what}"),
@@ -418,5 +426,79 @@ fn subset_of(metadata: Option<&Metadata>) -> Option<Vec<String>> {
                 .collect(),
         ),
         _ => Some(Vec::new()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use envoy_types::pb::google::protobuf::ListValue;
+
+    fn text(s: &str) -> Value {
+        Value {
+            kind: Some(Kind::StringValue(s.into())),
+        }
+    }
+
+    fn metadata(ns: &str, key: &str, v: Value) -> Metadata {
+        Metadata {
+            filter_metadata: HashMap::from([(
+                ns.to_string(),
+                Struct {
+                    fields: HashMap::from([(key.to_string(), v)]),
+                },
+            )]),
+            ..Metadata::default()
+        }
+    }
+
+    #[test]
+    fn the_subset_hint_is_read_and_a_malformed_one_is_an_empty_subset() {
+        assert_eq!(subset_of(None), None);
+        let list = Value {
+            kind: Some(Kind::ListValue(ListValue {
+                values: vec![text("10.0.0.1:8000"), text("10.0.0.2:8000")],
+            })),
+        };
+        let m = metadata(SUBSET_NAMESPACE, SUBSET, list);
+        assert_eq!(
+            subset_of(Some(&m)),
+            Some(vec![
+                "10.0.0.1:8000".to_string(),
+                "10.0.0.2:8000".to_string()
+            ])
+        );
+        // Not a list: the picker may choose from nothing (503), never from everything.
+        let m = metadata(SUBSET_NAMESPACE, SUBSET, text("10.0.0.1:8000"));
+        assert_eq!(subset_of(Some(&m)), Some(Vec::new()));
+        let other = metadata("envoy.lb", SUBSET, text("x"));
+        assert_eq!(subset_of(Some(&other)), None);
+    }
+
+    #[test]
+    fn the_destination_goes_in_envoy_lb_metadata_and_a_different_served_endpoint_fails() {
+        let md = destination_metadata("10.0.0.7:8000");
+        let Some(Kind::StructValue(inner)) = &md.fields["envoy.lb"].kind else {
+            panic!("envoy.lb is a struct");
+        };
+        assert_eq!(inner.fields[DESTINATION], text("10.0.0.7:8000"));
+        assert!(served_as_picked(None, "10.0.0.7:8000").is_ok());
+        let same = metadata("envoy.lb", SERVED, text("10.0.0.7:8000"));
+        assert!(served_as_picked(Some(&same), "10.0.0.7:8000").is_ok());
+        let other = metadata("envoy.lb", SERVED, text("10.0.0.8:8000"));
+        let e = served_as_picked(Some(&other), "10.0.0.7:8000").expect_err("another endpoint");
+        assert!(e.to_string().contains("10.0.0.8:8000"), "{e}");
+    }
+
+    #[test]
+    fn header_mutations_overwrite_what_the_client_sent() {
+        let h = header(PREFILLER_HEADER, "10.0.0.9:8000");
+        assert_eq!(
+            h.append_action,
+            HeaderAppendAction::OverwriteIfExistsOrAdd as i32
+        );
+        let v = h.header.expect("a header");
+        assert_eq!(v.raw_value, b"10.0.0.9:8000");
+        assert!(v.value.is_empty(), "one of value and raw_value");
     }
 }

@@ -81,6 +81,8 @@ pub struct Metrics {
     /// Long prompts' bytes the tokenizer's segment cache served (`hit`) or tokenized (`miss`)
     /// (brought up to the cache's count at scrape).
     pub tokenizer_cache_bytes: IntCounterVec,
+    /// `lockstep epp`: requests whose prefill and decode endpoints it picked, by model.
+    pub epp_picks: IntCounterVec,
 }
 
 impl Default for Metrics {
@@ -172,6 +174,12 @@ impl Metrics {
     pub fn new() -> Metrics {
         let r = Registry::new();
         Metrics {
+            epp_picks: counter(
+                &r,
+                "lockstep_epp_picks_total",
+                "Requests the endpoint picker admitted and picked a decode and a prefill endpoint for.",
+                &["model"],
+            ),
             pairs_started: counter(
                 &r,
                 "lockstep_pairs_started_total",

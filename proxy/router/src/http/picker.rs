@@ -126,6 +126,13 @@ pub fn pick(
                 Ok(PairPick { prefill, decode })
             }),
     };
+    if picked.is_ok() {
+        state
+            .metrics
+            .epp_picks
+            .with_label_values(&[&*a.model.name])
+            .inc();
+    }
     picked.map_err(|side| {
         let pool = match side {
             Side::Prefill => &pairs.prefill,

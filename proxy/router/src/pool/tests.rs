@@ -398,3 +398,45 @@ fn a_left_workers_prefix_predictions_go_and_a_reload_keeps_joined_workers() {
             .joined()
     );
 }
+
+#[test]
+fn a_subset_pick_takes_the_least_loaded_member_of_the_subset_only() {
+    use super::{host_port, pick_within};
+    let cfg = PoolConfig {
+        workers: [
+            "http://10.0.0.1:8000",
+            "http://10.0.0.2:8000",
+            "http://10.0.0.3:8000",
+        ]
+        .iter()
+        .map(|u| WorkerConfig {
+            url: (*u).into(),
+            bootstrap_port: None,
+            bootstrap_host: None,
+        })
+        .collect(),
+        ..PoolConfig::default()
+    };
+    let pool = WorkerPool::new(&cfg);
+    let busy = pool.pick(None, None).expect("a pick");
+    let busy_hp = host_port(&busy.worker().url).expect("host:port");
+    let all: Vec<String> = pool
+        .workers()
+        .iter()
+        .filter_map(|w| host_port(&w.url))
+        .collect();
+    // The busy one is avoided while another of the subset is free.
+    let g = pick_within(&pool, &all).expect("a pick");
+    assert_ne!(host_port(&g.worker().url), Some(busy_hp.clone()));
+    // Only the subset's members: here just the busy one.
+    let g2 = pick_within(&pool, std::slice::from_ref(&busy_hp)).expect("the busy one");
+    assert_eq!(host_port(&g2.worker().url), Some(busy_hp));
+    assert!(pick_within(&pool, &["10.0.0.9:8000".to_string()]).is_none());
+    assert!(pick_within(&pool, &[]).is_none());
+    assert_eq!(host_port("https://a.example"), Some("a.example:443".into()));
+    assert_eq!(host_port("http://a.example"), Some("a.example:80".into()));
+    assert_eq!(
+        host_port("http://[fd00::1]:30000"),
+        Some("[fd00::1]:30000".into())
+    );
+}
