@@ -177,3 +177,58 @@ pub fn as_epp(text: &str, decode_url: &str, sidecar: &str) -> String {
     );
     format!("{text}\n[epp]\ngrpc_listen = \"127.0.0.1:0\"\n")
 }
+
+/// A configuration for one vLLM model (`vllm-pd`, the vLLM mock's) with `prefill` as its prefill
+/// pool's `workers` entries and `decode` as its one decode worker; `extra`: top-level tables
+/// (`[sidecar]`, `[epp]`) placed before the model.
+pub fn vllm_text(tok: &Path, prefill: &str, decode: &str, extra: &str) -> String {
+    format!(
+        r#"
+[server]
+http_listen = "127.0.0.1:0"
+{extra}
+[[models]]
+name = "vllm-pd"
+backend = "vllm"
+context_window = 256
+kv_capacity_tokens = 1024
+default_max_tokens = 8
+tokenizer = "{tok}"
+chat_template = {{ inline = '{tpl}' }}
+
+[models.vllm]
+connector = "nixl"
+block_size = 16
+
+[models.prefill]
+workers = [{prefill}]
+
+[models.decode]
+workers = [{{ url = "{decode}" }}]
+
+[models.timeouts]
+total_ms = 10000
+prefill_ms = 3000
+first_token_ms = 1500
+idle_ms = 1500
+
+[models.retry]
+max_retries = 0
+"#,
+        tok = tok.display(),
+        tpl = crate::tokenizer::CHAT_TEMPLATE,
+    )
+}
+
+/// Waits (5 s at most) until the SGLang mock has received an abort for each half since its
+/// `before`-th abort record (aborts go out in the background, after the client's error).
+pub async fn both_halves_aborted(mock: &crate::sglang_mock::PdMock, before: usize) -> bool {
+    use crate::sglang_mock::Role;
+    crate::harness::wait_for(Duration::from_secs(5), || {
+        let new = mock.aborts()[before..].to_vec();
+        [Role::Prefill, Role::Decode]
+            .iter()
+            .all(|h| new.iter().any(|r| r.role == *h))
+    })
+    .await
+}

@@ -257,13 +257,7 @@ async fn every_prefill_fault_behind_the_gateway_is_an_error_with_both_halves_abo
         );
         // Both halves of every failed pair were aborted (the aborts go out in the background).
         if fault != Fault::KvCorrupt {
-            let both = lockstep_tests::harness::wait_for(Duration::from_secs(5), || {
-                let new = g.mock.aborts()[before..].to_vec();
-                [Half::Prefill, Half::Decode]
-                    .iter()
-                    .all(|h| new.iter().any(|r| r.role == *h))
-            })
-            .await;
+            let both = lockstep_tests::gateway::both_halves_aborted(&g.mock, before).await;
             assert!(
                 both,
                 "{fault:?}: not both halves aborted: {:?}",
@@ -389,42 +383,7 @@ async fn a_vllm_pair_behind_the_gateway_is_served_and_stale_blocks_are_refused()
     let tok = dir.path().join("tokenizer.json");
     tokenizer::write(&tok).expect("tokenizer");
     let text = |prefill: &str, decode: &str, extra: &str| {
-        format!(
-            r#"
-[server]
-http_listen = "127.0.0.1:0"
-{extra}
-[[models]]
-name = "vllm-pd"
-backend = "vllm"
-context_window = 256
-kv_capacity_tokens = 1024
-default_max_tokens = 8
-tokenizer = "{tok}"
-chat_template = {{ inline = '{tpl}' }}
-
-[models.vllm]
-connector = "nixl"
-block_size = 16
-
-[models.prefill]
-workers = [{prefill}]
-
-[models.decode]
-workers = [{{ url = "{decode}" }}]
-
-[models.timeouts]
-total_ms = 10000
-prefill_ms = 3000
-first_token_ms = 1500
-idle_ms = 1500
-
-[models.retry]
-max_retries = 0
-"#,
-            tok = tok.display(),
-            tpl = tokenizer::CHAT_TEMPLATE,
-        )
+        lockstep_tests::gateway::vllm_text(&tok, prefill, decode, extra)
     };
     let sidecar_text = text(
         "",

@@ -211,13 +211,7 @@ async fn every_prefill_fault_through_the_sidecar_ends_in_an_error_with_both_halv
         );
         // Both halves of every failed pair were aborted (the aborts go out in the background).
         if fault != Fault::KvCorrupt {
-            let both = lockstep_tests::harness::wait_for(Duration::from_secs(5), || {
-                let new = s.mock.aborts()[before..].to_vec();
-                [Role::Prefill, Role::Decode]
-                    .iter()
-                    .all(|h| new.iter().any(|r| r.role == *h))
-            })
-            .await;
+            let both = lockstep_tests::gateway::both_halves_aborted(&s.mock, before).await;
             assert!(
                 both,
                 "{fault:?}: not both halves aborted: {:?}",
@@ -265,45 +259,11 @@ async fn vllm_sidecar() -> (VllmMock, Lockstep, tempfile::TempDir) {
     let dir = tempfile::tempdir().expect("tempdir");
     let tok = dir.path().join("tokenizer.json");
     lockstep_tests::tokenizer::write(&tok).expect("tokenizer");
-    let text = format!(
-        r#"
-[server]
-http_listen = "127.0.0.1:0"
-
-[sidecar]
-prefill_allow = ["127.0.0.1"]
-
-[[models]]
-name = "vllm-pd"
-backend = "vllm"
-context_window = 256
-kv_capacity_tokens = 1024
-default_max_tokens = 8
-tokenizer = "{tok}"
-chat_template = {{ inline = '{tpl}' }}
-
-[models.vllm]
-connector = "nixl"
-block_size = 16
-
-[models.prefill]
-workers = []
-
-[models.decode]
-workers = [{{ url = "{d}" }}]
-
-[models.timeouts]
-total_ms = 10000
-prefill_ms = 3000
-first_token_ms = 1500
-idle_ms = 1500
-
-[models.retry]
-max_retries = 0
-"#,
-        tok = tok.display(),
-        tpl = lockstep_tests::tokenizer::CHAT_TEMPLATE,
-        d = mock.decode_url(),
+    let text = lockstep_tests::gateway::vllm_text(
+        &tok,
+        "",
+        &mock.decode_url(),
+        "\n[sidecar]\nprefill_allow = [\"127.0.0.1\"]\n",
     );
     let mut cfg = Config::parse(&text).expect("config parses");
     assert!(cfg.problems().is_empty(), "{:?}", cfg.problems());
