@@ -473,3 +473,68 @@ async fn a_body_longer_than_one_envoy_chunk_goes_on_whole_and_no_endpoint_is_a_5
     );
     g.mock.set_healthy(Half::Decode, true);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_picker_holds_tenants_to_their_key_and_limits_before_any_worker() {
+    use lockstep_router::tenant::key_hash_hex;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tok = tokenizer::build();
+    let tok_path = dir.path().join("tokenizer.json");
+    std::fs::write(&tok_path, tok.to_string(true).expect("tokenizer")).expect("write");
+    let mock = PdMock::start(MockConfig::default(), tok)
+        .await
+        .expect("mock");
+    let tenants = format!(
+        "\n[[tenants]]\nname = \"acme\"\napi_keys_sha256 = [\"{}\"]\nrequests_per_second = 1\nburst = 2\n",
+        key_hash_hex("acme-key")
+    );
+    let base = format!(
+        "{}{tenants}",
+        config_text_with(&mock, &tok_path, "", "", TEST_TIMEOUTS)
+    );
+    let (sidecar, _) = start_role(
+        &as_sidecar(&base, &mock.prefill_url(), "\"127.0.0.0/8\""),
+        Role::Sidecar,
+    )
+    .await;
+    let text = as_epp(&base, &mock.decode_url(), &sidecar.http_addr.to_string());
+    let (_epp, picker) = start_role(&text, Role::Epp).await;
+    let envoy = Envoy::start(picker.as_ref().expect("picker").addr.port()).await;
+    let (path, body, _) = every_api(false).remove(0);
+    // No key: 401 with its challenge, from the picker.
+    let a = send(&envoy.url, path, &[], &body).await;
+    assert_eq!(a.status, 401, "{}", a.body);
+    assert_eq!(a.error_code().as_deref(), Some("invalid_api_key"));
+    assert_eq!(
+        a.headers.get("www-authenticate").map(|v| v.as_bytes()),
+        Some(&b"Bearer"[..])
+    );
+    // The key passes the picker and the sidecar; past its burst the picker answers 429.
+    let auth = [("authorization", "Bearer acme-key")];
+    let mut statuses = Vec::new();
+    let mut limited = None;
+    for _ in 0..5 {
+        let a = send(&envoy.url, path, &auth, &body).await;
+        statuses.push(a.status);
+        if a.status == 429 {
+            limited = Some(a);
+            break;
+        }
+    }
+    assert_eq!(statuses[0], 200, "{statuses:?}");
+    let a = limited.unwrap_or_else(|| panic!("never limited: {statuses:?}"));
+    assert_eq!(
+        a.error_code().as_deref(),
+        Some("rate_limit_exceeded"),
+        "{}",
+        a.body
+    );
+    assert!(a.headers.get("retry-after").is_some(), "{:?}", a.headers);
+    let served = statuses.iter().filter(|s| **s == 200).count();
+    let prefills = mock
+        .requests()
+        .iter()
+        .filter(|(r, _)| *r == Half::Prefill)
+        .count();
+    assert_eq!(prefills, served, "a refused request reached a worker");
+}

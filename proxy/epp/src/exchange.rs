@@ -308,17 +308,12 @@ impl Exchange {
             })
     }
 
-    /// Ends the request with `e` as its response: status, the API's error body, `Retry-After`
-    /// where the error has one.
+    /// Ends the request with `e` as its response: status, the API's error body and the error's
+    /// own headers (`Retry-After`, `WWW-Authenticate`).
     async fn immediate(&self, e: &LockstepError) {
         let mut set = vec![header("content-type", "application/json")];
-        let retry = match e {
-            LockstepError::RateLimited { retry_after_s, .. } => Some(*retry_after_s),
-            LockstepError::WorkersBusy { .. } => Some(1),
-            _ => None,
-        };
-        if let Some(s) = retry {
-            set.push(header("retry-after", &s.to_string()));
+        for (k, v) in e.headers() {
+            set.push(header(k.as_str(), v.to_str().unwrap_or_default()));
         }
         let body = picker::error_body(&self.path, e).to_string();
         let r = ImmediateResponse {

@@ -462,24 +462,28 @@ impl LockstepError {
     }
 
     fn add_headers(&self, r: &mut Response) {
+        for (k, v) in self.headers() {
+            r.headers_mut().insert(k, v);
+        }
+    }
+
+    /// The headers this error's answer carries besides its body: `Retry-After` on a rate limit
+    /// and on busy workers, `WWW-Authenticate` on a missing or unknown key (every answer of the
+    /// error, whoever sends it: the HTTP front ends, the endpoint picker's immediate response).
+    pub fn headers(&self) -> Vec<(http::HeaderName, http::HeaderValue)> {
         match self {
-            LockstepError::RateLimited { retry_after_s, .. } => {
-                r.headers_mut().insert(
-                    http::header::RETRY_AFTER,
-                    http::HeaderValue::from(*retry_after_s),
-                );
-            }
+            LockstepError::RateLimited { retry_after_s, .. } => vec![(
+                http::header::RETRY_AFTER,
+                http::HeaderValue::from(*retry_after_s),
+            )],
             LockstepError::WorkersBusy { .. } => {
-                r.headers_mut()
-                    .insert(http::header::RETRY_AFTER, http::HeaderValue::from(1u64));
+                vec![(http::header::RETRY_AFTER, http::HeaderValue::from(1u64))]
             }
-            LockstepError::Unauthorized { .. } => {
-                r.headers_mut().insert(
-                    http::header::WWW_AUTHENTICATE,
-                    http::HeaderValue::from_static("Bearer"),
-                );
-            }
-            _ => {}
+            LockstepError::Unauthorized { .. } => vec![(
+                http::header::WWW_AUTHENTICATE,
+                http::HeaderValue::from_static("Bearer"),
+            )],
+            _ => Vec::new(),
         }
     }
 }
