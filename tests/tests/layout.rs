@@ -650,7 +650,9 @@ fn router_and_worker_never_depend_on_each_other() {
 /// layer's modules and those below, never above. `fuzzing` (the fuzz targets' door) and
 /// `lib.rs` sit above them all.
 const ROUTER_LAYERS: &[&[&str]] = &[
-    &["vocab", "config", "error", "metrics", "audit", "tenant"],
+    &[
+        "vocab", "config", "error", "metrics", "audit", "tenant", "budget",
+    ],
     &["pool", "backend", "discovery"],
     &["pair"],
     &["state"],

@@ -41,7 +41,7 @@ type Tx = mpsc::Sender<Result<ProcessingResponse, Status>>;
 /// What is held while the request lives: both workers' slots, the tenant's permit.
 struct Held {
     _slots: Vec<LoadGuard>,
-    _permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    _permit: lockstep_router::tenant::Held,
     /// The endpoint picked.
     destination: String,
 }
@@ -211,7 +211,7 @@ impl Exchange {
             let d = d.ok_or_else(|| LockstepError::Unavailable {
                 message: "no decode endpoint takes requests".into(),
             })?;
-            (vec![d], None, None)
+            (vec![d], lockstep_router::tenant::Held::default(), None)
         };
         let destination = endpoint(&slots[0])?;
         tracing::debug!(path = %self.path, %destination, prefill = ?prefill, "picked");

@@ -58,7 +58,7 @@ fn anonymous(state: &AppState) -> Caller {
     Caller {
         catalog: state.models.load_full(),
         tenant: None,
-        permit: None,
+        permit: crate::tenant::Held::default(),
         named_prefill: None,
     }
 }

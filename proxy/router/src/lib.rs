@@ -10,6 +10,7 @@ pub mod admission;
 pub mod app;
 pub mod audit;
 pub mod backend;
+pub mod budget;
 pub mod config;
 pub mod discovery;
 pub mod error;

@@ -8,7 +8,8 @@ use std::num::NonZeroU32;
 use std::sync::Arc;
 
 use governor::clock::{Clock, DefaultClock};
-use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
+use governor::middleware::StateInformationMiddleware;
+use governor::{Quota, RateLimiter};
 use http::HeaderMap;
 use sha2::{Digest, Sha256};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -87,6 +88,14 @@ fn salt_with(secret: &[u8], tenant: Option<&str>) -> u64 {
     u64::from_le_bytes([d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]])
 }
 
+/// A tenant's request-rate limiter; each check reports what is left of the burst.
+type Limiter = RateLimiter<
+    governor::state::NotKeyed,
+    governor::state::InMemoryState,
+    DefaultClock,
+    StateInformationMiddleware,
+>;
+
 /// One tenant and its limits.
 pub struct Tenant {
     /// The tenant's name (audit log, errors).
@@ -94,11 +103,53 @@ pub struct Tenant {
     /// Its prefix-cache namespace ([`cache_salt`] of its [`namespace`]).
     pub salt: u64,
     models: Option<HashSet<String>>,
-    /// The limits as configured (requests per second, burst, concurrent pairs), to tell
-    /// whether a reload changed them.
-    limits: (u32, u32, u32),
-    limiter: Option<Arc<DefaultDirectRateLimiter>>,
+    /// The limits as configured (requests per second, burst, concurrent pairs, tokens per
+    /// minute), to tell whether a reload changed them.
+    limits: (u32, u32, u32, u64),
+    limiter: Option<Arc<Limiter>>,
     concurrency: Option<(Arc<Semaphore>, u32)>,
+    /// The token budget (`tokens_per_minute`).
+    pub tokens: Option<Arc<crate::budget::TokenBudget>>,
+    /// Requests the rate limiter would still let through at once, as of the latest request
+    /// (`x-ratelimit-remaining-requests`).
+    requests_left: std::sync::atomic::AtomicU32,
+}
+
+/// What a request holds of its tenant's limits while its answer lives: its concurrent-pair slot
+/// and its token reservation (settled on what was delivered when it drops).
+#[derive(Debug, Default)]
+pub struct Held {
+    /// The concurrent-pair slot.
+    pub slot: Option<OwnedSemaphorePermit>,
+    /// The token reservation.
+    pub tokens: Option<crate::budget::Reservation>,
+    /// The prompt's tokens, spent once the pair committed.
+    prompt: u64,
+}
+
+impl Held {
+    /// A concurrent-pair slot, nothing reserved yet.
+    pub fn with_slot(slot: Option<OwnedSemaphorePermit>) -> Held {
+        Held {
+            slot,
+            ..Held::default()
+        }
+    }
+
+    /// The pair committed: its prompt's tokens are spent.
+    pub fn committed(&mut self, prompt_tokens: u64) {
+        self.prompt = prompt_tokens;
+        if let Some(r) = &self.tokens {
+            r.spent(prompt_tokens);
+        }
+    }
+
+    /// `completion` tokens delivered so far.
+    pub fn delivered(&self, completion: u64) {
+        if let Some(r) = &self.tokens {
+            r.spent(self.prompt + completion);
+        }
+    }
 }
 
 impl std::fmt::Debug for Tenant {
@@ -149,18 +200,24 @@ impl Tenants {
             self.by_key.values().map(|t| (&*t.name, t)).collect();
         let mut by_key = HashMap::new();
         for t in cfg {
-            let limits = (t.requests_per_second, t.burst, t.max_concurrent_pairs);
+            let limits = (
+                t.requests_per_second,
+                t.burst,
+                t.max_concurrent_pairs,
+                t.tokens_per_minute,
+            );
             let kept = old
                 .get(t.name.as_str())
                 .filter(|o| o.limits == limits)
-                .map(|o| (o.limiter.clone(), o.concurrency.clone()));
-            let (limiter, concurrency) = kept.unwrap_or_else(|| {
+                .map(|o| (o.limiter.clone(), o.concurrency.clone(), o.tokens.clone()));
+            let (limiter, concurrency, tokens) = kept.unwrap_or_else(|| {
                 (
                     NonZeroU32::new(t.requests_per_second).map(|rps| {
                         let burst = NonZeroU32::new(t.burst).unwrap_or(rps);
-                        Arc::new(RateLimiter::direct(
-                            Quota::per_second(rps).allow_burst(burst),
-                        ))
+                        Arc::new(
+                            RateLimiter::direct(Quota::per_second(rps).allow_burst(burst))
+                                .with_middleware::<StateInformationMiddleware>(),
+                        )
                     }),
                     (t.max_concurrent_pairs > 0).then(|| {
                         (
@@ -168,6 +225,8 @@ impl Tenants {
                             t.max_concurrent_pairs,
                         )
                     }),
+                    (t.tokens_per_minute > 0)
+                        .then(|| crate::budget::TokenBudget::new(t.tokens_per_minute)),
                 )
             });
             let tenant = Arc::new(Tenant {
@@ -178,6 +237,10 @@ impl Tenants {
                 limits,
                 limiter,
                 concurrency,
+                tokens,
+                requests_left: std::sync::atomic::AtomicU32::new(
+                    t.burst.max(t.requests_per_second),
+                ),
             });
             for h in &t.api_keys_sha256 {
                 if let Some(k) = parse_sha256_hex(h) {
@@ -225,6 +288,36 @@ impl Tenants {
 }
 
 impl Tenant {
+    /// The `x-ratelimit-*` headers of an answer to this tenant (OpenAI's names): the token trio
+    /// where `tokens_per_minute` is set, the request trio where `requests_per_second` is.
+    pub fn rate_headers(&self) -> Vec<(&'static str, String)> {
+        let mut out = Vec::new();
+        if let Some(b) = &self.tokens {
+            out.push(("x-ratelimit-limit-tokens", b.limit().to_string()));
+            out.push(("x-ratelimit-remaining-tokens", b.remaining().to_string()));
+            out.push((
+                "x-ratelimit-reset-tokens",
+                crate::budget::reset_text(b.reset_in()),
+            ));
+        }
+        let (rps, burst, _, _) = self.limits;
+        if rps > 0 {
+            let burst = if burst == 0 { rps } else { burst };
+            let left = self
+                .requests_left
+                .load(std::sync::atomic::Ordering::Relaxed);
+            // One request comes back every 1/rps seconds.
+            let empty = f64::from(burst.saturating_sub(left)) / f64::from(rps);
+            out.push(("x-ratelimit-limit-requests", burst.to_string()));
+            out.push(("x-ratelimit-remaining-requests", left.to_string()));
+            out.push((
+                "x-ratelimit-reset-requests",
+                crate::budget::reset_text(std::time::Duration::from_secs_f64(empty)),
+            ));
+        }
+        out
+    }
+
     /// Whether this tenant may use `model`.
     pub fn allows(&self, model: &str) -> bool {
         self.models.as_ref().is_none_or(|m| m.contains(model))
@@ -244,14 +337,23 @@ impl Tenant {
     /// Takes one request from the rate budget and one concurrent-pair slot (held by the returned
     /// permit until the response ends), or 429 with when to retry.
     pub fn take_permit(&self) -> Result<Option<OwnedSemaphorePermit>, LockstepError> {
-        if let Some(l) = &self.limiter
-            && let Err(not_until) = l.check()
-        {
-            let wait = not_until.wait_time_from(DefaultClock::default().now());
-            return Err(LockstepError::RateLimited {
-                message: format!("tenant `{}`: request rate limit reached", self.name),
-                retry_after_s: wait.as_secs() + u64::from(wait.subsec_nanos() > 0),
-            });
+        if let Some(l) = &self.limiter {
+            match l.check() {
+                // What is left at once, for `x-ratelimit-remaining-requests`.
+                Ok(snapshot) => self.requests_left.store(
+                    snapshot.remaining_burst_capacity(),
+                    std::sync::atomic::Ordering::Relaxed,
+                ),
+                Err(not_until) => {
+                    self.requests_left
+                        .store(0, std::sync::atomic::Ordering::Relaxed);
+                    let wait = not_until.wait_time_from(DefaultClock::default().now());
+                    return Err(LockstepError::RateLimited {
+                        message: format!("tenant `{}`: request rate limit reached", self.name),
+                        retry_after_s: wait.as_secs() + u64::from(wait.subsec_nanos() > 0),
+                    });
+                }
+            }
         }
         match &self.concurrency {
             None => Ok(None),

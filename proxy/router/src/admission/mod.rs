@@ -33,7 +33,6 @@ use std::sync::Arc;
 
 use http::HeaderMap;
 use serde::Deserialize;
-use tokio::sync::OwnedSemaphorePermit;
 
 use crate::backend::SamplingParams;
 use crate::error::LockstepError;
@@ -49,7 +48,7 @@ pub struct Caller {
     /// The tenant (`None` when lockstep runs open).
     pub tenant: Option<Arc<Tenant>>,
     /// Held as long as the response lives; dropping it frees the tenant's slot.
-    pub permit: Option<OwnedSemaphorePermit>,
+    pub permit: crate::tenant::Held,
     /// The prefill the request named (`x-prefiller-host-port`), read only by `lockstep sidecar`.
     pub named_prefill: Option<crate::pool::NamedPrefill>,
 }
@@ -256,12 +255,12 @@ pub fn authorize_identified(state: &AppState, who: Identity) -> Result<Caller, R
         };
         return Err(Refusal::count(state, "", e));
     }
-    let permit = match &tenant {
+    let permit = crate::tenant::Held::with_slot(match &tenant {
         None => None,
         Some(t) => t
             .take_permit()
             .map_err(|e| Refusal::count_for(state, "", Some(t), e))?,
-    };
+    });
     Ok(Caller {
         catalog,
         tenant,
@@ -430,6 +429,15 @@ impl<S> Checked<S> {
         });
         let ids = tokenize(&model, self.input, salt).map_err(refuse)?;
         fit(&model, &ids, &self.sampling).map_err(refuse)?;
+        // The tenant's token budget: the exact prompt and `max_tokens`, reserved now, settled
+        // on what is delivered.
+        let mut caller = self.caller;
+        if let Some(t) = &tenant
+            && let Some(b) = &t.tokens
+        {
+            let n = ids.len() as u64 + self.sampling.max_new_tokens;
+            caller.permit.tokens = Some(b.reserve(n, &t.name).map_err(refuse)?);
+        }
         // A long prompt's ids are written as JSON here too, once for both halves, off the
         // async threads.
         let ids_json = (self.bytes > INLINE_TOKENIZE_BYTES && model.ids_as_json())
@@ -439,7 +447,7 @@ impl<S> Checked<S> {
             ids,
             ids_json,
             sampling: self.sampling,
-            caller: self.caller,
+            caller,
             prefill: crate::pool::PrefillPin::Pool,
         };
         Ok((admitted, self.shape))

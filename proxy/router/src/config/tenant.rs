@@ -29,6 +29,9 @@ pub struct TenantConfig {
     pub burst: u32,
     /// Requests in flight at once (0: unlimited).
     pub max_concurrent_pairs: u32,
+    /// Prompt + completion tokens per minute (0: unlimited): each request reserves its prompt
+    /// and `max_tokens` at admission and gives back what it did not use.
+    pub tokens_per_minute: u64,
 }
 
 impl Default for TenantConfig {
@@ -42,6 +45,7 @@ impl Default for TenantConfig {
             requests_per_second: 0,
             burst: 0,
             max_concurrent_pairs: 0,
+            tokens_per_minute: 0,
         }
     }
 }

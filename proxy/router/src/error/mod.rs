@@ -237,6 +237,15 @@ pub enum LockstepError {
         /// When to retry, seconds (the `Retry-After` header).
         retry_after_s: u64,
     },
+    /// A tenant's token budget (`tokens_per_minute`) cannot hold the request's prompt and
+    /// `max_tokens` now.
+    #[error("{message}")]
+    TokensExhausted {
+        /// What was needed and what is left.
+        message: String,
+        /// When it would fit, seconds (the `Retry-After` header).
+        retry_after_s: u64,
+    },
 }
 
 impl LockstepError {
@@ -262,6 +271,7 @@ impl LockstepError {
             LockstepError::Unauthorized { .. } => "invalid_api_key",
             LockstepError::ModelNotAllowed { .. } => "model_not_allowed",
             LockstepError::RateLimited { .. } => "rate_limit_exceeded",
+            LockstepError::TokensExhausted { .. } => "rate_limited",
             LockstepError::WorkersBusy { .. } => "workers_busy",
             LockstepError::PrefillNotAllowed { .. } => "prefill_not_allowed",
             LockstepError::PrefillRequired { .. } => "prefill_required",
@@ -296,7 +306,9 @@ impl LockstepError {
             LockstepError::ModelNotAllowed { .. } | LockstepError::PrefillNotAllowed { .. } => {
                 StatusCode::FORBIDDEN
             }
-            LockstepError::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
+            LockstepError::RateLimited { .. } | LockstepError::TokensExhausted { .. } => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
         }
     }
 
@@ -377,9 +389,9 @@ impl LockstepError {
             | LockstepError::Unavailable { .. }
             | LockstepError::PrefillRequired { .. }
             | LockstepError::PrefillUnverified { .. } => Code::Unavailable,
-            LockstepError::WorkersBusy { .. } | LockstepError::RateLimited { .. } => {
-                Code::ResourceExhausted
-            }
+            LockstepError::WorkersBusy { .. }
+            | LockstepError::RateLimited { .. }
+            | LockstepError::TokensExhausted { .. } => Code::ResourceExhausted,
             LockstepError::Unauthorized { .. } => Code::Unauthenticated,
             LockstepError::ModelNotAllowed { .. } | LockstepError::PrefillNotAllowed { .. } => {
                 Code::PermissionDenied
@@ -399,7 +411,9 @@ impl LockstepError {
         if let Some(id) = self.pair_id() {
             meta.insert("pair_id".to_string(), id.to_string());
         }
-        if let LockstepError::RateLimited { retry_after_s, .. } = self {
+        if let LockstepError::RateLimited { retry_after_s, .. }
+        | LockstepError::TokensExhausted { retry_after_s, .. } = self
+        {
             meta.insert("retry_after_s".to_string(), retry_after_s.to_string());
         }
         let details = ErrorDetails::with_error_info(self.code(), "lockstep", meta);
@@ -472,7 +486,8 @@ impl LockstepError {
     /// error, whoever sends it: the HTTP front ends, the endpoint picker's immediate response).
     pub fn headers(&self) -> Vec<(http::HeaderName, http::HeaderValue)> {
         match self {
-            LockstepError::RateLimited { retry_after_s, .. } => vec![(
+            LockstepError::RateLimited { retry_after_s, .. }
+            | LockstepError::TokensExhausted { retry_after_s, .. } => vec![(
                 http::header::RETRY_AFTER,
                 http::HeaderValue::from(*retry_after_s),
             )],

@@ -147,6 +147,13 @@ fn every_code_has_one_status_and_a_complete_body() {
         ),
         (LockstepError::PrefillRequired { model: "m".into() }, 503),
         (
+            LockstepError::TokensExhausted {
+                message: "budget".into(),
+                retry_after_s: 3,
+            },
+            429,
+        ),
+        (
             LockstepError::PrefillUnverified {
                 prefill: "http://10.0.0.9:8000".into(),
                 reason: "not reachable".into(),

@@ -49,13 +49,17 @@ pub fn router(state: Arc<AppState>, with_metrics: bool) -> Router {
             .layer(axum::middleware::from_fn(trace_request))
             .with_state(state);
     }
-    let r = Router::new()
+    let generation = Router::new()
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/completions", post(openai::completions))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/responses", post(responses::responses))
         .route("/generate", post(generate::generate))
-        .route("/ready", get(ready));
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            rate_headers,
+        ));
+    let r = Router::new().merge(generation).route("/ready", get(ready));
     let r = if state.named_prefills.is_some() {
         // `lockstep sidecar`: the engine's own pages, lockstep's metrics beside them.
         engine_pages::routes(r, with_metrics)
@@ -86,6 +90,32 @@ async fn trace_request(req: axum::extract::Request, next: axum::middleware::Next
     );
     lockstep_serve::telemetry::adopt_parent(&span, req.headers());
     next.run(req).instrument(span).await
+}
+
+/// OpenAI's `x-ratelimit-*` headers on every answer of a generation route, success or error,
+/// for a caller whose tenant has a token budget or a request rate ([`Tenant::rate_headers`]):
+/// what is left after this request's reservation.
+///
+/// [`Tenant::rate_headers`]: crate::tenant::Tenant::rate_headers
+async fn rate_headers(
+    State(state): State<Arc<AppState>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let tenant = state
+        .models
+        .load()
+        .tenants
+        .authenticate(req.headers())
+        .ok()
+        .flatten();
+    let mut resp = next.run(req).await;
+    for (k, v) in tenant.iter().flat_map(|t| t.rate_headers()) {
+        if let Ok(v) = http::HeaderValue::from_str(&v) {
+            resp.headers_mut().insert(k, v);
+        }
+    }
+    resp
 }
 
 async fn not_found(method: Method, uri: Uri) -> Response {

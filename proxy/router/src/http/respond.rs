@@ -84,7 +84,7 @@ pub(crate) struct Committed {
     pub(crate) pair_id: PairId,
     pub(crate) prompt_tokens: u64,
     pub(crate) cached_tokens: u64,
-    pub(crate) permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    pub(crate) permit: crate::tenant::Held,
 }
 
 /// Starts the pair of an admitted request and waits for the commit barrier. Shared by every
@@ -111,13 +111,17 @@ pub(crate) async fn commit(admitted: Admitted) -> Result<Committed, LockstepErro
             pair_id,
             prompt_tokens,
             cached_tokens,
-        }) => Ok(Committed {
-            rx,
-            pair_id,
-            prompt_tokens,
-            cached_tokens,
-            permit: caller.permit,
-        }),
+        }) => {
+            let mut permit = caller.permit;
+            permit.committed(prompt_tokens);
+            Ok(Committed {
+                rx,
+                pair_id,
+                prompt_tokens,
+                cached_tokens,
+                permit,
+            })
+        }
         Some(PairEvent::Failed(e)) => Err(e),
         Some(PairEvent::Chunk(_)) | None => Err(LockstepError::Unavailable {
             message: "pair ended without an outcome".into(),
@@ -128,17 +132,19 @@ pub(crate) async fn commit(admitted: Admitted) -> Result<Committed, LockstepErro
 /// A committed pair's answer as every front end reads it (HTTP shapes and gRPC): its chunks up
 /// to and including the one that finishes, or the error that ends it. A pair whose task ends
 /// without a finish or an error ends with an error: fail closed, so no front end can end a
-/// committed answer as a success unless a chunk said it finished. The tenant's permit travels
-/// with the stream (released when it ends or is dropped).
+/// committed answer as a success unless a chunk said it finished. What the tenant's request holds
+/// travels with the stream (released when it ends or is dropped), its token reservation charged
+/// with the completion tokens each chunk delivers.
 pub(crate) fn committed_chunks(
     rx: tokio::sync::mpsc::Receiver<PairEvent>,
     pair_id: PairId,
-    permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    permit: crate::tenant::Held,
 ) -> impl futures_util::Stream<Item = Result<DecodeChunk, LockstepError>> + Send + 'static {
     futures_util::stream::unfold(Some((rx, permit)), move |open| async move {
         let (mut rx, permit) = open?;
         let item = match rx.recv().await {
             Some(PairEvent::Chunk(c)) => {
+                permit.delivered(c.completion_tokens);
                 let last = c.finish.is_some();
                 return Some((Ok(c), (!last).then_some((rx, permit))));
             }

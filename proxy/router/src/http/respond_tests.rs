@@ -270,7 +270,9 @@ async fn a_committed_answer_ends_with_a_finish_or_an_error_never_quietly() {
             tx.send(e).await.expect("room");
         }
         drop(tx);
-        committed_chunks(rx, id, None).collect::<Vec<_>>().await
+        committed_chunks(rx, id, crate::tenant::Held::default())
+            .collect::<Vec<_>>()
+            .await
     };
     // A finish ends it: nothing after is read.
     let got = read(vec![
