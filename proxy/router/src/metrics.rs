@@ -83,6 +83,10 @@ pub struct Metrics {
     pub tokenizer_cache_bytes: IntCounterVec,
     /// `lockstep epp`: requests whose prefill and decode endpoints it picked, by model.
     pub epp_picks: IntCounterVec,
+    /// Requests waiting for a slot (`models[].queue`), by model and tenant.
+    pub queue_depth: IntGaugeVec,
+    /// How long requests waited for a slot, by model and tenant.
+    pub queue_wait: HistogramVec,
 }
 
 impl Default for Metrics {
@@ -174,6 +178,19 @@ impl Metrics {
     pub fn new() -> Metrics {
         let r = Registry::new();
         Metrics {
+            queue_depth: gauge(
+                &r,
+                "lockstep_queue_depth",
+                "Requests waiting for a worker slot, by tenant (\"\": no tenant).",
+                &["model", "tenant"],
+            ),
+            queue_wait: histogram(
+                &r,
+                "lockstep_queue_wait_seconds",
+                "How long requests waited for a worker slot, by tenant.",
+                &["model", "tenant"],
+                LATENCY,
+            ),
             epp_picks: counter(
                 &r,
                 "lockstep_epp_picks_total",

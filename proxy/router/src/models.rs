@@ -221,6 +221,8 @@ pub(crate) async fn build_models(
             metrics: metrics.clone(),
             audit: audit.clone(),
             series: crate::metrics::ModelMetrics::new(metrics, &name),
+            queue: crate::pair::FairQueue::default(),
+            queue_cfg: m.queue.clone(),
         });
         let capacity = deployment.kv_capacity;
         tracing::info!(model = %name, context_window = m.context_window, kv_capacity = capacity, worker_prompt_limit = ?deployment.max_prompt_tokens, "model ready");

@@ -110,6 +110,10 @@ pub struct Tenant {
     concurrency: Option<(Arc<Semaphore>, u32)>,
     /// The token budget (`tokens_per_minute`).
     pub tokens: Option<Arc<crate::budget::TokenBudget>>,
+    /// Its share when requests wait for a slot (`weight`, at least 1).
+    pub weight: u32,
+    /// Its priority band when requests wait for a slot.
+    pub priority: i32,
     /// Requests the rate limiter would still let through at once, as of the latest request
     /// (`x-ratelimit-remaining-requests`).
     requests_left: std::sync::atomic::AtomicU32,
@@ -238,6 +242,8 @@ impl Tenants {
                 limiter,
                 concurrency,
                 tokens,
+                weight: t.weight.max(1),
+                priority: t.priority,
                 requests_left: std::sync::atomic::AtomicU32::new(
                     t.burst.max(t.requests_per_second),
                 ),

@@ -35,7 +35,7 @@ pub use pool::{
 pub use server::{Connections, ServerConfig};
 pub use sidecar::{EppConfig, Role, SidecarConfig};
 pub use tenant::TenantConfig;
-pub use timeouts::{RetryConfig, TimeoutConfig};
+pub use timeouts::{QueueConfig, RetryConfig, TimeoutConfig};
 
 /// The whole configuration file.
 #[derive(Debug, Clone, Deserialize)]

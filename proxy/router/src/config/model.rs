@@ -120,6 +120,9 @@ pub struct ModelConfig {
     /// Retry policy.
     #[serde(default)]
     pub retry: RetryConfig,
+    /// Waiting for a slot when the workers are full (off by default).
+    #[serde(default)]
+    pub queue: super::QueueConfig,
     /// Background health checks of the workers.
     #[serde(default)]
     pub health: HealthConfig,
@@ -277,6 +280,7 @@ impl Section for ModelConfig {
         }
         m.timeouts.validate(&format!("{at}.timeouts"), out);
         m.health.validate(&format!("{at}.health"), out);
+        m.queue.validate(&format!("{at}.queue"), out);
         if m.backend == BackendKind::Sglang && m.health.timeout_ms < SGLANG_MIN_HEALTH_TIMEOUT_MS {
             out.push(
                 format!("{at}.health.timeout_ms"),

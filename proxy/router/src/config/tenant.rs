@@ -32,6 +32,11 @@ pub struct TenantConfig {
     /// Prompt + completion tokens per minute (0: unlimited): each request reserves its prompt
     /// and `max_tokens` at admission and gives back what it did not use.
     pub tokens_per_minute: u64,
+    /// Its share against other tenants' when requests wait for a slot (`models[].queue`): a
+    /// tenant of weight 2 is served twice as often as one of weight 1 (at least 1).
+    pub weight: u32,
+    /// Its priority band when requests wait for a slot: a higher band is always served first.
+    pub priority: i32,
 }
 
 impl Default for TenantConfig {
@@ -46,6 +51,8 @@ impl Default for TenantConfig {
             burst: 0,
             max_concurrent_pairs: 0,
             tokens_per_minute: 0,
+            weight: 1,
+            priority: 0,
         }
     }
 }

@@ -113,3 +113,33 @@ impl Section for TimeoutConfig {
         }
     }
 }
+
+/// `models[].queue`: waiting for a slot when every worker of a side is at its pair limit.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct QueueConfig {
+    /// How long a request may wait for a slot, ms (0: no queue, 503 `workers_busy` at once).
+    pub max_wait_ms: u64,
+    /// Requests one tenant may have waiting at once (past it, 503 at once).
+    pub max_per_tenant: usize,
+}
+
+impl Default for QueueConfig {
+    fn default() -> Self {
+        QueueConfig {
+            max_wait_ms: 0,
+            max_per_tenant: 64,
+        }
+    }
+}
+
+impl Section for QueueConfig {
+    fn validate(&self, at: &str, out: &mut Problems) {
+        if self.max_wait_ms > 0 && self.max_per_tenant == 0 {
+            out.push(
+                format!("{at}.max_per_tenant"),
+                "must be at least 1 with a queue",
+            );
+        }
+    }
+}

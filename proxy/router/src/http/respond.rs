@@ -103,7 +103,7 @@ pub(crate) async fn commit(admitted: Admitted) -> Result<Committed, LockstepErro
         ids.into(),
         ids_json,
         sampling.into(),
-        caller.tenant.map(|t| (t.name.clone(), t.salt)),
+        caller.tenant.clone(),
         prefill,
     );
     match rx.recv().await {

@@ -49,6 +49,10 @@ pub struct ModelPairs {
     pub audit: Arc<Audit>,
     /// This model's series of `metrics` ([`ModelMetrics::new`]).
     pub series: ModelMetrics,
+    /// Requests waiting for a slot ([`super::queue`]).
+    pub queue: super::FairQueue,
+    /// The queue's settings (`models[].queue`).
+    pub queue_cfg: crate::config::QueueConfig,
 }
 
 impl ModelPairs {
@@ -72,7 +76,7 @@ impl ModelPairs {
         input_ids: Arc<[u32]>,
         ids_json: Option<Bytes>,
         sampling: Arc<SamplingParams>,
-        tenant: Option<(Arc<str>, u64)>,
+        tenant: Option<Arc<crate::tenant::Tenant>>,
         prefill: PrefillPin,
     ) -> (mpsc::Receiver<PairEvent>, tokio::task::JoinHandle<Outcome>) {
         let (tx, rx) = mpsc::channel(64);
@@ -83,8 +87,10 @@ impl ModelPairs {
             let req = Request {
                 salt: tenant
                     .as_ref()
-                    .map_or_else(|| crate::tenant::cache_salt(None), |t| t.1),
-                tenant: tenant.map(|t| t.0),
+                    .map_or_else(|| crate::tenant::cache_salt(None), |t| t.salt),
+                weight: tenant.as_ref().map_or(1, |t| t.weight),
+                priority: tenant.as_ref().map_or(0, |t| t.priority),
+                tenant: tenant.map(|t| t.name.clone()),
                 input_ids,
                 ids_json: ids_json.map(std::sync::OnceLock::from).unwrap_or_default(),
                 sampling,
@@ -114,13 +120,15 @@ impl ModelPairs {
             // Wait for whatever the stage awaits: that is the machine's next input.
             let input = match (machine.stage(), cur.as_mut()) {
                 (Stage::Done(o), _) => break o,
-                (Stage::Picking, _) => match self.pick(&req, &avoid, machine.attempt()) {
-                    Ok(a) => {
-                        cur = Some(a);
-                        Observation::Picked
+                (Stage::Picking, _) => {
+                    match self.pick_queued(&req, &avoid, machine.attempt(), &tx).await {
+                        Ok(a) => {
+                            cur = Some(a);
+                            Observation::Picked
+                        }
+                        Err(side) => Observation::NoWorker(side),
                     }
-                    Err(side) => Observation::NoWorker(side),
-                },
+                }
                 (Stage::Backoff(_), _) => {
                     sleep(Duration::from_millis(self.retry.backoff_ms)).await;
                     Observation::BackoffOver
@@ -226,7 +234,7 @@ impl ModelPairs {
 
     /// Picks both workers (avoiding the ones a retry names), registers the pair and opens its
     /// span; `Err` names the side no worker could take.
-    fn pick(&self, req: &Request, avoid: &Avoid, attempt: u32) -> Result<Attempt, Side> {
+    pub(super) fn pick(&self, req: &Request, avoid: &Avoid, attempt: u32) -> Result<Attempt, Side> {
         let key = RouteKey {
             tokens: &req.input_ids,
             salt: req.salt,
@@ -438,25 +446,28 @@ impl ModelPairs {
 }
 
 /// What a request brings to each of its attempts.
-struct Request {
+pub(super) struct Request {
     input_ids: Arc<[u32]>,
     /// The ids as JSON, where admission wrote them; each attempt's [`Dispatch`] starts from it.
     ids_json: std::sync::OnceLock<Bytes>,
     sampling: Arc<SamplingParams>,
-    tenant: Option<Arc<str>>,
+    pub(super) tenant: Option<Arc<str>>,
     /// The tenant's prefix-cache salt (an HMAC: computed once, not per attempt).
     salt: u64,
     /// The request's span: it parents every pair the request dispatches.
     span: tracing::Span,
     /// Where its prefill runs.
     prefill: PrefillPin,
+    /// Its tenant's share and band when it waits for a slot.
+    pub(super) weight: u32,
+    pub(super) priority: i32,
 }
 
 /// The workers a retry avoids: the side that failed.
-type Avoid = (Option<Arc<Upstream>>, Option<Arc<Upstream>>);
+pub(super) type Avoid = (Option<Arc<Upstream>>, Option<Arc<Upstream>>);
 
 /// One attempt's pair: its registration, workers, halves, spans, and what waits for the client.
-struct Attempt {
+pub(super) struct Attempt {
     d: Dispatch,
     /// The registry entry: the pair is live while this is held.
     guard: PairGuard,

@@ -5,10 +5,13 @@ mod lifecycle;
 mod machine;
 mod observer;
 mod outcome;
+mod queue;
 mod registry;
+mod waiting;
 
 pub use lifecycle::ModelPairs;
 pub use outcome::{AbortReason, Outcome, PairEvent, PairStats};
+pub use queue::FairQueue;
 pub use registry::{AbortsInFlight, CancelReason, PairGuard, PairInfo, PairRegistry, PairState};
 
 pub use crate::vocab::{PairId, RidText};

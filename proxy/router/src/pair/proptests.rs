@@ -262,6 +262,8 @@ fn setup(script: &Script) -> Setup {
         },
         stats: Arc::new(PairStats::default()),
         series: crate::metrics::ModelMetrics::new(&metrics, "m"),
+        queue: crate::pair::FairQueue::default(),
+        queue_cfg: crate::config::QueueConfig::default(),
         metrics,
         audit: Arc::new(crate::audit::Audit::default()),
     });

@@ -67,6 +67,8 @@ pub struct Upstream {
     oks: AtomicU32,
     /// Why its last deployment check failed (cleared when one passes).
     check_error: std::sync::Mutex<Option<String>>,
+    /// Told when one of its slots frees (its pool's: requests waiting for a slot listen).
+    freed: Arc<tokio::sync::Notify>,
 }
 
 impl Upstream {
@@ -96,6 +98,7 @@ impl Upstream {
             fails: AtomicU32::new(0),
             oks: AtomicU32::new(0),
             check_error: std::sync::Mutex::new(None),
+            freed: Arc::default(),
         }
     }
 
@@ -253,6 +256,7 @@ impl LoadGuard {
 impl Drop for LoadGuard {
     fn drop(&mut self) {
         self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+        self.0.freed.notify_waiters();
     }
 }
 
@@ -271,6 +275,8 @@ pub struct WorkerPool {
     auth: (Option<http::HeaderValue>, Option<http::HeaderValue>),
     /// The bootstrap port of a member whose entry names none (the pool's `bootstrap_port`).
     bootstrap_port: Option<u16>,
+    /// Told when a member's slot frees.
+    freed: Arc<tokio::sync::Notify>,
 }
 
 impl WorkerPool {
@@ -301,12 +307,13 @@ impl WorkerPool {
     /// A pool from configuration.
     pub fn new(cfg: &PoolConfig) -> WorkerPool {
         let auth = (cfg.auth(), cfg.admin_auth());
+        let freed = Arc::new(tokio::sync::Notify::new());
         WorkerPool {
             workers: ArcSwap::from_pointee(
                 cfg.workers
                     .iter()
                     .enumerate()
-                    .map(|(i, w)| Arc::new(Self::member(&auth, cfg.bootstrap_port, w, i)))
+                    .map(|(i, w)| Arc::new(Self::member(&auth, cfg.bootstrap_port, &freed, w, i)))
                     .collect(),
             ),
             policy: cfg.policy,
@@ -319,17 +326,20 @@ impl WorkerPool {
             ordinals: AtomicUsize::new(cfg.workers.len()),
             auth,
             bootstrap_port: cfg.bootstrap_port,
+            freed,
         }
     }
 
     fn member(
         auth: &(Option<http::HeaderValue>, Option<http::HeaderValue>),
         bootstrap_port: Option<u16>,
+        freed: &Arc<tokio::sync::Notify>,
         w: &WorkerConfig,
         ordinal: usize,
     ) -> Upstream {
         let u = Upstream::new(w);
         Upstream {
+            freed: freed.clone(),
             auth: auth.0.clone(),
             admin_auth: auth.1.clone(),
             ordinal,
@@ -367,7 +377,7 @@ impl WorkerPool {
                 return list.clone();
             }
             let ordinal = self.ordinals.fetch_add(1, Ordering::Relaxed);
-            let mut w = Self::member(&self.auth, self.bootstrap_port, cfg, ordinal);
+            let mut w = Self::member(&self.auth, self.bootstrap_port, &self.freed, cfg, ordinal);
             if let Some(c) = carried {
                 w.in_flight = c.in_flight.clone();
                 w.healthy = AtomicBool::new(c.healthy.load(Ordering::Acquire));
@@ -467,6 +477,11 @@ impl WorkerPool {
     /// The members now (one membership, whole; later joins and leaves do not change it).
     pub fn workers(&self) -> Arc<Vec<Arc<Upstream>>> {
         self.workers.load_full()
+    }
+
+    /// Told when a member's slot frees (requests waiting for one listen).
+    pub fn freed(&self) -> &Arc<tokio::sync::Notify> {
+        &self.freed
     }
 
     /// The member at `url`, if it is one.

@@ -1,0 +1,212 @@
+//! Fair queueing when the workers are full (`models[].queue`): instead of 503 the moment every
+//! worker of a side is at `max_pairs_per_worker`, a request waits in its model's queue for a
+//! slot, up to `queue.max_wait_ms` (then 503 `workers_busy` with `Retry-After`). The queue is
+//! ordered by strict priority bands (`tenants[].priority`, higher first, like GIE's
+//! InferenceObjective priority), and within a band by weighted fair queueing across tenants
+//! (`tenants[].weight`): each entry's tag is its tenant's previous tag, or the queue's virtual
+//! time when that is later, plus `1 / weight`, so a tenant with many requests waiting is served
+//! at its share, never ahead of a lighter tenant's first request. A tenant may have at most
+//! `queue.max_per_tenant` requests waiting. Only the head of the queue tries for a slot; it is
+//! woken when a slot frees (the pools' `freed` notifications) or every few milliseconds; a
+//! request arriving while others wait takes its place behind them.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// The queue of one model.
+#[derive(Debug, Default)]
+pub struct FairQueue {
+    inner: Mutex<Inner>,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    /// The tag of the entry served last.
+    virtual_time: f64,
+    /// Each tenant's latest tag.
+    last_tag: HashMap<Arc<str>, f64>,
+    waiting: Vec<Entry>,
+    next_id: u64,
+}
+
+#[derive(Debug, Clone)]
+struct Entry {
+    id: u64,
+    priority: i32,
+    tag: f64,
+    tenant: Arc<str>,
+}
+
+/// A place in the queue; leaving it (dropping the ticket) lets the next one be the head.
+#[derive(Debug)]
+pub struct Ticket<'a> {
+    queue: &'a FairQueue,
+    id: u64,
+}
+
+impl FairQueue {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether anyone is waiting.
+    pub fn has_waiters(&self) -> bool {
+        !self.lock().waiting.is_empty()
+    }
+
+    /// Requests waiting, by tenant.
+    pub fn depth(&self) -> HashMap<Arc<str>, usize> {
+        let mut out = HashMap::new();
+        for e in &self.lock().waiting {
+            *out.entry(e.tenant.clone()).or_default() += 1;
+        }
+        out
+    }
+
+    /// A place for a request of `tenant` (`weight` ≥ 1, `priority`); `None` when the tenant
+    /// already has `max_per_tenant` waiting.
+    pub fn join(
+        &self,
+        tenant: &Arc<str>,
+        weight: u32,
+        priority: i32,
+        max_per_tenant: usize,
+    ) -> Option<Ticket<'_>> {
+        let mut q = self.lock();
+        let mine = q.waiting.iter().filter(|e| e.tenant == *tenant).count();
+        if mine >= max_per_tenant {
+            return None;
+        }
+        let start = q
+            .last_tag
+            .get(tenant)
+            .copied()
+            .unwrap_or(0.0)
+            .max(q.virtual_time);
+        let tag = start + 1.0 / f64::from(weight.max(1));
+        q.last_tag.insert(tenant.clone(), tag);
+        q.next_id += 1;
+        let id = q.next_id;
+        q.waiting.push(Entry {
+            id,
+            priority,
+            tag,
+            tenant: tenant.clone(),
+        });
+        Some(Ticket { queue: self, id })
+    }
+
+    /// The entry served next: the highest priority, then the smallest tag, then the oldest.
+    fn head(q: &Inner) -> Option<u64> {
+        q.waiting
+            .iter()
+            .max_by(|a, b| {
+                a.priority
+                    .cmp(&b.priority)
+                    .then(b.tag.total_cmp(&a.tag))
+                    .then(b.id.cmp(&a.id))
+            })
+            .map(|e| e.id)
+    }
+}
+
+impl Ticket<'_> {
+    /// Whether this request is at the head of the queue.
+    pub fn is_head(&self) -> bool {
+        FairQueue::head(&self.queue.lock()) == Some(self.id)
+    }
+
+    /// It got its slot: the queue's virtual time moves to its tag.
+    pub fn served(&self) {
+        let mut q = self.queue.lock();
+        if let Some(e) = q.waiting.iter().find(|e| e.id == self.id) {
+            q.virtual_time = q.virtual_time.max(e.tag);
+        }
+    }
+}
+
+impl Drop for Ticket<'_> {
+    fn drop(&mut self) {
+        let mut q = self.queue.lock();
+        q.waiting.retain(|e| e.id != self.id);
+        if q.waiting.is_empty() {
+            // Nobody waits: tags start afresh (a tenant idle for long gets no credit either way).
+            q.last_tag.clear();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn name(s: &str) -> Arc<str> {
+        s.into()
+    }
+
+    /// Serves the queue's head until it is empty, returning the tenants in order.
+    fn drain(q: &FairQueue, mut tickets: Vec<(Arc<str>, Ticket<'_>)>) -> Vec<String> {
+        let mut order = Vec::new();
+        while !tickets.is_empty() {
+            let i = tickets
+                .iter()
+                .position(|(_, t)| t.is_head())
+                .expect("a head");
+            let (who, t) = tickets.remove(i);
+            t.served();
+            drop(t);
+            order.push(who.to_string());
+        }
+        assert!(!q.has_waiters());
+        order
+    }
+
+    #[test]
+    fn a_heavy_tenant_cannot_starve_a_light_one_and_weights_set_the_share() {
+        let q = FairQueue::default();
+        let (heavy, light) = (name("heavy"), name("light"));
+        let mut t = Vec::new();
+        for _ in 0..6 {
+            t.push((heavy.clone(), q.join(&heavy, 1, 0, 16).expect("room")));
+        }
+        for _ in 0..2 {
+            t.push((light.clone(), q.join(&light, 1, 0, 16).expect("room")));
+        }
+        let order = drain(&q, t);
+        // The light tenant's two come second and fourth, not after all six heavy ones.
+        let light_at: Vec<usize> = order
+            .iter()
+            .enumerate()
+            .filter(|(_, w)| *w == "light")
+            .map(|(i, _)| i)
+            .collect();
+        assert_eq!(light_at, [1, 3], "{order:?}");
+        // Weight 2 gets two turns for one.
+        let (a, b) = (name("a"), name("b"));
+        let mut t = Vec::new();
+        for _ in 0..4 {
+            t.push((a.clone(), q.join(&a, 2, 0, 16).expect("room")));
+            t.push((b.clone(), q.join(&b, 1, 0, 16).expect("room")));
+        }
+        let order = drain(&q, t);
+        assert_eq!(
+            &order[..3].iter().filter(|w| *w == "a").count(),
+            &2,
+            "{order:?}"
+        );
+    }
+
+    #[test]
+    fn priority_bands_are_strict_and_each_tenant_has_a_bound() {
+        let q = FairQueue::default();
+        let (low, high) = (name("low"), name("high"));
+        let t = vec![
+            (low.clone(), q.join(&low, 1, 0, 2).expect("room")),
+            (low.clone(), q.join(&low, 1, 0, 2).expect("room")),
+            (high.clone(), q.join(&high, 1, 5, 2).expect("room")),
+        ];
+        assert!(q.join(&low, 1, 0, 2).is_none(), "the tenant's bound");
+        assert_eq!(q.depth()[&low], 2);
+        assert_eq!(drain(&q, t), ["high", "low", "low"]);
+    }
+}
