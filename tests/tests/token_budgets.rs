@@ -177,3 +177,52 @@ async fn a_request_rate_adds_the_requests_trio() {
     let left = header(&b, "x-ratelimit-remaining-requests").expect("remaining");
     assert!(left <= 3, "{left}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_answers_carry_the_budget_in_their_metadata_and_refusals_say_when_to_retry() {
+    use lockstep_proto::v1 as pb;
+    use lockstep_proto::v1::lockstep_client::LockstepClient;
+    let s = stack(100, "", MockConfig::default()).await;
+    let channel = tonic::transport::Endpoint::from_shared(s.url.clone())
+        .expect("endpoint")
+        .connect()
+        .await
+        .expect("h2c connect");
+    let mut client = LockstepClient::new(channel);
+    let req = |max_tokens: u32| {
+        let mut r = tonic::Request::new(pb::GenerateRequest {
+            model: MODEL.into(),
+            prompt: Some(pb::generate_request::Prompt::Text("red green blue".into())),
+            sampling: Some(pb::SamplingParams {
+                max_tokens: Some(max_tokens),
+                ..Default::default()
+            }),
+        });
+        r.metadata_mut().insert(
+            "authorization",
+            "Bearer acme-key".parse().expect("metadata"),
+        );
+        r
+    };
+    let resp = client.generate(req(8)).await.expect("served");
+    let md = resp.metadata();
+    assert_eq!(
+        md.get("x-ratelimit-limit-tokens")
+            .and_then(|v| v.to_str().ok()),
+        Some("100")
+    );
+    let left: u64 = md
+        .get("x-ratelimit-remaining-tokens")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+        .expect("remaining");
+    assert!(left < 100, "the reservation shows: {left}");
+    drop(resp);
+    // More than the whole budget: RESOURCE_EXHAUSTED with its stable code and retry time.
+    let status = client.generate(req(500)).await.expect_err("never fits");
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+    use tonic_types::StatusExt;
+    let info = status.get_details_error_info().expect("ErrorInfo");
+    assert_eq!(info.reason, "rate_limited");
+    assert!(info.metadata.contains_key("retry_after_s"), "{info:?}");
+}

@@ -162,6 +162,7 @@ impl Front {
         admitted: Admitted,
     ) -> Result<Response<EventStream>, Status> {
         let model = admitted.model.clone();
+        let tenant = admitted.caller.tenant.clone();
         let admit = commit(admitted);
         let committed = match deadline {
             // Dropping the admission future drops the pair's receiver: both halves abort.
@@ -241,7 +242,15 @@ impl Front {
                 Err(s) => futures_util::stream::once(async move { Err(s) }).right_stream(),
             },
         ));
-        Ok(Response::new(Box::pin(events)))
+        let mut resp = Response::new(Box::pin(events) as EventStream);
+        // The tenant's `x-ratelimit-*`, as the HTTP answers carry them, in the response's
+        // metadata.
+        for (k, v) in tenant.iter().flat_map(|t| t.rate_headers()) {
+            if let Ok(v) = tonic::metadata::MetadataValue::try_from(v.as_str()) {
+                resp.metadata_mut().insert(k, v);
+            }
+        }
+        Ok(resp)
     }
 
     /// The live pair `raw` if the caller may see it (its own, or any when tenants are off).
