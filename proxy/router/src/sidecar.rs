@@ -30,11 +30,13 @@ pub(crate) async fn pin(
     named: Option<&NamedPrefill>,
 ) -> Result<PrefillPin, LockstepError> {
     let Some(named) = named else {
-        return match model.cfg.backend {
-            BackendKind::Vllm => Ok(PrefillPin::Alone),
-            _ => Err(LockstepError::PrefillRequired {
+        // The backend says whether its decode can serve alone (vLLM's can, SGLang's cannot).
+        return if model.pairs.backend.serves_alone() {
+            Ok(PrefillPin::Alone)
+        } else {
+            Err(LockstepError::PrefillRequired {
                 model: model.name.to_string(),
-            }),
+            })
         };
     };
     let url = named.url();

@@ -88,6 +88,12 @@ fn salt_with(secret: &[u8], tenant: Option<&str>) -> u64 {
     u64::from_le_bytes([d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]])
 }
 
+/// The prefix-cache salt of a request's tenant (`None`: the one namespace shared without
+/// tenants).
+pub fn salt_of(tenant: Option<&Tenant>) -> u64 {
+    tenant.map_or_else(|| cache_salt(None), |t| t.salt)
+}
+
 /// A tenant's request-rate limiter; each check reports what is left of the burst.
 type Limiter = RateLimiter<
     governor::state::NotKeyed,

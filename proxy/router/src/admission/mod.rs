@@ -421,12 +421,8 @@ impl<S> Checked<S> {
         let refuse = |e| Refusal::count_for(state, &model.name, tenant.as_deref(), e);
         // The tenant's salt keys the tokenizer's segment cache (a hit never crosses tenants);
         // an HMAC, so only for prompts long enough to use the cache.
-        let salt = (self.bytes >= segments::MIN_PROMPT_BYTES).then(|| {
-            self.caller
-                .tenant
-                .as_ref()
-                .map_or_else(|| crate::tenant::cache_salt(None), |t| t.salt)
-        });
+        let salt = (self.bytes >= segments::MIN_PROMPT_BYTES)
+            .then(|| crate::tenant::salt_of(tenant.as_deref()));
         let ids = tokenize(&model, self.input, salt).map_err(refuse)?;
         fit(&model, &ids, &self.sampling).map_err(refuse)?;
         // The tenant's token budget: the exact prompt and `max_tokens`, reserved now, settled

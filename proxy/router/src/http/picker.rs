@@ -102,11 +102,7 @@ pub fn pick(
     subset: Option<&[String]>,
 ) -> Result<PairPick, LockstepError> {
     let pairs = &a.model.pairs;
-    let salt = a
-        .caller
-        .tenant
-        .as_ref()
-        .map_or_else(|| crate::tenant::cache_salt(None), |t| t.salt);
+    let salt = crate::tenant::salt_of(a.caller.tenant.as_deref());
     let key = RouteKey {
         tokens: &a.ids,
         salt,

@@ -85,9 +85,7 @@ impl ModelPairs {
         let request_span = tracing::Span::current();
         let handle = tokio::spawn(async move {
             let req = Request {
-                salt: tenant
-                    .as_ref()
-                    .map_or_else(|| crate::tenant::cache_salt(None), |t| t.salt),
+                salt: crate::tenant::salt_of(tenant.as_deref()),
                 weight: tenant.as_ref().map_or(1, |t| t.weight),
                 priority: tenant.as_ref().map_or(0, |t| t.priority),
                 tenant: tenant.map(|t| t.name.clone()),
