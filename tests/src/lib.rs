@@ -9,6 +9,7 @@ pub mod gateway;
 pub mod harness;
 pub mod kube_api;
 pub mod naive_front;
+pub mod redis;
 pub mod sglang_mock;
 pub mod stops;
 pub mod tokenizer;

@@ -651,7 +651,7 @@ fn router_and_worker_never_depend_on_each_other() {
 /// `lib.rs` sit above them all.
 const ROUTER_LAYERS: &[&[&str]] = &[
     &[
-        "vocab", "config", "error", "metrics", "audit", "tenant", "budget",
+        "vocab", "config", "error", "metrics", "audit", "tenant", "shared", "budget",
     ],
     &["pool", "backend", "discovery"],
     &["pair"],

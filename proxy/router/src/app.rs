@@ -52,7 +52,11 @@ impl Lockstep {
         let audit = Arc::new(Audit::open(&cfg.server.audit_log)?);
         let mut models =
             build_models(&cfg, &client, &registry, &stats, &metrics, &audit, None).await?;
-        models.tenants = Arc::new(Tenants::new(&cfg.tenants));
+        let shared = match &cfg.shared {
+            Some(s) => Some(crate::shared::SharedStore::start(s, metrics.clone()).await?),
+            None => None,
+        };
+        models.tenants = Arc::new(Tenants::shared(&cfg.tenants, shared));
         let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
         let tokenize_pool = crate::admission::background::pool(cores)
             .map_err(|e| format!("cannot start the tokenizer threads: {e}"))?;

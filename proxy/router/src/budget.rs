@@ -9,12 +9,151 @@
 //! minute). A request that does not fit gets 429 `rate_limited` with `Retry-After`: the seconds
 //! until it would (one that can never fit, larger than the whole budget, says so).
 
+use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use governor::clock::{Clock, DefaultClock};
+use governor::middleware::StateInformationMiddleware;
+use governor::{Quota, RateLimiter};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
 use crate::error::LockstepError;
+
+/// A tenant's limits as configured: requests per second, burst, concurrent pairs, tokens per
+/// minute (0: unlimited).
+pub type LimitSpec = (u32, u32, u32, u64);
+
+/// A request-rate limiter; each check reports what is left of the burst.
+type Limiter = RateLimiter<
+    governor::state::NotKeyed,
+    governor::state::InMemoryState,
+    DefaultClock,
+    StateInformationMiddleware,
+>;
+
+/// One tenant's limits enforced in this process: the request rate (token bucket, `governor`),
+/// the concurrent pairs (a semaphore) and the token budget.
+#[derive(Debug)]
+pub struct Limits {
+    spec: LimitSpec,
+    limiter: Option<Limiter>,
+    concurrency: Option<Arc<Semaphore>>,
+    /// The token budget (`tokens_per_minute`).
+    pub tokens: Option<Arc<TokenBudget>>,
+    /// Requests the rate limiter would still let through at once, as of the latest request
+    /// (`x-ratelimit-remaining-requests`).
+    requests_left: AtomicU32,
+}
+
+impl Limits {
+    /// Fresh limits of `spec`.
+    pub fn new(spec: LimitSpec) -> Limits {
+        let (rps, burst, pairs, tpm) = spec;
+        Limits {
+            spec,
+            limiter: NonZeroU32::new(rps).map(|r| {
+                let burst = NonZeroU32::new(burst).unwrap_or(r);
+                RateLimiter::direct(Quota::per_second(r).allow_burst(burst))
+                    .with_middleware::<StateInformationMiddleware>()
+            }),
+            concurrency: (pairs > 0).then(|| Arc::new(Semaphore::new(pairs as usize))),
+            tokens: (tpm > 0).then(|| TokenBudget::new(tpm)),
+            requests_left: AtomicU32::new(burst.max(rps)),
+        }
+    }
+
+    /// The limits as configured.
+    pub fn spec(&self) -> LimitSpec {
+        self.spec
+    }
+
+    /// Takes one request from the rate budget and one concurrent-pair slot (held by the returned
+    /// permit until the response ends), or 429 with when to retry.
+    pub fn take_permit(&self, tenant: &str) -> Result<Option<OwnedSemaphorePermit>, LockstepError> {
+        if let Some(l) = &self.limiter {
+            match l.check() {
+                // What is left at once, for `x-ratelimit-remaining-requests`.
+                Ok(snapshot) => self
+                    .requests_left
+                    .store(snapshot.remaining_burst_capacity(), Ordering::Relaxed),
+                Err(not_until) => {
+                    self.requests_left.store(0, Ordering::Relaxed);
+                    let wait = not_until.wait_time_from(DefaultClock::default().now());
+                    return Err(LockstepError::RateLimited {
+                        message: format!("tenant `{tenant}`: request rate limit reached"),
+                        retry_after_s: wait.as_secs() + u64::from(wait.subsec_nanos() > 0),
+                    });
+                }
+            }
+        }
+        let Some(sem) = &self.concurrency else {
+            return Ok(None);
+        };
+        sem.clone()
+            .try_acquire_owned()
+            .map(Some)
+            .map_err(|_| LockstepError::RateLimited {
+                message: format!(
+                    "tenant `{tenant}`: {} concurrent requests already running",
+                    self.spec.2
+                ),
+                retry_after_s: 1,
+            })
+    }
+
+    /// The `x-ratelimit-*` headers of an answer under these limits (OpenAI's names): the token
+    /// trio where `tokens_per_minute` is set, the request trio where `requests_per_second` is.
+    pub fn rate_headers(&self) -> Vec<(&'static str, String)> {
+        let tokens = self.tokens.as_ref().map(|b| (b.remaining(), b.reset_in()));
+        rate_headers(
+            self.spec,
+            tokens,
+            self.requests_left.load(Ordering::Relaxed),
+        )
+    }
+}
+
+/// The `x-ratelimit-*` headers for limits `spec`: the tokens left and the time until the budget
+/// is full again, and the requests the rate would let through at once.
+pub fn rate_headers(
+    spec: LimitSpec,
+    tokens: Option<(u64, Duration)>,
+    requests_left: u32,
+) -> Vec<(&'static str, String)> {
+    let (rps, burst, _, tpm) = spec;
+    let mut out = Vec::new();
+    if let Some((left, reset)) = tokens.filter(|_| tpm > 0) {
+        out.push(("x-ratelimit-limit-tokens", tpm.to_string()));
+        out.push(("x-ratelimit-remaining-tokens", left.to_string()));
+        out.push(("x-ratelimit-reset-tokens", reset_text(reset)));
+    }
+    if rps > 0 {
+        let burst = if burst == 0 { rps } else { burst };
+        let left = requests_left.min(burst);
+        // One request comes back every 1/rps seconds.
+        let empty = f64::from(burst - left) / f64::from(rps);
+        out.push(("x-ratelimit-limit-requests", burst.to_string()));
+        out.push(("x-ratelimit-remaining-requests", left.to_string()));
+        out.push((
+            "x-ratelimit-reset-requests",
+            reset_text(Duration::from_secs_f64(empty)),
+        ));
+    }
+    out
+}
+
+/// 429 for a request of `n` tokens that can never fit a budget of `per_minute`.
+pub fn never_fits(n: u64, per_minute: u64, tenant: &str) -> Option<LockstepError> {
+    (n > per_minute).then(|| LockstepError::TokensExhausted {
+        message: format!(
+            "tenant `{tenant}`: the request needs {n} tokens (prompt + max_tokens), more than its whole budget of {per_minute} tokens per minute; lower max_tokens or the prompt"
+        ),
+        retry_after_s: 60,
+    })
+}
 
 /// One tenant's token budget.
 #[derive(Debug)]
@@ -62,14 +201,8 @@ impl TokenBudget {
     /// Reserves `n` tokens for a request of `tenant`, or 429 `rate_limited` with when it would
     /// fit.
     pub fn reserve(self: &Arc<Self>, n: u64, tenant: &str) -> Result<Reservation, LockstepError> {
-        if n > self.per_minute {
-            return Err(LockstepError::TokensExhausted {
-                message: format!(
-                    "tenant `{tenant}`: the request needs {n} tokens (prompt + max_tokens), more than its whole budget of {} tokens per minute; lower max_tokens or the prompt",
-                    self.per_minute
-                ),
-                retry_after_s: 60,
-            });
+        if let Some(e) = never_fits(n, self.per_minute, tenant) {
+            return Err(e);
         }
         let mut s = self.refilled();
         if s.0 >= n as f64 {

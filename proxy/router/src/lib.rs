@@ -22,6 +22,7 @@ pub mod metrics;
 pub mod models;
 pub mod pair;
 pub mod pool;
+pub mod shared;
 pub(crate) mod sidecar;
 pub mod state;
 pub mod tenant;

@@ -5,7 +5,7 @@
 //! per-pool gauges are read from the live models at each scrape.
 
 use prometheus::{
-    Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
+    Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
@@ -87,6 +87,12 @@ pub struct Metrics {
     pub queue_depth: IntGaugeVec,
     /// How long requests waited for a slot, by model and tenant.
     pub queue_wait: HistogramVec,
+    /// 1 while the store tenant limits are shared through (`[shared]`) answers, else 0.
+    pub shared_store_up: IntGauge,
+    /// Calls to the shared store that failed or timed out.
+    pub shared_store_errors: IntCounter,
+    /// Replicas sharing the store, as last seen (what a replica's local share divides by).
+    pub shared_replicas: IntGauge,
 }
 
 impl Default for Metrics {
@@ -177,7 +183,28 @@ impl Metrics {
     /// A fresh registry with every metric registered.
     pub fn new() -> Metrics {
         let r = Registry::new();
+        let plain_gauge = |name: &str, help: &str| {
+            let g = IntGauge::new(name, help).expect("valid metric");
+            r.register(Box::new(g.clone())).expect("unique metric");
+            g
+        };
+        let shared_store_errors = IntCounter::new(
+            "lockstep_shared_store_errors_total",
+            "Calls to the shared store (`[shared]`) that failed or timed out.",
+        )
+        .expect("valid metric");
+        r.register(Box::new(shared_store_errors.clone()))
+            .expect("unique metric");
         Metrics {
+            shared_store_up: plain_gauge(
+                "lockstep_shared_store_up",
+                "1 while the store tenant limits are shared through (`[shared]`) answers, 0 while each replica enforces its share (or refuses).",
+            ),
+            shared_store_errors,
+            shared_replicas: plain_gauge(
+                "lockstep_shared_replicas",
+                "Replicas sharing tenant limits through the store, as last seen.",
+            ),
             queue_depth: gauge(
                 &r,
                 "lockstep_queue_depth",

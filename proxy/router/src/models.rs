@@ -117,6 +117,11 @@ pub async fn reload_state(st: &AppState, cfg: Config) -> Result<(), String> {
     }
     let names: Vec<_> = models.by_name.keys().cloned().collect();
     models.tenants = Arc::new(previous.tenants.reloaded(&cfg.tenants));
+    if previous.tenants.shared_config() != cfg.shared.as_ref() {
+        tracing::warn!(
+            "[shared] changed: it takes effect at the next restart; the store in use stays"
+        );
+    }
     // Models and tenants in one store.
     st.models.store(Arc::new(models));
     tracing::info!(models = ?names, "configuration reloaded");

@@ -4,18 +4,16 @@
 //! `/v1/models` needs a known key (`Authorization: Bearer KEY` or `x-api-key: KEY`).
 
 use std::collections::{HashMap, HashSet};
-use std::num::NonZeroU32;
 use std::sync::Arc;
 
-use governor::clock::{Clock, DefaultClock};
-use governor::middleware::StateInformationMiddleware;
-use governor::{Quota, RateLimiter};
 use http::HeaderMap;
 use sha2::{Digest, Sha256};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::OwnedSemaphorePermit;
 
+use crate::budget::Limits;
 use crate::config::TenantConfig;
 use crate::error::LockstepError;
+use crate::shared::{Claimed, SharedLimits, SharedStore};
 
 /// The secret tenant salts are keyed with: `server.cache_salt_secret` where set (the first
 /// router of the process to start sets it; share it between replicas in front of the same
@@ -94,14 +92,6 @@ pub fn salt_of(tenant: Option<&Tenant>) -> u64 {
     tenant.map_or_else(|| cache_salt(None), |t| t.salt)
 }
 
-/// A tenant's request-rate limiter; each check reports what is left of the burst.
-type Limiter = RateLimiter<
-    governor::state::NotKeyed,
-    governor::state::InMemoryState,
-    DefaultClock,
-    StateInformationMiddleware,
->;
-
 /// One tenant and its limits.
 pub struct Tenant {
     /// The tenant's name (audit log, errors).
@@ -109,30 +99,30 @@ pub struct Tenant {
     /// Its prefix-cache namespace ([`cache_salt`] of its [`namespace`]).
     pub salt: u64,
     models: Option<HashSet<String>>,
-    /// The limits as configured (requests per second, burst, concurrent pairs, tokens per
-    /// minute), to tell whether a reload changed them.
-    limits: (u32, u32, u32, u64),
-    limiter: Option<Arc<Limiter>>,
-    concurrency: Option<(Arc<Semaphore>, u32)>,
-    /// The token budget (`tokens_per_minute`).
-    pub tokens: Option<Arc<crate::budget::TokenBudget>>,
+    /// Its limits enforced in this process (kept by a reload that does not change them).
+    pub limits: Arc<Limits>,
+    /// Its limits shared with the other replicas (`[shared]`): then these decide, and
+    /// [`Tenant::limits`] is not used.
+    pub shared: Option<Arc<SharedLimits>>,
     /// Its share when requests wait for a slot (`weight`, at least 1).
     pub weight: u32,
     /// Its priority band when requests wait for a slot.
     pub priority: i32,
-    /// Requests the rate limiter would still let through at once, as of the latest request
-    /// (`x-ratelimit-remaining-requests`).
-    requests_left: std::sync::atomic::AtomicU32,
 }
 
 /// What a request holds of its tenant's limits while its answer lives: its concurrent-pair slot
-/// and its token reservation (settled on what was delivered when it drops).
+/// and its token reservation (settled on what was delivered when it drops), in this process or
+/// in the store the replicas share.
 #[derive(Debug, Default)]
 pub struct Held {
     /// The concurrent-pair slot.
     pub slot: Option<OwnedSemaphorePermit>,
     /// The token reservation.
     pub tokens: Option<crate::budget::Reservation>,
+    /// The slot and reservation in the shared store.
+    pub claim: Option<crate::shared::Claim>,
+    /// Tokens to reserve in the shared store ([`Held::claim_shared`]).
+    pub want_tokens: u64,
     /// The prompt's tokens, spent once the pair committed.
     prompt: u64,
 }
@@ -149,16 +139,38 @@ impl Held {
     /// The pair committed: its prompt's tokens are spent.
     pub fn committed(&mut self, prompt_tokens: u64) {
         self.prompt = prompt_tokens;
-        if let Some(r) = &self.tokens {
-            r.spent(prompt_tokens);
-        }
+        self.spent(prompt_tokens);
     }
 
     /// `completion` tokens delivered so far.
     pub fn delivered(&self, completion: u64) {
+        self.spent(self.prompt + completion);
+    }
+
+    fn spent(&self, total: u64) {
         if let Some(r) = &self.tokens {
-            r.spent(self.prompt + completion);
+            r.spent(total);
         }
+        if let Some(c) = &self.claim {
+            c.spent(total);
+        }
+    }
+
+    /// Where the tenant's limits are shared (`[shared]`): takes its request, its concurrent
+    /// slot and [`Held::want_tokens`] from the shared store in one step (or, the store gone, as
+    /// `on_unavailable` says).
+    pub async fn claim_shared(&mut self, tenant: &Tenant) -> Result<(), LockstepError> {
+        let Some(shared) = &tenant.shared else {
+            return Ok(());
+        };
+        match shared.claim(self.want_tokens).await? {
+            Claimed::Store(c) => self.claim = Some(c),
+            Claimed::Local { slot, tokens } => {
+                self.slot = slot;
+                self.tokens = tokens;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -174,6 +186,8 @@ impl std::fmt::Debug for Tenant {
 #[derive(Debug, Default)]
 pub struct Tenants {
     by_key: HashMap<[u8; 32], Arc<Tenant>>,
+    /// The store the replicas share limits through (`[shared]`).
+    shared: Option<Arc<SharedStore>>,
 }
 
 /// A key's sha256 as configured (lowercase hex).
@@ -202,6 +216,15 @@ impl Tenants {
         Tenants::default().reloaded(cfg)
     }
 
+    /// [`Tenants::new`] with limits shared through `store`.
+    pub fn shared(cfg: &[TenantConfig], store: Option<Arc<SharedStore>>) -> Tenants {
+        Tenants {
+            by_key: HashMap::new(),
+            shared: store,
+        }
+        .reloaded(cfg)
+    }
+
     /// The tenants of a reloaded configuration: a tenant whose limits did not change keeps its
     /// spent rate budget and its running pairs' slots (a reload is not a way around a limit);
     /// new or changed limits start fresh.
@@ -210,34 +233,21 @@ impl Tenants {
             self.by_key.values().map(|t| (&*t.name, t)).collect();
         let mut by_key = HashMap::new();
         for t in cfg {
-            let limits = (
+            let spec = (
                 t.requests_per_second,
                 t.burst,
                 t.max_concurrent_pairs,
                 t.tokens_per_minute,
             );
-            let kept = old
+            let limits = old
                 .get(t.name.as_str())
-                .filter(|o| o.limits == limits)
-                .map(|o| (o.limiter.clone(), o.concurrency.clone(), o.tokens.clone()));
-            let (limiter, concurrency, tokens) = kept.unwrap_or_else(|| {
-                (
-                    NonZeroU32::new(t.requests_per_second).map(|rps| {
-                        let burst = NonZeroU32::new(t.burst).unwrap_or(rps);
-                        Arc::new(
-                            RateLimiter::direct(Quota::per_second(rps).allow_burst(burst))
-                                .with_middleware::<StateInformationMiddleware>(),
-                        )
-                    }),
-                    (t.max_concurrent_pairs > 0).then(|| {
-                        (
-                            Arc::new(Semaphore::new(t.max_concurrent_pairs as usize)),
-                            t.max_concurrent_pairs,
-                        )
-                    }),
-                    (t.tokens_per_minute > 0)
-                        .then(|| crate::budget::TokenBudget::new(t.tokens_per_minute)),
-                )
+                .filter(|o| o.limits.spec() == spec)
+                .map_or_else(|| Arc::new(Limits::new(spec)), |o| o.limits.clone());
+            // A tenant without limits has nothing to share.
+            let limited = spec != (0, 0, 0, 0);
+            let shared = self.shared.as_ref().filter(|_| limited).map(|store| {
+                let key = if t.id.is_empty() { &t.name } else { &t.id };
+                SharedLimits::new(store, key, &t.name, spec)
             });
             let tenant = Arc::new(Tenant {
                 name: t.name.as_str().into(),
@@ -245,14 +255,9 @@ impl Tenants {
                 models: (!t.models.iter().any(|m| m == "*"))
                     .then(|| t.models.iter().cloned().collect()),
                 limits,
-                limiter,
-                concurrency,
-                tokens,
+                shared,
                 weight: t.weight.max(1),
                 priority: t.priority,
-                requests_left: std::sync::atomic::AtomicU32::new(
-                    t.burst.max(t.requests_per_second),
-                ),
             });
             for h in &t.api_keys_sha256 {
                 if let Some(k) = parse_sha256_hex(h) {
@@ -260,7 +265,15 @@ impl Tenants {
                 }
             }
         }
-        Tenants { by_key }
+        Tenants {
+            by_key,
+            shared: self.shared.clone(),
+        }
+    }
+
+    /// The `[shared]` settings of the store in use (a reload does not change them).
+    pub fn shared_config(&self) -> Option<&crate::config::SharedConfig> {
+        self.shared.as_deref().map(SharedStore::config)
     }
 
     /// Whether keys are required (any tenant configured).
@@ -301,33 +314,21 @@ impl Tenants {
 
 impl Tenant {
     /// The `x-ratelimit-*` headers of an answer to this tenant (OpenAI's names): the token trio
-    /// where `tokens_per_minute` is set, the request trio where `requests_per_second` is.
+    /// where `tokens_per_minute` is set, the request trio where `requests_per_second` is; from
+    /// the shared store where the limits are shared.
     pub fn rate_headers(&self) -> Vec<(&'static str, String)> {
-        let mut out = Vec::new();
-        if let Some(b) = &self.tokens {
-            out.push(("x-ratelimit-limit-tokens", b.limit().to_string()));
-            out.push(("x-ratelimit-remaining-tokens", b.remaining().to_string()));
-            out.push((
-                "x-ratelimit-reset-tokens",
-                crate::budget::reset_text(b.reset_in()),
-            ));
+        match &self.shared {
+            Some(s) => s.rate_headers(),
+            None => self.limits.rate_headers(),
         }
-        let (rps, burst, _, _) = self.limits;
-        if rps > 0 {
-            let burst = if burst == 0 { rps } else { burst };
-            let left = self
-                .requests_left
-                .load(std::sync::atomic::Ordering::Relaxed);
-            // One request comes back every 1/rps seconds.
-            let empty = f64::from(burst.saturating_sub(left)) / f64::from(rps);
-            out.push(("x-ratelimit-limit-requests", burst.to_string()));
-            out.push(("x-ratelimit-remaining-requests", left.to_string()));
-            out.push((
-                "x-ratelimit-reset-requests",
-                crate::budget::reset_text(std::time::Duration::from_secs_f64(empty)),
-            ));
-        }
-        out
+    }
+
+    /// The token budget in this process, where one is set and the limits are not shared.
+    pub fn local_tokens(&self) -> Option<&Arc<crate::budget::TokenBudget>> {
+        self.limits
+            .tokens
+            .as_ref()
+            .filter(|_| self.shared.is_none())
     }
 
     /// Whether this tenant may use `model`.
@@ -347,41 +348,13 @@ impl Tenant {
     }
 
     /// Takes one request from the rate budget and one concurrent-pair slot (held by the returned
-    /// permit until the response ends), or 429 with when to retry.
+    /// permit until the response ends), or 429 with when to retry. Where the limits are shared
+    /// nothing is taken here: [`Held::claim_shared`] takes it all once the prompt is known.
     pub fn take_permit(&self) -> Result<Option<OwnedSemaphorePermit>, LockstepError> {
-        if let Some(l) = &self.limiter {
-            match l.check() {
-                // What is left at once, for `x-ratelimit-remaining-requests`.
-                Ok(snapshot) => self.requests_left.store(
-                    snapshot.remaining_burst_capacity(),
-                    std::sync::atomic::Ordering::Relaxed,
-                ),
-                Err(not_until) => {
-                    self.requests_left
-                        .store(0, std::sync::atomic::Ordering::Relaxed);
-                    let wait = not_until.wait_time_from(DefaultClock::default().now());
-                    return Err(LockstepError::RateLimited {
-                        message: format!("tenant `{}`: request rate limit reached", self.name),
-                        retry_after_s: wait.as_secs() + u64::from(wait.subsec_nanos() > 0),
-                    });
-                }
-            }
+        if self.shared.is_some() {
+            return Ok(None);
         }
-        match &self.concurrency {
-            None => Ok(None),
-            Some((sem, max)) => {
-                sem.clone()
-                    .try_acquire_owned()
-                    .map(Some)
-                    .map_err(|_| LockstepError::RateLimited {
-                        message: format!(
-                            "tenant `{}`: {max} concurrent requests already running",
-                            self.name
-                        ),
-                        retry_after_s: 1,
-                    })
-            }
-        }
+        self.limits.take_permit(&self.name)
     }
 }
 

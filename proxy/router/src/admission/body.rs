@@ -70,6 +70,16 @@ where
         .await
         .map_err(|e| Refusal::count(state, "", e))??
     };
+    // The tenant's limits shared with the other replicas: taken from the store in one step.
+    if let Some(t) = admitted.caller.tenant.clone() {
+        let model = admitted.model.name.clone();
+        admitted
+            .caller
+            .permit
+            .claim_shared(&t)
+            .await
+            .map_err(|e| Refusal::count_for(state, &model, Some(&t), e))?;
+    }
     // `lockstep sidecar`: the prefill the request named, checked (after the prompt is known to
     // fit, so a refused prompt never makes a prefill join).
     if let Some(policy) = &state.named_prefills {

@@ -427,12 +427,16 @@ impl<S> Checked<S> {
         fit(&model, &ids, &self.sampling).map_err(refuse)?;
         // The tenant's token budget: the exact prompt and `max_tokens`, reserved now, settled
         // on what is delivered.
+        // Where the limits are shared, the store takes them after admission
+        // ([`crate::tenant::Held::claim_shared`]).
         let mut caller = self.caller;
-        if let Some(t) = &tenant
-            && let Some(b) = &t.tokens
-        {
+        if let Some(t) = &tenant {
             let n = ids.len() as u64 + self.sampling.max_new_tokens;
-            caller.permit.tokens = Some(b.reserve(n, &t.name).map_err(refuse)?);
+            if let Some(b) = t.local_tokens() {
+                caller.permit.tokens = Some(b.reserve(n, &t.name).map_err(refuse)?);
+            } else if let Some(s) = &t.shared {
+                caller.permit.want_tokens = s.check_fits(n).map_err(refuse)?;
+            }
         }
         // A long prompt's ids are written as JSON here too, once for both halves, off the
         // async threads.

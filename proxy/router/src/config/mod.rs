@@ -8,6 +8,7 @@ mod model;
 mod plane;
 mod pool;
 mod server;
+mod shared;
 mod sidecar;
 mod tenant;
 mod timeouts;
@@ -33,6 +34,7 @@ pub use pool::{
     PrefixRouting, WorkerConfig,
 };
 pub use server::{Connections, ServerConfig};
+pub use shared::{OnUnavailable, SharedConfig};
 pub use sidecar::{EppConfig, Role, SidecarConfig};
 pub use tenant::TenantConfig;
 pub use timeouts::{QueueConfig, RetryConfig, TimeoutConfig};
@@ -61,6 +63,9 @@ pub struct Config {
     /// `lockstep epp`: Envoy's endpoint picker.
     #[serde(default)]
     pub epp: Option<EppConfig>,
+    /// Tenant limits shared with other replicas through Redis (needs a restart to change).
+    #[serde(default)]
+    pub shared: Option<SharedConfig>,
     /// The file this configuration was read from (admin reload re-reads it).
     #[serde(skip)]
     pub source: Option<PathBuf>,
@@ -98,6 +103,9 @@ impl ConfigFile for Config {
         }
         if let Some(e) = &self.epp {
             e.validate("epp", &mut out);
+        }
+        if let Some(s) = &self.shared {
+            s.validate("shared", &mut out);
         }
         let model_names: HashSet<&str> = self.models.iter().map(|m| m.name.as_str()).collect();
         tenant::validate_tenants(&self.tenants, &model_names, &mut out);

@@ -246,6 +246,14 @@ pub enum LockstepError {
         /// When it would fit, seconds (the `Retry-After` header).
         retry_after_s: u64,
     },
+    /// The store the replicas share their tenant limits through (`[shared] redis_url`) cannot be
+    /// reached and `[shared] on_unavailable = "deny"`: no request is admitted on a limit lockstep
+    /// cannot check.
+    #[error("{message}")]
+    SharedStoreUnavailable {
+        /// What failed.
+        message: String,
+    },
 }
 
 impl LockstepError {
@@ -276,6 +284,7 @@ impl LockstepError {
             LockstepError::PrefillNotAllowed { .. } => "prefill_not_allowed",
             LockstepError::PrefillRequired { .. } => "prefill_required",
             LockstepError::PrefillUnverified { .. } => "prefill_unverified",
+            LockstepError::SharedStoreUnavailable { .. } => "shared_store_unavailable",
         }
     }
 
@@ -301,7 +310,8 @@ impl LockstepError {
             | LockstepError::Unavailable { .. }
             | LockstepError::WorkersBusy { .. }
             | LockstepError::PrefillRequired { .. }
-            | LockstepError::PrefillUnverified { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            | LockstepError::PrefillUnverified { .. }
+            | LockstepError::SharedStoreUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             LockstepError::Unauthorized { .. } => StatusCode::UNAUTHORIZED,
             LockstepError::ModelNotAllowed { .. } | LockstepError::PrefillNotAllowed { .. } => {
                 StatusCode::FORBIDDEN
@@ -388,7 +398,8 @@ impl LockstepError {
             LockstepError::NoHealthyWorker { .. }
             | LockstepError::Unavailable { .. }
             | LockstepError::PrefillRequired { .. }
-            | LockstepError::PrefillUnverified { .. } => Code::Unavailable,
+            | LockstepError::PrefillUnverified { .. }
+            | LockstepError::SharedStoreUnavailable { .. } => Code::Unavailable,
             LockstepError::WorkersBusy { .. }
             | LockstepError::RateLimited { .. }
             | LockstepError::TokensExhausted { .. } => Code::ResourceExhausted,
@@ -491,7 +502,7 @@ impl LockstepError {
                 http::header::RETRY_AFTER,
                 http::HeaderValue::from(*retry_after_s),
             )],
-            LockstepError::WorkersBusy { .. } => {
+            LockstepError::WorkersBusy { .. } | LockstepError::SharedStoreUnavailable { .. } => {
                 vec![(http::header::RETRY_AFTER, http::HeaderValue::from(1u64))]
             }
             LockstepError::Unauthorized { .. } => vec![(

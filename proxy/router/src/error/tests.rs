@@ -147,6 +147,12 @@ fn every_code_has_one_status_and_a_complete_body() {
         ),
         (LockstepError::PrefillRequired { model: "m".into() }, 503),
         (
+            LockstepError::SharedStoreUnavailable {
+                message: "redis down".into(),
+            },
+            503,
+        ),
+        (
             LockstepError::TokensExhausted {
                 message: "budget".into(),
                 retry_after_s: 3,

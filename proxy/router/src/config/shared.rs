@@ -1,0 +1,85 @@
+//! `[shared]`: the store several lockstep replicas share their tenants' limits through (Redis).
+
+use lockstep_serve::toml_file::{Problems, Section};
+use serde::Deserialize;
+
+/// What a replica does while the shared store cannot be reached.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum OnUnavailable {
+    /// Each replica enforces its share of every limit (the limit divided by the replicas last
+    /// seen) in its own process.
+    #[default]
+    Local,
+    /// Every request of a limited tenant is refused: 503 `shared_store_unavailable`.
+    Deny,
+}
+
+/// `[shared]`: tenant limits (request rate, concurrent pairs, token budgets) kept in one Redis
+/// for every replica in front of the same workers.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct SharedConfig {
+    /// `redis://HOST:PORT/DB` (`redis://:PASSWORD@HOST:PORT/DB` with a password).
+    pub redis_url: String,
+    /// While the store cannot be reached: `local` (each replica enforces its share) or `deny`.
+    pub on_unavailable: OnUnavailable,
+    /// Replicas to assume when dividing the limits without the store (0: learned from the
+    /// store, where the replicas announce themselves; the larger of the two is used).
+    pub replicas: u32,
+    /// How long a replica's concurrent-pair leases (and its presence) live without renewal, ms:
+    /// a replica that dies gives its slots back after this.
+    pub lease_ttl_ms: u64,
+    /// How long one call to the store may take before it counts as unreachable, ms.
+    pub timeout_ms: u64,
+    /// Prefix of every key lockstep writes (several deployments can share one Redis).
+    pub key_prefix: String,
+}
+
+impl Default for SharedConfig {
+    fn default() -> Self {
+        SharedConfig {
+            redis_url: String::new(),
+            on_unavailable: OnUnavailable::Local,
+            replicas: 0,
+            lease_ttl_ms: 10_000,
+            timeout_ms: 250,
+            key_prefix: "lockstep".into(),
+        }
+    }
+}
+
+impl Section for SharedConfig {
+    fn validate(&self, at: &str, out: &mut Problems) {
+        let url = self.redis_url.trim();
+        if url.is_empty() {
+            out.push(
+                format!("{at}.redis_url"),
+                "required (`redis://HOST:PORT/DB`)",
+            );
+        } else if !url.starts_with("redis://") {
+            out.push(
+                format!("{at}.redis_url"),
+                "expected `redis://HOST:PORT/DB` (TLS and unix sockets are not built in)",
+            );
+        } else if let Err(e) = redis::Client::open(url) {
+            out.push(format!("{at}.redis_url"), e.to_string());
+        }
+        if self.lease_ttl_ms < 300 {
+            out.push(format!("{at}.lease_ttl_ms"), "must be at least 300");
+        }
+        if self.timeout_ms == 0 || self.timeout_ms * 3 > self.lease_ttl_ms {
+            out.push(
+                format!("{at}.timeout_ms"),
+                "must be at least 1 and at most a third of lease_ttl_ms",
+            );
+        }
+        let p = &self.key_prefix;
+        if p.is_empty() || p.chars().any(|c| c.is_whitespace() || "{}".contains(c)) {
+            out.push(
+                format!("{at}.key_prefix"),
+                "must be non-empty, without spaces or braces",
+            );
+        }
+    }
+}

@@ -1,0 +1,332 @@
+//! Tenant limits shared by several lockstep replicas through a real `redis-server` (`[shared]`),
+//! in front of one SGLang mock: two replicas give a tenant one token budget, not two; three
+//! share its concurrent pairs and request rate; with Redis killed each replica enforces its share
+//! (`on_unavailable = "local"`) or refuses (`"deny"`), and with Redis back the limits are shared
+//! again. (A replica killed -9 while holding reservations: `proxy/cli/tests/shared_replicas.rs`.)
+
+use std::time::{Duration, Instant};
+
+use lockstep_router::app::Lockstep;
+use lockstep_router::config::Config;
+use lockstep_router::tenant::key_hash_hex;
+use lockstep_tests::client::{self, Answer, Endpoint, TestClient};
+use lockstep_tests::harness::{MODEL, Stack, TEST_TIMEOUTS, wait_for};
+use lockstep_tests::redis::RedisServer;
+use lockstep_tests::sglang_mock::MockConfig;
+
+/// The first replica (with the mock) and the others, all from one configuration.
+struct Replicas {
+    first: Stack,
+    more: Vec<Lockstep>,
+}
+
+impl Replicas {
+    async fn start(n: usize, limits: &str, shared: &str, mock: MockConfig) -> Replicas {
+        let server = format!(
+            "\n[[tenants]]\nname = \"acme\"\napi_keys_sha256 = [\"{}\"]\n{limits}\n\n[shared]\n{shared}\n",
+            key_hash_hex("acme-key")
+        );
+        let first = Stack::start_full(mock, &server, "", TEST_TIMEOUTS).await;
+        let mut more = Vec::new();
+        for _ in 1..n {
+            let cfg = Config::load(&first.config_path).expect("config");
+            more.push(Lockstep::start(cfg).await.expect("replica starts"));
+        }
+        Replicas { first, more }
+    }
+
+    fn url(&self, i: usize) -> String {
+        match i {
+            0 => self.first.url.clone(),
+            _ => format!("http://{}", self.more[i - 1].http_addr),
+        }
+    }
+
+    fn len(&self) -> usize {
+        1 + self.more.len()
+    }
+
+    /// A metric's value on replica `i` (its first sample).
+    async fn metric(&self, i: usize, name: &str) -> Option<f64> {
+        let a = TestClient::default()
+            .get(&format!("{}/metrics", self.url(i)), Duration::from_secs(5))
+            .await;
+        a.body
+            .lines()
+            .find(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{']))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+    }
+
+    /// Waits (10 s) until every replica's `name` is `value`.
+    async fn all_report(&self, name: &str, value: f64) -> bool {
+        let until = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < until {
+            let mut all = true;
+            for i in 0..self.len() {
+                all &= self.metric(i, name).await == Some(value);
+            }
+            if all {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        false
+    }
+}
+
+fn shared(redis: &RedisServer, extra: &str) -> String {
+    format!(
+        "redis_url = \"{}\"\nlease_ttl_ms = 1500\ntimeout_ms = 200\n{extra}",
+        redis.url()
+    )
+}
+
+async fn send(url: &str, max_tokens: u64) -> Answer {
+    let (path, body) = client::request(
+        Endpoint::Completions,
+        MODEL,
+        "red green blue",
+        false,
+        max_tokens,
+        &[],
+    );
+    TestClient::default()
+        .send_with(
+            "POST",
+            &format!("{url}{path}"),
+            &[("authorization", "Bearer acme-key")],
+            body.to_string(),
+            Duration::from_secs(20),
+        )
+        .await
+}
+
+fn header(a: &Answer, name: &str) -> Option<u64> {
+    a.headers.get(name)?.to_str().ok()?.parse().ok()
+}
+
+fn used(a: &Answer) -> u64 {
+    a.json()["usage"]["total_tokens"].as_u64().expect("usage")
+}
+
+/// Requests of `max_tokens` to the replicas in turn until one is refused: the tokens the
+/// answers used, the answers per replica, and the refusal.
+async fn spend_until_refused(
+    r: &Replicas,
+    on: &[usize],
+    max_tokens: u64,
+) -> (u64, Vec<u32>, Answer) {
+    let mut spent = 0;
+    let mut served = vec![0; r.len()];
+    for k in 0..60 {
+        let i = on[k % on.len()];
+        let a = send(&r.url(i), max_tokens).await;
+        if a.status != 200 {
+            return (spent, served, a);
+        }
+        spent += used(&a);
+        served[i] += 1;
+    }
+    panic!("never refused: {spent} tokens spent");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_share_one_token_budget() {
+    let redis = RedisServer::start();
+    let r = Replicas::start(
+        2,
+        "tokens_per_minute = 600",
+        &shared(&redis, ""),
+        MockConfig::default(),
+    )
+    .await;
+    let started = Instant::now();
+    // The remaining tokens one replica reports go down with what the other spent.
+    let a = send(&r.url(0), 40).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    let after_a = header(&a, "x-ratelimit-remaining-tokens").expect("remaining");
+    let b = send(&r.url(1), 40).await;
+    assert_eq!(b.status, 200, "{}", b.body);
+    let after_b = header(&b, "x-ratelimit-remaining-tokens").expect("remaining");
+    assert!(
+        after_b + used(&b) <= after_a + 10,
+        "replica 2 does not see replica 1's spend: {after_a} then {after_b}"
+    );
+    assert_eq!(header(&b, "x-ratelimit-limit-tokens"), Some(600));
+    let (spent, served, refused) = spend_until_refused(&r, &[0, 1], 40).await;
+    let spent = spent + used(&a) + used(&b);
+    // 10 tokens a second come back.
+    let refill = (started.elapsed().as_secs_f64() * 10.0).ceil() as u64 + 1;
+    assert!(
+        spent <= 600 + refill,
+        "{spent} tokens delivered against one budget of 600 (+{refill} refilled): the replicas did not share it"
+    );
+    assert!(spent >= 600 - 100, "refused early: only {spent} spent");
+    assert!(served.iter().all(|&n| n >= 2), "{served:?}");
+    assert_eq!(refused.status, 429, "{}", refused.body);
+    assert_eq!(refused.error_code().as_deref(), Some("rate_limited"));
+    assert!(refused.body.contains("across replicas"), "{}", refused.body);
+    assert!(refused.headers.contains_key("retry-after"));
+    // Both replicas refuse now: the budget is one.
+    for i in 0..2 {
+        let a = send(&r.url(i), 40).await;
+        assert_eq!(a.status, 429, "replica {i}: {}", a.body);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_share_concurrent_pairs() {
+    let redis = RedisServer::start();
+    let slow = MockConfig {
+        token_delay: Duration::from_millis(100),
+        ..MockConfig::default()
+    };
+    let r = Replicas::start(3, "max_concurrent_pairs = 2", &shared(&redis, ""), slow).await;
+    assert!(r.all_report("lockstep_shared_replicas", 3.0).await);
+    // Two long answers on replicas 1 and 2 hold both slots.
+    let long: Vec<_> = [0, 1]
+        .into_iter()
+        .map(|i| {
+            let url = r.url(i);
+            tokio::spawn(async move { send(&url, 20).await })
+        })
+        .collect();
+    let leases = || {
+        redis
+            .command("ZCARD lockstep:{acme}:pairs\r\n")
+            .unwrap_or_default()
+    };
+    assert!(
+        wait_for(Duration::from_secs(10), || leases().starts_with(":2")).await,
+        "{}",
+        leases()
+    );
+    let third = send(&r.url(2), 4).await;
+    assert_eq!(third.status, 429, "{}", third.body);
+    assert_eq!(third.error_code().as_deref(), Some("rate_limit_exceeded"));
+    assert!(
+        third
+            .body
+            .contains("2 concurrent requests already running across replicas"),
+        "{}",
+        third.body
+    );
+    for t in long {
+        let a = t.await.expect("task");
+        assert_eq!(a.status, 200, "{}", a.body);
+    }
+    // Their leases are released when their answers end.
+    assert!(
+        wait_for(Duration::from_secs(5), || leases().starts_with(":0")).await,
+        "{}",
+        leases()
+    );
+    assert_eq!(send(&r.url(2), 4).await.status, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_share_the_request_rate() {
+    let redis = RedisServer::start();
+    let r = Replicas::start(
+        3,
+        "requests_per_second = 1\nburst = 3",
+        &shared(&redis, ""),
+        MockConfig::default(),
+    )
+    .await;
+    // One burst of 3 for all three replicas: what each answer says is left goes down across
+    // them (one request comes back a second).
+    let mut left = Vec::new();
+    for i in 0..3 {
+        let a = send(&r.url(i), 1).await;
+        assert_eq!(a.status, 200, "replica {i}: {}", a.body);
+        left.push(header(&a, "x-ratelimit-remaining-requests").expect("remaining requests"));
+    }
+    assert!(left[0] <= 2 && left[2] < left[0], "{left:?}");
+    let mut refused = None;
+    for k in 0..3 {
+        let a = send(&r.url(k % 3), 1).await;
+        if a.status == 429 {
+            refused = Some(a);
+            break;
+        }
+    }
+    let refused = refused.expect("the shared request rate refused one");
+    assert_eq!(refused.error_code().as_deref(), Some("rate_limit_exceeded"));
+    assert!(
+        refused
+            .body
+            .contains("request rate limit reached across replicas"),
+        "{}",
+        refused.body
+    );
+    assert!(refused.headers.contains_key("retry-after"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_each_replica_enforces_its_share_then_shares_again() {
+    let mut redis = RedisServer::start();
+    let r = Replicas::start(
+        2,
+        "tokens_per_minute = 1200",
+        &shared(&redis, ""),
+        MockConfig::default(),
+    )
+    .await;
+    assert!(r.all_report("lockstep_shared_replicas", 2.0).await);
+    assert!(r.all_report("lockstep_shared_store_up", 1.0).await);
+    redis.kill();
+    let started = Instant::now();
+    // Replica 1 alone, Redis gone: its share is 1200 / 2.
+    let (spent, served, refused) = spend_until_refused(&r, &[0], 40).await;
+    let refill = (started.elapsed().as_secs_f64() * 10.0).ceil() as u64 + 1;
+    assert!(
+        spent <= 600 + refill && spent >= 600 - 100,
+        "{spent} spent on one replica without the store (share 600, +{refill} refilled)"
+    );
+    assert!(served[0] >= 5, "{served:?}");
+    assert_eq!(refused.status, 429, "{}", refused.body);
+    assert_eq!(r.metric(0, "lockstep_shared_store_up").await, Some(0.0));
+    assert!(r.metric(0, "lockstep_shared_store_errors_total").await >= Some(1.0));
+    // Replica 2 has its own share.
+    let b = send(&r.url(1), 40).await;
+    assert_eq!(b.status, 200, "{}", b.body);
+    // Redis back (empty): the heartbeat finds it, and the budget is the store's again.
+    redis.restart();
+    assert!(r.all_report("lockstep_shared_store_up", 1.0).await);
+    let a = send(&r.url(0), 40).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    let left = header(&a, "x-ratelimit-remaining-tokens").expect("remaining");
+    assert!(
+        left > 1000,
+        "{left}: after the store came back the replica still answers from its local share"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_deny_a_lost_store_refuses_limited_tenants_until_it_is_back() {
+    let mut redis = RedisServer::start();
+    let r = Replicas::start(
+        1,
+        "tokens_per_minute = 100000",
+        &shared(&redis, "on_unavailable = \"deny\""),
+        MockConfig::default(),
+    )
+    .await;
+    assert_eq!(send(&r.url(0), 8).await.status, 200);
+    redis.kill();
+    let a = send(&r.url(0), 8).await;
+    assert_eq!(a.status, 503, "{}", a.body);
+    assert_eq!(a.error_code().as_deref(), Some("shared_store_unavailable"));
+    assert_eq!(
+        a.headers.get("retry-after").and_then(|v| v.to_str().ok()),
+        Some("1")
+    );
+    // Refused at admission: nothing reached the workers, and nothing is left running.
+    assert!(r.first.wait_all_idle(Duration::from_secs(5)).await);
+    redis.restart();
+    assert!(r.all_report("lockstep_shared_store_up", 1.0).await);
+    let a = send(&r.url(0), 8).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+}
