@@ -83,3 +83,75 @@ impl Section for SharedConfig {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn problems(c: &SharedConfig) -> Vec<String> {
+        let mut out = Problems::default();
+        c.validate("shared", &mut out);
+        out.into_vec()
+            .into_iter()
+            .map(|p| format!("{}: {}", p.key, p.message))
+            .collect()
+    }
+
+    #[test]
+    fn the_url_the_lease_and_the_timeout_are_checked() {
+        let ok = SharedConfig {
+            redis_url: "redis://127.0.0.1:6379/0".into(),
+            ..SharedConfig::default()
+        };
+        assert!(problems(&ok).is_empty(), "{:?}", problems(&ok));
+        for (bad, key) in [
+            (
+                SharedConfig {
+                    redis_url: String::new(),
+                    ..ok.clone()
+                },
+                "shared.redis_url",
+            ),
+            (
+                SharedConfig {
+                    redis_url: "http://127.0.0.1:6379".into(),
+                    ..ok.clone()
+                },
+                "shared.redis_url",
+            ),
+            (
+                SharedConfig {
+                    lease_ttl_ms: 100,
+                    ..ok.clone()
+                },
+                "shared.lease_ttl_ms",
+            ),
+            (
+                SharedConfig {
+                    timeout_ms: 5000,
+                    ..ok.clone()
+                },
+                "shared.timeout_ms",
+            ),
+            (
+                SharedConfig {
+                    key_prefix: "a{b}".into(),
+                    ..ok.clone()
+                },
+                "shared.key_prefix",
+            ),
+        ] {
+            let p = problems(&bad);
+            assert!(p.iter().any(|p| p.starts_with(key)), "{key}: {p:?}");
+        }
+        let parsed: SharedConfig = lockstep_serve::toml_file::parse(
+            "redis_url = \"redis://h:1/2\"\non_unavailable = \"deny\"",
+        )
+        .expect("parses");
+        assert_eq!(parsed.on_unavailable, OnUnavailable::Deny);
+        assert!(
+            lockstep_serve::toml_file::parse::<SharedConfig>("on_unavailable = \"open\"").is_err()
+        );
+        assert!(lockstep_serve::toml_file::parse::<SharedConfig>("redis = \"x\"").is_err());
+    }
+}
