@@ -330,3 +330,50 @@ async fn with_deny_a_lost_store_refuses_limited_tenants_until_it_is_back() {
     let a = send(&r.url(0), 8).await;
     assert_eq!(a.status, 200, "{}", a.body);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grpc_call_on_one_replica_sees_the_budget_spent_on_another() {
+    use lockstep_proto::v1 as pb;
+    use lockstep_proto::v1::lockstep_client::LockstepClient;
+    use tonic_types::StatusExt;
+    let redis = RedisServer::start();
+    let r = Replicas::start(
+        2,
+        "tokens_per_minute = 200",
+        &shared(&redis, ""),
+        MockConfig::default(),
+    )
+    .await;
+    // Replica 1 spends most of the budget over HTTP.
+    let a = send(&r.url(0), 150).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert!(used(&a) > 150, "{}", a.body);
+    // Replica 2's gRPC call needs more than is left.
+    let channel = tonic::transport::Endpoint::from_shared(r.url(1))
+        .expect("endpoint")
+        .connect()
+        .await
+        .expect("h2c connect");
+    let mut client = LockstepClient::new(channel);
+    let mut req = tonic::Request::new(pb::GenerateRequest {
+        model: MODEL.into(),
+        prompt: Some(pb::generate_request::Prompt::Text("red green blue".into())),
+        sampling: Some(pb::SamplingParams {
+            max_tokens: Some(100),
+            ..Default::default()
+        }),
+    });
+    req.metadata_mut().insert(
+        "authorization",
+        "Bearer acme-key".parse().expect("metadata"),
+    );
+    let status = client
+        .generate(req)
+        .await
+        .expect_err("over the shared budget");
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+    assert!(status.message().contains("across replicas"), "{status:?}");
+    let info = status.get_details_error_info().expect("ErrorInfo");
+    assert_eq!(info.reason, "rate_limited");
+    assert!(info.metadata.contains_key("retry_after_s"), "{info:?}");
+}

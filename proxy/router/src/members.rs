@@ -12,7 +12,7 @@
 //!
 //! Dropping the model (a reload, shutdown) aborts the model's task and with it every member's.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -67,11 +67,14 @@ impl Members {
                 handles.insert((side, w.url.clone()), h);
             }
         }
+        // The members the latest `Replace` of each side listed: a discovery source's. Members
+        // joined one by one (the admin API, a sidecar's named prefill) are not its to remove.
+        let mut listed: HashSet<(Side, String)> = HashSet::new();
         let mut open = true;
         loop {
             tokio::select! {
                 change = source.next(), if open => match change {
-                    Some(c) => self.apply(c, &mut tasks, &mut handles),
+                    Some(c) => self.apply(c, &mut tasks, &mut handles, &mut listed),
                     // No more changes: the members stay checked.
                     None => open = false,
                 },
@@ -87,6 +90,7 @@ impl Members {
         change: MemberChange,
         tasks: &mut JoinSet<()>,
         handles: &mut HashMap<(Side, String), AbortHandle>,
+        listed: &mut HashSet<(Side, String)>,
     ) {
         let name = &self.model.name;
         match change {
@@ -100,22 +104,28 @@ impl Members {
                     tracing::debug!(model = %name, side = side.as_str(), worker = %worker.url, "worker already a member")
                 }
             },
-            MemberChange::Leave { side, url } => self.leave(side, &url, handles),
+            MemberChange::Leave { side, url } => {
+                listed.remove(&(side, url.trim_end_matches('/').to_string()));
+                self.leave(side, &url, handles);
+            }
             MemberChange::Replace { side, workers } => {
                 let want: HashMap<String, WorkerConfig> = workers
                     .into_iter()
                     .map(|w| (w.url.trim_end_matches('/').to_string(), w))
                     .collect();
+                let mine = |url: &str| listed.contains(&(side, url.to_string()));
                 for w in self.pool(side).workers().iter().filter(|w| w.joined()) {
                     let keep = want
                         .get(&w.url)
                         .is_some_and(|c| c.bootstrap_port == w.bootstrap_port);
-                    if !keep {
+                    if !keep && (mine(&w.url) || want.contains_key(&w.url)) {
                         self.leave(side, &w.url, handles);
                     }
                 }
+                listed.retain(|(s, _)| *s != side);
+                listed.extend(want.keys().map(|u| (side, u.clone())));
                 for worker in want.into_values() {
-                    self.apply(MemberChange::Join { side, worker }, tasks, handles);
+                    self.apply(MemberChange::Join { side, worker }, tasks, handles, listed);
                 }
             }
         }
@@ -292,6 +302,54 @@ mod tests {
             checking: tokio::sync::Mutex::new(()),
             model,
         })
+    }
+
+    /// A discovery source's whole list replaces only what it listed before: a member joined
+    /// on its own (the admin API, a sidecar's named prefill) stays.
+    #[tokio::test]
+    async fn a_replace_leaves_members_joined_one_by_one_alone() {
+        let rec = Arc::new(Recorder::default());
+        let m = members(&rec);
+        let (feed, source) = crate::pool::MemberFeed::new();
+        let task = tokio::spawn(m.clone().run(source));
+        let send = |c| assert!(feed.send(c));
+        let member = |url: &str| m.prefill.member_at(url).is_some();
+        send(MemberChange::Join {
+            side: Side::Prefill,
+            worker: worker("http://named:8000"),
+        });
+        send(MemberChange::Replace {
+            side: Side::Prefill,
+            workers: vec![worker("http://pod-1:8000"), worker("http://pod-2:8000")],
+        });
+        until(|| member("http://pod-1:8000") && member("http://pod-2:8000")).await;
+        send(MemberChange::Replace {
+            side: Side::Prefill,
+            workers: vec![worker("http://pod-2:8000")],
+        });
+        until(|| !member("http://pod-1:8000")).await;
+        assert!(member("http://pod-2:8000"));
+        assert!(
+            member("http://named:8000"),
+            "a member joined on its own was removed by a discovery list"
+        );
+        // The configured worker is never touched.
+        assert!(member("http://a:1"));
+        // A list that names a member settles its settings (a new bootstrap port: leave, join).
+        let mut moved = worker("http://named:8000");
+        moved.bootstrap_port = Some(9000);
+        send(MemberChange::Replace {
+            side: Side::Prefill,
+            workers: vec![moved],
+        });
+        until(|| {
+            m.prefill
+                .member_at("http://named:8000")
+                .is_some_and(|w| w.bootstrap_port == Some(9000))
+        })
+        .await;
+        until(|| !member("http://pod-2:8000")).await;
+        task.abort();
     }
 
     #[tokio::test]
