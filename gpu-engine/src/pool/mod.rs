@@ -27,15 +27,22 @@ pub fn block_hashes(tokens: &[u32], block: usize, tenant_salt: u64) -> Vec<u64> 
     tokens
         .chunks_exact(block.max(1))
         .map(|chunk| {
-            let mut bytes = Vec::with_capacity(8 + chunk.len() * 4);
-            bytes.extend_from_slice(&h.to_le_bytes());
-            for t in chunk {
-                bytes.extend_from_slice(&t.to_le_bytes());
-            }
-            h = xxh3_64_with_seed(&bytes, tenant_salt);
+            h = chain_block(h, chunk, tenant_salt);
             h
         })
         .collect()
+}
+
+/// One step of [`block_hashes`]: the hash of the block `chunk` after the block hashed `parent`
+/// (the first block's parent is the salt itself). The router's `prefix_events` index chains
+/// the blocks an engine reports one event at a time with it.
+pub fn chain_block(parent: u64, chunk: &[u32], tenant_salt: u64) -> u64 {
+    let mut bytes = Vec::with_capacity(8 + chunk.len() * 4);
+    bytes.extend_from_slice(&parent.to_le_bytes());
+    for t in chunk {
+        bytes.extend_from_slice(&t.to_le_bytes());
+    }
+    xxh3_64_with_seed(&bytes, tenant_salt)
 }
 
 /// Who owns a page: a sequence, or a shared-prefix entry (high bit set). 0 means free.

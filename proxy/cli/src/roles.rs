@@ -42,6 +42,8 @@ impl SidecarFlags {
                     url: format!("http://127.0.0.1:{p}"),
                     bootstrap_port: None,
                     bootstrap_host: None,
+                    kv_events: None,
+                    kv_events_replay: None,
                 }];
             }
             if let Some(k) = self.kv_connector {

@@ -272,6 +272,8 @@ fn membership(st: &AdminState, body: &[u8], join: bool) -> Result<(Side, String)
         url: url.clone(),
         bootstrap_port: req.bootstrap_port,
         bootstrap_host: req.bootstrap_host,
+        kv_events: None,
+        kv_events_replay: None,
     };
     let change = if join {
         let problems = m.cfg.joining_problems(side == Side::Prefill, &worker);

@@ -83,6 +83,8 @@ pub fn worker_of(pod: &Pod, d: &DiscoveryConfig) -> Option<WorkerConfig> {
         url: format!("{}://{host}:{}", d.scheme.as_str(), d.port),
         bootstrap_port,
         bootstrap_host: Some(ip.to_string()),
+        kv_events: None,
+        kv_events_replay: None,
     })
 }
 

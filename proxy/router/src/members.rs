@@ -159,8 +159,17 @@ impl Members {
         tracing::info!(model = %self.model.name, side = side.as_str(), worker = %w.url, in_flight = w.in_flight(), "worker left: no new pairs; those it runs finish");
     }
 
-    /// One member's checks, every health interval, until it leaves.
+    /// One member's checks, every health interval, until it leaves (and its KV events).
     async fn watch(self: Arc<Self>, side: Side, w: Arc<Upstream>) {
+        // Its KV events, where the pool routes on them, for as long as it is checked.
+        let events = self.pool(side).clone().follow_events(w.clone());
+        tokio::select! {
+            () = self.check(side, &w) => {}
+            () = events => {}
+        }
+    }
+
+    async fn check(&self, side: Side, w: &Arc<Upstream>) {
         let cfg = &self.model.health;
         let mut tick = tokio::time::interval(Duration::from_millis(cfg.interval_ms));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -170,7 +179,7 @@ impl Members {
                 return;
             }
             if !w.is_verified() {
-                self.verify(side, &w).await;
+                self.verify(side, w).await;
             }
             let ok = self
                 .backend
@@ -282,6 +291,8 @@ mod tests {
             url: url.into(),
             bootstrap_port: None,
             bootstrap_host: None,
+            kv_events: None,
+            kv_events_replay: None,
         }
     }
 

@@ -78,6 +78,13 @@ pub struct Metrics {
     pub prefix_predicted_hit_tokens: IntCounterVec,
     /// Prompt tokens prefill workers report they took from their prefix cache.
     pub worker_cached_tokens: IntCounterVec,
+    /// `prefix_events`: KV event batches by `result` (`applied`, `unreadable`), sequence gaps
+    /// and publisher restarts, and the blocks indexed (brought up to the pool's at scrape).
+    pub kv_event_batches: IntCounterVec,
+    /// Sequence gaps and publisher restarts.
+    pub kv_event_gaps: IntCounterVec,
+    /// Blocks the index holds, all workers of a side.
+    pub kv_event_blocks: IntGaugeVec,
     /// Long prompts' bytes the tokenizer's segment cache served (`hit`) or tokenized (`miss`)
     /// (brought up to the cache's count at scrape).
     pub tokenizer_cache_bytes: IntCounterVec,
@@ -383,6 +390,24 @@ impl Metrics {
                 &r,
                 "lockstep_prefix_predicted_hit_tokens_total",
                 "Prompt tokens the prefix-aware policy predicted cached on the chosen worker.",
+                &["model", "side"],
+            ),
+            kv_event_batches: counter(
+                &r,
+                "lockstep_kv_event_batches_total",
+                "KV event batches the prefix_events policy read from the workers' engines, by result (applied, unreadable: that worker's index dropped).",
+                &["model", "side", "result"],
+            ),
+            kv_event_gaps: counter(
+                &r,
+                "lockstep_kv_event_gaps_total",
+                "Sequence gaps and publisher restarts in the workers' KV events (a gap the replay could not fill drops that worker's index).",
+                &["model", "side"],
+            ),
+            kv_event_blocks: gauge(
+                &r,
+                "lockstep_kv_event_index_blocks",
+                "Blocks the prefix_events index holds, as the workers' engines reported them.",
                 &["model", "side"],
             ),
             worker_cached_tokens: counter(

@@ -404,6 +404,8 @@ async fn build_embedded(m: &ModelConfig) -> Result<Built, String> {
                 url: format!("embedded://{}/{side}", m.name),
                 bootstrap_port: None,
                 bootstrap_host: None,
+                kv_events: None,
+                kv_events_replay: None,
             }],
             ..PoolConfig::default()
         }))

@@ -123,6 +123,8 @@ fn join(policy: &NamedPrefills, model: &ModelRuntime, url: &str) -> Result<(), L
             url: url.to_string(),
             bootstrap_port: (model.cfg.backend == BackendKind::Sglang).then_some(port),
             bootstrap_host: None,
+            kv_events: None,
+            kv_events_replay: None,
         },
     });
     if sent {

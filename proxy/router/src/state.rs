@@ -229,6 +229,17 @@ impl AppState {
                         .with_label_values(&[name, side]),
                     hit,
                 );
+                let ev = pool.event_stats();
+                for (result, n) in [("applied", ev.batches), ("unreadable", ev.errors)] {
+                    catch_up(
+                        &m.kv_event_batches.with_label_values(&[name, side, result]),
+                        n,
+                    );
+                }
+                catch_up(&m.kv_event_gaps.with_label_values(&[name, side]), ev.gaps);
+                m.kv_event_blocks
+                    .with_label_values(&[name, side])
+                    .set(ev.blocks as i64);
                 for w in pool.workers().iter() {
                     let label = w.label(side);
                     let labels = [name, side, label.as_str()];

@@ -396,6 +396,8 @@ mod tests {
             url: "http://d/".into(),
             bootstrap_port: None,
             bootstrap_host: None,
+            kv_events: None,
+            kv_events_replay: None,
         };
         let b = Answers {
             answers: vec![("http://d", Ok(other))],

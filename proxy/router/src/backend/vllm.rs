@@ -529,6 +529,8 @@ mod tests {
                 url: url.into(),
                 bootstrap_port: None,
                 bootstrap_host: None,
+                kv_events: None,
+                kv_events_replay: None,
             }))
         };
         let d = Dispatch {

@@ -30,8 +30,8 @@ pub use model::{
 };
 pub use plane::WorkerPlaneConfig;
 pub use pool::{
-    DiscoveryConfig, DiscoveryKind, DiscoveryScheme, HealthConfig, PolicyKind, PoolConfig,
-    PrefixRouting, WorkerConfig,
+    DiscoveryConfig, DiscoveryKind, DiscoveryScheme, HealthConfig, KvEventsConfig, PolicyKind,
+    PoolConfig, PrefixRouting, WorkerConfig,
 };
 pub use server::{Connections, ServerConfig};
 pub use shared::{OnUnavailable, SharedConfig};

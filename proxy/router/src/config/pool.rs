@@ -15,6 +15,27 @@ pub enum PolicyKind {
     /// The worker most likely to hold the prompt's prefix (per-worker chained block hashes of
     /// token ids, salted by tenant), unless load is out of balance; see [`PrefixRouting`].
     PrefixAware,
+    /// The worker whose engine reported holding the longest prefix of the prompt, from the KV
+    /// events it publishes (SGLang `--kv-events-config`, vLLM `--kv-events-config`), keyed
+    /// by the tenant's cache salt; load balance as `prefix_aware`. Needs `kv_events`.
+    PrefixEvents,
+}
+
+/// Where a pool's workers publish KV events (`policy = "prefix_events"`), for a worker whose
+/// entry names none (a discovered pod: its IP with these ports).
+#[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct KvEventsConfig {
+    /// The publisher's port (the engines' default is 5557).
+    #[serde(default)]
+    pub port: Option<u16>,
+    /// The replay ROUTER's port, asked for the batches a sequence gap lost (none: a gap drops
+    /// that worker's index, rebuilt from the events that follow).
+    #[serde(default)]
+    pub replay_port: Option<u16>,
+    /// The topic subscribed to (the engines' `topic`, default empty: every message).
+    #[serde(default)]
+    pub topic: String,
 }
 
 /// Tuning of `policy = "prefix_aware"` (SGLang's cache-aware policy, on hashed token blocks).
@@ -69,9 +90,12 @@ pub struct PoolConfig {
     /// by `x-prefiller-host-port`; the sidecar's default is SGLang's 8998).
     #[serde(default)]
     pub bootstrap_port: Option<u16>,
-    /// Tuning of the `prefix_aware` policy.
+    /// Tuning of the `prefix_aware` and `prefix_events` policies.
     #[serde(default)]
     pub prefix: PrefixRouting,
+    /// Where the workers' KV events come from (`prefix_events`).
+    #[serde(default)]
+    pub kv_events: Option<KvEventsConfig>,
     /// The workers' API key (SGLang and vLLM `--api-key`), sent as `Authorization: Bearer` on
     /// every call but `/health` (which both exempt).
     #[serde(default)]
@@ -193,7 +217,7 @@ impl DiscoveryScheme {
 }
 
 /// One worker.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WorkerConfig {
     /// Base URL, e.g. `http://10.0.0.5:30000`.
@@ -204,6 +228,13 @@ pub struct WorkerConfig {
     /// Host the decode should reach the prefill's bootstrap server at (default: the URL's host).
     #[serde(default)]
     pub bootstrap_host: Option<String>,
+    /// Its engine's KV event publisher, `tcp://HOST:PORT` (`prefix_events`; default: the
+    /// pool's `kv_events.port` on the worker's host).
+    #[serde(default)]
+    pub kv_events: Option<String>,
+    /// Its publisher's replay endpoint, `tcp://HOST:PORT`.
+    #[serde(default)]
+    pub kv_events_replay: Option<String>,
 }
 
 /// Background health checks (`GET /health`).
@@ -242,6 +273,41 @@ impl Section for PoolConfig {
             || r.balance_rel_threshold < 1.0
         {
             out.push(format!("{at}.prefix"), "block_tokens and capacity_blocks must be positive, cache_threshold in [0, 1], balance_rel_threshold at least 1");
+        }
+        if self.policy == PolicyKind::PrefixEvents {
+            let port = self.kv_events.as_ref().and_then(|k| k.port);
+            if self.discovery.is_some() && port.is_none() {
+                out.push(format!("{at}.kv_events.port"), "policy = \"prefix_events\" with discovery needs the port each pod publishes KV events on");
+            }
+            for (j, w) in self.workers.iter().enumerate() {
+                if w.kv_events.is_none() && port.is_none() {
+                    out.push(format!("{at}.workers[{j}].kv_events"), "policy = \"prefix_events\" needs each worker's KV event publisher (`kv_events = \"tcp://HOST:PORT\"`, or the pool's kv_events.port)");
+                }
+            }
+        } else if self.kv_events.is_some() || self.workers.iter().any(|w| w.kv_events.is_some()) {
+            out.push(
+                format!("{at}.kv_events"),
+                "KV events are read only by policy = \"prefix_events\"",
+            );
+        }
+        for (j, w) in self.workers.iter().enumerate() {
+            for (k, e) in [
+                ("kv_events", &w.kv_events),
+                ("kv_events_replay", &w.kv_events_replay),
+            ] {
+                if let Some(e) = e
+                    && !e.strip_prefix("tcp://").is_some_and(|r| {
+                        r.rsplit_once(':').is_some_and(|(h, p)| {
+                            !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0)
+                        })
+                    })
+                {
+                    out.push(
+                        format!("{at}.workers[{j}].{k}"),
+                        format!("`{e}`: expected tcp://HOST:PORT"),
+                    );
+                }
+            }
         }
         match &self.discovery {
             None if self.workers.is_empty() => out.push(

@@ -216,6 +216,8 @@ fn pool() -> Arc<WorkerPool> {
             url: "http://127.0.0.1:9".into(),
             bootstrap_port: Some(1),
             bootstrap_host: None,
+            kv_events: None,
+            kv_events_replay: None,
         }],
         ..PoolConfig::default()
     }))

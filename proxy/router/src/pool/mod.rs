@@ -8,6 +8,8 @@ use arc_swap::ArcSwap;
 use rand::Rng;
 
 mod endpoint;
+mod kv_events;
+mod kv_feed;
 mod label;
 mod named;
 mod pair_pick;
@@ -15,6 +17,8 @@ mod prefix;
 mod source;
 
 pub use endpoint::{Endpoint, Origin};
+pub use kv_events::{KvEvent, decode_batch};
+pub use kv_feed::EventStats;
 pub use source::{MemberChange, MemberFeed, WorkerSource};
 
 pub use label::worker_label;
@@ -69,6 +73,10 @@ pub struct Upstream {
     check_error: std::sync::Mutex<Option<String>>,
     /// Told when one of its slots frees (its pool's: requests waiting for a slot listen).
     freed: Arc<tokio::sync::Notify>,
+    /// Its engine's KV event publisher (ZMQ PUB), and the replay ROUTER beside it.
+    pub kv_events: Option<String>,
+    /// The replay endpoint.
+    pub kv_events_replay: Option<String>,
 }
 
 impl Upstream {
@@ -99,6 +107,8 @@ impl Upstream {
             oks: AtomicU32::new(0),
             check_error: std::sync::Mutex::new(None),
             freed: Arc::default(),
+            kv_events: cfg.kv_events.clone(),
+            kv_events_replay: cfg.kv_events_replay.clone(),
         }
     }
 
@@ -197,6 +207,8 @@ impl Upstream {
             url: self.url.clone(),
             bootstrap_port: self.bootstrap_port,
             bootstrap_host: Some(self.bootstrap_host.clone()),
+            kv_events: self.kv_events.clone(),
+            kv_events_replay: self.kv_events_replay.clone(),
         }
     }
 
@@ -277,6 +289,11 @@ pub struct WorkerPool {
     bootstrap_port: Option<u16>,
     /// Told when a member's slot frees.
     freed: Arc<tokio::sync::Notify>,
+    /// What the workers' engines report holding (`prefix_events`; `None` for other policies).
+    events: Option<kv_feed::EventIndex>,
+    /// The topic subscribed to, and where a member's publisher is when its entry names none.
+    events_topic: String,
+    events_ports: (Option<u16>, Option<u16>),
 }
 
 impl WorkerPool {
@@ -296,9 +313,15 @@ impl WorkerPool {
                 w.healthy
                     .store(o.healthy.load(Ordering::Acquire), Ordering::Release);
             }
-            // What the prefix policy predicted this worker holds, by its URL.
+            // What the prefix policy predicted this worker holds, by its URL; what its engine
+            // reported (the new pool's subscription goes on from the same sequence number).
             if let Some(b) = old.prefix.workers.get(&w.url) {
                 self.prefix.workers.insert(w.url.clone(), b.clone());
+            }
+            if let (Some(new), Some(old)) = (&self.events, &old.events)
+                && let Some((url, b)) = old.workers.remove(&w.url)
+            {
+                new.workers.insert(url, b);
             }
         }
         self.workers = ArcSwap::from_pointee(list);
@@ -308,12 +331,19 @@ impl WorkerPool {
     pub fn new(cfg: &PoolConfig) -> WorkerPool {
         let auth = (cfg.auth(), cfg.admin_auth());
         let freed = Arc::new(tokio::sync::Notify::new());
+        let events = cfg.kv_events.clone().unwrap_or_default();
+        let ports = (events.port, events.replay_port);
         WorkerPool {
+            events: (cfg.policy == PolicyKind::PrefixEvents).then(kv_feed::EventIndex::default),
+            events_topic: events.topic,
+            events_ports: ports,
             workers: ArcSwap::from_pointee(
                 cfg.workers
                     .iter()
                     .enumerate()
-                    .map(|(i, w)| Arc::new(Self::member(&auth, cfg.bootstrap_port, &freed, w, i)))
+                    .map(|(i, w)| {
+                        Arc::new(Self::member(&auth, cfg.bootstrap_port, &freed, w, i, ports))
+                    })
                     .collect(),
             ),
             policy: cfg.policy,
@@ -336,9 +366,13 @@ impl WorkerPool {
         freed: &Arc<tokio::sync::Notify>,
         w: &WorkerConfig,
         ordinal: usize,
+        (port, replay_port): (Option<u16>, Option<u16>),
     ) -> Upstream {
         let u = Upstream::new(w);
+        let at = |p: Option<u16>| p.map(|p| format!("tcp://{}:{p}", u.host));
         Upstream {
+            kv_events: u.kv_events.clone().or_else(|| at(port)),
+            kv_events_replay: u.kv_events_replay.clone().or_else(|| at(replay_port)),
             freed: freed.clone(),
             auth: auth.0.clone(),
             admin_auth: auth.1.clone(),
@@ -377,7 +411,14 @@ impl WorkerPool {
                 return list.clone();
             }
             let ordinal = self.ordinals.fetch_add(1, Ordering::Relaxed);
-            let mut w = Self::member(&self.auth, self.bootstrap_port, &self.freed, cfg, ordinal);
+            let mut w = Self::member(
+                &self.auth,
+                self.bootstrap_port,
+                &self.freed,
+                cfg,
+                ordinal,
+                self.events_ports,
+            );
             if let Some(c) = carried {
                 w.in_flight = c.in_flight.clone();
                 w.healthy = AtomicBool::new(c.healthy.load(Ordering::Acquire));
@@ -405,6 +446,9 @@ impl WorkerPool {
         let w = gone?;
         w.left.store(true, Ordering::Release);
         self.prefix.workers.remove(url);
+        if let Some(e) = &self.events {
+            e.workers.remove(url);
+        }
         Some(w)
     }
 
@@ -440,24 +484,7 @@ impl WorkerPool {
                 (w.in_flight(), matched, size)
             })
             .collect();
-        let (min_load, max_load) = stats
-            .iter()
-            .fold((usize::MAX, 0), |(lo, hi), s| (lo.min(s.0), hi.max(s.0)));
-        let imbalanced = max_load - min_load > cfg.balance_abs_threshold
-            && max_load as f64 > cfg.balance_rel_threshold * min_load as f64;
-        let best = (0..stats.len())
-            .max_by_key(|&i| (stats[i].1, std::cmp::Reverse(stats[i].0)))
-            .unwrap_or(0);
-        let by_cache = !imbalanced
-            && !hashes.is_empty()
-            && stats[best].1 as f64 >= cfg.cache_threshold * hashes.len() as f64;
-        let chosen = if by_cache {
-            best
-        } else {
-            (0..stats.len())
-                .min_by_key(|&i| (stats[i].0, stats[i].2))
-                .unwrap_or(0)
-        };
+        let chosen = choose(&stats, hashes.len(), cfg);
         let w = candidates[chosen];
         self.prefix
             .workers
@@ -472,6 +499,29 @@ impl WorkerPool {
             .predicted_hit_tokens
             .fetch_add(stats[chosen].1 as u64 * block, Ordering::Relaxed);
         w
+    }
+
+    /// The `prefix_events` choice: [`WorkerPool::pick_prefix`]'s rule over what the engines
+    /// reported holding (nothing is recorded: the next events say what the worker then holds).
+    fn pick_reported<'w>(
+        &self,
+        candidates: &[&'w Arc<Upstream>],
+        key: &RouteKey,
+    ) -> &'w Arc<Upstream> {
+        let matched = self.reported_matches(candidates, key.tokens, key.salt);
+        let stats: Vec<(usize, usize, usize)> = candidates
+            .iter()
+            .zip(&matched)
+            .map(|(w, m)| (w.in_flight(), *m, 0))
+            .collect();
+        let chosen = choose(&stats, key.tokens.len(), &self.prefix.cfg);
+        self.prefix
+            .routed_tokens
+            .fetch_add(key.tokens.len() as u64, Ordering::Relaxed);
+        self.prefix
+            .predicted_hit_tokens
+            .fetch_add(matched[chosen] as u64, Ordering::Relaxed);
+        candidates[chosen]
     }
 
     /// The members now (one membership, whole; later joins and leaves do not change it).
@@ -547,13 +597,39 @@ impl WorkerPool {
                         wa
                     }
                 }
-                PolicyKind::PrefixAware => match key {
+                PolicyKind::PrefixAware | PolicyKind::PrefixEvents => match key {
+                    Some(k) if self.events.is_some() => self.pick_reported(&candidates, k),
                     Some(k) => self.pick_prefix(&candidates, k),
                     None => candidates[self.next.fetch_add(1, Ordering::Relaxed) % n],
                 },
             },
         };
         LoadGuard::try_new(chosen.clone(), max)
+    }
+}
+
+/// The prefix rule over `(load, matched, size)` per candidate, `matched` out of `wanted`: the
+/// one holding the most (ties: the less loaded), unless load is out of balance or none holds
+/// `cache_threshold` of it; then the least loaded (ties: the one holding least).
+fn choose(
+    stats: &[(usize, usize, usize)],
+    wanted: usize,
+    cfg: &crate::config::PrefixRouting,
+) -> usize {
+    let (min_load, max_load) = stats
+        .iter()
+        .fold((usize::MAX, 0), |(lo, hi), s| (lo.min(s.0), hi.max(s.0)));
+    let imbalanced = max_load - min_load > cfg.balance_abs_threshold
+        && max_load as f64 > cfg.balance_rel_threshold * min_load as f64;
+    let best = (0..stats.len())
+        .max_by_key(|&i| (stats[i].1, std::cmp::Reverse(stats[i].0)))
+        .unwrap_or(0);
+    if !imbalanced && wanted > 0 && stats[best].1 as f64 >= cfg.cache_threshold * wanted as f64 {
+        best
+    } else {
+        (0..stats.len())
+            .min_by_key(|&i| (stats[i].0, stats[i].2))
+            .unwrap_or(0)
     }
 }
 

@@ -16,6 +16,8 @@ fn on_ports(policy: PolicyKind, ports: &[u16], max: usize) -> WorkerPool {
                 url: format!("http://127.0.0.1:{p}"),
                 bootstrap_port: None,
                 bootstrap_host: None,
+                kv_events: None,
+                kv_events_replay: None,
             })
             .collect(),
         ..PoolConfig::default()
@@ -33,6 +35,8 @@ fn a_pair_limit_per_worker_is_never_exceeded() {
                     url: format!("http://127.0.0.1:{}", 2000 + i),
                     bootstrap_port: None,
                     bootstrap_host: None,
+                    kv_events: None,
+                    kv_events_replay: None,
                 })
                 .collect(),
             ..PoolConfig::default()
@@ -313,6 +317,8 @@ fn worker(port: u16) -> WorkerConfig {
         url: format!("http://127.0.0.1:{port}/"),
         bootstrap_port: None,
         bootstrap_host: None,
+        kv_events: None,
+        kv_events_replay: None,
     }
 }
 
@@ -413,6 +419,8 @@ fn a_subset_pick_takes_the_least_loaded_member_of_the_subset_only() {
             url: (*u).into(),
             bootstrap_port: None,
             bootstrap_host: None,
+            kv_events: None,
+            kv_events_replay: None,
         })
         .collect(),
         ..PoolConfig::default()

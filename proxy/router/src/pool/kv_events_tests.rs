@@ -1,0 +1,209 @@
+use rmpv::Value;
+
+use super::*;
+
+fn map(pairs: Vec<(&str, Value)>) -> Value {
+    Value::Map(
+        pairs
+            .into_iter()
+            .map(|(k, v)| (Value::from(k), v))
+            .collect(),
+    )
+}
+
+fn ints(v: &[u64]) -> Value {
+    Value::Array(v.iter().map(|x| Value::from(*x)).collect())
+}
+
+fn batch(events: Vec<Value>) -> Vec<u8> {
+    let mut out = Vec::new();
+    rmpv::encode::write_value(
+        &mut out,
+        &Value::Array(vec![Value::F64(1.5), Value::Array(events), Value::Nil]),
+    )
+    .expect("encode");
+    out
+}
+
+/// SGLang 0.5.23 `BlockStored`: `cache_salt` a field.
+fn sglang_stored(hashes: &[u64], parent: Option<u64>, tokens: &[u64], salt: &str) -> Value {
+    map(vec![
+        ("type", "BlockStored".into()),
+        ("block_hashes", ints(hashes)),
+        ("parent_block_hash", parent.map_or(Value::Nil, Value::from)),
+        ("token_ids", ints(tokens)),
+        ("block_size", 2.into()),
+        ("cache_salt", salt.into()),
+    ])
+}
+
+/// vLLM 0.33.0 `BlockStored`: sha256 bytes hashes, the salt bare in the first block's keys.
+fn vllm_stored(hashes: &[u8], parent: Option<u8>, tokens: &[u64], salt: Option<&str>) -> Value {
+    let h = |b: u8| Value::Binary(vec![b; 32]);
+    let keys = salt.map_or(Value::Nil, |s| {
+        Value::Array(
+            std::iter::once(Value::Array(vec![s.into()]))
+                .chain((1..hashes.len()).map(|_| Value::Nil))
+                .collect(),
+        )
+    });
+    map(vec![
+        ("type", "BlockStored".into()),
+        (
+            "block_hashes",
+            Value::Array(hashes.iter().map(|b| h(*b)).collect()),
+        ),
+        ("parent_block_hash", parent.map_or(Value::Nil, h)),
+        ("token_ids", ints(tokens)),
+        ("block_size", 2.into()),
+        ("lora_id", Value::Nil),
+        ("medium", "GPU".into()),
+        ("extra_keys", keys),
+    ])
+}
+
+fn apply(w: &mut WorkerBlocks, payload: &[u8]) {
+    for e in decode_batch(payload).expect("decode") {
+        w.apply(&e, 1000);
+    }
+}
+
+const SALT: u64 = 0x00ab_cdef_0123_4567;
+const SALT_TEXT: &str = "00abcdef01234567";
+
+#[test]
+fn sglang_blocks_chained_over_two_events_match_the_prompt_they_came_from() {
+    let mut w = WorkerBlocks::default();
+    apply(
+        &mut w,
+        &batch(vec![sglang_stored(&[11], None, &[1, 2], SALT_TEXT)]),
+    );
+    apply(
+        &mut w,
+        &batch(vec![sglang_stored(
+            &[12, 13],
+            Some(11),
+            &[3, 4, 5, 6],
+            SALT_TEXT,
+        )]),
+    );
+    assert_eq!(w.matched_tokens(&[1, 2, 3, 4, 5, 6, 7], SALT), 6);
+    assert_eq!(w.matched_tokens(&[1, 2, 3, 9, 5, 6], SALT), 2);
+    // Another tenant's salt matches nothing of it.
+    assert_eq!(w.matched_tokens(&[1, 2, 3, 4, 5, 6], SALT ^ 1), 0);
+    apply(
+        &mut w,
+        &batch(vec![map(vec![
+            ("type", "BlockRemoved".into()),
+            ("block_hashes", ints(&[12])),
+        ])]),
+    );
+    assert_eq!(w.matched_tokens(&[1, 2, 3, 4, 5, 6], SALT), 2);
+    apply(
+        &mut w,
+        &batch(vec![map(vec![("type", "AllBlocksCleared".into())])]),
+    );
+    assert_eq!(w.matched_tokens(&[1, 2], SALT), 0);
+}
+
+#[test]
+fn vllm_bytes_hashes_and_the_salt_in_extra_keys() {
+    let mut w = WorkerBlocks::default();
+    apply(
+        &mut w,
+        &batch(vec![vllm_stored(
+            &[1, 2],
+            None,
+            &[1, 2, 3, 4],
+            Some(SALT_TEXT),
+        )]),
+    );
+    assert_eq!(w.matched_tokens(&[1, 2, 3, 4], SALT), 4);
+    // A child event carries no salt: it inherits its parent's.
+    apply(
+        &mut w,
+        &batch(vec![vllm_stored(&[3], Some(2), &[5, 6], None)]),
+    );
+    assert_eq!(w.matched_tokens(&[1, 2, 3, 4, 5, 6], SALT), 6);
+    let removed = map(vec![
+        ("type", "BlockRemoved".into()),
+        (
+            "block_hashes",
+            Value::Array(vec![Value::Binary(vec![1; 32])]),
+        ),
+        ("medium", "GPU".into()),
+    ]);
+    apply(&mut w, &batch(vec![removed]));
+    assert_eq!(w.matched_tokens(&[1, 2, 3, 4], SALT), 0);
+}
+
+#[test]
+fn blocks_without_lockstep_salt_or_with_other_keys_are_never_indexed() {
+    let mut w = WorkerBlocks::default();
+    // No salt at all (a request that did not come through lockstep).
+    apply(&mut w, &batch(vec![vllm_stored(&[1], None, &[1, 2], None)]));
+    // A salt that is not lockstep's.
+    apply(
+        &mut w,
+        &batch(vec![sglang_stored(&[5], None, &[1, 2], "tenant-b")]),
+    );
+    assert_eq!(w.len(), 0);
+    // A child of a block never seen.
+    apply(
+        &mut w,
+        &batch(vec![sglang_stored(&[7], Some(99), &[3, 4], SALT_TEXT)]),
+    );
+    assert_eq!(w.len(), 0);
+    // LoRA blocks, another medium, another KV group.
+    let mut lora = sglang_stored(&[8], None, &[1, 2], SALT_TEXT);
+    if let Value::Map(m) = &mut lora {
+        m.push(("lora_id".into(), 3.into()));
+    }
+    let mut cpu = vllm_stored(&[9], None, &[1, 2], Some(SALT_TEXT));
+    if let Value::Map(m) = &mut cpu {
+        m.retain(|(k, _)| k.as_str() != Some("medium"));
+        m.push(("medium".into(), "CPU".into()));
+    }
+    apply(&mut w, &batch(vec![lora, cpu]));
+    assert_eq!(w.len(), 0);
+    assert_eq!(w.matched_tokens(&[1, 2, 3, 4], SALT), 0);
+}
+
+#[test]
+fn unreadable_batches_are_errors() {
+    assert!(decode_batch(b"\xc1").is_err());
+    assert!(decode_batch(&batch(vec![map(vec![("type", "Mystery".into())])])).is_err());
+    // An array-encoded event (an older engine): not guessed at.
+    assert!(decode_batch(&batch(vec![Value::Array(vec!["BlockStored".into()])])).is_err());
+    // Token count that is not blocks × block_size.
+    let bad = sglang_stored(&[1, 2], None, &[1, 2, 3], SALT_TEXT);
+    assert!(decode_batch(&batch(vec![bad])).is_err());
+}
+
+#[test]
+fn sequence_numbers_find_gaps_and_restarts() {
+    let mut w = WorkerBlocks::default();
+    assert_eq!(w.sequence(5), Sequence::InOrder);
+    assert_eq!(w.sequence(6), Sequence::InOrder);
+    assert_eq!(w.sequence(9), Sequence::Gap { from: 7 });
+    assert_eq!(w.sequence(10), Sequence::InOrder);
+    assert_eq!(w.sequence(0), Sequence::Restarted);
+}
+
+#[test]
+fn an_index_past_its_capacity_is_dropped() {
+    let mut w = WorkerBlocks::default();
+    for (i, e) in decode_batch(&batch(vec![sglang_stored(
+        &[1, 2, 3],
+        None,
+        &[1, 2, 3, 4, 5, 6],
+        SALT_TEXT,
+    )]))
+    .expect("decode")
+    .iter()
+    .enumerate()
+    {
+        w.apply(e, 2 + i);
+    }
+    assert_eq!(w.len(), 0);
+}

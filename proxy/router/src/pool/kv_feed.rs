@@ -1,0 +1,232 @@
+//! Following a worker's KV events (`policy = "prefix_events"`): a ZMQ SUB socket on its
+//! publisher, the replay ROUTER asked for what a gap lost, every batch applied to the pool's
+//! index ([`super::kv_events`]). Each replica follows every worker itself; nothing is shared
+//! between replicas.
+//!
+//! The publisher's side (SGLang 0.5.23 `srt/disaggregation/kv_events.py` `ZmqEventPublisher`,
+//! vLLM 0.33.0 `vllm/distributed/kv_events.py`, the same): PUB sends `(topic, seq, payload)`;
+//! the replay ROUTER takes `(identity, "", start_seq)` and answers every buffered batch from
+//! `start_seq` as `(identity, "", topic, seq, payload)`, then `(identity, "", "", -1, "")`.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use zeromq::{Socket, SocketRecv, SocketSend};
+
+use super::kv_events::{Sequence, WorkerBlocks, decode_batch};
+use super::{Upstream, WorkerPool};
+
+/// A replay asked for answers within this, or the gap is not filled (the index is dropped).
+const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
+/// Between attempts to reach a publisher.
+const RETRY: Duration = Duration::from_secs(1);
+
+/// The pool's index of what its workers' engines report, with its counters.
+#[derive(Debug, Default)]
+pub(super) struct EventIndex {
+    pub(super) workers: dashmap::DashMap<String, WorkerBlocks>,
+    /// Batches applied, gaps seen (filled or not), batches that could not be read.
+    pub(super) batches: AtomicU64,
+    pub(super) gaps: AtomicU64,
+    pub(super) errors: AtomicU64,
+}
+
+/// What the pool's event index counted: batches applied, sequence gaps, unreadable batches, and
+/// the blocks indexed now.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EventStats {
+    /// Batches applied.
+    pub batches: u64,
+    /// Sequence gaps and publisher restarts seen.
+    pub gaps: u64,
+    /// Batches that could not be read (the worker's index dropped each time).
+    pub errors: u64,
+    /// Blocks indexed, all workers.
+    pub blocks: u64,
+}
+
+impl EventIndex {
+    /// Applies one message of `url`'s publisher; `replayed` fills a gap when it can.
+    pub(super) fn receive(
+        &self,
+        url: &str,
+        seq: u64,
+        payload: &[u8],
+        capacity: usize,
+        replayed: Option<Vec<(u64, Bytes)>>,
+    ) {
+        let mut w = self.workers.entry(url.to_string()).or_default();
+        match w.sequence(seq) {
+            Sequence::InOrder => {}
+            Sequence::Gap { from } => {
+                self.gaps.fetch_add(1, Ordering::Relaxed);
+                let filled = replayed.is_some_and(|r| {
+                    let wanted: Vec<_> = r
+                        .into_iter()
+                        .filter(|(s, _)| (from..seq).contains(s))
+                        .collect();
+                    let whole = wanted.len() as u64 == seq - from
+                        && wanted
+                            .iter()
+                            .enumerate()
+                            .all(|(i, (s, _))| *s == from + i as u64);
+                    whole && wanted.iter().all(|(_, p)| self.apply(&mut w, p, capacity))
+                });
+                if !filled {
+                    tracing::warn!(worker = %url, from, to = seq, "KV events lost: that worker's index is dropped and rebuilt from here");
+                    w.clear();
+                }
+            }
+            Sequence::Restarted => {
+                self.gaps.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(worker = %url, seq, "KV event publisher restarted: that worker's index starts again");
+                w.clear();
+            }
+        }
+        self.apply(&mut w, payload, capacity);
+    }
+
+    fn apply(&self, w: &mut WorkerBlocks, payload: &[u8], capacity: usize) -> bool {
+        match decode_batch(payload) {
+            Ok(events) => {
+                for e in &events {
+                    w.apply(e, capacity);
+                }
+                self.batches.fetch_add(1, Ordering::Relaxed);
+                true
+            }
+            Err(e) => {
+                self.errors.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(error = %e, "a KV event batch could not be read: that worker's index is dropped");
+                w.clear();
+                false
+            }
+        }
+    }
+
+    /// Whether `seq` from `url` would be a gap (the replay is asked for first).
+    fn gap_from(&self, url: &str, seq: u64) -> Option<u64> {
+        self.workers
+            .get(url)
+            .and_then(|w| w.next_seq)
+            .filter(|n| seq > *n)
+    }
+}
+
+fn seq_of(frame: &Bytes) -> Option<u64> {
+    <[u8; 8]>::try_from(frame.as_ref())
+        .ok()
+        .map(u64::from_be_bytes)
+}
+
+/// Asks `endpoint` (a replay ROUTER) for every batch from `from`.
+async fn replay(endpoint: &str, from: u64) -> Option<Vec<(u64, Bytes)>> {
+    let ask = async {
+        let mut s = zeromq::DealerSocket::new();
+        s.connect(endpoint).await.ok()?;
+        let msg = zeromq::ZmqMessage::try_from(vec![
+            Bytes::new(),
+            Bytes::copy_from_slice(&from.to_be_bytes()),
+        ])
+        .ok()?;
+        s.send(msg).await.ok()?;
+        let mut out = Vec::new();
+        loop {
+            let m = s.recv().await.ok()?.into_vec();
+            // ["", topic, seq, payload]; the end marker's seq is -1.
+            let seq = m.get(2).and_then(seq_of)?;
+            if seq == u64::MAX {
+                return Some(out);
+            }
+            out.push((seq, m.get(3)?.clone()));
+            if out.len() > 100_000 {
+                return None;
+            }
+        }
+    };
+    tokio::time::timeout(REPLAY_TIMEOUT, ask)
+        .await
+        .ok()
+        .flatten()
+}
+
+impl WorkerPool {
+    /// Follows `w`'s KV events into this pool's index until the task is aborted (the worker
+    /// left, the model was dropped). Nothing to follow when the pool's policy is not
+    /// `prefix_events` or the worker names no publisher.
+    pub async fn follow_events(self: Arc<Self>, w: Arc<Upstream>) {
+        let (Some(index), Some(endpoint)) = (self.events.as_ref(), w.kv_events.clone()) else {
+            return std::future::pending().await;
+        };
+        let capacity = self.prefix.cfg.capacity_blocks;
+        loop {
+            let mut sub = zeromq::SubSocket::new();
+            let connected =
+                tokio::time::timeout(Duration::from_secs(5), sub.connect(&endpoint)).await;
+            if !matches!(connected, Ok(Ok(()))) || sub.subscribe(&self.events_topic).await.is_err()
+            {
+                tracing::debug!(worker = %w.url, %endpoint, "KV event publisher not reachable yet");
+                tokio::time::sleep(RETRY).await;
+                continue;
+            }
+            tracing::info!(worker = %w.url, %endpoint, "following the worker's KV events");
+            while let Ok(m) = sub.recv().await {
+                let frames = m.into_vec();
+                let (Some(seq), Some(payload)) = (frames.get(1).and_then(seq_of), frames.get(2))
+                else {
+                    index.errors.fetch_add(1, Ordering::Relaxed);
+                    if let Some(mut b) = index.workers.get_mut(&w.url) {
+                        b.clear();
+                    }
+                    continue;
+                };
+                let replayed = match (index.gap_from(&w.url, seq), &w.kv_events_replay) {
+                    (Some(from), Some(r)) => replay(r, from).await,
+                    _ => None,
+                };
+                index.receive(&w.url, seq, payload, capacity, replayed);
+            }
+            if let Some(mut b) = index.workers.get_mut(&w.url) {
+                b.clear();
+            }
+            tokio::time::sleep(RETRY).await;
+        }
+    }
+
+    /// The event index's counters (all zero unless the policy is `prefix_events`).
+    pub fn event_stats(&self) -> EventStats {
+        self.events
+            .as_ref()
+            .map_or_else(EventStats::default, |e| EventStats {
+                batches: e.batches.load(Ordering::Relaxed),
+                gaps: e.gaps.load(Ordering::Relaxed),
+                errors: e.errors.load(Ordering::Relaxed),
+                blocks: e.workers.iter().map(|w| w.len() as u64).sum(),
+            })
+    }
+
+    /// Leading prompt tokens each candidate's engine reported holding (the `prefix_events`
+    /// policy's stats).
+    pub(super) fn reported_matches(
+        &self,
+        candidates: &[&Arc<Upstream>],
+        tokens: &[u32],
+        salt: u64,
+    ) -> Vec<usize> {
+        let index = self.events.as_ref();
+        candidates
+            .iter()
+            .map(|w| {
+                index
+                    .and_then(|i| {
+                        i.workers
+                            .get(&w.url)
+                            .map(|b| b.matched_tokens(tokens, salt))
+                    })
+                    .unwrap_or(0)
+            })
+            .collect()
+    }
+}
