@@ -8,6 +8,7 @@ pub mod fuzz;
 pub mod gateway;
 pub mod harness;
 pub mod kube_api;
+pub mod kv_publisher;
 pub mod naive_front;
 pub mod redis;
 pub mod sglang_mock;

@@ -348,6 +348,8 @@ impl Drop for PdMock {
 struct Ctx {
     inner: Arc<Inner>,
     role: Role,
+    /// This prefill server's own prefix cache, publishing KV events ([`PdMock::add_prefill`]).
+    cache: Option<Arc<crate::kv_publisher::EngineCache>>,
 }
 
 impl PdMock {
@@ -409,6 +411,7 @@ impl PdMock {
                 Ctx {
                     inner: inner.clone(),
                     role: Role::Prefill,
+                    cache: None,
                 },
             )),
             tokio::spawn(serve(
@@ -416,6 +419,7 @@ impl PdMock {
                 Ctx {
                     inner: inner.clone(),
                     role: Role::Decode,
+                    cache: None,
                 },
             )),
         ];
@@ -425,6 +429,26 @@ impl PdMock {
             decode_addr,
             tasks,
         })
+    }
+
+    /// Starts one more prefill server beside this pair's (SGLang runs one per prefill
+    /// instance; the decode takes KV from any of them), with its own prefix cache publishing KV
+    /// events as SGLang's `--kv-events-config` publisher does. Returns its base URL.
+    pub async fn add_prefill(
+        &mut self,
+        cache: Arc<crate::kv_publisher::EngineCache>,
+    ) -> std::io::Result<String> {
+        let l = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = l.local_addr()?;
+        self.tasks.push(tokio::spawn(serve(
+            l,
+            Ctx {
+                inner: self.inner.clone(),
+                role: Role::Prefill,
+                cache: Some(cache),
+            },
+        )));
+        Ok(format!("http://{addr}"))
     }
 
     /// Base URL of the prefill server.
@@ -802,7 +826,7 @@ async fn generate(State(ctx): State<Ctx>, headers: axum::http::HeaderMap, body: 
     match ctx.role {
         Role::Prefill => {
             lock(&ctx.inner.rid_rooms).push((half.rid.clone(), half.room));
-            prefill(ctx.inner, half, fault).await
+            prefill(ctx.inner, half, fault, ctx.cache).await
         }
         Role::Decode => decode(ctx.inner, half, fault).await,
     }
@@ -919,7 +943,12 @@ fn withdraw(inner: &Inner, room: u64) {
     }
 }
 
-async fn prefill(inner: Arc<Inner>, h: Half, fault: Fault) -> Response {
+async fn prefill(
+    inner: Arc<Inner>,
+    h: Half,
+    fault: Fault,
+    cache: Option<Arc<crate::kv_publisher::EngineCache>>,
+) -> Response {
     if let Fault::PrefillStatus(code) = fault {
         let status = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         return sglang_error(status, "injected prefill failure");
@@ -1030,7 +1059,10 @@ async fn prefill(inner: Arc<Inner>, h: Half, fault: Fault) -> Response {
             n
         };
         let mut info = meta(&h.rid, reported, 1, json!({"type": "length", "length": 0}));
-        info["cached_tokens"] = json!(radix_hit(&inner, &h));
+        info["cached_tokens"] = json!(match &cache {
+            Some(c) => c.serve(&h.ids, h.salt.as_deref()),
+            None => radix_hit(&inner, &h),
+        });
         let body = json!({ "text": first, "output_ids": [h.ids[0]], "meta_info": info });
         let _ = tx.send((StatusCode::OK, body));
     });

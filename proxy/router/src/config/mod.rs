@@ -292,6 +292,54 @@ workers = [{ url = "http://127.0.0.1:2" }]
     }
 
     #[test]
+    fn kv_event_settings_are_checked() {
+        let events = |prefill: &str| {
+            let text = BASE.replace(
+                "[models.prefill]\nworkers = [{ url = \"http://127.0.0.1:1\", bootstrap_port = 8998 }]",
+                prefill,
+            );
+            lines(&Config::parse(&text).expect("parses").problems()).join("\n")
+        };
+        // prefix_events without a publisher, per worker or for the pool.
+        let p = events(
+            "[models.prefill]\npolicy = \"prefix_events\"\nworkers = [{ url = \"http://127.0.0.1:1\" }]",
+        );
+        assert!(p.contains("prefill.workers[0].kv_events"), "{p}");
+        // An endpoint that is not tcp://HOST:PORT; KV events given to another policy.
+        let p = events(
+            "[models.prefill]\npolicy = \"prefix_events\"\nworkers = [{ url = \"http://127.0.0.1:1\", kv_events = \"127.0.0.1:5557\" }]",
+        );
+        assert!(p.contains("expected tcp://HOST:PORT"), "{p}");
+        let p = events(
+            "[models.prefill]\nkv_events = { port = 5557 }\nworkers = [{ url = \"http://127.0.0.1:1\" }]",
+        );
+        assert!(
+            p.contains("prefill.kv_events") && p.contains("prefix_events"),
+            "{p}"
+        );
+        // The pool's port serves every worker; a worker's own endpoint too.
+        for ok in [
+            "[models.prefill]\npolicy = \"prefix_events\"\nkv_events = { port = 5557, replay_port = 5558 }\nworkers = [{ url = \"http://127.0.0.1:1\" }]",
+            "[models.prefill]\npolicy = \"prefix_events\"\nworkers = [{ url = \"http://127.0.0.1:1\", kv_events = \"tcp://127.0.0.1:5557\" }]",
+        ] {
+            let p = events(ok);
+            assert!(!p.contains("kv_events"), "{p}");
+        }
+        let pool = crate::pool::WorkerPool::new(
+            &Config::parse(&BASE.replace(
+                "[models.prefill]\n",
+                "[models.prefill]\npolicy = \"prefix_events\"\nkv_events = { port = 5557, replay_port = 5558 }\n",
+            ))
+            .expect("parses")
+            .models[0]
+                .prefill,
+        );
+        let w = &pool.workers()[0];
+        assert_eq!(w.kv_events.as_deref(), Some("tcp://127.0.0.1:5557"));
+        assert_eq!(w.kv_events_replay.as_deref(), Some("tcp://127.0.0.1:5558"));
+    }
+
+    #[test]
     fn busy_polling_is_bounded_and_needs_pinned_connections() {
         let cfg = Config::parse(&format!("[server]\nbusy_poll_us = 50\n{BASE}")).expect("parses");
         assert_eq!(cfg.server.busy_poll_us, 50);

@@ -58,25 +58,41 @@ impl EventIndex {
         replayed: Option<Vec<(u64, Bytes)>>,
     ) {
         let mut w = self.workers.entry(url.to_string()).or_default();
+        // The first message after a subscription that is not the publisher's first: what came
+        // before is asked of the replay (a replica that starts late learns the caches as they are).
+        let catch_up = w.next_seq.is_none() && seq > 0 && replayed.is_some();
+        if catch_up {
+            w.next_seq = Some(0);
+        }
         match w.sequence(seq) {
             Sequence::InOrder => {}
             Sequence::Gap { from } => {
-                self.gaps.fetch_add(1, Ordering::Relaxed);
-                let filled = replayed.is_some_and(|r| {
-                    let wanted: Vec<_> = r
-                        .into_iter()
-                        .filter(|(s, _)| (from..seq).contains(s))
-                        .collect();
-                    let whole = wanted.len() as u64 == seq - from
-                        && wanted
-                            .iter()
-                            .enumerate()
-                            .all(|(i, (s, _))| *s == from + i as u64);
-                    whole && wanted.iter().all(|(_, p)| self.apply(&mut w, p, capacity))
-                });
-                if !filled {
-                    tracing::warn!(worker = %url, from, to = seq, "KV events lost: that worker's index is dropped and rebuilt from here");
+                if !catch_up {
+                    self.gaps.fetch_add(1, Ordering::Relaxed);
+                }
+                let mut run: Vec<(u64, Bytes)> = replayed
+                    .unwrap_or_default()
+                    .into_iter()
+                    .filter(|(s, _)| (from..seq).contains(s))
+                    .collect();
+                run.sort_by_key(|(s, _)| *s);
+                run.dedup_by_key(|(s, _)| *s);
+                // The batches that end right before `seq` without a hole.
+                let n = run.len();
+                let start = (0..n)
+                    .rev()
+                    .take_while(|&i| run[i].0 == seq - (n - i) as u64)
+                    .last()
+                    .unwrap_or(n);
+                let whole = start == 0 && run.first().is_some_and(|(s, _)| *s == from);
+                if !whole {
+                    if !catch_up {
+                        tracing::warn!(worker = %url, from, to = seq, replayed = n - start, "KV events lost: that worker's index is dropped and rebuilt from what follows");
+                    }
                     w.clear();
+                }
+                for (_, p) in &run[start..] {
+                    self.apply(&mut w, p, capacity);
                 }
             }
             Sequence::Restarted => {
@@ -106,12 +122,13 @@ impl EventIndex {
         }
     }
 
-    /// Whether `seq` from `url` would be a gap (the replay is asked for first).
-    fn gap_from(&self, url: &str, seq: u64) -> Option<u64> {
-        self.workers
-            .get(url)
-            .and_then(|w| w.next_seq)
-            .filter(|n| seq > *n)
+    /// Where the replay should start before `seq` from `url` is applied: a gap's first
+    /// message, or 0 for the first message of a subscription that is not the publisher's first.
+    fn replay_from(&self, url: &str, seq: u64) -> Option<u64> {
+        match self.workers.get(url).and_then(|w| w.next_seq) {
+            None => (seq > 0).then_some(0),
+            Some(n) => (seq > n).then_some(n),
+        }
     }
 }
 
@@ -182,7 +199,7 @@ impl WorkerPool {
                     }
                     continue;
                 };
-                let replayed = match (index.gap_from(&w.url, seq), &w.kv_events_replay) {
+                let replayed = match (index.replay_from(&w.url, seq), &w.kv_events_replay) {
                     (Some(from), Some(r)) => replay(r, from).await,
                     _ => None,
                 };

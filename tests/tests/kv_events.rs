@@ -1,0 +1,429 @@
+//! `policy = "prefix_events"`: several lockstep replicas route from the KV events the prefill
+//! engines publish (ZMQ PUB with replay, msgpack, as SGLang 0.5.23 and vLLM 0.33.0 publish them:
+//! `lockstep_tests::kv_publisher`), in front of SGLang PD mocks whose prefill servers keep their
+//! own prefix caches. A replica sends a prompt to the worker that holds it even when another
+//! replica put it there; one tenant's prefix never attracts another tenant's request; a gap the
+//! replay fills keeps the index, one it cannot fill drops it. The hit-rate comparison with
+//! `prefix_aware` over 1, 2 and 4 replicas is `hit_rate_table` (`bench/kv_events.sh`).
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use lockstep_router::app::Lockstep;
+use lockstep_router::config::Config;
+use lockstep_router::tenant::key_hash_hex;
+use lockstep_tests::client::TestClient;
+use lockstep_tests::harness::{MODEL, TEST_TIMEOUTS, config_text_with};
+use lockstep_tests::kv_publisher::{Dialect, EngineCache};
+use lockstep_tests::sglang_mock::{MockConfig, PdMock};
+use lockstep_tests::tokenizer;
+use serde_json::json;
+
+const BLOCK: usize = 16;
+const WORDS: [&str; 16] = [
+    "alpha", "bravo", "charlie", "delta", "echo", "golf", "hotel", "india", "kilo", "lima", "mike",
+    "oscar", "papa", "romeo", "tango", "zulu",
+];
+
+/// Replicas of one configuration over one SGLang PD mock with `n` prefill servers, each with
+/// its own cache.
+struct Fleet {
+    _mock: PdMock,
+    caches: Vec<Arc<EngineCache>>,
+    replicas: Vec<Lockstep>,
+    /// Per replica, batches applied less batches sent, once every replica follows every
+    /// publisher ([`following`]): from then on each replica applies every batch sent.
+    offsets: Vec<f64>,
+    path: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Fleet {
+    async fn start(
+        replicas: usize,
+        workers: usize,
+        dialect: Dialect,
+        policy: &str,
+        capacity: usize,
+    ) -> Fleet {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let tok = tokenizer::build();
+        let tok_path = dir.path().join("tokenizer.json");
+        std::fs::write(&tok_path, tok.to_string(true).expect("tokenizer")).expect("write");
+        let mut mock = PdMock::start(
+            MockConfig {
+                total_pages: 4096,
+                ..MockConfig::default()
+            },
+            tok,
+        )
+        .await
+        .expect("mock");
+        let mut caches = Vec::new();
+        let mut entries = Vec::new();
+        for _ in 0..workers {
+            let c = Arc::new(EngineCache::start(dialect, BLOCK, capacity).await);
+            let url = mock.add_prefill(c.clone()).await.expect("prefill");
+            let events = if policy == "prefix_events" {
+                format!(
+                    ", kv_events = \"{}\", kv_events_replay = \"{}\"",
+                    c.publisher.endpoint, c.publisher.replay
+                )
+            } else {
+                String::new()
+            };
+            entries.push(format!(
+                "{{ url = \"{url}\", bootstrap_port = 8998{events} }}"
+            ));
+            caches.push(c);
+        }
+        // One salt secret for every replica, so a tenant's blocks are one namespace across them.
+        let server = format!(
+            "cache_salt_secret = \"fleet-secret\"\n\n[[tenants]]\nname = \"acme\"\napi_keys_sha256 = [\"{}\"]\n\n[[tenants]]\nname = \"beta\"\napi_keys_sha256 = [\"{}\"]\n",
+            key_hash_hex("acme-key"),
+            key_hash_hex("beta-key"),
+        );
+        let text = config_text_with(
+            &mock,
+            &tok_path,
+            &server,
+            "context_window = 2048\nkv_capacity_tokens = 65536",
+            TEST_TIMEOUTS,
+        );
+        let old = format!(
+            "workers = [{{ url = \"{}\", bootstrap_port = 8998 }}]",
+            mock.prefill_url()
+        );
+        assert!(text.contains(&old));
+        let text = text
+            .replace("context_window = 512\nkv_capacity_tokens = 1024\n", "")
+            .replace(
+                &old,
+                &format!(
+                    "policy = \"{policy}\"\nprefix = {{ block_tokens = {BLOCK} }}\nworkers = [{}]",
+                    entries.join(", ")
+                ),
+            );
+        let path = dir.path().join("lockstep.toml");
+        std::fs::write(&path, &text).expect("config");
+        let mut started = Vec::new();
+        for _ in 0..replicas {
+            let cfg = Config::load(&path).expect("config loads");
+            started.push(Lockstep::start(cfg).await.expect("replica starts"));
+        }
+        Fleet {
+            _mock: mock,
+            caches,
+            offsets: vec![0.0; started.len()],
+            replicas: started,
+            path,
+            _dir: dir,
+        }
+    }
+
+    fn url(&self, i: usize) -> String {
+        format!(
+            "http://{}",
+            self.replicas[i % self.replicas.len()].http_addr
+        )
+    }
+
+    /// One completion on replica `i` for `tenant`; the answer must be a 200.
+    async fn complete(&self, i: usize, tenant: &str, prompt: &str) {
+        let a = TestClient::default()
+            .send_with(
+                "POST",
+                &format!("{}/v1/completions", self.url(i)),
+                &[("authorization", &format!("Bearer {tenant}-key"))],
+                json!({"model": MODEL, "prompt": prompt, "max_tokens": 1}).to_string(),
+                Duration::from_secs(20),
+            )
+            .await;
+        assert_eq!(a.status, 200, "{}", a.body);
+    }
+
+    async fn metric(&self, i: usize, name: &str) -> f64 {
+        let a = TestClient::default()
+            .get(&format!("{}/metrics", self.url(i)), Duration::from_secs(5))
+            .await;
+        a.body
+            .lines()
+            .filter(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{']))
+            .filter(|l| !l.contains("side=\"decode\""))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+
+    async fn applied(&self, i: usize) -> f64 {
+        self.metric(
+            i,
+            "lockstep_kv_event_batches_total{model=\"mock-pd\",result=\"applied\",side=\"prefill\"}",
+        )
+        .await
+    }
+
+    /// Waits until every replica applied every batch sent so far.
+    async fn sync(&self) {
+        for i in 0..self.replicas.len() {
+            let want = self.batches_sent() as f64 + self.offsets[i];
+            let mut seen = 0.0;
+            for _ in 0..400 {
+                seen = self.applied(i).await;
+                if seen >= want {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+            assert!(
+                seen >= want,
+                "replica {i} applied {seen} KV event batches, not {want}"
+            );
+        }
+    }
+
+    fn hits(&self) -> Vec<u64> {
+        self.caches
+            .iter()
+            .map(|c| c.hit_tokens.load(Ordering::Relaxed))
+            .collect()
+    }
+
+    fn hit_rate(&self) -> f64 {
+        let (p, h) = self.caches.iter().fold((0, 0), |(p, h), c| {
+            (
+                p + c.prompt_tokens.load(Ordering::Relaxed),
+                h + c.hit_tokens.load(Ordering::Relaxed),
+            )
+        });
+        h as f64 / p.max(1) as f64
+    }
+
+    fn batches_sent(&self) -> u64 {
+        self.caches
+            .iter()
+            .map(|c| c.publisher.sent.load(Ordering::Relaxed))
+            .sum()
+    }
+}
+
+/// A prompt of `blocks` whole blocks from `seed` (the word tokenizer: one word, one token).
+fn prompt(seed: usize, blocks: usize) -> String {
+    (0..blocks * BLOCK)
+        .map(|i| WORDS[(seed * 7 + i * (seed % 5 + 1) + i / 3) % WORDS.len()])
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Waits until every replica is following every publisher (a PUB drops what it sends before a
+/// subscriber is connected): every cache publishes until every replica applied one batch of each.
+async fn following(f: &mut Fleet) {
+    for _ in 0..100 {
+        for c in &f.caches {
+            c.clear();
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let mut all = true;
+        for i in 0..f.replicas.len() {
+            all &= f.applied(i).await >= f.caches.len() as f64;
+        }
+        if all {
+            // What was in flight lands; then every batch sent reaches every replica.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            for i in 0..f.replicas.len() {
+                f.offsets[i] = f.applied(i).await - f.batches_sent() as f64;
+            }
+            return;
+        }
+    }
+    panic!("the replicas never followed every KV event publisher");
+}
+
+async fn warmed_elsewhere_then_followed(dialect: Dialect) {
+    let mut f = Fleet::start(2, 4, dialect, "prefix_events", 10_000).await;
+    following(&mut f).await;
+    // Replica 0 puts six prompts on the workers; replica 1 hears of them from the workers'
+    // engines, and sends each conversation, one turn longer, to the worker holding it. (In
+    // reverse order: replica 1's own guesses, which never saw these prompts, would all be
+    // wrong.)
+    for seed in 0..6 {
+        f.complete(0, "acme", &prompt(seed, 4)).await;
+    }
+    f.sync().await;
+    for seed in (0..6).rev() {
+        let before = f.hits();
+        let p = prompt(seed, 4);
+        f.complete(1, "acme", &format!("{p} {}", prompt(seed + 100, 1)))
+            .await;
+        let after = f.hits();
+        let gained: u64 = after.iter().zip(&before).map(|(a, b)| a - b).sum();
+        assert!(
+            gained >= 3 * BLOCK as u64,
+            "prompt {seed}: replica 1 did not route to the worker holding it: hits {before:?} -> {after:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_routes_to_the_worker_another_replica_warmed_sglang_events() {
+    warmed_elsewhere_then_followed(Dialect::Sglang).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_routes_to_the_worker_another_replica_warmed_vllm_events() {
+    warmed_elsewhere_then_followed(Dialect::Vllm).await;
+}
+
+/// Another tenant's identical prompt finds nothing of the first tenant's blocks: the index is
+/// keyed by the salt each engine reports, so the prediction stays at zero.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_tenants_prefix_never_attracts_anothers_request() {
+    let mut f = Fleet::start(2, 2, Dialect::Sglang, "prefix_events", 10_000).await;
+    following(&mut f).await;
+    let p = prompt(3, 6);
+    f.complete(0, "acme", &p).await;
+    f.sync().await;
+    let predicted = "lockstep_prefix_predicted_hit_tokens_total";
+    let before = f.metric(1, predicted).await;
+    f.complete(1, "beta", &p).await;
+    assert_eq!(
+        f.metric(1, predicted).await,
+        before,
+        "beta's request was predicted a hit on acme's blocks"
+    );
+    f.complete(1, "acme", &p).await;
+    assert!(
+        f.metric(1, predicted).await >= before + (5 * BLOCK) as f64,
+        "acme's own prompt was not predicted held"
+    );
+}
+
+/// A replica started after the workers filled their caches asks the replay for everything
+/// from the first batch on its first message, and then holds what the others hold.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_started_late_learns_the_caches_from_the_replay() {
+    let mut f = Fleet::start(1, 2, Dialect::Sglang, "prefix_events", 10_000).await;
+    following(&mut f).await;
+    for seed in 0..4 {
+        f.complete(0, "acme", &prompt(seed, 4)).await;
+    }
+    f.sync().await;
+    let blocks = "lockstep_kv_event_index_blocks{model=\"mock-pd\",side=\"prefill\"}";
+    let held = f.metric(0, blocks).await;
+    assert!(held >= 16.0, "{held}");
+    let cfg = Config::load(&f.path).expect("config");
+    f.replicas
+        .push(Lockstep::start(cfg).await.expect("late replica"));
+    let mut same = false;
+    for i in 0..50u32 {
+        // Something new on each worker, so the late replica hears from both.
+        for (k, c) in f.caches.iter().enumerate() {
+            let base = 5000 + (i * 2 + k as u32) * BLOCK as u32;
+            c.serve(
+                &(base..base + BLOCK as u32).collect::<Vec<_>>(),
+                Some("00000000000000aa"),
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let (old, late) = (f.metric(0, blocks).await, f.metric(1, blocks).await);
+        if old == late && late > held {
+            same = true;
+            break;
+        }
+    }
+    assert!(same, "the late replica never held what the first one holds");
+}
+
+/// A message lost on the wire is fetched from the replay ROUTER and the index kept; a gap no
+/// replay can fill drops that worker's index (never trusted), which then rebuilds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gaps_are_filled_from_the_replay_or_drop_the_index() {
+    let mut f = Fleet::start(1, 1, Dialect::Sglang, "prefix_events", 10_000).await;
+    following(&mut f).await;
+    let c = &f.caches[0];
+    let blocks = "lockstep_kv_event_index_blocks{model=\"mock-pd\",side=\"prefill\"}";
+    let gaps = "lockstep_kv_event_gaps_total{model=\"mock-pd\",side=\"prefill\"}";
+    let salt = Some("00000000000000aa");
+    let gaps_before = f.metric(0, gaps).await;
+    // Lost, then the next one shows the gap: the replay returns it.
+    c.publisher.lose_next();
+    c.serve(&(0..32).collect::<Vec<u32>>(), salt);
+    c.serve(&(100..132).collect::<Vec<u32>>(), salt);
+    f.sync().await;
+    // The lost batch is not counted as sent: wait for it too.
+    assert!(
+        wait_for_metric(&f, blocks, 4.0).await,
+        "the replayed batch was not applied"
+    );
+    assert_eq!(f.metric(0, gaps).await, gaps_before + 1.0);
+    // A gap no replay can fill: the index is dropped, then holds what follows.
+    c.publisher.skip(1);
+    c.serve(&(200..216).collect::<Vec<u32>>(), salt);
+    f.sync().await;
+    assert_eq!(f.metric(0, gaps).await, gaps_before + 2.0);
+    assert_eq!(
+        f.metric(0, blocks).await,
+        1.0,
+        "a worker's index survived a gap it could not fill"
+    );
+}
+
+async fn wait_for_metric(f: &Fleet, name: &str, want: f64) -> bool {
+    for _ in 0..200 {
+        if f.metric(0, name).await == want {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    false
+}
+
+/// The hit rate the workers report, `prefix_aware` against `prefix_events`, with 1, 2 and 4
+/// replicas on a multi-turn, multi-tenant workload; the requests go to the replicas in turn.
+async fn hit_rate(replicas: usize, policy: &str, conversations: usize, turns: usize) -> f64 {
+    let mut f = Fleet::start(replicas, 4, Dialect::Sglang, policy, 4096).await;
+    if policy == "prefix_events" {
+        following(&mut f).await;
+    }
+    let mut n = 0;
+    for turn in 0..turns {
+        for c in 0..conversations {
+            let tenant = if c % 2 == 0 { "acme" } else { "beta" };
+            // The tenant's system prompt (one block), then the conversation so far (three
+            // blocks a turn).
+            let history: Vec<String> = (0..=turn).map(|t| prompt(1000 + c * 50 + t, 3)).collect();
+            let p = format!("{} {}", prompt(c % 2, 1), history.join(" "));
+            f.complete(n, tenant, &p).await;
+            n += 1;
+            if policy == "prefix_events" {
+                // The engines publish as they go; a router hears within milliseconds.
+                f.sync().await;
+            }
+        }
+    }
+    f.hit_rate()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_four_replicas_events_keep_the_hit_rate_that_guesses_lose() {
+    let aware = hit_rate(4, "prefix_aware", 7, 4).await;
+    let events = hit_rate(4, "prefix_events", 7, 4).await;
+    eprintln!("4 replicas: prefix_aware hit rate {aware:.3}, prefix_events {events:.3}");
+    assert!(
+        events > aware + 0.05,
+        "prefix_events {events:.3} against prefix_aware {aware:.3}"
+    );
+}
+
+/// `bench/kv_events.sh`: the table for 1, 2 and 4 replicas.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a benchmark: bench/kv_events.sh"]
+async fn hit_rate_table() {
+    println!("| replicas | prefix_aware | prefix_events |");
+    println!("| --- | --- | --- |");
+    for r in [1, 2, 4] {
+        let aware = hit_rate(r, "prefix_aware", 15, 6).await;
+        let events = hit_rate(r, "prefix_events", 15, 6).await;
+        println!("| {r} | {aware:.3} | {events:.3} |");
+    }
+}
