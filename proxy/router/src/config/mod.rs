@@ -325,18 +325,6 @@ workers = [{ url = "http://127.0.0.1:2" }]
             let p = events(ok);
             assert!(!p.contains("kv_events"), "{p}");
         }
-        let pool = crate::pool::WorkerPool::new(
-            &Config::parse(&BASE.replace(
-                "[models.prefill]\n",
-                "[models.prefill]\npolicy = \"prefix_events\"\nkv_events = { port = 5557, replay_port = 5558 }\n",
-            ))
-            .expect("parses")
-            .models[0]
-                .prefill,
-        );
-        let w = &pool.workers()[0];
-        assert_eq!(w.kv_events.as_deref(), Some("tcp://127.0.0.1:5557"));
-        assert_eq!(w.kv_events_replay.as_deref(), Some("tcp://127.0.0.1:5558"));
     }
 
     #[test]

@@ -119,7 +119,7 @@ fn stored(map: &[(Value, Value)]) -> Result<KvEvent, String> {
         .and_then(Value::as_u64)
         .filter(|b| *b > 0)
         .ok_or("BlockStored: block_size missing or 0")? as usize;
-    if tokens.len() != hashes.len() * block_size {
+    if hashes.len().checked_mul(block_size) != Some(tokens.len()) {
         return Err(format!(
             "BlockStored: {} tokens for {} blocks of {block_size}",
             tokens.len(),

@@ -207,3 +207,34 @@ fn an_index_past_its_capacity_is_dropped() {
     }
     assert_eq!(w.len(), 0);
 }
+
+proptest::proptest! {
+    /// Whatever a publisher sends, decoding answers (an error or events) and applying never
+    /// panics: valid batches with bytes flipped, cut or appended, and random bytes.
+    #[test]
+    fn any_payload_is_read_or_refused_without_a_panic(
+        flips in proptest::collection::vec((0usize..4096, proptest::num::u8::ANY), 0..8),
+        cut in 0usize..4096,
+        noise in proptest::collection::vec(proptest::num::u8::ANY, 0..64),
+    ) {
+        let mut p = batch(vec![
+            sglang_stored(&[11, 12], None, &[1, 2, 3, 4], SALT_TEXT),
+            vllm_stored(&[1], Some(2), &[5, 6], Some(SALT_TEXT)),
+            map(vec![("type", "BlockRemoved".into()), ("block_hashes", ints(&[11]))]),
+        ]);
+        for (at, b) in flips {
+            let n = p.len();
+            p[at % n] ^= b;
+        }
+        p.truncate(cut.max(1));
+        p.extend_from_slice(&noise);
+        let mut w = WorkerBlocks::default();
+        if let Ok(events) = decode_batch(&p) {
+            for e in &events {
+                w.apply(e, 64);
+            }
+        }
+        let _ = decode_batch(&noise);
+        proptest::prop_assert!(w.len() <= 64);
+    }
+}

@@ -246,4 +246,27 @@ impl WorkerPool {
             })
             .collect()
     }
+
+    /// The `prefix_events` choice: [`WorkerPool::pick_prefix`]'s rule over what the engines
+    /// reported holding (nothing is recorded: the next events say what the worker then holds).
+    pub(super) fn pick_reported<'w>(
+        &self,
+        candidates: &[&'w Arc<Upstream>],
+        key: &super::RouteKey,
+    ) -> &'w Arc<Upstream> {
+        let matched = self.reported_matches(candidates, key.tokens, key.salt);
+        let stats: Vec<(usize, usize, usize)> = candidates
+            .iter()
+            .zip(&matched)
+            .map(|(w, m)| (w.in_flight(), *m, 0))
+            .collect();
+        let chosen = super::prefix::choose(&stats, key.tokens.len(), &self.prefix.cfg);
+        self.prefix
+            .routed_tokens
+            .fetch_add(key.tokens.len() as u64, Ordering::Relaxed);
+        self.prefix
+            .predicted_hit_tokens
+            .fetch_add(matched[chosen] as u64, Ordering::Relaxed);
+        candidates[chosen]
+    }
 }

@@ -484,7 +484,7 @@ impl WorkerPool {
                 (w.in_flight(), matched, size)
             })
             .collect();
-        let chosen = choose(&stats, hashes.len(), cfg);
+        let chosen = prefix::choose(&stats, hashes.len(), cfg);
         let w = candidates[chosen];
         self.prefix
             .workers
@@ -499,29 +499,6 @@ impl WorkerPool {
             .predicted_hit_tokens
             .fetch_add(stats[chosen].1 as u64 * block, Ordering::Relaxed);
         w
-    }
-
-    /// The `prefix_events` choice: [`WorkerPool::pick_prefix`]'s rule over what the engines
-    /// reported holding (nothing is recorded: the next events say what the worker then holds).
-    fn pick_reported<'w>(
-        &self,
-        candidates: &[&'w Arc<Upstream>],
-        key: &RouteKey,
-    ) -> &'w Arc<Upstream> {
-        let matched = self.reported_matches(candidates, key.tokens, key.salt);
-        let stats: Vec<(usize, usize, usize)> = candidates
-            .iter()
-            .zip(&matched)
-            .map(|(w, m)| (w.in_flight(), *m, 0))
-            .collect();
-        let chosen = choose(&stats, key.tokens.len(), &self.prefix.cfg);
-        self.prefix
-            .routed_tokens
-            .fetch_add(key.tokens.len() as u64, Ordering::Relaxed);
-        self.prefix
-            .predicted_hit_tokens
-            .fetch_add(matched[chosen] as u64, Ordering::Relaxed);
-        candidates[chosen]
     }
 
     /// The members now (one membership, whole; later joins and leaves do not change it).
@@ -605,31 +582,6 @@ impl WorkerPool {
             },
         };
         LoadGuard::try_new(chosen.clone(), max)
-    }
-}
-
-/// The prefix rule over `(load, matched, size)` per candidate, `matched` out of `wanted`: the
-/// one holding the most (ties: the less loaded), unless load is out of balance or none holds
-/// `cache_threshold` of it; then the least loaded (ties: the one holding least).
-fn choose(
-    stats: &[(usize, usize, usize)],
-    wanted: usize,
-    cfg: &crate::config::PrefixRouting,
-) -> usize {
-    let (min_load, max_load) = stats
-        .iter()
-        .fold((usize::MAX, 0), |(lo, hi), s| (lo.min(s.0), hi.max(s.0)));
-    let imbalanced = max_load - min_load > cfg.balance_abs_threshold
-        && max_load as f64 > cfg.balance_rel_threshold * min_load as f64;
-    let best = (0..stats.len())
-        .max_by_key(|&i| (stats[i].1, std::cmp::Reverse(stats[i].0)))
-        .unwrap_or(0);
-    if !imbalanced && wanted > 0 && stats[best].1 as f64 >= cfg.cache_threshold * wanted as f64 {
-        best
-    } else {
-        (0..stats.len())
-            .min_by_key(|&i| (stats[i].0, stats[i].2))
-            .unwrap_or(0)
     }
 }
 

@@ -54,3 +54,28 @@ pub(super) struct PrefixIndex {
     pub(super) routed_tokens: AtomicU64,
     pub(super) predicted_hit_tokens: AtomicU64,
 }
+
+/// The prefix rule over `(load, matched, size)` per candidate, `matched` out of `wanted`: the
+/// one holding the most (ties: the less loaded), unless load is out of balance or none holds
+/// `cache_threshold` of it; then the least loaded (ties: the one holding least).
+pub(super) fn choose(
+    stats: &[(usize, usize, usize)],
+    wanted: usize,
+    cfg: &crate::config::PrefixRouting,
+) -> usize {
+    let (min_load, max_load) = stats
+        .iter()
+        .fold((usize::MAX, 0), |(lo, hi), s| (lo.min(s.0), hi.max(s.0)));
+    let imbalanced = max_load - min_load > cfg.balance_abs_threshold
+        && max_load as f64 > cfg.balance_rel_threshold * min_load as f64;
+    let best = (0..stats.len())
+        .max_by_key(|&i| (stats[i].1, std::cmp::Reverse(stats[i].0)))
+        .unwrap_or(0);
+    if !imbalanced && wanted > 0 && stats[best].1 as f64 >= cfg.cache_threshold * wanted as f64 {
+        best
+    } else {
+        (0..stats.len())
+            .min_by_key(|&i| (stats[i].0, stats[i].2))
+            .unwrap_or(0)
+    }
+}
