@@ -97,11 +97,16 @@ fn our_salt(s: &str) -> Option<u64> {
     .flatten()
 }
 
-fn stored(map: &[(Value, Value)]) -> Result<KvEvent, String> {
-    if field(map, "group_idx").is_some_and(|g| g.as_u64() != Some(0))
+/// An event about another KV group (`group_idx` other than 0) or tier (`medium` other than
+/// GPU): nothing the router routes on.
+fn elsewhere(map: &[(Value, Value)]) -> bool {
+    field(map, "group_idx").is_some_and(|g| g.as_u64() != Some(0))
         || field(map, "medium")
             .is_some_and(|m| !m.as_str().is_some_and(|m| m.eq_ignore_ascii_case("gpu")))
-    {
+}
+
+fn stored(map: &[(Value, Value)]) -> Result<KvEvent, String> {
+    if elsewhere(map) {
         return Ok(KvEvent::Elsewhere);
     }
     let hashes = hashes(field(map, "block_hashes"), "BlockStored")?;
@@ -182,9 +187,7 @@ pub fn decode_batch(payload: &[u8]) -> Result<Vec<KvEvent>, String> {
             match field(map, "type").and_then(Value::as_str) {
                 Some("BlockStored") => stored(map),
                 Some("BlockRemoved") => {
-                    if field(map, "medium").is_some_and(|m| !m.as_str().is_some_and(|m| m.eq_ignore_ascii_case("gpu")))
-                        || field(map, "group_idx").is_some_and(|g| g.as_u64() != Some(0))
-                    {
+                    if elsewhere(map) {
                         Ok(KvEvent::Elsewhere)
                     } else {
                         Ok(KvEvent::Removed(hashes(field(map, "block_hashes"), "BlockRemoved")?))
