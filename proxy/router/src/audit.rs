@@ -1,4 +1,5 @@
-//! The audit log: one JSON line per aborted pair and per integrity event, to a file (appended) or
+//! The audit log: one JSON line per aborted pair, per integrity event and per migration of a
+//! committed stream to a new pair, to a file (appended) or
 //! stdout (`server.audit_log`: a path, `-`, or empty for off). It carries the pair id, tenant,
 //! model, reason, the side that failed, both workers and the timings; never prompt or answer
 //! content (no field can hold text from either).
@@ -31,6 +32,9 @@ pub enum AuditKind {
     PairAborted,
     /// The halves disagreed or a KV transfer failed verification (also logged as `pair_aborted`).
     IntegrityViolation,
+    /// A committed stream's failed pair was replaced by a new one (`pair_id`), continuing from
+    /// what had been delivered (`migrated_from`: the failed pair, logged as `pair_aborted`).
+    PairMigrated,
 }
 
 /// Milliseconds a pair spent, as far as it got.
@@ -75,6 +79,12 @@ pub struct AuditEvent<'a> {
     pub committed: bool,
     /// Timings.
     pub timings: AuditTimings,
+    /// For `pair_migrated`: the pair it replaces.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub migrated_from: Option<String>,
+    /// For `pair_migrated`: the completion tokens carried into the new pair's prompt.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub carried_tokens: Option<u64>,
 }
 
 /// Unix time in milliseconds.

@@ -29,6 +29,10 @@ pub struct Metrics {
     /// Requests whose pair ended aborted on both halves, by model, reason and the side that
     /// failed (`prefill`, `decode`, or `none` when neither half did: a deadline, the client).
     pub pairs_aborted: IntCounterVec,
+    /// Committed streams moved to a new pair after their worker failed, by model, reason
+    /// (`decode_failed`, `decode_ended`, `decode_idle`, `prefill_failed`) and outcome
+    /// (`resumed`: the new pair passed its barrier and the stream went on; `failed`).
+    pub migrations: IntCounterVec,
     /// First failure seen → both halves' aborts acknowledged (or timed out), by model.
     pub abort_both_seconds: HistogramVec,
     /// Aborts sent again because the aborted half's answer had not ended, by model and side.
@@ -248,6 +252,12 @@ impl Metrics {
                 "lockstep_pairs_aborted_total",
                 "Requests whose pair ended aborted on both halves, by reason and failing side.",
                 &["model", "reason", "side"],
+            ),
+            migrations: counter(
+                &r,
+                "lockstep_migrations_total",
+                "Committed streams moved to a new pair after their worker failed, by reason and outcome.",
+                &["model", "reason", "outcome"],
             ),
             abort_both_seconds: histogram(
                 &r,

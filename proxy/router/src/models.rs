@@ -222,6 +222,7 @@ pub(crate) async fn build_models(
             registry: registry.clone(),
             timeouts: m.timeouts.clone(),
             retry: m.retry.clone(),
+            failover: m.failover.clone(),
             stats: stats.clone(),
             metrics: metrics.clone(),
             audit: audit.clone(),

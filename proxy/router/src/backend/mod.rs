@@ -225,6 +225,20 @@ pub struct HalfError {
 }
 
 impl HalfError {
+    /// Whether the failure is the worker's rather than the request's, so a committed stream
+    /// may continue on a new pair ([`SamplingParams`] permitting): it could not be reached, its
+    /// connection broke, or it answered a server error (5xx: a crash, a shutdown, an engine
+    /// error). Never an integrity failure, an in-band abort (an operator's or the engine's
+    /// own verdict on the request), an answer lockstep could not read, or a 4xx (the request).
+    pub fn migratable(&self) -> bool {
+        match &self.failure {
+            HalfFailure::Connect(_) | HalfFailure::Transport(_) => true,
+            HalfFailure::Status { status, .. } => *status >= 500,
+            HalfFailure::InBandAbort(_) | HalfFailure::Protocol(_) | HalfFailure::Integrity(_) => {
+                false
+            }
+        }
+    }
     /// Whether retrying on a new pair is safe: the worker did no work for this request.
     pub fn retry_safe(&self) -> bool {
         matches!(
@@ -349,6 +363,14 @@ pub trait PdBackend: Send + Sync + 'static {
     /// ([`PdBackend::decode_counts_prompt`] must hold).
     fn serves_alone(&self) -> bool {
         false
+    }
+    /// Whether a committed stream of this request can continue on a new pair whose prompt is
+    /// the request's prompt and the tokens delivered: the decode's chunks must carry their
+    /// token ids (checked per chunk by the lifecycle), and an output constraint must be one
+    /// the workers can resume mid-way. Default: requests without a constraint (SGLang and vLLM
+    /// cannot start a grammar from a state other than its root).
+    fn resumes(&self, sampling: &SamplingParams) -> bool {
+        sampling.constraint.is_none()
     }
     /// Whether the prefill's prefix-cache report (`cached_tokens`) can be told to a tenant's
     /// client: only where lockstep knows each tenant's cache is its own (its engine and workers

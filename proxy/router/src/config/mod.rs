@@ -37,7 +37,7 @@ pub use server::{Connections, ServerConfig};
 pub use shared::{OnUnavailable, SharedConfig};
 pub use sidecar::{EppConfig, Role, SidecarConfig};
 pub use tenant::TenantConfig;
-pub use timeouts::{QueueConfig, RetryConfig, TimeoutConfig};
+pub use timeouts::{FailoverConfig, QueueConfig, RetryConfig, TimeoutConfig};
 
 /// The whole configuration file.
 #[derive(Debug, Clone, Deserialize)]

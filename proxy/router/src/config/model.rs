@@ -120,6 +120,9 @@ pub struct ModelConfig {
     /// Retry policy.
     #[serde(default)]
     pub retry: RetryConfig,
+    /// Migration of a committed stream to a new pair when its worker fails.
+    #[serde(default)]
+    pub failover: super::FailoverConfig,
     /// Waiting for a slot when the workers are full (off by default).
     #[serde(default)]
     pub queue: super::QueueConfig,
@@ -281,6 +284,7 @@ impl Section for ModelConfig {
         m.timeouts.validate(&format!("{at}.timeouts"), out);
         m.health.validate(&format!("{at}.health"), out);
         m.queue.validate(&format!("{at}.queue"), out);
+        m.failover.validate(&format!("{at}.failover"), out);
         if m.backend == BackendKind::Sglang && m.health.timeout_ms < SGLANG_MIN_HEALTH_TIMEOUT_MS {
             out.push(
                 format!("{at}.health.timeout_ms"),

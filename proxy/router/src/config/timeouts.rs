@@ -96,6 +96,38 @@ impl Default for RetryConfig {
     }
 }
 
+/// `[models.failover]`: a committed stream whose worker fails continues on a new pair.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FailoverConfig {
+    /// New pairs one request may migrate to after commit (0: a worker's failure ends the
+    /// stream with an error event, as before).
+    pub max_migrations: u32,
+    /// The most delivered tokens a migration carries into the new pair's prompt; a stream
+    /// past it fails instead (the new prefill recomputes all of them).
+    pub max_migrated_tokens: u64,
+}
+
+impl Default for FailoverConfig {
+    fn default() -> Self {
+        FailoverConfig {
+            max_migrations: 1,
+            max_migrated_tokens: 8192,
+        }
+    }
+}
+
+impl Section for FailoverConfig {
+    fn validate(&self, at: &str, out: &mut Problems) {
+        if self.max_migrations > 16 {
+            out.push(
+                format!("{at}.max_migrations"),
+                "must be at most 16 (each migration recomputes the whole stream)",
+            );
+        }
+    }
+}
+
 impl Section for TimeoutConfig {
     fn validate(&self, at: &str, out: &mut Problems) {
         for (k, v) in [

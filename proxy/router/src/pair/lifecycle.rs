@@ -11,14 +11,14 @@ use tracing::Instrument;
 
 use super::abort::{AbortPlan, Halves, abort_both, decode_chunk, prefill_answer};
 use super::machine::{Action, Env, Limits, Machine, Observation, Stage, Verdict};
-use super::observer::{AbortContext, PairObserver, TokenTimes};
+use super::observer::{AbortContext, Migration, PairObserver, TokenTimes};
 use super::outcome::Failure;
 use super::{Outcome, PairEvent, PairGuard, PairId, PairInfo, PairRegistry, PairState, PairStats};
 use crate::audit::Audit;
 use crate::backend::{
     DecodeChunk, Dispatch, HalfError, HalfFailure, PdBackend, SamplingParams, Side,
 };
-use crate::config::{RetryConfig, TimeoutConfig};
+use crate::config::{FailoverConfig, RetryConfig, TimeoutConfig};
 use crate::error::{LockstepError, Phase};
 use crate::metrics::{Metrics, ModelMetrics};
 use crate::pool::{
@@ -41,6 +41,8 @@ pub struct ModelPairs {
     pub timeouts: TimeoutConfig,
     /// Retry policy.
     pub retry: RetryConfig,
+    /// Migration of committed streams (`[models.failover]`).
+    pub failover: FailoverConfig,
     /// Outcome counters.
     pub stats: Arc<PairStats>,
     /// Prometheus metrics (shared by all models).
@@ -100,7 +102,7 @@ impl ModelPairs {
         (rx, handle)
     }
 
-    async fn run(&self, req: Request, tx: mpsc::Sender<PairEvent>) -> Outcome {
+    async fn run(&self, mut req: Request, tx: mpsc::Sender<PairEvent>) -> Outcome {
         let started = TokioInstant::now();
         let total_at = started + self.timeouts.total();
         let expected = req.input_ids.len() as u64;
@@ -108,7 +110,18 @@ impl ModelPairs {
             expected,
             decode_counts_prompt: self.backend.decode_counts_prompt(),
             max_retries: self.retry.max_retries,
+            max_migrations: self.failover.max_migrations,
+            max_migrated_tokens: self.failover.max_migrated_tokens,
+            max_new: req.sampling.max_new_tokens,
+            resumable: self.backend.resumes(&req.sampling),
         });
+        // What a migration needs: the request as the client sent it, and every token id
+        // delivered (kept only where a migration may happen).
+        let keep_ids = self.failover.max_migrations > 0;
+        let original = (req.input_ids.clone(), req.sampling.clone());
+        let mut delivered_ids: Vec<u32> = Vec::new();
+        let mut in_flight_ids: Vec<u32> = Vec::new();
+        let mut migration: Option<Migration> = None;
         let mut avoid: Avoid = (None, None);
         let mut cur: Option<Attempt> = None;
         let mut failure: Option<Failure> = None;
@@ -121,6 +134,9 @@ impl ModelPairs {
                 (Stage::Picking, _) => {
                     match self.pick_queued(&req, &avoid, machine.attempt(), &tx).await {
                         Ok(a) => {
+                            if let Some(m) = &migration {
+                                a.span.follows_from(m.span.clone());
+                            }
                             cur = Some(a);
                             Observation::Picked
                         }
@@ -146,6 +162,7 @@ impl ModelPairs {
                             t.sent(now, started, last_sent);
                         }
                         last_sent = Some(now);
+                        delivered_ids.append(&mut in_flight_ids);
                     }
                     input
                 }
@@ -160,9 +177,22 @@ impl ModelPairs {
                 draining: self.registry.is_draining(),
             };
             let mut fail = None;
+            // The attempt's own prompt count (a migration's is the prompt and what it carried).
+            let attempt_expected = machine.expected();
             for action in machine.step(input, env) {
                 match (action, cur.as_mut()) {
-                    (Action::Dispatch, Some(a)) => self.dispatch(a),
+                    (Action::Dispatch, Some(a)) => {
+                        self.dispatch(a);
+                        if let Some(m) = &migration {
+                            let tenant = req.tenant.as_deref();
+                            self.observe().migrating(
+                                &a.d,
+                                m,
+                                tenant,
+                                (machine.attempt(), machine.migrations()),
+                            );
+                        }
+                    }
                     (Action::PrefillVerified, Some(a)) => {
                         a.prefill_verified(self, req.tenant.is_some(), expected);
                     }
@@ -178,9 +208,50 @@ impl ModelPairs {
                             cached_tokens: a.cached_tokens,
                         });
                     }
-                    (Action::Forward, Some(a)) => a.outgoing = a.held.take().map(PairEvent::Chunk),
+                    (Action::Resume, Some(a)) => {
+                        // The client was told of the commit by the first pair: nothing to send.
+                        a.guard.set_state(PairState::Committed);
+                        a.barrier = Some(a.dispatched.elapsed());
+                        a.barrier_span = None;
+                        if let Some(m) = migration.take() {
+                            self.observe().migrated(m.reason, true);
+                        }
+                    }
+                    (Action::Forward, Some(a)) => {
+                        // A migrated pair counts its completion tokens from its own start.
+                        let carried = machine.expected() - expected;
+                        a.outgoing = a.held.take().map(|mut c| {
+                            c.completion_tokens += carried;
+                            if keep_ids {
+                                in_flight_ids.clone_from(&c.token_ids);
+                            }
+                            PairEvent::Chunk(c)
+                        });
+                    }
+                    (Action::Migrate { verdict, carried }, Some(a)) => {
+                        if let Some(m) = migration.take() {
+                            // The previous migration's pair failed before its barrier.
+                            self.observe().migrated(m.reason, false);
+                        }
+                        avoid = match verdict.failed_side() {
+                            Some(Side::Prefill) => (Some(a.d.prefill.clone()), None),
+                            _ => (None, Some(a.d.decode.clone())),
+                        };
+                        let carried_ids =
+                            &delivered_ids[..(carried as usize).min(delivered_ids.len())];
+                        req.carry(&original.0, carried_ids, &original.1);
+                        migration = Some(Migration {
+                            from: a.d.pair_id,
+                            reason: verdict.migration_reason().unwrap_or("decode_failed"),
+                            carried,
+                            started,
+                            span: a.span.id(),
+                        });
+                        // The failed pair leaves the registry and its workers' counts now.
+                        cur = None;
+                    }
                     (Action::Abort(v), Some(a)) => {
-                        let f = Failure::of(a.d.pair_id, v, a.failed_half.take(), expected);
+                        let f = Failure::of(a.d.pair_id, v, a.failed_half.take(), attempt_expected);
                         a.guard.set_state(PairState::Aborting);
                         self.abort_both(&a.d, std::mem::take(&mut a.halves), TokioInstant::now());
                         let at = AbortContext {
@@ -211,11 +282,15 @@ impl ModelPairs {
                         let pair_id = cur.as_ref().map_or(PairId::from_raw(0), |a| a.d.pair_id);
                         let f = failure
                             .take()
-                            .unwrap_or_else(|| Failure::of(pair_id, v, None, expected));
+                            .unwrap_or_else(|| Failure::of(pair_id, v, None, attempt_expected));
                         fail = Some(f.error);
                     }
                     (Action::Finish(Outcome::Completed), _) => self.observe().completed(),
-                    (Action::Finish(_), _) => {}
+                    (Action::Finish(_), _) => {
+                        if let Some(m) = migration.take() {
+                            self.observe().migrated(m.reason, false);
+                        }
+                    }
                     (_, None) => unreachable!("an attempt's action without its attempt"),
                 }
             }
@@ -297,6 +372,7 @@ impl ModelPairs {
             span,
             dispatched: TokioInstant::now(),
             halves: Halves::default(),
+            ids_seen: 0,
             prefill_span: None,
             decode_span: None,
             barrier_span: None,
@@ -461,6 +537,19 @@ pub(super) struct Request {
     pub(super) priority: i32,
 }
 
+impl Request {
+    /// The request continued on a new pair: its prompt is the client's prompt and the tokens
+    /// delivered, with `max_tokens` less what they used (the other parameters carried as
+    /// they are).
+    fn carry(&mut self, prompt: &Arc<[u32]>, delivered: &[u32], sampling: &SamplingParams) {
+        self.input_ids = prompt.iter().chain(delivered).copied().collect();
+        self.ids_json = std::sync::OnceLock::new();
+        let mut s = sampling.clone();
+        s.max_new_tokens = s.max_new_tokens.saturating_sub(delivered.len() as u64);
+        self.sampling = Arc::new(s);
+    }
+}
+
 /// The workers a retry avoids: the side that failed.
 pub(super) type Avoid = (Option<Arc<Upstream>>, Option<Arc<Upstream>>);
 
@@ -475,6 +564,8 @@ pub(super) struct Attempt {
     span: tracing::Span,
     dispatched: TokioInstant,
     halves: Halves,
+    /// Token ids the decode's chunks carried so far.
+    ids_seen: u64,
     prefill_span: Option<tracing::Span>,
     decode_span: Option<tracing::Span>,
     barrier_span: Option<tracing::Span>,
@@ -503,6 +594,7 @@ impl Attempt {
             side: e.side,
             retry_safe: e.retry_safe(),
             integrity: matches!(e.failure, HalfFailure::Integrity(_)),
+            migratable: e.migratable(),
         };
         self.failed_half = Some(e);
         input
@@ -512,10 +604,18 @@ impl Attempt {
     fn decoded(&mut self, c: Option<Result<DecodeChunk, HalfError>>) -> Observation {
         match c {
             Some(Ok(chunk)) => {
+                // The chunk's ids are all its tokens when they bring the ids seen to the
+                // worker's own completion count; else what it delivered cannot be carried.
+                let n = chunk.token_ids.len() as u64;
+                let tokens = (self.ids_seen + n == chunk.completion_tokens)
+                    .then(|| u32::try_from(n).ok())
+                    .flatten();
+                self.ids_seen += n;
                 let input = Observation::Decode {
                     prompt_tokens: chunk.prompt_tokens,
                     digest: chunk.kv_digest,
                     last: chunk.finish.is_some(),
+                    tokens,
                 };
                 self.held = Some(chunk);
                 input

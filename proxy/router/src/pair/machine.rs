@@ -5,7 +5,8 @@
 //! model check (`machine_check.rs`) explores every interleaving of the same code that serves
 //! requests.
 
-use super::{AbortReason, CancelReason, Outcome};
+pub(super) use super::verdict::{Check, Verdict};
+use super::{CancelReason, Outcome};
 use crate::backend::Side;
 use crate::error::Phase;
 
@@ -18,6 +19,16 @@ pub(super) struct Limits {
     pub decode_counts_prompt: bool,
     /// Retries allowed before commit.
     pub max_retries: u32,
+    /// Migrations allowed after commit (`[models.failover] max_migrations`).
+    pub max_migrations: u32,
+    /// The most delivered tokens a migration carries into the new pair's prompt
+    /// (`[models.failover] max_migrated_tokens`).
+    pub max_migrated_tokens: u64,
+    /// The request's `max_tokens`: a migration needs tokens left to ask for.
+    pub max_new: u64,
+    /// The backend can continue this request on a new pair: it reports the ids it generates,
+    /// and can resume the request's output constraint, if any, mid-way.
+    pub resumable: bool,
 }
 
 /// The decode's first chunk, held behind the barrier.
@@ -27,6 +38,8 @@ pub(super) struct Held {
     pub digest: Option<u64>,
     /// It is also the last chunk.
     pub last: bool,
+    /// Its token ids, where the chunk carries all of them.
+    pub tokens: Option<u32>,
 }
 
 /// Where a pair stands.
@@ -42,15 +55,20 @@ pub(super) enum Stage {
         /// The decode's first chunk, once it arrived and its count was right.
         first: Option<Held>,
     },
-    /// The `Committed` event is on its way to the client; the held chunk follows.
+    /// The `Committed` event is on its way to the client (after a migration, nothing is: the
+    /// client was told once); the held chunk follows.
     Committing {
         /// The held chunk is the last.
         last: bool,
+        /// Its token ids, where it carries all of them.
+        tokens: Option<u32>,
     },
     /// A chunk is on its way to the client.
     Forwarding {
         /// It is the last.
         last: bool,
+        /// Its token ids, where it carries all of them.
+        tokens: Option<u32>,
     },
     /// Waiting for the decode's next chunk.
     Streaming,
@@ -82,6 +100,9 @@ pub(super) enum Observation {
         digest: Option<u64>,
         /// It carries the finish.
         last: bool,
+        /// Its token ids, where it carries all of them (`None`: the backend did not report
+        /// them, so what was delivered cannot be carried to a new pair).
+        tokens: Option<u32>,
     },
     /// The decode's stream ended without a chunk carrying the finish.
     DecodeEnded,
@@ -93,6 +114,9 @@ pub(super) enum Observation {
         retry_safe: bool,
         /// The worker rejected the KV it was given.
         integrity: bool,
+        /// The failure is the worker's (its connection, its crash, its server error), not the
+        /// request's.
+        migratable: bool,
     },
     /// A deadline passed.
     Deadline(Phase),
@@ -115,113 +139,6 @@ pub(super) struct Env {
     pub draining: bool,
 }
 
-/// Why an attempt failed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub(super) enum Verdict {
-    /// No worker could take a side (nothing was dispatched).
-    NoWorker(Side),
-    /// A half failed.
-    Half {
-        /// Which.
-        side: Side,
-        /// The worker did no work.
-        retry_safe: bool,
-        /// The worker rejected the KV it was given.
-        integrity: bool,
-    },
-    /// A barrier check failed.
-    Check(Check),
-    /// The decode's stream ended early: before any chunk, or (`committed`) without a finish.
-    DecodeEnded {
-        /// After commit.
-        committed: bool,
-    },
-    /// A deadline passed.
-    Deadline(Phase),
-    /// The client went away.
-    ClientGone,
-    /// Told to stop from outside.
-    Cancelled(CancelReason),
-}
-
-/// A failed barrier check.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub(super) enum Check {
-    /// The prefill computed another prompt count.
-    PrefillCount {
-        /// What it reported.
-        got: u64,
-    },
-    /// The decode read another prompt count.
-    DecodeCount {
-        /// What it reported.
-        got: u64,
-    },
-    /// The decode reports no prompt count on a backend that always does.
-    DecodeCountMissing,
-    /// The decode imported other KV than the prefill sent.
-    KvDigest {
-        /// The prefill's.
-        prefill: Option<u64>,
-        /// The decode's.
-        decode: Option<u64>,
-    },
-}
-
-impl Check {
-    /// The check's name (a metric label and audit field).
-    pub(super) fn name(self) -> &'static str {
-        match self {
-            Check::PrefillCount { .. } => "prefill_prompt_count",
-            Check::DecodeCount { .. } | Check::DecodeCountMissing => "decode_prompt_count",
-            Check::KvDigest { .. } => "kv_digest_mismatch",
-        }
-    }
-}
-
-impl Verdict {
-    /// The reason the pair ends with, if this verdict ends it.
-    pub(super) fn reason(self) -> AbortReason {
-        match self {
-            Verdict::NoWorker(_) => AbortReason::NoWorker,
-            Verdict::Half {
-                integrity: true, ..
-            }
-            | Verdict::Check(_) => AbortReason::Integrity,
-            Verdict::Half {
-                side: Side::Prefill,
-                ..
-            } => AbortReason::PrefillFailed,
-            Verdict::Half {
-                side: Side::Decode, ..
-            }
-            | Verdict::DecodeEnded { .. } => AbortReason::DecodeFailed,
-            Verdict::Deadline(p) => AbortReason::Deadline(p),
-            Verdict::ClientGone => AbortReason::ClientGone,
-            Verdict::Cancelled(CancelReason::Shutdown) => AbortReason::Shutdown,
-            Verdict::Cancelled(CancelReason::Operator) => AbortReason::Operator,
-            Verdict::Cancelled(CancelReason::Client) => AbortReason::ClientAbort,
-        }
-    }
-    /// A new pair may be tried: the failed worker did no work.
-    pub(super) fn retry_safe(self) -> bool {
-        matches!(
-            self,
-            Verdict::Half {
-                retry_safe: true,
-                ..
-            }
-        )
-    }
-    /// The side whose worker failed, which the retry avoids.
-    pub(super) fn failed_side(self) -> Option<Side> {
-        match self {
-            Verdict::Half { side, .. } => Some(side),
-            _ => None,
-        }
-    }
-}
-
 /// What the lifecycle must do, in order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(super) enum Action {
@@ -232,6 +149,17 @@ pub(super) enum Action {
     PrefillVerified,
     /// Tell the client the pair committed (then the held chunk follows).
     Commit,
+    /// A migrated stream's new pair passed the barrier: its held chunk continues the client's
+    /// stream (the client was told of the commit once, by the first pair).
+    Resume,
+    /// Pick a new pair that continues the committed stream: the prompt's tokens and every
+    /// token delivered (`carried`), the failed worker avoided.
+    Migrate {
+        /// Why.
+        verdict: Verdict,
+        /// Tokens delivered to the client, now part of the new pair's prompt.
+        carried: u64,
+    },
     /// Send the held chunk to the client.
     Forward,
     /// Abort both halves of this attempt.
@@ -276,6 +204,8 @@ impl IntoIterator for Actions {
 pub(super) enum Mutant {
     /// An idle decode's pair is failed without aborting its halves.
     DropAbortOnIdle,
+    /// A committed stream whose worker failed an integrity check migrates like a crash.
+    MigrateIntegrity,
 }
 
 /// One request's pair lifecycle: its stage and the attempts made.
@@ -285,6 +215,14 @@ pub(super) struct Machine {
     stage: Stage,
     attempt: u32,
     committed: bool,
+    /// Migrations taken.
+    migrations: u32,
+    /// Completion tokens delivered to the client, over every pair.
+    delivered: u64,
+    /// A chunk whose ids were not reported reached the client: the stream cannot be carried.
+    ids_lost: bool,
+    /// Delivered tokens in the current attempt's prompt (0 before any migration).
+    carried: u64,
     #[cfg(test)]
     pub(super) mutant: Option<Mutant>,
 }
@@ -297,6 +235,10 @@ impl Machine {
             stage: Stage::Picking,
             attempt: 0,
             committed: false,
+            migrations: 0,
+            delivered: 0,
+            ids_lost: false,
+            carried: 0,
             #[cfg(test)]
             mutant: None,
         }
@@ -313,12 +255,21 @@ impl Machine {
     pub(super) fn committed(&self) -> bool {
         self.committed
     }
+    /// Migrations taken so far.
+    pub(super) fn migrations(&self) -> u32 {
+        self.migrations
+    }
+    /// The prompt count the current attempt must report: the request's prompt and the tokens
+    /// a migration carried.
+    pub(super) fn expected(&self) -> u64 {
+        self.limits.expected + self.carried
+    }
 
     /// Takes one observation; returns what to do. An input the stage does not await changes
     /// nothing (the lifecycle only awaits what the stage needs).
     pub(super) fn step(&mut self, input: Observation, env: Env) -> Actions {
         let mut out = Actions::default();
-        let expected = self.limits.expected;
+        let expected = self.expected();
         match (self.stage, input) {
             (Stage::Done(_), _) => {}
             (Stage::Picking, Observation::Picked) => {
@@ -360,36 +311,50 @@ impl Machine {
                     prompt_tokens,
                     digest,
                     last,
+                    tokens,
                 },
             ) => match self.count_check(prompt_tokens, true) {
                 Some(check) => self.fail(Verdict::Check(check), env, &mut out),
-                None => self.barrier(prefill, Some(Held { digest, last }), env, &mut out),
+                None => {
+                    let held = Held {
+                        digest,
+                        last,
+                        tokens,
+                    };
+                    self.barrier(prefill, Some(held), env, &mut out)
+                }
             },
             (Stage::Barrier { first: None, .. }, Observation::DecodeEnded) => {
                 self.fail(Verdict::DecodeEnded { committed: false }, env, &mut out)
             }
-            (Stage::Committing { last }, Observation::Delivered) => {
-                self.stage = Stage::Forwarding { last };
+            (Stage::Committing { last, tokens }, Observation::Delivered) => {
+                self.stage = Stage::Forwarding { last, tokens };
                 out.push(Action::Forward);
             }
-            (Stage::Forwarding { last: true }, Observation::Delivered) => {
-                self.stage = Stage::Done(Outcome::Completed);
-                out.push(Action::Finish(Outcome::Completed));
-            }
-            (Stage::Forwarding { last: false }, Observation::Delivered) => {
-                self.stage = Stage::Streaming
+            (Stage::Forwarding { last, tokens }, Observation::Delivered) => {
+                match tokens {
+                    Some(n) => self.delivered += u64::from(n),
+                    None => self.ids_lost = true,
+                }
+                if last {
+                    self.stage = Stage::Done(Outcome::Completed);
+                    out.push(Action::Finish(Outcome::Completed));
+                } else {
+                    self.stage = Stage::Streaming
+                }
             }
             (
                 Stage::Streaming,
                 Observation::Decode {
                     prompt_tokens,
                     last,
+                    tokens,
                     ..
                 },
             ) => match self.count_check(prompt_tokens, false) {
                 Some(check) => self.fail(Verdict::Check(check), env, &mut out),
                 None => {
-                    self.stage = Stage::Forwarding { last };
+                    self.stage = Stage::Forwarding { last, tokens };
                     out.push(Action::Forward);
                 }
             },
@@ -414,12 +379,14 @@ impl Machine {
                     side,
                     retry_safe,
                     integrity,
+                    migratable,
                 },
             ) => {
                 let v = Verdict::Half {
                     side,
                     retry_safe,
                     integrity,
+                    migratable,
                 };
                 self.fail(v, env, &mut out)
             }
@@ -453,7 +420,7 @@ impl Machine {
     /// always reports it must have.
     fn count_check(&self, reported: Option<u64>, first: bool) -> Option<Check> {
         match reported {
-            Some(got) if got != self.limits.expected => Some(Check::DecodeCount { got }),
+            Some(got) if got != self.expected() => Some(Check::DecodeCount { got }),
             None if first && self.limits.decode_counts_prompt => Some(Check::DecodeCountMissing),
             _ => None,
         }
@@ -477,9 +444,17 @@ impl Machine {
                 self.fail(Verdict::Check(check), env, out)
             }
             (Some(_), Some(held)) => {
+                // A migrated stream was committed by its first pair: the new pair resumes it.
+                out.push(if self.committed {
+                    Action::Resume
+                } else {
+                    Action::Commit
+                });
                 self.committed = true;
-                self.stage = Stage::Committing { last: held.last };
-                out.push(Action::Commit);
+                self.stage = Stage::Committing {
+                    last: held.last,
+                    tokens: held.tokens,
+                };
             }
             _ => self.stage = Stage::Barrier { prefill, first },
         }
@@ -503,9 +478,45 @@ impl Machine {
         if retry {
             self.stage = Stage::Backoff(v);
             out.push(Action::Retry(v));
+        } else if self.may_migrate(v, env) {
+            self.migrations += 1;
+            self.attempt += 1;
+            self.carried = self.delivered;
+            self.stage = Stage::Picking;
+            out.push(Action::Migrate {
+                verdict: v,
+                carried: self.carried,
+            });
         } else {
             self.end_failed(v, out);
         }
+    }
+
+    /// A committed stream may continue on a new pair: the failure is the worker's (never an
+    /// integrity failure, the client's own cancel or a deadline of the request), migrations
+    /// and the carried tokens are within their bounds, every delivered token's id is known,
+    /// tokens are left to generate, the backend can resume the request, and the client is there
+    /// with no drain under way.
+    fn may_migrate(&self, v: Verdict, env: Env) -> bool {
+        #[cfg(test)]
+        let v = match (self.mutant, v) {
+            (Some(Mutant::MigrateIntegrity), Verdict::Half { side, .. }) => Verdict::Half {
+                side,
+                retry_safe: false,
+                integrity: false,
+                migratable: true,
+            },
+            _ => v,
+        };
+        self.committed
+            && v.migration_reason().is_some()
+            && self.limits.resumable
+            && !self.ids_lost
+            && self.migrations < self.limits.max_migrations
+            && self.delivered <= self.limits.max_migrated_tokens
+            && self.delivered < self.limits.max_new
+            && env.client_open
+            && !env.draining
     }
 
     /// The request ends failed; the client is told unless it went away.

@@ -3,7 +3,9 @@
 //! the deadlines, the client leaving, a drain, an operator's or the client's own abort, the
 //! backoff and each delivery can reach [`Machine::step`] — the function the lifecycle itself
 //! calls — crossed with every state of the world a failure can meet (client there or not, drain
-//! or not), over up to three attempts. A ghost record, kept from the inputs and actions alone,
+//! or not), over up to three attempts, and a committed stream's migrations to new pairs
+//! (every failure a committed stream can meet, with and without the ids of what was delivered,
+//! up to the limit of two). A ghost record, kept from the inputs and actions alone,
 //! judges the properties, so a bug in the machine's own bookkeeping cannot hide itself.
 
 use stateright::{Checker, Model, Property};
@@ -17,6 +19,8 @@ use crate::error::Phase;
 const SENT: u64 = 3;
 /// Streamed chunks after the first before the model only offers a last one (bounds the graph).
 const MAX_CHUNKS: u8 = 2;
+/// Migrations allowed in the model.
+const MAX_MIGRATIONS: u32 = 2;
 
 /// What an observer outside the machine saw, from the inputs fed and the actions taken.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
@@ -44,12 +48,24 @@ struct Ghost {
     failed: bool,
     finishes: u8,
     retries: u8,
+    /// Completion tokens that reached the client, and whether a chunk without its ids did.
+    delivered: u64,
+    ids_lost: bool,
+    /// The token ids of the chunk the machine holds or is forwarding.
+    pending: Option<u32>,
+    /// Delivered tokens the current attempt's prompt carries.
+    carried: u64,
+    migrations: u32,
+    /// A migration's new pair has not passed its barrier yet.
+    need_resume: bool,
     // Violations, latched.
     bad_commit: bool,
     byte_after_failure: bool,
     abort_of_nothing: bool,
     retry_after_commit: bool,
     told_twice: bool,
+    bad_migration: bool,
+    continued_before_barrier: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -76,11 +92,14 @@ fn inputs(stage: Stage, g: &Ghost) -> Vec<Observation> {
     let half_failures = |v: &mut Vec<Observation>, side: Side| {
         for retry_safe in [false, true] {
             for integrity in [false, true] {
-                v.push(Observation::HalfFailed {
-                    side,
-                    retry_safe,
-                    integrity,
-                });
+                for migratable in [false, true] {
+                    v.push(Observation::HalfFailed {
+                        side,
+                        retry_safe,
+                        integrity,
+                        migratable,
+                    });
+                }
             }
         }
     };
@@ -89,14 +108,15 @@ fn inputs(stage: Stage, g: &Ghost) -> Vec<Observation> {
         v.extend(CANCELS.map(Observation::Cancelled));
         v.push(Observation::Deadline(Phase::Total));
     };
-    let counts = [Some(SENT), Some(SENT + 1), None];
+    let sent = SENT + g.carried;
+    let counts = [Some(sent), Some(sent + 1), None];
     match stage {
         Stage::Done(_) => {}
         Stage::Picking => v.extend([Observation::Picked, Observation::NoWorker(Side::Prefill)]),
         Stage::Backoff(_) => v.push(Observation::BackoffOver),
         Stage::Barrier { prefill, first } => {
             if prefill.is_none() && g.prefill_open {
-                for prompt_tokens in [SENT, SENT + 1] {
+                for prompt_tokens in [sent, sent + 1] {
                     for digest in [None, Some(1)] {
                         v.push(Observation::Prefill {
                             prompt_tokens,
@@ -111,11 +131,14 @@ fn inputs(stage: Stage, g: &Ghost) -> Vec<Observation> {
                 for prompt_tokens in counts {
                     for digest in [None, Some(1), Some(2)] {
                         for last in [false, true] {
-                            v.push(Observation::Decode {
-                                prompt_tokens,
-                                digest,
-                                last,
-                            });
+                            for tokens in [Some(1), None] {
+                                v.push(Observation::Decode {
+                                    prompt_tokens,
+                                    digest,
+                                    last,
+                                    tokens,
+                                });
+                            }
                         }
                     }
                 }
@@ -142,11 +165,14 @@ fn inputs(stage: Stage, g: &Ghost) -> Vec<Observation> {
             };
             for prompt_tokens in counts {
                 for &last in lasts {
-                    v.push(Observation::Decode {
-                        prompt_tokens,
-                        digest: None,
-                        last,
-                    });
+                    for tokens in [Some(1), None] {
+                        v.push(Observation::Decode {
+                            prompt_tokens,
+                            digest: None,
+                            last,
+                            tokens,
+                        });
+                    }
                 }
             }
             half_failures(&mut v, Side::Decode);
@@ -206,15 +232,22 @@ impl Model for PairModel {
                     prompt_tokens,
                     digest,
                     last,
+                    tokens,
                 },
             ) => {
                 g.first = Some((prompt_tokens, digest));
                 g.decode_open = !last;
+                g.pending = tokens;
             }
-            (_, Observation::Decode { last, .. }) => {
+            (_, Observation::Decode { last, tokens, .. }) => {
                 g.chunks += 1;
                 g.decode_open = !last;
+                g.pending = tokens;
             }
+            (Stage::Forwarding { .. }, Observation::Delivered) => match g.pending {
+                Some(n) => g.delivered += u64::from(n),
+                None => g.ids_lost = true,
+            },
             (_, Observation::HalfFailed { side, .. }) => match side {
                 Side::Prefill => g.prefill_open = false,
                 Side::Decode => g.decode_open = false,
@@ -238,21 +271,60 @@ impl Model for PairModel {
                     // Only a prefill report that passed: its count, and its digest against a
                     // first chunk already held.
                     let ok = g.prefill.is_some_and(|(sent, digest)| {
-                        sent == SENT && g.first.is_none_or(|(_, d)| d == digest)
+                        sent == SENT + g.carried && g.first.is_none_or(|(_, d)| d == digest)
                     });
                     g.bad_commit |= !ok || g.prefill_verified;
                     g.prefill_verified = true;
                 }
-                Action::Commit | Action::Forward => {
+                Action::Commit | Action::Forward | Action::Resume => {
                     if !g.live || g.failed {
                         g.byte_after_failure = true;
                     }
-                    if action == Action::Commit {
-                        g.bad_commit |= !self.barrier_passed(g) || !g.prefill_verified;
-                        g.committed = true;
-                    } else if !g.committed {
-                        g.byte_after_failure = true;
+                    match action {
+                        Action::Commit => {
+                            g.bad_commit |= !self.barrier_passed(g) || !g.prefill_verified;
+                            // The client is told of the commit once, whatever migrates.
+                            g.told_twice |= g.committed;
+                            g.committed = true;
+                        }
+                        Action::Resume => {
+                            g.bad_commit |= !self.barrier_passed(g)
+                                || !g.prefill_verified
+                                || !g.need_resume
+                                || !g.committed;
+                            g.need_resume = false;
+                        }
+                        _ => {
+                            g.byte_after_failure |= !g.committed;
+                            g.continued_before_barrier |= g.need_resume;
+                        }
                     }
+                }
+                Action::Migrate { carried, .. } => {
+                    // Only a worker's own failure of a committed stream, judged from the input
+                    // alone: never an integrity failure, a failed check (a chunk or report as
+                    // the input), the client's leaving or cancel, a drain or another deadline.
+                    let worker_failed = match input {
+                        Observation::HalfFailed {
+                            integrity,
+                            migratable,
+                            ..
+                        } => migratable && !integrity,
+                        Observation::DecodeEnded | Observation::Deadline(Phase::Idle) => true,
+                        _ => false,
+                    };
+                    g.migrations += 1;
+                    g.bad_migration |= !worker_failed
+                        || !g.committed
+                        || g.live
+                        || g.ids_lost
+                        || carried != g.delivered
+                        || g.migrations > self.limits.max_migrations
+                        || !env.client_open
+                        || env.draining
+                        || !self.limits.resumable;
+                    g.carried = carried;
+                    g.need_resume = true;
                 }
                 Action::Abort(_) => {
                     if !g.live {
@@ -324,6 +396,22 @@ impl Model for PairModel {
             Property::sometimes("a committed stream fails", |_, w: &World| {
                 matches!(w.machine.stage(), Stage::Done(Outcome::Aborted(_))) && w.ghost.committed
             }),
+            Property::always(
+                "only a worker's failure migrates, at most max_migrations times, carrying what was delivered",
+                |_, w: &World| !w.ghost.bad_migration,
+            ),
+            Property::always(
+                "no continuation before the new pair's barrier",
+                |_, w: &World| !w.ghost.continued_before_barrier,
+            ),
+            Property::sometimes("a migrated stream completes", |_, w: &World| {
+                w.machine.stage() == Stage::Done(Outcome::Completed) && w.ghost.migrations > 0
+            }),
+            Property::sometimes("the last migration completes", |_, w: &World| {
+                w.machine.stage() == Stage::Done(Outcome::Completed)
+                    && w.ghost.migrations == MAX_MIGRATIONS
+                    && w.ghost.carried > 0
+            }),
         ]
     }
 }
@@ -337,11 +425,12 @@ impl PairModel {
         else {
             return false;
         };
+        let expected = SENT + g.carried;
         let read_ok = match read {
-            Some(n) => n == SENT,
+            Some(n) => n == expected,
             None => !self.limits.decode_counts_prompt,
         };
-        sent == SENT && read_ok && prefill_digest == decode_digest
+        sent == expected && read_ok && prefill_digest == decode_digest
     }
 }
 
@@ -355,6 +444,10 @@ fn limits(decode_counts_prompt: bool) -> Limits {
         expected: SENT,
         decode_counts_prompt,
         max_retries: 2,
+        max_migrations: MAX_MIGRATIONS,
+        max_migrated_tokens: 16,
+        max_new: 16,
+        resumable: true,
     }
 }
 
@@ -378,7 +471,12 @@ fn every_interleaving_keeps_the_lifecycle_invariants() {
 
 #[test]
 fn a_dropped_abort_is_found_with_its_trace() {
-    let checker = check(limits(true), Some(Mutant::DropAbortOnIdle));
+    // Without migrations, the idle decode's stream ends at once (with them it would move on).
+    let no_migrations = Limits {
+        max_migrations: 0,
+        ..limits(true)
+    };
+    let checker = check(no_migrations, Some(Mutant::DropAbortOnIdle));
     let name = "abort sent to both halves iff the pair did not succeed";
     let path = checker.assert_any_discovery(name);
     eprintln!("counterexample for {name:?}:\n{path}");
@@ -424,6 +522,7 @@ fn nothing_moves_a_finished_pair() {
             side,
             retry_safe: true,
             integrity: false,
+            migratable: true,
         })
         .chain([
             Observation::Picked,
@@ -442,4 +541,103 @@ fn nothing_moves_a_finished_pair() {
         assert_eq!(m.step(input, env).into_iter().count(), 0, "{input:?}");
         assert_eq!(m.stage(), done);
     }
+}
+
+#[test]
+fn a_migration_after_an_integrity_failure_is_found() {
+    let checker = check(limits(true), Some(Mutant::MigrateIntegrity));
+    let name = "only a worker's failure migrates, at most max_migrations times, carrying what was delivered";
+    let path = checker.assert_any_discovery(name);
+    // The step that broke it: the failure that migrated was an integrity failure or one the
+    // worker did not cause.
+    let steps = path.clone().into_vec();
+    let culprit = steps
+        .windows(2)
+        .find(|w| !w[0].0.ghost.bad_migration && w[1].0.ghost.bad_migration)
+        .and_then(|w| w[0].1);
+    assert!(
+        matches!(
+            culprit,
+            Some((Observation::HalfFailed { integrity, migratable, .. }, _)) if integrity || !migratable
+        ),
+        "{culprit:?} in {path}"
+    );
+    checker.assert_no_discovery("no continuation before the new pair's barrier");
+    checker.assert_no_discovery("no byte after a failure");
+}
+
+#[test]
+fn nothing_migrates_without_the_delivered_ids_or_on_a_backend_that_cannot_resume() {
+    let env = Env {
+        client_open: true,
+        draining: false,
+    };
+    let crash = Observation::HalfFailed {
+        side: Side::Decode,
+        retry_safe: false,
+        integrity: false,
+        migratable: true,
+    };
+    let first = |tokens| Observation::Decode {
+        prompt_tokens: Some(SENT),
+        digest: None,
+        last: false,
+        tokens,
+    };
+    let run = |limits: Limits, tokens: Option<u32>| {
+        let mut m = Machine::new(limits);
+        let mut all = Vec::new();
+        for input in [
+            Observation::Picked,
+            Observation::Prefill {
+                prompt_tokens: SENT,
+                digest: None,
+            },
+            first(tokens),
+            Observation::Delivered,
+            Observation::Delivered,
+            crash,
+        ] {
+            all.extend(m.step(input, env));
+        }
+        (m, all)
+    };
+    let migrated = |all: &[Action]| all.iter().any(|a| matches!(a, Action::Migrate { .. }));
+    let (m, all) = run(limits(true), Some(1));
+    assert!(migrated(&all), "{all:?}");
+    assert_eq!((m.expected(), m.migrations()), (SENT + 1, 1));
+    let (_, all) = run(limits(true), None);
+    assert!(!migrated(&all), "ids unknown: {all:?}");
+    let (_, all) = run(
+        Limits {
+            resumable: false,
+            ..limits(true)
+        },
+        Some(1),
+    );
+    assert!(!migrated(&all), "not resumable: {all:?}");
+    let (_, all) = run(
+        Limits {
+            max_migrations: 0,
+            ..limits(true)
+        },
+        Some(1),
+    );
+    assert!(!migrated(&all), "max_migrations 0: {all:?}");
+    let (_, all) = run(
+        Limits {
+            max_migrated_tokens: 0,
+            ..limits(true)
+        },
+        Some(1),
+    );
+    assert!(!migrated(&all), "over max_migrated_tokens: {all:?}");
+    let (_, all) = run(
+        Limits {
+            max_new: 1,
+            ..limits(true)
+        },
+        Some(1),
+    );
+    assert!(!migrated(&all), "no tokens left: {all:?}");
 }

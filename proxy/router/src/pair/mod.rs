@@ -7,6 +7,7 @@ mod observer;
 mod outcome;
 mod queue;
 mod registry;
+mod verdict;
 mod waiting;
 
 pub use lifecycle::ModelPairs;

@@ -24,6 +24,16 @@ pub(super) struct AbortContext<'a> {
     pub(super) barrier: Option<Duration>,
 }
 
+/// A migration under way: the pair it replaces, why, and what it carries.
+pub(super) struct Migration {
+    pub(super) from: crate::vocab::PairId,
+    pub(super) reason: &'static str,
+    pub(super) carried: u64,
+    pub(super) started: TokioInstant,
+    /// The failed pair's span: the new pair's span follows from it (a span link in traces).
+    pub(super) span: Option<tracing::Id>,
+}
+
 /// One model's view of the counters, histograms and audit log a pair writes to.
 pub(super) struct PairObserver<'a> {
     pub(super) model: &'a str,
@@ -125,6 +135,8 @@ impl PairObserver<'_> {
                 since_dispatch_ms: at.dispatched.elapsed().as_millis() as u64,
                 barrier_ms: at.barrier.map(|b| b.as_millis() as u64),
             },
+            migrated_from: None,
+            carried_tokens: None,
         };
         if f.integrity.is_some() {
             ev.event = AuditKind::IntegrityViolation;
@@ -132,6 +144,52 @@ impl PairObserver<'_> {
             ev.event = AuditKind::PairAborted;
         }
         self.audit.record(&ev);
+    }
+
+    /// A committed stream's new pair was dispatched in place of the failed one: its log line,
+    /// and the audit line that links the two pairs.
+    pub(super) fn migrating(
+        &self,
+        d: &Dispatch,
+        m: &Migration,
+        tenant: Option<&str>,
+        (attempt, nth): (u32, u32),
+    ) {
+        tracing::warn!(pair = %d.pair_id, migration = nth, migrated_from = %m.from, model = %self.model, reason = m.reason, carried_tokens = m.carried, decode = %d.decode.url, "committed stream migrating to a new pair");
+        if !self.audit.enabled() {
+            return;
+        }
+        self.audit.record(&AuditEvent {
+            ts_ms: now_ms(),
+            event: AuditKind::PairMigrated,
+            pair_id: d.pair_id.to_string(),
+            tenant,
+            model: self.model,
+            reason: m.reason,
+            integrity_kind: None,
+            side: "decode",
+            error_code: "",
+            prefill_worker: &d.prefill.url,
+            decode_worker: &d.decode.url,
+            attempt,
+            committed: true,
+            timings: AuditTimings {
+                since_request_ms: m.started.elapsed().as_millis() as u64,
+                since_dispatch_ms: 0,
+                barrier_ms: None,
+            },
+            migrated_from: Some(m.from.to_string()),
+            carried_tokens: Some(m.carried),
+        });
+    }
+
+    /// A migration ended: the new pair passed its barrier (`resumed`) or the stream failed.
+    pub(super) fn migrated(&self, reason: &str, resumed: bool) {
+        let outcome = if resumed { "resumed" } else { "failed" };
+        self.metrics
+            .migrations
+            .with_label_values(&[self.model, reason, outcome])
+            .inc();
     }
 
     /// A failed attempt will be retried as a new pair.

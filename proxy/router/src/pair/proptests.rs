@@ -262,6 +262,11 @@ fn setup(script: &Script) -> Setup {
             max_retries: 1,
             backoff_ms: 5,
         },
+        // The scripts judge a committed stream's failure as the client's error event.
+        failover: crate::config::FailoverConfig {
+            max_migrations: 0,
+            ..Default::default()
+        },
         stats: Arc::new(PairStats::default()),
         series: crate::metrics::ModelMetrics::new(&metrics, "m"),
         queue: crate::pair::FairQueue::default(),
