@@ -20,4 +20,6 @@ pub use crate::vocab::{PairId, RidText};
 #[cfg(test)]
 mod machine_check;
 #[cfg(test)]
+mod machine_tests;
+#[cfg(test)]
 mod proptests;

@@ -1,4 +1,4 @@
-//! Why a pair's attempt failed, as the machine judges it ([`super::machine`]): the verdict, the
+//! Why a pair's attempt failed, as the machine (`machine.rs`) judges it: the verdict, the
 //! barrier check that failed, and what each allows after it (a retry, a migration, the reason
 //! the pair ends with).
 

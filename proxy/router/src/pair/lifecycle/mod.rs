@@ -1,25 +1,25 @@
 //! The pair lifecycle: dispatch both halves, hold decode output behind the commit barrier,
 //! abort both halves on any failure, retry only when safe. One task owns each pair.
 
+mod waits;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use tokio::sync::mpsc;
-use tokio::time::{Instant as TokioInstant, sleep, sleep_until};
+use tokio::time::{Instant as TokioInstant, sleep};
 use tracing::Instrument;
 
-use super::abort::{AbortPlan, Halves, abort_both, decode_chunk, prefill_answer};
+use super::abort::{AbortPlan, Halves, abort_both};
 use super::machine::{Action, Env, Limits, Machine, Observation, Stage, Verdict};
 use super::observer::{AbortContext, Migration, PairObserver, TokenTimes};
 use super::outcome::Failure;
 use super::{Outcome, PairEvent, PairGuard, PairId, PairInfo, PairRegistry, PairState, PairStats};
 use crate::audit::Audit;
-use crate::backend::{
-    DecodeChunk, Dispatch, HalfError, HalfFailure, PdBackend, SamplingParams, Side,
-};
+use crate::backend::{DecodeChunk, Dispatch, HalfError, PdBackend, SamplingParams, Side};
 use crate::config::{FailoverConfig, RetryConfig, TimeoutConfig};
-use crate::error::{LockstepError, Phase};
+use crate::error::LockstepError;
 use crate::metrics::{Metrics, ModelMetrics};
 use crate::pool::{
     LoadGuard, PrefillChoice, PrefillPin, RouteKey, Upstream, WorkerPool, pick_pair,
@@ -403,84 +403,6 @@ impl ModelPairs {
         a.barrier_span = Some(tracing::info_span!(parent: &a.span, "commit_barrier"));
     }
 
-    /// The commit barrier's wait: no decode byte leaves before the prefill is verified and the
-    /// decode's first chunk agrees with it (the machine judges both).
-    async fn barrier_wait(
-        &self,
-        a: &mut Attempt,
-        prefill_in: bool,
-        first_in: bool,
-        tx: &mpsc::Sender<PairEvent>,
-        total_at: TokioInstant,
-    ) -> Observation {
-        let prefill_at = a.dispatched + self.timeouts.prefill();
-        let first_at = a.dispatched + self.timeouts.first_token();
-        tokio::select! {
-            biased;
-            why = a.guard.cancelled() => Observation::Cancelled(why),
-            _ = tx.closed() => Observation::ClientGone,
-            _ = sleep_until(total_at) => Observation::Deadline(Phase::Total),
-            _ = sleep_until(prefill_at), if !prefill_in => Observation::Deadline(Phase::Prefill),
-            _ = sleep_until(first_at), if !first_in => Observation::Deadline(Phase::FirstToken),
-            r = prefill_answer(&mut a.halves.prefill), if !prefill_in => {
-                a.prefill_span = None;
-                match r {
-                    Ok(report) => {
-                        a.reported_cached = report.cached_tokens;
-                        Observation::Prefill { prompt_tokens: report.prompt_tokens, digest: report.kv_digest }
-                    }
-                    Err(e) => a.half_failed(e),
-                }
-            }
-            c = decode_chunk(&mut a.halves.decode), if !first_in => {
-                a.kv_transfer = None;
-                a.decoded(c)
-            }
-        }
-    }
-
-    /// Hands the outgoing event to the client. A client that stops reading fills the channel
-    /// (and the socket under it): the send then waits, bounded by `client_idle_ms`, and stays
-    /// abortable.
-    async fn deliver(
-        &self,
-        a: &mut Attempt,
-        tx: &mpsc::Sender<PairEvent>,
-        total_at: TokioInstant,
-    ) -> Observation {
-        let Some(event) = a.outgoing.take() else {
-            return Observation::Delivered;
-        };
-        a.delivered_chunk = matches!(event, PairEvent::Chunk(_));
-        tokio::select! {
-            biased;
-            why = a.guard.cancelled() => Observation::Cancelled(why),
-            sent = tx.send(event) => match sent {
-                Ok(()) => Observation::Delivered,
-                Err(_) => Observation::ClientGone,
-            },
-            _ = sleep_until(total_at) => Observation::Deadline(Phase::Total),
-            _ = sleep(self.timeouts.client_idle()) => Observation::Deadline(Phase::ClientIdle),
-        }
-    }
-
-    /// Waits for the decode's next chunk after commit.
-    async fn stream_wait(
-        &self,
-        a: &mut Attempt,
-        tx: &mpsc::Sender<PairEvent>,
-        total_at: TokioInstant,
-    ) -> Observation {
-        tokio::select! {
-            biased;
-            why = a.guard.cancelled() => Observation::Cancelled(why),
-            _ = tx.closed() => Observation::ClientGone,
-            _ = sleep_until(total_at) => Observation::Deadline(Phase::Total),
-            _ = sleep(self.timeouts.idle()) => Observation::Deadline(Phase::Idle),
-            c = decode_chunk(&mut a.halves.decode) => a.decoded(c),
-        }
-    }
-
     /// Sends the abort to both halves in the background, each call bounded by `abort_ms`, never
     /// delaying the client's error; the time from `failed_at` to both answered (or timed out) is
     /// the abort-both latency. Halves still open are kept until their answers end where the
@@ -586,59 +508,6 @@ pub(super) struct Attempt {
     delivered_chunk: bool,
     /// How long the barrier held, once it passed.
     barrier: Option<Duration>,
-}
-
-impl Attempt {
-    fn half_failed(&mut self, e: HalfError) -> Observation {
-        let input = Observation::HalfFailed {
-            side: e.side,
-            retry_safe: e.retry_safe(),
-            integrity: matches!(e.failure, HalfFailure::Integrity(_)),
-            migratable: e.migratable(),
-        };
-        self.failed_half = Some(e);
-        input
-    }
-
-    /// The decode's next item as the machine's input; a chunk is held until it is judged.
-    fn decoded(&mut self, c: Option<Result<DecodeChunk, HalfError>>) -> Observation {
-        match c {
-            Some(Ok(chunk)) => {
-                // The chunk's ids are all its tokens when they bring the ids seen to the
-                // worker's own completion count; else what it delivered cannot be carried.
-                let n = chunk.token_ids.len() as u64;
-                let tokens = (self.ids_seen + n == chunk.completion_tokens)
-                    .then(|| u32::try_from(n).ok())
-                    .flatten();
-                self.ids_seen += n;
-                let input = Observation::Decode {
-                    prompt_tokens: chunk.prompt_tokens,
-                    digest: chunk.kv_digest,
-                    last: chunk.finish.is_some(),
-                    tokens,
-                };
-                self.held = Some(chunk);
-                input
-            }
-            Some(Err(e)) => self.half_failed(e),
-            None => Observation::DecodeEnded,
-        }
-    }
-
-    /// The machine took the prefill's answer: count its prefix-cache report (told to a tenant's
-    /// client only: the cache is shared otherwise, and the count would tell one caller what
-    /// another sent; and only where the backend's cache is known to be the tenant's own) and time the KV's move until the decode's first chunk.
-    fn prefill_verified(&mut self, rt: &ModelPairs, tenant: bool, expected: u64) {
-        if let Some(n) = self.reported_cached {
-            rt.observe().cached_tokens(n);
-            if tenant && rt.backend.cache_report_is_tenants_own() {
-                self.cached_tokens = n.min(expected);
-            }
-        }
-        if let (None, Some(barrier)) = (&self.held, &self.barrier_span) {
-            self.kv_transfer = Some(tracing::info_span!(parent: barrier, "kv_transfer"));
-        }
-    }
 }
 
 impl std::fmt::Debug for ModelPairs {

@@ -1,0 +1,95 @@
+//! The machine's migration refusals one by one: each condition that keeps a committed
+//! stream from moving to a new pair, with the stream that does move as the control.
+
+use super::machine::{Action, Env, Limits, Machine, Observation};
+use crate::backend::Side;
+
+const SENT: u64 = 3;
+
+fn limits(decode_counts_prompt: bool) -> Limits {
+    Limits {
+        expected: SENT,
+        decode_counts_prompt,
+        max_retries: 2,
+        max_migrations: 2,
+        max_migrated_tokens: 16,
+        max_new: 16,
+        resumable: true,
+    }
+}
+
+#[test]
+fn nothing_migrates_without_the_delivered_ids_or_on_a_backend_that_cannot_resume() {
+    let env = Env {
+        client_open: true,
+        draining: false,
+    };
+    let crash = Observation::HalfFailed {
+        side: Side::Decode,
+        retry_safe: false,
+        integrity: false,
+        migratable: true,
+    };
+    let first = |tokens| Observation::Decode {
+        prompt_tokens: Some(SENT),
+        digest: None,
+        last: false,
+        tokens,
+    };
+    let run = |limits: Limits, tokens: Option<u32>| {
+        let mut m = Machine::new(limits);
+        let mut all = Vec::new();
+        for input in [
+            Observation::Picked,
+            Observation::Prefill {
+                prompt_tokens: SENT,
+                digest: None,
+            },
+            first(tokens),
+            Observation::Delivered,
+            Observation::Delivered,
+            crash,
+        ] {
+            all.extend(m.step(input, env));
+        }
+        (m, all)
+    };
+    let migrated = |all: &[Action]| all.iter().any(|a| matches!(a, Action::Migrate { .. }));
+    let (m, all) = run(limits(true), Some(1));
+    assert!(migrated(&all), "{all:?}");
+    assert_eq!((m.expected(), m.migrations()), (SENT + 1, 1));
+    let (_, all) = run(limits(true), None);
+    assert!(!migrated(&all), "ids unknown: {all:?}");
+    let (_, all) = run(
+        Limits {
+            resumable: false,
+            ..limits(true)
+        },
+        Some(1),
+    );
+    assert!(!migrated(&all), "not resumable: {all:?}");
+    let (_, all) = run(
+        Limits {
+            max_migrations: 0,
+            ..limits(true)
+        },
+        Some(1),
+    );
+    assert!(!migrated(&all), "max_migrations 0: {all:?}");
+    let (_, all) = run(
+        Limits {
+            max_migrated_tokens: 0,
+            ..limits(true)
+        },
+        Some(1),
+    );
+    assert!(!migrated(&all), "over max_migrated_tokens: {all:?}");
+    let (_, all) = run(
+        Limits {
+            max_new: 1,
+            ..limits(true)
+        },
+        Some(1),
+    );
+    assert!(!migrated(&all), "no tokens left: {all:?}");
+}
