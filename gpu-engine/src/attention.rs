@@ -157,14 +157,14 @@ mod f16c {
     }
 }
 
-/// Whether a tile of `queries` tokens of a `group`-head GQA group computes its scores against
-/// K transposed (head_dim × slots: one broadcast-FMA pass per page, no horizontal sums), which
-/// repays the transpose only with many query rows per page. Decided by the tile and the model's
-/// group alone, never by how the work is split into tasks, so that a sequence's logits do not
-/// depend on what else is in the batch.
-fn transposed(queries: usize, group: usize) -> bool {
-    queries * group >= 8
-}
+/// Whether scores are computed against K transposed (head_dim × slots: one broadcast-FMA pass
+/// per page, no horizontal sums). Always, for prefill tiles and decode steps alike: the two
+/// orders of summation round apart, and a token's logits must not depend on whether its
+/// position was computed in a prefill or a decode step (a stream migrated to a new pair, whose
+/// prefill computes the delivered tokens' positions in one batch, then goes on exactly as it
+/// would have), nor on what else is in the batch. The transpose costs a decode step a copy of
+/// each page's K block.
+const TRANSPOSED: bool = true;
 
 /// Query tokens one prefill task handles: each K/V page is converted once for all of them.
 const QUERY_TILE: usize = 16;
@@ -484,7 +484,7 @@ fn batch_attention_with(
                 &lens,
                 &qt,
                 &mut o,
-                transposed(nq, group),
+                TRANSPOSED,
             );
             (r0, h, o)
         })

@@ -211,6 +211,26 @@ impl Guide {
         }
     }
 
+    /// Advances the grammar over output generated before (a stream migrated from a failed
+    /// pair), then starts the next mask. An error where the tokens do not fit the grammar, or
+    /// complete it (the output would have ended there).
+    pub fn resume(&mut self, tokens: &[u32]) -> Result<(), String> {
+        if tokens.is_empty() {
+            return Ok(());
+        }
+        let mut m = match (self.matcher.take(), self.pending.take()) {
+            (Some(m), _) => m,
+            (None, Some(rx)) => rx.recv().map_err(|_| "the mask computation was lost")?.0,
+            (None, None) => return Err("the grammar is mid-step".into()),
+        };
+        m.consume_tokens(tokens).map_err(|e| e.to_string())?;
+        if m.is_stopped() {
+            return Err("the grammar completed within the output already delivered".into());
+        }
+        self.next_mask(m);
+        Ok(())
+    }
+
     /// Advances the grammar by the sampled token. Returns whether the grammar is complete (the
     /// request ends); otherwise the next mask is started.
     pub fn advance(&mut self, token: u32) -> Result<bool, String> {

@@ -31,6 +31,10 @@ pub struct SamplingConfig {
     pub frequency_penalty: f32,
     /// What the output must match (structured outputs), enforced by masking the logits.
     pub constraint: Option<crate::grammar::OutputConstraint>,
+    /// Tokens at the end of the prompt that are the request's own output already (a stream
+    /// migrated from a failed pair): penalties count them, seeded draws continue from their
+    /// step, the constraint is advanced over them; `max_tokens` counts only what follows.
+    pub resumed: usize,
 }
 
 impl Default for SamplingConfig {
@@ -47,6 +51,7 @@ impl Default for SamplingConfig {
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             constraint: None,
+            resumed: 0,
         }
     }
 }
@@ -226,6 +231,16 @@ impl TextStream {
             max_tokens: cfg.max_tokens.max(1),
             ignore_eos: cfg.ignore_eos,
         }
+    }
+
+    /// Continues a stream whose first tokens, `ids`, were generated (and their text sent)
+    /// elsewhere: they count as output, for penalties, and their text is not produced again.
+    pub fn resume(&mut self, ids: &[u32]) {
+        self.ids.extend_from_slice(ids);
+        self.read = self.ids.len();
+        // A little context, so the next token's text decodes as it would have.
+        self.prefix = self.read.saturating_sub(4);
+        self.max_tokens += ids.len();
     }
 
     /// Tokens generated so far (a final stop token included).

@@ -99,9 +99,15 @@ pub enum Fault {
     DecodeHang,
     /// Decode's stream breaks after this many events.
     DecodeCut(usize),
+    /// Decode's stream breaks after this many events, once: the fault then clears (a decode
+    /// server that died and came back, or the next request finding a healthy one).
+    DecodeCutOnce(usize),
     /// Decode reports one prompt token more than it was sent (what `--allow-auto-truncate` and
     /// old SGLang stubs look like).
     DecodeCountMismatch,
+    /// From this event on, decode reports one prompt token more than it was sent: a stream
+    /// that turns into another request's after commit (an integrity violation mid-stream).
+    DecodeCountChangesAt(usize),
     /// Decode events carry no `meta_info.prompt_tokens` (SGLang 0.5.23 always sends it,
     /// `srt/managers/output_streamer.py`; a server that does not is not one lockstep can verify).
     DecodeNoCount,
@@ -153,6 +159,13 @@ pub struct MockConfig {
     /// abort for an rid not yet in `rid_to_state` (`srt/managers/tokenizer_manager.py`,
     /// `abort_request`), and the half then lives on.
     pub decode_register_delay: Duration,
+    /// How decode output follows from the sequence: `None` echoes the prompt read from the KV
+    /// (output token `i` is prompt token `i mod len`); `Some(lag)` makes each output token the
+    /// token `lag` places back in the sequence so far (prompt and output; the first one when the
+    /// sequence is shorter). That is a function of the sequence alone, as a real model's greedy
+    /// output is, so a stream continued on a new pair from the prompt and the tokens delivered
+    /// goes on exactly as it would have: what migration tests need.
+    pub continuation_lag: Option<usize>,
 }
 
 impl Default for MockConfig {
@@ -169,6 +182,7 @@ impl Default for MockConfig {
             admin_api_key: None,
             abort_delay: Duration::ZERO,
             decode_register_delay: Duration::ZERO,
+            continuation_lag: None,
         }
     }
 }
@@ -1287,16 +1301,34 @@ async fn decode_work(
             }
             _ = tokio::time::sleep(token_delay) => {}
         }
-        if let Fault::DecodeCut(after) = fault
+        if let Fault::DecodeCut(after) | Fault::DecodeCutOnce(after) = fault
             && i == after
         {
+            if let Fault::DecodeCutOnce(_) = fault {
+                let mut f = lock(&inner.fault);
+                if *f == fault {
+                    *f = Fault::None;
+                }
+            }
             let _ = tx.send(DecodeMsg::Cut);
             release(pages);
             return;
         }
-        // Output is read from the KV: the prompt echoed back.
-        out.push(kv[i % kv.len().max(1)]);
-        let mut text = with_text.then(|| inner.tokenizer.decode(&out, false).unwrap_or_default());
+        // Output is read from the KV: the prompt echoed back, or the token `lag` back.
+        out.push(match inner.cfg.continuation_lag {
+            None => kv[i % kv.len().max(1)],
+            Some(_) if kv.is_empty() => 0,
+            Some(lag) => {
+                let t = kv.len() + i;
+                let at = t.saturating_sub(lag);
+                if at < kv.len() {
+                    kv[at]
+                } else {
+                    out[at - kv.len()]
+                }
+            }
+        });
+        let mut text = with_text.then(|| printable(&inner.tokenizer, &out));
         // `Req.check_finished` (`srt/managers/schedule_batch.py`): the first stop string, in the
         // request's order, found in the decoded text ends the request `{"type":"stop","matched"}`;
         // the detokenizer then cuts the text where it starts unless `no_stop_trim`
@@ -1323,6 +1355,10 @@ async fn decode_work(
         // this step's (`tokenizer_manager.py` `_handle_batch_output`); `meta_info`'s
         // `completion_tokens` counts all of them either way.
         let shown = if incremental { &out[i..] } else { &out[..] };
+        let reported = match fault {
+            Fault::DecodeCountChangesAt(at) if i >= at => h.ids.len() + 1,
+            _ => reported,
+        };
         let mut ev =
             json!({ "output_ids": shown, "meta_info": meta(&h.rid, reported, out.len(), finish) });
         if fault == Fault::DecodeNoCount
@@ -1332,7 +1368,7 @@ async fn decode_work(
         }
         if let Some(text) = text {
             ev["text"] = json!(if incremental {
-                let before = inner.tokenizer.decode(&out[..i], false).unwrap_or_default();
+                let before = printable(&inner.tokenizer, &out[..i]);
                 text.get(before.len()..).unwrap_or_default().to_string()
             } else {
                 text
@@ -1344,6 +1380,14 @@ async fn decode_work(
         }
     }
     release(pages);
+}
+
+/// The text of `ids` as SGLang's detokenizer streams it: a character whose bytes have not all
+/// come yet (U+FFFD at the end) is held back (`srt/managers/detokenizer_manager.py`: incomplete
+/// UTF-8 emits the printable prefix only).
+fn printable(tok: &Tokenizer, ids: &[u32]) -> String {
+    let text = tok.decode(ids, false).unwrap_or_default();
+    text.trim_end_matches('\u{FFFD}').to_string()
 }
 
 fn abandon(inner: &Inner, room: u64) {

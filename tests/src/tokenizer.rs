@@ -138,6 +138,15 @@ pub fn byte_level() -> Tokenizer {
     with_specials(tok)
 }
 
+/// [`byte_level`] with its byte-level decoder: the text of ids is the concatenation of each
+/// id's bytes, as with the tokenizers of Llama 3, Qwen and SmolLM2, so a stream carried to a new
+/// pair can be checked against its ids (the migration tests).
+pub fn build_byte_level() -> Tokenizer {
+    let mut tok = byte_level();
+    tok.with_decoder(Some(tokenizers::decoders::byte_level::ByteLevel::default()));
+    tok
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

@@ -71,6 +71,9 @@ pub enum VllmFault {
     /// decode): by then the prefill has freed them and another request may have written there.
     /// Every count is still right; nothing in vLLM's protocol tells.
     DecodeQueuedPastLease,
+    /// The decode's stream breaks after this many chunks, once (a decode server that died):
+    /// the fault then clears.
+    DecodeCutOnce(usize),
 }
 
 /// Mock settings.
@@ -94,6 +97,11 @@ pub struct VllmMockConfig {
     /// `{"error":"Unauthorized"}` (vLLM 0.33 `entrypoints/serve/middleware/authenticate.py`);
     /// `/health` is not guarded.
     pub api_key: Option<String>,
+    /// How the output follows from the sequence: `None` echoes the KV read (token `i` is KV
+    /// token `i mod len`); `Some(lag)` makes each token the one `lag` places back in the
+    /// sequence so far (prompt and output), a function of the sequence alone as a real model's
+    /// greedy output is (the migration tests).
+    pub continuation_lag: Option<usize>,
 }
 
 /// The shape of `kv_transfer_params.remote_block_ids`.
@@ -120,6 +128,7 @@ impl Default for VllmMockConfig {
             block_ids: BlockIdShape::Nested,
             api_key: None,
             served_model_name: "vllm-pd".into(),
+            continuation_lag: None,
         }
     }
 }
@@ -623,14 +632,37 @@ fn stream_from(
         .max()
         .unwrap_or(1)
         .saturating_sub(1);
+    // With `return_token_ids`, each chunk's own ids and, on the first, the prompt's
+    // (`entrypoints/openai/completion/serving.py`).
+    let with_ids = req.get("return_token_ids") == Some(&Value::Bool(true));
+    let prompt_ids = prompt_of(req);
+    let lag = inner.cfg.continuation_lag;
+    let cut = match fault {
+        VllmFault::DecodeCutOnce(n) => {
+            let mut f = lock(&inner.fault);
+            if *f == fault {
+                *f = VllmFault::None;
+            }
+            Some(n)
+        }
+        _ => None,
+    };
     // (tokens made, text so far, bytes of it sent, live guard, finished: totals and `[DONE]`)
-    let start = (0usize, String::new(), 0usize, live, None::<usize>);
-    let stream = futures_util::stream::unfold(start, move |(i, text, sent, live, ended)| {
+    let start = (
+        Vec::<u32>::new(),
+        String::new(),
+        0usize,
+        live,
+        None::<usize>,
+    );
+    let stream = futures_util::stream::unfold(start, move |(mut out, text, sent, live, ended)| {
         let kv = kv.clone();
         let inner = inner.clone();
         let stop = stop.clone();
         let model = model.clone();
+        let prompt_ids = prompt_ids.clone();
         async move {
+            let i = out.len();
             if let Some(n) = ended {
                 // `[DONE]` after the totals chunk (under `include_usage`); then the end.
                 if n == usize::MAX {
@@ -646,20 +678,36 @@ fn stream_from(
                 } else {
                     "data: [DONE]\n\n".to_string()
                 };
-                let state = (i, text, sent, live, Some(usize::MAX));
-                return Some((Ok::<_, std::convert::Infallible>(last), state));
+                let state = (out, text, sent, live, Some(usize::MAX));
+                return Some((Ok::<_, std::io::Error>(last), state));
             }
             if hang {
                 // Until the client goes away (dropping this stream drops `live`).
                 std::future::pending::<()>().await;
             }
             tokio::time::sleep(delay).await;
-            let token = kv.get(i % kv.len().max(1)).copied().unwrap_or(0);
-            let piece = format!(
-                " {}",
-                inner.tokenizer.decode(&[token], false).unwrap_or_default()
-            );
-            let mut text = text + &piece;
+            if cut == Some(i) {
+                return Some((
+                    Err(std::io::Error::other("injected stream cut")),
+                    (out, text, sent, live, Some(usize::MAX)),
+                ));
+            }
+            let token = match lag {
+                None => kv.get(i % kv.len().max(1)).copied().unwrap_or(0),
+                Some(lag) => {
+                    let at = (kv.len() + i).saturating_sub(lag);
+                    if at < kv.len() {
+                        kv.get(at).copied().unwrap_or(0)
+                    } else {
+                        out[at - kv.len()]
+                    }
+                }
+            };
+            out.push(token);
+            // The detokenizer's text of every token so far, a character whose bytes have not
+            // all come held back (`v1/engine/detokenizer.py`, incremental decoding).
+            let mut text = inner.tokenizer.decode(&out, false).unwrap_or_default();
+            text.truncate(text.trim_end_matches('\u{FFFD}').len());
             // `check_stop_strings`: the text is cut where the string starts.
             let (upto, finish, stop_reason) = match stop_match(&text, &stop) {
                 Some((cut, s)) => {
@@ -675,11 +723,21 @@ fn stream_from(
                     (upto.max(sent), Value::Null, Value::Null)
                 }
             };
-            let delta = text[sent.min(upto)..upto].to_string();
+            let delta = text
+                .get(sent.min(upto)..upto)
+                .unwrap_or_default()
+                .to_string();
+            let mut choice = json!({ "index": 0, "text": delta, "logprobs": null,
+                                     "finish_reason": finish, "stop_reason": stop_reason });
+            if with_ids {
+                choice["token_ids"] = json!([token]);
+                if i == 0 {
+                    choice["prompt_token_ids"] = json!(prompt_ids);
+                }
+            }
             let mut ev = json!({
                 "id": "cmpl-mock", "object": "text_completion", "model": model,
-                "choices": [{ "index": 0, "text": delta, "logprobs": null,
-                              "finish_reason": finish, "stop_reason": stop_reason }],
+                "choices": [choice],
             });
             if continuous {
                 ev["usage"] = json!({ "prompt_tokens": prompt_tokens, "completion_tokens": i + 1,
@@ -688,7 +746,7 @@ fn stream_from(
             let ended = (!finish.is_null()).then_some(i + 1);
             Some((
                 Ok(format!("data: {ev}\n\n")),
-                (i + 1, text, upto, live, ended),
+                (out, text, upto, live, ended),
             ))
         }
     });

@@ -352,7 +352,17 @@ impl Scheduler {
                     prompt_tokens: g.prompt.len() as u64,
                     kv_digest: digest,
                 });
-                let text = TextStream::new(&g.sampling, &self.bundle.eog);
+                let mut text = TextStream::new(&g.sampling, &self.bundle.eog);
+                // A migrated stream: its delivered tokens end the prompt and count as output.
+                let resumed = g.sampling.resumed.min(g.prompt.len());
+                let tail = g.prompt[g.prompt.len() - resumed..].to_vec();
+                text.resume(&tail);
+                let mut guide = guide;
+                if let Some(Err(m)) = guide.as_mut().map(|gd| gd.resume(&tail)) {
+                    let _ = self.pool.release(seq);
+                    let e = EngineError::BadRequest(format!("output constraint: {m}"));
+                    return Err((Job::Gen(g, events, None), e));
+                }
                 Ok(Some(Active {
                     id,
                     seq,
@@ -364,7 +374,7 @@ impl Scheduler {
                         sampler: Sampler::new(g.sampling),
                         text,
                         next: [0],
-                        sampled: 0,
+                        sampled: resumed,
                         guide,
                     },
                 }))

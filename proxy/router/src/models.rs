@@ -223,6 +223,7 @@ pub(crate) async fn build_models(
             timeouts: m.timeouts.clone(),
             retry: m.retry.clone(),
             failover: m.failover.clone(),
+            detok: codec.concat_decoder(),
             stats: stats.clone(),
             metrics: metrics.clone(),
             audit: audit.clone(),

@@ -118,6 +118,12 @@ pub struct SamplingParams {
     /// workers' own terms (admission refuses it for backends that cannot).
     #[serde(skip)]
     pub constraint: Option<Constraint>,
+    /// Tokens at the end of the prompt that are this request's own output already, delivered
+    /// by a pair that failed (a migrated stream; 0 otherwise). lockstep's engine and workers
+    /// count them as output: penalties see them, seeded draws continue from their step, the
+    /// output constraint is advanced over them. Never sent to SGLang or vLLM, which cannot.
+    #[serde(skip)]
+    pub resumed: u32,
 }
 
 /// A structured-output constraint (OpenAI `response_format`, SGLang's `json_schema`, `regex`,

@@ -100,6 +100,7 @@ pub fn sampling_from_pb(s: Option<pb::Sampling>) -> SamplingConfig {
                 C::Lark(g) => O::Lark(g),
             }
         }),
+        resumed: s.resumed as usize,
     }
 }
 

@@ -346,6 +346,20 @@ impl PromptCodec {
         self.text.tokenizer().decode(ids, false).unwrap_or_default()
     }
 
+    /// Token ids to text, where the text of ids is always the concatenation of each id's bytes
+    /// (a byte-level decoder: GPT-2's, Llama 3's, Qwen's, SmolLM2's), for a migration to check
+    /// the delivered text against the delivered ids. `None` for other decoders: a
+    /// SentencePiece-style one strips the leading space of a text's start, so the text of a
+    /// continuation is not what follows the text.
+    pub fn concat_decoder(self: &Arc<Self>) -> Option<crate::pair::Detok> {
+        let decoder = serde_json::to_value(self.text.tokenizer().get_decoder()).ok()?;
+        if decoder["type"] != "ByteLevel" {
+            return None;
+        }
+        let me = self.clone();
+        Some(Arc::new(move |ids: &[u32]| me.decode(ids)))
+    }
+
     /// The vocabulary size, to validate client-sent token ids.
     pub fn vocab_size(&self) -> usize {
         self.text.tokenizer().get_vocab_size(true)

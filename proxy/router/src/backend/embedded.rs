@@ -46,6 +46,7 @@ fn sampling(p: &SamplingParams) -> SamplingConfig {
         presence_penalty: p.presence_penalty.unwrap_or(0.0) as f32,
         frequency_penalty: p.frequency_penalty.unwrap_or(0.0) as f32,
         constraint: p.constraint.as_ref().and_then(|c| c.for_engine()),
+        resumed: p.resumed as usize,
     }
 }
 
@@ -155,6 +156,12 @@ impl PdBackend for EmbeddedBackend {
         })
         .flatten_stream()
         .boxed()
+    }
+
+    /// lockstep's engine counts the delivered tokens as output ([`SamplingParams::resumed`]):
+    /// penalties, seeded draws and the output constraint go on where they were.
+    fn resumes(&self, _: &SamplingParams) -> bool {
+        true
     }
 
     fn decode_counts_prompt(&self) -> bool {

@@ -148,6 +148,7 @@ fn sampling(p: &SamplingParams) -> pb::Sampling {
                 O::Lark(g) => C::Lark(g),
             })
         }),
+        resumed: p.resumed,
     }
 }
 
@@ -279,6 +280,12 @@ impl PdBackend for LockstepBackend {
             })
             .flatten_stream()
             .boxed()
+    }
+
+    /// lockstep's engine counts the delivered tokens as output ([`SamplingParams::resumed`]):
+    /// penalties, seeded draws and the output constraint go on where they were.
+    fn resumes(&self, _: &SamplingParams) -> bool {
+        true
     }
 
     fn decode_counts_prompt(&self) -> bool {

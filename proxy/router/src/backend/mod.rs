@@ -366,11 +366,16 @@ pub trait PdBackend: Send + Sync + 'static {
     }
     /// Whether a committed stream of this request can continue on a new pair whose prompt is
     /// the request's prompt and the tokens delivered: the decode's chunks must carry their
-    /// token ids (checked per chunk by the lifecycle), and an output constraint must be one
-    /// the workers can resume mid-way. Default: requests without a constraint (SGLang and vLLM
-    /// cannot start a grammar from a state other than its root).
+    /// token ids (checked per chunk by the lifecycle), and what the new pair generates must go
+    /// on as the old one's would have. Default (SGLang and vLLM): requests without an output
+    /// constraint (neither can start a grammar from a state other than its root), a seed (the
+    /// draws would start over) or a penalty (it would not count the delivered tokens).
     fn resumes(&self, sampling: &SamplingParams) -> bool {
+        let off = |p: Option<f64>| p.is_none_or(|p| p == 0.0);
         sampling.constraint.is_none()
+            && sampling.sampling_seed.is_none()
+            && off(sampling.frequency_penalty)
+            && off(sampling.presence_penalty)
     }
     /// Whether the prefill's prefix-cache report (`cached_tokens`) can be told to a tenant's
     /// client: only where lockstep knows each tenant's cache is its own (its engine and workers

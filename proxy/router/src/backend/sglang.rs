@@ -402,37 +402,49 @@ impl StreamText {
         }
     }
 
-    /// The new text of one event, after checking its ids against the mode.
-    fn delta(&mut self, v: &Answer) -> Result<String, String> {
+    /// The new text and token ids of one event, after checking its ids against the mode.
+    fn delta(&mut self, v: &Answer) -> Result<(String, Vec<u32>), String> {
         let text = v.text.as_deref().unwrap_or("");
         let completion = v.meta(|m| m.completion_tokens);
+        let mut new_ids = Vec::new();
         if let (Some(ids), Some(completion)) = (&v.output_ids, completion) {
-            let ids = ids.len() as u64;
+            let n = ids.len() as u64;
             let total = match self.mode {
-                StreamMode::Cumulative => ids,
-                StreamMode::Incremental => self.ids_seen + ids,
+                StreamMode::Cumulative => n,
+                StreamMode::Incremental => self.ids_seen + n,
             };
             // An abort event carries no ids; only a count that moved must match.
             if completion > 0 && total != completion {
                 return Err(format!(
-                    "{ids} output_ids with completion_tokens {completion} do not fit the {:?} stream mode the worker reported",
+                    "{n} output_ids with completion_tokens {completion} do not fit the {:?} stream mode the worker reported",
                     self.mode
                 ));
             }
-            self.ids_seen = total;
+            if completion > 0 {
+                new_ids = match self.mode {
+                    StreamMode::Incremental => ids.clone(),
+                    // Cumulative: the ids past the ones already seen.
+                    StreamMode::Cumulative => ids
+                        .get(self.ids_seen as usize..)
+                        .unwrap_or_default()
+                        .to_vec(),
+                };
+                self.ids_seen = total;
+            }
         }
-        match self.mode {
-            StreamMode::Incremental => Ok(text.to_string()),
+        let delta = match self.mode {
+            StreamMode::Incremental => text.to_string(),
             StreamMode::Cumulative => {
                 if text.len() >= self.text_len && text.is_char_boundary(self.text_len) {
                     let delta = text[self.text_len..].to_string();
                     self.text_len = text.len();
-                    Ok(delta)
+                    delta
                 } else {
-                    Err("streamed text is not cumulative".into())
+                    return Err("streamed text is not cumulative".into());
                 }
             }
-        }
+        };
+        Ok((delta, new_ids))
     }
 }
 
@@ -444,14 +456,14 @@ impl ChunkSource for SseDecoder {
         };
         let v = Answer::parse(side, data.as_bytes(), "bad SSE event")?;
         let finish = inspect(side, &v)?;
-        let delta = self.text.delta(&v).map_err(|m| HalfError {
+        let (delta, token_ids) = self.text.delta(&v).map_err(|m| HalfError {
             side,
             failure: HalfFailure::Protocol(m),
         })?;
         Ok(Some(DecodeChunk {
             kv_digest: None,
             delta,
-            token_ids: Vec::new(),
+            token_ids,
             prompt_tokens: v.meta(|m| m.prompt_tokens),
             completion_tokens: v.meta(|m| m.completion_tokens).unwrap_or(0),
             // SGLang's `finish_reason.matched`: the stop string (a token id otherwise).

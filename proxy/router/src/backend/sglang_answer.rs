@@ -13,8 +13,9 @@ use super::{HalfError, HalfFailure, Side};
 #[derive(Debug, Default, serde::Deserialize)]
 pub(crate) struct Answer {
     pub(crate) text: Option<String>,
-    /// Counted, not kept.
-    pub(crate) output_ids: Option<Vec<serde::de::IgnoredAny>>,
+    /// The completion's token ids (cumulative or this event's, by the stream mode): counted
+    /// against `completion_tokens`, and kept so a migration can carry what was delivered.
+    pub(crate) output_ids: Option<Vec<u32>>,
     pub(crate) error: Option<Value>,
     pub(crate) meta_info: Option<Meta>,
 }

@@ -19,27 +19,38 @@ fn event(text: &str, ids: &[u32], completion: u64) -> Answer {
 }
 
 #[test]
-fn both_stream_modes_give_the_same_deltas() {
+fn both_stream_modes_give_the_same_deltas_and_ids() {
+    let want: Vec<(String, Vec<u32>)> = vec![
+        ("red".into(), vec![1]),
+        (" green".into(), vec![2]),
+        (" blue".into(), vec![3, 4]),
+    ];
     let mut c = StreamText::new(StreamMode::Cumulative);
-    let got: Vec<String> = [
+    let got: Vec<(String, Vec<u32>)> = [
         event("red", &[1], 1),
         event("red green", &[1, 2], 2),
-        event("red green blue", &[1, 2, 3], 3),
+        event("red green blue", &[1, 2, 3, 4], 4),
     ]
     .iter()
     .map(|e| c.delta(e).expect("cumulative"))
     .collect();
-    assert_eq!(got, ["red", " green", " blue"]);
+    assert_eq!(got, want);
     let mut i = StreamText::new(StreamMode::Incremental);
-    let got: Vec<String> = [
+    let got: Vec<(String, Vec<u32>)> = [
         event("red", &[1], 1),
         event(" green", &[2], 2),
-        event(" blue", &[3], 3),
+        event(" blue", &[3, 4], 4),
     ]
     .iter()
     .map(|e| i.delta(e).expect("incremental"))
     .collect();
-    assert_eq!(got, ["red", " green", " blue"]);
+    assert_eq!(got, want);
+    // An abort event (no ids, count 0) after them leaves the ids seen as they were.
+    assert_eq!(
+        c.delta(&event("red green blue", &[], 0)).expect("abort"),
+        (String::new(), vec![])
+    );
+    assert_eq!(c.ids_seen, 4);
 }
 
 #[test]

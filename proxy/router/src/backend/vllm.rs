@@ -97,6 +97,10 @@ impl VllmBackend {
         }
         if !prefill {
             b["stream_options"] = json!({ "include_usage": true, "continuous_usage_stats": true });
+            // Each chunk's token ids (`choices[].token_ids`, the chunk's own; vLLM 0.33
+            // `entrypoints/openai/completion/serving.py`), so a migration can carry what was
+            // delivered.
+            b["return_token_ids"] = Value::Bool(true);
         }
         let opt = [
             ("temperature", s.temperature.map(Value::from)),
@@ -467,7 +471,7 @@ impl ChunkSource for Sse {
                     .and_then(Value::as_str)
                     .unwrap_or("")
                     .to_string(),
-                token_ids: Vec::new(),
+                token_ids: token_ids(side, choice)?,
                 prompt_tokens: usage(&v, "prompt_tokens"),
                 kv_digest: None,
                 completion_tokens: usage(&v, "completion_tokens").unwrap_or(self.chunks),
@@ -479,6 +483,17 @@ impl ChunkSource for Sse {
                 finish,
             }));
         }
+    }
+}
+
+/// A chunk's `token_ids` (its own ids, with `return_token_ids`); none where absent.
+fn token_ids(side: Side, choice: &Value) -> Result<Vec<u32>, HalfError> {
+    match choice.get("token_ids") {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(v) => serde_json::from_value(v.clone()).map_err(|e| HalfError {
+            side,
+            failure: HalfFailure::Protocol(format!("bad choices[0].token_ids: {e}")),
+        }),
     }
 }
 

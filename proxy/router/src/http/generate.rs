@@ -129,6 +129,7 @@ impl FrontRequest for GenerateRequest {
             presence_penalty: s.presence_penalty,
             sampling_seed: s.sampling_seed,
             constraint,
+            resumed: 0,
         };
         Ok((
             Input::Prompt(prompt),

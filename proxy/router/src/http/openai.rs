@@ -188,6 +188,7 @@ impl CommonParams {
                 presence_penalty: self.presence_penalty,
                 sampling_seed: self.seed,
                 constraint: None,
+                resumed: 0,
             },
             self.stream,
             include_usage,

@@ -137,6 +137,12 @@ pub(super) struct Env {
     pub client_open: bool,
     /// lockstep is draining: nothing new starts.
     pub draining: bool,
+    /// Of the tokens delivered, how many at the end the client does not hold the whole text
+    /// of (a character split across tokens, text a worker holds back for a stop string): a
+    /// migration carries the others and generates these again. `None` where lockstep cannot
+    /// tell (the tokenizer's text is not the concatenation of its tokens', or the delivered text
+    /// matches no prefix of the delivered ids): then nothing may be carried.
+    pub unsent: Option<u64>,
 }
 
 /// What the lifecycle must do, in order.
@@ -481,6 +487,8 @@ impl Machine {
         } else if self.may_migrate(v, env) {
             self.migrations += 1;
             self.attempt += 1;
+            // The tokens whose text the client lacks are generated again on the new pair.
+            self.delivered -= env.unsent.unwrap_or(0);
             self.carried = self.delivered;
             self.stage = Stage::Picking;
             out.push(Action::Migrate {
@@ -494,7 +502,8 @@ impl Machine {
 
     /// A committed stream may continue on a new pair: the failure is the worker's (never an
     /// integrity failure, the client's own cancel or a deadline of the request), migrations
-    /// and the carried tokens are within their bounds, every delivered token's id is known,
+    /// and the carried tokens are within their bounds, every delivered token's id is known and
+    /// the delivered text is known to be theirs,
     /// tokens are left to generate, the backend can resume the request, and the client is there
     /// with no drain under way.
     fn may_migrate(&self, v: Verdict, env: Env) -> bool {
@@ -512,6 +521,7 @@ impl Machine {
             && v.migration_reason().is_some()
             && self.limits.resumable
             && !self.ids_lost
+            && env.unsent.is_some_and(|u| u <= self.delivered)
             && self.migrations < self.limits.max_migrations
             && self.delivered <= self.limits.max_migrated_tokens
             && self.delivered < self.limits.max_new

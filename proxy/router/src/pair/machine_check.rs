@@ -200,11 +200,22 @@ impl Model for PairModel {
         for input in inputs(w.machine.stage(), &w.ghost) {
             for client_open in [true, false] {
                 for draining in [false, true] {
-                    let env = Env {
-                        client_open,
-                        draining,
-                    };
-                    out.push((input, env));
+                    // Whether the delivered text is known to be its ids' (only a failure asks).
+                    let unknown = [false, true];
+                    let failure = matches!(
+                        input,
+                        Observation::HalfFailed { .. }
+                            | Observation::DecodeEnded
+                            | Observation::Deadline(_)
+                    );
+                    for unknown in &unknown[..if failure { 2 } else { 1 }] {
+                        let env = Env {
+                            client_open,
+                            draining,
+                            unsent: (!unknown).then_some(0),
+                        };
+                        out.push((input, env));
+                    }
                 }
             }
         }
@@ -322,6 +333,7 @@ impl Model for PairModel {
                         || g.migrations > self.limits.max_migrations
                         || !env.client_open
                         || env.draining
+                        || env.unsent.is_none()
                         || !self.limits.resumable;
                     g.carried = carried;
                     g.need_resume = true;
@@ -397,7 +409,7 @@ impl Model for PairModel {
                 matches!(w.machine.stage(), Stage::Done(Outcome::Aborted(_))) && w.ghost.committed
             }),
             Property::always(
-                "only a worker's failure migrates, at most max_migrations times, carrying what was delivered",
+                "only a worker's failure migrates, at most max_migrations times, carrying what was delivered, its text known",
                 |_, w: &World| !w.ghost.bad_migration,
             ),
             Property::always(
@@ -506,6 +518,7 @@ fn nothing_moves_a_finished_pair() {
     let env = Env {
         client_open: true,
         draining: false,
+        unsent: Some(0),
     };
     assert_eq!(
         m.step(Observation::NoWorker(Side::Decode), env)
@@ -546,7 +559,7 @@ fn nothing_moves_a_finished_pair() {
 #[test]
 fn a_migration_after_an_integrity_failure_is_found() {
     let checker = check(limits(true), Some(Mutant::MigrateIntegrity));
-    let name = "only a worker's failure migrates, at most max_migrations times, carrying what was delivered";
+    let name = "only a worker's failure migrates, at most max_migrations times, carrying what was delivered, its text known";
     let path = checker.assert_any_discovery(name);
     // The step that broke it: the failure that migrated was an integrity failure or one the
     // worker did not cause.

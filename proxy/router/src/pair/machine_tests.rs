@@ -23,6 +23,7 @@ fn nothing_migrates_without_the_delivered_ids_or_on_a_backend_that_cannot_resume
     let env = Env {
         client_open: true,
         draining: false,
+        unsent: Some(0),
     };
     let crash = Observation::HalfFailed {
         side: Side::Decode,
@@ -36,7 +37,7 @@ fn nothing_migrates_without_the_delivered_ids_or_on_a_backend_that_cannot_resume
         last: false,
         tokens,
     };
-    let run = |limits: Limits, tokens: Option<u32>| {
+    let run_with = |limits: Limits, tokens: Option<u32>, unsent: Option<u64>| {
         let mut m = Machine::new(limits);
         let mut all = Vec::new();
         for input in [
@@ -48,18 +49,39 @@ fn nothing_migrates_without_the_delivered_ids_or_on_a_backend_that_cannot_resume
             first(tokens),
             Observation::Delivered,
             Observation::Delivered,
-            crash,
         ] {
             all.extend(m.step(input, env));
         }
+        all.extend(m.step(crash, Env { unsent, ..env }));
         (m, all)
     };
+    let run = |limits: Limits, tokens: Option<u32>| run_with(limits, tokens, Some(0));
     let migrated = |all: &[Action]| all.iter().any(|a| matches!(a, Action::Migrate { .. }));
     let (m, all) = run(limits(true), Some(1));
     assert!(migrated(&all), "{all:?}");
     assert_eq!((m.expected(), m.migrations()), (SENT + 1, 1));
     let (_, all) = run(limits(true), None);
     assert!(!migrated(&all), "ids unknown: {all:?}");
+    // The delivered text is not known to be the delivered ids': nothing is carried.
+    let (_, all) = run_with(limits(true), Some(1), None);
+    assert!(!migrated(&all), "text unknown: {all:?}");
+    // The client lacks the last token's text (half a character): it is generated again.
+    let (m, all) = run_with(limits(true), Some(1), Some(1));
+    assert!(
+        all.contains(&Action::Migrate {
+            verdict: super::machine::Verdict::Half {
+                side: Side::Decode,
+                retry_safe: false,
+                integrity: false,
+                migratable: true
+            },
+            carried: 0
+        }),
+        "{all:?}"
+    );
+    assert_eq!(m.expected(), SENT);
+    let (_, all) = run_with(limits(true), Some(1), Some(2));
+    assert!(!migrated(&all), "more unsent than delivered: {all:?}");
     let (_, all) = run(
         Limits {
             resumable: false,

@@ -10,7 +10,7 @@ mod registry;
 mod verdict;
 mod waiting;
 
-pub use lifecycle::ModelPairs;
+pub use lifecycle::{Detok, ModelPairs};
 pub use outcome::{AbortReason, Outcome, PairEvent, PairStats};
 pub use queue::FairQueue;
 pub use registry::{AbortsInFlight, CancelReason, PairGuard, PairInfo, PairRegistry, PairState};

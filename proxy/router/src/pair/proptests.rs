@@ -267,6 +267,7 @@ fn setup(script: &Script) -> Setup {
             max_migrations: 0,
             ..Default::default()
         },
+        detok: None,
         stats: Arc::new(PairStats::default()),
         series: crate::metrics::ModelMetrics::new(&metrics, "m"),
         queue: crate::pair::FairQueue::default(),

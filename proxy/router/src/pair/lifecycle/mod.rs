@@ -43,6 +43,10 @@ pub struct ModelPairs {
     pub retry: RetryConfig,
     /// Migration of committed streams (`[models.failover]`).
     pub failover: FailoverConfig,
+    /// The model's token ids to text, where the text of ids is the concatenation of each
+    /// id's (a byte-level tokenizer): a migration checks with it that the text delivered is
+    /// the delivered ids' ([`unsent`]). `None`: nothing is carried.
+    pub detok: Option<Detok>,
     /// Outcome counters.
     pub stats: Arc<PairStats>,
     /// Prometheus metrics (shared by all models).
@@ -121,6 +125,8 @@ impl ModelPairs {
         let original = (req.input_ids.clone(), req.sampling.clone());
         let mut delivered_ids: Vec<u32> = Vec::new();
         let mut in_flight_ids: Vec<u32> = Vec::new();
+        let mut delivered_text = String::new();
+        let mut in_flight_text = String::new();
         let mut migration: Option<Migration> = None;
         let mut avoid: Avoid = (None, None);
         let mut cur: Option<Attempt> = None;
@@ -163,6 +169,8 @@ impl ModelPairs {
                         }
                         last_sent = Some(now);
                         delivered_ids.append(&mut in_flight_ids);
+                        delivered_text.push_str(&in_flight_text);
+                        in_flight_text.clear();
                     }
                     input
                 }
@@ -172,9 +180,24 @@ impl ModelPairs {
                 }
                 (_, None) => unreachable!("an attempt's stage without its attempt"),
             };
+            // Only a failure of a committed stream that may migrate needs the text checked.
+            let may_carry = keep_ids
+                && machine.committed()
+                && machine.migrations() < self.failover.max_migrations
+                && matches!(
+                    input,
+                    Observation::HalfFailed { .. }
+                        | Observation::DecodeEnded
+                        | Observation::Deadline(_)
+                );
             let env = Env {
                 client_open: !tx.is_closed(),
                 draining: self.registry.is_draining(),
+                unsent: if may_carry {
+                    unsent(self.detok.as_ref(), &delivered_ids, &delivered_text)
+                } else {
+                    Some(0)
+                },
             };
             let mut fail = None;
             // The attempt's own prompt count (a migration's is the prompt and what it carried).
@@ -224,6 +247,7 @@ impl ModelPairs {
                             c.completion_tokens += carried;
                             if keep_ids {
                                 in_flight_ids.clone_from(&c.token_ids);
+                                in_flight_text.clone_from(&c.delta);
                             }
                             PairEvent::Chunk(c)
                         });
@@ -237,9 +261,11 @@ impl ModelPairs {
                             Some(Side::Prefill) => (Some(a.d.prefill.clone()), None),
                             _ => (None, Some(a.d.decode.clone())),
                         };
-                        let carried_ids =
-                            &delivered_ids[..(carried as usize).min(delivered_ids.len())];
-                        req.carry(&original.0, carried_ids, &original.1);
+                        // What the client lacks the text of is generated again.
+                        delivered_ids.truncate(carried as usize);
+                        in_flight_ids.clear();
+                        in_flight_text.clear();
+                        req.carry(&original.0, &delivered_ids, &original.1);
                         migration = Some(Migration {
                             from: a.d.pair_id,
                             reason: verdict.migration_reason().unwrap_or("decode_failed"),
@@ -441,6 +467,22 @@ impl ModelPairs {
     }
 }
 
+/// Token ids to text ([`ModelPairs::detok`]).
+pub type Detok = Arc<dyn Fn(&[u32]) -> String + Send + Sync>;
+
+/// How many of the delivered ids at the end the client lacks the whole text of: the fewest
+/// dropped from the end so that the rest decode to exactly the text delivered (a character
+/// split across tokens waits for its last byte; a worker may hold text back for a stop
+/// string). `None` where no such prefix is found within a bound, or there is no `detok`.
+pub(super) fn unsent(detok: Option<&Detok>, ids: &[u32], text: &str) -> Option<u64> {
+    /// Ids a character or a stop string's holdback can lag behind the text.
+    const LAG: usize = 64;
+    let detok = detok?;
+    (0..=ids.len().min(LAG))
+        .find(|&back| detok(&ids[..ids.len() - back]) == text)
+        .map(|back| back as u64)
+}
+
 /// What a request brings to each of its attempts.
 pub(super) struct Request {
     input_ids: Arc<[u32]>,
@@ -468,6 +510,7 @@ impl Request {
         self.ids_json = std::sync::OnceLock::new();
         let mut s = sampling.clone();
         s.max_new_tokens = s.max_new_tokens.saturating_sub(delivered.len() as u64);
+        s.resumed = delivered.len() as u32;
         self.sampling = Arc::new(s);
     }
 }
