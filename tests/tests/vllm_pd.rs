@@ -48,6 +48,22 @@ async fn start(
     vllm_extra: &str,
     with_key: bool,
 ) -> (VllmMock, tempfile::TempDir, Result<Lockstep, String>) {
+    start_tok(
+        cfg,
+        vllm_extra,
+        with_key,
+        lockstep_tests::tokenizer::build(),
+    )
+    .await
+}
+
+/// [`start`] with `tok` as the mock's and lockstep's tokenizer.
+async fn start_tok(
+    cfg: VllmMockConfig,
+    vllm_extra: &str,
+    with_key: bool,
+    tokenizer: tokenizers::Tokenizer,
+) -> (VllmMock, tempfile::TempDir, Result<Lockstep, String>) {
     // Workers started with `--api-key` get it from both pools' `api_key`.
     let pool_key = cfg
         .api_key
@@ -55,12 +71,11 @@ async fn start(
         .filter(|_| with_key)
         .map(|k| format!("api_key = \"{k}\"\n"))
         .unwrap_or_default();
-    let mock = VllmMock::start(cfg, lockstep_tests::tokenizer::build())
-        .await
-        .expect("mock");
+    let json = tokenizer.to_string(true).expect("tokenizer serialises");
+    let mock = VllmMock::start(cfg, tokenizer).await.expect("mock");
     let dir = tempfile::tempdir().expect("tempdir");
     let tok = dir.path().join("tokenizer.json");
-    lockstep_tests::tokenizer::write(&tok).expect("tokenizer");
+    std::fs::write(&tok, json).expect("tokenizer");
     let text = format!(
         r#"
 [server]
@@ -537,5 +552,112 @@ async fn a_stop_string_matched_on_vllm_ends_the_answer_with_stop() {
     let s = stack().await;
     let send = async |path: &'static str, body: Value| s.send(path, &body).await;
     lockstep_tests::stops::stop_strings_end_answers(send, MODEL).await;
+    assert!(s.mock.wait_idle(Duration::from_secs(5)).await);
+}
+
+/// A vLLM decode whose stream breaks after commit: the stream continues on a new pair whose
+/// prompt is the client's and the tokens delivered (from each chunk's `token_ids`), with the
+/// text the uninterrupted stream has; with a stop string, vLLM holds text back while it might
+/// be one, so the tokens it had not shown are generated again. A seeded request is not
+/// migrated on vLLM (its draws would start over): it fails as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_cut_mid_stream_resumes_on_a_new_vllm_pair() {
+    let cfg = VllmMockConfig {
+        continuation_lag: Some(5),
+        ..VllmMockConfig::default()
+    };
+    let (mock, _dir, started) =
+        start_tok(cfg, "", true, lockstep_tests::tokenizer::build_byte_level()).await;
+    let lockstep = started.expect("lockstep starts");
+    let s = Stack {
+        mock,
+        url: format!("http://{}", lockstep.http_addr),
+        _lockstep: lockstep,
+        _dir: tempfile::tempdir().expect("tempdir"),
+    };
+    let prompt = "red green blue black white";
+    for stream in [false, true] {
+        for (what, extra) in [
+            ("plain", json!({})),
+            ("stop string", json!({ "stop": ["zzzz"] })),
+        ] {
+            let mut body =
+                json!({ "model": MODEL, "prompt": prompt, "max_tokens": 12, "stream": stream });
+            if stream {
+                body["stream_options"] = json!({ "include_usage": true });
+            }
+            for (k, v) in extra.as_object().into_iter().flatten() {
+                body[k] = v.clone();
+            }
+            let case = format!("{what} stream={stream}");
+            s.mock.set_fault(VllmFault::None);
+            let reference = s.send("/v1/completions", &body).await;
+            let want = lockstep_tests::stops::said(&reference, stream);
+            assert_eq!(
+                want.finish.as_deref(),
+                Some("length"),
+                "{case}: {}",
+                reference.body
+            );
+            let before = s.decodes();
+            s.mock.set_fault(VllmFault::DecodeCutOnce(4));
+            let a = s.send("/v1/completions", &body).await;
+            assert_eq!(a.status, 200, "{case}: {}", a.body);
+            assert!(a.error_code().is_none(), "{case}: {}", a.body);
+            let got = lockstep_tests::stops::said(&a, stream);
+            assert_eq!(got.text, want.text, "{case}: {}", a.body);
+            assert_eq!(got.finishes, 1, "{case}");
+            let usage_of = |a: &Answer| -> Vec<Value> {
+                if stream {
+                    a.sse_events()
+                        .iter()
+                        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+                        .filter_map(|v| v.get("usage").filter(|u| u.is_object()).cloned())
+                        .collect()
+                } else {
+                    vec![a.json()["usage"].clone()]
+                }
+            };
+            // One usage total, the same as the uninterrupted stream's (the client's prompt).
+            let usage = usage_of(&a);
+            assert_eq!(usage.len(), 1, "{case}: {}", a.body);
+            assert_eq!(usage, usage_of(&reference), "{case}");
+            assert_eq!(usage[0]["completion_tokens"], 12, "{case}");
+            assert_eq!(s.decodes(), before + 2, "{case}: a second pair");
+            // The second decode's prompt: the first's and what the client had whole.
+            let reqs = s.mock.requests();
+            let decodes: Vec<&Value> = reqs
+                .iter()
+                .filter(|r| r.0 == VllmRole::Decode)
+                .map(|r| &r.2)
+                .collect();
+            let (first, second) = (decodes[decodes.len() - 2], decodes[decodes.len() - 1]);
+            let len = |v: &Value| v["prompt"].as_array().map_or(0, Vec::len);
+            let carried = len(second) - len(first);
+            if what == "plain" {
+                assert_eq!(carried, 4, "{case}");
+            } else {
+                assert!(
+                    carried < 4,
+                    "{case}: held-back text is generated again ({carried})"
+                );
+            }
+            assert_eq!(second["max_tokens"], 12 - carried as u64, "{case}");
+            assert_eq!(second["return_token_ids"], true, "{case}");
+        }
+    }
+    // A seed is not resumed on vLLM: the cut stream fails as before.
+    let body =
+        json!({ "model": MODEL, "prompt": prompt, "max_tokens": 12, "stream": true, "seed": 7 });
+    let before = s.decodes();
+    s.mock.set_fault(VllmFault::DecodeCutOnce(4));
+    let a = s.send("/v1/completions", &body).await;
+    assert_eq!(
+        a.error_code().as_deref(),
+        Some("decode_failed"),
+        "{}",
+        a.body
+    );
+    assert_eq!(s.decodes(), before + 1);
     assert!(s.mock.wait_idle(Duration::from_secs(5)).await);
 }

@@ -2,9 +2,11 @@
 //! (`backend = "lockstep"`), one prefill worker and two decode workers, on the real model.
 //!
 //! - Concurrent greedy requests give the same text as the embedded single-process mode.
-//! - Killing the decode worker in the middle of a stream gives that client an error (never
-//!   `[DONE]`), the prefill worker holds no page afterwards, and the router keeps serving through
-//!   the remaining decode worker.
+//! - Killing (`kill -9`) the decode worker in the middle of a stream migrates the stream
+//!   (`[models.failover] max_migrations`, 1 by default) to a new pair on the remaining decode
+//!   worker: the client gets the whole greedy text the single process gives, with `[DONE]` and
+//!   one usage total; the prefill worker holds no page afterwards, and the router keeps serving
+//!   through the remaining decode worker.
 //! - A page corrupted on the wire is caught by the importing decode worker; the pair aborts on
 //!   both sides and neither worker holds anything.
 //! - Leases: pushed KV nobody claims, and a decode call whose KV never comes, are dropped after
@@ -246,18 +248,25 @@ async fn distributed_matches_single_process_and_survives_a_lost_decode_worker() 
             .is_some_and(|o| o.len() == 1 && o["city"].is_string()),
         "{city}"
     );
+    // The long stream's reference text, from the single process.
+    let long = |stream: bool| {
+        serde_json::json!({ "model": MODEL, "prompt": "Count from one to one hundred:",
+            "max_tokens": 120, "temperature": 0, "ignore_eos": true, "stream": stream,
+            "stream_options": if stream { serde_json::json!({"include_usage": true}) } else { serde_json::Value::Null } })
+    };
+    let (rs, rb) = post(&single.addr, "/v1/completions", &long(false)).await;
+    assert_eq!(rs, 200, "{rb}");
+    let want = text_of(&rb);
     drop(single);
     for w in [&p, &d1, &d2] {
         wait_idle(&w.addr).await;
     }
 
-    // A long stream; once it is flowing, kill the decode worker that runs it.
+    // A long stream; once it is flowing, kill -9 the decode worker that runs it.
     let mut s = tokio::net::TcpStream::connect(&r.addr)
         .await
         .expect("connect");
-    let body = serde_json::json!({ "model": MODEL, "prompt": "Count from one to one hundred:",
-        "max_tokens": 300, "temperature": 0, "ignore_eos": true, "stream": true })
-    .to_string();
+    let body = long(true).to_string();
     let req = format!(
         "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
         body.len()
@@ -287,9 +296,46 @@ async fn distributed_matches_single_process_and_survives_a_lost_decode_worker() 
         .expect("stream ends after the kill")
         .expect("read");
     seen.push_str(&rest);
+    // The stream went on on a new pair: no error, `[DONE]`, the text the uninterrupted stream
+    // has (no gap, no duplicate), one usage total.
     assert!(
-        seen.contains("\"error\"") && !seen.contains("[DONE]"),
-        "the client gets an error, never [DONE]: {seen}"
+        !seen.contains("\"error\"") && seen.contains("data: [DONE]"),
+        "the stream completes on the new pair: {seen}"
+    );
+    let events: Vec<serde_json::Value> = seen
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str(d).ok())
+        .collect();
+    let got: String = events
+        .iter()
+        .filter_map(|v| v["choices"][0]["text"].as_str())
+        .collect();
+    assert_eq!(got, want, "the migrated text is the uninterrupted one");
+    let usage: Vec<&serde_json::Value> = events
+        .iter()
+        .filter_map(|v| v.get("usage"))
+        .filter(|u| u.is_object())
+        .collect();
+    assert_eq!(usage.len(), 1, "one usage total: {seen}");
+    assert_eq!(usage[0]["completion_tokens"], 120, "{seen}");
+    let metrics = {
+        let mut s = tokio::net::TcpStream::connect(&r.addr)
+            .await
+            .expect("connect");
+        s.write_all(b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            .await
+            .expect("write");
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.expect("read");
+        out
+    };
+    assert!(
+        metrics.contains(&format!(
+            "lockstep_migrations_total{{model=\"{MODEL}\",outcome=\"resumed\",reason=\"decode_failed\"}} 1"
+        )),
+        "{}",
+        metrics.lines().filter(|l| l.contains("migrat")).collect::<Vec<_>>().join("\n")
     );
     // The prefill worker holds nothing for the lost pair.
     wait_idle(&p.addr).await;

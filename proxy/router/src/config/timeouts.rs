@@ -111,9 +111,7 @@ pub struct FailoverConfig {
 impl Default for FailoverConfig {
     fn default() -> Self {
         FailoverConfig {
-            // Off until the end-to-end tests of issue 40 land: the chaos test's link-down
-            // migrated to a text that differs from the uninterrupted one (under study).
-            max_migrations: 0,
+            max_migrations: 1,
             max_migrated_tokens: 8192,
         }
     }

@@ -115,3 +115,27 @@ fn nothing_migrates_without_the_delivered_ids_or_on_a_backend_that_cannot_resume
     );
     assert!(!migrated(&all), "no tokens left: {all:?}");
 }
+
+#[test]
+fn only_the_tokens_whose_text_the_client_has_whole_are_carried() {
+    use super::lifecycle::{Detok, unsent};
+    // Ids are bytes; their text is the bytes as UTF-8, a split character as U+FFFD.
+    let detok: Detok = std::sync::Arc::new(|ids: &[u32]| {
+        let bytes: Vec<u8> = ids.iter().map(|&b| b as u8).collect();
+        String::from_utf8_lossy(&bytes).into_owned()
+    });
+    let ids = |s: &[u8]| s.iter().map(|&b| u32::from(b)).collect::<Vec<u32>>();
+    let d = Some(&detok);
+    assert_eq!(unsent(d, &ids(b"ab"), "ab", &[]), Some(0));
+    // Half of `é` was delivered as a token, not as text: it is generated again.
+    assert_eq!(unsent(d, &ids(&[b'a', 0xC3]), "a", &[]), Some(1));
+    // A worker holding text back for a stop string: its ids are ahead of its text.
+    assert_eq!(unsent(d, &ids(b"abc"), "a", &["zzz".into()]), Some(2));
+    // Text that is no prefix of the ids' is not the stream's: nothing is carried.
+    assert_eq!(unsent(d, &ids(b"abc"), "xy", &[]), None);
+    // The text ends with the start of a stop string: the new pair could not match it whole.
+    assert_eq!(unsent(d, &ids(b"abE"), "abE", &["END".into()]), None);
+    assert_eq!(unsent(d, &ids(b"abE"), "abE", &["XYZ".into()]), Some(0));
+    // No byte-level detokenizer: nothing can be proven.
+    assert_eq!(unsent(None, &ids(b"ab"), "ab", &[]), None);
+}

@@ -194,7 +194,12 @@ impl ModelPairs {
                 client_open: !tx.is_closed(),
                 draining: self.registry.is_draining(),
                 unsent: if may_carry {
-                    unsent(self.detok.as_ref(), &delivered_ids, &delivered_text)
+                    unsent(
+                        self.detok.as_ref(),
+                        &delivered_ids,
+                        &delivered_text,
+                        &original.1.stop,
+                    )
                 } else {
                     Some(0)
                 },
@@ -473,11 +478,24 @@ pub type Detok = Arc<dyn Fn(&[u32]) -> String + Send + Sync>;
 /// How many of the delivered ids at the end the client lacks the whole text of: the fewest
 /// dropped from the end so that the rest decode to exactly the text delivered (a character
 /// split across tokens waits for its last byte; a worker may hold text back for a stop
-/// string). `None` where no such prefix is found within a bound, or there is no `detok`.
-pub(super) fn unsent(detok: Option<&Detok>, ids: &[u32], text: &str) -> Option<u64> {
+/// string). `None` where no such prefix is found within a bound, or there is no `detok`; and
+/// where the text delivered ends with the start of a stop string: a worker that does not hold
+/// such text back (SGLang) would not match the string across the two pairs.
+pub(in crate::pair) fn unsent(
+    detok: Option<&Detok>,
+    ids: &[u32],
+    text: &str,
+    stop: &[String],
+) -> Option<u64> {
     /// Ids a character or a stop string's holdback can lag behind the text.
     const LAG: usize = 64;
     let detok = detok?;
+    let straddles = stop
+        .iter()
+        .any(|s| (1..s.len()).any(|n| s.is_char_boundary(n) && text.ends_with(&s[..n])));
+    if straddles {
+        return None;
+    }
     (0..=ids.len().min(LAG))
         .find(|&back| detok(&ids[..ids.len() - back]) == text)
         .map(|back| back as u64)
