@@ -70,17 +70,40 @@ const MAX_BLOCK: usize = 32 * 128;
 /// Most query heads sharing one KV head (GQA group) that one task handles.
 const MAX_GROUP: usize = 32;
 
-/// `scores[s] = q · k_s` for the `W` slots of a transposed K block (`head_dim × W`).
+/// `scores[s] = q · k_s` for the `W` slots of a transposed K block (`head_dim × W`), computed
+/// exactly as [`dot_f32`] computes each one (eight running sums, element `d` into sum `d mod 8`,
+/// in order; then their sum, in order; then any remainder), only across the slots at once: a
+/// score is the same bit for bit whether its query came in a prefill tile (transposed) or a
+/// decode step ([`dot_f32`]), so a position's logits do not depend on which computed it (a
+/// stream migrated to a new pair, whose prefill computes the delivered tokens' positions in one
+/// batch, goes on exactly as it would have).
 #[inline(always)]
 fn scores_t<const W: usize>(q: &[f32], kt: &[f32], scores: &mut [f32; 32]) {
-    let mut acc = [0.0f32; W];
-    for (d, qd) in q.iter().enumerate() {
-        let col = &kt[d * W..(d + 1) * W];
-        for s in 0..W {
-            acc[s] += qd * col[s];
+    let mut acc = [[0.0f32; W]; 8];
+    let whole = q.len() / 8 * 8;
+    for c in (0..whole).step_by(8) {
+        for (i, lane) in acc.iter_mut().enumerate() {
+            let d = c + i;
+            let (qd, col) = (q[d], &kt[d * W..(d + 1) * W]);
+            for s in 0..W {
+                lane[s] += qd * col[s];
+            }
         }
     }
-    scores[..W].copy_from_slice(&acc);
+    // `acc.iter().sum()` of each slot's eight sums, in their order, for every slot at once (the
+    // fold's start, -0.0, only decides the sign of an all-zero sum, which no later step sees).
+    let mut sum = [-0.0f32; W];
+    for lane in &acc {
+        for s in 0..W {
+            sum[s] += lane[s];
+        }
+    }
+    for d in whole..q.len() {
+        for s in 0..W {
+            sum[s] += q[d] * kt[d * W + s];
+        }
+    }
+    scores[..W].copy_from_slice(&sum);
 }
 
 /// Rounds every value to the nearest f16 (in bulk; inline F16C under `F16C`, as in [`block`]).
@@ -157,14 +180,14 @@ mod f16c {
     }
 }
 
-/// Whether scores are computed against K transposed (head_dim × slots: one broadcast-FMA pass
-/// per page, no horizontal sums). Always, for prefill tiles and decode steps alike: the two
-/// orders of summation round apart, and a token's logits must not depend on whether its
-/// position was computed in a prefill or a decode step (a stream migrated to a new pair, whose
-/// prefill computes the delivered tokens' positions in one batch, then goes on exactly as it
-/// would have), nor on what else is in the batch. The transpose costs a decode step a copy of
-/// each page's K block.
-const TRANSPOSED: bool = true;
+/// Whether a tile of `queries` tokens of a `group`-head GQA group computes its scores against
+/// K transposed (head_dim × slots: one broadcast-FMA pass per page, no horizontal sums), which
+/// repays the transpose only with many query rows per page. Decided by the tile and the model's
+/// group alone, never by how the work is split into tasks; either way a score is the same bit
+/// for bit ([`scores_t`] sums as [`dot_f32`] does).
+fn transposed(queries: usize, group: usize) -> bool {
+    queries * group >= 8
+}
 
 /// Query tokens one prefill task handles: each K/V page is converted once for all of them.
 const QUERY_TILE: usize = 16;
@@ -484,7 +507,7 @@ fn batch_attention_with(
                 &lens,
                 &qt,
                 &mut o,
-                TRANSPOSED,
+                transposed(nq, group),
             );
             (r0, h, o)
         })
@@ -496,4 +519,40 @@ fn batch_attention_with(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{dot_f32, scores_t};
+
+    /// A transposed page's scores are [`dot_f32`]'s, bit for bit: a prefill tile and a decode
+    /// step give a position the same logits.
+    #[test]
+    fn transposed_scores_equal_the_decode_dot_products_bit_for_bit() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 8.0
+        };
+        for hd in [64, 60, 128] {
+            for _ in 0..50 {
+                let q: Vec<f32> = (0..hd).map(|_| next()).collect();
+                let k: Vec<f32> = (0..32 * hd).map(|_| next()).collect();
+                let mut kt = vec![0.0f32; 32 * hd];
+                for s in 0..32 {
+                    for d in 0..hd {
+                        kt[d * 32 + s] = k[s * hd + d];
+                    }
+                }
+                let mut got = [0.0f32; 32];
+                scores_t::<32>(&q, &kt, &mut got);
+                for s in 0..32 {
+                    let want = dot_f32(&q, &k[s * hd..(s + 1) * hd]);
+                    assert_eq!(got[s].to_bits(), want.to_bits(), "hd {hd} slot {s}");
+                }
+            }
+        }
+    }
 }
