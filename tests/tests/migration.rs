@@ -473,3 +473,81 @@ async fn without_failover_or_a_byte_level_tokenizer_a_cut_stream_fails() {
         );
     }
 }
+
+/// What a gRPC `Generate` stream gave: text, token ids, the completion counts of its deltas,
+/// and the usage of its `Finished`.
+#[derive(Debug, Default, PartialEq)]
+struct GrpcGot {
+    text: String,
+    ids: Vec<u32>,
+    counts: Vec<u32>,
+    completion_tokens: Option<u32>,
+}
+
+async fn grpc_generate(url: &str, prompt: &str, max_tokens: u32) -> Result<GrpcGot, String> {
+    use lockstep_proto::v1 as pb;
+    use lockstep_proto::v1::lockstep_client::LockstepClient;
+    let channel = tonic::transport::Endpoint::from_shared(url.to_string())
+        .expect("endpoint")
+        .connect()
+        .await
+        .expect("h2c connect");
+    let mut client = LockstepClient::new(channel);
+    let req = pb::GenerateRequest {
+        model: MODEL.into(),
+        prompt: Some(pb::generate_request::Prompt::Text(prompt.into())),
+        sampling: Some(pb::SamplingParams {
+            max_tokens: Some(max_tokens),
+            temperature: Some(0.0),
+            ..Default::default()
+        }),
+    };
+    let mut stream = client
+        .generate(req)
+        .await
+        .map_err(|s| s.to_string())?
+        .into_inner();
+    let mut g = GrpcGot::default();
+    while let Some(ev) = stream.message().await.map_err(|s| s.to_string())? {
+        match ev.event {
+            Some(pb::generate_response::Event::Delta(d)) => {
+                g.text.push_str(&d.text);
+                g.ids.extend(d.token_ids);
+                g.counts.push(d.completion_tokens);
+            }
+            Some(pb::generate_response::Event::Finished(f)) => {
+                g.completion_tokens = f.usage.map(|u| u.completion_tokens);
+            }
+            _ => {}
+        }
+    }
+    Ok(g)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_streams_migrate_with_each_token_id_once_and_counts_that_never_go_back() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let audit = dir.path().join("audit.jsonl");
+    let cfg = MockConfig {
+        continuation_lag: Some(8),
+        ..MockConfig::default()
+    };
+    let s = stack(cfg, FAILOVER, &audit).await;
+    let want = grpc_generate(&s.url, "🦀🦉", 16).await.expect("reference");
+    assert_eq!(want.text, "🦀🦉🦀🦉", "{want:?}");
+    assert_eq!(want.ids.len(), 16);
+    // Cut after 6 tokens: the client has 4 tokens' text and 6 tokens' ids; the new pair
+    // generates the other 2 again, and the client gets each id once.
+    s.mock.set_fault(Fault::DecodeCutOnce(6));
+    let got = grpc_generate(&s.url, "🦀🦉", 16).await.expect("migrated");
+    assert_eq!((&got.text, &got.ids), (&want.text, &want.ids), "{got:?}");
+    assert_eq!(got.completion_tokens, Some(16));
+    assert!(
+        got.counts.windows(2).all(|w| w[0] <= w[1]),
+        "{:?}",
+        got.counts
+    );
+    let lines = audit_lines(&audit, "pair_migrated");
+    assert_eq!(lines.len(), 1);
+    assert_eq!(lines[0]["carried_tokens"], 4);
+}

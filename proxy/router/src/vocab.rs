@@ -179,7 +179,7 @@ impl FinishReason {
 }
 
 /// One increment of decode output.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct DecodeChunk {
     /// New text since the previous chunk.
     pub delta: String,

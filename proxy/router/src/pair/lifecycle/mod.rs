@@ -125,6 +125,9 @@ impl ModelPairs {
         let original = (req.input_ids.clone(), req.sampling.clone());
         let mut delivered_ids: Vec<u32> = Vec::new();
         let mut in_flight_ids: Vec<u32> = Vec::new();
+        // Delivered ids a migration generates again (their text had not reached the client),
+        // and the completion count the client was last told.
+        let mut again = waits::Again::default();
         let mut delivered_text = String::new();
         let mut in_flight_text = String::new();
         let mut migration: Option<Migration> = None;
@@ -248,13 +251,19 @@ impl ModelPairs {
                     (Action::Forward, Some(a)) => {
                         // A migrated pair counts its completion tokens from its own start.
                         let carried = machine.expected() - expected;
-                        a.outgoing = a.held.take().map(|mut c| {
+                        a.outgoing = a.held.take().and_then(|mut c| {
                             c.completion_tokens += carried;
                             if keep_ids {
                                 in_flight_ids.clone_from(&c.token_ids);
                                 in_flight_text.clone_from(&c.delta);
                             }
-                            PairEvent::Chunk(c)
+                            match again.forward(&mut c) {
+                                Ok(()) => Some(PairEvent::Chunk(c)),
+                                Err(e) => {
+                                    a.mismatch = Some(e);
+                                    None
+                                }
+                            }
                         });
                     }
                     (Action::Migrate { verdict, carried }, Some(a)) => {
@@ -267,6 +276,7 @@ impl ModelPairs {
                             _ => (None, Some(a.d.decode.clone())),
                         };
                         // What the client lacks the text of is generated again.
+                        again.expect(&delivered_ids[(carried as usize).min(delivered_ids.len())..]);
                         delivered_ids.truncate(carried as usize);
                         in_flight_ids.clear();
                         in_flight_text.clear();
@@ -415,6 +425,7 @@ impl ModelPairs {
             outgoing: None,
             delivered_chunk: false,
             barrier: None,
+            mismatch: None,
         })
     }
 
@@ -569,6 +580,8 @@ pub(super) struct Attempt {
     delivered_chunk: bool,
     /// How long the barrier held, once it passed.
     barrier: Option<Duration>,
+    /// A migrated pair generated other tokens than the ones the client was given already.
+    mismatch: Option<HalfError>,
 }
 
 impl std::fmt::Debug for ModelPairs {
