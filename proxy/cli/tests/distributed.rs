@@ -4,7 +4,7 @@
 //! - Concurrent greedy requests give the same text as the embedded single-process mode.
 //! - Killing (`kill -9`) the decode worker in the middle of a stream migrates the stream
 //!   (`[models.failover] max_migrations`, 1 by default) to a new pair on the remaining decode
-//!   worker: the client gets the whole greedy text the single process gives, with `[DONE]` and
+//!   worker: the client gets the whole text the single process gives (seeded sampling), with `[DONE]` and
 //!   one usage total; the prefill worker holds no page afterwards, and the router keeps serving
 //!   through the remaining decode worker.
 //! - A page corrupted on the wire is caught by the importing decode worker; the pair aborts on
@@ -250,8 +250,10 @@ async fn distributed_matches_single_process_and_survives_a_lost_decode_worker() 
     );
     // The long stream's reference text, from the single process.
     let long = |stream: bool| {
+        // Seeded sampling: the new pair's draws go on from their step (`Sampling.resumed`
+        // across the worker plane), so the text is the uninterrupted one's.
         serde_json::json!({ "model": MODEL, "prompt": "Count from one to one hundred:",
-            "max_tokens": 120, "temperature": 0, "ignore_eos": true, "stream": stream,
+            "max_tokens": 120, "temperature": 0.7, "seed": 11, "ignore_eos": true, "stream": stream,
             "stream_options": if stream { serde_json::json!({"include_usage": true}) } else { serde_json::Value::Null } })
     };
     let (rs, rb) = post(&single.addr, "/v1/completions", &long(false)).await;
