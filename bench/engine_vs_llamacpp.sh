@@ -10,14 +10,9 @@ cd "$(dirname "$0")/.."
 THREADS=${THREADS:-2}
 MODEL=$(bash scripts/fetch-model.sh)
 VENV=${LLAMA_VENV:-$HOME/.cache/lockstep-bench/venv-llama}
-# llama.cpp built for this CPU with explicit flags: every SIMD extension the CPU reports, AMX
-# always off (these VMs report AMX, but AMX tile use segfaults, so GGML_NATIVE=ON crashes).
-FLAGS=$(grep -m1 '^flags' /proc/cpuinfo)
-on() { case " $FLAGS " in *" $1 "*) echo ON ;; *) echo OFF ;; esac; }
-CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=$(on avx) -DGGML_AVX2=$(on avx2) -DGGML_FMA=$(on fma) \
--DGGML_F16C=$(on f16c) -DGGML_AVX512=$(on avx512f) -DGGML_AVX512_VNNI=$(on avx512_vnni) \
--DGGML_AVX512_VBMI=$(on avx512vbmi) -DGGML_AVX512_BF16=$(on avx512_bf16) -DGGML_AVX_VNNI=$(on avx_vnni) \
--DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_BF16=OFF"
+# llama.cpp built for this CPU with explicit flags (AMX off: `llama_cmake_args`, bench/lib.sh).
+. bench/lib.sh
+CMAKE_ARGS=$(llama_cmake_args)
 export CMAKE_ARGS
 if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import llama_cpp" 2>/dev/null \
    || [ "$(cat "$VENV/lockstep-cmake-args" 2>/dev/null)" != "$CMAKE_ARGS" ]; then

@@ -139,3 +139,16 @@ max_retries = 0
 interval_ms = 10000
 TOML
 }
+
+# llama_cmake_args: llama.cpp's CMake flags for this CPU, explicit: every SIMD extension the CPU
+# reports, AMX always off (these VMs report AMX, but AMX tile use segfaults, so GGML_NATIVE=ON
+# crashes).
+llama_cmake_args() {
+  local flags
+  flags=$(grep -m1 '^flags' /proc/cpuinfo)
+  on() { case " $flags " in *" $1 "*) echo ON ;; *) echo OFF ;; esac; }
+  echo "-DGGML_NATIVE=OFF -DGGML_AVX=$(on avx) -DGGML_AVX2=$(on avx2) -DGGML_FMA=$(on fma) \
+-DGGML_F16C=$(on f16c) -DGGML_AVX512=$(on avx512f) -DGGML_AVX512_VNNI=$(on avx512_vnni) \
+-DGGML_AVX512_VBMI=$(on avx512vbmi) -DGGML_AVX512_BF16=$(on avx512_bf16) -DGGML_AVX_VNNI=$(on avx_vnni) \
+-DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_BF16=OFF"
+}

@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# `lockstep serve` (config/default.toml, the embedded engine) against llama.cpp's own
+# `llama-server` on the same GGUF, over HTTP, as a user would run each: llama-server built from the
+# llama.cpp tree vendored in the llama-cpp-python 0.3.36 sdist with this CPU's flags (AMX off) and
+# started with its defaults (`-m MODEL -t THREADS`); one server at a time, alternating, ROUNDS
+# rounds (5 by default). Per round (bench/http_serving.py): single-stream greedy decode tokens/s,
+# time to first token on ~512-token prompts that share no prefix (new in every round and server),
+# and the throughput of 8 concurrent 64-token streams. Prints the medians with their spread and
+# the ratios. A benchmark, not a test: run it by hand.
+#
+#   bash bench/llama_server.sh            # THREADS=2 ROUNDS=5
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. bench/lib.sh
+THREADS=${THREADS:-2}
+ROUNDS=${ROUNDS:-5}
+MODEL=$(bash scripts/fetch-model.sh)
+CACHE=${LLAMA_SERVER_CACHE:-$HOME/.cache/lockstep-bench}
+ARGS=$(llama_cmake_args)
+HASH=$(echo "$ARGS" | sha256sum | cut -c1-12)
+LLS="$CACHE/llama-server-$HASH/llama-server"
+if [ ! -x "$LLS" ]; then
+  echo "building llama-server from the llama-cpp-python 0.3.36 sdist (about 10 minutes): $ARGS" >&2
+  python3 -m pip install --quiet cmake ninja
+  SRC=$(mktemp -d)
+  # The sdist itself (pip would build it): its address from PyPI's simple index.
+  URL=$(curl -sf https://pypi.org/simple/llama-cpp-python/ \
+        | grep -o 'https://[^"#]*llama_cpp_python-0.3.36.tar.gz' | head -1)
+  curl -sfL "$URL" | tar xz -C "$SRC"
+  # shellcheck disable=SC2086 # the flags are words
+  cmake -S "$SRC/llama_cpp_python-0.3.36/vendor/llama.cpp" -B "$SRC/build" -G Ninja \
+    -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
+    -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF $ARGS >/dev/null
+  cmake --build "$SRC/build" --target llama-server -j "$(nproc)" >/dev/null
+  mkdir -p "$(dirname "$LLS")"
+  cp "$SRC/build/bin/llama-server" "$LLS"
+  rm -rf "$SRC"
+fi
+cargo build --release --quiet -p lockstep --bin lockstep
+
+start_workdir
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+# run_one WHO ROUND: starts WHO, waits for it, measures, stops it (by pid).
+run_one() {
+  local who=$1 round=$2 port pid
+  port=$(free_port)
+  if [ "$who" = lockstep ]; then
+    RAYON_NUM_THREADS=$THREADS target/release/lockstep serve --http-listen "127.0.0.1:$port" \
+      --log-level warn >"$WORK/$who.log" 2>&1 &
+  else
+    "$LLS" -m "$MODEL" -t "$THREADS" --host 127.0.0.1 --port "$port" >"$WORK/$who.log" 2>&1 &
+  fi
+  pid=$!
+  PIDS+=("$pid")
+  # Ready: lockstep's `/ready`, llama-server's `/health` (503 while the model loads).
+  local ready=/health
+  [ "$who" = lockstep ] && ready=/ready
+  for _ in $(seq 1 600); do
+    curl -sf -m 1 "http://127.0.0.1:$port$ready" >/dev/null 2>&1 && break
+    sleep 0.2
+  done
+  python3 bench/http_serving.py "http://127.0.0.1:$port" "$who" "$round" >>"$WORK/results.jsonl" \
+    || { echo "$who failed; log:"; tail -n 20 "$WORK/$who.log"; exit 1; }
+  kill "$pid"
+  wait "$pid" 2>/dev/null || true
+}
+for r in $(seq 1 "$ROUNDS"); do
+  run_one lockstep "$r"
+  run_one llama-server "$r"
+done
+python3 - "$WORK/results.jsonl" "$THREADS" "$ARGS" <<'PY'
+import json, statistics, sys, platform
+rows = [json.loads(l) for l in open(sys.argv[1])]
+cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+print(f"SmolLM2-135M-Instruct Q4_1, {sys.argv[2]} threads, {cpu}, {len(rows) // 2} alternating rounds")
+print(f"llama-server: llama-cpp-python 0.3.36's llama.cpp, {sys.argv[3]}")
+print("| measure | lockstep serve | llama-server | ratio |")
+print("| --- | ---: | ---: | ---: |")
+for key, label, better in [("decode_tok_s", "single-stream decode, tok/s", "higher"),
+                           ("ttft_ms", "time to first token, ~512 unshared tokens, ms", "lower"),
+                           ("conc8_tok_s", "8 concurrent 64-token streams, tok/s", "higher")]:
+    def cell(who):
+        v = [r[key] for r in rows if r["who"] == who]
+        return statistics.median(v), min(v), max(v)
+    (a, alo, ahi), (b, blo, bhi) = cell("lockstep"), cell("llama-server")
+    print(f"| {label} | {a:.1f} ({alo:.1f}–{ahi:.1f}) | {b:.1f} ({blo:.1f}–{bhi:.1f}) | {a / b:.2f}x |")
+PY
