@@ -5,23 +5,16 @@
 
 mod common;
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
-use lockstep_engine::engine::{EngineConfig, EngineError, Event, ModelBundle};
+use lockstep_engine::engine::{EngineConfig, EngineError, Event};
 use lockstep_engine::grammar::{OutputConstraint, check};
 use lockstep_engine::pd::Pd;
 use lockstep_engine::sample::{Finish, SamplingConfig};
 use serde_json::Value;
 
-fn bundle() -> Option<Arc<ModelBundle>> {
-    static B: OnceLock<Option<Arc<ModelBundle>>> = OnceLock::new();
-    B.get_or_init(|| {
-        let p = common::model_path()?;
-        Some(Arc::new(ModelBundle::open(&p).expect("model loads")))
-    })
-    .clone()
-}
+use common::bundle;
 
 fn cfg() -> EngineConfig {
     EngineConfig {

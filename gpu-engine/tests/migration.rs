@@ -8,7 +8,7 @@
 
 mod common;
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use lockstep_engine::engine::{EngineConfig, Event, ModelBundle};
@@ -16,14 +16,7 @@ use lockstep_engine::grammar::OutputConstraint;
 use lockstep_engine::pd::Pd;
 use lockstep_engine::sample::SamplingConfig;
 
-fn bundle() -> Option<Arc<ModelBundle>> {
-    static B: OnceLock<Option<Arc<ModelBundle>>> = OnceLock::new();
-    B.get_or_init(|| {
-        let p = common::model_path()?;
-        Some(Arc::new(ModelBundle::open(&p).expect("model loads")))
-    })
-    .clone()
-}
+use common::bundle;
 
 fn engines(b: &Arc<ModelBundle>) -> Pd {
     let cfg = EngineConfig {

@@ -5,8 +5,8 @@
 
 mod common;
 
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use lockstep_engine::engine::{
@@ -19,14 +19,7 @@ use lockstep_engine::sample::{Finish, SamplingConfig};
 use lockstep_engine::transfer::TransferError;
 use tokio::sync::mpsc::UnboundedReceiver;
 
-fn bundle() -> Option<Arc<ModelBundle>> {
-    static B: OnceLock<Option<Arc<ModelBundle>>> = OnceLock::new();
-    B.get_or_init(|| {
-        let p = common::model_path()?;
-        Some(Arc::new(ModelBundle::open(&p).expect("model loads")))
-    })
-    .clone()
-}
+use common::bundle;
 
 fn small(pages: u32) -> EngineConfig {
     EngineConfig {

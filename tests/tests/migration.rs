@@ -185,11 +185,16 @@ async fn stack(cfg: MockConfig, model_extra: &str, audit: &std::path::Path) -> S
     .await
 }
 
-fn lag_mock() -> MockConfig {
+/// The mock with its output `lag` tokens back in the sequence.
+fn lagged(lag: usize) -> MockConfig {
     MockConfig {
-        continuation_lag: Some(5),
+        continuation_lag: Some(lag),
         ..MockConfig::default()
     }
+}
+
+fn lag_mock() -> MockConfig {
+    lagged(5)
 }
 
 async fn send(stack: &Stack, path: &str, body: &Value) -> Answer {
@@ -311,11 +316,7 @@ async fn a_character_split_across_tokens_is_generated_again_not_lost() {
     let audit = dir.path().join("audit.jsonl");
     // Lag 8 over two 4-byte characters the tokenizer never merged: the output repeats their
     // bytes, one token each; the mock's detokenizer holds a character back until it is whole.
-    let cfg = MockConfig {
-        continuation_lag: Some(8),
-        ..MockConfig::default()
-    };
-    let s = stack(cfg, FAILOVER, &audit).await;
+    let s = stack(lagged(8), FAILOVER, &audit).await;
     let body = json!({ "model": MODEL, "prompt": "🦀🦉", "stream": true, "max_tokens": 16 });
     let want = got(
         "/v1/completions",
@@ -528,11 +529,7 @@ async fn grpc_generate(url: &str, prompt: &str, max_tokens: u32) -> Result<GrpcG
 async fn grpc_streams_migrate_with_each_token_id_once_and_counts_that_never_go_back() {
     let dir = tempfile::tempdir().expect("tempdir");
     let audit = dir.path().join("audit.jsonl");
-    let cfg = MockConfig {
-        continuation_lag: Some(8),
-        ..MockConfig::default()
-    };
-    let s = stack(cfg, FAILOVER, &audit).await;
+    let s = stack(lagged(8), FAILOVER, &audit).await;
     let want = grpc_generate(&s.url, "🦀🦉", 16).await.expect("reference");
     assert_eq!(want.text, "🦀🦉🦀🦉", "{want:?}");
     assert_eq!(want.ids.len(), 16);

@@ -1,6 +1,9 @@
 //! Shared by the tests that use the real SmolLM2 GGUF.
 
 use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+
+use lockstep_engine::engine::ModelBundle;
 
 /// The test model: `$LOCKSTEP_MODEL`, or the cache `scripts/fetch-model.sh` fills. `None` when
 /// absent, which fails the caller's test when `LOCKSTEP_REQUIRE_MODEL` is set (as in CI).
@@ -20,4 +23,15 @@ pub fn model_path() -> Option<PathBuf> {
         eprintln!("test model not fetched (scripts/fetch-model.sh)");
     }
     p
+}
+
+/// The test model loaded once per test binary; `None` as [`model_path`].
+#[allow(dead_code)] // Not every test binary that shares this module loads the model.
+pub fn bundle() -> Option<Arc<ModelBundle>> {
+    static B: OnceLock<Option<Arc<ModelBundle>>> = OnceLock::new();
+    B.get_or_init(|| {
+        let p = model_path()?;
+        Some(Arc::new(ModelBundle::open(&p).expect("model loads")))
+    })
+    .clone()
 }

@@ -321,17 +321,7 @@ async fn distributed_matches_single_process_and_survives_a_lost_decode_worker() 
         .collect();
     assert_eq!(usage.len(), 1, "one usage total: {seen}");
     assert_eq!(usage[0]["completion_tokens"], 120, "{seen}");
-    let metrics = {
-        let mut s = tokio::net::TcpStream::connect(&r.addr)
-            .await
-            .expect("connect");
-        s.write_all(b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
-            .await
-            .expect("write");
-        let mut out = String::new();
-        s.read_to_string(&mut out).await.expect("read");
-        out
-    };
+    let metrics = scrape(r.addr.clone()).await;
     assert!(
         metrics.contains(&format!(
             "lockstep_migrations_total{{model=\"{MODEL}\",outcome=\"resumed\",reason=\"decode_failed\"}} 1"
