@@ -35,6 +35,18 @@ impl Answer {
             .filter_map(|e| e.trim().strip_prefix("data:").map(|d| d.trim().to_string()))
             .collect()
     }
+    /// The JSON objects an answer carries: streamed, every `data:` line's (with or without an
+    /// `event:` line before it, as Anthropic and the Responses API send them); else the body.
+    pub fn objects(&self, stream: bool) -> Vec<Value> {
+        if !stream {
+            return vec![self.json()];
+        }
+        self.body
+            .lines()
+            .filter_map(|l| l.strip_prefix("data:"))
+            .filter_map(|d| serde_json::from_str(d.trim()).ok())
+            .collect()
+    }
     /// The error code of an error answer, or of the error event of a stream.
     pub fn error_code(&self) -> Option<String> {
         if let Some(c) = self.json().pointer("/error/code").and_then(Value::as_str) {

@@ -34,16 +34,7 @@ fn note_finish(said: &mut Said, f: Option<&Value>) {
 /// Reads an OpenAI completions or chat answer, or an Anthropic message, whole or streamed.
 pub fn said(a: &Answer, stream: bool) -> Said {
     let mut s = Said::default();
-    let objects: Vec<Value> = if stream {
-        // Every `data:` line, with or without an `event:` line before it (Anthropic's).
-        a.body
-            .lines()
-            .filter_map(|l| l.strip_prefix("data:"))
-            .filter_map(|d| serde_json::from_str(d.trim()).ok())
-            .collect()
-    } else {
-        vec![a.json()]
-    };
+    let objects = a.objects(stream);
     for v in &objects {
         if let Some(c) = v.pointer("/choices/0") {
             for p in ["/text", "/message/content", "/delta/content"] {

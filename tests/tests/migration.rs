@@ -84,15 +84,7 @@ struct Got {
 }
 
 fn got(path: &str, stream: bool, a: &Answer) -> Got {
-    let objects: Vec<Value> = if stream {
-        a.body
-            .lines()
-            .filter_map(|l| l.strip_prefix("data:"))
-            .filter_map(|d| serde_json::from_str(d.trim()).ok())
-            .collect()
-    } else {
-        vec![a.json()]
-    };
+    let objects = a.objects(stream);
     let mut g = Got {
         text: String::new(),
         completion_tokens: None,
