@@ -1,8 +1,10 @@
 """lockstep end to end through HTTP (stdlib client): time to first token for a 512-token prompt,
-decode tokens/s of one streamed request, and aggregate tokens/s of 8 concurrent requests.
-Prints one JSON line.
+decode tokens/s of one streamed request, decode tokens/s after the 512-token prompt (the best of
+3 streams, as bench_model reports the best of its repetitions), and aggregate tokens/s of 8
+concurrent requests. Prints one JSON line. SEED (default 0) starts the 512-token prompt with its
+own word, so runs with different seeds share no prompt page (no prefix cache serves the TTFT).
 
-    python3 bench/e2e_http.py http://127.0.0.1:8080 MODEL
+    python3 bench/e2e_http.py http://127.0.0.1:8080 MODEL [SEED]
 """
 import json
 import sys
@@ -11,7 +13,9 @@ import time
 import urllib.request
 
 BASE, MODEL = sys.argv[1], sys.argv[2]
-PROMPT_512 = " ".join(["fox"] * 511)  # 511 words + the template-free completion prompt ≈ 512 tokens
+SEED = int(sys.argv[3]) if len(sys.argv) > 3 else 0
+# About 512 tokens (the template-free completion prompt); the seed's word first.
+PROMPT_512 = " ".join([f"r{SEED}"] + ["fox"] * 509)
 
 
 def stream(prompt, max_tokens):
@@ -40,9 +44,12 @@ prompt_tokens = usage["prompt_tokens"]
 t0, first, end, usage = stream("Once upon a time", 128)
 decode_b1 = (usage["completion_tokens"] - 1) / (end - first)
 # Decode at the engine benchmark's positions (after a 512-token prompt, 64 steps): the serving
-# path's share of the engine's own batch-1 figure.
-t0, first, end, usage = stream(PROMPT_512, 65)
-decode_after_512 = (usage["completion_tokens"] - 1) / (end - first)
+# path's share of the engine's own batch-1 figure. The best of 3, as bench_model takes the best of
+# its repetitions (the same statistic on both sides).
+decode_after_512 = 0.0
+for _ in range(3):
+    t0, first, end, usage = stream(PROMPT_512, 65)
+    decode_after_512 = max(decode_after_512, (usage["completion_tokens"] - 1) / (end - first))
 results = []
 threads = [threading.Thread(target=lambda: results.append(stream("Once upon a time", 64))) for _ in range(8)]
 t = time.perf_counter()

@@ -7,13 +7,15 @@
 # ratios. A benchmark, not a test: run it by hand.
 #
 #   bash bench/engine_vs_llamacpp.sh            # THREADS=2 ROUNDS=5
+#   BENCH_ISA=avx2 bash bench/engine_vs_llamacpp.sh   # both kept to AVX2 (the EPYC kind's code)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 THREADS=${THREADS:-2}
 MODEL=$(bash scripts/fetch-model.sh)
-VENV=${LLAMA_VENV:-$HOME/.cache/lockstep-bench/venv-llama}
 # llama.cpp built for this CPU with explicit flags (AMX off: `llama_cmake_args`, bench/lib.sh).
 . bench/lib.sh
+lockstep_isa_env
+VENV=${LLAMA_VENV:-$HOME/.cache/lockstep-bench/venv-llama$([ "${BENCH_ISA:-native}" = native ] || echo "-$BENCH_ISA")}
 CMAKE_ARGS=$(llama_cmake_args)
 export CMAKE_ARGS
 if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import llama_cpp" 2>/dev/null \
@@ -26,14 +28,8 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import llama_cpp" 2>/
 fi
 cargo build --release --quiet -p lockstep-engine --example bench_model
 cargo build --release --quiet -p lockstep --bin lockstep
-# ROUNDS alternating rounds (5 by default), one process at a time: one run on these VMs is noise.
-ROUNDS=${ROUNDS:-5}
-OURS="" THEIRS=""
-for _ in $(seq 1 "$ROUNDS"); do
-  OURS="$OURS$(RAYON_NUM_THREADS=$THREADS target/release/examples/bench_model "$MODEL")"$'\n'
-  THEIRS="$THEIRS$("$VENV/bin/python" bench/llamacpp_engine.py "$MODEL" "$THREADS" 2>/dev/null)"$'\n'
-done
-
+# `lockstep serve` runs throughout (idle while the engines are measured), for the serving path's
+# figures in every round, beside the engine's own.
 PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 RAYON_NUM_THREADS=$THREADS target/release/lockstep serve --http-listen "127.0.0.1:$PORT" --log-level warn &
 PID=$!
@@ -43,12 +39,23 @@ for _ in $(seq 1 300); do
   python3 -c "import urllib.request,sys; urllib.request.urlopen('http://127.0.0.1:$PORT/ready', timeout=1)" 2>/dev/null && break
   sleep 0.2
 done
-E2E=$(python3 bench/e2e_http.py "http://127.0.0.1:$PORT" SmolLM2-135M-Instruct)
+# ROUNDS alternating rounds (5 by default), one measurement at a time: one run on these VMs is
+# noise. Each round: lockstep's engine, llama.cpp, then lockstep over HTTP (its own prompt words
+# per round: no prefix cache serves its time to first token).
+ROUNDS=${ROUNDS:-5}
+OURS="" THEIRS="" E2E=""
+for r in $(seq 1 "$ROUNDS"); do
+  OURS="$OURS$(RAYON_NUM_THREADS=$THREADS target/release/examples/bench_model "$MODEL")"$'\n'
+  THEIRS="$THEIRS$("$VENV/bin/python" bench/llamacpp_engine.py "$MODEL" "$THREADS" 2>/dev/null)"$'\n'
+  E2E="$E2E$(python3 bench/e2e_http.py "http://127.0.0.1:$PORT" SmolLM2-135M-Instruct "$r")"$'\n'
+done
 
 python3 - "$OURS" "$THEIRS" "$E2E" "$THREADS" <<'PY'
 import json, os, statistics, sys
 rows = lambda t: [json.loads(l) for l in t.splitlines() if l.strip()]
-ours, theirs, e2e, threads = rows(sys.argv[1]), rows(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]
+ours, theirs, e2e, threads = rows(sys.argv[1]), rows(sys.argv[2]), rows(sys.argv[3]), sys.argv[4]
+cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+print(f"CPU: {cpu}; instruction sets: {os.environ.get('BENCH_ISA', 'native')}")
 print(f"SmolLM2-135M-Instruct Q4_1, {threads} threads, {theirs[0].get('llama_cpp_python', '?')} llama-cpp-python, {len(ours)} alternating rounds")
 print(f"llama.cpp build: {os.environ.get('CMAKE_ARGS', '?')}")
 print(f"lockstep kernels (chosen at run time): {ours[0].get('kernels', '?')}")
@@ -60,11 +67,14 @@ for k, name in [("prefill512_tok_s", "prefill 512 tokens, tok/s"), ("decode_b1_t
     ma, mb = statistics.median(a), statistics.median(b)
     cell = lambda m, v: f"{m:.1f} ({min(v):.1f}-{max(v):.1f})"
     print(f"{name:<28}{cell(ma, a):>26}{cell(mb, b):>26}{ma / mb:>7.2f}x")
-print("lockstep end to end (HTTP, split prefill/decode engines):", json.dumps(e2e))
-# The serving path against the engine's own figures (issue 42: >= 95% decode, <= 1.1x TTFT).
-d1 = statistics.median(r["decode_b1_tok_s"] for r in ours)
-pre = statistics.median(r["prefill512_tok_s"] for r in ours)
-print(f"serving path: HTTP decode after 512 tokens {e2e['decode_after512_tok_s']:.1f} tok/s = "
-      f"{e2e['decode_after512_tok_s'] / d1:.0%} of the engine's batch 1; time to first token "
-      f"{e2e['ttft_512_s']:.3f} s = {e2e['ttft_512_s'] / (e2e['prompt_tokens'] / pre):.2f}x the engine's prefill time")
+cell = lambda v: f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})"
+print("lockstep end to end (HTTP, split prefill/decode engines), medians (min-max):")
+for k in ["ttft_512_s", "decode_b1_tok_s", "decode_after512_tok_s", "concurrent8_tok_s"]:
+    print(f"  {k:<24}{cell([r[k] for r in e2e]):>26}")
+# The serving path against the engine's own figures, round by round (issue 42: >= 95% decode,
+# <= 1.1x TTFT): each HTTP figure over the engine's in the same round.
+dec = [h["decode_after512_tok_s"] / o["decode_b1_tok_s"] for h, o in zip(e2e, ours)]
+tt = [h["ttft_512_s"] / (h["prompt_tokens"] / o["prefill512_tok_s"]) for h, o in zip(e2e, ours)]
+print(f"serving path, per round: HTTP decode after 512 tokens / the engine's batch 1 = {cell(dec)}; "
+      f"time to first token / the engine's prefill time = {cell(tt)}")
 PY

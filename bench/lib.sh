@@ -142,13 +142,27 @@ TOML
 
 # llama_cmake_args: llama.cpp's CMake flags for this CPU, explicit: every SIMD extension the CPU
 # reports, AMX always off (these VMs report AMX, but AMX tile use segfaults, so GGML_NATIVE=ON
-# crashes).
+# crashes). BENCH_ISA=avx2 keeps to what an AVX2-only CPU (the AMD EPYC kind these machines also
+# come as) has: no AVX-512, no AVX-VNNI (pair it with `lockstep_isa_env`).
 llama_cmake_args() {
   local flags
   flags=$(grep -m1 '^flags' /proc/cpuinfo)
-  on() { case " $flags " in *" $1 "*) echo ON ;; *) echo OFF ;; esac; }
+  on() {
+    case "${BENCH_ISA:-native}:$1" in avx2:avx512* | avx2:avx_vnni) echo OFF; return ;; esac
+    case " $flags " in *" $1 "*) echo ON ;; *) echo OFF ;; esac
+  }
   echo "-DGGML_NATIVE=OFF -DGGML_AVX=$(on avx) -DGGML_AVX2=$(on avx2) -DGGML_FMA=$(on fma) \
 -DGGML_F16C=$(on f16c) -DGGML_AVX512=$(on avx512f) -DGGML_AVX512_VNNI=$(on avx512_vnni) \
 -DGGML_AVX512_VBMI=$(on avx512vbmi) -DGGML_AVX512_BF16=$(on avx512_bf16) -DGGML_AVX_VNNI=$(on avx_vnni) \
 -DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_BF16=OFF"
+}
+
+# lockstep_isa_env: exports LOCKSTEP_CPU_KERNELS=avx2 when BENCH_ISA=avx2, so lockstep keeps to
+# the same instruction set as the llama.cpp built by `llama_cmake_args`.
+lockstep_isa_env() {
+  case "${BENCH_ISA:-native}" in
+    native) ;;
+    avx2) export LOCKSTEP_CPU_KERNELS=avx2 ;;
+    *) echo "BENCH_ISA must be native or avx2, not ${BENCH_ISA}" >&2; exit 2 ;;
+  esac
 }

@@ -9,9 +9,11 @@
 # the ratios. A benchmark, not a test: run it by hand.
 #
 #   bash bench/llama_server.sh            # THREADS=2 ROUNDS=5
+#   BENCH_ISA=avx2 bash bench/llama_server.sh   # both kept to AVX2 (the EPYC kind's code)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . bench/lib.sh
+lockstep_isa_env
 THREADS=${THREADS:-2}
 ROUNDS=${ROUNDS:-5}
 MODEL=$(bash scripts/fetch-model.sh)

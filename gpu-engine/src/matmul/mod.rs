@@ -437,10 +437,30 @@ impl QMatrix {
     #[target_feature(enable = "avx2,fma,f16c")]
     #[allow(unsafe_code)]
     unsafe fn task_avx2(&self, x: &QActs, rows: std::ops::Range<usize>, out: OutPtr) {
-        self.task_body(x, rows, out, |row, acts, o| {
-            // SAFETY: this function's callers hold a `Kernels` proving AVX2, FMA and F16C.
-            unsafe { x86::row_dot_avx2(self.ty, &self.lay, row, acts, o) }
-        })
+        if self.ty == TensorType::F32 {
+            return self.task_body(x, rows, out, |_, _, _| {});
+        }
+        // Four rows at a time for one or two tokens, two for more (eight accumulators at most).
+        for t in (0..x.tokens).step_by(TOKEN_TILE) {
+            let nt = TOKEN_TILE.min(x.tokens - t);
+            let acts: [Acts<'_>; TOKEN_TILE] =
+                std::array::from_fn(|i| x.token((t + i).min(x.tokens - 1)));
+            let step = if nt <= 2 { 4 } else { 2 };
+            let mut r = rows.start;
+            while r < rows.end {
+                let nr = step.min(rows.end - r);
+                let rb: [&[u8]; 4] = std::array::from_fn(|i| self.row_bytes(r + i.min(nr - 1)));
+                let mut o = [[0.0f32; TOKEN_TILE]; 4];
+                // SAFETY: this function's callers hold a `Kernels` proving AVX2, FMA and F16C.
+                unsafe { x86::tile_avx2(self.ty, &self.lay, rb, nr, &acts[..nt], &mut o) };
+                for (ri, row) in o.iter().enumerate().take(nr) {
+                    for (i, v) in row.iter().enumerate().take(nt) {
+                        out.put(t + i, r + ri, *v);
+                    }
+                }
+                r += nr;
+            }
+        }
     }
 
     /// Token tiles outer, rows inner: a tile's activations stay in L1 while the task's rows pass

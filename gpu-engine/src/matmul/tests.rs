@@ -189,3 +189,34 @@ fn stacked_matrices_write_their_columns_of_a_wider_output() {
         }
     }
 }
+
+/// A token's products do not depend on the tokens computed beside it: the same bits alone as in
+/// a batch (a migrated stream's prompt recomputes, in a prefill, tokens first computed one at a
+/// time in a decode, and greedy resumption depends on them being equal).
+#[test]
+fn a_token_gets_the_same_bits_alone_as_in_a_batch() {
+    let mut rng = Rng(0x5eed_0042_0042_0001);
+    for ty in [TensorType::Q4_1, TensorType::Q4_0, TensorType::Q8_0] {
+        for cols in [96, 576, 1056] {
+            let rows = 23;
+            let m = matrix(ty, rows, cols, &mut rng);
+            let tokens = 7;
+            let x: Vec<f32> = (0..tokens * cols).map(|_| rng.unit() * 3.0).collect();
+            for k in Kernels::available() {
+                let mut batch = vec![0.0f32; tokens * rows];
+                m.matmul_with(k, &QActs::new(&x, &m), &mut batch);
+                for t in 0..tokens {
+                    let one = &x[t * cols..(t + 1) * cols];
+                    let mut alone = vec![0.0f32; rows];
+                    m.matmul_with(k, &QActs::new(one, &m), &mut alone);
+                    let got: Vec<u32> = batch[t * rows..(t + 1) * rows]
+                        .iter()
+                        .map(|v| v.to_bits())
+                        .collect();
+                    let want: Vec<u32> = alone.iter().map(|v| v.to_bits()).collect();
+                    assert_eq!(got, want, "{} {ty:?} cols {cols} token {t}", k.name());
+                }
+            }
+        }
+    }
+}
