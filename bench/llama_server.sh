@@ -71,10 +71,11 @@ for r in $(seq 1 "$ROUNDS"); do
   run_one llama-server "$r"
 done
 python3 - "$WORK/results.jsonl" "$THREADS" "$ARGS" <<'PY'
-import json, statistics, sys, platform
+import json, os, statistics, sys, platform
 rows = [json.loads(l) for l in open(sys.argv[1])]
 cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
 print(f"SmolLM2-135M-Instruct Q4_1, {sys.argv[2]} threads, {cpu}, {len(rows) // 2} alternating rounds")
+print(f"instruction sets: {os.environ.get('BENCH_ISA', 'native')} (lockstep kernels: {os.environ.get('LOCKSTEP_CPU_KERNELS', 'the best the CPU has')})")
 print(f"llama-server: llama-cpp-python 0.3.36's llama.cpp, {sys.argv[3]}")
 print("| measure | lockstep serve | llama-server | ratio |")
 print("| --- | ---: | ---: | ---: |")
