@@ -441,18 +441,40 @@ impl QMatrix {
             return self.task_body(x, rows, out, |_, _, _| {});
         }
         // Four rows at a time for one or two tokens, two for more (eight accumulators at most).
+        self.tiles::<4>(
+            x,
+            rows,
+            out,
+            |nt| if nt <= 2 { 4 } else { 2 },
+            |rb, nr, acts, o| {
+                // SAFETY: this function's callers hold a `Kernels` proving AVX2, FMA and F16C.
+                unsafe { x86::tile_avx2(self.ty, &self.lay, rb, nr, acts, o) }
+            },
+        )
+    }
+
+    /// Register tiles over a task's rows: token tiles outer (their activations stay in L1), then
+    /// `step(tokens)` rows (at most `M`) at a time through `tile(rows, nr, tokens, out)`.
+    #[inline(always)]
+    fn tiles<const M: usize>(
+        &self,
+        x: &QActs,
+        rows: std::ops::Range<usize>,
+        out: OutPtr,
+        step: impl Fn(usize) -> usize,
+        tile: impl Fn([&[u8]; M], usize, &[Acts<'_>], &mut [[f32; TOKEN_TILE]; M]),
+    ) {
         for t in (0..x.tokens).step_by(TOKEN_TILE) {
             let nt = TOKEN_TILE.min(x.tokens - t);
             let acts: [Acts<'_>; TOKEN_TILE] =
                 std::array::from_fn(|i| x.token((t + i).min(x.tokens - 1)));
-            let step = if nt <= 2 { 4 } else { 2 };
+            let step = step(nt).min(M);
             let mut r = rows.start;
             while r < rows.end {
                 let nr = step.min(rows.end - r);
-                let rb: [&[u8]; 4] = std::array::from_fn(|i| self.row_bytes(r + i.min(nr - 1)));
-                let mut o = [[0.0f32; TOKEN_TILE]; 4];
-                // SAFETY: this function's callers hold a `Kernels` proving AVX2, FMA and F16C.
-                unsafe { x86::tile_avx2(self.ty, &self.lay, rb, nr, &acts[..nt], &mut o) };
+                let rb: [&[u8]; M] = std::array::from_fn(|i| self.row_bytes(r + i.min(nr - 1)));
+                let mut o = [[0.0f32; TOKEN_TILE]; M];
+                tile(rb, nr, &acts[..nt], &mut o);
                 for (ri, row) in o.iter().enumerate().take(nr) {
                     for (i, v) in row.iter().enumerate().take(nt) {
                         out.put(t + i, r + ri, *v);
@@ -504,26 +526,17 @@ impl QMatrix {
         if self.ty == TensorType::F32 {
             return self.task_body(x, rows, out, |_, _, _| {});
         }
-        // SAFETY (every call below): this function's callers hold a `Kernels` proving the
-        // features `x86::tile` is compiled for.
-        for t in (0..x.tokens).step_by(TOKEN_TILE) {
-            let nt = TOKEN_TILE.min(x.tokens - t);
-            let acts: [Acts<'_>; TOKEN_TILE] =
-                std::array::from_fn(|i| x.token((t + i).min(x.tokens - 1)));
-            let mut r = rows.start;
-            while r < rows.end {
-                let nr = 2.min(rows.end - r);
-                let rb = [self.row_bytes(r), self.row_bytes(r + nr - 1)];
-                let mut o = [[0.0f32; TOKEN_TILE]; 2];
-                unsafe { x86::tile(self.ty, &self.lay, rb, nr, &acts[..nt], &mut o) };
-                for (ri, row) in o.iter().enumerate().take(nr) {
-                    for (i, v) in row.iter().enumerate().take(nt) {
-                        out.put(t + i, r + ri, *v);
-                    }
-                }
-                r += nr;
-            }
-        }
+        self.tiles::<2>(
+            x,
+            rows,
+            out,
+            |_| 2,
+            |rb, nr, acts, o| {
+                // SAFETY: this function's callers hold a `Kernels` proving the features `x86::tile`
+                // is compiled for.
+                unsafe { x86::tile(self.ty, &self.lay, rb, nr, acts, o) }
+            },
+        )
     }
 }
 

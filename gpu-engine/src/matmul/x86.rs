@@ -63,8 +63,9 @@ fn tile_k<const K: u8>(
     }
 }
 
+/// A tile's results into the caller's `M` rows of four tokens.
 #[inline(always)]
-fn put<const R: usize, const T: usize>(out: &mut [[f32; 4]; 2], v: [[f32; T]; R]) {
+fn put<const R: usize, const T: usize, const M: usize>(out: &mut [[f32; 4]; M], v: [[f32; T]; R]) {
     for (o, v) in out.iter_mut().zip(v) {
         o[..T].copy_from_slice(&v);
     }
@@ -199,26 +200,19 @@ fn tile2_k<const K: u8>(
     out: &mut [[f32; 4]; 4],
 ) {
     match (nr, x.len()) {
-        (4, 1) => put4(out, tile256::<4, 1, K>(lay, rows, x)),
-        (3, 1) => put4(out, tile256::<3, 1, K>(lay, rows, x)),
-        (4, 2) => put4(out, tile256::<4, 2, K>(lay, rows, x)),
-        (3, 2) => put4(out, tile256::<3, 2, K>(lay, rows, x)),
-        (2, 4) => put4(out, tile256::<2, 4, K>(lay, rows, x)),
-        (2, 3) => put4(out, tile256::<2, 3, K>(lay, rows, x)),
-        (2, 2) => put4(out, tile256::<2, 2, K>(lay, rows, x)),
-        (2, 1) => put4(out, tile256::<2, 1, K>(lay, rows, x)),
-        (1, 4) => put4(out, tile256::<1, 4, K>(lay, rows, x)),
-        (1, 3) => put4(out, tile256::<1, 3, K>(lay, rows, x)),
-        (1, 2) => put4(out, tile256::<1, 2, K>(lay, rows, x)),
-        (1, 1) => put4(out, tile256::<1, 1, K>(lay, rows, x)),
+        (4, 1) => put(out, tile256::<4, 1, K>(lay, rows, x)),
+        (3, 1) => put(out, tile256::<3, 1, K>(lay, rows, x)),
+        (4, 2) => put(out, tile256::<4, 2, K>(lay, rows, x)),
+        (3, 2) => put(out, tile256::<3, 2, K>(lay, rows, x)),
+        (2, 4) => put(out, tile256::<2, 4, K>(lay, rows, x)),
+        (2, 3) => put(out, tile256::<2, 3, K>(lay, rows, x)),
+        (2, 2) => put(out, tile256::<2, 2, K>(lay, rows, x)),
+        (2, 1) => put(out, tile256::<2, 1, K>(lay, rows, x)),
+        (1, 4) => put(out, tile256::<1, 4, K>(lay, rows, x)),
+        (1, 3) => put(out, tile256::<1, 3, K>(lay, rows, x)),
+        (1, 2) => put(out, tile256::<1, 2, K>(lay, rows, x)),
+        (1, 1) => put(out, tile256::<1, 1, K>(lay, rows, x)),
         _ => {}
-    }
-}
-
-#[inline(always)]
-fn put4<const R: usize, const T: usize>(out: &mut [[f32; 4]; 4], v: [[f32; T]; R]) {
-    for (o, v) in out.iter_mut().zip(v) {
-        o[..T].copy_from_slice(&v);
     }
 }
 
