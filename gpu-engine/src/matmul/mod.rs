@@ -12,7 +12,8 @@
 //! those of the file. The block products run on the kernel set chosen at run time
 //! ([`crate::cpu`]): AVX-512 VNNI over a register tile of rows × tokens (`vpdpbusd`, two blocks
 //! per instruction, the signed-weight correction folded into the accumulator it starts from),
-//! AVX2 (`vpmaddubsw` + `vpmaddwd`) or portable Rust (`x86.rs`, `portable.rs`). Rows are split
+//! AVX2 over the same kind of tile (`vpmaddubsw` + `vpmaddwd`, scales eight blocks at a time) or
+//! portable Rust (`x86.rs`, `portable.rs`). Rows are split
 //! over rayon; each task writes its own rows of the output straight into place.
 
 use rayon::prelude::*;
