@@ -10,7 +10,8 @@ import json
 import sys
 import threading
 import time
-import urllib.request
+
+from sse_stream import events
 
 BASE, MODEL = sys.argv[1], sys.argv[2]
 SEED = int(sys.argv[3]) if len(sys.argv) > 3 else 0
@@ -19,22 +20,16 @@ PROMPT_512 = " ".join([f"r{SEED}"] + ["fox"] * 509)
 
 
 def stream(prompt, max_tokens):
-    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()
-    req = urllib.request.Request(BASE + "/v1/completions", body, {"content-type": "application/json"})
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     first = None
     usage = None
-    with urllib.request.urlopen(req, timeout=600) as r:
-        for line in r:
-            line = line.strip()
-            if not line.startswith(b"data:") or line == b"data: [DONE]":
-                continue
-            ev = json.loads(line[5:])
-            if ev.get("choices") and first is None:
-                first = time.perf_counter()
-            if ev.get("usage"):
-                usage = ev["usage"]
+    for ev in events(BASE + "/v1/completions", body):
+        if ev.get("choices") and first is None:
+            first = time.perf_counter()
+        if ev.get("usage"):
+            usage = ev["usage"]
     return t0, first, time.perf_counter(), usage
 
 

@@ -12,7 +12,8 @@ import statistics
 import sys
 import threading
 import time
-import urllib.request
+
+from sse_stream import events
 
 BASE, WHO, ROUND = sys.argv[1], sys.argv[2], int(sys.argv[3])
 MODEL = "SmolLM2-135M-Instruct"
@@ -28,19 +29,11 @@ RNG = random.Random(ROUND * 1000 + (0 if WHO == "lockstep" else 500))
 
 
 def stream(prompt, max_tokens):
-    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                       "ignore_eos": True, "stream": True}).encode()
-    req = urllib.request.Request(BASE + "/v1/completions", body, {"content-type": "application/json"})
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
     t0 = time.perf_counter()
-    times = []
-    with urllib.request.urlopen(req, timeout=600) as r:
-        for line in r:
-            line = line.strip()
-            if not line.startswith(b"data:") or line == b"data: [DONE]":
-                continue
-            ev = json.loads(line[5:])
-            if any(c.get("text") for c in ev.get("choices") or []):
-                times.append(time.perf_counter())
+    times = [time.perf_counter() for ev in events(BASE + "/v1/completions", body)
+             if any(c.get("text") for c in ev.get("choices") or [])]
     return t0, times
 
 

@@ -12,7 +12,8 @@ import json
 import statistics
 import sys
 import time
-import urllib.request
+
+from sse_stream import events
 
 URL_A, NAME_A, URL_B, NAME_B = sys.argv[1:5]
 PAIRS = int(sys.argv[5]) if len(sys.argv) > 5 else 12
@@ -21,18 +22,10 @@ MODEL = "SmolLM2-135M-Instruct"
 
 def rate(base):
     """Tokens/s of one streamed 256-token completion, from its first text chunk to its last."""
-    body = json.dumps({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 256,
-                       "temperature": 0, "ignore_eos": True, "stream": True}).encode()
-    req = urllib.request.Request(base + "/v1/completions", body, {"content-type": "application/json"})
-    times = []
-    with urllib.request.urlopen(req, timeout=600) as r:
-        for line in r:
-            line = line.strip()
-            if not line.startswith(b"data:") or line == b"data: [DONE]":
-                continue
-            ev = json.loads(line[5:])
-            if any(c.get("text") for c in ev.get("choices") or []):
-                times.append(time.perf_counter())
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 256, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    times = [time.perf_counter() for ev in events(base + "/v1/completions", body)
+             if any(c.get("text") for c in ev.get("choices") or [])]
     return (len(times) - 1) / (times[-1] - times[0])
 
 
