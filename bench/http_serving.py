@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 
-from sse_stream import events
+from sse_stream import text_times
 
 BASE, WHO, ROUND = sys.argv[1], sys.argv[2], int(sys.argv[3])
 MODEL = "SmolLM2-135M-Instruct"
@@ -32,8 +32,7 @@ def stream(prompt, max_tokens):
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}
     t0 = time.perf_counter()
-    times = [time.perf_counter() for ev in events(BASE + "/v1/completions", body)
-             if any(c.get("text") for c in ev.get("choices") or [])]
+    times = text_times(BASE + "/v1/completions", body)
     return t0, times
 
 

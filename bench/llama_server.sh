@@ -44,25 +44,30 @@ cargo build --release --quiet -p lockstep --bin lockstep
 
 start_workdir
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-# run_one WHO ROUND: starts WHO, waits for it, measures, stops it (by pid).
+# start WHO PORT LOG: starts WHO on PORT (its pid last in PIDS) and waits until it is ready
+# (lockstep's `/ready`, llama-server's `/health`, 503 while the model loads).
+start() {
+  local who=$1 port=$2 ready=/health
+  if [ "$who" = lockstep ]; then
+    RAYON_NUM_THREADS=$THREADS target/release/lockstep serve --http-listen "127.0.0.1:$port" \
+      --log-level warn >"$3" 2>&1 &
+    ready=/ready
+  else
+    "$LLS" -m "$MODEL" -t "$THREADS" --host 127.0.0.1 --port "$port" >"$3" 2>&1 &
+  fi
+  PIDS+=("$!")
+  for _ in $(seq 1 600); do
+    curl -sf -m 1 "http://127.0.0.1:$port$ready" >/dev/null 2>&1 && return
+    sleep 0.2
+  done
+  echo "$who never became ready; log:"; tail -n 20 "$3"; exit 1
+}
+# run_one WHO ROUND: starts WHO, measures, stops it (by pid).
 run_one() {
   local who=$1 round=$2 port pid
   port=$(free_port)
-  if [ "$who" = lockstep ]; then
-    RAYON_NUM_THREADS=$THREADS target/release/lockstep serve --http-listen "127.0.0.1:$port" \
-      --log-level warn >"$WORK/$who.log" 2>&1 &
-  else
-    "$LLS" -m "$MODEL" -t "$THREADS" --host 127.0.0.1 --port "$port" >"$WORK/$who.log" 2>&1 &
-  fi
-  pid=$!
-  PIDS+=("$pid")
-  # Ready: lockstep's `/ready`, llama-server's `/health` (503 while the model loads).
-  local ready=/health
-  [ "$who" = lockstep ] && ready=/ready
-  for _ in $(seq 1 600); do
-    curl -sf -m 1 "http://127.0.0.1:$port$ready" >/dev/null 2>&1 && break
-    sleep 0.2
-  done
+  start "$who" "$port" "$WORK/$who.log"
+  pid=${PIDS[-1]}
   python3 bench/http_serving.py "http://127.0.0.1:$port" "$who" "$round" >>"$WORK/results.jsonl" \
     || { echo "$who failed; log:"; tail -n 20 "$WORK/$who.log"; exit 1; }
   kill "$pid"
@@ -76,14 +81,8 @@ done
 # slow phases last seconds, so streams seconds apart compare the programs, not the phases.
 PAIRS=${PAIRS:-12}
 PA=$(free_port) PB=$(free_port)
-RAYON_NUM_THREADS=$THREADS target/release/lockstep serve --http-listen "127.0.0.1:$PA" \
-  --log-level warn >"$WORK/paired-lockstep.log" 2>&1 &
-PIDS+=("$!")
-"$LLS" -m "$MODEL" -t "$THREADS" --host 127.0.0.1 --port "$PB" >"$WORK/paired-llama.log" 2>&1 &
-PIDS+=("$!")
-for p in "$PA/ready" "$PB/health"; do
-  for _ in $(seq 1 600); do curl -sf -m 1 "http://127.0.0.1:$p" >/dev/null 2>&1 && break; sleep 0.2; done
-done
+start lockstep "$PA" "$WORK/paired-lockstep.log"
+start llama-server "$PB" "$WORK/paired-llama.log"
 PAIRED=$(python3 bench/paired_decode.py "http://127.0.0.1:$PA" lockstep "http://127.0.0.1:$PB" llama-server "$PAIRS")
 python3 - "$WORK/results.jsonl" "$THREADS" "$ARGS" "$PAIRED" <<'PY'
 import json, os, statistics, sys, platform

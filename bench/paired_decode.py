@@ -11,9 +11,8 @@ of the per-pair ratios, as one JSON line.
 import json
 import statistics
 import sys
-import time
 
-from sse_stream import events
+from sse_stream import text_times
 
 URL_A, NAME_A, URL_B, NAME_B = sys.argv[1:5]
 PAIRS = int(sys.argv[5]) if len(sys.argv) > 5 else 12
@@ -24,8 +23,7 @@ def rate(base):
     """Tokens/s of one streamed 256-token completion, from its first text chunk to its last."""
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 256, "temperature": 0,
             "ignore_eos": True, "stream": True}
-    times = [time.perf_counter() for ev in events(base + "/v1/completions", body)
-             if any(c.get("text") for c in ev.get("choices") or [])]
+    times = text_times(base + "/v1/completions", body)
     return (len(times) - 1) / (times[-1] - times[0])
 
 

@@ -1,6 +1,7 @@
 """The streaming client the HTTP benchmarks share (stdlib only): POST a JSON body to an
 OpenAI-compatible route and yield each SSE event's JSON as it arrives, `[DONE]` excluded."""
 import json
+import time
 import urllib.request
 
 
@@ -12,3 +13,9 @@ def events(url, body):
             line = line.strip()
             if line.startswith(b"data:") and line != b"data: [DONE]":
                 yield json.loads(line[5:])
+
+
+def text_times(url, body):
+    """The arrival time (`time.perf_counter`) of each event of the answer that carries text."""
+    return [time.perf_counter() for ev in events(url, body)
+            if any(c.get("text") for c in ev.get("choices") or [])]
