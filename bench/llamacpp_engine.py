@@ -3,19 +3,24 @@ gpu-engine/examples/bench_model.rs: prefill tokens/s on a 512-token prompt, deco
 batch 1 and batch 8 (each sequence after a 512-token prompt), each in the context a user would
 give it: prefill and batch 1 in a single-sequence context (`n_ctx` 1024, as `Llama(n_ctx=1024)`
 makes), batch 8 in one made for eight sequences (a context for eight slows batch 1 by 8-15%).
-Prints one JSON line.
+`BENCH_CONTEXT=N` (under 512) runs the batch-1 decode after an N-token prompt instead and
+`BENCH_STEPS` sets its step count (default 64); `BENCH_REPS` the repetitions (3), best kept: as
+bench_model reads them. Prints one JSON line.
 
     python bench/llamacpp_engine.py MODEL.gguf THREADS
 """
 import ctypes
 import json
+import os
 import sys
 import time
 
 import llama_cpp
 
 path, threads = sys.argv[1], int(sys.argv[2])
-reps = 3
+reps = int(os.environ.get("BENCH_REPS", 3))
+context_len = min(max(int(os.environ.get("BENCH_CONTEXT", 512)), 1), 512)
+steps = int(os.environ.get("BENCH_STEPS", 64))
 llm = llama_cpp.Llama(model_path=path, n_ctx=1024, n_threads=threads, verbose=False)
 prompt = llm.tokenize(b"The quick brown fox jumps over the lazy dog. " * 60, add_bos=False)[:512]
 
@@ -59,10 +64,13 @@ for _ in range(reps):
     t = time.perf_counter()
     decode(ctx1, prompt, [0] * 512, range(512))
     pre.append(512 / (time.perf_counter() - t))
+    if context_len < 512:
+        clear(ctx1)
+        decode(ctx1, prompt[:context_len], [0] * context_len, range(context_len))
     t = time.perf_counter()
-    for i in range(64):
-        decode(ctx1, [prompt[i]], [0], [512 + i])
-    d1.append(64 / (time.perf_counter() - t))
+    for i in range(steps):
+        decode(ctx1, [prompt[i % 512]], [0], [context_len + i])
+    d1.append(steps / (time.perf_counter() - t))
     clear(ctx8)
     for s in range(8):
         decode(ctx8, prompt, [s] * 512, range(512))

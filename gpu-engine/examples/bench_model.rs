@@ -1,7 +1,10 @@
 //! Engine throughput on a GGUF model, for `bench/engine_vs_llamacpp.sh` (which runs llama.cpp on
 //! the same file, machine and thread count in the same run). Prints one JSON line:
 //! prefill tokens/s on a 512-token prompt, decode tokens/s at batch 1 and batch 8 (each sequence
-//! after a 512-token prompt). Threads: `RAYON_NUM_THREADS`.
+//! after a 512-token prompt). Threads: `RAYON_NUM_THREADS`. `BENCH_CONTEXT=N` (under 512) runs
+//! the batch-1 decode after an N-token prompt instead, and `BENCH_STEPS` sets its step count
+//! (default 64): the positions a short HTTP stream decodes at. `BENCH_REPS`: repetitions (3),
+//! the best of each kept.
 //!
 //!     cargo run --release -p lockstep-engine --example bench_model -- MODEL.gguf
 
@@ -15,10 +18,15 @@ fn main() -> Result<(), String> {
     let path = std::env::args()
         .nth(1)
         .ok_or("usage: bench_model MODEL.gguf")?;
-    let reps: usize = std::env::var("BENCH_REPS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(3);
+    let env = |k: &str, d: usize| {
+        std::env::var(k)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(d)
+    };
+    let reps = env("BENCH_REPS", 3);
+    let context = env("BENCH_CONTEXT", 512).clamp(1, 512);
+    let steps = env("BENCH_STEPS", 64);
     let b = ModelBundle::open(std::path::Path::new(&path)).map_err(|e| e.to_string())?;
     let (m, c) = (&b.model, b.model.cfg);
     let text = "The quick brown fox jumps over the lazy dog. ".repeat(60);
@@ -29,19 +37,28 @@ fn main() -> Result<(), String> {
     for _ in 0..reps {
         // Prefill, 512 tokens in one batch.
         let mut seq = pool
-            .new_sequence(OwnerId::sequence(1), 600)
+            .new_sequence(OwnerId::sequence(1), 512 + steps.max(88))
             .map_err(|e| e.to_string())?;
         let t = Instant::now();
         m.forward(&mut pool, &mut seq, &prompt)
             .map_err(|e| e.to_string())?;
         pre.push(512.0 / t.elapsed().as_secs_f64());
         // Decode at batch 1, 64 steps.
-        let t = Instant::now();
-        for i in 0..64 {
-            m.forward(&mut pool, &mut seq, &prompt[i..i + 1])
+        if context < 512 {
+            pool.release(seq).map_err(|e| e.to_string())?;
+            seq = pool
+                .new_sequence(OwnerId::sequence(2), context + steps)
+                .map_err(|e| e.to_string())?;
+            m.forward(&mut pool, &mut seq, &prompt[..context])
                 .map_err(|e| e.to_string())?;
         }
-        d1.push(64.0 / t.elapsed().as_secs_f64());
+        let t = Instant::now();
+        for i in 0..steps {
+            let tok = prompt[i % 512];
+            m.forward(&mut pool, &mut seq, &[tok])
+                .map_err(|e| e.to_string())?;
+        }
+        d1.push(steps as f64 / t.elapsed().as_secs_f64());
         pool.release(seq).map_err(|e| e.to_string())?;
         // Decode at batch 8: eight sequences after the same prompt, 32 steps.
         let mut seqs = Vec::new();
