@@ -2,6 +2,8 @@
 //! sampling; stop tokens, stop strings (held back while they might still match), max tokens and
 //! `ignore_eos`, with incremental detokenisation that never splits a UTF-8 character.
 
+use std::borrow::Cow;
+
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
 use crate::tokenizer::ModelTokenizer;
@@ -35,6 +37,54 @@ pub struct SamplingConfig {
     /// migrated from a failed pair): penalties count them, seeded draws continue from their
     /// step, the constraint is advanced over them; `max_tokens` counts only what follows.
     pub resumed: usize,
+    /// Log-probabilities to report with each sampled token: `Some(k)` gives the token's own and
+    /// the `k` most likely tokens' ([`TokenLogprobs`]); `None`, none.
+    pub logprobs: Option<usize>,
+}
+
+/// Most alternatives a token's log-probabilities list (OpenAI's `top_logprobs` bound).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// One sampled token's log-probabilities: of the distribution the sampler drew from before its
+/// temperature and truncation (the model's logits after the presence and frequency penalties
+/// and the output constraint's mask, as OpenAI defines them), natural log.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    /// The sampled token's.
+    pub logprob: f32,
+    /// The most likely tokens and theirs, most likely first (ties: lower id first).
+    pub top: Vec<(u32, f32)>,
+}
+
+impl TokenLogprobs {
+    /// `chosen`'s log-probability and the `top` most likely tokens' under `logits` (a
+    /// log-softmax; a masked token's logit of minus infinity has minus infinity).
+    pub fn of(logits: &[f32], chosen: u32, top: usize) -> TokenLogprobs {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let sum: f64 = logits.iter().map(|l| f64::from((l - max).exp())).sum();
+        let log_z = max + sum.ln() as f32;
+        let lp = |id: u32| {
+            logits
+                .get(id as usize)
+                .map_or(f32::NEG_INFINITY, |l| l - log_z)
+        };
+        let k = top.min(logits.len());
+        let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
+        let order = |a: &u32, b: &u32| {
+            logits[*b as usize]
+                .total_cmp(&logits[*a as usize])
+                .then(a.cmp(b))
+        };
+        if k > 0 && k < ids.len() {
+            ids.select_nth_unstable_by(k - 1, order);
+        }
+        ids.truncate(k);
+        ids.sort_unstable_by(order);
+        TokenLogprobs {
+            logprob: lp(chosen),
+            top: ids.into_iter().map(|id| (id, lp(id))).collect(),
+        }
+    }
 }
 
 impl Default for SamplingConfig {
@@ -52,6 +102,7 @@ impl Default for SamplingConfig {
             frequency_penalty: 0.0,
             constraint: None,
             resumed: 0,
+            logprobs: None,
         }
     }
 }
@@ -87,25 +138,33 @@ impl Sampler {
 
     /// The token for generation step `step`, after the tokens of `history` were generated.
     pub fn sample(&self, logits: &[f32], step: usize, history: &[u32]) -> u32 {
+        self.draw(&self.penalised(logits, history), step)
+    }
+
+    /// `logits` after the presence and frequency penalties for the tokens of `history` (the
+    /// distribution [`Sampler::draw`] draws from, and log-probabilities are reported of).
+    pub fn penalised<'a>(&self, logits: &'a [f32], history: &[u32]) -> Cow<'a, [f32]> {
         let c = &self.cfg;
-        let penalised;
-        let logits =
-            if (c.presence_penalty != 0.0 || c.frequency_penalty != 0.0) && !history.is_empty() {
-                let mut counts = std::collections::HashMap::<u32, u32>::new();
-                for t in history {
-                    *counts.entry(*t).or_default() += 1;
-                }
-                let mut l = logits.to_vec();
-                for (t, n) in counts {
-                    if let Some(v) = l.get_mut(t as usize) {
-                        *v -= c.presence_penalty + c.frequency_penalty * n as f32;
-                    }
-                }
-                penalised = l;
-                &penalised[..]
-            } else {
-                logits
-            };
+        if (c.presence_penalty == 0.0 && c.frequency_penalty == 0.0) || history.is_empty() {
+            return Cow::Borrowed(logits);
+        }
+        let mut counts = std::collections::HashMap::<u32, u32>::new();
+        for t in history {
+            *counts.entry(*t).or_default() += 1;
+        }
+        let mut l = logits.to_vec();
+        for (t, n) in counts {
+            if let Some(v) = l.get_mut(t as usize) {
+                *v -= c.presence_penalty + c.frequency_penalty * n as f32;
+            }
+        }
+        Cow::Owned(l)
+    }
+
+    /// The token for generation step `step` from logits already penalised
+    /// ([`Sampler::penalised`]): greedy, or temperature, top-k and top-p with the step's draw.
+    pub fn draw(&self, logits: &[f32], step: usize) -> u32 {
+        let c = &self.cfg;
         if c.temperature <= 0.0 || c.top_k == 1 {
             return crate::model::argmax(logits);
         }
@@ -159,6 +218,11 @@ impl SamplingConfig {
     /// Refuses stop strings over [`MAX_STOPS`] or [`MAX_STOP_BYTES`] (each generated token scans
     /// for them: unbounded, they would be a cost every request of the batch pays).
     pub fn check(&self) -> Result<(), String> {
+        if let Some(k) = self.logprobs.filter(|k| *k > MAX_TOP_LOGPROBS) {
+            return Err(format!(
+                "at most {MAX_TOP_LOGPROBS} top log-probabilities per token, got {k}"
+            ));
+        }
         if self.stop.len() > MAX_STOPS {
             return Err(format!(
                 "at most {MAX_STOPS} stop sequences, got {}",
@@ -431,6 +495,53 @@ mod tests {
         };
         assert_eq!(run(&sampler(cfg(42))), run(&sampler(cfg(42))));
         assert_ne!(run(&sampler(cfg(42))), run(&sampler(cfg(43))));
+    }
+
+    #[test]
+    fn logprobs_are_a_log_softmax_with_the_most_likely_first() {
+        let logits = [1.0f32, 3.0, 2.0, 3.0, f32::NEG_INFINITY];
+        let lp = TokenLogprobs::of(&logits, 2, 3);
+        let z: f32 = logits.iter().map(|l| l.exp()).sum();
+        assert!((lp.logprob - (2.0 - z.ln())).abs() < 1e-6, "{lp:?}");
+        // Ties by id; the masked token is never among the top unless asked for all.
+        assert_eq!(
+            lp.top.iter().map(|t| t.0).collect::<Vec<_>>(),
+            vec![1, 3, 2]
+        );
+        let total: f32 = TokenLogprobs::of(&logits, 0, 5)
+            .top
+            .iter()
+            .map(|t| t.1.exp())
+            .sum();
+        assert!((total - 1.0).abs() < 1e-6, "{total}");
+        assert_eq!(TokenLogprobs::of(&logits, 4, 0).logprob, f32::NEG_INFINITY);
+        assert!(TokenLogprobs::of(&logits, 4, 0).top.is_empty());
+        // More asked than the vocabulary has: all of it.
+        assert_eq!(TokenLogprobs::of(&logits, 0, 20).top.len(), 5);
+    }
+
+    #[test]
+    fn logprobs_are_of_the_penalised_distribution() {
+        let s = sampler(SamplingConfig {
+            presence_penalty: 2.0,
+            ..Default::default()
+        });
+        let logits = [0.0f32, 1.0, 0.5];
+        let pen = s.penalised(&logits, &[1]);
+        assert_eq!(&pen[..], &[0.0, -1.0, 0.5]);
+        assert_eq!(s.draw(&pen, 0), 2);
+        assert_eq!(s.sample(&logits, 0, &[1]), 2);
+        let lp = TokenLogprobs::of(&pen, 2, 1);
+        assert_eq!(lp.top[0].0, 2);
+        assert!(lp.logprob > TokenLogprobs::of(&logits, 2, 0).logprob);
+        assert!(
+            SamplingConfig {
+                logprobs: Some(21),
+                ..Default::default()
+            }
+            .check()
+            .is_err()
+        );
     }
 
     #[test]

@@ -15,7 +15,7 @@ use lockstep_engine::engine::{
 use lockstep_engine::model::argmax;
 use lockstep_engine::pd::{Fault, FaultPlan, Half, Pd};
 use lockstep_engine::pool::{OwnerId, PagePool};
-use lockstep_engine::sample::{Finish, SamplingConfig};
+use lockstep_engine::sample::{Finish, SamplingConfig, TokenLogprobs};
 use lockstep_engine::transfer::TransferError;
 use tokio::sync::mpsc::UnboundedReceiver;
 
@@ -39,6 +39,7 @@ struct Output {
     finish: Option<Finish>,
     matched_stop: Option<String>,
     error: Option<EngineError>,
+    logprobs: Vec<Option<TokenLogprobs>>,
 }
 
 async fn collect(mut rx: UnboundedReceiver<Event>) -> Output {
@@ -55,7 +56,9 @@ async fn collect(mut rx: UnboundedReceiver<Event>) -> Output {
                 text,
                 finish,
                 matched_stop,
+                logprobs,
             } => {
+                out.logprobs.push(logprobs);
                 out.ids.push(id);
                 out.text.push_str(&text);
                 if finish.is_some() {
@@ -120,6 +123,60 @@ fn greedy(max_tokens: usize) -> SamplingConfig {
 }
 
 const PLAIN: &[u32] = &[504, 3575, 282, 4649, 314]; // "The capital of France is"
+
+/// Log-probabilities come with each token, from the logits that token was sampled from: the
+/// bare forward pass's log-softmax, the same in unified and split mode; none when not asked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn log_probabilities_come_from_the_decode_that_chose_the_tokens() {
+    let Some(b) = bundle() else { return };
+    let want: Vec<(u32, TokenLogprobs)> = {
+        let c = b.model.cfg;
+        let mut pool = PagePool::new(c.kv_pool(8, 16)).expect("pool");
+        let mut seq = pool.new_sequence(OwnerId::sequence(1), 16).expect("room");
+        let mut logits = b
+            .model
+            .forward(&mut pool, &mut seq, PLAIN)
+            .expect("prefill");
+        let mut out = Vec::new();
+        for _ in 0..6 {
+            let id = argmax(&logits);
+            out.push((id, TokenLogprobs::of(&logits, id, 3)));
+            logits = b.model.forward(&mut pool, &mut seq, &[id]).expect("step");
+        }
+        out
+    };
+    let asked = SamplingConfig {
+        ignore_eos: true,
+        logprobs: Some(3),
+        ..greedy(6)
+    };
+    let unified = Pd::unified(b.clone(), small(32)).expect("engine");
+    let split = Pd::split(b.clone(), small(32), small(32), None).expect("engines");
+    let (_, u) = run_pd(&unified, 1, PLAIN, asked.clone()).await;
+    let (_, s) = run_pd(&split, 2, PLAIN, asked).await;
+    for (mode, got) in [("unified", &u), ("split", &s)] {
+        assert!(got.error.is_none(), "{mode}: {got:?}");
+        assert_eq!(got.logprobs.len(), want.len(), "{mode}: one per token");
+        for (i, ((id, w), g)) in want.iter().zip(&got.logprobs).enumerate() {
+            let g = g.as_ref().expect("asked for");
+            assert_eq!(got.ids[i], *id, "{mode} step {i}");
+            assert_eq!(
+                g.top[0].0, *id,
+                "{mode} step {i}: greedy takes the most likely"
+            );
+            assert!(
+                (g.logprob - w.logprob).abs() < 1e-4,
+                "{mode} step {i}: {g:?} {w:?}"
+            );
+            let ids = |t: &TokenLogprobs| t.top.iter().map(|x| x.0).collect::<Vec<_>>();
+            assert_eq!(ids(g), ids(w), "{mode} step {i}");
+        }
+    }
+    let (_, none) = run_pd(&split, 3, PLAIN, greedy(4)).await;
+    assert!(none.logprobs.iter().all(Option::is_none), "{none:?}");
+    wait_free(&unified).await;
+    wait_free(&split).await;
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unified_and_split_match_the_forward_pass() {

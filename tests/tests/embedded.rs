@@ -154,6 +154,22 @@ async fn official_openai_client_gets_coherent_answers() {
     s.wait_released().await;
 }
 
+/// Log-probabilities from the embedded model through the official `openai` package
+/// (`tests/python/logprobs_client.py`): chat and completions, streamed and not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn official_openai_client_gets_log_probabilities() {
+    let Some(s) = start("").await else { return };
+    client::run_python_checks(
+        "logprobs_client.py",
+        &s.url,
+        MODEL,
+        Duration::from_secs(240),
+        "all logprobs checks passed",
+    )
+    .await;
+    s.wait_released().await;
+}
+
 /// The Responses and Messages APIs against the embedded model, through the official `openai`
 /// and `anthropic` packages.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

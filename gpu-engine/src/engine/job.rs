@@ -8,7 +8,7 @@ use tokio::sync::{mpsc as tmpsc, oneshot};
 use super::{EngineError, Event, Generate, KvReport, KvSink};
 use crate::grammar::Guide;
 use crate::pool::Sequence;
-use crate::sample::{Finish, Sampler, TextStream};
+use crate::sample::{Finish, Sampler, TextStream, TokenLogprobs};
 use crate::tokenizer::ModelTokenizer;
 
 /// What a request is doing.
@@ -128,7 +128,12 @@ pub(super) fn next_token(
     {
         return failed(events, m);
     }
-    let id = sampler.sample(&logits, *sampled, text.ids());
+    let logits = sampler.penalised(&logits, text.ids());
+    let id = sampler.draw(&logits, *sampled);
+    let logprobs = sampler
+        .config()
+        .logprobs
+        .map(|k| TokenLogprobs::of(&logits, id, k));
     *sampled += 1;
     next[0] = id;
     let mut emit = text.push(tok, id);
@@ -146,6 +151,6 @@ pub(super) fn next_token(
         }
     }
     let finished = emit.finish.is_some();
-    let sent = events.send(Event::token(id, emit));
+    let sent = events.send(Event::token(id, emit, logprobs));
     Some(finished || sent.is_err())
 }

@@ -23,7 +23,7 @@ pub use crate::bundle::ModelBundle;
 use crate::device::EngineDevice;
 pub use crate::error::EngineError;
 use crate::pool::{KvDtype, PagePool, PoolConfig, ScrubPolicy, VerifyMode};
-use crate::sample::{Finish, SamplingConfig};
+use crate::sample::{Finish, SamplingConfig, TokenLogprobs};
 use crate::transfer::KvTransfer;
 use job::Job;
 use scheduler::Scheduler;
@@ -97,6 +97,8 @@ pub enum Event {
         finish: Option<Finish>,
         /// On the last token, the stop string that ended generation, when one did.
         matched_stop: Option<String>,
+        /// Its log-probabilities, when the request asked for them ([`SamplingConfig::logprobs`]).
+        logprobs: Option<TokenLogprobs>,
     },
     /// The request ended with an error; its pages are free.
     Failed(EngineError),
@@ -104,12 +106,17 @@ pub enum Event {
 
 impl Event {
     /// The event of one sampled token and what it did to the output.
-    pub(crate) fn token(id: u32, emit: crate::sample::Emit) -> Event {
+    pub(crate) fn token(
+        id: u32,
+        emit: crate::sample::Emit,
+        logprobs: Option<TokenLogprobs>,
+    ) -> Event {
         Event::Token {
             id,
             text: emit.text,
             finish: emit.finish,
             matched_stop: emit.matched_stop,
+            logprobs,
         }
     }
 }

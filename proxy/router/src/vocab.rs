@@ -124,7 +124,14 @@ pub struct SamplingParams {
     /// output constraint is advanced over them. Never sent to SGLang or vLLM, which cannot.
     #[serde(skip)]
     pub resumed: u32,
+    /// Log-probabilities with every generated token: `Some(k)`, the token's own and the `k` most
+    /// likely tokens' (at most [`MAX_TOP_LOGPROBS`]); `None`, none. Admission lets it through only
+    /// to lockstep's own engine and workers, which report them with each token.
+    #[serde(skip)]
+    pub logprobs: Option<u32>,
 }
+
+pub use lockstep_engine::sample::{MAX_TOP_LOGPROBS, TokenLogprobs};
 
 /// A structured-output constraint (OpenAI `response_format`, SGLang's `json_schema`, `regex`,
 /// `ebnf`), enforced by the workers' grammar backends.
@@ -179,7 +186,7 @@ impl FinishReason {
 }
 
 /// One increment of decode output.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct DecodeChunk {
     /// New text since the previous chunk.
     pub delta: String,
@@ -198,6 +205,9 @@ pub struct DecodeChunk {
     /// the worker says which (SGLang `finish_reason.matched`, vLLM `stop_reason`, lockstep's
     /// engine and workers).
     pub matched_stop: Option<String>,
+    /// The log-probabilities of `token_ids`, one each, where the request asked for them
+    /// ([`SamplingParams::logprobs`]; the answer checks the count).
+    pub logprobs: Vec<TokenLogprobs>,
 }
 
 #[cfg(test)]

@@ -101,6 +101,7 @@ pub fn sampling_from_pb(s: Option<pb::Sampling>) -> SamplingConfig {
             }
         }),
         resumed: s.resumed as usize,
+        logprobs: s.logprobs.map(|k| k as usize),
     }
 }
 
@@ -122,10 +123,16 @@ pub fn decode_event(ev: Event) -> Result<pb::DecodeEvent, Status> {
             text,
             finish,
             matched_stop,
+            logprobs,
         } => Ok(pb::DecodeEvent {
             event: Some(E::Token(pb::DecodeToken {
                 id,
                 text,
+                logprobs: logprobs.map(|l| pb::TokenLogprobs {
+                    logprob: l.logprob,
+                    top_ids: l.top.iter().map(|t| t.0).collect(),
+                    top_logprobs: l.top.iter().map(|t| t.1).collect(),
+                }),
                 matched_stop: matched_stop.unwrap_or_default(),
                 finish: match finish {
                     None => pb::DecodeFinish::None,

@@ -47,6 +47,7 @@ fn sampling(p: &SamplingParams) -> SamplingConfig {
         frequency_penalty: p.frequency_penalty.unwrap_or(0.0) as f32,
         constraint: p.constraint.as_ref().and_then(|c| c.for_engine()),
         resumed: p.resumed as usize,
+        logprobs: p.logprobs.map(|k| k as usize),
     }
 }
 
@@ -65,9 +66,11 @@ fn half_event(e: Event) -> HalfEvent {
             text,
             finish,
             matched_stop,
+            logprobs,
         } => HalfEvent::Token {
             id,
             text,
+            logprobs,
             finish: finish.map(|f| match f {
                 Finish::Stop => FinishReason::Stop,
                 Finish::Length => FinishReason::Length,

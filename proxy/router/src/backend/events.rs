@@ -28,6 +28,8 @@ pub(crate) enum HalfEvent {
         finish: Option<FinishReason>,
         /// The stop string that ended generation, if one did.
         matched_stop: Option<String>,
+        /// Its log-probabilities, where the request asked for them.
+        logprobs: Option<super::TokenLogprobs>,
     },
     /// An event with nothing for lockstep (skipped).
     Nothing,
@@ -66,6 +68,7 @@ where
                     text,
                     finish,
                     matched_stop,
+                    logprobs,
                 }) => {
                     st.n += 1;
                     let chunk = DecodeChunk {
@@ -76,6 +79,7 @@ where
                         completion_tokens: st.n,
                         matched_stop: finish.and(matched_stop),
                         finish,
+                        logprobs: logprobs.into_iter().collect(),
                     };
                     if finish.is_some() {
                         st.ended = None;
@@ -109,6 +113,7 @@ mod tests {
             text: format!("t{id}"),
             finish,
             matched_stop: stop.map(str::to_string),
+            logprobs: None,
         }
     }
 

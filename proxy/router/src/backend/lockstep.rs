@@ -21,7 +21,7 @@ use super::events::{HalfEvent, decode_chunks};
 use super::probe::{ProbeError, WorkerReport};
 use super::{
     DecodeStream, Dispatch, FinishReason, HalfError, HalfFailure, PdBackend, PrefillReport,
-    SamplingParams, Side,
+    SamplingParams, Side, TokenLogprobs,
 };
 use crate::config::{ModelConfig, WorkerConfig};
 use lockstep_proto::MAX_MESSAGE_BYTES;
@@ -149,6 +149,7 @@ fn sampling(p: &SamplingParams) -> pb::Sampling {
             })
         }),
         resumed: p.resumed,
+        logprobs: p.logprobs,
     }
 }
 
@@ -362,11 +363,29 @@ fn half_event(e: pb::DecodeEvent) -> HalfEvent {
             });
         }
     };
+    let logprobs = match t.logprobs {
+        None => None,
+        Some(l) if l.top_ids.len() == l.top_logprobs.len() => Some(TokenLogprobs {
+            logprob: l.logprob,
+            top: l.top_ids.into_iter().zip(l.top_logprobs).collect(),
+        }),
+        Some(l) => {
+            return HalfEvent::Failed(HalfError {
+                side: Side::Decode,
+                failure: HalfFailure::Protocol(format!(
+                    "the worker sent {} top token ids with {} log-probabilities",
+                    l.top_ids.len(),
+                    l.top_logprobs.len()
+                )),
+            });
+        }
+    };
     HalfEvent::Token {
         id: t.id,
         text: t.text,
         finish,
         matched_stop: Some(t.matched_stop).filter(|m| !m.is_empty()),
+        logprobs,
     }
 }
 
@@ -380,6 +399,7 @@ mod tests {
             text: "x".into(),
             finish,
             matched_stop: matched.into(),
+            logprobs: None,
         }
     }
 
@@ -398,6 +418,54 @@ mod tests {
         b.forget("http://127.0.0.1:7001");
         assert_eq!(b.clients.len(), 1);
         assert!(b.clients.contains_key("http://127.0.0.1:7002"));
+    }
+
+    #[test]
+    fn a_tokens_log_probabilities_are_read_and_a_mismatched_list_is_an_error() {
+        use pb::decode_event::Event as E;
+        let ev = |l| {
+            half_event(pb::DecodeEvent {
+                event: Some(E::Token(pb::DecodeToken {
+                    logprobs: Some(l),
+                    ..token(0, "")
+                })),
+            })
+        };
+        let ok = ev(pb::TokenLogprobs {
+            logprob: -0.25,
+            top_ids: vec![7, 3],
+            top_logprobs: vec![-0.25, -2.0],
+        });
+        match ok {
+            HalfEvent::Token { logprobs, .. } => assert_eq!(
+                logprobs,
+                Some(TokenLogprobs {
+                    logprob: -0.25,
+                    top: vec![(7, -0.25), (3, -2.0)],
+                })
+            ),
+            other => panic!("{other:?}"),
+        }
+        let bad = ev(pb::TokenLogprobs {
+            logprob: -0.25,
+            top_ids: vec![7, 3],
+            top_logprobs: vec![-0.25],
+        });
+        assert!(
+            matches!(&bad, HalfEvent::Failed(e) if matches!(e.failure, HalfFailure::Protocol(_))),
+            "{bad:?}"
+        );
+        // None asked, none sent.
+        match ev(pb::TokenLogprobs::default()) {
+            HalfEvent::Token { logprobs, .. } => assert!(logprobs.is_some()),
+            other => panic!("{other:?}"),
+        }
+        match half_event(pb::DecodeEvent {
+            event: Some(E::Token(token(0, ""))),
+        }) {
+            HalfEvent::Token { logprobs, .. } => assert_eq!(logprobs, None),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

@@ -30,7 +30,10 @@ use futures_util::stream::BoxStream;
 
 use crate::config::ModelConfig;
 use crate::pool::Upstream;
-pub use crate::vocab::{Constraint, DecodeChunk, FinishReason, PairId, SamplingParams, Side};
+pub use crate::vocab::{
+    Constraint, DecodeChunk, FinishReason, MAX_TOP_LOGPROBS, PairId, SamplingParams, Side,
+    TokenLogprobs,
+};
 
 /// Everything a backend needs to run both halves of one pair.
 #[derive(Debug, Clone)]

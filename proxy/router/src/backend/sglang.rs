@@ -472,6 +472,8 @@ impl ChunkSource for SseDecoder {
                 .and_then(|m| m.finish_reason.as_ref())
                 .and_then(|f| f.matched.clone()),
             finish,
+            // Refused at admission for SGLang models (`http::fields::logprobs_backend`).
+            logprobs: Vec::new(),
         }))
     }
 }

@@ -481,6 +481,8 @@ impl ChunkSource for Sse {
                     .and_then(Value::as_str)
                     .map(str::to_string),
                 finish,
+                // Refused at admission for vLLM models (`http::fields::logprobs_backend`).
+                logprobs: Vec::new(),
             }));
         }
     }

@@ -5,8 +5,8 @@
 
 use serde_json::{Map, Value};
 
-use crate::backend::Constraint;
-use crate::config::BackendKind;
+use crate::backend::{Constraint, MAX_TOP_LOGPROBS};
+use crate::config::{BackendKind, ModelConfig};
 use crate::error::LockstepError;
 
 /// A field lockstep knows but does not forward: when its value is a no-op, and why otherwise.
@@ -61,7 +61,7 @@ pub(crate) fn default_tier(v: &Value) -> bool {
 }
 
 const STRUCTURED: &str = "this structured-output form is not supported; use response_format (json_object, json_schema) or, on /generate, sampling_params json_schema, regex or ebnf";
-const LOGPROBS: &str = "log-probabilities are not returned by lockstep yet";
+const LOGPROBS: &str = "log-probabilities are returned on /v1/chat/completions and /v1/completions (not on SGLang's /generate yet)";
 const LEGACY_FUNCTIONS: &str = "the legacy `functions` and `function_call` are not supported; declare `tools` and choose with `tool_choice`";
 const SAMPLER: &str =
     "lockstep does not forward this sampling control yet; only its default value is accepted";
@@ -96,6 +96,82 @@ const OPENAI: &[Known] = &[
     known("spaces_between_special_tokens", truthy, SAMPLER),
 ];
 
+/// Where log-probabilities come from: lockstep's own engine and workers report them with each
+/// token; for SGLang and vLLM models lockstep does not read them from the workers' answers yet,
+/// so asking is a 400 naming the backend, never an answer without them.
+fn logprobs_backend(model: &ModelConfig, param: &str) -> Result<(), LockstepError> {
+    match model.backend {
+        BackendKind::Embedded | BackendKind::Lockstep => Ok(()),
+        other => Err(LockstepError::Unsupported {
+            message: format!(
+                "model `{}` runs on {}, whose log-probabilities lockstep does not return yet; only models on lockstep's own engine (embedded) and workers (lockstep) return them",
+                model.name,
+                other.as_str()
+            ),
+            param: Some(param.into()),
+        }),
+    }
+}
+
+/// A `0..=20` count of top log-probabilities at `param` (`None` when absent or null).
+fn top_count(rest: &mut Map<String, Value>, param: &str) -> Result<Option<u32>, LockstepError> {
+    match rest.remove(param) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => match v.as_u64() {
+            Some(k) if k <= MAX_TOP_LOGPROBS as u64 => Ok(Some(k as u32)),
+            _ => Err(LockstepError::InvalidRequest {
+                message: format!(
+                    "`{param}` must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {v}"
+                ),
+                param: Some(param.into()),
+            }),
+        },
+    }
+}
+
+/// Chat's `logprobs` (a boolean) and `top_logprobs` (0 to 20, only with `logprobs: true`, as
+/// OpenAI and vLLM require): how many top alternatives each token lists, `None` for none.
+pub(crate) fn chat_logprobs(
+    rest: &mut Map<String, Value>,
+    model: &ModelConfig,
+) -> Result<Option<u32>, LockstepError> {
+    let on = match rest.remove("logprobs") {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => false,
+        Some(Value::Bool(true)) => true,
+        Some(v) => {
+            return Err(LockstepError::InvalidRequest {
+                message: format!("`logprobs` is a boolean on chat completions, got {v}"),
+                param: Some("logprobs".into()),
+            });
+        }
+    };
+    let top = top_count(rest, "top_logprobs")?;
+    if !on {
+        return match top {
+            Some(k) if k > 0 => Err(LockstepError::InvalidRequest {
+                message: "`top_logprobs` needs `logprobs: true`".into(),
+                param: Some("top_logprobs".into()),
+            }),
+            _ => Ok(None),
+        };
+    }
+    logprobs_backend(model, "logprobs")?;
+    Ok(Some(top.unwrap_or(0)))
+}
+
+/// Completions' `logprobs`: an integer 0 to 20, the top alternatives each token lists besides
+/// itself (`None` when absent or null).
+pub(crate) fn completion_logprobs(
+    rest: &mut Map<String, Value>,
+    model: &ModelConfig,
+) -> Result<Option<u32>, LockstepError> {
+    let k = top_count(rest, "logprobs")?;
+    if k.is_some() {
+        logprobs_backend(model, "logprobs")?;
+    }
+    Ok(k)
+}
+
 /// Fields of `/v1/chat/completions` beyond the ones it honours.
 pub(crate) const CHAT: &[&[Known]] = &[
     OPENAI,
@@ -109,8 +185,6 @@ pub(crate) const CHAT: &[&[Known]] = &[
             falsy,
             "lockstep stores no completions; `store` must be false",
         ),
-        known("logprobs", falsy, LOGPROBS),
-        known("top_logprobs", zero, LOGPROBS),
         known("functions", empty, LEGACY_FUNCTIONS),
         known("function_call", no_tool_choice, LEGACY_FUNCTIONS),
         known("modalities", text_modality, "only text output is supported"),
@@ -137,7 +211,6 @@ pub(crate) const COMPLETIONS: &[&[Known]] = &[
     &[
         known("echo", falsy, "echo is not supported yet"),
         known("suffix", null, "suffix (insertion) is not supported yet"),
-        known("logprobs", null, LOGPROBS),
     ],
 ];
 
@@ -393,16 +466,75 @@ mod tests {
     }
 
     #[test]
+    fn logprobs_are_read_bounded_and_refused_where_the_backend_cannot_return_them() {
+        let mut own = crate::config::test_model("http://p", "http://d", "");
+        own.backend = BackendKind::Embedded;
+        let vllm = crate::config::test_model("http://p", "http://d", "");
+        let chat = |m: &ModelConfig, v: Value| {
+            let mut rest = v.as_object().cloned().unwrap_or_default();
+            let got = chat_logprobs(&mut rest, m);
+            assert!(
+                !rest.contains_key("logprobs") && !rest.contains_key("top_logprobs"),
+                "taken"
+            );
+            got.map_err(|e| (e.code(), e.to_string()))
+        };
+        assert_eq!(chat(&own, json!({})), Ok(None));
+        assert_eq!(
+            chat(&own, json!({"logprobs": false, "top_logprobs": 0})),
+            Ok(None)
+        );
+        assert_eq!(chat(&own, json!({"logprobs": true})), Ok(Some(0)));
+        assert_eq!(
+            chat(&own, json!({"logprobs": true, "top_logprobs": 20})),
+            Ok(Some(20))
+        );
+        for bad in [
+            json!({"logprobs": true, "top_logprobs": 21}),
+            json!({"logprobs": true, "top_logprobs": -1}),
+            json!({"logprobs": true, "top_logprobs": 2.5}),
+            json!({"logprobs": 1}),
+            json!({"top_logprobs": 2}),
+        ] {
+            let e = chat(&own, bad.clone()).expect_err("refused");
+            assert_eq!(e.0, "invalid_request", "{bad}: {e:?}");
+        }
+        // A backend lockstep does not read log-probabilities from: a 400 naming it, never an
+        // answer without them; not asking is fine there.
+        let e = chat(&vllm, json!({"logprobs": true})).expect_err("refused");
+        assert_eq!(e.0, "unsupported");
+        assert!(e.1.contains("vllm"), "{}", e.1);
+        assert_eq!(chat(&vllm, json!({"logprobs": false})), Ok(None));
+        let completion = |m: &ModelConfig, v: Value| {
+            let mut rest = v.as_object().cloned().unwrap_or_default();
+            completion_logprobs(&mut rest, m).map_err(|e| e.code())
+        };
+        assert_eq!(completion(&own, json!({"logprobs": 0})), Ok(Some(0)));
+        assert_eq!(completion(&own, json!({"logprobs": 5})), Ok(Some(5)));
+        assert_eq!(completion(&own, json!({"logprobs": null})), Ok(None));
+        assert_eq!(
+            completion(&own, json!({"logprobs": true})),
+            Err("invalid_request")
+        );
+        assert_eq!(
+            completion(&own, json!({"logprobs": 21})),
+            Err("invalid_request")
+        );
+        assert_eq!(
+            completion(&vllm, json!({"logprobs": 1})),
+            Err("unsupported")
+        );
+    }
+
+    #[test]
     fn no_op_values_pass_and_the_rest_is_refused_by_name() {
         for ok in [
-            json!({"user": "u1", "logprobs": false, "function_call": "none", "store": false, "repetition_penalty": 1.0, "top_logprobs": 0}),
+            json!({"user": "u1", "function_call": "none", "store": false, "repetition_penalty": 1.0}),
             json!({}),
         ] {
             assert_eq!(check(CHAT, ok.clone()), Ok(()), "{ok}");
         }
         for (bad, param) in [
-            (json!({"logprobs": true}), "logprobs"),
-            (json!({"top_logprobs": 3}), "top_logprobs"),
             (
                 json!({"functions": [{"name": "f", "parameters": {}}]}),
                 "functions",

@@ -130,6 +130,7 @@ impl FrontRequest for GenerateRequest {
             sampling_seed: s.sampling_seed,
             constraint,
             resumed: 0,
+            logprobs: None,
         };
         Ok((
             Input::Prompt(prompt),

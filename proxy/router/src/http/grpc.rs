@@ -187,7 +187,7 @@ impl Front {
             })),
         };
         let prompt = prompt_tokens;
-        let chunks = Box::pin(super::respond::committed_chunks(rx, pair_id, permit));
+        let chunks = Box::pin(super::respond::committed_chunks(rx, pair_id, permit, None));
         // The committed answer, ended at the call's deadline (ending it drops the pair's
         // receiver: both halves abort).
         let pair = futures_util::stream::unfold(Some(chunks), move |open| async move {

@@ -7,6 +7,7 @@ mod fields;
 pub(crate) mod generate;
 pub mod grpc;
 mod grpc_guard;
+mod logprobs;
 pub(crate) mod openai;
 mod openai_out;
 pub mod picker;

@@ -189,6 +189,7 @@ impl CommonParams {
                 sampling_seed: self.seed,
                 constraint: None,
                 resumed: 0,
+                logprobs: None,
             },
             self.stream,
             include_usage,
@@ -377,8 +378,10 @@ impl FrontRequest for ChatRequest {
             model.tool_parser,
             model.backend,
         )?;
+        let logprobs = fields::chat_logprobs(&mut rest, model)?;
         let (mut sampling, stream, include_usage) =
             self.params.with_rest(rest, fields::CHAT, model)?;
+        sampling.logprobs = logprobs;
         let messages = to_messages(self.messages)?;
         let (input, parser) = super::tools::settle(
             tools,
@@ -391,7 +394,9 @@ impl FrontRequest for ChatRequest {
         Ok((
             input,
             sampling,
-            OpenAiShape::chat(stream, include_usage).with_tools(parser),
+            OpenAiShape::chat(stream, include_usage)
+                .with_tools(parser)
+                .with_logprobs(logprobs),
         ))
     }
 }
@@ -429,13 +434,15 @@ impl FrontRequest for CompletionRequest {
         self,
         model: &ModelConfig,
     ) -> Result<(Input, SamplingParams, OpenAiShape), LockstepError> {
-        let (sampling, stream, include_usage) =
-            self.params
-                .with_rest(self.rest, fields::COMPLETIONS, model)?;
+        let mut rest = self.rest;
+        let logprobs = fields::completion_logprobs(&mut rest, model)?;
+        let (mut sampling, stream, include_usage) =
+            self.params.with_rest(rest, fields::COMPLETIONS, model)?;
+        sampling.logprobs = logprobs;
         Ok((
             Input::Prompt(self.prompt),
             sampling,
-            OpenAiShape::completion(stream, include_usage),
+            OpenAiShape::completion(stream, include_usage).with_logprobs(logprobs),
         ))
     }
 }

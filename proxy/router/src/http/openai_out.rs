@@ -65,8 +65,8 @@ pub(crate) struct Answer<'a, C> {
 pub(crate) struct ChatDelta<'a> {
     pub(crate) index: u32,
     pub(crate) delta: Delta<'a>,
-    /// Always `null`: lockstep returns no log probabilities (a request for them is refused).
-    pub(crate) logprobs: (),
+    /// The chunk's tokens' log-probabilities, where the request asked for them (else `null`).
+    pub(crate) logprobs: Option<Value>,
     pub(crate) finish_reason: Option<&'a str>,
 }
 
@@ -92,7 +92,7 @@ pub(crate) enum Delta<'a> {
 pub(crate) struct ChatChoice<'a> {
     pub(crate) index: u32,
     pub(crate) message: Message<'a>,
-    pub(crate) logprobs: (),
+    pub(crate) logprobs: Option<Value>,
     pub(crate) finish_reason: &'a str,
 }
 
@@ -108,7 +108,7 @@ pub(crate) struct Message<'a> {
 pub(crate) struct TextChoice<'a> {
     pub(crate) index: u32,
     pub(crate) text: &'a str,
-    pub(crate) logprobs: (),
+    pub(crate) logprobs: Option<Value>,
     pub(crate) finish_reason: Option<&'a str>,
 }
 

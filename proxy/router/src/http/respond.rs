@@ -4,6 +4,7 @@
 
 use std::borrow::Cow;
 use std::convert::Infallible;
+use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::Body;
@@ -16,8 +17,8 @@ use super::openai_out::{
     Answer, AnswerId, ChatChoice, ChatDelta, Delta, Message, TextChoice, Usage, push_event,
 };
 use super::tools::{self, ToolStream};
-use crate::admission::Admitted;
-use crate::backend::{DecodeChunk, FinishReason};
+use crate::admission::{Admitted, PromptCodec};
+use crate::backend::{DecodeChunk, FinishReason, TokenLogprobs};
 use crate::error::LockstepError as Error;
 use crate::error::LockstepError;
 use crate::pair::{PairEvent, PairId};
@@ -40,6 +41,18 @@ pub(crate) struct OpenAiShape {
     started: bool,
     /// The model's tool-call parser and the stream's split between content and calls.
     tools: Option<ToolStream>,
+    /// Log-probabilities, where the request asked for them.
+    logprobs: Option<Logprobs>,
+}
+
+/// What an answer with log-probabilities keeps: the tokens' bytes come from the model's
+/// tokenizer; in a stream, the tokens not yet sent (a chunk whose text is held back sends no
+/// event) and the completion's text offset so far.
+#[derive(Debug, Default)]
+struct Logprobs {
+    codec: Option<Arc<PromptCodec>>,
+    pending: Vec<(u32, TokenLogprobs)>,
+    offset: usize,
 }
 
 impl OpenAiShape {
@@ -50,6 +63,7 @@ impl OpenAiShape {
             include_usage,
             started: false,
             tools: None,
+            logprobs: None,
         }
     }
     pub(crate) fn completion(stream: bool, include_usage: bool) -> OpenAiShape {
@@ -59,7 +73,13 @@ impl OpenAiShape {
             include_usage,
             started: false,
             tools: None,
+            logprobs: None,
         }
+    }
+    /// An answer with each token's log-probabilities (`Some`: the request asked for them).
+    pub(crate) fn with_logprobs(mut self, top: Option<u32>) -> OpenAiShape {
+        self.logprobs = top.map(|_| Logprobs::default());
+        self
     }
     /// Chat whose answer is parsed for calls to the declared tools in their parser's format.
     pub(crate) fn with_tools(mut self, tools: Option<tools::ToolParse>) -> OpenAiShape {
@@ -73,6 +93,7 @@ impl OpenAiShape {
             include_usage: false,
             started: false,
             tools: None,
+            logprobs: None,
         }
     }
 }
@@ -139,14 +160,20 @@ pub(crate) fn committed_chunks(
     rx: tokio::sync::mpsc::Receiver<PairEvent>,
     pair_id: PairId,
     permit: crate::tenant::Held,
+    logprobs: Option<u32>,
 ) -> impl futures_util::Stream<Item = Result<DecodeChunk, LockstepError>> + Send + 'static {
-    futures_util::stream::unfold(Some((rx, permit)), move |open| async move {
-        let (mut rx, permit) = open?;
+    futures_util::stream::unfold(Some((rx, permit, 0)), move |open| async move {
+        let (mut rx, permit, before) = open?;
         let item = match rx.recv().await {
             Some(PairEvent::Chunk(c)) => {
-                permit.delivered(c.completion_tokens);
-                let last = c.finish.is_some();
-                return Some((Ok(c), (!last).then_some((rx, permit))));
+                match logprobs.map_or(Ok(()), |k| super::logprobs::check(pair_id, k, &c, before)) {
+                    Ok(()) => {
+                        permit.delivered(c.completion_tokens);
+                        let (last, now) = (c.finish.is_some(), c.completion_tokens);
+                        return Some((Ok(c), (!last).then_some((rx, permit, now))));
+                    }
+                    Err(e) => e,
+                }
             }
             Some(PairEvent::Failed(e)) => e,
             Some(PairEvent::Committed { .. }) | None => LockstepError::DecodeFailed {
@@ -179,6 +206,11 @@ pub(crate) trait Render: Send + 'static {
     /// The answer to a failure before anything was sent (the status and this API's error body).
     fn error(&self, e: Error) -> Response {
         e.into_response()
+    }
+    /// The model's tokenizer, given before the first chunk (for the token texts of
+    /// log-probabilities).
+    fn vocab(&mut self, codec: &Arc<PromptCodec>) {
+        let _ = codec;
     }
 }
 
@@ -217,6 +249,8 @@ pub(crate) struct Progress {
     pub(crate) completion_tokens: u64,
     /// The stop string that ended generation, once one did and the worker said which.
     pub(crate) matched_stop: Option<String>,
+    /// Each token's id and log-probabilities so far, where the request asked for them.
+    pub(crate) logprobs: Vec<(u32, TokenLogprobs)>,
 }
 
 impl Progress {
@@ -231,6 +265,8 @@ impl Progress {
 
     fn absorb(&mut self, c: &DecodeChunk) {
         self.text.push_str(&c.delta);
+        self.logprobs
+            .extend(c.token_ids.iter().copied().zip(c.logprobs.iter().cloned()));
         self.completion_tokens = self.completion_tokens.max(c.completion_tokens);
         if c.matched_stop.is_some() {
             self.matched_stop.clone_from(&c.matched_stop);
@@ -242,6 +278,9 @@ impl Progress {
 /// shape.
 pub(crate) async fn serve_pair<R: Render>(admitted: Admitted, shape: R) -> Response {
     let model = admitted.model.name.clone();
+    let (codec, logprobs) = (admitted.model.codec.clone(), admitted.sampling.logprobs);
+    let mut shape = shape;
+    shape.vocab(&codec);
     let Committed {
         rx,
         pair_id,
@@ -261,8 +300,9 @@ pub(crate) async fn serve_pair<R: Render>(admitted: Admitted, shape: R) -> Respo
         text: String::new(),
         completion_tokens: 0,
         matched_stop: None,
+        logprobs: Vec::new(),
     };
-    let chunks = committed_chunks(rx, pair_id, permit);
+    let chunks = committed_chunks(rx, pair_id, permit, logprobs);
     if shape.stream() {
         let body = chunks.scan((p, shape), |(p, shape), next| {
             let out = match next {
@@ -347,6 +387,29 @@ impl OpenAiShape {
         }
     }
 
+    /// The whole answer's `logprobs` (`None`: not asked for).
+    fn full_logprobs(&self, p: &Progress) -> Option<Value> {
+        let codec = self.logprobs.as_ref()?.codec.as_ref()?;
+        match self.api {
+            Api::Chat => Some(super::logprobs::chat(codec, &p.logprobs)),
+            Api::Completion => Some(super::logprobs::completion(codec, &p.logprobs, &mut 0)),
+            Api::Generate => None,
+        }
+    }
+
+    /// The `logprobs` of the tokens not sent yet, for the event about to go out (`None`: not
+    /// asked for, or none waiting).
+    fn take_pending(&mut self) -> Option<Value> {
+        let l = self.logprobs.as_mut().filter(|l| !l.pending.is_empty())?;
+        let codec = l.codec.clone()?;
+        let tokens = std::mem::take(&mut l.pending);
+        match self.api {
+            Api::Chat => Some(super::logprobs::chat(&codec, &tokens)),
+            Api::Completion => Some(super::logprobs::completion(&codec, &tokens, &mut l.offset)),
+            Api::Generate => None,
+        }
+    }
+
     /// The tool calls in a finished chat answer's text (with the text around them), where
     /// the model's calls are parsed and the text has some.
     fn tool_calls(&self, p: &Progress) -> Option<(String, Vec<tools::Call>)> {
@@ -425,6 +488,12 @@ impl Render for OpenAiShape {
         self.stream
     }
 
+    fn vocab(&mut self, codec: &Arc<PromptCodec>) {
+        if let Some(l) = self.logprobs.as_mut() {
+            l.codec = Some(codec.clone());
+        }
+    }
+
     fn full_json(&self, p: &Progress, finish: FinishReason) -> serde_json::Result<Vec<u8>> {
         fn with_usage<C: serde::Serialize>(p: &Progress, mut a: Answer<'_, C>) -> JsonBytes {
             a.usage = Some(p.usage());
@@ -446,7 +515,7 @@ impl Render for OpenAiShape {
                             role: "assistant",
                             content: &p.text,
                         },
-                        logprobs: (),
+                        logprobs: self.full_logprobs(p),
                         finish_reason: finish.as_str(),
                     }],
                 ),
@@ -459,7 +528,7 @@ impl Render for OpenAiShape {
                     [TextChoice {
                         index: 0,
                         text: &p.text,
-                        logprobs: (),
+                        logprobs: self.full_logprobs(p),
                         finish_reason: Some(finish.as_str()),
                     }],
                 ),
@@ -487,13 +556,13 @@ impl Render for OpenAiShape {
                 }
                 json!({
                     "id": self.id(p), "object": "chat.completion", "created": p.created, "model": p.model,
-                    "choices": [{ "index": 0, "message": message, "logprobs": null, "finish_reason": reason }],
+                    "choices": [{ "index": 0, "message": message, "logprobs": self.full_logprobs(p), "finish_reason": reason }],
                     "usage": usage,
                 })
             }
             Api::Completion => json!({
                 "id": self.id(p), "object": "text_completion", "created": p.created, "model": p.model,
-                "choices": [{ "index": 0, "text": p.text, "logprobs": null, "finish_reason": finish.as_str() }],
+                "choices": [{ "index": 0, "text": p.text, "logprobs": self.full_logprobs(p), "finish_reason": finish.as_str() }],
                 "usage": usage,
             }),
             Api::Generate => json!(Self::native(p, Some(finish))),
@@ -504,6 +573,10 @@ impl Render for OpenAiShape {
     fn chunk(&mut self, p: &Progress, c: &DecodeChunk) -> Bytes {
         let mut out = Vec::with_capacity(256 + 2 * c.delta.len());
         let finish = c.finish.map(FinishReason::as_str);
+        if let Some(l) = self.logprobs.as_mut() {
+            l.pending
+                .extend(c.token_ids.iter().copied().zip(c.logprobs.iter().cloned()));
+        }
         match self.api {
             Api::Chat => {
                 // The text and the calls first: they need the tool stream, mutably.
@@ -530,33 +603,41 @@ impl Render for OpenAiShape {
                     }
                     reason = Some(r);
                 }
-                let mut event = |delta: Delta<'_>, finish_reason: Option<&str>| {
-                    let choice = ChatDelta {
-                        index: 0,
-                        delta,
-                        logprobs: (),
-                        finish_reason,
+                // The waiting tokens' log-probabilities go with the first text event, else
+                // with the finishing one.
+                let lp_content = (!content.is_empty()).then(|| self.take_pending()).flatten();
+                let lp_rest = (reason.is_some() && !rest.is_empty())
+                    .then(|| self.take_pending())
+                    .flatten();
+                let lp_end = reason.is_some().then(|| self.take_pending()).flatten();
+                let mut event =
+                    |delta: Delta<'_>, logprobs: Option<Value>, finish_reason: Option<&str>| {
+                        let choice = ChatDelta {
+                            index: 0,
+                            delta,
+                            logprobs,
+                            finish_reason,
+                        };
+                        push_event(&mut out, &self.answer(p, "chat.completion.chunk", [choice]));
                     };
-                    push_event(&mut out, &self.answer(p, "chat.completion.chunk", [choice]));
-                };
                 if !self.started {
                     let start = Delta::Start {
                         role: "assistant",
                         content: "",
                     };
-                    event(start, None);
+                    event(start, None, None);
                 }
                 if !content.is_empty() {
-                    event(Delta::Content { content: &content }, None);
+                    event(Delta::Content { content: &content }, lp_content, None);
                 }
                 if let Some(r) = reason {
                     if !rest.is_empty() {
-                        event(Delta::Content { content: &rest }, None);
+                        event(Delta::Content { content: &rest }, lp_rest, None);
                     }
                     if !calls.is_empty() {
-                        event(Delta::Tools { tool_calls: &calls }, None);
+                        event(Delta::Tools { tool_calls: &calls }, None, None);
                     }
-                    event(Delta::End {}, Some(r));
+                    event(Delta::End {}, lp_end, Some(r));
                 }
             }
             Api::Completion => {
@@ -564,7 +645,7 @@ impl Render for OpenAiShape {
                     let choice = TextChoice {
                         index: 0,
                         text: &c.delta,
-                        logprobs: (),
+                        logprobs: self.take_pending(),
                         finish_reason: finish,
                     };
                     push_event(&mut out, &self.answer(p, "text_completion", [choice]));

@@ -21,6 +21,7 @@ fn progress(matched: Option<&str>) -> Progress {
         text: "a \"quoted\"\n é".into(),
         completion_tokens: 3,
         matched_stop: matched.map(str::to_owned),
+        logprobs: Vec::new(),
     }
 }
 
@@ -66,6 +67,7 @@ fn chunk(delta: &str, finish: Option<FinishReason>, completion_tokens: u64) -> D
         completion_tokens,
         finish,
         matched_stop: None,
+        logprobs: Vec::new(),
     }
 }
 
@@ -270,7 +272,7 @@ async fn a_committed_answer_ends_with_a_finish_or_an_error_never_quietly() {
             tx.send(e).await.expect("room");
         }
         drop(tx);
-        committed_chunks(rx, id, crate::tenant::Held::default())
+        committed_chunks(rx, id, crate::tenant::Held::default(), None)
             .collect::<Vec<_>>()
             .await
     };

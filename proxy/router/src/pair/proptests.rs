@@ -130,6 +130,7 @@ impl PdBackend for Fake {
                     completion_tokens: i as u64 + 1,
                     finish: (i + 1 == s.chunks).then_some(FinishReason::Length),
                     matched_stop: None,
+                    logprobs: Vec::new(),
                 };
                 Some((Ok(chunk), i + 1))
             }

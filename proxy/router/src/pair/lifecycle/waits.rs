@@ -182,6 +182,8 @@ impl Again {
             });
         }
         c.token_ids.drain(..n);
+        // Their log-probabilities went with them the first time.
+        c.logprobs.drain(..n.min(c.logprobs.len()));
         self.ids.drain(..n);
         self.told = self.told.max(c.completion_tokens);
         c.completion_tokens = self.told;
@@ -213,8 +215,14 @@ mod tests {
         a.forward(&mut c).expect("the same token");
         assert_eq!((c.token_ids.clone(), c.completion_tokens), (vec![], 3));
         let mut c = chunk(&[3, 4], 4);
+        let lp = |logprob| crate::backend::TokenLogprobs {
+            logprob,
+            top: Vec::new(),
+        };
+        c.logprobs = vec![lp(-1.0), lp(-2.0)];
         a.forward(&mut c).expect("the same token, then a new one");
         assert_eq!((c.token_ids.clone(), c.completion_tokens), (vec![4], 4));
+        assert_eq!(c.logprobs, vec![lp(-2.0)], "the new token's only");
         // Another draw where the client holds a token already: never delivered.
         let mut a = Again::default();
         a.expect(&[7, 8]);

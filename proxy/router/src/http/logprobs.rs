@@ -1,0 +1,158 @@
+//! Log-probabilities in OpenAI's shapes: chat's `logprobs.content` entries and completions'
+//! `tokens` / `token_logprobs` / `top_logprobs` / `text_offset`, from the tokens a pair's decode
+//! reported ([`DecodeChunk::logprobs`]), and the check that every token came with its own.
+//!
+//! A token's `token` is its text where its bytes are UTF-8; a byte-level token that is part of
+//! a character is written as OpenAI writes it, `bytes:` and `\xNN` per byte; `bytes` is the
+//! token's own bytes either way (its vocabulary entry, not the text after a lossy decode). A
+//! log-probability of minus infinity (a token the output constraint masks) is written -9999.0,
+//! as vLLM writes it (JSON has no infinity).
+
+use serde_json::{Map, Value, json};
+
+use crate::admission::PromptCodec;
+use crate::backend::{DecodeChunk, TokenLogprobs};
+use crate::error::LockstepError;
+use crate::pair::PairId;
+
+/// The floor written for a log-probability (vLLM's: `max(logprob, -9999.0)`).
+const FLOOR: f32 = -9999.0;
+
+fn clamp(lp: f32) -> f64 {
+    f64::from(lp.max(FLOOR))
+}
+
+/// A token's text as the `token` field shows it.
+pub(crate) fn token_text(bytes: &[u8]) -> String {
+    match std::str::from_utf8(bytes) {
+        Ok(s) => s.to_string(),
+        Err(_) => {
+            let mut out = String::from("bytes:");
+            for b in bytes {
+                out.push_str(&format!("\\x{b:02x}"));
+            }
+            out
+        }
+    }
+}
+
+/// One chat `logprobs.content` entry: the token, its log-probability and bytes, and its `top`
+/// alternatives.
+fn chat_entry(codec: &PromptCodec, id: u32, l: &TokenLogprobs) -> Value {
+    let one = |id: u32, lp: f32| {
+        let bytes = codec.token_bytes(id);
+        json!({ "token": token_text(bytes), "logprob": clamp(lp), "bytes": bytes })
+    };
+    let mut entry = one(id, l.logprob);
+    entry["top_logprobs"] = Value::Array(l.top.iter().map(|&(t, lp)| one(t, lp)).collect());
+    entry
+}
+
+/// Chat's `logprobs` object for these tokens: `{"content": [...], "refusal": null}`.
+pub(crate) fn chat(codec: &PromptCodec, tokens: &[(u32, TokenLogprobs)]) -> Value {
+    let content: Vec<Value> = tokens
+        .iter()
+        .map(|(id, l)| chat_entry(codec, *id, l))
+        .collect();
+    json!({ "content": content, "refusal": null })
+}
+
+/// Completions' `logprobs` object for these tokens, their text offsets counted (in characters,
+/// as Python's `len`) from `offset`, which is moved past them. Each `top_logprobs` entry maps
+/// the sampled token and the `top` most likely to their log-probabilities (the sampled one
+/// first; one entry per text, so a token among the top is listed once), as vLLM builds it.
+pub(crate) fn completion(
+    codec: &PromptCodec,
+    tokens: &[(u32, TokenLogprobs)],
+    offset: &mut usize,
+) -> Value {
+    let (mut texts, mut lps, mut tops, mut offsets) = (vec![], vec![], vec![], vec![]);
+    for (id, l) in tokens {
+        let text = token_text(codec.token_bytes(*id));
+        let mut top = Map::new();
+        top.insert(text.clone(), json!(clamp(l.logprob)));
+        for &(t, lp) in &l.top {
+            top.entry(token_text(codec.token_bytes(t)))
+                .or_insert_with(|| json!(clamp(lp)));
+        }
+        offsets.push(*offset);
+        *offset += text.chars().count();
+        lps.push(clamp(l.logprob));
+        tops.push(Value::Object(top));
+        texts.push(text);
+    }
+    json!({ "tokens": texts, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets })
+}
+
+/// Checks a chunk of a request that asked for `k` top log-probabilities per token: exactly one
+/// entry per token it delivers (`completion_tokens` past `before`, and its `token_ids`), each
+/// with `k` alternatives. A decode that answers without them, or with a count that does not
+/// match, fails the request: an answer is never returned with tokens whose log-probabilities
+/// are missing.
+pub(crate) fn check(
+    pair_id: PairId,
+    k: u32,
+    c: &DecodeChunk,
+    before: u64,
+) -> Result<(), LockstepError> {
+    let tokens = c.completion_tokens.saturating_sub(before);
+    let fail = |message: String| LockstepError::DecodeFailed { pair_id, message };
+    if c.logprobs.len() as u64 != tokens || c.token_ids.len() != c.logprobs.len() {
+        return Err(fail(format!(
+            "the decode returned {} log-probabilities for {} tokens ({} ids)",
+            c.logprobs.len(),
+            tokens,
+            c.token_ids.len()
+        )));
+    }
+    match c.logprobs.iter().find(|l| l.top.len() != k as usize) {
+        Some(l) => Err(fail(format!(
+            "the decode returned {} top log-probabilities for a token, {k} were asked",
+            l.top.len()
+        ))),
+        None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_token_that_is_part_of_a_character_is_written_as_its_bytes() {
+        assert_eq!(token_text(b" the"), " the");
+        assert_eq!(token_text("é".as_bytes()), "é");
+        assert_eq!(token_text(&[0xe2, 0x80]), "bytes:\\xe2\\x80");
+        assert_eq!(token_text(&[0xff]), "bytes:\\xff");
+    }
+
+    fn lp(logprob: f32, top: &[(u32, f32)]) -> TokenLogprobs {
+        TokenLogprobs {
+            logprob,
+            top: top.to_vec(),
+        }
+    }
+
+    #[test]
+    fn every_token_must_come_with_its_own_and_k_alternatives() {
+        let id = PairId::from_raw(9);
+        let chunk = |ids: Vec<u32>, lps: Vec<TokenLogprobs>, n| DecodeChunk {
+            token_ids: ids,
+            logprobs: lps,
+            completion_tokens: n,
+            ..Default::default()
+        };
+        let two = lp(-0.5, &[(1, -0.5), (2, -1.0)]);
+        assert!(check(id, 2, &chunk(vec![1], vec![two.clone()], 4), 3).is_ok());
+        // Missing, one too many, a count past the tokens, the wrong number of alternatives.
+        for (c, before) in [
+            (chunk(vec![1], vec![], 4), 3),
+            (chunk(vec![1], vec![two.clone(), two.clone()], 4), 3),
+            (chunk(vec![1, 2], vec![two.clone(), two.clone()], 4), 3),
+            (chunk(vec![1], vec![lp(-0.5, &[(1, -0.5)])], 4), 3),
+        ] {
+            let e = check(id, 2, &c, before).expect_err("fails closed");
+            assert_eq!(e.code(), "decode_failed", "{e}");
+        }
+    }
+}
