@@ -275,10 +275,12 @@ async fn fields_lockstep_does_not_honour_are_refused_by_name() {
             ),
             "tools",
         ),
+        // An SGLang model: lockstep does not read its workers' log-probabilities yet.
         (
             chat(json!({"logprobs": true, "top_logprobs": 2})),
             "logprobs",
         ),
+        (cmpl(json!({"logprobs": 1})), "logprobs"),
         (
             chat(json!({"functions": [{"name": "f", "parameters": {}}]})),
             "functions",
