@@ -1,5 +1,6 @@
 """Log-probabilities on lockstep's embedded engine (the real SmolLM2 model) through the official
-`openai` package: chat `logprobs` / `top_logprobs` and completions `logprobs`, streamed and not.
+`openai` package: chat `logprobs` / `top_logprobs`, completions `logprobs` and the Responses API's
+`include` + `top_logprobs`, streamed and not.
 Checks what a client relies on: one entry per generated token, the sampled token first among
 the alternatives under greedy decoding, alternatives most likely first and at most a total
 probability of 1, each token's bytes exact (their concatenation is the answer's UTF-8, byte-level
@@ -111,6 +112,36 @@ check(all(abs(a - b) < 1e-5 for a, b in zip(lps, lp.token_logprobs)), "streamed 
 # logprobs=0: the sampled token's alone.
 r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, logprobs=0)
 check(all(len(t) == 1 for t in r.choices[0].logprobs.top_logprobs), "completion logprobs=0: the sampled token only")
+
+# The Responses API: `include` with `top_logprobs`, whole and streamed.
+INCLUDE = ["message.output_text.logprobs"]
+r = client.responses.create(model=MODEL, input="Write one sentence about the sea.", max_output_tokens=16,
+                            temperature=0, include=INCLUDE, top_logprobs=2)
+part = r.output[0].content[0]
+check_chat_entries(part.logprobs, part.text, type("U", (), {"completion_tokens": r.usage.output_tokens}), 2,
+                   "responses")
+check(r.top_logprobs == 2, f"the response repeats top_logprobs ({r.top_logprobs})")
+deltas, done = [], None
+for ev in client.responses.create(model=MODEL, input="Write one sentence about the sea.", max_output_tokens=16,
+                                  temperature=0, include=INCLUDE, top_logprobs=2, stream=True):
+    if ev.type == "response.output_text.delta":
+        deltas += ev.logprobs
+    elif ev.type == "response.output_text.done":
+        done = ev.logprobs
+check([e.token for e in done] == [e.token for e in part.logprobs], "streamed response: the done event lists every token")
+check([e.token for e in deltas] == [e.token for e in part.logprobs][:len(deltas)] and len(deltas) >= len(done) - 2,
+      "streamed response: the deltas carry the tokens in order")
+r = client.responses.create(model=MODEL, input="hi", max_output_tokens=2, temperature=0)
+check(r.output[0].content[0].logprobs == [], "a response without include has an empty list")
+for kwargs, code, what in [
+    ({"top_logprobs": 2}, "invalid_request", "top_logprobs without include"),
+    ({"include": ["reasoning.encrypted_content"]}, "unsupported", "an include lockstep does not produce"),
+]:
+    try:
+        client.responses.create(model=MODEL, input="hi", max_output_tokens=2, **kwargs)
+        check(False, f"{what} is refused")
+    except openai.BadRequestError as e:
+        check(e.code == code, f"{what}: {e.code}")
 
 # Out of range, or asked wrongly: a 400 with a stable code, never an answer without them.
 for kwargs, what in [

@@ -172,6 +172,48 @@ pub(crate) fn completion_logprobs(
     Ok(k)
 }
 
+/// The Responses API's `include` (only `message.output_text.logprobs` is produced; anything
+/// else is refused by name) and `top_logprobs` (0 to 20, only with that `include`): how many
+/// top alternatives each token lists, `None` for no log-probabilities.
+pub(crate) fn responses_logprobs(
+    rest: &mut Map<String, Value>,
+    model: &ModelConfig,
+) -> Result<Option<u32>, LockstepError> {
+    const LOGPROBS: &str = "message.output_text.logprobs";
+    let on = match rest.remove("include") {
+        None | Some(Value::Null) => false,
+        Some(Value::Array(items)) => {
+            if let Some(other) = items.iter().find(|i| i.as_str() != Some(LOGPROBS)) {
+                return Err(LockstepError::Unsupported {
+                    message: format!(
+                        "`include` asks for {other}, which lockstep does not produce; it produces `{LOGPROBS}`"
+                    ),
+                    param: Some("include".into()),
+                });
+            }
+            !items.is_empty()
+        }
+        Some(v) => {
+            return Err(LockstepError::InvalidRequest {
+                message: format!("`include` is a list of strings, got {v}"),
+                param: Some("include".into()),
+            });
+        }
+    };
+    let top = top_count(rest, "top_logprobs")?;
+    if !on {
+        return match top {
+            Some(k) if k > 0 => Err(LockstepError::InvalidRequest {
+                message: format!("`top_logprobs` needs `include: [\"{LOGPROBS}\"]`"),
+                param: Some("top_logprobs".into()),
+            }),
+            _ => Ok(None),
+        };
+    }
+    logprobs_backend(model, "include")?;
+    Ok(Some(top.unwrap_or(0)))
+}
+
 /// Fields of `/v1/chat/completions` beyond the ones it honours.
 pub(crate) const CHAT: &[&[Known]] = &[
     OPENAI,
@@ -522,6 +564,33 @@ mod tests {
         );
         assert_eq!(
             completion(&vllm, json!({"logprobs": 1})),
+            Err("unsupported")
+        );
+        let responses = |m: &ModelConfig, v: Value| {
+            let mut rest = v.as_object().cloned().unwrap_or_default();
+            responses_logprobs(&mut rest, m).map_err(|e| e.code())
+        };
+        let include = json!(["message.output_text.logprobs"]);
+        assert_eq!(responses(&own, json!({"include": []})), Ok(None));
+        assert_eq!(responses(&own, json!({"include": include})), Ok(Some(0)));
+        assert_eq!(
+            responses(&own, json!({"include": include, "top_logprobs": 3})),
+            Ok(Some(3))
+        );
+        assert_eq!(
+            responses(&own, json!({"top_logprobs": 3})),
+            Err("invalid_request")
+        );
+        assert_eq!(
+            responses(&own, json!({"include": ["file_search_call.results"]})),
+            Err("unsupported")
+        );
+        assert_eq!(
+            responses(&own, json!({"include": "message.output_text.logprobs"})),
+            Err("invalid_request")
+        );
+        assert_eq!(
+            responses(&vllm, json!({"include": include})),
             Err("unsupported")
         );
     }

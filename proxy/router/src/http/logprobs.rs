@@ -48,13 +48,18 @@ fn chat_entry(codec: &PromptCodec, id: u32, l: &TokenLogprobs) -> Value {
     entry
 }
 
-/// Chat's `logprobs` object for these tokens: `{"content": [...], "refusal": null}`.
-pub(crate) fn chat(codec: &PromptCodec, tokens: &[(u32, TokenLogprobs)]) -> Value {
-    let content: Vec<Value> = tokens
+/// The entries of these tokens as chat's `logprobs.content` and the Responses API's
+/// `output_text.logprobs` list them.
+pub(crate) fn entries(codec: &PromptCodec, tokens: &[(u32, TokenLogprobs)]) -> Vec<Value> {
+    tokens
         .iter()
         .map(|(id, l)| chat_entry(codec, *id, l))
-        .collect();
-    json!({ "content": content, "refusal": null })
+        .collect()
+}
+
+/// Chat's `logprobs` object for these tokens: `{"content": [...], "refusal": null}`.
+pub(crate) fn chat(codec: &PromptCodec, tokens: &[(u32, TokenLogprobs)]) -> Value {
+    json!({ "content": entries(codec, tokens), "refusal": null })
 }
 
 /// Completions' `logprobs` object for these tokens, their text offsets counted (in characters,

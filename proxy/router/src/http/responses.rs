@@ -113,16 +113,6 @@ const RESPONSES: &[&[Known]] = &[&[
         "lockstep does not bound a response's tool calls; `max_tool_calls` must be null",
     ),
     known(
-        "include",
-        fields::empty,
-        "`include` asks for output lockstep does not produce",
-    ),
-    known(
-        "top_logprobs",
-        fields::zero,
-        "log-probabilities are not returned by lockstep yet",
-    ),
-    known(
         "reasoning",
         fields::null,
         "lockstep has no reasoning control for the model's template",
@@ -356,6 +346,7 @@ impl FrontRequest for ResponsesRequest {
             model.tool_parser,
             model.backend,
         )?;
+        let logprobs = fields::responses_logprobs(&mut rest, model)?;
         refuse_unhonoured(RESPONSES, &rest, "")?;
         let (format, constraint) = match self.text {
             None => (json!({ "type": "text" }), None),
@@ -378,6 +369,7 @@ impl FrontRequest for ResponsesRequest {
             .sampling(model)
             .map_err(|e| renamed(e, "max_completion_tokens", "max_output_tokens"))?;
         sampling.constraint = constraint;
+        sampling.logprobs = logprobs;
         let messages = to_messages(self.instructions.clone(), self.input)?;
         let (input, parser) = super::tools::settle(
             tools,
@@ -393,8 +385,13 @@ impl FrontRequest for ResponsesRequest {
             "temperature": self.temperature.unwrap_or(1.0),
             "top_p": self.top_p.unwrap_or(1.0),
             "text": { "format": format },
+            "top_logprobs": logprobs.unwrap_or(0),
         });
-        Ok((input, sampling, ResponsesShape::new(stream, echo, parser)))
+        Ok((
+            input,
+            sampling,
+            ResponsesShape::new(stream, echo, parser).with_logprobs(logprobs),
+        ))
     }
 }
 

@@ -2,12 +2,15 @@
 //! (`response.created` ... `response.completed`). Output items are a `message` (the text) and,
 //! where the request had tools, one `function_call` item per call the model made.
 
+use std::sync::Arc;
+
 use bytes::Bytes;
 use serde_json::{Value, json};
 
 use super::respond::{Progress, Render, sse_named};
 use super::tools::{self, Call, ToolStream};
-use crate::backend::{DecodeChunk, FinishReason};
+use crate::admission::PromptCodec;
+use crate::backend::{DecodeChunk, FinishReason, TokenLogprobs};
 use crate::error::LockstepError;
 
 /// How a Responses answer looks: one `response` object, or its stream of typed events.
@@ -22,6 +25,9 @@ pub(crate) struct ResponsesShape {
     tools: Option<ToolStream>,
     /// Whether the stream opened its message item.
     opened: bool,
+    /// Where the request included log-probabilities: the model's tokenizer (for the token
+    /// texts) and, in a stream, the tokens whose entries no delta carried yet.
+    logprobs: Option<(Option<Arc<PromptCodec>>, Vec<(u32, TokenLogprobs)>)>,
 }
 
 impl ResponsesShape {
@@ -36,6 +42,32 @@ impl ResponsesShape {
             echo,
             tools: tools.map(ToolStream::new),
             opened: false,
+            logprobs: None,
+        }
+    }
+
+    /// Output text with each token's log-probabilities (`Some`: `include` asked for them).
+    pub(crate) fn with_logprobs(mut self, top: Option<u32>) -> ResponsesShape {
+        self.logprobs = top.map(|_| (None, Vec::new()));
+        self
+    }
+
+    /// The `logprobs` list of the whole output text (empty where not asked for).
+    fn all_logprobs(&self, p: &Progress) -> Value {
+        match &self.logprobs {
+            Some((Some(codec), _)) => json!(super::logprobs::entries(codec, &p.logprobs)),
+            _ => json!([]),
+        }
+    }
+
+    /// The `logprobs` list of the tokens no delta carried yet.
+    fn pending_logprobs(&mut self) -> Value {
+        match &mut self.logprobs {
+            Some((Some(codec), pending)) => {
+                let tokens = std::mem::take(pending);
+                json!(super::logprobs::entries(codec, &tokens))
+            }
+            _ => json!([]),
         }
     }
 }
@@ -58,8 +90,8 @@ fn message_item(p: &Progress, status: &str, content: Value) -> Value {
     json!({ "type": "message", "id": ids(p).1, "status": status, "role": "assistant", "content": content })
 }
 
-fn text_part(text: &str) -> Value {
-    json!({ "type": "output_text", "text": text, "annotations": [], "logprobs": [] })
+fn text_part(text: &str, logprobs: Value) -> Value {
+    json!({ "type": "output_text", "text": text, "annotations": [], "logprobs": logprobs })
 }
 
 fn call_item(p: &Progress, i: usize, c: &Call, status: &str, arguments: &str) -> Value {
@@ -112,10 +144,11 @@ impl ResponsesShape {
     }
 
     /// The output items: the message (unless the output was only calls), then each call.
-    fn items(p: &Progress, text: &str, calls: &[Call]) -> Vec<Value> {
+    fn items(&self, p: &Progress, text: &str, calls: &[Call]) -> Vec<Value> {
         let mut out = Vec::new();
         if !text.is_empty() || calls.is_empty() {
-            out.push(message_item(p, "completed", json!([text_part(text)])));
+            let part = text_part(text, self.all_logprobs(p));
+            out.push(message_item(p, "completed", json!([part])));
         }
         out.extend(
             calls
@@ -131,7 +164,7 @@ impl ResponsesShape {
             FinishReason::Stop => "completed",
             FinishReason::Length => "incomplete",
         };
-        let items = Self::items(p, text, calls);
+        let items = self.items(p, text, calls);
         self.response(p, status, json!(items), Some(finish), Value::Null)
     }
 
@@ -162,14 +195,15 @@ impl ResponsesShape {
             self.event(
                 out,
                 "response.content_part.added",
-                at(json!({ "part": text_part("") }), p),
+                at(json!({ "part": text_part("", json!([])) }), p),
             );
         }
         if !delta.is_empty() {
+            let logprobs = self.pending_logprobs();
             self.event(
                 out,
                 "response.output_text.delta",
-                at(json!({ "delta": delta, "logprobs": [] }), p),
+                at(json!({ "delta": delta, "logprobs": logprobs }), p),
             );
         }
     }
@@ -185,8 +219,17 @@ impl Render for ResponsesShape {
         self.finished(p, finish, &text, &calls)
     }
 
+    fn vocab(&mut self, codec: &Arc<PromptCodec>) {
+        if let Some(l) = self.logprobs.as_mut() {
+            l.0 = Some(codec.clone());
+        }
+    }
+
     fn chunk(&mut self, p: &Progress, c: &DecodeChunk) -> Bytes {
         let mut out = String::new();
+        if let Some((_, pending)) = self.logprobs.as_mut() {
+            pending.extend(c.token_ids.iter().copied().zip(c.logprobs.iter().cloned()));
+        }
         if self.seq == 0 {
             let r = self.response(p, "in_progress", json!([]), None, Value::Null);
             self.event(&mut out, "response.created", json!({ "response": r }));
@@ -223,17 +266,18 @@ impl Render for ResponsesShape {
         };
         let msg_id = ids(p).1;
         if self.opened {
+            let all = self.all_logprobs(p);
             self.event(
                 &mut out,
                 "response.output_text.done",
-                at(json!({ "text": text, "logprobs": [] }), &msg_id),
+                at(json!({ "text": text, "logprobs": all }), &msg_id),
             );
             self.event(
                 &mut out,
                 "response.content_part.done",
-                at(json!({ "part": text_part(&text) }), &msg_id),
+                at(json!({ "part": text_part(&text, all.clone()) }), &msg_id),
             );
-            let item = message_item(p, "completed", json!([text_part(&text)]));
+            let item = message_item(p, "completed", json!([text_part(&text, all)]));
             self.event(
                 &mut out,
                 "response.output_item.done",
