@@ -49,10 +49,10 @@ pub(crate) struct OpenAiShape {
 /// tokenizer; in a stream, the tokens not yet sent (a chunk whose text is held back sends no
 /// event) and the completion's text offset so far.
 #[derive(Debug, Default)]
-struct Logprobs {
-    codec: Option<Arc<PromptCodec>>,
-    pending: Vec<(u32, TokenLogprobs)>,
-    offset: usize,
+pub(crate) struct Logprobs {
+    pub(crate) codec: Option<Arc<PromptCodec>>,
+    pub(crate) pending: Vec<(u32, TokenLogprobs)>,
+    pub(crate) offset: usize,
 }
 
 impl OpenAiShape {

@@ -7,10 +7,10 @@ use std::sync::Arc;
 use bytes::Bytes;
 use serde_json::{Value, json};
 
-use super::respond::{Progress, Render, sse_named};
+use super::respond::{Logprobs, Progress, Render, sse_named};
 use super::tools::{self, Call, ToolStream};
 use crate::admission::PromptCodec;
-use crate::backend::{DecodeChunk, FinishReason, TokenLogprobs};
+use crate::backend::{DecodeChunk, FinishReason};
 use crate::error::LockstepError;
 
 /// How a Responses answer looks: one `response` object, or its stream of typed events.
@@ -27,7 +27,7 @@ pub(crate) struct ResponsesShape {
     opened: bool,
     /// Where the request included log-probabilities: the model's tokenizer (for the token
     /// texts) and, in a stream, the tokens whose entries no delta carried yet.
-    logprobs: Option<(Option<Arc<PromptCodec>>, Vec<(u32, TokenLogprobs)>)>,
+    logprobs: Option<Logprobs>,
 }
 
 impl ResponsesShape {
@@ -48,22 +48,26 @@ impl ResponsesShape {
 
     /// Output text with each token's log-probabilities (`Some`: `include` asked for them).
     pub(crate) fn with_logprobs(mut self, top: Option<u32>) -> ResponsesShape {
-        self.logprobs = top.map(|_| (None, Vec::new()));
+        self.logprobs = top.map(|_| Logprobs::default());
         self
     }
 
     /// The `logprobs` list of the whole output text (empty where not asked for).
     fn all_logprobs(&self, p: &Progress) -> Value {
-        match &self.logprobs {
-            Some((Some(codec), _)) => json!(super::logprobs::entries(codec, &p.logprobs)),
-            _ => json!([]),
+        match self.logprobs.as_ref().and_then(|l| l.codec.as_ref()) {
+            Some(codec) => json!(super::logprobs::entries(codec, &p.logprobs)),
+            None => json!([]),
         }
     }
 
     /// The `logprobs` list of the tokens no delta carried yet.
     fn pending_logprobs(&mut self) -> Value {
         match &mut self.logprobs {
-            Some((Some(codec), pending)) => {
+            Some(Logprobs {
+                codec: Some(codec),
+                pending,
+                ..
+            }) => {
                 let tokens = std::mem::take(pending);
                 json!(super::logprobs::entries(codec, &tokens))
             }
@@ -221,13 +225,13 @@ impl Render for ResponsesShape {
 
     fn vocab(&mut self, codec: &Arc<PromptCodec>) {
         if let Some(l) = self.logprobs.as_mut() {
-            l.0 = Some(codec.clone());
+            l.codec = Some(codec.clone());
         }
     }
 
     fn chunk(&mut self, p: &Progress, c: &DecodeChunk) -> Bytes {
         let mut out = String::new();
-        if let Some((_, pending)) = self.logprobs.as_mut() {
+        if let Some(Logprobs { pending, .. }) = self.logprobs.as_mut() {
             pending.extend(c.token_ids.iter().copied().zip(c.logprobs.iter().cloned()));
         }
         if self.seq == 0 {
