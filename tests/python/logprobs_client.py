@@ -109,6 +109,17 @@ for c in r2:
 check(toks == lp.tokens and offs == lp.text_offset, "streamed completion carries the same tokens and offsets")
 check(all(abs(a - b) < 1e-5 for a, b in zip(lps, lp.token_logprobs)), "streamed completion: same log-probabilities")
 
+# A stop string: its tokens were generated (and counted) though their text is cut; each has its
+# entry, streamed or not, and the stream's held-back text does not lose them.
+body = dict(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=1, stop=["."])
+r = client.completions.create(**body)
+check(r.choices[0].finish_reason == "stop" and "." not in r.choices[0].text, f"stopped: {r.choices[0].text!r}")
+check(len(r.choices[0].logprobs.tokens) == r.usage.completion_tokens,
+      f"stopped completion: one entry per generated token ({r.choices[0].logprobs.tokens})")
+streamed = [t for c in client.completions.create(stream=True, **body)
+            if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+check(streamed == r.choices[0].logprobs.tokens, f"stopped stream: the same entries {streamed}")
+
 # logprobs=0: the sampled token's alone.
 r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, logprobs=0)
 check(all(len(t) == 1 for t in r.choices[0].logprobs.top_logprobs), "completion logprobs=0: the sampled token only")
