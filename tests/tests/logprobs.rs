@@ -126,3 +126,86 @@ workers = [{{ url = "http://{d}" }}]
     );
     embedded.wait_released().await;
 }
+
+/// SGLang's `/generate` with `return_logprob`: `meta_info` as SGLang 0.5.23 writes it (an empty
+/// `input_token_logprobs` for the default `logprob_start_len`, `[logprob, id, text]` per output
+/// token, `output_top_logprobs` with `top_logprobs_num`), the same values as the completions
+/// endpoint's for the same greedy request, cumulative in a stream as SGLang streams it; a start
+/// inside the prompt is refused (prompt log-probabilities are not computed yet).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generate_returns_sglangs_logprob_fields() {
+    let Some(s) = start("").await else { return };
+    let generate = format!("{}/generate", s.url);
+    let body = |stream: bool| {
+        json!({ "text": "The capital of France is", "stream": stream, "return_logprob": true,
+                "top_logprobs_num": 2, "return_text_in_logprobs": true,
+                "sampling_params": { "max_new_tokens": 5, "temperature": 0 } })
+    };
+    let whole = post(&generate, body(false)).await.json();
+    let meta = &whole["meta_info"];
+    assert_eq!(meta["input_token_logprobs"], json!([]), "{meta}");
+    assert_eq!(meta["input_top_logprobs"], json!([]), "{meta}");
+    let out = meta["output_token_logprobs"]
+        .as_array()
+        .expect("list")
+        .clone();
+    assert_eq!(out.len(), 5);
+    assert_eq!(meta["output_token_logprobs_length"], json!(5));
+    let tops = meta["output_top_logprobs"].as_array().expect("list");
+    let mut text = String::new();
+    for (o, top) in out.iter().zip(tops) {
+        let (lp, id, t) = (&o[0], &o[1], o[2].as_str().expect("text asked for"));
+        text.push_str(t);
+        assert_eq!(top.as_array().map(Vec::len), Some(2), "{top}");
+        // Greedy: the chosen token is the most likely.
+        assert_eq!((&top[0][0], &top[0][1]), (lp, id), "{top}");
+    }
+    assert_eq!(text, whole["text"].as_str().expect("text"));
+    // The completions endpoint's log-probabilities for the same request.
+    let c = post(
+        &format!("{}/v1/completions", s.url),
+        json!({ "model": MODEL, "prompt": "The capital of France is", "max_tokens": 5,
+                "temperature": 0, "logprobs": 2 }),
+    )
+    .await
+    .json();
+    let lps: Vec<f64> = out.iter().filter_map(|o| o[0].as_f64()).collect();
+    assert_eq!(
+        json!(lps),
+        c["choices"][0]["logprobs"]["token_logprobs"],
+        "the same decode"
+    );
+    // Streamed: each event's lists are cumulative; the last one is the whole answer's.
+    let a = post(&generate, body(true)).await;
+    let events = a.objects(true);
+    let last = events.last().expect("events");
+    assert_eq!(last["meta_info"]["output_token_logprobs"], json!(out));
+    // Without texts, the third entry is null; without `return_logprob` nothing is added.
+    let mut plain = body(false);
+    plain["return_text_in_logprobs"] = json!(false);
+    let m = post(&generate, plain).await.json();
+    assert!(
+        m["meta_info"]["output_token_logprobs"][0][2].is_null(),
+        "{m}"
+    );
+    let mut off = body(false);
+    off["return_logprob"] = json!(false);
+    let m = post(&generate, off).await.json();
+    assert!(m["meta_info"].get("output_token_logprobs").is_none(), "{m}");
+    for (k, v, code) in [
+        ("logprob_start_len", json!(0), "unsupported"),
+        ("top_logprobs_num", json!(21), "invalid_request"),
+    ] {
+        let mut b = body(false);
+        b[k] = v;
+        let a = TestClient::default()
+            .post(&generate, &b, Duration::from_secs(10))
+            .await;
+        assert_eq!(
+            (a.status, a.error_code().as_deref()),
+            (400, Some(code)),
+            "{k}"
+        );
+    }
+    s.wait_released().await;
+}

@@ -61,7 +61,7 @@ pub(crate) fn default_tier(v: &Value) -> bool {
 }
 
 const STRUCTURED: &str = "this structured-output form is not supported; use response_format (json_object, json_schema) or, on /generate, sampling_params json_schema, regex or ebnf";
-const LOGPROBS: &str = "log-probabilities are returned on /v1/chat/completions and /v1/completions (not on SGLang's /generate yet)";
+const LOGPROBS: &str = "log-probabilities of chosen token ids (`token_ids_logprob`) are not returned yet; `return_logprob` with `top_logprobs_num` is";
 const LEGACY_FUNCTIONS: &str = "the legacy `functions` and `function_call` are not supported; declare `tools` and choose with `tool_choice`";
 const SAMPLER: &str =
     "lockstep does not forward this sampling control yet; only its default value is accepted";
@@ -214,6 +214,49 @@ pub(crate) fn responses_logprobs(
     Ok(Some(top.unwrap_or(0)))
 }
 
+/// `/generate`'s `return_logprob`, `top_logprobs_num` (0 to 20), `logprob_start_len` and
+/// `return_text_in_logprobs`, as SGLang reads them: the top count (`None`: no log-probabilities)
+/// and whether entries carry token texts. SGLang reads the others only with `return_logprob`, so
+/// without it they ask for nothing. A `logprob_start_len` inside the prompt asks for the prompt's
+/// log-probabilities, which lockstep does not compute yet: a 400, never an empty list.
+pub(crate) fn generate_logprobs(
+    rest: &mut Map<String, Value>,
+    model: &ModelConfig,
+) -> Result<(Option<u32>, bool), LockstepError> {
+    let flag = |rest: &mut Map<String, Value>, k: &str| match rest.remove(k) {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(b)) => Ok(b),
+        Some(v) => Err(LockstepError::InvalidRequest {
+            message: format!("`{k}` is a boolean, got {v}"),
+            param: Some(k.into()),
+        }),
+    };
+    let on = flag(rest, "return_logprob")?;
+    let text = flag(rest, "return_text_in_logprobs")?;
+    let top = top_count(rest, "top_logprobs_num")?;
+    let start = rest.remove("logprob_start_len").filter(|v| !v.is_null());
+    if !on {
+        return Ok((None, false));
+    }
+    match start.as_ref().map(|v| v.as_i64()) {
+        None | Some(Some(-1)) => {}
+        Some(Some(_)) => {
+            return Err(LockstepError::Unsupported {
+                message: "`logprob_start_len` asks for the prompt's log-probabilities, which lockstep does not return yet; leave it -1 (the output's)".into(),
+                param: Some("logprob_start_len".into()),
+            });
+        }
+        Some(None) => {
+            return Err(LockstepError::InvalidRequest {
+                message: "`logprob_start_len` is an integer".into(),
+                param: Some("logprob_start_len".into()),
+            });
+        }
+    }
+    logprobs_backend(model, "return_logprob")?;
+    Ok((Some(top.unwrap_or(0)), text))
+}
+
 /// Fields of `/v1/chat/completions` beyond the ones it honours.
 pub(crate) const CHAT: &[&[Known]] = &[
     OPENAI,
@@ -263,12 +306,7 @@ pub(crate) const GENERATE: &[&[Known]] = &[&[
     known("bootstrap_host", any, ""),
     known("bootstrap_port", any, ""),
     known("bootstrap_room", any, ""),
-    known("return_logprob", falsy, LOGPROBS),
-    // Read by SGLang only with `return_logprob`, which is refused unless false.
-    known("logprob_start_len", any, ""),
-    known("top_logprobs_num", zero, LOGPROBS),
     known("token_ids_logprob", empty, LOGPROBS),
-    known("return_text_in_logprobs", any, ""),
     known("log_metrics", any, ""),
     known(
         "return_hidden_states",
@@ -593,6 +631,53 @@ mod tests {
             responses(&vllm, json!({"include": include})),
             Err("unsupported")
         );
+        let generate = |m: &ModelConfig, v: Value| {
+            let mut rest = v.as_object().cloned().unwrap_or_default();
+            let got = generate_logprobs(&mut rest, m).map_err(|e| e.code());
+            assert!(rest.is_empty(), "every logprob field taken: {rest:?}");
+            got
+        };
+        assert_eq!(generate(&own, json!({})), Ok((None, false)));
+        // Read by SGLang only with `return_logprob`: without it, nothing is asked.
+        assert_eq!(
+            generate(&own, json!({"top_logprobs_num": 3, "logprob_start_len": 0})),
+            Ok((None, false))
+        );
+        assert_eq!(
+            generate(
+                &own,
+                json!({"return_logprob": true, "logprob_start_len": -1})
+            ),
+            Ok((Some(0), false))
+        );
+        assert_eq!(
+            generate(
+                &own,
+                json!({"return_logprob": true, "top_logprobs_num": 5, "return_text_in_logprobs": true})
+            ),
+            Ok((Some(5), true))
+        );
+        for (bad, code) in [
+            (
+                json!({"return_logprob": true, "logprob_start_len": 0}),
+                "unsupported",
+            ),
+            (
+                json!({"return_logprob": true, "logprob_start_len": "a"}),
+                "invalid_request",
+            ),
+            (
+                json!({"return_logprob": true, "top_logprobs_num": 21}),
+                "invalid_request",
+            ),
+            (json!({"return_logprob": "yes"}), "invalid_request"),
+        ] {
+            assert_eq!(generate(&own, bad.clone()), Err(code), "{bad}");
+        }
+        assert_eq!(
+            generate(&vllm, json!({"return_logprob": true})),
+            Err("unsupported")
+        );
     }
 
     #[test]
@@ -622,8 +707,8 @@ mod tests {
             Ok(())
         );
         assert_eq!(
-            check(GENERATE, json!({"return_logprob": true})),
-            Err("return_logprob".into())
+            check(GENERATE, json!({"token_ids_logprob": [5]})),
+            Err("token_ids_logprob".into())
         );
         assert_eq!(
             check(GENERATE_SAMPLING, json!({"regex": "a+"})),

@@ -62,7 +62,9 @@ impl FrontRequest for GenerateRequest {
         self,
         model: &ModelConfig,
     ) -> Result<(Input, SamplingParams, OpenAiShape), LockstepError> {
-        refuse_unhonoured(fields::GENERATE, &self.rest, "")?;
+        let mut rest = self.rest;
+        let (logprobs, texts) = fields::generate_logprobs(&mut rest, model)?;
+        refuse_unhonoured(fields::GENERATE, &rest, "")?;
         let mut s = self.sampling_params;
         let constraint = fields::native_constraint(&mut s.rest, model.backend)?;
         refuse_unhonoured(fields::GENERATE_SAMPLING, &s.rest, "sampling_params.")?;
@@ -130,12 +132,14 @@ impl FrontRequest for GenerateRequest {
             sampling_seed: s.sampling_seed,
             constraint,
             resumed: 0,
-            logprobs: None,
+            logprobs,
         };
         Ok((
             Input::Prompt(prompt),
             sampling,
-            OpenAiShape::generate(self.stream),
+            OpenAiShape::generate(self.stream)
+                .with_logprobs(logprobs)
+                .with_logprob_texts(texts),
         ))
     }
 }

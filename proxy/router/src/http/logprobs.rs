@@ -89,6 +89,51 @@ pub(crate) fn completion(
     json!({ "tokens": texts, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets })
 }
 
+/// SGLang's `meta_info` log-probability fields for these output tokens, as its tokenizer manager
+/// writes them (`srt/managers/tokenizer_manager.py`, `add_logprob_to_meta_info`, SGLang 0.5.23):
+/// `input_token_logprobs` (empty: with the default `logprob_start_len` SGLang starts past the
+/// prompt), `output_token_logprobs` as `[logprob, id, text]` (the text `null` unless
+/// `return_text_in_logprobs`; else the token decoded alone, a lossy UTF-8 decode as its
+/// `batch_decode` gives), `output_token_logprobs_length`, and with `top_logprobs_num` > 0
+/// `input_top_logprobs` and `output_top_logprobs` (a list of such triples per token).
+pub(crate) fn sglang(
+    codec: &PromptCodec,
+    tokens: &[(u32, TokenLogprobs)],
+    top: u32,
+    with_text: bool,
+) -> Map<String, Value> {
+    let triple = |id: u32, lp: f32| {
+        let text = with_text.then(|| String::from_utf8_lossy(codec.token_bytes(id)).into_owned());
+        json!([clamp(lp), id, text])
+    };
+    let mut m = Map::new();
+    m.insert("input_token_logprobs".into(), json!([]));
+    m.insert(
+        "output_token_logprobs".into(),
+        tokens
+            .iter()
+            .map(|(id, l)| triple(*id, l.logprob))
+            .collect(),
+    );
+    m.insert("output_token_logprobs_length".into(), json!(tokens.len()));
+    if top > 0 {
+        m.insert("input_top_logprobs".into(), json!([]));
+        m.insert(
+            "output_top_logprobs".into(),
+            tokens
+                .iter()
+                .map(|(_, l)| {
+                    l.top
+                        .iter()
+                        .map(|&(t, lp)| triple(t, lp))
+                        .collect::<Value>()
+                })
+                .collect(),
+        );
+    }
+    m
+}
+
 /// Checks a chunk of a request that asked for `k` top log-probabilities per token: exactly one
 /// entry per token it delivers (`completion_tokens` past `before`, and its `token_ids`), each
 /// with `k` alternatives. A decode that answers without them, or with a count that does not

@@ -11,7 +11,7 @@ use axum::body::Body;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use futures_util::StreamExt;
-use serde_json::{Value, json};
+use serde_json::{Map, Value, json};
 
 use super::openai_out::{
     Answer, AnswerId, ChatChoice, ChatDelta, Delta, Message, TextChoice, Usage, push_event,
@@ -43,6 +43,10 @@ pub(crate) struct OpenAiShape {
     tools: Option<ToolStream>,
     /// Log-probabilities, where the request asked for them.
     logprobs: Option<Logprobs>,
+    /// `/generate`: the top count (`top_logprobs_num`) and whether entries carry token texts
+    /// (`return_text_in_logprobs`).
+    native_top: u32,
+    native_text: bool,
 }
 
 /// What an answer with log-probabilities keeps: the tokens' bytes come from the model's
@@ -64,6 +68,8 @@ impl OpenAiShape {
             started: false,
             tools: None,
             logprobs: None,
+            native_top: 0,
+            native_text: false,
         }
     }
     pub(crate) fn completion(stream: bool, include_usage: bool) -> OpenAiShape {
@@ -74,11 +80,20 @@ impl OpenAiShape {
             started: false,
             tools: None,
             logprobs: None,
+            native_top: 0,
+            native_text: false,
         }
     }
     /// An answer with each token's log-probabilities (`Some`: the request asked for them).
     pub(crate) fn with_logprobs(mut self, top: Option<u32>) -> OpenAiShape {
         self.logprobs = top.map(|_| Logprobs::default());
+        self.native_top = top.unwrap_or(0);
+        self
+    }
+
+    /// `/generate`'s `return_text_in_logprobs`.
+    pub(crate) fn with_logprob_texts(mut self, text: bool) -> OpenAiShape {
+        self.native_text = text;
         self
     }
     /// Chat whose answer is parsed for calls to the declared tools in their parser's format.
@@ -94,6 +109,8 @@ impl OpenAiShape {
             started: false,
             tools: None,
             logprobs: None,
+            native_top: 0,
+            native_text: false,
         }
     }
 }
@@ -430,7 +447,14 @@ impl OpenAiShape {
         }
     }
 
-    fn native(p: &Progress, finish: Option<FinishReason>) -> NativeAnswer<'_> {
+    fn native<'a>(&self, p: &'a Progress, finish: Option<FinishReason>) -> NativeAnswer<'a> {
+        let logprobs = self
+            .logprobs
+            .as_ref()
+            .and_then(|l| l.codec.as_ref())
+            .map(|codec| {
+                super::logprobs::sglang(codec, &p.logprobs, self.native_top, self.native_text)
+            });
         NativeAnswer {
             text: &p.text,
             meta_info: NativeMeta {
@@ -446,6 +470,7 @@ impl OpenAiShape {
                 prompt_tokens: p.prompt_tokens,
                 completion_tokens: p.completion_tokens,
                 cached_tokens: p.cached_tokens,
+                logprobs,
             },
         }
     }
@@ -467,6 +492,9 @@ struct NativeMeta<'a> {
     prompt_tokens: u64,
     completion_tokens: u64,
     cached_tokens: u64,
+    /// With `return_logprob`: SGLang's `input_token_logprobs`, `output_token_logprobs`, ...
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    logprobs: Option<Map<String, Value>>,
 }
 
 /// SGLang's `finish_reason` object: `{"type": "length", "length": n}` or `{"type": "stop"}`,
@@ -501,7 +529,7 @@ impl Render for OpenAiShape {
         }
         type JsonBytes = serde_json::Result<Vec<u8>>;
         match self.api {
-            Api::Generate => serde_json::to_vec(&Self::native(p, Some(finish))),
+            Api::Generate => serde_json::to_vec(&self.native(p, Some(finish))),
             // An answer with tool calls is built as a value (rare, and its calls are values).
             Api::Chat if self.tool_calls(p).is_some() => serde_json::to_vec(&self.full(p, finish)),
             Api::Chat => with_usage(
@@ -565,7 +593,7 @@ impl Render for OpenAiShape {
                 "choices": [{ "index": 0, "text": p.text, "logprobs": self.full_logprobs(p), "finish_reason": finish.as_str() }],
                 "usage": usage,
             }),
-            Api::Generate => json!(Self::native(p, Some(finish))),
+            Api::Generate => json!(self.native(p, Some(finish))),
         }
     }
 
@@ -651,7 +679,7 @@ impl Render for OpenAiShape {
                     push_event(&mut out, &self.answer(p, "text_completion", [choice]));
                 }
             }
-            Api::Generate => push_event(&mut out, &Self::native(p, c.finish)),
+            Api::Generate => push_event(&mut out, &self.native(p, c.finish)),
         }
         self.started = true;
         if finish.is_some() {
