@@ -133,3 +133,21 @@ impl Embedded {
             .await
     }
 }
+
+/// A `lockstep worker` of `role` on the model, on a loopback port of its own, sized as [`start`]
+/// sizes the embedded engine (48 pages, 128 tokens a step).
+pub async fn small_worker(
+    role: lockstep_worker::Role,
+    model: &std::path::Path,
+) -> lockstep_worker::RunningWorker {
+    let mut f = lockstep_worker::WorkerFile::default();
+    f.worker.listen = "127.0.0.1:0".parse().expect("addr");
+    f.worker.log_level = "warn".into();
+    f.engine.gguf = model.to_path_buf();
+    f.engine.fetch_pip = String::new();
+    f.engine.kv_pages = 48;
+    f.engine.max_batch_tokens = 128;
+    lockstep_worker::RunningWorker::start(role, f)
+        .await
+        .expect("worker starts")
+}

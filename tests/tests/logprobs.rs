@@ -7,20 +7,9 @@ use std::time::Duration;
 use lockstep_router::app::Lockstep;
 use lockstep_router::config::Config;
 use lockstep_tests::client::{Answer, TestClient};
-use lockstep_tests::embedded::{MODEL, model_path, start};
-use lockstep_worker::{Role, RunningWorker, WorkerFile};
+use lockstep_tests::embedded::{MODEL, model_path, small_worker, start};
+use lockstep_worker::Role;
 use serde_json::{Value, json};
-
-async fn worker(role: Role, model: &std::path::Path) -> RunningWorker {
-    let mut f = WorkerFile::default();
-    f.worker.listen = "127.0.0.1:0".parse().expect("addr");
-    f.worker.log_level = "warn".into();
-    f.engine.gguf = model.to_path_buf();
-    f.engine.fetch_pip = String::new();
-    f.engine.kv_pages = 48;
-    f.engine.max_batch_tokens = 128;
-    RunningWorker::start(role, f).await.expect("worker starts")
-}
 
 async fn post(url: &str, body: Value) -> Answer {
     let a = TestClient::default()
@@ -65,8 +54,8 @@ async fn workers_return_the_embedded_engines_log_probabilities() {
         return;
     };
     let (p, d) = (
-        worker(Role::Prefill, &model).await,
-        worker(Role::Decode, &model).await,
+        small_worker(Role::Prefill, &model).await,
+        small_worker(Role::Decode, &model).await,
     );
     let text = format!(
         r#"

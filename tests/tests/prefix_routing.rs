@@ -10,28 +10,17 @@ use lockstep_router::app::Lockstep;
 use lockstep_router::config::Config;
 use lockstep_router::tenant::key_hash_hex;
 use lockstep_tests::client::TestClient;
-use lockstep_tests::embedded::model_path;
-use lockstep_worker::{Role, RunningWorker, WorkerFile};
+use lockstep_tests::embedded::{model_path, small_worker};
+use lockstep_worker::Role;
 use serde_json::json;
-
-async fn worker(role: Role, model: &std::path::Path) -> RunningWorker {
-    let mut f = WorkerFile::default();
-    f.worker.listen = "127.0.0.1:0".parse().expect("addr");
-    f.worker.log_level = "warn".into();
-    f.engine.gguf = model.to_path_buf();
-    f.engine.fetch_pip = String::new();
-    f.engine.kv_pages = 48;
-    f.engine.max_batch_tokens = 128;
-    RunningWorker::start(role, f).await.expect("worker starts")
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_tenants_prefix_stays_on_one_worker_and_really_hits_its_cache() {
     let Some(model) = model_path() else { return };
     let (p1, p2, d) = (
-        worker(Role::Prefill, &model).await,
-        worker(Role::Prefill, &model).await,
-        worker(Role::Decode, &model).await,
+        small_worker(Role::Prefill, &model).await,
+        small_worker(Role::Prefill, &model).await,
+        small_worker(Role::Decode, &model).await,
     );
     let text = format!(
         r#"

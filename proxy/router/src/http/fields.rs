@@ -145,17 +145,29 @@ pub(crate) fn chat_logprobs(
             });
         }
     };
+    switched_top(rest, model, on, "logprobs", "`logprobs: true`")
+}
+
+/// `top_logprobs` (0 to 20) of a request whose `switch` field turns log-probabilities `on`: the
+/// top count, `None` when off; a top count above 0 while off is a 400 saying what it `needs`.
+fn switched_top(
+    rest: &mut Map<String, Value>,
+    model: &ModelConfig,
+    on: bool,
+    switch: &str,
+    needs: &str,
+) -> Result<Option<u32>, LockstepError> {
     let top = top_count(rest, "top_logprobs")?;
     if !on {
         return match top {
             Some(k) if k > 0 => Err(LockstepError::InvalidRequest {
-                message: "`top_logprobs` needs `logprobs: true`".into(),
+                message: format!("`top_logprobs` needs {needs}"),
                 param: Some("top_logprobs".into()),
             }),
             _ => Ok(None),
         };
     }
-    logprobs_backend(model, "logprobs")?;
+    logprobs_backend(model, switch)?;
     Ok(Some(top.unwrap_or(0)))
 }
 
@@ -200,18 +212,13 @@ pub(crate) fn responses_logprobs(
             });
         }
     };
-    let top = top_count(rest, "top_logprobs")?;
-    if !on {
-        return match top {
-            Some(k) if k > 0 => Err(LockstepError::InvalidRequest {
-                message: format!("`top_logprobs` needs `include: [\"{LOGPROBS}\"]`"),
-                param: Some("top_logprobs".into()),
-            }),
-            _ => Ok(None),
-        };
-    }
-    logprobs_backend(model, "include")?;
-    Ok(Some(top.unwrap_or(0)))
+    switched_top(
+        rest,
+        model,
+        on,
+        "include",
+        &format!("`include: [\"{LOGPROBS}\"]`"),
+    )
 }
 
 /// `/generate`'s `return_logprob`, `top_logprobs_num` (0 to 20), `logprob_start_len` and
