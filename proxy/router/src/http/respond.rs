@@ -43,20 +43,19 @@ pub(crate) struct OpenAiShape {
     tools: Option<ToolStream>,
     /// Log-probabilities, where the request asked for them.
     logprobs: Option<Logprobs>,
-    /// `/generate`: the top count (`top_logprobs_num`) and whether entries carry token texts
-    /// (`return_text_in_logprobs`).
-    native_top: u32,
-    native_text: bool,
 }
 
 /// What an answer with log-probabilities keeps: the tokens' bytes come from the model's
 /// tokenizer; in a stream, the tokens not yet sent (a chunk whose text is held back sends no
-/// event) and the completion's text offset so far.
+/// event) and the completion's text offset so far; for `/generate`, the top count
+/// (`top_logprobs_num`) and whether entries carry token texts (`return_text_in_logprobs`).
 #[derive(Debug, Default)]
 pub(crate) struct Logprobs {
     pub(crate) codec: Option<Arc<PromptCodec>>,
     pub(crate) pending: Vec<(u32, TokenLogprobs)>,
     pub(crate) offset: usize,
+    pub(crate) top: u32,
+    pub(crate) texts: bool,
 }
 
 impl OpenAiShape {
@@ -68,8 +67,6 @@ impl OpenAiShape {
             started: false,
             tools: None,
             logprobs: None,
-            native_top: 0,
-            native_text: false,
         }
     }
     pub(crate) fn completion(stream: bool, include_usage: bool) -> OpenAiShape {
@@ -80,20 +77,22 @@ impl OpenAiShape {
             started: false,
             tools: None,
             logprobs: None,
-            native_top: 0,
-            native_text: false,
         }
     }
     /// An answer with each token's log-probabilities (`Some`: the request asked for them).
     pub(crate) fn with_logprobs(mut self, top: Option<u32>) -> OpenAiShape {
-        self.logprobs = top.map(|_| Logprobs::default());
-        self.native_top = top.unwrap_or(0);
+        self.logprobs = top.map(|top| Logprobs {
+            top,
+            ..Logprobs::default()
+        });
         self
     }
 
     /// `/generate`'s `return_text_in_logprobs`.
-    pub(crate) fn with_logprob_texts(mut self, text: bool) -> OpenAiShape {
-        self.native_text = text;
+    pub(crate) fn with_logprob_texts(mut self, texts: bool) -> OpenAiShape {
+        if let Some(l) = self.logprobs.as_mut() {
+            l.texts = texts;
+        }
         self
     }
     /// Chat whose answer is parsed for calls to the declared tools in their parser's format.
@@ -109,8 +108,6 @@ impl OpenAiShape {
             started: false,
             tools: None,
             logprobs: None,
-            native_top: 0,
-            native_text: false,
         }
     }
 }
@@ -448,13 +445,10 @@ impl OpenAiShape {
     }
 
     fn native<'a>(&self, p: &'a Progress, finish: Option<FinishReason>) -> NativeAnswer<'a> {
-        let logprobs = self
-            .logprobs
-            .as_ref()
-            .and_then(|l| l.codec.as_ref())
-            .map(|codec| {
-                super::logprobs::sglang(codec, &p.logprobs, self.native_top, self.native_text)
-            });
+        let logprobs = self.logprobs.as_ref().and_then(|l| {
+            let codec = l.codec.as_ref()?;
+            Some(super::logprobs::sglang(codec, &p.logprobs, l.top, l.texts))
+        });
         NativeAnswer {
             text: &p.text,
             meta_info: NativeMeta {
@@ -601,7 +595,8 @@ impl Render for OpenAiShape {
     fn chunk(&mut self, p: &Progress, c: &DecodeChunk) -> Bytes {
         let mut out = Vec::with_capacity(256 + 2 * c.delta.len());
         let finish = c.finish.map(FinishReason::as_str);
-        if let Some(l) = self.logprobs.as_mut() {
+        // `/generate` streams whole answers so far: its events read the progress instead.
+        if let Some(l) = self.logprobs.as_mut().filter(|_| self.api != Api::Generate) {
             l.pending
                 .extend(c.token_ids.iter().copied().zip(c.logprobs.iter().cloned()));
         }
