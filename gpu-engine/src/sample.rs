@@ -69,13 +69,19 @@ impl TokenLogprobs {
                 .map_or(f32::NEG_INFINITY, |l| l - log_z)
         };
         let k = top.min(logits.len());
+        if k == 0 {
+            return TokenLogprobs {
+                logprob: lp(chosen),
+                top: Vec::new(),
+            };
+        }
         let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
         let order = |a: &u32, b: &u32| {
             logits[*b as usize]
                 .total_cmp(&logits[*a as usize])
                 .then(a.cmp(b))
         };
-        if k > 0 && k < ids.len() {
+        if k < ids.len() {
             ids.select_nth_unstable_by(k - 1, order);
         }
         ids.truncate(k);
