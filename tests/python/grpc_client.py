@@ -133,6 +133,27 @@ check(code == grpc.StatusCode.INVALID_ARGUMENT and info.reason == "invalid_reque
       info.metadata["param"] == "temperature", f"bad temperature: {code} {info}")
 code, info = error_of(lambda: generate(GenerateRequest(model=MODEL), timeout=10))
 check(code == grpc.StatusCode.INVALID_ARGUMENT and info.metadata["param"] == "prompt", f"no prompt: {code}")
+code, info = error_of(lambda: list(generate(GenerateRequest(model=MODEL, text="x", sampling=Sampling(logprobs=21)),
+                                            timeout=10)))
+check(code == grpc.StatusCode.INVALID_ARGUMENT and info.metadata["param"] == "logprobs", f"logprobs 21: {code}")
+
+# Log-probabilities: one per token id, two alternatives each, the greedy token the most likely,
+# the tokens' bytes the text's; the values the HTTP API gives for the same request.
+events = list(generate(GenerateRequest(model=MODEL, text="The capital of France is",
+                                       sampling=Sampling(max_tokens=6, temperature=0, logprobs=2)), timeout=60))
+deltas = [e.delta for e in events if e.WhichOneof("event") == "delta"]
+lps = [lp for d in deltas for lp in d.logprobs]
+check(all(len(d.logprobs) == len(d.token_ids) for d in deltas) and len(lps) == 6, f"one entry per token ({len(lps)})")
+check([lp.token_id for lp in lps] == [t for d in deltas for t in d.token_ids], "entries follow the token ids")
+check(all(len(lp.top) == 2 and lp.top[0].token_id == lp.token_id and lp.top[0].logprob == lp.logprob for lp in lps),
+      "greedy: the token is the most likely of two")
+check(b"".join(lp.token for lp in lps) == "".join(d.text for d in deltas).encode(), "the tokens' bytes make the text")
+body = json.dumps({"model": MODEL, "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0,
+                   "logprobs": 2}).encode()
+http = json.load(urllib.request.urlopen(urllib.request.Request(
+    URL + "/v1/completions", data=body, headers={"content-type": "application/json"}), timeout=60))
+check(all(abs(a - lp.logprob) < 1e-5 for a, lp in zip(http["choices"][0]["logprobs"]["token_logprobs"], lps)),
+      "gRPC log-probabilities equal HTTP's")
 
 
 def wait_gone(pair_id):

@@ -171,6 +171,18 @@ fn switched_top(
     Ok(Some(top.unwrap_or(0)))
 }
 
+/// gRPC's `SamplingParams.logprobs` (set: 0 to 20 alternatives per token).
+pub(crate) fn grpc_logprobs(k: u32, model: &ModelConfig) -> Result<u32, LockstepError> {
+    if k as usize > MAX_TOP_LOGPROBS {
+        return Err(LockstepError::InvalidRequest {
+            message: format!("`logprobs` must be from 0 to {MAX_TOP_LOGPROBS}, got {k}"),
+            param: Some("logprobs".into()),
+        });
+    }
+    logprobs_backend(model, "logprobs")?;
+    Ok(k)
+}
+
 /// Completions' `logprobs`: an integer 0 to 20, the top alternatives each token lists besides
 /// itself (`None` when absent or null).
 pub(crate) fn completion_logprobs(
@@ -683,6 +695,15 @@ mod tests {
         }
         assert_eq!(
             generate(&vllm, json!({"return_logprob": true})),
+            Err("unsupported")
+        );
+        assert_eq!(grpc_logprobs(20, &own).map_err(|e| e.code()), Ok(20));
+        assert_eq!(
+            grpc_logprobs(21, &own).map_err(|e| e.code()),
+            Err("invalid_request")
+        );
+        assert_eq!(
+            grpc_logprobs(0, &vllm).map_err(|e| e.code()),
             Err("unsupported")
         );
     }

@@ -117,6 +117,20 @@ fn common(s: Option<pb::SamplingParams>) -> CommonParams {
     }
 }
 
+/// A call's sampling parameters, log-probabilities included (bounded as on HTTP, and refused
+/// for backends lockstep does not read them from).
+fn sampling(
+    s: Option<pb::SamplingParams>,
+    model: &crate::config::ModelConfig,
+) -> Result<(SamplingParams, bool, bool), LockstepError> {
+    let logprobs = s.as_ref().and_then(|s| s.logprobs);
+    let mut out = common(s).sampling(model)?;
+    if let Some(k) = logprobs {
+        out.0.logprobs = Some(super::fields::grpc_logprobs(k, model)?);
+    }
+    Ok(out)
+}
+
 /// A call's context: its tenant.
 struct Call {
     tenant: Option<Arc<Tenant>>,
@@ -163,6 +177,7 @@ impl Front {
     ) -> Result<Response<EventStream>, Status> {
         let model = admitted.model.clone();
         let tenant = admitted.caller.tenant.clone();
+        let logprobs = admitted.sampling.logprobs;
         let admit = commit(admitted);
         let committed = match deadline {
             // Dropping the admission future drops the pair's receiver: both halves abort.
@@ -187,13 +202,16 @@ impl Front {
             })),
         };
         let prompt = prompt_tokens;
-        let chunks = Box::pin(super::respond::committed_chunks(rx, pair_id, permit, None));
+        let chunks = Box::pin(super::respond::committed_chunks(
+            rx, pair_id, permit, logprobs,
+        ));
+        let codec = model.codec.clone();
         // The committed answer, ended at the call's deadline (ending it drops the pair's
         // receiver: both halves abort).
-        let pair = futures_util::stream::unfold(Some(chunks), move |open| async move {
+        let pair = futures_util::stream::unfold(Some((chunks, codec)), move |open| async move {
             use futures_util::StreamExt;
             use pb::generate_response::Event as E;
-            let mut chunks = open?;
+            let (mut chunks, codec) = open?;
             let next = match deadline {
                 Some(d) => match tokio::time::timeout_at(d, chunks.next()).await {
                     Ok(next) => next,
@@ -210,11 +228,31 @@ impl Front {
                 Ok(c) => c,
                 Err(e) => return Some((Err(e.to_status()), None)),
             };
+            let entry = |id: u32, logprob: f32| pb::TopLogprob {
+                token_id: id,
+                logprob,
+                token: codec.token_bytes(id).to_vec(),
+            };
+            let logprobs = c
+                .token_ids
+                .iter()
+                .zip(&c.logprobs)
+                .map(|(&id, l)| {
+                    let own = entry(id, l.logprob);
+                    pb::TokenLogprob {
+                        token_id: id,
+                        logprob: own.logprob,
+                        token: own.token,
+                        top: l.top.iter().map(|&(t, lp)| entry(t, lp)).collect(),
+                    }
+                })
+                .collect();
             let mut out = vec![pb::GenerateResponse {
                 event: Some(E::Delta(pb::Delta {
                     text: c.delta,
                     token_ids: c.token_ids,
                     completion_tokens: c.completion_tokens as u32,
+                    logprobs,
                 })),
             }];
             if let Some(f) = c.finish {
@@ -233,7 +271,7 @@ impl Front {
                     })),
                 });
             }
-            Some((Ok(out), Some(chunks)))
+            Some((Ok(out), Some((chunks, codec))))
         });
         use futures_util::StreamExt;
         let events = futures_util::stream::once(async move { Ok(started) }).chain(pair.flat_map(
@@ -278,7 +316,7 @@ impl FrontRequest for pb::GenerateRequest {
         self,
         model: &crate::config::ModelConfig,
     ) -> Result<(Input, SamplingParams, ()), LockstepError> {
-        let (sampling, ..) = common(self.sampling).sampling(model)?;
+        let (sampling, ..) = sampling(self.sampling, model)?;
         let prompt = match self.prompt {
             Some(pb::generate_request::Prompt::Text(t)) => Prompt::Text(t),
             Some(pb::generate_request::Prompt::InputIds(ids)) => Prompt::Ids(ids.ids),
@@ -304,7 +342,7 @@ impl FrontRequest for pb::ChatRequest {
         self,
         model: &crate::config::ModelConfig,
     ) -> Result<(Input, SamplingParams, ()), LockstepError> {
-        let (sampling, ..) = common(self.sampling).sampling(model)?;
+        let (sampling, ..) = sampling(self.sampling, model)?;
         let messages = to_messages(
             self.messages
                 .into_iter()
