@@ -198,3 +198,53 @@ async fn generate_returns_sglangs_logprob_fields() {
     }
     s.wait_released().await;
 }
+
+/// A completion with `echo` repeats its prompt before its text (vLLM's shape: the whole answer's
+/// text, and a stream's first event); a token-id prompt is repeated as its text; `echo` with
+/// `logprobs` asks for the prompt's log-probabilities, refused by name until they are computed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn echo_repeats_the_prompt_and_refuses_what_it_cannot_score() {
+    let Some(s) = start("").await else { return };
+    let url = format!("{}/v1/completions", s.url);
+    let prompt = "The capital of France is";
+    let body = |echo: bool, stream: bool| {
+        json!({ "model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0,
+                "echo": echo, "stream": stream })
+    };
+    let text = |v: &Value| {
+        v["choices"][0]["text"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string()
+    };
+    let plain = text(&post(&url, body(false, false)).await.json());
+    let echoed = text(&post(&url, body(true, false)).await.json());
+    assert_eq!(echoed, format!("{prompt}{plain}"));
+    let events = post(&url, body(true, true)).await.objects(true);
+    let streamed: String = events.iter().map(text).collect();
+    assert_eq!(streamed, echoed);
+    assert!(text(&events[0]).starts_with(prompt), "{events:?}");
+    // Token ids in: their text is repeated.
+    let ids = json!({ "model": MODEL, "prompt": [504, 3575, 282, 4649, 314], "max_tokens": 4,
+                      "temperature": 0, "echo": true });
+    assert_eq!(text(&post(&url, ids).await.json()), echoed);
+    for (extra, code) in [
+        (json!({"echo": true, "logprobs": 1}), "unsupported"),
+        (json!({"echo": "yes"}), "invalid_request"),
+    ] {
+        let mut b = body(false, false);
+        for (k, v) in extra.as_object().expect("object") {
+            b[k] = v.clone();
+        }
+        let a = TestClient::default()
+            .post(&url, &b, Duration::from_secs(10))
+            .await;
+        assert_eq!(
+            (a.status, a.error_code().as_deref()),
+            (400, Some(code)),
+            "{extra}"
+        );
+        assert_eq!(a.json()["error"]["param"], json!("echo"), "{extra}");
+    }
+    s.wait_released().await;
+}

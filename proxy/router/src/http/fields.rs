@@ -312,10 +312,11 @@ pub(crate) const CHAT: &[&[Known]] = &[
 /// Fields of `/v1/completions` beyond the ones it honours.
 pub(crate) const COMPLETIONS: &[&[Known]] = &[
     OPENAI,
-    &[
-        known("echo", falsy, "echo is not supported yet"),
-        known("suffix", null, "suffix (insertion) is not supported yet"),
-    ],
+    &[known(
+        "suffix",
+        null,
+        "suffix (insertion) is not supported yet",
+    )],
 ];
 
 /// Top-level fields of SGLang's `/generate` beyond the ones it honours. The routing fields are
@@ -743,8 +744,8 @@ mod tests {
             Err("regex".into())
         );
         assert_eq!(
-            check(COMPLETIONS, json!({"echo": true})),
-            Err("echo".into())
+            check(COMPLETIONS, json!({"suffix": "x"})),
+            Err("suffix".into())
         );
         assert_eq!(check(MESSAGE, json!({"name": "bob"})), Err("name".into()));
     }

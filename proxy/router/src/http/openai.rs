@@ -6,7 +6,7 @@ use serde_json::{Map, Value};
 
 use super::extract::Admit;
 use super::fields::{self, refuse_unhonoured};
-use super::respond::{OpenAiShape, serve_pair};
+use super::respond::{Echo, OpenAiShape, serve_pair};
 use crate::admission::{ChatMessage, FrontRequest, Input, Prompt};
 use crate::backend::SamplingParams;
 use crate::config::ModelConfig;
@@ -436,14 +436,32 @@ impl FrontRequest for CompletionRequest {
     ) -> Result<(Input, SamplingParams, OpenAiShape), LockstepError> {
         let mut rest = self.rest;
         let logprobs = fields::completion_logprobs(&mut rest, model)?;
+        let echo = match rest.remove("echo") {
+            None | Some(Value::Null) | Some(Value::Bool(false)) => false,
+            Some(Value::Bool(true)) if logprobs.is_some() => {
+                return Err(LockstepError::Unsupported {
+                    message: "`echo` with `logprobs` asks for the prompt's log-probabilities, which lockstep does not return yet; echo alone, or logprobs alone, is served".into(),
+                    param: Some("echo".into()),
+                });
+            }
+            Some(Value::Bool(true)) => true,
+            Some(v) => return Err(bad("echo", format!("`echo` is a boolean, got {v}"))),
+        };
         let (mut sampling, stream, include_usage) =
             self.params.with_rest(rest, fields::COMPLETIONS, model)?;
         sampling.logprobs = logprobs;
-        Ok((
-            Input::Prompt(self.prompt),
-            sampling,
-            OpenAiShape::completion(stream, include_usage).with_logprobs(logprobs),
-        ))
+        let shape = OpenAiShape::completion(stream, include_usage).with_logprobs(logprobs);
+        let shape = if echo {
+            shape.with_echo(match &self.prompt {
+                Prompt::Text(t) => Echo::Text(t.clone()),
+                Prompt::Texts(t) => Echo::Text(t.concat()),
+                Prompt::Ids(ids) => Echo::Ids(ids.clone()),
+                Prompt::Batches(b) => Echo::Ids(b.concat()),
+            })
+        } else {
+            shape
+        };
+        Ok((Input::Prompt(self.prompt), sampling, shape))
     }
 }
 

@@ -43,6 +43,27 @@ pub(crate) struct OpenAiShape {
     tools: Option<ToolStream>,
     /// Log-probabilities, where the request asked for them.
     logprobs: Option<Logprobs>,
+    /// A completion's `echo`: the prompt, put before the text (as its text once the model's
+    /// tokenizer is known).
+    echo: Option<Echo>,
+}
+
+/// The prompt a completion with `echo` repeats.
+#[derive(Debug)]
+pub(crate) enum Echo {
+    /// The prompt's text.
+    Text(String),
+    /// Token ids, decoded when the tokenizer is known ([`Render::vocab`]).
+    Ids(Vec<u32>),
+}
+
+impl Echo {
+    fn text(&self) -> &str {
+        match self {
+            Echo::Text(t) => t,
+            Echo::Ids(_) => "",
+        }
+    }
 }
 
 /// What an answer with log-probabilities keeps: the tokens' bytes come from the model's
@@ -67,6 +88,7 @@ impl OpenAiShape {
             started: false,
             tools: None,
             logprobs: None,
+            echo: None,
         }
     }
     pub(crate) fn completion(stream: bool, include_usage: bool) -> OpenAiShape {
@@ -77,6 +99,7 @@ impl OpenAiShape {
             started: false,
             tools: None,
             logprobs: None,
+            echo: None,
         }
     }
     /// An answer with each token's log-probabilities (`Some`: the request asked for them).
@@ -86,6 +109,20 @@ impl OpenAiShape {
             ..Logprobs::default()
         });
         self
+    }
+
+    /// A completion that repeats its prompt before its text (`echo`).
+    pub(crate) fn with_echo(mut self, echo: Echo) -> OpenAiShape {
+        self.echo = Some(echo);
+        self
+    }
+
+    /// The text of a whole completion: the prompt first where it is echoed.
+    fn completion_text<'a>(&self, p: &'a Progress) -> Cow<'a, str> {
+        match &self.echo {
+            Some(e) => Cow::Owned(format!("{}{}", e.text(), p.text)),
+            None => Cow::Borrowed(&p.text),
+        }
     }
 
     /// `/generate`'s `return_text_in_logprobs`.
@@ -108,6 +145,7 @@ impl OpenAiShape {
             started: false,
             tools: None,
             logprobs: None,
+            echo: None,
         }
     }
 }
@@ -514,6 +552,9 @@ impl Render for OpenAiShape {
         if let Some(l) = self.logprobs.as_mut() {
             l.codec = Some(codec.clone());
         }
+        if let Some(Echo::Ids(ids)) = &self.echo {
+            self.echo = Some(Echo::Text(codec.decode(ids)));
+        }
     }
 
     fn full_json(&self, p: &Progress, finish: FinishReason) -> serde_json::Result<Vec<u8>> {
@@ -549,7 +590,7 @@ impl Render for OpenAiShape {
                     "text_completion",
                     [TextChoice {
                         index: 0,
-                        text: &p.text,
+                        text: &self.completion_text(p),
                         logprobs: self.full_logprobs(p),
                         finish_reason: Some(finish.as_str()),
                     }],
@@ -584,7 +625,7 @@ impl Render for OpenAiShape {
             }
             Api::Completion => json!({
                 "id": self.id(p), "object": "text_completion", "created": p.created, "model": p.model,
-                "choices": [{ "index": 0, "text": p.text, "logprobs": self.full_logprobs(p), "finish_reason": finish.as_str() }],
+                "choices": [{ "index": 0, "text": self.completion_text(p), "logprobs": self.full_logprobs(p), "finish_reason": finish.as_str() }],
                 "usage": usage,
             }),
             Api::Generate => json!(self.native(p, Some(finish))),
@@ -664,10 +705,15 @@ impl Render for OpenAiShape {
                 }
             }
             Api::Completion => {
-                if !c.delta.is_empty() || finish.is_some() {
+                // The first event of an echoed completion starts with the prompt (as vLLM's).
+                let text: Cow<'_, str> = match self.echo.as_ref().filter(|_| !self.started) {
+                    Some(e) => Cow::Owned(format!("{}{}", e.text(), c.delta)),
+                    None => Cow::Borrowed(&c.delta),
+                };
+                if !text.is_empty() || finish.is_some() {
                     let choice = TextChoice {
                         index: 0,
-                        text: &c.delta,
+                        text: &text,
                         logprobs: self.take_pending(),
                         finish_reason: finish,
                     };
