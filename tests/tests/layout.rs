@@ -672,6 +672,7 @@ const ROUTER_LAYER_OF_FILE: &[(&str, &str)] = &[
     ("src/admission/words.rs", "state"),
     ("src/admission/placement.rs", "state"),
     ("src/admission/background.rs", "state"),
+    ("src/admission/token_bytes.rs", "state"),
 ];
 
 /// A router file's layer: that of its top module (`src/pair/machine.rs` is `pair`'s).

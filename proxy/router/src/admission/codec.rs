@@ -369,54 +369,10 @@ impl PromptCodec {
     /// character gives its bytes, not a replacement character; a SentencePiece byte token
     /// (`<0xNN>`) its byte; any other entry its text with `▁` as a space.
     pub fn token_bytes(&self, id: u32) -> &[u8] {
-        let table = self.token_bytes.get_or_init(|| self.vocab_bytes());
+        let table = self
+            .token_bytes
+            .get_or_init(|| super::token_bytes::table(self.text.tokenizer()));
         table.get(id as usize).map_or(&[], |b| &b[..])
-    }
-
-    fn vocab_bytes(&self) -> Vec<Box<[u8]>> {
-        let tk = self.text.tokenizer();
-        let byte_level =
-            serde_json::to_value(tk.get_decoder()).is_ok_and(|d| d["type"] == "ByteLevel");
-        // GPT-2's `bytes_to_unicode`: printable Latin-1 stands for itself, the other bytes for
-        // the characters from U+0100 on, in byte order.
-        let mut from_char = std::collections::HashMap::new();
-        let mut next = 0u32;
-        for b in 0..=255u8 {
-            let printable = matches!(b, b'!'..=b'~' | 0xa1..=0xac | 0xae..=0xff);
-            let c = if printable {
-                char::from(b)
-            } else {
-                next += 1;
-                char::from_u32(0xff + next).unwrap_or(char::REPLACEMENT_CHARACTER)
-            };
-            from_char.insert(c, b);
-        }
-        let added = tk.get_added_tokens_decoder();
-        let n = tk.get_vocab_size(true);
-        (0..n as u32)
-            .map(|id| {
-                if let Some(a) = added.get(&id) {
-                    return a.content.as_bytes().into();
-                }
-                let Some(entry) = tk.id_to_token(id) else {
-                    return Box::default();
-                };
-                if byte_level {
-                    let bytes: Option<Vec<u8>> =
-                        entry.chars().map(|c| from_char.get(&c).copied()).collect();
-                    if let Some(b) = bytes {
-                        return b.into();
-                    }
-                }
-                if let Some(hex) = entry.strip_prefix("<0x").and_then(|h| h.strip_suffix('>'))
-                    && let Ok(b) = u8::from_str_radix(hex, 16)
-                    && hex.len() == 2
-                {
-                    return vec![b].into();
-                }
-                entry.replace('\u{2581}', " ").into_bytes().into()
-            })
-            .collect()
     }
 
     /// The vocabulary size, to validate client-sent token ids.
@@ -511,34 +467,6 @@ mod tests {
             Err(LockstepError::ContextLengthExceeded { limit, .. }) => assert_eq!(limit, 20),
             other => panic!("unexpected {other:?}"),
         }
-    }
-
-    /// A byte-level vocabulary's entries map back to their bytes, a piece of a UTF-8 character
-    /// included; an added token is its text; an id outside the vocabulary is nothing.
-    #[test]
-    fn token_bytes_are_the_vocabulary_entries_own() {
-        let json = serde_json::json!({
-            "version": "1.0",
-            "added_tokens": [{"id": 4, "content": "<|im_end|>", "single_word": false, "lstrip": false,
-                              "rstrip": false, "normalized": false, "special": true}],
-            "normalizer": null,
-            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
-            "post_processor": null,
-            "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
-            "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
-                      "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
-                      "vocab": {"a": 0, "\u{120}the": 1, "\u{e2}\u{122}": 2, "\u{122}": 3, "<|im_end|>": 4},
-                      "merges": []},
-        });
-        let tok: Tokenizer = json.to_string().parse().expect("tokenizer");
-        let codec =
-            PromptCodec::new("m", tok, "x".into(), String::new(), String::new()).expect("codec");
-        assert_eq!(codec.token_bytes(0), b"a");
-        assert_eq!(codec.token_bytes(1), b" the");
-        assert_eq!(codec.token_bytes(2), &[0xe2, 0x80]);
-        assert_eq!(codec.token_bytes(3), &[0x80]);
-        assert_eq!(codec.token_bytes(4), b"<|im_end|>");
-        assert_eq!(codec.token_bytes(5), b"");
     }
 
     /// The bundled tool template renders tools, an assistant's calls and a tool's result in the

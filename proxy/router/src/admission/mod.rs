@@ -23,6 +23,7 @@ mod placement;
 mod pretokenize;
 pub mod segments;
 pub(crate) mod text_or;
+mod token_bytes;
 mod words;
 
 pub use body::{admit_body, admit_decoded};

@@ -7,7 +7,8 @@ use axum::response::Response;
 use super::extract::Admit;
 use super::fields::{self, refuse_unhonoured};
 use super::openai::bad;
-use super::respond::{OpenAiShape, serve_pair};
+use super::openai_shape::OpenAiShape;
+use super::respond::serve_pair;
 use super::rest::known_and_rest;
 use crate::admission::{FrontRequest, Input, Prompt};
 use crate::backend::SamplingParams;
@@ -63,7 +64,7 @@ impl FrontRequest for GenerateRequest {
         model: &ModelConfig,
     ) -> Result<(Input, SamplingParams, OpenAiShape), LockstepError> {
         let mut rest = self.rest;
-        let (logprobs, texts) = fields::generate_logprobs(&mut rest, model)?;
+        let (logprobs, texts) = super::logprob_params::generate_logprobs(&mut rest, model)?;
         refuse_unhonoured(fields::GENERATE, &rest, "")?;
         let mut s = self.sampling_params;
         let constraint = fields::native_constraint(&mut s.rest, model.backend)?;

@@ -6,7 +6,8 @@ use serde_json::{Map, Value};
 
 use super::extract::Admit;
 use super::fields::{self, refuse_unhonoured};
-use super::respond::{Echo, OpenAiShape, serve_pair};
+use super::openai_shape::{Echo, OpenAiShape};
+use super::respond::serve_pair;
 use crate::admission::{ChatMessage, FrontRequest, Input, Prompt};
 use crate::backend::SamplingParams;
 use crate::config::ModelConfig;
@@ -378,7 +379,7 @@ impl FrontRequest for ChatRequest {
             model.tool_parser,
             model.backend,
         )?;
-        let logprobs = fields::chat_logprobs(&mut rest, model)?;
+        let logprobs = super::logprob_params::chat_logprobs(&mut rest, model)?;
         let (mut sampling, stream, include_usage) =
             self.params.with_rest(rest, fields::CHAT, model)?;
         sampling.logprobs = logprobs;
@@ -435,7 +436,7 @@ impl FrontRequest for CompletionRequest {
         model: &ModelConfig,
     ) -> Result<(Input, SamplingParams, OpenAiShape), LockstepError> {
         let mut rest = self.rest;
-        let logprobs = fields::completion_logprobs(&mut rest, model)?;
+        let logprobs = super::logprob_params::completion_logprobs(&mut rest, model)?;
         let echo = match rest.remove("echo") {
             None | Some(Value::Null) | Some(Value::Bool(false)) => false,
             Some(Value::Bool(true)) if logprobs.is_some() => {

@@ -346,7 +346,7 @@ impl FrontRequest for ResponsesRequest {
             model.tool_parser,
             model.backend,
         )?;
-        let logprobs = fields::responses_logprobs(&mut rest, model)?;
+        let logprobs = super::logprob_params::responses_logprobs(&mut rest, model)?;
         refuse_unhonoured(RESPONSES, &rest, "")?;
         let (format, constraint) = match self.text {
             None => (json!({ "type": "text" }), None),

@@ -7,7 +7,8 @@ use std::sync::Arc;
 use bytes::Bytes;
 use serde_json::{Value, json};
 
-use super::respond::{Logprobs, Progress, Render, sse_named};
+use super::openai_shape::Logprobs;
+use super::respond::{Progress, Render, sse_named};
 use super::tools::{self, Call, ToolStream};
 use crate::admission::PromptCodec;
 use crate::backend::{DecodeChunk, FinishReason};

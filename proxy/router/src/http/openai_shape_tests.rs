@@ -1,7 +1,12 @@
-//! Tests of the OpenAI and SGLang-native answer shapes.
+//! Tests of the OpenAI and SGLang-native answer shapes, and of the committed chunks they read.
 
+use super::super::respond::committed_chunks;
 use super::*;
 use crate::config::ToolParserKind;
+use futures_util::StreamExt;
+
+use crate::error::LockstepError;
+use crate::pair::{PairEvent, PairId};
 
 /// Hermes calls to the one declared tool, `get_weather`.
 fn hermes() -> tools::ToolParse {
