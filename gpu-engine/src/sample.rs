@@ -68,27 +68,25 @@ impl TokenLogprobs {
                 .get(id as usize)
                 .map_or(f32::NEG_INFINITY, |l| l - log_z)
         };
-        let k = top.min(logits.len());
-        if k == 0 {
-            return TokenLogprobs {
-                logprob: lp(chosen),
-                top: Vec::new(),
-            };
+        // One pass keeping the `top` best so far, most likely first (ties: lower id first, as the
+        // ids come in order and only a strictly greater logit displaces): no vocabulary-sized
+        // list per token.
+        let mut best: Vec<(u32, f32)> = Vec::with_capacity(top + 1);
+        for (id, &l) in logits.iter().enumerate() {
+            if best.len() == top
+                && best
+                    .last()
+                    .is_none_or(|w| l.total_cmp(&w.1) != std::cmp::Ordering::Greater)
+            {
+                continue;
+            }
+            let at = best.partition_point(|b| b.1.total_cmp(&l) != std::cmp::Ordering::Less);
+            best.insert(at, (id as u32, l));
+            best.truncate(top);
         }
-        let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
-        let order = |a: &u32, b: &u32| {
-            logits[*b as usize]
-                .total_cmp(&logits[*a as usize])
-                .then(a.cmp(b))
-        };
-        if k < ids.len() {
-            ids.select_nth_unstable_by(k - 1, order);
-        }
-        ids.truncate(k);
-        ids.sort_unstable_by(order);
         TokenLogprobs {
             logprob: lp(chosen),
-            top: ids.into_iter().map(|id| (id, lp(id))).collect(),
+            top: best.into_iter().map(|(id, _)| (id, lp(id))).collect(),
         }
     }
 }
