@@ -20,10 +20,11 @@ use std::time::Duration;
 use lockstep_probe::{ProbeArgs, Report};
 use lockstep_router::app::Lockstep;
 use lockstep_router::config::Config;
+use lockstep_tests::embedded::small_worker;
 use lockstep_tests::harness::Stack;
 use lockstep_tests::sglang_mock::{Fault, MockConfig, PdMock};
 use lockstep_tests::vllm_mock::{VllmMock, VllmMockConfig};
-use lockstep_worker::{Role, RunningWorker, WorkerFile};
+use lockstep_worker::{Role, RunningWorker};
 
 fn env_u64(key: &str, default: u64) -> u64 {
     std::env::var(key)
@@ -143,17 +144,10 @@ idle_ms = 1500
 /// lockstep in front of one prefill and one decode `lockstep worker` (in process, on the real
 /// model): the distributed backend, KV pushed between the workers.
 async fn workers_stack(model: &std::path::Path) -> (Vec<RunningWorker>, Lockstep) {
-    let worker = |role| {
-        let mut f = WorkerFile::default();
-        f.worker.listen = "127.0.0.1:0".parse().expect("addr");
-        f.worker.log_level = "warn".into();
-        f.engine.gguf = model.to_path_buf();
-        f.engine.fetch_pip = String::new();
-        f.engine.kv_pages = 48;
-        f.engine.max_batch_tokens = 128;
-        async move { RunningWorker::start(role, f).await.expect("worker starts") }
-    };
-    let (p, d) = (worker(Role::Prefill).await, worker(Role::Decode).await);
+    let (p, d) = (
+        small_worker(Role::Prefill, model).await,
+        small_worker(Role::Decode, model).await,
+    );
     let text = format!(
         r#"
 [server]

@@ -72,9 +72,9 @@ pub(crate) struct Logprobs {
 }
 
 impl OpenAiShape {
-    pub(crate) fn chat(stream: bool, include_usage: bool) -> OpenAiShape {
+    fn new(api: Api, stream: bool, include_usage: bool) -> OpenAiShape {
         OpenAiShape {
-            api: Api::Chat,
+            api,
             stream,
             include_usage,
             started: false,
@@ -83,16 +83,11 @@ impl OpenAiShape {
             echo: None,
         }
     }
+    pub(crate) fn chat(stream: bool, include_usage: bool) -> OpenAiShape {
+        OpenAiShape::new(Api::Chat, stream, include_usage)
+    }
     pub(crate) fn completion(stream: bool, include_usage: bool) -> OpenAiShape {
-        OpenAiShape {
-            api: Api::Completion,
-            stream,
-            include_usage,
-            started: false,
-            tools: None,
-            logprobs: None,
-            echo: None,
-        }
+        OpenAiShape::new(Api::Completion, stream, include_usage)
     }
     /// An answer with each token's log-probabilities (`Some`: the request asked for them).
     pub(crate) fn with_logprobs(mut self, top: Option<u32>) -> OpenAiShape {
@@ -130,15 +125,7 @@ impl OpenAiShape {
         self
     }
     pub(crate) fn generate(stream: bool) -> OpenAiShape {
-        OpenAiShape {
-            api: Api::Generate,
-            stream,
-            include_usage: false,
-            started: false,
-            tools: None,
-            logprobs: None,
-            echo: None,
-        }
+        OpenAiShape::new(Api::Generate, stream, false)
     }
 }
 
