@@ -91,6 +91,24 @@ pub fn check(c: &OutputConstraint) -> Result<(), String> {
         .map_err(|e| e.to_string())
 }
 
+/// Whether `text` is a whole output `c` allows, read one byte at a time (the same grammar the
+/// engine enforces token by token): for tests and checks of grammars lockstep builds itself.
+pub fn accepts(c: &OutputConstraint, text: &str) -> Result<bool, String> {
+    let mut f = ParserFactory::new_simple(&ApproximateTokEnv::single_byte_env())
+        .map_err(|e| e.to_string())?;
+    f.quiet();
+    let mut m = Matcher::new(Ok(f
+        .create_parser(c.grammar()?)
+        .map_err(|e| e.to_string())?));
+    let bytes: Vec<u32> = text.bytes().map(u32::from).collect();
+    let taken = m.validate_tokens(&bytes).map_err(|e| e.to_string())?;
+    if taken < bytes.len() {
+        return Ok(false);
+    }
+    m.consume_tokens(&bytes).map_err(|e| e.to_string())?;
+    m.is_accepting().map_err(|e| e.to_string())
+}
+
 /// The longest one step's mask may take to compute: past it, the request fails (its grammar is
 /// too costly at this point), and the batch goes on without it. llguidance's own fuel limits
 /// bound the work far below this for any grammar it accepts; this bounds the wait whatever the

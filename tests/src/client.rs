@@ -213,11 +213,44 @@ pub async fn run_python_checks_with(
     bound: Duration,
     done: &str,
 ) {
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    run_python_checks_in(&python, script, url, model, env, bound, done).await
+}
+
+/// The Python of the ecosystem clients' virtual environment (langchain-openai, litellm and an
+/// openai new enough for them; `tests/python/requirements-clients.txt`): `$LOCKSTEP_CLIENTS_PYTHON`,
+/// else `~/.cache/lockstep-clients-venv/bin/python` when it exists. `None` (the test skips, saying
+/// so) unless `LOCKSTEP_REQUIRE_CLIENTS` is set, as CI sets it: then a missing one fails.
+pub fn clients_python() -> Option<String> {
+    let found = std::env::var("LOCKSTEP_CLIENTS_PYTHON").ok().or_else(|| {
+        let p = std::path::PathBuf::from(std::env::var("HOME").ok()?)
+            .join(".cache/lockstep-clients-venv/bin/python");
+        p.exists().then(|| p.display().to_string())
+    });
+    if found.is_none() {
+        assert!(
+            std::env::var_os("LOCKSTEP_REQUIRE_CLIENTS").is_none(),
+            "LOCKSTEP_REQUIRE_CLIENTS is set but no clients' Python was found (.ci/run makes it)"
+        );
+        eprintln!("skipped: no ecosystem clients' Python (LOCKSTEP_CLIENTS_PYTHON)");
+    }
+    found
+}
+
+/// [`run_python_checks_with`] under the interpreter `python`.
+pub async fn run_python_checks_in(
+    python: &str,
+    script: &str,
+    url: &str,
+    model: &str,
+    env: &[(&str, &str)],
+    bound: Duration,
+    done: &str,
+) {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("python")
         .join(script);
-    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
-    let child = tokio::process::Command::new(&python)
+    let child = tokio::process::Command::new(python)
         .arg(&path)
         .env("LOCKSTEP_URL", url)
         .env("LOCKSTEP_MODEL", model)

@@ -220,6 +220,61 @@ async fn oversized_bodies_get_413_not_a_broken_pipe() {
     assert_eq!(stack.mock.request_count(), 0);
 }
 
+/// Generic tool calls on an SGLang model (no tool parser configured): a forced call reaches both
+/// halves as SGLang's `json_schema` of the calls' envelope, which SGLang's grammar backend
+/// enforces; `tool_choice: auto` (text or calls, a grammar SGLang does not take) is refused by
+/// name before any worker is asked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generic_tool_calls_reach_sglang_as_a_json_schema() {
+    let stack = Stack::start().await;
+    let c = TestClient::default();
+    let tools = json!([{"type": "function", "function": {"name": "get_weather", "parameters":
+        {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]);
+    let body = |choice: serde_json::Value| {
+        json!({"model": MODEL, "messages": [{"role": "user", "content": "weather?"}], "max_tokens": 4,
+               "tools": tools, "tool_choice": choice})
+    };
+    let url = format!("{}/v1/chat/completions", stack.url);
+    let a = c
+        .post(&url, &body(json!("auto")), Duration::from_secs(5))
+        .await;
+    assert_eq!(
+        (a.status, a.error_code().as_deref()),
+        (400, Some("unsupported")),
+        "{}",
+        a.body
+    );
+    assert_eq!(a.json()["error"]["param"], "tools", "{}", a.body);
+    assert_eq!(stack.mock.request_count(), 0);
+    let a = c
+        .post(&url, &body(json!("required")), Duration::from_secs(10))
+        .await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    let sent = stack.mock.requests();
+    assert_eq!(sent.len(), 2, "both halves: {sent:?}");
+    for (role, b) in sent {
+        let schema: serde_json::Value = serde_json::from_str(
+            b["sampling_params"]["json_schema"]
+                .as_str()
+                .expect("a json_schema"),
+        )
+        .expect("JSON");
+        let call = &schema["properties"]["tool_calls"]["items"];
+        assert_eq!(
+            call["properties"]["name"]["const"], "get_weather",
+            "{role:?}: {schema}"
+        );
+        assert_eq!(
+            call["properties"]["arguments"]["additionalProperties"],
+            false
+        );
+        assert_eq!(
+            schema["properties"]["tool_calls"]["maxItems"], 1,
+            "one call unless asked"
+        );
+    }
+}
+
 /// Never drop a field: every field lockstep does not honour end to end is a 400 `unsupported`
 /// naming it (chat, completions and `/generate`, at the top level, in `sampling_params` and in a
 /// message), before any worker is asked; values that ask for nothing pass.
@@ -266,12 +321,6 @@ async fn fields_lockstep_does_not_honour_are_refused_by_name() {
         (
             chat(
                 json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
-            ),
-            "tools",
-        ),
-        (
-            chat(
-                json!({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}),
             ),
             "tools",
         ),

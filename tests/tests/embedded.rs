@@ -221,6 +221,29 @@ async fn tool_calling_with_the_official_client() {
     s.wait_released().await;
 }
 
+/// The clients people already use (langchain-openai, litellm, openai 3.x) on the default
+/// configuration, which has no tool parser: generic tool calls, structured output by function
+/// calling, log-probabilities (`tests/python/ecosystem_clients.py`, in the clients' own virtual
+/// environment).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ecosystem_clients_on_the_default_configuration() {
+    let Some(python) = client::clients_python() else {
+        return;
+    };
+    let Some(s) = start("").await else { return };
+    client::run_python_checks_in(
+        &python,
+        "ecosystem_clients.py",
+        &s.url,
+        MODEL,
+        &[],
+        Duration::from_secs(300),
+        "all ecosystem client checks passed",
+    )
+    .await;
+    s.wait_released().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transfer_faults_end_in_errors_and_free_every_page() {
     let prompt = "A prompt long enough to fill several pages of the pool, so that a page can be lost, \

@@ -78,10 +78,12 @@ pub fn tool_output(data: &[u8]) {
         ToolParserKind::Qwen,
         ToolParserKind::Llama3Json,
         ToolParserKind::Mistral,
-    ][usize::from(pick % 4)];
+        ToolParserKind::Generic,
+    ][usize::from(pick % 5)];
     let tools = ToolParse {
         kind,
         names: vec!["get_weather".to_string(), "a".into(), "f".into()].into(),
+        one_call: pick & 0x80 != 0,
     };
     let deltas: Vec<String> = rest
         .split(|b| *b == 0xFF)

@@ -167,7 +167,7 @@ pub(crate) async fn build_models(
                 continue;
             }
         };
-        if m.tool_parser.is_some()
+        if m.tool_mode() != crate::config::ToolParserKind::Generic
             && let Err(e) = codec.check_renders_tools()
         {
             errors.push(format!("model `{}`: {e}", m.name));

@@ -27,6 +27,13 @@ pub enum BackendKind {
     Lockstep,
 }
 
+impl ModelConfig {
+    /// The tool-call format in effect: the configured parser, or `generic`.
+    pub fn tool_mode(&self) -> ToolParserKind {
+        self.tool_parser.unwrap_or(ToolParserKind::Generic)
+    }
+}
+
 impl BackendKind {
     /// The configuration value: `sglang`, `embedded` or `lockstep`.
     pub fn as_str(self) -> &'static str {
@@ -52,6 +59,11 @@ pub enum ToolParserKind {
     Llama3Json,
     /// Mistral: `[TOOL_CALLS]` then a JSON list of `{"name", "arguments"}`.
     Mistral,
+    /// Any model (the default where none is configured): lockstep writes the tools into the
+    /// system turn itself and constrains the output to plain text or one JSON envelope,
+    /// `{"tool_calls": [{"name", "arguments"}]}`, of calls to the declared tools with arguments
+    /// valid for their schemas (`http/tools_generic.rs`).
+    Generic,
 }
 
 /// One model, its limits and its backend.
@@ -90,8 +102,10 @@ pub struct ModelConfig {
     pub eos_token: String,
     /// How the model writes tool calls, which lockstep parses from its output into `tool_calls`
     /// (`hermes`, `qwen`: `<tool_call>{json}</tool_call>`; `llama3_json`: a JSON object with
-    /// `name` and `parameters`; `mistral`: `[TOOL_CALLS]` and a JSON list). Without one, a request
-    /// with `tools` is refused. The chat template must render the `tools` it is given.
+    /// `name` and `parameters`; `mistral`: `[TOOL_CALLS]` and a JSON list), whose chat template
+    /// must render the `tools` it is given; or `generic` (the default): lockstep renders the
+    /// tools into the system turn and constrains the answer to text or a JSON envelope of calls,
+    /// for any model and template.
     #[serde(default)]
     pub tool_parser: Option<ToolParserKind>,
     /// Parse special-token text in chat message content as special tokens. Off by default:

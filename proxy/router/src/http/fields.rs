@@ -103,7 +103,6 @@ pub(crate) const CHAT: &[&[Known]] = &[
         known("metadata", any, ""),
         known("safety_identifier", any, ""),
         known("prompt_cache_key", any, ""),
-        known("parallel_tool_calls", any, ""),
         known(
             "store",
             falsy,

@@ -20,6 +20,8 @@ pub(crate) mod rest;
 mod sampling;
 
 pub(crate) mod tools;
+mod tools_generic;
+mod tools_parse;
 
 use std::sync::Arc;
 

@@ -376,7 +376,8 @@ impl FrontRequest for ChatRequest {
         let (tools, forced) = super::tools::request(
             rest.remove("tools"),
             rest.remove("tool_choice"),
-            model.tool_parser,
+            rest.remove("parallel_tool_calls"),
+            model.tool_mode(),
             model.backend,
         )?;
         let logprobs = super::logprob_params::chat_logprobs(&mut rest, model)?;
@@ -390,7 +391,7 @@ impl FrontRequest for ChatRequest {
             &mut sampling,
             "response_format",
             messages,
-            model.tool_parser,
+            model.tool_mode(),
         )?;
         Ok((
             input,

@@ -13,6 +13,7 @@ fn hermes() -> tools::ToolParse {
     tools::ToolParse {
         kind: ToolParserKind::Hermes,
         names: vec!["get_weather".to_string()].into(),
+        one_call: false,
     }
 }
 

@@ -105,7 +105,6 @@ const RESPONSES: &[&[Known]] = &[&[
     known("user", fields::any, ""),
     known("safety_identifier", fields::any, ""),
     known("prompt_cache_key", fields::any, ""),
-    known("parallel_tool_calls", fields::any, ""),
     known("stream_options", fields::any, ""),
     known(
         "max_tool_calls",
@@ -343,7 +342,8 @@ impl FrontRequest for ResponsesRequest {
         let (tools, forced) = super::tools::request(
             flat_tools(rest.remove("tools"))?,
             flat_choice(rest.remove("tool_choice")),
-            model.tool_parser,
+            rest.remove("parallel_tool_calls"),
+            model.tool_mode(),
             model.backend,
         )?;
         let logprobs = super::logprob_params::responses_logprobs(&mut rest, model)?;
@@ -377,7 +377,7 @@ impl FrontRequest for ResponsesRequest {
             &mut sampling,
             "text.format",
             messages,
-            model.tool_parser,
+            model.tool_mode(),
         )?;
         let echo = json!({
             "instructions": self.instructions,
@@ -386,6 +386,7 @@ impl FrontRequest for ResponsesRequest {
             "top_p": self.top_p.unwrap_or(1.0),
             "text": { "format": format },
             "top_logprobs": logprobs.unwrap_or(0),
+            "parallel_tool_calls": parser.as_ref().is_none_or(|p| !p.one_call),
         });
         Ok((
             input,

@@ -1,9 +1,11 @@
-//! Tool calling on `/v1/chat/completions`: `tools` and `tool_choice` checked and given to the
-//! model's chat template, the model's tool calls parsed from its committed output by the model's
-//! parser (`models[].tool_parser`) and returned as `tool_calls` (streamed as tool-call deltas
-//! once the output ends). `tool_choice: required` or a named function is enforced by
-//! constraining the sampler to the parser's call format (lockstep's engine and workers); a model
-//! without a parser refuses `tools`, never returning a call as plain text with a 200.
+//! Tool calling on `/v1/chat/completions` and `/v1/responses`: `tools`, `tool_choice` and
+//! `parallel_tool_calls` checked and given to the model's chat template, the model's tool calls
+//! parsed from its committed output by the model's parser (`models[].tool_parser`) and returned
+//! as `tool_calls` (streamed as tool-call deltas once the output ends). `tool_choice: required`
+//! or a named function is enforced by constraining the sampler to the parser's call format
+//! (lockstep's engine and workers). A model without a parser of its own is in generic mode
+//! ([`super::tools_generic`]): lockstep writes the tools into the prompt and constrains the
+//! answer to text or one JSON envelope of calls.
 
 use serde_json::{Map, Value, json};
 
@@ -11,6 +13,8 @@ use crate::admission::{ChatMessage, Input};
 use crate::backend::{Constraint, SamplingParams};
 use crate::config::{BackendKind, ToolParserKind};
 use crate::error::LockstepError;
+
+use super::tools_generic as generic;
 
 fn invalid(param: &str, message: String) -> LockstepError {
     LockstepError::InvalidRequest {
@@ -29,6 +33,10 @@ pub(crate) struct Tools {
     pub(crate) parse: Option<ToolParserKind>,
     /// The declared functions' names.
     pub(crate) names: Vec<String>,
+    /// Generic mode: what the system turn says of the tools (`None` with `tool_choice: none`).
+    section: Option<String>,
+    /// `parallel_tool_calls: false`: an answer with more than one call is no call.
+    one_call: bool,
 }
 
 enum Choice {
@@ -178,12 +186,28 @@ fn definition(i: usize, v: Value) -> Result<(Value, String, Value), LockstepErro
     Ok((json!({ "type": "function", "function": out }), name, params))
 }
 
-/// Checks `tools` and `tool_choice` for a model with `parser` on `backend`: the tools (none
-/// when the request has none) and the constraint forcing a call, when `tool_choice` asks for one.
+/// `parallel_tool_calls`: whether an answer may hold several calls. Unsaid: yes with a model's
+/// own parser (OpenAI's default); one call in generic mode, as llama-server's generic format
+/// does (a small model that may list calls tends to repeat one until its token limit).
+fn parallel_of(v: Option<Value>, kind: ToolParserKind) -> Result<bool, LockstepError> {
+    match v {
+        None | Some(Value::Null) => Ok(kind != ToolParserKind::Generic),
+        Some(Value::Bool(b)) => Ok(b),
+        Some(v) => Err(invalid(
+            "parallel_tool_calls",
+            format!("`parallel_tool_calls` is a boolean, got {v}"),
+        )),
+    }
+}
+
+/// Checks `tools`, `tool_choice` and `parallel_tool_calls` for a model whose calls are in `kind`'s
+/// format on `backend`: the tools (none when the request has none) and the constraint the answer
+/// is sampled under (a forced call; in generic mode, text or calls).
 pub(crate) fn request(
     tools: Option<Value>,
     choice: Option<Value>,
-    parser: Option<ToolParserKind>,
+    parallel: Option<Value>,
+    kind: ToolParserKind,
     backend: BackendKind,
 ) -> Result<(Option<Tools>, Option<Constraint>), LockstepError> {
     let defs = match tools {
@@ -192,6 +216,7 @@ pub(crate) fn request(
         Some(_) => return Err(invalid("tools", "`tools` must be a list".into())),
     };
     let choice = choice_of(choice)?;
+    let parallel = parallel_of(parallel, kind)?;
     if defs.is_empty() {
         return match choice {
             Some(Choice::Required | Choice::Named(_)) => Err(invalid(
@@ -201,12 +226,6 @@ pub(crate) fn request(
             _ => Ok((None, None)),
         };
     }
-    let Some(kind) = parser else {
-        return Err(LockstepError::Unsupported {
-            message: "this model has no tool parser configured (`models[].tool_parser`), so lockstep could not return its tool calls".into(),
-            param: Some("tools".into()),
-        });
-    };
     let mut checked = Vec::with_capacity(defs.len());
     let mut calls = Vec::with_capacity(defs.len());
     for (i, d) in defs.into_iter().enumerate() {
@@ -234,7 +253,9 @@ pub(crate) fn request(
         }
         _ => Vec::new(),
     };
-    let constraint = if forced.is_empty() {
+    let constraint = if kind == ToolParserKind::Generic {
+        generic_constraint(&choice, &calls, &forced, parallel, backend)?
+    } else if forced.is_empty() {
         None
     } else {
         if !matches!(backend, BackendKind::Embedded | BackendKind::Lockstep) {
@@ -258,14 +279,65 @@ pub(crate) fn request(
         Some(Constraint::Lark(g))
     };
     let parse = (!matches!(choice, Some(Choice::None))).then_some(kind);
+    let section = (kind == ToolParserKind::Generic && parse.is_some()).then(|| {
+        let must: Option<Vec<String>> =
+            (!forced.is_empty()).then(|| forced.iter().map(|(n, _)| n.clone()).collect());
+        generic::system_section(&checked, must.as_deref(), parallel)
+    });
     Ok((
         Some(Tools {
             defs: checked,
             parse,
             names: calls.into_iter().map(|(n, _)| n).collect(),
+            section,
+            one_call: !parallel,
         }),
         constraint,
     ))
+}
+
+/// Generic mode's constraint: none for `tool_choice: none`; the envelope of calls to the
+/// forced tools (a JSON schema, which remote backends' grammar engines enforce too); for `auto`,
+/// text or the envelope (a grammar only lockstep's engine and workers take).
+fn generic_constraint(
+    choice: &Option<Choice>,
+    calls: &[(String, Value)],
+    forced: &[&(String, Value)],
+    parallel: bool,
+    backend: BackendKind,
+) -> Result<Option<Constraint>, LockstepError> {
+    let c = match choice {
+        Some(Choice::None) => return Ok(None),
+        Some(Choice::Required | Choice::Named(_)) => {
+            Constraint::JsonSchema(generic::envelope_schema(forced, parallel).to_string())
+        }
+        None | Some(Choice::Auto) => {
+            if !matches!(backend, BackendKind::Embedded | BackendKind::Lockstep) {
+                return Err(LockstepError::Unsupported {
+                    message: format!(
+                        "this model has no tool parser configured (`models[].tool_parser`), and generic tool calls with `tool_choice: auto` need a grammar of text or calls that {} does not take; configure the model's `tool_parser`, or send `tool_choice: required` or a named function",
+                        backend.as_str()
+                    ),
+                    param: Some("tools".into()),
+                });
+            }
+            let all: Vec<&(String, Value)> = calls.iter().collect();
+            Constraint::Lark(generic::auto_grammar(generic::envelope_schema(
+                &all, parallel,
+            )))
+        }
+    };
+    super::fields::within_cap(&c, "tools")?;
+    let check = c
+        .for_engine()
+        .ok_or_else(|| invalid("tools", "no grammar".into()))?;
+    lockstep_engine::grammar::check(&check).map_err(|m| {
+        invalid(
+            "tools",
+            format!("a tool's parameters cannot be enforced: {m}"),
+        )
+    })?;
+    Ok(Some(c))
 }
 
 /// Settles a request's tools once its messages and sampling are known: a forced call becomes
@@ -279,24 +351,18 @@ pub(crate) fn settle(
     sampling: &mut SamplingParams,
     format_param: &str,
     messages: Vec<ChatMessage>,
-    parser: Option<ToolParserKind>,
+    kind: ToolParserKind,
 ) -> Result<(Input, Option<ToolParse>), LockstepError> {
     if forced.is_some() {
         if sampling.constraint.is_some() {
             return Err(invalid(
                 format_param,
                 format!(
-                    "`{format_param}` and a `tool_choice` that forces a call cannot both shape the answer"
+                    "`{format_param}` and `tools` (a `tool_choice` that forces a call, or generic tool calls) cannot both shape the answer"
                 ),
             ));
         }
         sampling.constraint = forced;
-    }
-    if parser.is_none() && messages.iter().any(|m| m.tool_calls.is_some()) {
-        return Err(LockstepError::Unsupported {
-            message: "this model has no tool parser configured (`models[].tool_parser`), so its template is not known to render tool calls".into(),
-            param: Some("messages".into()),
-        });
     }
     // A call in the history is to a function this request declares.
     let declared = |n: &str| {
@@ -315,24 +381,27 @@ pub(crate) fn settle(
             }
         }
     }
+    let one_call = tools.as_ref().is_some_and(|t| t.one_call);
+    let parse = tools.as_ref().and_then(|t| t.parse).map(|kind| ToolParse {
+        kind,
+        names: tools
+            .as_ref()
+            .map(|t| t.names.clone())
+            .unwrap_or_default()
+            .into(),
+        one_call,
+    });
     Ok(match tools {
-        Some(t) => {
-            let parse = t.parse.map(|kind| ToolParse {
-                kind,
-                names: t.names.into(),
-            });
-            (Input::ChatTools(messages, t.defs), parse)
+        _ if kind == ToolParserKind::Generic => {
+            let section = tools.and_then(|t| t.section);
+            (
+                Input::Chat(generic::rewrite_history(messages, section.as_deref())),
+                parse,
+            )
         }
+        Some(t) => (Input::ChatTools(messages, t.defs), parse),
         None => (Input::Chat(messages), None),
     })
-}
-
-/// How a chat answer's tool calls are read: the model's parser, and the functions the request
-/// declared (a call to any other comes back as text).
-#[derive(Debug, Clone)]
-pub(crate) struct ToolParse {
-    pub(crate) kind: ToolParserKind,
-    pub(crate) names: std::sync::Arc<[String]>,
 }
 
 /// The grammar of one call, in the parser's format, to one of `tools`.
@@ -360,203 +429,16 @@ fn call_grammar(kind: ToolParserKind, tools: &[&(String, Value)]) -> String {
             "start: \"[TOOL_CALLS]\" %json {}",
             bound(json!({ "type": "array", "items": call, "minItems": 1, "maxItems": 1 }))
         ),
-    }
-}
-
-/// One call the model made.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Call {
-    pub(crate) name: String,
-    /// The arguments as JSON text.
-    pub(crate) arguments: String,
-}
-
-/// The call in one JSON value (`name` and the arguments under `key`), if it is one.
-fn call_of(v: &Value, key: &str) -> Option<Call> {
-    let name = v.get("name")?.as_str()?.to_string();
-    let args = v
-        .get(key)
-        .or_else(|| v.get("arguments"))
-        .cloned()
-        .unwrap_or_else(|| json!({}));
-    let arguments = match args {
-        // A string already holding JSON is passed as it is.
-        Value::String(s) if serde_json::from_str::<Value>(&s).is_ok() => s,
-        Value::Object(_) => args.to_string(),
-        _ => return None,
-    };
-    Some(Call { name, arguments })
-}
-
-/// The JSON values in `s` one after another, separated by whitespace or `sep`; `None` unless
-/// that is all `s` holds.
-fn values(s: &str, sep: char) -> Option<Vec<Value>> {
-    let mut out = Vec::new();
-    let mut rest = s.trim();
-    while !rest.is_empty() {
-        let mut it = serde_json::Deserializer::from_str(rest).into_iter::<Value>();
-        let v = it.next()?.ok()?;
-        rest = rest[it.byte_offset()..].trim_start();
-        rest = rest.strip_prefix(sep).unwrap_or(rest).trim_start();
-        out.push(v);
-    }
-    Some(out)
-}
-
-/// The content and calls in a whole output; `None` when it holds no call, or a call to a
-/// function the request did not declare (it is all content).
-pub(crate) fn parse(tools: &ToolParse, text: &str) -> Option<(String, Vec<Call>)> {
-    let (content, calls) = parse_calls(tools.kind, text)?;
-    calls
-        .iter()
-        .all(|c| tools.names.contains(&c.name))
-        .then_some((content, calls))
-}
-
-/// The content and calls in a whole output in `kind`'s format; `None` when it holds no call.
-fn parse_calls(kind: ToolParserKind, text: &str) -> Option<(String, Vec<Call>)> {
-    match kind {
-        ToolParserKind::Hermes | ToolParserKind::Qwen => {
-            let (open, close) = ("<tool_call>", "</tool_call>");
-            let mut content = String::new();
-            let mut calls = Vec::new();
-            let mut rest = text;
-            while let Some(at) = rest.find(open) {
-                content.push_str(&rest[..at]);
-                let after = &rest[at + open.len()..];
-                let (inner, next) = match after.find(close) {
-                    Some(end) => (&after[..end], &after[end + close.len()..]),
-                    None => (after, ""),
-                };
-                let v: Value = serde_json::from_str(inner.trim()).ok()?;
-                calls.push(call_of(&v, "arguments")?);
-                rest = next;
-            }
-            content.push_str(rest);
-            (!calls.is_empty()).then(|| (content.trim().to_string(), calls))
-        }
-        ToolParserKind::Llama3Json => {
-            let t = text.trim_start();
-            let t = t.strip_prefix("<|python_tag|>").unwrap_or(t);
-            if !t.trim_start().starts_with('{') {
-                return None;
-            }
-            let calls = values(t, ';')?
-                .iter()
-                .map(|v| call_of(v, "parameters"))
-                .collect::<Option<Vec<_>>>()?;
-            Some((String::new(), calls))
-        }
-        ToolParserKind::Mistral => {
-            let t = text.trim_start();
-            let t = t.strip_prefix("[TOOL_CALLS]")?;
-            let calls = match serde_json::from_str::<Value>(t.trim()).ok()? {
-                Value::Array(a) => a
-                    .iter()
-                    .map(|v| call_of(v, "arguments"))
-                    .collect::<Option<Vec<_>>>()?,
-                v => vec![call_of(&v, "arguments")?],
-            };
-            Some((String::new(), calls))
+        ToolParserKind::Generic => {
+            format!(
+                "start: %json {}",
+                bound(generic::envelope_schema(tools, false))
+            )
         }
     }
 }
 
-/// A streamed answer's split between content (sent as it comes) and a tool call (held from
-/// where it may begin until the output ends, then parsed).
-#[derive(Debug)]
-pub(crate) struct ToolStream {
-    pub(crate) tools: ToolParse,
-    /// Text not sent yet: a tail that may begin a call, or, once one began, all of it.
-    held: String,
-    /// A call may have begun: nothing more is sent as content until the end.
-    holding: bool,
-    /// Whether anything but whitespace came yet (the JSON formats start with their call).
-    started: bool,
-}
-
-impl ToolStream {
-    pub(crate) fn new(tools: ToolParse) -> ToolStream {
-        ToolStream {
-            tools,
-            held: String::new(),
-            holding: false,
-            started: false,
-        }
-    }
-
-    /// Content to send now for this delta.
-    pub(crate) fn push(&mut self, delta: &str) -> String {
-        self.held.push_str(delta);
-        if self.holding {
-            return String::new();
-        }
-        match self.tools.kind {
-            ToolParserKind::Hermes | ToolParserKind::Qwen => {
-                let marker = "<tool_call>";
-                if let Some(at) = self.held.find(marker) {
-                    self.holding = true;
-                    let out = self.held[..at].to_string();
-                    self.held.drain(..at);
-                    return out;
-                }
-                // Keep the longest tail that could still grow into the marker.
-                let keep = (1..marker.len().min(self.held.len() + 1))
-                    .rev()
-                    .find(|&n| {
-                        self.held.is_char_boundary(self.held.len() - n)
-                            && self.held.ends_with(&marker[..n])
-                    })
-                    .unwrap_or(0);
-                let cut = self.held.len() - keep;
-                let out = self.held[..cut].to_string();
-                self.held.drain(..cut);
-                out
-            }
-            ToolParserKind::Llama3Json | ToolParserKind::Mistral => {
-                if self.started {
-                    return std::mem::take(&mut self.held);
-                }
-                let t = self.held.trim_start();
-                let Some(first) = t.chars().next() else {
-                    return String::new();
-                };
-                self.started = true;
-                let call = match self.tools.kind {
-                    ToolParserKind::Mistral => first == '[',
-                    _ => first == '{' || first == '<',
-                };
-                if call {
-                    self.holding = true;
-                    String::new()
-                } else {
-                    std::mem::take(&mut self.held)
-                }
-            }
-        }
-    }
-
-    /// At the end of the output: the content still to send, and the calls.
-    pub(crate) fn finish(&mut self) -> (String, Vec<Call>) {
-        let held = std::mem::take(&mut self.held);
-        match self.holding.then(|| parse(&self.tools, &held)).flatten() {
-            Some((content, calls)) => (content, calls),
-            None => (held, Vec::new()),
-        }
-    }
-}
-
-/// The `tool_calls` of a response message, ids derived from the pair.
-pub(crate) fn tool_calls_json(pair: &str, calls: &[Call]) -> Vec<Value> {
-    calls
-        .iter()
-        .enumerate()
-        .map(|(i, c)| {
-            json!({ "id": format!("call_{pair}_{i}"), "type": "function",
-                    "function": { "name": c.name, "arguments": c.arguments } })
-        })
-        .collect()
-}
+pub(crate) use super::tools_parse::{Call, ToolParse, ToolStream, parse, tool_calls_json};
 
 #[cfg(test)]
 #[path = "tools_tests.rs"]

@@ -6,6 +6,7 @@ fn declared(kind: ToolParserKind, names: &[&str]) -> ToolParse {
     ToolParse {
         kind,
         names: names.iter().map(|n| n.to_string()).collect(),
+        one_call: false,
     }
 }
 
@@ -95,7 +96,8 @@ fn requests_are_checked_and_a_forced_call_gets_its_grammar() {
     let (t, c) = request(
         Some(tools.clone()),
         Some(json!("required")),
-        Some(ToolParserKind::Hermes),
+        None,
+        ToolParserKind::Hermes,
         BackendKind::Embedded,
     )
     .expect("ok");
@@ -104,21 +106,28 @@ fn requests_are_checked_and_a_forced_call_gets_its_grammar() {
         panic!("a forced call is constrained")
     };
     assert!(g.starts_with("start: \"<tool_call>\\n\" %json"), "{g}");
-    let err = |tools, choice, parser, backend| match request(tools, choice, parser, backend) {
+    let err = |tools, choice, kind, backend| match request(tools, choice, None, kind, backend) {
         Err(
             LockstepError::InvalidRequest { param, .. } | LockstepError::Unsupported { param, .. },
         ) => param,
         other => panic!("{other:?}"),
     };
+    // Generic tool calls with `tool_choice: auto` need lockstep's own grammar engine.
     assert_eq!(
-        err(Some(tools.clone()), None, None, BackendKind::Embedded).as_deref(),
+        err(
+            Some(tools.clone()),
+            None,
+            ToolParserKind::Generic,
+            BackendKind::Vllm
+        )
+        .as_deref(),
         Some("tools")
     );
     assert_eq!(
         err(
             Some(tools.clone()),
             Some(json!("required")),
-            Some(ToolParserKind::Hermes),
+            ToolParserKind::Hermes,
             BackendKind::Sglang
         )
         .as_deref(),
@@ -128,7 +137,7 @@ fn requests_are_checked_and_a_forced_call_gets_its_grammar() {
         err(
             Some(tools.clone()),
             Some(json!({"type": "function", "function": {"name": "nope"}})),
-            Some(ToolParserKind::Hermes),
+            ToolParserKind::Hermes,
             BackendKind::Embedded
         )
         .as_deref(),
@@ -138,7 +147,7 @@ fn requests_are_checked_and_a_forced_call_gets_its_grammar() {
         err(
             Some(json!([{"type": "function", "function": {"name": "bad name"}}])),
             None,
-            Some(ToolParserKind::Hermes),
+            ToolParserKind::Hermes,
             BackendKind::Embedded
         )
         .as_deref(),
@@ -148,7 +157,7 @@ fn requests_are_checked_and_a_forced_call_gets_its_grammar() {
         err(
             None,
             Some(json!("required")),
-            Some(ToolParserKind::Hermes),
+            ToolParserKind::Hermes,
             BackendKind::Embedded
         )
         .as_deref(),
@@ -158,7 +167,8 @@ fn requests_are_checked_and_a_forced_call_gets_its_grammar() {
     let (t, c) = request(
         Some(tools),
         Some(json!("none")),
-        Some(ToolParserKind::Hermes),
+        None,
+        ToolParserKind::Hermes,
         BackendKind::Sglang,
     )
     .expect("ok");
@@ -224,3 +234,6 @@ fn history_calls_are_checked() {
     assert!(!valid_call_id("") && !valid_call_id(&"a".repeat(129)));
     assert!(valid_call_id("call_abc-1.2:3") && valid_call_id("toolu_01A"));
 }
+
+#[path = "tools_generic_tests.rs"]
+mod generic_mode;
