@@ -30,6 +30,19 @@
 //!   with `incremental_streaming_output` (`srt/managers/tokenizer_manager.py`,
 //!   `_handle_batch_output`); `/health` takes 1 s, as SGLang 0.5.23's does
 //!   (`entrypoints/http_server.py`, `health_generate`, sleeps 1 s before its first check).
+//! - **Log-probabilities** (`return_logprob`, `top_logprobs_num`, top-level fields of the
+//!   request, SGLang 0.5.23 `srt/managers/io_struct.py` `GenerateReqInput`): every decode event's
+//!   `meta_info` carries `output_token_logprobs` (`[logprob, token_id, null]` per output token,
+//!   cumulative in every event in both stream modes: `tokenizer_manager.py`
+//!   `add_logprob_to_meta_info` extends the request's list and sends all of it; only `output_ids`
+//!   turn incremental), `output_token_logprobs_length`, an empty `input_token_logprobs` (the
+//!   default `logprob_start_len` -1 becomes the prompt's length, `scheduler.py`), and, with
+//!   `top_logprobs_num` > 0, `output_top_logprobs` (a list of `[logprob, id, null]` per token) and
+//!   an empty `input_top_logprobs`. In P/D the first token's entry is the prefill's, carried in
+//!   the KV metadata buffer (`srt/disaggregation/utils.py`, at most 128 alternatives;
+//!   `decode.py` appends it): a prefill not asked for log-probabilities has none to send, and
+//!   the decode reports a zero there. The values are the mock's own function of the token id
+//!   ([`mock_logprob`]); the text entries are `null` (`return_text_in_logprobs` false).
 //! - `/server_info` (and its deprecated alias `/get_server_info`): the resolved server arguments
 //!   flat, plus the scheduler's `max_total_num_tokens` and `max_req_input_len`
 //!   (`srt/utils/common.py` `build_server_info`; `srt/managers/scheduler.py`), each overridable per
@@ -108,6 +121,9 @@ pub enum Fault {
     /// From this event on, decode reports one prompt token more than it was sent: a stream
     /// that turns into another request's after commit (an integrity violation mid-stream).
     DecodeCountChangesAt(usize),
+    /// Decode's `output_token_logprobs` name another token than the one in `output_ids` (a
+    /// worker whose log-probabilities are not the answer's).
+    DecodeLogprobOtherToken,
     /// Decode events carry no `meta_info.prompt_tokens` (SGLang 0.5.23 always sends it,
     /// `srt/managers/output_streamer.py`; a server that does not is not one lockstep can verify).
     DecodeNoCount,
@@ -238,6 +254,9 @@ struct Inner {
     room_ready: Notify,
     live: Mutex<HashMap<(Role, String), CancellationToken>>,
     rid_rooms: Mutex<Bounded<(String, u64)>>,
+    /// Rooms whose prefill was asked for log-probabilities (its first token's entry is in the
+    /// KV metadata).
+    logprob_rooms: Mutex<std::collections::HashSet<u64>>,
     aborts: Mutex<Bounded<AbortRecord>>,
     requests: Mutex<Bounded<(Role, Value)>>,
     traceparents: Mutex<Bounded<(Role, String)>>,
@@ -398,6 +417,7 @@ impl PdMock {
             room_ready: Notify::new(),
             live: Mutex::new(HashMap::new()),
             rid_rooms: Mutex::default(),
+            logprob_rooms: Mutex::default(),
             aborts: Mutex::default(),
             requests: Mutex::default(),
             traceparents: Mutex::default(),
@@ -775,6 +795,8 @@ struct Half {
     stop: Vec<String>,
     /// `sampling_params.no_stop_trim`: keep the matched stop string in the text.
     no_stop_trim: bool,
+    /// `return_logprob` with `top_logprobs_num` (0 when absent).
+    logprobs: Option<usize>,
 }
 
 fn parse_half(v: &Value) -> Result<Half, &'static str> {
@@ -820,7 +842,58 @@ fn parse_half(v: &Value) -> Result<Half, &'static str> {
             .pointer("/sampling_params/no_stop_trim")
             .and_then(Value::as_bool)
             .unwrap_or(false),
+        logprobs: (v.get("return_logprob").and_then(Value::as_bool) == Some(true)).then(|| {
+            v.get("top_logprobs_num")
+                .and_then(Value::as_u64)
+                .unwrap_or(0) as usize
+        }),
     })
+}
+
+/// The mock's log-probability of token `id` (a function of the id only, so a test can check
+/// every value it is given).
+pub fn mock_logprob(id: u32) -> f32 {
+    -0.25 - (id % 40) as f32 / 8.0
+}
+
+/// The `top_logprobs_num` most likely tokens after `id`, as the mock reports them: `id` first,
+/// then the ids after it, each less likely.
+pub fn mock_top(id: u32, k: usize) -> Vec<(u32, f32)> {
+    (0..k as u32)
+        .map(|j| (id.wrapping_add(j), mock_logprob(id) - j as f32))
+        .collect()
+}
+
+/// The log-probability fields of a decode event's `meta_info` for output `out` (cumulative), as
+/// SGLang 0.5.23 writes them (`tokenizer_manager.py` `add_logprob_to_meta_info`). `first_zero`:
+/// the prefill was not asked, so the first token's value in the metadata buffer is a zero.
+fn logprob_meta(out: &[u32], k: usize, first_zero: bool, other_token: bool) -> Value {
+    let entry = |i: usize, id: u32| {
+        let lp = if i == 0 && first_zero {
+            0.0
+        } else {
+            mock_logprob(id)
+        };
+        json!([lp, if other_token { id.wrapping_add(1) } else { id }, null])
+    };
+    let mut m = json!({
+        "input_token_logprobs": [],
+        "output_token_logprobs": out.iter().enumerate().map(|(i, &id)| entry(i, id)).collect::<Vec<_>>(),
+        "output_token_logprobs_length": out.len(),
+    });
+    if k > 0 {
+        m["input_top_logprobs"] = json!([]);
+        m["output_top_logprobs"] = out
+            .iter()
+            .map(|&id| {
+                mock_top(id, k)
+                    .into_iter()
+                    .map(|(t, lp)| json!([lp, t, null]))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+    }
+    m
 }
 
 async fn generate(State(ctx): State<Ctx>, headers: axum::http::HeaderMap, body: Bytes) -> Response {
@@ -840,6 +913,9 @@ async fn generate(State(ctx): State<Ctx>, headers: axum::http::HeaderMap, body: 
     match ctx.role {
         Role::Prefill => {
             lock(&ctx.inner.rid_rooms).push((half.rid.clone(), half.room));
+            if half.logprobs.is_some() {
+                lock(&ctx.inner.logprob_rooms).insert(half.room);
+            }
             prefill(ctx.inner, half, fault, ctx.cache).await
         }
         Role::Decode => decode(ctx.inner, half, fault).await,
@@ -1272,6 +1348,7 @@ async fn decode_work(
         return;
     }
     let incremental = h.stream && arg_bool(&inner, Role::Decode, "incremental_streaming_output");
+    let prefill_logprobs = lock(&inner.logprob_rooms).remove(&h.room);
     let with_text = !arg_bool(&inner, Role::Decode, "skip_tokenizer_init");
     if fault == Fault::DecodeHang {
         tokio::select! {
@@ -1365,6 +1442,19 @@ async fn decode_work(
             && let Some(m) = ev["meta_info"].as_object_mut()
         {
             m.remove("prompt_tokens");
+        }
+        if let Some(k) = h.logprobs
+            && let (Some(m), Value::Object(lp)) = (
+                ev["meta_info"].as_object_mut(),
+                logprob_meta(
+                    &out,
+                    k,
+                    !prefill_logprobs,
+                    fault == Fault::DecodeLogprobOtherToken,
+                ),
+            )
+        {
+            m.extend(lp);
         }
         if let Some(text) = text {
             ev["text"] = json!(if incremental {

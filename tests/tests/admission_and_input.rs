@@ -324,11 +324,8 @@ async fn fields_lockstep_does_not_honour_are_refused_by_name() {
             ),
             "tools",
         ),
-        // An SGLang model: lockstep does not read its workers' log-probabilities yet.
-        (
-            chat(json!({"logprobs": true, "top_logprobs": 2})),
-            "logprobs",
-        ),
+        // Prompt log-probabilities are not computed yet (the output's are, SGLang's included).
+        (cmpl(json!({"echo": true, "logprobs": 1})), "echo"),
         (
             chat(json!({"functions": [{"name": "f", "parameters": {}}]})),
             "functions",
@@ -363,13 +360,15 @@ async fn fields_lockstep_does_not_honour_are_refused_by_name() {
             ),
             "messages[0].content[0].cache_control",
         ),
-        (cmpl(json!({"logprobs": 2})), "logprobs"),
         (cmpl(json!({"suffix": "blue"})), "suffix"),
         (
             cmpl(json!({"guided_json": {"type": "object"}})),
             "guided_json",
         ),
-        (generate(json!({"return_logprob": true})), "return_logprob"),
+        (
+            generate(json!({"return_logprob": true, "logprob_start_len": 0})),
+            "logprob_start_len",
+        ),
         (
             generate(json!({"sampling_params": {"repetition_penalty": 1.2}})),
             "sampling_params.repetition_penalty",

@@ -73,6 +73,10 @@ impl SglangBackend {
             bootstrap_room: d.pair_id.raw(),
             cache_salt: SaltText(d.cache_salt()),
             stream,
+            // On both halves: SGLang's prefill computes the first token's entry and sends it
+            // with the KV (`srt/disaggregation/utils.py`), the decode the rest.
+            return_logprob: s.logprobs.map(|_| true),
+            top_logprobs_num: s.logprobs,
         };
         // One buffer, large enough for the usual body, and no copy after.
         let mut rest = Vec::with_capacity(384);
@@ -113,6 +117,12 @@ struct GenerateBody<'a> {
     /// cache on either worker.
     cache_salt: SaltText,
     stream: bool,
+    /// Log-probabilities with every output token (`GenerateReqInput.return_logprob`); the
+    /// default `logprob_start_len` computes none for the prompt.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    return_logprob: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    top_logprobs_num: Option<u32>,
 }
 
 /// A cache salt as its 16 hex digits, a JSON string written straight into the body.
@@ -295,6 +305,7 @@ impl PdBackend for SglangBackend {
             .decode
             .headers(lockstep_serve::telemetry::trace_headers(), false);
         let mode = self.stream_mode(&d.decode.url);
+        let logprobs = d.sampling.logprobs;
         let start = async move {
             let side = Side::Decode;
             let mode = mode.ok_or_else(|| HalfError {
@@ -322,6 +333,7 @@ impl PdBackend for SglangBackend {
             Ok(SseDecoder {
                 events: SseReader::new(resp.into_body(), side),
                 text: StreamText::new(mode),
+                logprobs,
             })
         };
         decode_stream(start)
@@ -384,6 +396,8 @@ impl PdBackend for SglangBackend {
 struct SseDecoder {
     events: SseReader,
     text: StreamText,
+    /// The alternatives asked for with each token, when log-probabilities were.
+    logprobs: Option<u32>,
 }
 
 /// The text and ids a decode stream has delivered so far, in its worker's stream mode.
@@ -391,6 +405,8 @@ struct StreamText {
     mode: StreamMode,
     text_len: usize,
     ids_seen: u64,
+    /// Log-probability entries already delivered (SGLang's lists are cumulative in both modes).
+    logprobs_seen: usize,
 }
 
 impl StreamText {
@@ -399,7 +415,60 @@ impl StreamText {
             mode,
             text_len: 0,
             ids_seen: 0,
+            logprobs_seen: 0,
         }
+    }
+
+    /// The entries of an event's new tokens `ids` (`k` alternatives each): each must name the
+    /// token it belongs to, and every new token must have one, or the event is not this answer's.
+    fn logprobs(
+        &mut self,
+        v: &Answer,
+        ids: &[u32],
+        k: u32,
+    ) -> Result<Vec<super::TokenLogprobs>, String> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let meta = v.meta_info.as_ref();
+        let all = meta
+            .and_then(|m| m.output_token_logprobs.as_deref())
+            .unwrap_or_default();
+        let tops = meta.and_then(|m| m.output_top_logprobs.as_deref());
+        let from = self.logprobs_seen;
+        let new = all.get(from..from + ids.len()).ok_or_else(|| {
+            format!(
+                "{} output_token_logprobs for {} output tokens",
+                all.len(),
+                from + ids.len()
+            )
+        })?;
+        let mut out = Vec::with_capacity(ids.len());
+        for (i, (e, &id)) in new.iter().zip(ids).enumerate() {
+            if e.1 != id {
+                return Err(format!(
+                    "output_token_logprobs names token {} where the output has {id}",
+                    e.1
+                ));
+            }
+            let top = match (k, tops) {
+                (0, _) => Vec::new(),
+                (_, Some(t)) => t
+                    .get(from + i)
+                    .and_then(Option::as_deref)
+                    .ok_or("output_top_logprobs is shorter than the output")?
+                    .iter()
+                    .map(|t| (t.1, t.logprob()))
+                    .collect(),
+                (_, None) => return Err("output_top_logprobs is missing".into()),
+            };
+            out.push(super::TokenLogprobs {
+                logprob: e.logprob(),
+                top,
+            });
+        }
+        self.logprobs_seen += ids.len();
+        Ok(out)
     }
 
     /// The new text and token ids of one event, after checking its ids against the mode.
@@ -456,10 +525,15 @@ impl ChunkSource for SseDecoder {
         };
         let v = Answer::parse(side, data.as_bytes(), "bad SSE event")?;
         let finish = inspect(side, &v)?;
-        let (delta, token_ids) = self.text.delta(&v).map_err(|m| HalfError {
+        let protocol = |m| HalfError {
             side,
             failure: HalfFailure::Protocol(m),
-        })?;
+        };
+        let (delta, token_ids) = self.text.delta(&v).map_err(protocol)?;
+        let logprobs = match self.logprobs {
+            Some(k) => self.text.logprobs(&v, &token_ids, k).map_err(protocol)?,
+            None => Vec::new(),
+        };
         Ok(Some(DecodeChunk {
             kv_digest: None,
             delta,
@@ -472,8 +546,7 @@ impl ChunkSource for SseDecoder {
                 .and_then(|m| m.finish_reason.as_ref())
                 .and_then(|f| f.matched.clone()),
             finish,
-            // Refused at admission for SGLang models (`http::fields::logprobs_backend`).
-            logprobs: Vec::new(),
+            logprobs,
         }))
     }
 }

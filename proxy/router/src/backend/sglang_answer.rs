@@ -28,6 +28,29 @@ pub(crate) struct Meta {
     pub(crate) completion_tokens: Option<u64>,
     pub(crate) cached_tokens: Option<u64>,
     pub(crate) finish_reason: Option<Finish>,
+    /// `[logprob, token_id, text]` per output token, cumulative in every event (sent when the
+    /// request set `return_logprob`; `tokenizer_manager.py` `add_logprob_to_meta_info`). A value
+    /// SGLang's JSON writer could not write (an infinity) comes as `null`.
+    pub(crate) output_token_logprobs: Option<Vec<LogprobEntry>>,
+    /// The `top_logprobs_num` most likely tokens per output token, as entries like the above
+    /// (sent when `top_logprobs_num` > 0).
+    pub(crate) output_top_logprobs: Option<Vec<Option<Vec<LogprobEntry>>>>,
+}
+
+/// One `[logprob, token_id, text]` entry of SGLang's log-probability lists (the text skipped
+/// unread; a `null` log-probability is an infinity SGLang's JSON writer wrote as null: minus
+/// infinity, the only one a log-softmax gives).
+#[derive(Debug, serde::Deserialize)]
+pub(crate) struct LogprobEntry(
+    pub(crate) Option<f32>,
+    pub(crate) u32,
+    serde::de::IgnoredAny,
+);
+
+impl LogprobEntry {
+    pub(crate) fn logprob(&self) -> f32 {
+        self.0.unwrap_or(f32::NEG_INFINITY)
+    }
 }
 
 impl Answer {

@@ -265,3 +265,66 @@ fn a_finish_reason_reads_as_a_lookup_in_its_parsed_value_would() {
         assert!(Answer::parse(Side::Decode, bad, "test").is_err());
     }
 }
+
+/// SGLang's log-probability lists are cumulative in both stream modes (only `output_ids` turn
+/// incremental): each event's new tokens get the entries past the ones delivered, each naming its
+/// token; a list that is short, names another token, or lacks the alternatives fails the event.
+#[test]
+fn log_probabilities_are_read_past_the_delivered_ones_in_both_modes() {
+    let lp_event = |ids: &[u32], all: &[u32], top: bool| {
+        let entries: Vec<Value> = all
+            .iter()
+            .map(|&id| json!([-(id as f32) / 4.0, id, null]))
+            .collect();
+        let mut meta = json!({ "completion_tokens": all.len(), "finish_reason": null,
+                               "output_token_logprobs": entries });
+        if top {
+            meta["output_top_logprobs"] = all
+                .iter()
+                .map(|&id| json!([[-(id as f32) / 4.0, id, null], [null, id + 100, null]]))
+                .collect();
+        }
+        read(json!({ "text": "", "output_ids": ids, "meta_info": meta }))
+    };
+    for mode in [StreamMode::Cumulative, StreamMode::Incremental] {
+        let mut s = StreamText::new(mode);
+        let events = match mode {
+            StreamMode::Cumulative => [
+                lp_event(&[1], &[1], true),
+                lp_event(&[1, 2, 3], &[1, 2, 3], true),
+            ],
+            StreamMode::Incremental => [
+                lp_event(&[1], &[1], true),
+                lp_event(&[2, 3], &[1, 2, 3], true),
+            ],
+        };
+        let mut got = Vec::new();
+        for e in &events {
+            let (_, ids) = s.delta(e).expect("ids");
+            got.extend(s.logprobs(e, &ids, 2).expect("entries"));
+        }
+        assert_eq!(got.len(), 3, "{mode:?}");
+        assert_eq!(got[2].logprob, -0.75);
+        assert_eq!(got[2].top, vec![(3, -0.75), (103, f32::NEG_INFINITY)]);
+    }
+    let mut s = StreamText::new(StreamMode::Cumulative);
+    // Fewer entries than tokens.
+    let e = read(
+        json!({ "text": "", "output_ids": [1, 2], "meta_info": { "completion_tokens": 2, "output_token_logprobs": [[-1.0, 1, null]] } }),
+    );
+    let (_, ids) = s.delta(&e).expect("ids");
+    assert!(s.logprobs(&e, &ids, 0).is_err());
+    // An entry naming another token.
+    let mut s = StreamText::new(StreamMode::Cumulative);
+    let e = read(
+        json!({ "text": "", "output_ids": [5], "meta_info": { "completion_tokens": 1, "output_token_logprobs": [[-1.0, 6, null]] } }),
+    );
+    let (_, ids) = s.delta(&e).expect("ids");
+    assert!(s.logprobs(&e, &ids, 0).is_err());
+    // Alternatives asked for and missing.
+    let mut s = StreamText::new(StreamMode::Cumulative);
+    let e = lp_event(&[1], &[1], false);
+    let (_, ids) = s.delta(&e).expect("ids");
+    assert!(s.logprobs(&e, &ids, 2).is_err());
+    assert_eq!(s.logprobs(&e, &ids, 0).expect("none asked").len(), 1);
+}

@@ -15,10 +15,10 @@ use crate::error::LockstepError;
 /// so asking is a 400 naming the backend, never an answer without them.
 fn logprobs_backend(model: &ModelConfig, param: &str) -> Result<(), LockstepError> {
     match model.backend {
-        BackendKind::Embedded | BackendKind::Lockstep => Ok(()),
+        BackendKind::Embedded | BackendKind::Lockstep | BackendKind::Sglang => Ok(()),
         other => Err(LockstepError::Unsupported {
             message: format!(
-                "model `{}` runs on {}, whose log-probabilities lockstep does not return yet; only models on lockstep's own engine (embedded) and workers (lockstep) return them",
+                "model `{}` runs on {}, whose log-probabilities lockstep does not return yet; models on lockstep's own engine (embedded) and workers (lockstep) and on SGLang return them",
                 model.name,
                 other.as_str()
             ),

@@ -1,0 +1,170 @@
+//! Log-probabilities through SGLang (the P/D mock, which follows SGLang 0.5.23's
+//! `add_logprob_to_meta_info`): both halves are asked (`return_logprob`, `top_logprobs_num`),
+//! the decode's cumulative lists become each token's entry, every entry must name its token,
+//! and every front end renders them: `/generate` in SGLang's own shape, completions and chat in
+//! OpenAI's, streamed and not.
+
+use std::time::Duration;
+
+use lockstep_tests::client::{Answer, TestClient};
+use lockstep_tests::harness::{MODEL, Stack};
+use lockstep_tests::sglang_mock::{Fault, mock_logprob, mock_top};
+use serde_json::{Value, json};
+
+const PROMPT: &str = "red green blue yellow";
+
+async fn post(stack: &Stack, path: &str, body: Value) -> Answer {
+    TestClient::default()
+        .post(
+            &format!("{}{path}", stack.url),
+            &body,
+            Duration::from_secs(10),
+        )
+        .await
+}
+
+/// `/generate`'s `output_token_logprobs` as (logprob, id), and the alternatives' ids per token.
+fn generate_entries(meta: &Value) -> (Vec<(f64, u32)>, Vec<Vec<u32>>) {
+    let lps = meta["output_token_logprobs"]
+        .as_array()
+        .expect("output_token_logprobs")
+        .iter()
+        .map(|e| {
+            (
+                e[0].as_f64().expect("a value"),
+                e[1].as_u64().expect("an id") as u32,
+            )
+        })
+        .collect();
+    let tops = meta["output_top_logprobs"]
+        .as_array()
+        .expect("output_top_logprobs")
+        .iter()
+        .map(|t| {
+            t.as_array()
+                .expect("a list")
+                .iter()
+                .map(|e| e[1].as_u64().expect("an id") as u32)
+                .collect()
+        })
+        .collect();
+    (lps, tops)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_log_probabilities_reach_every_front_end_checked() {
+    let stack = Stack::start().await;
+    // `/generate`, whole: the mock's value for each output token, its two alternatives.
+    let body = json!({"text": PROMPT, "return_logprob": true, "top_logprobs_num": 2,
+                      "sampling_params": {"max_new_tokens": 5, "temperature": 0}});
+    let a = post(&stack, "/generate", body.clone()).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    let (lps, tops) = generate_entries(&a.json()["meta_info"]);
+    assert_eq!(lps.len(), 5, "{}", a.body);
+    for ((lp, id), top) in lps.iter().zip(&tops) {
+        assert!(
+            (lp - f64::from(mock_logprob(*id))).abs() < 1e-6,
+            "{id}: {lp}"
+        );
+        let want: Vec<u32> = mock_top(*id, 2).into_iter().map(|(t, _)| t).collect();
+        assert_eq!(top, &want);
+    }
+    // Both halves were asked: SGLang's prefill computes the first token's entry.
+    let sent = stack.mock.requests();
+    assert_eq!(sent.len(), 2);
+    for (role, b) in &sent {
+        assert_eq!(
+            (b["return_logprob"].clone(), b["top_logprobs_num"].clone()),
+            (json!(true), json!(2)),
+            "{role:?}"
+        );
+    }
+    // Streamed: the last event's lists are the same.
+    let mut stream_body = body.clone();
+    stream_body["stream"] = json!(true);
+    let s = post(&stack, "/generate", stream_body).await;
+    assert_eq!(s.status, 200, "{}", s.body);
+    let last = s.objects(true).pop().expect("events");
+    assert_eq!(generate_entries(&last["meta_info"]), (lps.clone(), tops));
+
+    // Completions on the same text: the same values, token by token, streamed and not.
+    for stream in [false, true] {
+        let c = post(
+            &stack,
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "temperature": 0,
+                   "logprobs": 2, "stream": stream}),
+        )
+        .await;
+        assert_eq!(c.status, 200, "{}", c.body);
+        let got: Vec<f64> = c
+            .objects(stream)
+            .iter()
+            .filter_map(|o| o.pointer("/choices/0/logprobs/token_logprobs"))
+            .flat_map(|l| l.as_array().cloned().unwrap_or_default())
+            .map(|v| v.as_f64().expect("a value"))
+            .collect();
+        let want: Vec<f64> = lps.iter().map(|(lp, _)| *lp).collect();
+        assert_eq!(got.len(), want.len(), "stream={stream}: {}", c.body);
+        for (g, w) in got.iter().zip(&want) {
+            assert!((g - w).abs() < 1e-6, "stream={stream}: {got:?} {want:?}");
+        }
+    }
+
+    // Chat: one entry per completion token, two alternatives each.
+    let c = post(
+        &stack,
+        "/v1/chat/completions",
+        json!({"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4,
+               "logprobs": true, "top_logprobs": 2}),
+    )
+    .await;
+    assert_eq!(c.status, 200, "{}", c.body);
+    let v = c.json();
+    let content = v["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .expect("entries");
+    assert_eq!(
+        content.len() as u64,
+        v["usage"]["completion_tokens"].as_u64().expect("usage")
+    );
+    assert!(
+        content
+            .iter()
+            .all(|e| e["top_logprobs"].as_array().map(Vec::len) == Some(2))
+    );
+}
+
+/// Entries that do not fit the answer fail it: one naming another token than the output's, or
+/// none from a prefill that was not asked (a real SGLang decode then reports a zero for the
+/// first token, which lockstep cannot tell from a true value, so it always asks both halves).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_log_probabilities_of_another_token_fail_the_answer() {
+    let stack = Stack::start().await;
+    stack.mock.set_fault(Fault::DecodeLogprobOtherToken);
+    for stream in [false, true] {
+        let a = post(
+            &stack,
+            "/v1/chat/completions",
+            json!({"model": MODEL, "messages": [{"role": "user", "content": PROMPT}],
+                   "max_tokens": 4, "logprobs": true, "stream": stream}),
+        )
+        .await;
+        assert!(
+            a.status >= 500 || (stream && a.error_code().is_some()),
+            "stream={stream}: {} {}",
+            a.status,
+            a.body
+        );
+        assert!(!a.body.contains("[DONE]"), "{}", a.body);
+        assert!(a.error_code().is_some(), "{}", a.body);
+    }
+    // Without log-probabilities the same worker answers.
+    let a = post(
+        &stack,
+        "/v1/chat/completions",
+        json!({"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4}),
+    )
+    .await;
+    assert_eq!(a.status, 200, "{}", a.body);
+}
