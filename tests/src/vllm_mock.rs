@@ -29,6 +29,18 @@
 //!   `remote_request_id`), `/health`, `/v1/models` with `max_model_len`, `/metrics` with
 //!   `vllm:cache_config_info`, and the `--api-key` guard on `/v1` paths.
 //!
+//! - **Log-probabilities** (`logprobs: k`, at most 20: above, 400 "Requested sample logprobs of
+//!   N, which is greater than max allowed: 20", `sampling_params.py`): each chunk's
+//!   `choices[0].logprobs` in the completions shape (`completion/serving.py`
+//!   `_create_completion_logprobs`): `tokens` (`token_id:N` with `return_tokens_as_token_ids`,
+//!   `generate/base/serving.py` `format_token_id_placeholder`; else the token's text),
+//!   `token_logprobs`, `top_logprobs` (a map holding the sampled token first, then the `k` most
+//!   likely, `logprobs.py` `append_logprobs_for_next_position`: a token in both is listed once,
+//!   at the sampled token's place) and `text_offset` (advanced by each token string's length).
+//!   The mock's sampled token is never among its `k` most likely (as with a temperature: its
+//!   value is [`crate::sglang_mock::mock_logprob`] less 2.5, the alternatives' 0.1 to 0.1 k
+//!   above it), so a reader must pick them by value.
+//!
 //! Faults (applied to every request until changed): the stale-reference prefill of #52234,
 //! missing or duplicated block ids, a decode error status, a decode that hangs.
 
@@ -74,6 +86,8 @@ pub enum VllmFault {
     /// The decode's stream breaks after this many chunks, once (a decode server that died):
     /// the fault then clears.
     DecodeCutOnce(usize),
+    /// The decode's log-probabilities name the token after the one it output.
+    DecodeLogprobOtherToken,
 }
 
 /// Mock settings.
@@ -550,6 +564,14 @@ fn prefill(
 }
 
 fn decode(inner: Arc<Inner>, fault: VllmFault, req: &Value, prompt_tokens: usize) -> Response {
+    if let Some(k) = req.get("logprobs").and_then(Value::as_u64)
+        && k > 20
+    {
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!("Requested sample logprobs of {k}, which is greater than max allowed: 20"),
+        );
+    }
     if let VllmFault::DecodeStatus(s) = fault {
         let status = StatusCode::from_u16(s).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         return error(status, "decode failed (injected)".into());
@@ -635,6 +657,12 @@ fn stream_from(
     // With `return_token_ids`, each chunk's own ids and, on the first, the prompt's
     // (`entrypoints/openai/completion/serving.py`).
     let with_ids = req.get("return_token_ids") == Some(&Value::Bool(true));
+    let logprobs = req
+        .get("logprobs")
+        .and_then(Value::as_u64)
+        .map(|k| k as usize);
+    let as_ids = req.get("return_tokens_as_token_ids") == Some(&Value::Bool(true));
+    let next_offset = Arc::new(AtomicUsize::new(0));
     let prompt_ids = prompt_of(req);
     let lag = inner.cfg.continuation_lag;
     let cut = match fault {
@@ -661,6 +689,7 @@ fn stream_from(
         let stop = stop.clone();
         let model = model.clone();
         let prompt_ids = prompt_ids.clone();
+        let next_offset = next_offset.clone();
         async move {
             let i = out.len();
             if let Some(n) = ended {
@@ -729,6 +758,31 @@ fn stream_from(
                 .to_string();
             let mut choice = json!({ "index": 0, "text": delta, "logprobs": null,
                                      "finish_reason": finish, "stop_reason": stop_reason });
+            if let Some(k) = logprobs {
+                let named = if fault == VllmFault::DecodeLogprobOtherToken {
+                    token.wrapping_add(1)
+                } else {
+                    token
+                };
+                let name = |id: u32| {
+                    if as_ids {
+                        format!("token_id:{id}")
+                    } else {
+                        inner.tokenizer.decode(&[id], false).unwrap_or_default()
+                    }
+                };
+                // Below every alternative: a token drawn outside the most likely.
+                let lp = crate::sglang_mock::mock_logprob(token) - 2.5;
+                let mut top = serde_json::Map::new();
+                top.insert(name(named), json!(lp));
+                for j in 0..k as u32 {
+                    let above = 0.1 * (k as u32 - j) as f32;
+                    top.insert(name(token.wrapping_add(1 + j)), json!(lp + above));
+                }
+                let offset = next_offset.fetch_add(name(named).len(), Ordering::Relaxed);
+                choice["logprobs"] = json!({ "text_offset": [offset], "token_logprobs": [lp],
+                                             "tokens": [name(named)], "top_logprobs": [top] });
+            }
             if with_ids {
                 choice["token_ids"] = json!([token]);
                 if i == 0 {

@@ -516,6 +516,70 @@ async fn structured_outputs_reach_both_vllm_halves() {
     }
 }
 
+/// Log-probabilities through vLLM: the decode alone is asked (`logprobs`, `token_id:N` tokens;
+/// it samples every output token), each chunk's entries are checked against its token ids, and
+/// the `k` most likely are picked by value from vLLM's map (which lists the sampled token first,
+/// here never among them); an entry naming another token fails the answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn log_probabilities_come_from_the_vllm_decode_checked() {
+    use lockstep_tests::sglang_mock::mock_logprob;
+    let s = stack().await;
+    for stream in [false, true] {
+        let before = s.mock.requests().len();
+        let body = json!({"model": MODEL, "messages": [{"role": "user", "content": PROMPT}],
+                          "max_tokens": 4, "logprobs": true, "top_logprobs": 2, "stream": stream});
+        let a = s.send("/v1/chat/completions", &body).await;
+        assert_eq!(a.status, 200, "stream={stream}: {}", a.body);
+        let sent = &s.mock.requests()[before..];
+        for (role, _, v) in sent {
+            let want = match role {
+                VllmRole::Prefill => (Value::Null, Value::Null),
+                VllmRole::Decode => (json!(2), json!(true)),
+            };
+            assert_eq!(
+                (
+                    v["logprobs"].clone(),
+                    v["return_tokens_as_token_ids"].clone()
+                ),
+                want,
+                "{role:?}"
+            );
+        }
+        let entries: Vec<Value> = a
+            .objects(stream)
+            .iter()
+            .filter_map(|o| o.pointer("/choices/0/logprobs/content"))
+            .flat_map(|c| c.as_array().cloned().unwrap_or_default())
+            .collect();
+        assert_eq!(entries.len(), 4, "stream={stream}: {}", a.body);
+        for e in &entries {
+            let lp = e["logprob"].as_f64().expect("a value") as f32;
+            let top: Vec<f32> = e["top_logprobs"]
+                .as_array()
+                .expect("alternatives")
+                .iter()
+                .map(|t| t["logprob"].as_f64().expect("a value") as f32)
+                .collect();
+            // The two most likely, by value: 0.2 and 0.1 above the sampled token's, which the
+            // mock lists first in its map.
+            assert_eq!(top.len(), 2, "{e}");
+            assert!(
+                (top[0] - (lp + 0.2)).abs() < 1e-4 && (top[1] - (lp + 0.1)).abs() < 1e-4,
+                "{e}"
+            );
+            assert!(
+                (0..40u32).any(|id| (mock_logprob(id) - 2.5 - lp).abs() < 1e-6),
+                "{lp} is one of the mock's values"
+            );
+        }
+    }
+    s.mock.set_fault(VllmFault::DecodeLogprobOtherToken);
+    let body = json!({"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "logprobs": 1});
+    let a = s.send("/v1/completions", &body).await;
+    assert!(a.status >= 500, "{} {}", a.status, a.body);
+    assert!(a.error_code().is_some(), "{}", a.body);
+}
+
 /// What nothing verifies on vLLM (NIXL carries no checksum): a decode server that queues a request
 /// past the prefill's KV lease reads blocks another request has since written, with every count
 /// right, and the answer carries that request's content. lockstep sends each decode at once and

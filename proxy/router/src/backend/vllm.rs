@@ -101,6 +101,14 @@ impl VllmBackend {
             // `entrypoints/openai/completion/serving.py`), so a migration can carry what was
             // delivered.
             b["return_token_ids"] = Value::Bool(true);
+            // Log-probabilities come from the decode, which samples every output token (the
+            // prefill's one token is not part of the answer); each entry's tokens as
+            // `token_id:N` (`entrypoints/generate/base/serving.py`
+            // `format_token_id_placeholder`), so lockstep checks them against the ids.
+            if let Some(k) = s.logprobs {
+                b["logprobs"] = Value::from(k);
+                b["return_tokens_as_token_ids"] = Value::Bool(true);
+            }
         }
         let opt = [
             ("temperature", s.temperature.map(Value::from)),
@@ -419,6 +427,7 @@ impl PdBackend for VllmBackend {
             Ok(Sse {
                 events: SseReader::new(resp.into_body(), side),
                 chunks: 0,
+                logprobs: d.sampling.logprobs,
             })
         };
         decode_stream(start)
@@ -440,6 +449,8 @@ struct Sse {
     events: SseReader,
     /// Choice events so far (the completion count when the server sends no running usage).
     chunks: u64,
+    /// The alternatives asked for with each token, when log-probabilities were.
+    logprobs: Option<u32>,
 }
 
 impl ChunkSource for Sse {
@@ -464,6 +475,14 @@ impl ChunkSource for Sse {
                 continue;
             };
             let finish = finish_of(side, choice)?;
+            let ids = token_ids(side, choice)?;
+            let logprobs = match self.logprobs {
+                Some(k) => chunk_logprobs(choice, &ids, k).map_err(|m| HalfError {
+                    side,
+                    failure: HalfFailure::Protocol(m),
+                })?,
+                None => Vec::new(),
+            };
             self.chunks += 1;
             return Ok(Some(DecodeChunk {
                 delta: choice
@@ -471,7 +490,7 @@ impl ChunkSource for Sse {
                     .and_then(Value::as_str)
                     .unwrap_or("")
                     .to_string(),
-                token_ids: token_ids(side, choice)?,
+                token_ids: ids,
                 prompt_tokens: usage(&v, "prompt_tokens"),
                 kv_digest: None,
                 completion_tokens: usage(&v, "completion_tokens").unwrap_or(self.chunks),
@@ -481,11 +500,79 @@ impl ChunkSource for Sse {
                     .and_then(Value::as_str)
                     .map(str::to_string),
                 finish,
-                // Refused at admission for vLLM models (`http::fields::logprobs_backend`).
-                logprobs: Vec::new(),
+                logprobs,
             }));
         }
     }
+}
+
+/// A chunk's log-probabilities (`choices[0].logprobs` in the completions shape vLLM 0.33 builds,
+/// `completion/serving.py` `_create_completion_logprobs`: `tokens` as `token_id:N`,
+/// `token_logprobs`, `top_logprobs` as a map from token to value holding the sampled token and
+/// the `k` most likely), one per id of the chunk, each naming its id; the `k` most likely are
+/// the map's `k` highest values (the sampled token comes first in the map, and is among them
+/// only where it is among the most likely).
+fn chunk_logprobs(
+    choice: &Value,
+    ids: &[u32],
+    k: u32,
+) -> Result<Vec<super::TokenLogprobs>, String> {
+    if ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    let lp = choice
+        .get("logprobs")
+        .filter(|v| !v.is_null())
+        .ok_or("a chunk with tokens came without the log-probabilities asked for")?;
+    let list = |key: &str| {
+        lp.get(key)
+            .and_then(Value::as_array)
+            .filter(|a| a.len() == ids.len())
+            .ok_or_else(|| format!("logprobs.{key} is not one entry per token id"))
+    };
+    let id_of = |t: &Value| {
+        t.as_str()
+            .and_then(|t| t.strip_prefix("token_id:"))
+            .and_then(|n| n.parse::<u32>().ok())
+            .ok_or_else(|| format!("logprobs token {t} is not `token_id:N`"))
+    };
+    let (tokens, values, tops) = (
+        list("tokens")?,
+        list("token_logprobs")?,
+        list("top_logprobs")?,
+    );
+    let mut out = Vec::with_capacity(ids.len());
+    for (i, &id) in ids.iter().enumerate() {
+        let named = id_of(&tokens[i])?;
+        if named != id {
+            return Err(format!(
+                "logprobs name token {named} where the output has {id}"
+            ));
+        }
+        let logprob = values[i]
+            .as_f64()
+            .ok_or("a token's logprob is not a number")? as f32;
+        let mut top = tops[i]
+            .as_object()
+            .ok_or("a token's top_logprobs is not a map")?
+            .iter()
+            .map(|(t, v)| {
+                let id = id_of(&Value::String(t.clone()))?;
+                let lp = v.as_f64().ok_or("a top logprob is not a number")?;
+                Ok((id, lp as f32))
+            })
+            .collect::<Result<Vec<_>, String>>()?;
+        top.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        if top.len() < k as usize {
+            return Err(format!(
+                "{} top logprobs where {k} were asked for",
+                top.len()
+            ));
+        }
+        top.truncate(k as usize);
+        out.push(super::TokenLogprobs { logprob, top });
+    }
+    Ok(out)
 }
 
 /// A chunk's `token_ids` (its own ids, with `return_token_ids`); none where absent.
@@ -500,80 +587,5 @@ fn token_ids(side: Side, choice: &Value) -> Result<Vec<u32>, HalfError> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_prefill_is_asked_for_its_transfer_params() {
-        let client =
-            UpstreamClient::with_ca(std::time::Duration::from_secs(1), None).expect("client");
-        let backend = |connector| {
-            let cfg = VllmSection {
-                connector,
-                block_size: 16,
-                served_model_name: None,
-                kv_lease_ms: 30_000,
-            };
-            VllmBackend::new(client.clone(), "m", cfg)
-        };
-        assert_eq!(
-            backend(VllmConnector::Mooncake).prefill_params(),
-            json!({ "do_remote_decode": true })
-        );
-        assert_eq!(
-            backend(VllmConnector::Nixl).prefill_params()["remote_block_ids"],
-            Value::Null
-        );
-    }
-
-    /// A decode that would go out later than the KV lease (less its margin) after the prefill
-    /// answered is never sent: the blocks may already hold another request's KV, with every
-    /// count right.
-    #[tokio::test]
-    async fn a_decode_too_late_for_the_lease_is_not_sent() {
-        use futures_util::StreamExt;
-        let client =
-            UpstreamClient::with_ca(std::time::Duration::from_secs(1), None).expect("client");
-        let cfg = VllmSection {
-            connector: VllmConnector::Nixl,
-            block_size: 16,
-            served_model_name: None,
-            kv_lease_ms: 1_000,
-        };
-        let backend = VllmBackend::new(client, "m", cfg);
-        let worker = |url: &str| {
-            Arc::new(crate::pool::Upstream::new(&crate::config::WorkerConfig {
-                url: url.into(),
-                bootstrap_port: None,
-                bootstrap_host: None,
-                kv_events: None,
-                kv_events_replay: None,
-            }))
-        };
-        let d = Dispatch {
-            pair_id: PairId::random(),
-            // Nothing listens there: reaching it would be a connect error, not this refusal.
-            prefill: worker("http://127.0.0.1:9"),
-            decode: worker("http://127.0.0.1:9"),
-            input_ids: Arc::from(vec![1u32, 2, 3]),
-            ids_json: Default::default(),
-            sampling: Arc::default(),
-            tenant: None,
-            salt: 0,
-            alone: false,
-        };
-        let answered = std::time::Instant::now() - std::time::Duration::from_millis(800);
-        backend
-            .handoff(d.pair_id)
-            .send_replace(Handoff::Go(Arc::new(json!({})), answered));
-        let first = backend.decode(&d).next().await.expect("an item");
-        match first {
-            Err(HalfError {
-                failure: HalfFailure::Integrity(m),
-                ..
-            }) => assert!(m.contains("KV lease"), "{m}"),
-            other => panic!("sent anyway: {other:?}"),
-        }
-        assert!(backend.handoffs.is_empty(), "the handoff is gone");
-    }
-}
+#[path = "vllm_tests.rs"]
+mod tests;

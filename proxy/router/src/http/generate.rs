@@ -64,7 +64,7 @@ impl FrontRequest for GenerateRequest {
         model: &ModelConfig,
     ) -> Result<(Input, SamplingParams, OpenAiShape), LockstepError> {
         let mut rest = self.rest;
-        let (logprobs, texts) = super::logprob_params::generate_logprobs(&mut rest, model)?;
+        let (logprobs, texts) = super::logprob_params::generate_logprobs(&mut rest)?;
         refuse_unhonoured(fields::GENERATE, &rest, "")?;
         let mut s = self.sampling_params;
         let constraint = fields::native_constraint(&mut s.rest, model.backend)?;

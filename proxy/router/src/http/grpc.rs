@@ -126,7 +126,7 @@ fn sampling(
     let logprobs = s.as_ref().and_then(|s| s.logprobs);
     let mut out = common(s).sampling(model)?;
     if let Some(k) = logprobs {
-        out.0.logprobs = Some(super::logprob_params::grpc_logprobs(k, model)?);
+        out.0.logprobs = Some(super::logprob_params::grpc_logprobs(k)?);
     }
     Ok(out)
 }

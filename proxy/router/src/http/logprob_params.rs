@@ -1,31 +1,13 @@
 //! What a request asks of log-probabilities, in each front end's own fields: chat's `logprobs` and
 //! `top_logprobs`, completions' `logprobs`, the Responses API's `include` and `top_logprobs`,
 //! SGLang's `return_logprob` family, gRPC's `SamplingParams.logprobs`. Each is bounded (0 to 20
-//! alternatives) and allowed only where the model's backend returns them; elsewhere a 400 names
-//! the backend and the field, never an answer without them.
+//! alternatives). Every backend returns them (lockstep's engine and workers natively, SGLang and
+//! vLLM passed through), and the answer checks one entry per delivered token.
 
 use serde_json::{Map, Value};
 
 use crate::backend::MAX_TOP_LOGPROBS;
-use crate::config::{BackendKind, ModelConfig};
 use crate::error::LockstepError;
-
-/// Where log-probabilities come from: lockstep's own engine and workers report them with each
-/// token; for SGLang and vLLM models lockstep does not read them from the workers' answers yet,
-/// so asking is a 400 naming the backend, never an answer without them.
-fn logprobs_backend(model: &ModelConfig, param: &str) -> Result<(), LockstepError> {
-    match model.backend {
-        BackendKind::Embedded | BackendKind::Lockstep | BackendKind::Sglang => Ok(()),
-        other => Err(LockstepError::Unsupported {
-            message: format!(
-                "model `{}` runs on {}, whose log-probabilities lockstep does not return yet; models on lockstep's own engine (embedded) and workers (lockstep) and on SGLang return them",
-                model.name,
-                other.as_str()
-            ),
-            param: Some(param.into()),
-        }),
-    }
-}
 
 /// A `0..=20` count of top log-probabilities at `param` (`None` when absent or null).
 fn top_count(rest: &mut Map<String, Value>, param: &str) -> Result<Option<u32>, LockstepError> {
@@ -45,10 +27,7 @@ fn top_count(rest: &mut Map<String, Value>, param: &str) -> Result<Option<u32>, 
 
 /// Chat's `logprobs` (a boolean) and `top_logprobs` (0 to 20, only with `logprobs: true`, as
 /// OpenAI and vLLM require): how many top alternatives each token lists, `None` for none.
-pub(crate) fn chat_logprobs(
-    rest: &mut Map<String, Value>,
-    model: &ModelConfig,
-) -> Result<Option<u32>, LockstepError> {
+pub(crate) fn chat_logprobs(rest: &mut Map<String, Value>) -> Result<Option<u32>, LockstepError> {
     let on = match rest.remove("logprobs") {
         None | Some(Value::Null) | Some(Value::Bool(false)) => false,
         Some(Value::Bool(true)) => true,
@@ -59,16 +38,14 @@ pub(crate) fn chat_logprobs(
             });
         }
     };
-    switched_top(rest, model, on, "logprobs", "`logprobs: true`")
+    switched_top(rest, on, "`logprobs: true`")
 }
 
 /// `top_logprobs` (0 to 20) of a request whose `switch` field turns log-probabilities `on`: the
 /// top count, `None` when off; a top count above 0 while off is a 400 saying what it `needs`.
 fn switched_top(
     rest: &mut Map<String, Value>,
-    model: &ModelConfig,
     on: bool,
-    switch: &str,
     needs: &str,
 ) -> Result<Option<u32>, LockstepError> {
     let top = top_count(rest, "top_logprobs")?;
@@ -81,19 +58,17 @@ fn switched_top(
             _ => Ok(None),
         };
     }
-    logprobs_backend(model, switch)?;
     Ok(Some(top.unwrap_or(0)))
 }
 
 /// gRPC's `SamplingParams.logprobs` (set: 0 to 20 alternatives per token).
-pub(crate) fn grpc_logprobs(k: u32, model: &ModelConfig) -> Result<u32, LockstepError> {
+pub(crate) fn grpc_logprobs(k: u32) -> Result<u32, LockstepError> {
     if k as usize > MAX_TOP_LOGPROBS {
         return Err(LockstepError::InvalidRequest {
             message: format!("`logprobs` must be from 0 to {MAX_TOP_LOGPROBS}, got {k}"),
             param: Some("logprobs".into()),
         });
     }
-    logprobs_backend(model, "logprobs")?;
     Ok(k)
 }
 
@@ -101,13 +76,8 @@ pub(crate) fn grpc_logprobs(k: u32, model: &ModelConfig) -> Result<u32, Lockstep
 /// itself (`None` when absent or null).
 pub(crate) fn completion_logprobs(
     rest: &mut Map<String, Value>,
-    model: &ModelConfig,
 ) -> Result<Option<u32>, LockstepError> {
-    let k = top_count(rest, "logprobs")?;
-    if k.is_some() {
-        logprobs_backend(model, "logprobs")?;
-    }
-    Ok(k)
+    top_count(rest, "logprobs")
 }
 
 /// The Responses API's `include` (only `message.output_text.logprobs` is produced; anything
@@ -115,7 +85,6 @@ pub(crate) fn completion_logprobs(
 /// top alternatives each token lists, `None` for no log-probabilities.
 pub(crate) fn responses_logprobs(
     rest: &mut Map<String, Value>,
-    model: &ModelConfig,
 ) -> Result<Option<u32>, LockstepError> {
     const LOGPROBS: &str = "message.output_text.logprobs";
     let on = match rest.remove("include") {
@@ -138,13 +107,7 @@ pub(crate) fn responses_logprobs(
             });
         }
     };
-    switched_top(
-        rest,
-        model,
-        on,
-        "include",
-        &format!("`include: [\"{LOGPROBS}\"]`"),
-    )
+    switched_top(rest, on, &format!("`include: [\"{LOGPROBS}\"]`"))
 }
 
 /// `/generate`'s `return_logprob`, `top_logprobs_num` (0 to 20), `logprob_start_len` and
@@ -154,7 +117,6 @@ pub(crate) fn responses_logprobs(
 /// log-probabilities, which lockstep does not compute yet: a 400, never an empty list.
 pub(crate) fn generate_logprobs(
     rest: &mut Map<String, Value>,
-    model: &ModelConfig,
 ) -> Result<(Option<u32>, bool), LockstepError> {
     let flag = |rest: &mut Map<String, Value>, k: &str| match rest.remove(k) {
         None | Some(Value::Null) => Ok(false),
@@ -186,7 +148,6 @@ pub(crate) fn generate_logprobs(
             });
         }
     }
-    logprobs_backend(model, "return_logprob")?;
     Ok((Some(top.unwrap_or(0)), text))
 }
 
@@ -196,27 +157,24 @@ mod tests {
     use serde_json::json;
 
     #[test]
-    fn logprobs_are_read_bounded_and_refused_where_the_backend_cannot_return_them() {
-        let mut own = crate::config::test_model("http://p", "http://d", "");
-        own.backend = BackendKind::Embedded;
-        let vllm = crate::config::test_model("http://p", "http://d", "");
-        let chat = |m: &ModelConfig, v: Value| {
+    fn logprobs_are_read_bounded_and_checked() {
+        let chat = |v: Value| {
             let mut rest = v.as_object().cloned().unwrap_or_default();
-            let got = chat_logprobs(&mut rest, m);
+            let got = chat_logprobs(&mut rest);
             assert!(
                 !rest.contains_key("logprobs") && !rest.contains_key("top_logprobs"),
                 "taken"
             );
             got.map_err(|e| (e.code(), e.to_string()))
         };
-        assert_eq!(chat(&own, json!({})), Ok(None));
+        assert_eq!(chat(json!({})), Ok(None));
         assert_eq!(
-            chat(&own, json!({"logprobs": false, "top_logprobs": 0})),
+            chat(json!({"logprobs": false, "top_logprobs": 0})),
             Ok(None)
         );
-        assert_eq!(chat(&own, json!({"logprobs": true})), Ok(Some(0)));
+        assert_eq!(chat(json!({"logprobs": true})), Ok(Some(0)));
         assert_eq!(
-            chat(&own, json!({"logprobs": true, "top_logprobs": 20})),
+            chat(json!({"logprobs": true, "top_logprobs": 20})),
             Ok(Some(20))
         );
         for bad in [
@@ -226,83 +184,62 @@ mod tests {
             json!({"logprobs": 1}),
             json!({"top_logprobs": 2}),
         ] {
-            let e = chat(&own, bad.clone()).expect_err("refused");
+            let e = chat(bad.clone()).expect_err("refused");
             assert_eq!(e.0, "invalid_request", "{bad}: {e:?}");
         }
-        // A backend lockstep does not read log-probabilities from: a 400 naming it, never an
-        // answer without them; not asking is fine there.
-        let e = chat(&vllm, json!({"logprobs": true})).expect_err("refused");
-        assert_eq!(e.0, "unsupported");
-        assert!(e.1.contains("vllm"), "{}", e.1);
-        assert_eq!(chat(&vllm, json!({"logprobs": false})), Ok(None));
-        let completion = |m: &ModelConfig, v: Value| {
+        let completion = |v: Value| {
             let mut rest = v.as_object().cloned().unwrap_or_default();
-            completion_logprobs(&mut rest, m).map_err(|e| e.code())
+            completion_logprobs(&mut rest).map_err(|e| e.code())
         };
-        assert_eq!(completion(&own, json!({"logprobs": 0})), Ok(Some(0)));
-        assert_eq!(completion(&own, json!({"logprobs": 5})), Ok(Some(5)));
-        assert_eq!(completion(&own, json!({"logprobs": null})), Ok(None));
+        assert_eq!(completion(json!({"logprobs": 0})), Ok(Some(0)));
+        assert_eq!(completion(json!({"logprobs": 5})), Ok(Some(5)));
+        assert_eq!(completion(json!({"logprobs": null})), Ok(None));
         assert_eq!(
-            completion(&own, json!({"logprobs": true})),
+            completion(json!({"logprobs": true})),
             Err("invalid_request")
         );
-        assert_eq!(
-            completion(&own, json!({"logprobs": 21})),
-            Err("invalid_request")
-        );
-        assert_eq!(
-            completion(&vllm, json!({"logprobs": 1})),
-            Err("unsupported")
-        );
-        let responses = |m: &ModelConfig, v: Value| {
+        assert_eq!(completion(json!({"logprobs": 21})), Err("invalid_request"));
+        let responses = |v: Value| {
             let mut rest = v.as_object().cloned().unwrap_or_default();
-            responses_logprobs(&mut rest, m).map_err(|e| e.code())
+            responses_logprobs(&mut rest).map_err(|e| e.code())
         };
         let include = json!(["message.output_text.logprobs"]);
-        assert_eq!(responses(&own, json!({"include": []})), Ok(None));
-        assert_eq!(responses(&own, json!({"include": include})), Ok(Some(0)));
+        assert_eq!(responses(json!({"include": []})), Ok(None));
+        assert_eq!(responses(json!({"include": include})), Ok(Some(0)));
         assert_eq!(
-            responses(&own, json!({"include": include, "top_logprobs": 3})),
+            responses(json!({"include": include, "top_logprobs": 3})),
             Ok(Some(3))
         );
         assert_eq!(
-            responses(&own, json!({"top_logprobs": 3})),
+            responses(json!({"top_logprobs": 3})),
             Err("invalid_request")
         );
         assert_eq!(
-            responses(&own, json!({"include": ["file_search_call.results"]})),
+            responses(json!({"include": ["file_search_call.results"]})),
             Err("unsupported")
         );
         assert_eq!(
-            responses(&own, json!({"include": "message.output_text.logprobs"})),
+            responses(json!({"include": "message.output_text.logprobs"})),
             Err("invalid_request")
         );
-        assert_eq!(
-            responses(&vllm, json!({"include": include})),
-            Err("unsupported")
-        );
-        let generate = |m: &ModelConfig, v: Value| {
+        let generate = |v: Value| {
             let mut rest = v.as_object().cloned().unwrap_or_default();
-            let got = generate_logprobs(&mut rest, m).map_err(|e| e.code());
+            let got = generate_logprobs(&mut rest).map_err(|e| e.code());
             assert!(rest.is_empty(), "every logprob field taken: {rest:?}");
             got
         };
-        assert_eq!(generate(&own, json!({})), Ok((None, false)));
+        assert_eq!(generate(json!({})), Ok((None, false)));
         // Read by SGLang only with `return_logprob`: without it, nothing is asked.
         assert_eq!(
-            generate(&own, json!({"top_logprobs_num": 3, "logprob_start_len": 0})),
+            generate(json!({"top_logprobs_num": 3, "logprob_start_len": 0})),
             Ok((None, false))
         );
         assert_eq!(
-            generate(
-                &own,
-                json!({"return_logprob": true, "logprob_start_len": -1})
-            ),
+            generate(json!({"return_logprob": true, "logprob_start_len": -1})),
             Ok((Some(0), false))
         );
         assert_eq!(
             generate(
-                &own,
                 json!({"return_logprob": true, "top_logprobs_num": 5, "return_text_in_logprobs": true})
             ),
             Ok((Some(5), true))
@@ -322,20 +259,12 @@ mod tests {
             ),
             (json!({"return_logprob": "yes"}), "invalid_request"),
         ] {
-            assert_eq!(generate(&own, bad.clone()), Err(code), "{bad}");
+            assert_eq!(generate(bad.clone()), Err(code), "{bad}");
         }
+        assert_eq!(grpc_logprobs(20).map_err(|e| e.code()), Ok(20));
         assert_eq!(
-            generate(&vllm, json!({"return_logprob": true})),
-            Err("unsupported")
-        );
-        assert_eq!(grpc_logprobs(20, &own).map_err(|e| e.code()), Ok(20));
-        assert_eq!(
-            grpc_logprobs(21, &own).map_err(|e| e.code()),
+            grpc_logprobs(21).map_err(|e| e.code()),
             Err("invalid_request")
-        );
-        assert_eq!(
-            grpc_logprobs(0, &vllm).map_err(|e| e.code()),
-            Err("unsupported")
         );
     }
 }

@@ -380,7 +380,7 @@ impl FrontRequest for ChatRequest {
             model.tool_mode(),
             model.backend,
         )?;
-        let logprobs = super::logprob_params::chat_logprobs(&mut rest, model)?;
+        let logprobs = super::logprob_params::chat_logprobs(&mut rest)?;
         let (mut sampling, stream, include_usage) =
             self.params.with_rest(rest, fields::CHAT, model)?;
         sampling.logprobs = logprobs;
@@ -437,7 +437,7 @@ impl FrontRequest for CompletionRequest {
         model: &ModelConfig,
     ) -> Result<(Input, SamplingParams, OpenAiShape), LockstepError> {
         let mut rest = self.rest;
-        let logprobs = super::logprob_params::completion_logprobs(&mut rest, model)?;
+        let logprobs = super::logprob_params::completion_logprobs(&mut rest)?;
         let echo = match rest.remove("echo") {
             None | Some(Value::Null) | Some(Value::Bool(false)) => false,
             Some(Value::Bool(true)) if logprobs.is_some() => {

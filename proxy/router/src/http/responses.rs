@@ -346,7 +346,7 @@ impl FrontRequest for ResponsesRequest {
             model.tool_mode(),
             model.backend,
         )?;
-        let logprobs = super::logprob_params::responses_logprobs(&mut rest, model)?;
+        let logprobs = super::logprob_params::responses_logprobs(&mut rest)?;
         refuse_unhonoured(RESPONSES, &rest, "")?;
         let (format, constraint) = match self.text {
             None => (json!({ "type": "text" }), None),
