@@ -168,3 +168,23 @@ async fn sglang_log_probabilities_of_another_token_fail_the_answer() {
     .await;
     assert_eq!(a.status, 200, "{}", a.body);
 }
+
+/// The clients people use read SGLang's log-probabilities through lockstep
+/// (`tests/python/mock_logprobs_clients.py`: openai 3.57, litellm, langchain-openai).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_clients_read_sglang_log_probabilities() {
+    let Some(python) = lockstep_tests::client::clients_python() else {
+        return;
+    };
+    let stack = Stack::start().await;
+    lockstep_tests::client::run_python_checks_in(
+        &python,
+        "mock_logprobs_clients.py",
+        &stack.url,
+        MODEL,
+        &[],
+        Duration::from_secs(120),
+        "all mock log-probability client checks passed",
+    )
+    .await;
+}

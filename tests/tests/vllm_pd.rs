@@ -580,6 +580,26 @@ async fn log_probabilities_come_from_the_vllm_decode_checked() {
     assert!(a.error_code().is_some(), "{}", a.body);
 }
 
+/// The clients people use read vLLM's log-probabilities through lockstep
+/// (`tests/python/mock_logprobs_clients.py`: openai 3.57, litellm, langchain-openai).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_clients_read_vllm_log_probabilities() {
+    let Some(python) = client::clients_python() else {
+        return;
+    };
+    let s = stack().await;
+    client::run_python_checks_in(
+        &python,
+        "mock_logprobs_clients.py",
+        &s.url,
+        MODEL,
+        &[("LOCKSTEP_KEY", KEY)],
+        Duration::from_secs(120),
+        "all mock log-probability client checks passed",
+    )
+    .await;
+}
+
 /// What nothing verifies on vLLM (NIXL carries no checksum): a decode server that queues a request
 /// past the prefill's KV lease reads blocks another request has since written, with every count
 /// right, and the answer carries that request's content. lockstep sends each decode at once and
