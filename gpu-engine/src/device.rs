@@ -57,6 +57,27 @@ impl EngineDevice {
         }
     }
 
+    /// [`EngineDevice::forward_batch`] with every token's logits for the items flagged in `all`
+    /// (a prompt's log-probabilities). The CPU engine computes them; the CUDA engine does not
+    /// yet, and fails the step rather than return fewer.
+    pub fn forward_batch_scored(
+        &mut self,
+        bundle: &ModelBundle,
+        pool: &mut PagePool,
+        items: &mut [Step<'_>],
+        all: &[bool],
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        if !all.contains(&true) {
+            return self.forward_batch(bundle, pool, items);
+        }
+        match self {
+            EngineDevice::Cpu => bundle.model.forward_batch_scored(pool, items, all),
+            EngineDevice::Cuda(_) => Err(ModelError::Device(
+                "prompt log-probabilities are computed by the CPU engine only".into(),
+            )),
+        }
+    }
+
     /// Mirrors the pool's page tags to the device (freed pages are scrubbed there at once).
     pub fn sync_tags(&mut self, pool: &PagePool) -> Result<(), CudaError> {
         match self {

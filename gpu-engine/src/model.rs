@@ -299,11 +299,23 @@ impl Llama {
         pool: &mut PagePool,
         items: &mut [Step<'_>],
     ) -> Result<Vec<Vec<f32>>, ModelError> {
+        self.forward_batch_scored(pool, items, &[])
+    }
+
+    /// [`Llama::forward_batch`], where each item `i` with `all[i]` set returns the logits of
+    /// every one of its tokens, in order (a prompt scored position by position), in place of its
+    /// last token's.
+    pub fn forward_batch_scored(
+        &self,
+        pool: &mut PagePool,
+        items: &mut [Step<'_>],
+        all: &[bool],
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
         // The whole step runs on a thread of the pool: its parallel products then start from a
         // worker (which takes part in them) instead of each being sent to the pool and waited
         // for from outside, two thread switches per product.
         if rayon::current_thread_index().is_none() {
-            return rayon::scope(|_| self.forward_batch(pool, items));
+            return rayon::scope(|_| self.forward_batch_scored(pool, items, all));
         }
         use crate::cpu::{Kernels, Level};
         match Kernels::chosen().level() {
@@ -311,8 +323,8 @@ impl Llama {
             // SAFETY: a `Kernels` value at AVX2 or above exists only when the CPU has AVX2, FMA
             // and F16C.
             #[allow(unsafe_code)]
-            Level::Avx2 | Level::Avx512Vnni => unsafe { self.forward_batch_avx2(pool, items) },
-            _ => self.forward_batch_body(pool, items),
+            Level::Avx2 | Level::Avx512Vnni => unsafe { self.forward_batch_avx2(pool, items, all) },
+            _ => self.forward_batch_body(pool, items, all),
         }
     }
 
@@ -328,8 +340,9 @@ impl Llama {
         &self,
         pool: &mut PagePool,
         items: &mut [Step<'_>],
+        all: &[bool],
     ) -> Result<Vec<Vec<f32>>, ModelError> {
-        self.forward_batch_body(pool, items)
+        self.forward_batch_body(pool, items, all)
     }
 
     #[inline(always)]
@@ -337,6 +350,7 @@ impl Llama {
         &self,
         pool: &mut PagePool,
         items: &mut [Step<'_>],
+        all: &[bool],
     ) -> Result<Vec<Vec<f32>>, ModelError> {
         let c = &self.cfg;
         let (d, hd) = (c.dim, c.head_dim);
@@ -431,13 +445,21 @@ impl Llama {
                 *a += b;
             }
         }
-        // Final norm and output head for the last token of each item that wants logits.
+        // Final norm and output head for the last token of each item that wants logits (every
+        // token of an item scored whole).
         let mut last = Vec::new();
         let mut t_end = 0;
-        for it in items.iter_mut() {
+        for (i, it) in items.iter_mut().enumerate() {
+            let t_start = t_end;
             t_end += it.tokens.len();
             it.seq.len += it.tokens.len();
-            if it.logits {
+            if all.get(i).copied().unwrap_or(false) {
+                for t in t_start..t_end {
+                    let mut hn = vec![0.0f32; d];
+                    rms_norm(&x[t * d..(t + 1) * d], &self.out_norm, c.eps, &mut hn);
+                    last.extend_from_slice(&hn);
+                }
+            } else if it.logits {
                 let mut hn = vec![0.0f32; d];
                 rms_norm(
                     &x[(t_end - 1) * d..t_end * d],

@@ -42,7 +42,7 @@ pub struct FaultPlan {
 }
 
 /// What the prefill half reports.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct PrefillDone {
     /// Prompt tokens of the request.
     pub prompt_tokens: u64,
@@ -52,6 +52,9 @@ pub struct PrefillDone {
     pub kv_digest: Option<u64>,
     /// Prompt tokens the prefill took from its prefix cache (`None` in unified mode).
     pub cached_tokens: Option<u64>,
+    /// The prompt's log-probabilities when [`Pd::prefill_scored`] asked (split mode; in unified
+    /// mode they come as [`crate::engine::Event::Prompt`] before the first token).
+    pub prompt_logprobs: Option<Vec<crate::sample::TokenLogprobs>>,
 }
 
 enum RoomState {
@@ -240,6 +243,19 @@ impl Pd {
         prompt: Arc<[u32]>,
         cache_salt: Option<u64>,
     ) -> impl Future<Output = Result<PrefillDone, EngineError>> + Send + 'static {
+        self.prefill_scored(id, prompt, cache_salt, None)
+    }
+
+    /// [`Pd::prefill`] that scores the prompt with `score` alternatives per token (the decode's
+    /// [`SamplingConfig::prompt_logprobs`] must say the same: in unified mode the decode scores
+    /// it).
+    pub fn prefill_scored(
+        &self,
+        id: u64,
+        prompt: Arc<[u32]>,
+        cache_salt: Option<u64>,
+        score: Option<usize>,
+    ) -> impl Future<Output = Result<PrefillDone, EngineError>> + Send + 'static {
         let n = prompt.len() as u64;
         let fault = self
             .faults
@@ -264,7 +280,8 @@ impl Pd {
                     }
                     room.put(t);
                 });
-                Some(prefill.prefill(id, head, cache_salt, sink))
+                let score = score.map(|k| (k, prompt.clone()));
+                Some(prefill.prefill_scored(id, head, cache_salt, sink, score))
             }
         };
         let rooms = match &self.mode {
@@ -278,6 +295,7 @@ impl Pd {
                     kv_tokens: 0,
                     kv_digest: None,
                     cached_tokens: None,
+                    prompt_logprobs: None,
                 });
             };
             let r = match rx.await {
@@ -304,6 +322,7 @@ impl Pd {
                 kv_tokens: kv.tokens,
                 kv_digest: Some(kv.digest),
                 cached_tokens: Some(kv.cached),
+                prompt_logprobs: kv.prompt_logprobs,
             })
         }
     }

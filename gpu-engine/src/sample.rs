@@ -40,6 +40,12 @@ pub struct SamplingConfig {
     /// Log-probabilities to report with each sampled token: `Some(k)` gives the token's own and
     /// the `k` most likely tokens' ([`TokenLogprobs`]); `None`, none.
     pub logprobs: Option<usize>,
+    /// Log-probabilities of the prompt's tokens after the first (each under the logits of the
+    /// position before it), with the `k` most likely there: `Some(k)`; reported before the
+    /// first token (the engine's `Event::Prompt`) or, for a split prefill, with its KV.
+    /// The prompt is then computed whole (no prefix-cache pages: they carry no logits); the CPU
+    /// engine only.
+    pub prompt_logprobs: Option<usize>,
 }
 
 /// Most alternatives a token's log-probabilities list (OpenAI's `top_logprobs` bound).
@@ -107,6 +113,7 @@ impl Default for SamplingConfig {
             constraint: None,
             resumed: 0,
             logprobs: None,
+            prompt_logprobs: None,
         }
     }
 }

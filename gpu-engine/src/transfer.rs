@@ -84,12 +84,16 @@ pub struct PageData {
 }
 
 /// A KV set ready to send: manifest plus pages.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct KvTransfer {
     /// What the set claims to be.
     pub manifest: KvManifest,
     /// The pages.
     pub pages: Vec<PageData>,
+    /// The prompt's log-probabilities, when its prefill scored it: they travel with the KV to
+    /// the decode engine, which sends them before its first token (in process only: not part of
+    /// the wire form, [`KvTransfer::to_bytes`]).
+    pub prompt_logprobs: Option<Vec<crate::sample::TokenLogprobs>>,
 }
 
 /// Why an import was refused. Each corruption has its own variant; the destination pool is
@@ -228,7 +232,11 @@ impl PagePool {
             manifest_checksum: 0,
         };
         manifest.manifest_checksum = manifest.compute_checksum();
-        Ok(KvTransfer { manifest, pages })
+        Ok(KvTransfer {
+            manifest,
+            pages,
+            prompt_logprobs: None,
+        })
     }
 
     /// Verifies a KV set against `expect` and, only if every check passes, imports it into pages
@@ -462,6 +470,10 @@ impl KvTransfer {
         if !b.is_empty() {
             return Err(TransferError::LayoutMismatch("trailing bytes".into()));
         }
-        Ok(KvTransfer { manifest, pages })
+        Ok(KvTransfer {
+            manifest,
+            pages,
+            prompt_logprobs: None,
+        })
     }
 }

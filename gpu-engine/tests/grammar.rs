@@ -62,7 +62,7 @@ async fn run(
                 }
             }
             Ok(Some(Event::Failed(e))) => return Err(e),
-            Ok(Some(Event::Started { .. })) => {}
+            Ok(Some(Event::Started { .. } | Event::Prompt { .. })) => {}
             Ok(None) | Err(_) => panic!("the request ended without finishing: {out:?}"),
         }
     }

@@ -39,7 +39,7 @@ async fn run(pd: &Pd, id: u64, prompt: &[u32], s: SamplingConfig) -> (Vec<u32>, 
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     while let Ok(Some(ev)) = tokio::time::timeout_at(deadline, rx.recv()).await {
         match ev {
-            Event::Started { .. } => {}
+            Event::Started { .. } | Event::Prompt { .. } => {}
             Event::Token {
                 id,
                 text: t,
@@ -209,7 +209,7 @@ async fn seeds_penalties_and_constraints_resume_where_they_were() {
             match rx.recv().await {
                 Some(Event::Failed(e)) => return Some(e.to_string()),
                 Some(Event::Token { .. }) | None => return None,
-                Some(Event::Started { .. }) => {}
+                Some(Event::Started { .. } | Event::Prompt { .. }) => {}
             }
         }
     })

@@ -40,6 +40,7 @@ struct Output {
     matched_stop: Option<String>,
     error: Option<EngineError>,
     logprobs: Vec<Option<TokenLogprobs>>,
+    prompt: Option<Vec<TokenLogprobs>>,
 }
 
 async fn collect(mut rx: UnboundedReceiver<Event>) -> Output {
@@ -66,6 +67,10 @@ async fn collect(mut rx: UnboundedReceiver<Event>) -> Output {
                     out.matched_stop = matched_stop;
                     break;
                 }
+            }
+            Event::Prompt { logprobs } => {
+                assert!(out.ids.is_empty(), "the prompt's entries come first");
+                out.prompt = Some(logprobs);
             }
             Event::Failed(e) => {
                 out.error = Some(e);
@@ -197,6 +202,91 @@ async fn log_probabilities_come_from_the_decode_that_chose_the_tokens() {
     assert!(total / 6.0 < 0.1, "mean difference {}", total / 6.0);
     let (_, none) = run_pd(&split, 3, PLAIN, greedy(4)).await;
     assert!(none.logprobs.iter().all(Option::is_none), "{none:?}");
+    wait_free(&unified).await;
+    wait_free(&split).await;
+}
+
+/// Prompt log-probabilities (`echo` with `logprobs`): every prompt token after the first gets the
+/// log-softmax of the logits at the position before it, as the bare forward pass computes them
+/// token by token; the same from a unified engine (sent before the first token) and from a split
+/// prefill (in its report), across prefill chunks, and with the prefix cache holding the prompt
+/// (it is not read for a scored prompt); a split decode sends the prefill's scores, which travel
+/// with the KV. The answer is the same as without scoring.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompt_log_probabilities_score_every_token_after_the_first() {
+    let Some(b) = bundle() else { return };
+    // Longer than a step's 64 tokens: scored across prefill chunks.
+    let prompt: Vec<u32> = PLAIN.iter().cycle().take(150).copied().collect();
+    let want: Vec<TokenLogprobs> = {
+        let c = b.model.cfg;
+        let mut pool = PagePool::new(c.kv_pool(16, 16)).expect("pool");
+        let mut seq = pool.new_sequence(OwnerId::sequence(1), 160).expect("room");
+        let mut out = Vec::new();
+        for p in 0..prompt.len() - 1 {
+            let logits = b
+                .model
+                .forward(&mut pool, &mut seq, &prompt[p..p + 1])
+                .expect("step");
+            out.push(TokenLogprobs::of(&logits, prompt[p + 1], 2));
+        }
+        out
+    };
+    let close = |what: &str, got: &[TokenLogprobs]| {
+        assert_eq!(
+            got.len(),
+            prompt.len() - 1,
+            "{what}: one per token after the first"
+        );
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                (g.logprob - w.logprob).abs() < 2e-3,
+                "{what} {i}: {g:?} {w:?}"
+            );
+            assert_eq!(g.top.len(), 2, "{what} {i}");
+            assert!(
+                g.top
+                    .iter()
+                    .zip(&w.top)
+                    .all(|(a, b)| (a.1 - b.1).abs() < 2e-3),
+                "{what} {i}: {g:?} {w:?}"
+            );
+        }
+    };
+    let scored = SamplingConfig {
+        prompt_logprobs: Some(2),
+        ..greedy(4)
+    };
+    let unified = Pd::unified(b.clone(), small(32)).expect("engine");
+    let (_, plain) = run_pd(&unified, 1, &prompt, greedy(4)).await;
+    assert!(plain.prompt.is_none());
+    let (_, u) = run_pd(&unified, 2, &prompt, scored.clone()).await;
+    close("unified", u.prompt.as_deref().expect("sent"));
+    assert_eq!(u.ids, plain.ids, "scoring changes no answer");
+
+    let split = Pd::split(b.clone(), small(32), small(32), None).expect("engines");
+    for (id, salt) in [(3, None), (4, Some(7)), (5, Some(7))] {
+        let p: Arc<[u32]> = prompt.clone().into();
+        let pre = split.prefill_scored(id, p.clone(), salt, Some(2));
+        let dec = split.decode(id, p, scored.clone(), salt);
+        let (done, rx) = tokio::join!(pre, dec);
+        let out = collect(rx).await;
+        let done = done.expect("prefill");
+        close(
+            &format!("split {id}"),
+            done.prompt_logprobs.as_deref().expect("reported"),
+        );
+        assert_eq!(
+            done.cached_tokens,
+            Some(0),
+            "a scored prompt reads no cached pages"
+        );
+        // The decode sends the prefill's scores, carried with the KV, before its first token.
+        close(
+            &format!("split {id} decode"),
+            out.prompt.as_deref().expect("carried"),
+        );
+        assert_eq!(out.ids, plain.ids, "split {id}");
+    }
     wait_free(&unified).await;
     wait_free(&split).await;
 }

@@ -41,7 +41,11 @@ fn kv_set() -> KvTransfer {
         manifest_checksum: 0,
     };
     m.manifest_checksum = m.compute_checksum();
-    KvTransfer { manifest: m, pages }
+    KvTransfer {
+        manifest: m,
+        pages,
+        prompt_logprobs: None,
+    }
 }
 
 fn main() {

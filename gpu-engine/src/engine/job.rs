@@ -43,6 +43,8 @@ pub(super) enum Job {
         cache_salt: Option<u64>,
         sink: KvSink,
         reply: oneshot::Sender<Result<KvReport, EngineError>>,
+        /// The alternatives and the whole prompt, when the prompt is scored.
+        score: Option<(usize, Arc<[u32]>)>,
     },
 }
 
@@ -87,6 +89,36 @@ pub(super) struct Active {
     /// The prefix-cache namespace, while the input's full pages are still to be published.
     pub(super) publish: Option<u64>,
     pub(super) role: Role,
+    /// The prompt being scored, when it is.
+    pub(super) score: Option<Score>,
+}
+
+/// A prompt being scored: each input position's logits give the log-probability of the
+/// prompt's next token.
+pub(super) struct Score {
+    /// Alternatives per entry.
+    pub(super) k: usize,
+    /// The whole prompt (for a split prefill, one token longer than its input).
+    pub(super) targets: Arc<[u32]>,
+    /// The entries so far.
+    pub(super) out: Vec<TokenLogprobs>,
+}
+
+impl Score {
+    pub(super) fn new((k, targets): (usize, Arc<[u32]>)) -> Score {
+        Score {
+            k,
+            targets,
+            out: Vec::new(),
+        }
+    }
+
+    /// Scores input position `at` by its logits.
+    pub(super) fn add(&mut self, at: usize, logits: &[f32]) {
+        if let Some(&next) = self.targets.get(at + 1) {
+            self.out.push(TokenLogprobs::of(logits, next, self.k));
+        }
+    }
 }
 
 impl Active {

@@ -100,6 +100,12 @@ pub enum Event {
         /// Its log-probabilities, when the request asked for them ([`SamplingConfig::logprobs`]).
         logprobs: Option<TokenLogprobs>,
     },
+    /// The prompt's log-probabilities ([`SamplingConfig::prompt_logprobs`]): one per prompt
+    /// token after the first, in order, sent before the first token.
+    Prompt {
+        /// The entries.
+        logprobs: Vec<TokenLogprobs>,
+    },
     /// The request ended with an error; its pages are free.
     Failed(EngineError),
 }
@@ -148,7 +154,7 @@ enum Cmd {
 pub type KvSink = Box<dyn FnOnce(KvTransfer) + Send>;
 
 /// What a prefill reports about the KV it sent.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct KvReport {
     /// Tokens whose KV was exported.
     pub tokens: u64,
@@ -156,6 +162,9 @@ pub struct KvReport {
     pub digest: u64,
     /// Tokens whose KV came from the prefix cache rather than being computed.
     pub cached: u64,
+    /// The prompt's log-probabilities, when asked ([`Engine::prefill_scored`]): one per token of
+    /// the whole prompt after the first.
+    pub prompt_logprobs: Option<Vec<TokenLogprobs>>,
 }
 
 /// Live counters, readable from any thread.
@@ -255,7 +264,21 @@ impl Engine {
         cache_salt: Option<u64>,
         sink: KvSink,
     ) -> oneshot::Receiver<Result<KvReport, EngineError>> {
-        self.handle.prefill(id, tokens, cache_salt, sink)
+        self.handle.prefill(id, tokens, cache_salt, sink, None)
+    }
+
+    /// [`Engine::prefill`] that also scores the prompt: `score` is the `k` alternatives and the
+    /// whole prompt (`tokens` and the last token the decode computes), whose tokens after the
+    /// first get their log-probabilities in the report. The prefix cache is not read for it.
+    pub fn prefill_scored(
+        &self,
+        id: u64,
+        tokens: Arc<[u32]>,
+        cache_salt: Option<u64>,
+        sink: KvSink,
+        score: Option<(usize, Arc<[u32]>)>,
+    ) -> oneshot::Receiver<Result<KvReport, EngineError>> {
+        self.handle.prefill(id, tokens, cache_salt, sink, score)
     }
 
     /// Aborts request `id` ([`EngineHandle::abort`]).
@@ -326,6 +349,7 @@ impl EngineHandle {
         tokens: Arc<[u32]>,
         cache_salt: Option<u64>,
         sink: KvSink,
+        score: Option<(usize, Arc<[u32]>)>,
     ) -> oneshot::Receiver<Result<KvReport, EngineError>> {
         let (reply, rx) = oneshot::channel();
         if let Err(e) = self.check_ids(&tokens) {
@@ -338,6 +362,7 @@ impl EngineHandle {
             cache_salt,
             sink,
             reply,
+            score,
         }));
         rx
     }

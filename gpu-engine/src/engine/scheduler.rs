@@ -15,8 +15,9 @@ use crate::device::EngineDevice;
 use crate::grammar::{Grammars, Guide};
 use crate::model::Step;
 use crate::pool::{OwnerId, PagePool, ScrubPolicy, Sequence};
-use crate::sample::{Sampler, TextStream};
-use crate::transfer::{ImportExpectation, TransferError};
+use crate::transfer::TransferError;
+
+mod start;
 
 /// The engine thread's state: its pool, device and requests.
 pub(super) struct Scheduler {
@@ -249,139 +250,6 @@ impl Scheduler {
         }
     }
 
-    /// Allocates a job's pages (importing its KV when it brings some).
-    #[allow(clippy::result_large_err)]
-    fn start(&mut self, job: Job, tokens: usize) -> Result<Option<Active>, (Job, EngineError)> {
-        let id = job.id();
-        let owner = OwnerId::sequence(id);
-        match job {
-            Job::Prefill {
-                id,
-                tokens,
-                cache_salt,
-                sink,
-                reply,
-            } => {
-                let salt = cache_salt.filter(|_| self.prefix_cache());
-                let (seq, shared) = match self.new_sequence(owner, &tokens, tokens.len(), salt) {
-                    Ok(s) => s,
-                    Err(e) => {
-                        let job = Job::Prefill {
-                            id,
-                            tokens,
-                            cache_salt,
-                            sink,
-                            reply,
-                        };
-                        return Err((job, e));
-                    }
-                };
-                let a = Active {
-                    id,
-                    seq,
-                    input: tokens,
-                    fed: shared,
-                    publish: salt,
-                    role: Role::Prefill {
-                        sink: Some(sink),
-                        reply: Some(reply),
-                        cached: shared,
-                    },
-                };
-                if a.input.is_empty() {
-                    // Nothing to compute: export the empty set at once.
-                    self.finish_prefill(a);
-                    return Ok(None);
-                }
-                Ok(Some(a))
-            }
-            Job::Gen(mut g, events, guide) => {
-                if g.prompt.is_empty() {
-                    return Err((
-                        Job::Gen(g, events, guide),
-                        EngineError::BadRequest("empty prompt".into()),
-                    ));
-                }
-                // Compiled before it was queued ([`Scheduler::submit`]).
-                g.sampling.constraint = None;
-                let salt = g.cache_salt.filter(|_| self.prefix_cache());
-                let (seq, digest) = match g.kv.take() {
-                    None => match self.new_sequence(owner, &g.prompt, tokens, salt) {
-                        Ok((s, _)) => (s, None),
-                        Err(e) => return Err((Job::Gen(g, events, None), e)),
-                    },
-                    Some(t) => {
-                        let expect = ImportExpectation {
-                            pair_id: id,
-                            model: self.bundle.fingerprint,
-                            tokens: g.prompt.len() as u64 - 1,
-                        };
-                        let imported = self
-                            .pool
-                            .import(owner, expect, &t)
-                            .map_err(EngineError::from)
-                            .and_then(|mut s| {
-                                let extra = tokens - s.len;
-                                let r = self
-                                    .pool
-                                    .reserve(&mut s, extra)
-                                    .map_err(EngineError::from)
-                                    .and_then(|()| {
-                                        self.device.upload(
-                                            &self.pool,
-                                            &s,
-                                            &t.manifest.page_checksums,
-                                        )
-                                    });
-                                match r {
-                                    Ok(()) => Ok(s),
-                                    Err(e) => {
-                                        let _ = self.pool.release(s);
-                                        Err(e)
-                                    }
-                                }
-                            });
-                        match imported {
-                            Ok(s) => (s, Some(t.manifest.compute_checksum())),
-                            Err(e) => return Err((Job::Gen(g, events, None), e)),
-                        }
-                    }
-                };
-                let fed = seq.len;
-                let _ = events.send(Event::Started {
-                    prompt_tokens: g.prompt.len() as u64,
-                    kv_digest: digest,
-                });
-                let mut text = TextStream::new(&g.sampling, &self.bundle.eog);
-                // A migrated stream: its delivered tokens end the prompt and count as output.
-                let resumed = g.sampling.resumed.min(g.prompt.len());
-                let tail = g.prompt[g.prompt.len() - resumed..].to_vec();
-                text.resume(&tail);
-                let mut guide = guide;
-                if let Some(Err(m)) = guide.as_mut().map(|gd| gd.resume(&tail)) {
-                    let _ = self.pool.release(seq);
-                    let e = EngineError::BadRequest(format!("output constraint: {m}"));
-                    return Err((Job::Gen(g, events, None), e));
-                }
-                Ok(Some(Active {
-                    id,
-                    seq,
-                    input: g.prompt,
-                    fed,
-                    publish: salt.filter(|_| digest.is_none()),
-                    role: Role::Gen {
-                        events,
-                        sampler: Sampler::new(g.sampling),
-                        text,
-                        next: [0],
-                        sampled: resumed,
-                        guide,
-                    },
-                }))
-            }
-        }
-    }
-
     fn prefix_cache(&self) -> bool {
         self.cfg.prefix_cache && self.device.shares_prefixes()
     }
@@ -447,6 +315,7 @@ impl Scheduler {
                 }),
             Err(e) => Err(e),
         };
+        let prompt_logprobs = a.score.take().map(|s| s.out);
         let (sink, reply, cached) = match &mut a.role {
             Role::Prefill {
                 sink,
@@ -462,8 +331,12 @@ impl Scheduler {
                 tokens: t.manifest.tokens,
                 digest: t.manifest.manifest_checksum,
                 cached,
+                prompt_logprobs,
             };
             if let Some(sink) = sink {
+                let mut t = t;
+                // The scores travel with the KV: the decode sends them before its first token.
+                t.prompt_logprobs = report.prompt_logprobs.clone();
                 sink(t);
             }
             report
@@ -476,11 +349,11 @@ impl Scheduler {
     /// One forward step over the batch.
     fn step(&mut self) {
         let mut budget = self.cfg.max_batch_tokens.max(1);
-        // (active index, tokens this step, wants logits)
-        let mut plan: Vec<(usize, usize, bool)> = Vec::new();
+        // (active index, tokens this step, wants logits, every token's: a scored prompt)
+        let mut plan: Vec<(usize, usize, bool, bool)> = Vec::new();
         for (i, a) in self.active.iter().enumerate() {
             if a.fed == a.input.len() {
-                plan.push((i, 1, true));
+                plan.push((i, 1, true, false));
                 budget = budget.saturating_sub(1);
             }
         }
@@ -489,7 +362,8 @@ impl Scheduler {
                 let n = (a.input.len() - a.fed).min(budget);
                 budget -= n;
                 let last = a.fed + n == a.input.len();
-                plan.push((i, n, last && matches!(a.role, Role::Gen { .. })));
+                let generates = matches!(a.role, Role::Gen { .. });
+                plan.push((i, n, last && generates, a.score.is_some()));
             }
         }
         plan.sort_by_key(|p| p.0);
@@ -497,7 +371,7 @@ impl Scheduler {
             let mut items = Vec::with_capacity(plan.len());
             let mut pi = plan.iter().peekable();
             for (i, a) in self.active.iter_mut().enumerate() {
-                let Some(&&(j, n, logits)) = pi.peek() else {
+                let Some(&&(j, n, logits, _)) = pi.peek() else {
                     break;
                 };
                 if j != i {
@@ -524,8 +398,9 @@ impl Scheduler {
                     logits,
                 });
             }
+            let all: Vec<bool> = plan.iter().map(|p| p.3).collect();
             self.device
-                .forward_batch(&self.bundle, &mut self.pool, &mut items)
+                .forward_batch_scored(&self.bundle, &mut self.pool, &mut items, &all)
         };
         let logits = match result {
             Ok(l) => l,
@@ -543,8 +418,23 @@ impl Scheduler {
         };
         let mut logits = logits.into_iter();
         let mut done = Vec::new();
-        for &(i, n, want) in &plan {
+        for &(i, n, want, all) in &plan {
             let a = &mut self.active[i];
+            let mut own = None;
+            if all {
+                // Every position's logits score the prompt's next token; the last position's
+                // are also the first token's to sample from.
+                let from = a.fed;
+                for j in 0..n {
+                    let Some(l) = logits.next() else { break };
+                    if let Some(s) = a.score.as_mut() {
+                        s.add(from + j, &l);
+                    }
+                    if j + 1 == n {
+                        own = Some(l);
+                    }
+                }
+            }
             if a.fed < a.input.len() {
                 a.fed += n;
                 if a.fed == a.input.len()
@@ -560,9 +450,15 @@ impl Scheduler {
                 }
                 continue;
             }
-            let Some(l) = logits.next() else {
+            let Some(l) = own.or_else(|| logits.next()) else {
                 continue;
             };
+            // A generating request's scored prompt goes out before its first token.
+            if let (Some(s), Role::Gen { events, .. }) =
+                (a.score.take_if(|_| a.fed == a.input.len()), &a.role)
+            {
+                let _ = events.send(Event::Prompt { logprobs: s.out });
+            }
             if let Some(last) = next_token(&mut a.role, l, &self.bundle.tokenizer) {
                 self.stats.generated.fetch_add(1, Ordering::Relaxed);
                 if last {

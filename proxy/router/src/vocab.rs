@@ -129,6 +129,11 @@ pub struct SamplingParams {
     /// to lockstep's own engine and workers, which report them with each token.
     #[serde(skip)]
     pub logprobs: Option<u32>,
+    /// Log-probabilities of the prompt's tokens after the first, with this many alternatives
+    /// (completions' `echo` with `logprobs`, `/generate`'s `logprob_start_len`): lockstep's
+    /// embedded engine only, which sends them before the first token.
+    #[serde(skip)]
+    pub prompt_logprobs: Option<u32>,
 }
 
 pub use lockstep_engine::sample::{MAX_TOP_LOGPROBS, TokenLogprobs};
@@ -208,6 +213,9 @@ pub struct DecodeChunk {
     /// The log-probabilities of `token_ids`, one each, where the request asked for them
     /// ([`SamplingParams::logprobs`]; the answer checks the count).
     pub logprobs: Vec<TokenLogprobs>,
+    /// On the first chunk, the prompt's log-probabilities, where the request asked for them
+    /// ([`SamplingParams::prompt_logprobs`]; the answer checks the count).
+    pub prompt_logprobs: Option<Vec<TokenLogprobs>>,
 }
 
 #[cfg(test)]

@@ -76,7 +76,11 @@ fn set(pair_id: u64, pages: usize, model: ModelFingerprint) -> KvTransfer {
         manifest_checksum: 0,
     };
     manifest.manifest_checksum = manifest.compute_checksum();
-    KvTransfer { manifest, pages }
+    KvTransfer {
+        manifest,
+        pages,
+        prompt_logprobs: None,
+    }
 }
 
 /// A CA and one leaf for 127.0.0.1 it signs, as the plane's files in `dir`.

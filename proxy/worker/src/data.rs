@@ -123,7 +123,11 @@ async fn receive<S: AsyncRead + Unpin>(
         });
     }
     Ok(Some(PendingSet {
-        set: KvTransfer { manifest, pages },
+        set: KvTransfer {
+            manifest,
+            pages,
+            prompt_logprobs: None,
+        },
         tag,
         hold,
     }))

@@ -102,6 +102,8 @@ pub fn sampling_from_pb(s: Option<pb::Sampling>) -> SamplingConfig {
         }),
         resumed: s.resumed as usize,
         logprobs: s.logprobs.map(|k| k as usize),
+        // Prompt log-probabilities are the embedded engine's only: the router asks no worker.
+        prompt_logprobs: None,
     }
 }
 
@@ -141,6 +143,9 @@ pub fn decode_event(ev: Event) -> Result<pb::DecodeEvent, Status> {
                 } as i32,
             })),
         }),
+        Event::Prompt { .. } => Err(Status::internal(
+            "a worker's decode scored its prompt, which no request asks of it",
+        )),
         Event::Failed(e) => Err(engine_status(e)),
     }
 }

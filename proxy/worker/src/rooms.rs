@@ -302,6 +302,7 @@ mod tests {
         KvTransfer {
             manifest: m,
             pages: Vec::new(),
+            prompt_logprobs: None,
         }
     }
 

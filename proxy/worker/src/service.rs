@@ -507,7 +507,11 @@ impl WorkerService {
             .room(pair)
             .and_then(|room| {
                 room.put(PendingSet {
-                    set: KvTransfer { manifest, pages },
+                    set: KvTransfer {
+                        manifest,
+                        pages,
+                        prompt_logprobs: None,
+                    },
                     tag,
                     hold,
                 })

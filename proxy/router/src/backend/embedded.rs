@@ -48,6 +48,7 @@ fn sampling(p: &SamplingParams) -> SamplingConfig {
         constraint: p.constraint.as_ref().and_then(|c| c.for_engine()),
         resumed: p.resumed as usize,
         logprobs: p.logprobs.map(|k| k as usize),
+        prompt_logprobs: p.prompt_logprobs.map(|k| k as usize),
     }
 }
 
@@ -77,6 +78,7 @@ fn half_event(e: Event) -> HalfEvent {
             }),
             matched_stop,
         },
+        Event::Prompt { logprobs } => HalfEvent::Prompt(logprobs),
         Event::Failed(e) => HalfEvent::Failed(half_error(Side::Decode, e)),
     }
 }
@@ -125,9 +127,12 @@ impl PdBackend for EmbeddedBackend {
     }
 
     fn prefill(&self, d: &Dispatch) -> BoxFuture<'static, Result<PrefillReport, HalfError>> {
-        let work = self
-            .pd
-            .prefill(d.pair_id.raw(), d.input_ids.clone(), Some(d.cache_salt()));
+        let work = self.pd.prefill_scored(
+            d.pair_id.raw(),
+            d.input_ids.clone(),
+            Some(d.cache_salt()),
+            d.sampling.prompt_logprobs.map(|k| k as usize),
+        );
         async move {
             let done = work.await.map_err(|e| half_error(Side::Prefill, e))?;
             Ok(PrefillReport {

@@ -31,6 +31,9 @@ pub(crate) enum HalfEvent {
         /// Its log-probabilities, where the request asked for them.
         logprobs: Option<super::TokenLogprobs>,
     },
+    /// The prompt's log-probabilities, before the first token (the chunk of that token carries
+    /// them).
+    Prompt(Vec<super::TokenLogprobs>),
     /// An event with nothing for lockstep (skipped).
     Nothing,
     /// The half failed.
@@ -47,12 +50,14 @@ where
         started: Option<(u64, Option<u64>)>,
         n: u64,
         ended: Option<HalfError>,
+        prompt: Option<Vec<super::TokenLogprobs>>,
     }
     let first = State {
         events: Box::pin(events),
         started: None,
         n: 0,
         ended: Some(ended),
+        prompt: None,
     };
     stream::unfold(first, |mut st| async move {
         // `ended` is taken once the stream is over: a finished token, a failure, the end.
@@ -80,12 +85,14 @@ where
                         matched_stop: finish.and(matched_stop),
                         finish,
                         logprobs: logprobs.into_iter().collect(),
+                        prompt_logprobs: st.prompt.take(),
                     };
                     if finish.is_some() {
                         st.ended = None;
                     }
                     return Some((Ok(chunk), st));
                 }
+                Some(HalfEvent::Prompt(p)) => st.prompt = Some(p),
                 Some(HalfEvent::Nothing) => {}
                 Some(HalfEvent::Failed(e)) => {
                     st.ended = None;

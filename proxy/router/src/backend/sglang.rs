@@ -547,6 +547,7 @@ impl ChunkSource for SseDecoder {
                 .and_then(|f| f.matched.clone()),
             finish,
             logprobs,
+            prompt_logprobs: None,
         }))
     }
 }

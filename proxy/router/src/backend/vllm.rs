@@ -501,6 +501,7 @@ impl ChunkSource for Sse {
                     .map(str::to_string),
                 finish,
                 logprobs,
+                prompt_logprobs: None,
             }));
         }
     }

@@ -134,6 +134,7 @@ impl FrontRequest for GenerateRequest {
             constraint,
             resumed: 0,
             logprobs,
+            prompt_logprobs: None,
         };
         Ok((
             Input::Prompt(prompt),

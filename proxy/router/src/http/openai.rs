@@ -191,6 +191,7 @@ impl CommonParams {
                 constraint: None,
                 resumed: 0,
                 logprobs: None,
+                prompt_logprobs: None,
             },
             self.stream,
             include_usage,

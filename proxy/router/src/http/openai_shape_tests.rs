@@ -74,6 +74,7 @@ fn chunk(delta: &str, finish: Option<FinishReason>, completion_tokens: u64) -> D
         finish,
         matched_stop: None,
         logprobs: Vec::new(),
+        prompt_logprobs: None,
     }
 }
 

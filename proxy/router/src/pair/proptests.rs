@@ -131,6 +131,7 @@ impl PdBackend for Fake {
                     finish: (i + 1 == s.chunks).then_some(FinishReason::Length),
                     matched_stop: None,
                     logprobs: Vec::new(),
+                    prompt_logprobs: None,
                 };
                 Some((Ok(chunk), i + 1))
             }
