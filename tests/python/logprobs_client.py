@@ -124,6 +124,26 @@ check(streamed == r.choices[0].logprobs.tokens, f"stopped stream: the same entri
 r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, logprobs=0)
 check(all(len(t) == 1 for t in r.choices[0].logprobs.top_logprobs), "completion logprobs=0: the sampled token only")
 
+# Scoring a text as lm-evaluation-harness's `local-completions` does: `echo` with `logprobs` and
+# one token. Every prompt token comes back, the first with None, the rest scored; the
+# continuation's log-likelihood is the sum over its tokens, and "is greedy" compares each token
+# with its top alternative.
+context, continuation = "The capital of France is", " Paris"
+r = client.completions.create(model=MODEL, prompt=context + continuation, max_tokens=1, temperature=0, echo=True,
+                              logprobs=1)
+lp = r.choices[0].logprobs
+n_prompt = r.usage.prompt_tokens
+check(len(lp.tokens) == n_prompt + r.usage.completion_tokens, f"echo: every prompt token and the answer's {lp.tokens}")
+check(lp.token_logprobs[0] is None and lp.top_logprobs[0] is None, "echo: the first prompt token has no value")
+check("".join(lp.tokens) == r.choices[0].text and r.choices[0].text.startswith(context + continuation),
+      "echo: the tokens spell the prompt and the answer")
+cont_tokens = len(client.completions.create(model=MODEL, prompt=continuation, max_tokens=1, echo=True,
+                                            logprobs=0).choices[0].logprobs.tokens) - 1
+ll = sum(lp.token_logprobs[n_prompt - cont_tokens:n_prompt])
+greedy = all(max(top, key=top.get) == tok for tok, top in zip(lp.tokens[n_prompt - cont_tokens:n_prompt],
+                                                               lp.top_logprobs[n_prompt - cont_tokens:n_prompt]))
+check(-20 < ll < 0, f"the continuation's log-likelihood {ll} (greedy: {greedy})")
+
 # The Responses API: `include` with `top_logprobs`, whole and streamed.
 INCLUDE = ["message.output_text.logprobs"]
 r = client.responses.create(model=MODEL, input="Write one sentence about the sea.", max_output_tokens=16,

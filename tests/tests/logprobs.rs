@@ -248,3 +248,80 @@ async fn echo_repeats_the_prompt_and_refuses_what_it_cannot_score() {
     }
     s.wait_released().await;
 }
+
+/// Completions' `echo` with `logprobs` (how evaluation harnesses score a text): every prompt
+/// token comes back before the answer's, the first with a `null` log-probability and
+/// alternatives (as OpenAI and vLLM return it), the others scored; the tokens spell the prompt
+/// and the answer; the same streamed and not, and from split and unified engines.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn echo_with_logprobs_scores_the_prompt() {
+    let prompt = "The capital of France is";
+    let mut runs: Vec<Vec<(String, f64, Vec<String>)>> = Vec::new();
+    for mode in ["split", "unified"] {
+        let Some(s) = start(&format!("mode = \"{mode}\"")).await else {
+            return;
+        };
+        for stream in [false, true] {
+            let body = json!({ "model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+                               "echo": true, "logprobs": 2, "stream": stream,
+                               "stream_options": if stream { json!({"include_usage": true}) } else { Value::Null } });
+            let a = post(&format!("{}/v1/completions", s.url), body).await;
+            let objects = a.objects(stream);
+            let lp: Vec<&Value> = objects
+                .iter()
+                .filter_map(|o| o.pointer("/choices/0/logprobs").filter(|v| !v.is_null()))
+                .collect();
+            let list = |k: &str| -> Vec<Value> {
+                lp.iter()
+                    .flat_map(|l| l[k].as_array().cloned().unwrap_or_default())
+                    .collect()
+            };
+            let (tokens, values, tops) =
+                (list("tokens"), list("token_logprobs"), list("top_logprobs"));
+            let text: String = objects
+                .iter()
+                .filter_map(|o| o.pointer("/choices/0/text").and_then(Value::as_str))
+                .collect();
+            let usage = objects
+                .iter()
+                .rev()
+                .find_map(|o| o.get("usage").filter(|u| !u.is_null()))
+                .expect("usage");
+            let n = (usage["prompt_tokens"].as_u64().expect("n")
+                + usage["completion_tokens"].as_u64().expect("n")) as usize;
+            let case = format!("{mode} stream={stream}: {}", a.body);
+            assert_eq!(
+                (tokens.len(), values.len(), tops.len()),
+                (n, n, n),
+                "{case}"
+            );
+            let spelled: String = tokens.iter().filter_map(Value::as_str).collect();
+            assert_eq!(spelled, text, "{case}");
+            assert!(text.starts_with(prompt), "{case}");
+            assert!(values[0].is_null() && tops[0].is_null(), "{case}");
+            let mut run = Vec::new();
+            for i in 1..n {
+                let v = values[i].as_f64().expect("a value");
+                assert!(v <= 0.0, "{case}");
+                let mut alts: Vec<String> = tops[i]
+                    .as_object()
+                    .expect("a map")
+                    .keys()
+                    .cloned()
+                    .collect();
+                alts.sort();
+                assert!((1..=3).contains(&alts.len()), "{case}");
+                run.push((tokens[i].as_str().unwrap_or_default().to_string(), v, alts));
+            }
+            runs.push(run);
+        }
+        s.wait_released().await;
+    }
+    for r in &runs[1..] {
+        assert_eq!(r.len(), runs[0].len());
+        for (a, b) in r.iter().zip(&runs[0]) {
+            assert_eq!((&a.0, &a.2), (&b.0, &b.2));
+            assert!((a.1 - b.1).abs() < 1e-3, "{a:?} {b:?}");
+        }
+    }
+}

@@ -203,7 +203,7 @@ impl Front {
         };
         let prompt = prompt_tokens;
         let chunks = Box::pin(super::respond::committed_chunks(
-            rx, pair_id, permit, logprobs,
+            rx, pair_id, permit, logprobs, None,
         ));
         let codec = model.codec.clone();
         // The committed answer, ended at the call's deadline (ending it drops the pair's

@@ -164,6 +164,77 @@ pub(crate) fn check(
     }
 }
 
+/// Checks the first chunk of a request that asked for its prompt's log-probabilities (`k`
+/// alternatives each): one entry for each of the `n` prompt tokens after the first, each with `k`
+/// alternatives; otherwise the request fails.
+pub(crate) fn check_prompt(
+    pair_id: PairId,
+    k: u32,
+    n: u64,
+    c: &DecodeChunk,
+) -> Result<(), LockstepError> {
+    let fail = |message: String| LockstepError::DecodeFailed { pair_id, message };
+    let got = c.prompt_logprobs.as_deref().unwrap_or_default();
+    if c.prompt_logprobs.is_none() || got.len() as u64 != n {
+        return Err(fail(format!(
+            "the decode returned {} prompt log-probabilities for {n} prompt tokens after the first",
+            got.len()
+        )));
+    }
+    match got.iter().find(|l| l.top.len() != k as usize) {
+        Some(l) => Err(fail(format!(
+            "the decode returned {} top log-probabilities for a prompt token, {k} were asked",
+            l.top.len()
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// Completions' `logprobs` object of an echoed prompt and its answer, as vLLM writes it: every
+/// prompt token (the first with `null` log-probability and alternatives, as OpenAI and vLLM
+/// return it), then the answer's tokens; offsets count from the prompt's start, `offset` moved
+/// past both.
+pub(crate) fn completion_echoed(
+    codec: &PromptCodec,
+    prompt: &(Vec<u32>, Vec<TokenLogprobs>),
+    tokens: &[(u32, TokenLogprobs)],
+    offset: &mut usize,
+) -> Value {
+    let (ids, scores) = prompt;
+    let mut texts = Vec::with_capacity(ids.len() + tokens.len());
+    let (mut lps, mut tops, mut offsets) = (vec![], vec![], vec![]);
+    if let Some(&first) = ids.first() {
+        let text = token_text(codec.token_bytes(first));
+        offsets.push(*offset);
+        *offset += text.chars().count();
+        texts.push(json!(text));
+        lps.push(Value::Null);
+        tops.push(Value::Null);
+    }
+    let scored: Vec<(u32, TokenLogprobs)> = ids
+        .iter()
+        .skip(1)
+        .copied()
+        .zip(scores.iter().cloned())
+        .collect();
+    for part in [
+        completion(codec, &scored, offset),
+        completion(codec, tokens, offset),
+    ] {
+        let list = |k: &str| part[k].as_array().cloned().unwrap_or_default();
+        texts.extend(list("tokens"));
+        lps.extend(list("token_logprobs"));
+        tops.extend(list("top_logprobs"));
+        offsets.extend(
+            list("text_offset")
+                .iter()
+                .filter_map(|v| v.as_u64())
+                .map(|v| v as usize),
+        );
+    }
+    json!({ "tokens": texts, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -202,6 +273,28 @@ mod tests {
             (chunk(vec![1], vec![lp(-0.5, &[(1, -0.5)])], 4), 3),
         ] {
             let e = check(id, 2, &c, before).expect_err("fails closed");
+            assert_eq!(e.code(), "decode_failed", "{e}");
+        }
+    }
+
+    /// The prompt's entries come on the first chunk, one per prompt token after the first,
+    /// each with the alternatives asked; anything else fails the request.
+    #[test]
+    fn a_scored_prompt_must_come_whole() {
+        let id = PairId::from_raw(9);
+        let with = |p: Option<Vec<TokenLogprobs>>| DecodeChunk {
+            prompt_logprobs: p,
+            ..Default::default()
+        };
+        let one = lp(-1.0, &[(5, -0.5)]);
+        assert!(check_prompt(id, 1, 2, &with(Some(vec![one.clone(), one.clone()]))).is_ok());
+        assert!(check_prompt(id, 1, 0, &with(Some(vec![]))).is_ok());
+        for c in [
+            with(None),
+            with(Some(vec![one.clone()])),
+            with(Some(vec![one.clone(), lp(-1.0, &[])])),
+        ] {
+            let e = check_prompt(id, 1, 2, &c).expect_err("fails closed");
             assert_eq!(e.code(), "decode_failed", "{e}");
         }
     }

@@ -10,7 +10,7 @@ use super::openai_shape::{Echo, OpenAiShape};
 use super::respond::serve_pair;
 use crate::admission::{ChatMessage, FrontRequest, Input, Prompt};
 use crate::backend::SamplingParams;
-use crate::config::ModelConfig;
+use crate::config::{BackendKind, ModelConfig};
 use crate::error::LockstepError;
 
 /// `stop`: one string or a list.
@@ -441,9 +441,16 @@ impl FrontRequest for CompletionRequest {
         let logprobs = super::logprob_params::completion_logprobs(&mut rest)?;
         let echo = match rest.remove("echo") {
             None | Some(Value::Null) | Some(Value::Bool(false)) => false,
-            Some(Value::Bool(true)) if logprobs.is_some() => {
+            // The prompt's log-probabilities (what evaluation harnesses score): computed by
+            // lockstep's embedded engine only.
+            Some(Value::Bool(true))
+                if logprobs.is_some() && model.backend != BackendKind::Embedded =>
+            {
                 return Err(LockstepError::Unsupported {
-                    message: "`echo` with `logprobs` asks for the prompt's log-probabilities, which lockstep does not return yet; echo alone, or logprobs alone, is served".into(),
+                    message: format!(
+                        "`echo` with `logprobs` asks for the prompt's log-probabilities, which lockstep computes on its embedded engine only, not on {}; echo alone, or logprobs alone, is served",
+                        model.backend.as_str()
+                    ),
                     param: Some("echo".into()),
                 });
             }
@@ -453,6 +460,7 @@ impl FrontRequest for CompletionRequest {
         let (mut sampling, stream, include_usage) =
             self.params.with_rest(rest, fields::COMPLETIONS, model)?;
         sampling.logprobs = logprobs;
+        sampling.prompt_logprobs = logprobs.filter(|_| echo);
         let shape = OpenAiShape::completion(stream, include_usage).with_logprobs(logprobs);
         let shape = if echo {
             shape.with_echo(match &self.prompt {

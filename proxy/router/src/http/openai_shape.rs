@@ -146,6 +146,12 @@ impl OpenAiShape {
         let codec = self.logprobs.as_ref()?.codec.as_ref()?;
         match self.api {
             Api::Chat => Some(super::logprobs::chat(codec, &p.logprobs)),
+            Api::Completion if !p.prompt.0.is_empty() => Some(super::logprobs::completion_echoed(
+                codec,
+                &p.prompt,
+                &p.logprobs,
+                &mut 0,
+            )),
             Api::Completion => Some(super::logprobs::completion(codec, &p.logprobs, &mut 0)),
             Api::Generate => None,
         }
@@ -153,11 +159,22 @@ impl OpenAiShape {
 
     /// The `logprobs` of the tokens not sent yet, for the event about to go out (`None`: not
     /// asked for, or none waiting).
-    fn take_pending(&mut self) -> Option<Value> {
-        let l = self.logprobs.as_mut().filter(|l| !l.pending.is_empty())?;
+    fn take_pending(&mut self, p: &Progress) -> Option<Value> {
+        // An echoed completion's first event carries the prompt's entries before its tokens'.
+        let echoed = !self.started && !p.prompt.0.is_empty();
+        let l = self
+            .logprobs
+            .as_mut()
+            .filter(|l| echoed || !l.pending.is_empty())?;
         let codec = l.codec.clone()?;
         let tokens = std::mem::take(&mut l.pending);
         match self.api {
+            Api::Completion if echoed => Some(super::logprobs::completion_echoed(
+                &codec,
+                &p.prompt,
+                &tokens,
+                &mut l.offset,
+            )),
             Api::Chat => Some(super::logprobs::chat(&codec, &tokens)),
             Api::Completion => Some(super::logprobs::completion(&codec, &tokens, &mut l.offset)),
             Api::Generate => None,
@@ -371,11 +388,13 @@ impl Render for OpenAiShape {
                 }
                 // The waiting tokens' log-probabilities go with the first text event, else
                 // with the finishing one.
-                let lp_content = (!content.is_empty()).then(|| self.take_pending()).flatten();
-                let lp_rest = (reason.is_some() && !rest.is_empty())
-                    .then(|| self.take_pending())
+                let lp_content = (!content.is_empty())
+                    .then(|| self.take_pending(p))
                     .flatten();
-                let lp_end = reason.is_some().then(|| self.take_pending()).flatten();
+                let lp_rest = (reason.is_some() && !rest.is_empty())
+                    .then(|| self.take_pending(p))
+                    .flatten();
+                let lp_end = reason.is_some().then(|| self.take_pending(p)).flatten();
                 let mut event =
                     |delta: Delta<'_>, logprobs: Option<Value>, finish_reason: Option<&str>| {
                         let choice = ChatDelta {
@@ -416,7 +435,7 @@ impl Render for OpenAiShape {
                     let choice = TextChoice {
                         index: 0,
                         text: &text,
-                        logprobs: self.take_pending(),
+                        logprobs: self.take_pending(p),
                         finish_reason: finish,
                     };
                     push_event(&mut out, &self.answer(p, "text_completion", [choice]));

@@ -28,6 +28,7 @@ fn progress(matched: Option<&str>) -> Progress {
         completion_tokens: 3,
         matched_stop: matched.map(str::to_owned),
         logprobs: Vec::new(),
+        prompt: (Vec::new(), Vec::new()),
     }
 }
 
@@ -279,7 +280,7 @@ async fn a_committed_answer_ends_with_a_finish_or_an_error_never_quietly() {
             tx.send(e).await.expect("room");
         }
         drop(tx);
-        committed_chunks(rx, id, crate::tenant::Held::default(), None)
+        committed_chunks(rx, id, crate::tenant::Held::default(), None, None)
             .collect::<Vec<_>>()
             .await
     };

@@ -83,12 +83,21 @@ pub(crate) fn committed_chunks(
     pair_id: PairId,
     permit: crate::tenant::Held,
     logprobs: Option<u32>,
+    prompt: Option<(u32, u64)>,
 ) -> impl futures_util::Stream<Item = Result<DecodeChunk, LockstepError>> + Send + 'static {
     futures_util::stream::unfold(Some((rx, permit, 0)), move |open| async move {
         let (mut rx, permit, before) = open?;
         let item = match rx.recv().await {
             Some(PairEvent::Chunk(c)) => {
-                match logprobs.map_or(Ok(()), |k| super::logprobs::check(pair_id, k, &c, before)) {
+                let checked = logprobs
+                    .map_or(Ok(()), |k| super::logprobs::check(pair_id, k, &c, before))
+                    .and_then(|()| match prompt {
+                        Some((k, n)) if before == 0 => {
+                            super::logprobs::check_prompt(pair_id, k, n, &c)
+                        }
+                        _ => Ok(()),
+                    });
+                match checked {
                     Ok(()) => {
                         permit.delivered(c.completion_tokens);
                         let (last, now) = (c.finish.is_some(), c.completion_tokens);
@@ -173,6 +182,9 @@ pub(crate) struct Progress {
     pub(crate) matched_stop: Option<String>,
     /// Each token's id and log-probabilities so far, where the request asked for them.
     pub(crate) logprobs: Vec<(u32, TokenLogprobs)>,
+    /// The prompt's ids and the log-probabilities of its tokens after the first, where the
+    /// request asked for them (empty otherwise).
+    pub(crate) prompt: (Vec<u32>, Vec<TokenLogprobs>),
 }
 
 impl Progress {
@@ -186,6 +198,9 @@ impl Progress {
     }
 
     pub(crate) fn absorb(&mut self, c: &DecodeChunk) {
+        if let Some(p) = &c.prompt_logprobs {
+            self.prompt.1.clone_from(p);
+        }
         self.text.push_str(&c.delta);
         self.logprobs
             .extend(c.token_ids.iter().copied().zip(c.logprobs.iter().cloned()));
@@ -201,6 +216,8 @@ impl Progress {
 pub(crate) async fn serve_pair<R: Render>(admitted: Admitted, shape: R) -> Response {
     let model = admitted.model.name.clone();
     let (codec, logprobs) = (admitted.model.codec.clone(), admitted.sampling.logprobs);
+    let scored = admitted.sampling.prompt_logprobs;
+    let prompt_ids = scored.map(|_| admitted.ids.clone()).unwrap_or_default();
     let mut shape = shape;
     shape.vocab(&codec);
     let Committed {
@@ -223,8 +240,10 @@ pub(crate) async fn serve_pair<R: Render>(admitted: Admitted, shape: R) -> Respo
         completion_tokens: 0,
         matched_stop: None,
         logprobs: Vec::new(),
+        prompt: (prompt_ids, Vec::new()),
     };
-    let chunks = committed_chunks(rx, pair_id, permit, logprobs);
+    let prompt = scored.map(|k| (k, prompt_tokens.saturating_sub(1)));
+    let chunks = committed_chunks(rx, pair_id, permit, logprobs, prompt);
     if shape.stream() {
         let body = chunks.scan((p, shape), |(p, shape), next| {
             let out = match next {
