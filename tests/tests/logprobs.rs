@@ -182,7 +182,7 @@ async fn generate_returns_sglangs_logprob_fields() {
     let m = post(&generate, off).await.json();
     assert!(m["meta_info"].get("output_token_logprobs").is_none(), "{m}");
     for (k, v, code) in [
-        ("logprob_start_len", json!(0), "unsupported"),
+        ("logprob_start_len", json!(-3), "invalid_request"),
         ("top_logprobs_num", json!(21), "invalid_request"),
     ] {
         let mut b = body(false);
@@ -200,10 +200,11 @@ async fn generate_returns_sglangs_logprob_fields() {
 }
 
 /// A completion with `echo` repeats its prompt before its text (vLLM's shape: the whole answer's
-/// text, and a stream's first event); a token-id prompt is repeated as its text; `echo` with
-/// `logprobs` asks for the prompt's log-probabilities, refused by name until they are computed.
+/// text, and a stream's first event); a token-id prompt is repeated as its text; a bad `echo` is
+/// refused by name (`echo` with `logprobs` on other backends than the embedded engine: in
+/// `admission_and_input.rs`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn echo_repeats_the_prompt_and_refuses_what_it_cannot_score() {
+async fn echo_repeats_the_prompt_and_refuses_a_bad_value() {
     let Some(s) = start("").await else { return };
     let url = format!("{}/v1/completions", s.url);
     let prompt = "The capital of France is";
@@ -228,10 +229,7 @@ async fn echo_repeats_the_prompt_and_refuses_what_it_cannot_score() {
     let ids = json!({ "model": MODEL, "prompt": [504, 3575, 282, 4649, 314], "max_tokens": 4,
                       "temperature": 0, "echo": true });
     assert_eq!(text(&post(&url, ids).await.json()), echoed);
-    for (extra, code) in [
-        (json!({"echo": true, "logprobs": 1}), "unsupported"),
-        (json!({"echo": "yes"}), "invalid_request"),
-    ] {
+    for (extra, code) in [(json!({"echo": "yes"}), "invalid_request")] {
         let mut b = body(false, false);
         for (k, v) in extra.as_object().expect("object") {
             b[k] = v.clone();
@@ -324,4 +322,63 @@ async fn echo_with_logprobs_scores_the_prompt() {
             assert!((a.1 - b.1).abs() < 1e-3, "{a:?} {b:?}");
         }
     }
+}
+
+/// `/generate` with `logprob_start_len` (SGLang's prompt log-probabilities): the prompt's tokens
+/// from that position as `[logprob, id, text]`, the first `null` as SGLang sends it, the values
+/// the same as completions' `echo` gives; past the prompt, a 400.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generate_returns_the_prompt_from_logprob_start_len() {
+    let Some(s) = start("").await else { return };
+    let prompt = "The capital of France is";
+    let echo = post(
+        &format!("{}/v1/completions", s.url),
+        json!({ "model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0, "echo": true,
+                "logprobs": 2 }),
+    )
+    .await
+    .json();
+    let n = echo["usage"]["prompt_tokens"].as_u64().expect("n") as usize;
+    let values = echo["choices"][0]["logprobs"]["token_logprobs"].clone();
+    for (start_len, stream) in [(0usize, false), (2, false), (0, true)] {
+        let a = post(
+            &format!("{}/generate", s.url),
+            json!({ "text": prompt, "return_logprob": true, "logprob_start_len": start_len,
+                    "top_logprobs_num": 2, "stream": stream,
+                    "sampling_params": {"max_new_tokens": 1, "temperature": 0} }),
+        )
+        .await;
+        let last = a.objects(stream).pop().expect("an answer");
+        let meta = &last["meta_info"];
+        let input = meta["input_token_logprobs"].as_array().expect("input");
+        let tops = meta["input_top_logprobs"].as_array().expect("tops");
+        let case = format!("start {start_len} stream {stream}: {meta}");
+        assert_eq!(
+            (input.len(), tops.len()),
+            (n - start_len, n - start_len),
+            "{case}"
+        );
+        assert!(input[0][0].is_null() && tops[0].is_null(), "{case}");
+        for (i, e) in input.iter().enumerate().skip(1) {
+            let want = values[start_len + i].as_f64().expect("a value");
+            let got = e[0].as_f64().expect("a value");
+            assert!((got - want).abs() < 1e-4, "{case}: {got} {want}");
+            assert_eq!(tops[i].as_array().map(Vec::len), Some(2), "{case}");
+        }
+    }
+    let a = TestClient::default()
+        .post(
+            &format!("{}/generate", s.url),
+            &json!({ "text": prompt, "return_logprob": true, "logprob_start_len": 999,
+                     "sampling_params": {"max_new_tokens": 1} }),
+            Duration::from_secs(10),
+        )
+        .await;
+    assert_eq!(
+        (a.status, a.error_code().as_deref()),
+        (400, Some("invalid_request")),
+        "{}",
+        a.body
+    );
+    s.wait_released().await;
 }

@@ -64,7 +64,16 @@ impl FrontRequest for GenerateRequest {
         model: &ModelConfig,
     ) -> Result<(Input, SamplingParams, OpenAiShape), LockstepError> {
         let mut rest = self.rest;
-        let (logprobs, texts) = super::logprob_params::generate_logprobs(&mut rest)?;
+        let (logprobs, texts, start) = super::logprob_params::generate_logprobs(&mut rest)?;
+        if start.is_some() && model.backend != crate::config::BackendKind::Embedded {
+            return Err(LockstepError::Unsupported {
+                message: format!(
+                    "`logprob_start_len` asks for the prompt's log-probabilities, which lockstep computes on its embedded engine only, not on {}; leave it -1 (the output's)",
+                    model.backend.as_str()
+                ),
+                param: Some("logprob_start_len".into()),
+            });
+        }
         refuse_unhonoured(fields::GENERATE, &rest, "")?;
         let mut s = self.sampling_params;
         let constraint = fields::native_constraint(&mut s.rest, model.backend)?;
@@ -134,14 +143,15 @@ impl FrontRequest for GenerateRequest {
             constraint,
             resumed: 0,
             logprobs,
-            prompt_logprobs: None,
+            prompt_logprobs: logprobs.filter(|_| start.is_some()),
         };
         Ok((
             Input::Prompt(prompt),
             sampling,
             OpenAiShape::generate(self.stream)
                 .with_logprobs(logprobs)
-                .with_logprob_texts(texts),
+                .with_logprob_texts(texts)
+                .with_logprob_start(start),
         ))
     }
 }

@@ -115,9 +115,11 @@ pub(crate) fn responses_logprobs(
 /// and whether entries carry token texts. SGLang reads the others only with `return_logprob`, so
 /// without it they ask for nothing. A `logprob_start_len` inside the prompt asks for the prompt's
 /// log-probabilities, which lockstep does not compute yet: a 400, never an empty list.
+/// SGLang's `return_logprob` family: the top count (`None`: not asked), whether entries carry
+/// token texts, and `logprob_start_len` (`Some`: the prompt's entries from that position).
 pub(crate) fn generate_logprobs(
     rest: &mut Map<String, Value>,
-) -> Result<(Option<u32>, bool), LockstepError> {
+) -> Result<(Option<u32>, bool, Option<usize>), LockstepError> {
     let flag = |rest: &mut Map<String, Value>, k: &str| match rest.remove(k) {
         None | Some(Value::Null) => Ok(false),
         Some(Value::Bool(b)) => Ok(b),
@@ -131,24 +133,20 @@ pub(crate) fn generate_logprobs(
     let top = top_count(rest, "top_logprobs_num")?;
     let start = rest.remove("logprob_start_len").filter(|v| !v.is_null());
     if !on {
-        return Ok((None, false));
+        return Ok((None, false, None));
     }
-    match start.as_ref().map(|v| v.as_i64()) {
-        None | Some(Some(-1)) => {}
-        Some(Some(_)) => {
-            return Err(LockstepError::Unsupported {
-                message: "`logprob_start_len` asks for the prompt's log-probabilities, which lockstep does not return yet; leave it -1 (the output's)".into(),
-                param: Some("logprob_start_len".into()),
-            });
-        }
-        Some(None) => {
+    let start = match start.as_ref().map(|v| v.as_i64()) {
+        None | Some(Some(-1)) => None,
+        Some(Some(s)) if s >= 0 => Some(s as usize),
+        _ => {
             return Err(LockstepError::InvalidRequest {
-                message: "`logprob_start_len` is an integer".into(),
+                message: "`logprob_start_len` is -1 (the output's only) or a prompt position"
+                    .into(),
                 param: Some("logprob_start_len".into()),
             });
         }
-    }
-    Ok((Some(top.unwrap_or(0)), text))
+    };
+    Ok((Some(top.unwrap_or(0)), text, start))
 }
 
 #[cfg(test)]
@@ -228,26 +226,26 @@ mod tests {
             assert!(rest.is_empty(), "every logprob field taken: {rest:?}");
             got
         };
-        assert_eq!(generate(json!({})), Ok((None, false)));
+        assert_eq!(generate(json!({})), Ok((None, false, None)));
         // Read by SGLang only with `return_logprob`: without it, nothing is asked.
         assert_eq!(
             generate(json!({"top_logprobs_num": 3, "logprob_start_len": 0})),
-            Ok((None, false))
+            Ok((None, false, None))
         );
         assert_eq!(
             generate(json!({"return_logprob": true, "logprob_start_len": -1})),
-            Ok((Some(0), false))
+            Ok((Some(0), false, None))
         );
         assert_eq!(
             generate(
                 json!({"return_logprob": true, "top_logprobs_num": 5, "return_text_in_logprobs": true})
             ),
-            Ok((Some(5), true))
+            Ok((Some(5), true, None))
         );
         for (bad, code) in [
             (
-                json!({"return_logprob": true, "logprob_start_len": 0}),
-                "unsupported",
+                json!({"return_logprob": true, "logprob_start_len": -2}),
+                "invalid_request",
             ),
             (
                 json!({"return_logprob": true, "logprob_start_len": "a"}),
@@ -261,6 +259,10 @@ mod tests {
         ] {
             assert_eq!(generate(bad.clone()), Err(code), "{bad}");
         }
+        assert_eq!(
+            generate(json!({"return_logprob": true, "logprob_start_len": 3})),
+            Ok((Some(0), false, Some(3)))
+        );
         assert_eq!(grpc_logprobs(20).map_err(|e| e.code()), Ok(20));
         assert_eq!(
             grpc_logprobs(21).map_err(|e| e.code()),

@@ -99,15 +99,33 @@ pub(crate) fn completion(
 pub(crate) fn sglang(
     codec: &PromptCodec,
     tokens: &[(u32, TokenLogprobs)],
+    prompt: Option<(usize, &ScoredPrompt)>,
     top: u32,
     with_text: bool,
 ) -> Map<String, Value> {
-    let triple = |id: u32, lp: f32| {
-        let text = with_text.then(|| String::from_utf8_lossy(codec.token_bytes(id)).into_owned());
-        json!([clamp(lp), id, text])
-    };
+    let text_of =
+        |id: u32| with_text.then(|| String::from_utf8_lossy(codec.token_bytes(id)).into_owned());
+    let triple = |id: u32, lp: f32| json!([clamp(lp), id, text_of(id)]);
     let mut m = Map::new();
-    m.insert("input_token_logprobs".into(), json!([]));
+    // With `logprob_start_len` s: the prompt's tokens from s, the first `null` (SGLang computes
+    // logits from position s on, so token s itself has none:
+    // `scheduler_components/logprob_result_processor.py`, "add None at start").
+    let (mut input, mut input_top) = (Vec::new(), Vec::new());
+    if let Some((s, (ids, scores))) = prompt {
+        for (p, &id) in ids.iter().enumerate().skip(s) {
+            match scores.get(p.wrapping_sub(1)).filter(|_| p > s) {
+                Some(l) => {
+                    input.push(triple(id, l.logprob));
+                    input_top.push(l.top.iter().map(|&(t, lp)| triple(t, lp)).collect());
+                }
+                None => {
+                    input.push(json!([null, id, text_of(id)]));
+                    input_top.push(Value::Null);
+                }
+            }
+        }
+    }
+    m.insert("input_token_logprobs".into(), Value::Array(input));
     m.insert(
         "output_token_logprobs".into(),
         tokens
@@ -117,7 +135,7 @@ pub(crate) fn sglang(
     );
     m.insert("output_token_logprobs_length".into(), json!(tokens.len()));
     if top > 0 {
-        m.insert("input_top_logprobs".into(), json!([]));
+        m.insert("input_top_logprobs".into(), Value::Array(input_top));
         m.insert(
             "output_top_logprobs".into(),
             tokens
@@ -164,6 +182,9 @@ pub(crate) fn check(
     }
 }
 
+/// A prompt's token ids and the log-probabilities of its tokens after the first.
+pub(crate) type ScoredPrompt = (Vec<u32>, Vec<TokenLogprobs>);
+
 /// Checks the first chunk of a request that asked for its prompt's log-probabilities (`k`
 /// alternatives each): one entry for each of the `n` prompt tokens after the first, each with `k`
 /// alternatives; otherwise the request fails.
@@ -196,7 +217,7 @@ pub(crate) fn check_prompt(
 /// past both.
 pub(crate) fn completion_echoed(
     codec: &PromptCodec,
-    prompt: &(Vec<u32>, Vec<TokenLogprobs>),
+    prompt: &ScoredPrompt,
     tokens: &[(u32, TokenLogprobs)],
     offset: &mut usize,
 ) -> Value {

@@ -69,6 +69,8 @@ pub(crate) struct Logprobs {
     pub(crate) offset: usize,
     pub(crate) top: u32,
     pub(crate) texts: bool,
+    /// `/generate`'s `logprob_start_len`: the prompt's entries from this position.
+    pub(crate) start: Option<usize>,
 }
 
 impl OpenAiShape {
@@ -110,6 +112,14 @@ impl OpenAiShape {
             Some(e) => Cow::Owned(format!("{}{}", e.text(), p.text)),
             None => Cow::Borrowed(&p.text),
         }
+    }
+
+    /// `/generate`'s `logprob_start_len` (`None`: the output's entries only).
+    pub(crate) fn with_logprob_start(mut self, start: Option<usize>) -> OpenAiShape {
+        if let Some(l) = self.logprobs.as_mut() {
+            l.start = start;
+        }
+        self
     }
 
     /// `/generate`'s `return_text_in_logprobs`.
@@ -204,7 +214,14 @@ impl OpenAiShape {
     fn native<'a>(&self, p: &'a Progress, finish: Option<FinishReason>) -> NativeAnswer<'a> {
         let logprobs = self.logprobs.as_ref().and_then(|l| {
             let codec = l.codec.as_ref()?;
-            Some(super::logprobs::sglang(codec, &p.logprobs, l.top, l.texts))
+            let prompt = l.start.map(|s| (s, &p.prompt));
+            Some(super::logprobs::sglang(
+                codec,
+                &p.logprobs,
+                prompt,
+                l.top,
+                l.texts,
+            ))
         });
         NativeAnswer {
             text: &p.text,
@@ -263,6 +280,20 @@ enum NativeFinish<'a> {
 }
 
 impl Render for OpenAiShape {
+    fn fits_prompt(&self, tokens: usize) -> Result<(), crate::error::LockstepError> {
+        match self.logprobs.as_ref().and_then(|l| l.start) {
+            // As SGLang 0.5.23's scheduler refuses it (`scheduler.py`: "is higher than the
+            // number of input tokens").
+            Some(s) if s > tokens => Err(crate::error::LockstepError::InvalidRequest {
+                message: format!(
+                    "`logprob_start_len` {s} is higher than the number of input tokens {tokens}"
+                ),
+                param: Some("logprob_start_len".into()),
+            }),
+            _ => Ok(()),
+        }
+    }
+
     fn stream(&self) -> bool {
         self.stream
     }

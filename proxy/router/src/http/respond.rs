@@ -138,6 +138,12 @@ pub(crate) trait Render: Send + 'static {
     fn error(&self, e: Error) -> Response {
         e.into_response()
     }
+    /// Checks what the request asked against its prompt's token count, before the pair starts
+    /// (`/generate`'s `logprob_start_len` must lie within the prompt).
+    fn fits_prompt(&self, tokens: usize) -> Result<(), Error> {
+        let _ = tokens;
+        Ok(())
+    }
     /// The model's tokenizer, given before the first chunk (for the token texts of
     /// log-probabilities).
     fn vocab(&mut self, codec: &Arc<PromptCodec>) {
@@ -184,7 +190,7 @@ pub(crate) struct Progress {
     pub(crate) logprobs: Vec<(u32, TokenLogprobs)>,
     /// The prompt's ids and the log-probabilities of its tokens after the first, where the
     /// request asked for them (empty otherwise).
-    pub(crate) prompt: (Vec<u32>, Vec<TokenLogprobs>),
+    pub(crate) prompt: super::logprobs::ScoredPrompt,
 }
 
 impl Progress {
@@ -219,6 +225,9 @@ pub(crate) async fn serve_pair<R: Render>(admitted: Admitted, shape: R) -> Respo
     let scored = admitted.sampling.prompt_logprobs;
     let prompt_ids = scored.map(|_| admitted.ids.clone()).unwrap_or_default();
     let mut shape = shape;
+    if let Err(e) = shape.fits_prompt(admitted.ids.len()) {
+        return shape.error(e);
+    }
     shape.vocab(&codec);
     let Committed {
         rx,
