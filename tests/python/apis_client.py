@@ -5,6 +5,7 @@ tests/tests/apis.rs (against the PD mock, whose decode echoes the prompt) and te
 (against the real model) with LOCKSTEP_URL and LOCKSTEP_MODEL set; LOCKSTEP_ECHO=1 says the
 answer echoes the prompt. Exits non-zero on the first failed check."""
 
+import json
 import os
 import sys
 
@@ -75,11 +76,26 @@ check(r3.usage.input_tokens == r2.usage.input_tokens + 6, f"instructions are par
 check(r2.instructions == "Answer briefly.", "instructions echoed")
 
 for kwargs, param in [({"store": True}, "store"), ({"previous_response_id": "resp_1"}, "previous_response_id"),
-                      ({"background": True}, "background"),
-                      ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}, "tools")]:
+                      ({"background": True}, "background")]:
     e = refused(lambda: oa.responses.create(model=MODEL, input="hi", max_output_tokens=2, **kwargs),
                 openai.BadRequestError, f"responses {param}")
     check(e.code == "unsupported" and e.param == param, f"{param}: {e.code} {e.param}")
+# Function tools on a model without a tool parser (generic tool calls): a forced call comes back as
+# a `function_call` item with arguments valid for its schema on lockstep's engine; on the SGLang
+# mock (which records constraints, not enforces them) `auto` is refused by name, since only
+# lockstep's engine takes the text-or-calls grammar.
+F = [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}},
+                                                      "required": ["x"]}}]
+if ECHO:
+    e = refused(lambda: oa.responses.create(model=MODEL, input="hi", max_output_tokens=2, tools=F),
+                openai.BadRequestError, "responses generic tools with auto on SGLang")
+    check(e.code == "unsupported" and e.param == "tools", f"tools: {e.code} {e.param}")
+else:
+    r = oa.responses.create(model=MODEL, input="Call f with x = 3.", max_output_tokens=40, tools=F,
+                            tool_choice="required", temperature=0)
+    calls = [o for o in r.output if o.type == "function_call"]
+    check(len(calls) == 1 and calls[0].name == "f" and isinstance(json.loads(calls[0].arguments)["x"], int),
+          f"a forced call as a function_call item: {r.output}")
 e = refused(lambda: oa.responses.create(model=MODEL, input="red " * 5000, max_output_tokens=4),
             openai.BadRequestError, "responses over-long prompt")
 check(e.code == "context_length_exceeded", f"over-long code {e.code}")
