@@ -41,6 +41,12 @@ impl EngineDevice {
         matches!(self, EngineDevice::Cpu)
     }
 
+    /// Whether a step can return every token's logits ([`EngineDevice::forward_batch_scored`]):
+    /// the CPU engine's.
+    pub fn scores_prompts(&self) -> bool {
+        matches!(self, EngineDevice::Cpu)
+    }
+
     /// One forward step over a ragged batch on this device (see [`crate::model::Llama::forward_batch`]).
     pub fn forward_batch(
         &mut self,

@@ -30,12 +30,9 @@ impl Scheduler {
                 let salt = cache_salt.filter(|_| self.prefix_cache());
                 // A scored prompt is computed whole: cached pages carry no logits.
                 let lookup = salt.filter(|_| score.is_none());
-                let started = if score.is_some() && !self.device.shares_prefixes() {
-                    Err(EngineError::BadRequest(
-                        "prompt log-probabilities are computed by the CPU engine only".into(),
-                    ))
-                } else {
-                    self.new_sequence(owner, &tokens, tokens.len(), lookup)
+                let started = match self.refuse_scoring(score.is_some()) {
+                    Some(e) => Err(e),
+                    None => self.new_sequence(owner, &tokens, tokens.len(), lookup),
                 };
                 let (seq, shared) = match started {
                     Ok(s) => s,
@@ -88,10 +85,7 @@ impl Scheduler {
                     .prompt_logprobs
                     .filter(|_| g.kv.is_none())
                     .map(|k| Score::new((k, g.prompt.clone())));
-                if score.is_some() && !self.device.shares_prefixes() {
-                    let e = EngineError::BadRequest(
-                        "prompt log-probabilities are computed by the CPU engine only".into(),
-                    );
+                if let Some(e) = self.refuse_scoring(score.is_some()) {
                     return Err((Job::Gen(g, events, guide), e));
                 }
                 let lookup = salt.filter(|_| score.is_none());
@@ -176,5 +170,15 @@ impl Scheduler {
                 }))
             }
         }
+    }
+
+    /// Why a scored prompt cannot run here (`None`: it can, or none is asked): every position's
+    /// logits are the CPU engine's only.
+    fn refuse_scoring(&self, scored: bool) -> Option<EngineError> {
+        (scored && !self.device.scores_prompts()).then(|| {
+            EngineError::BadRequest(
+                "prompt log-probabilities are computed by the CPU engine only".into(),
+            )
+        })
     }
 }

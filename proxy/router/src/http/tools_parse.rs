@@ -211,7 +211,7 @@ pub(crate) fn tool_calls_json(pair: &str, calls: &[Call]) -> Vec<Value> {
 }
 
 /// The calls in a whole generic-mode answer: `None` unless it is one envelope (after leading
-/// whitespace) whose calls each have a name and object arguments.
+/// whitespace) whose calls each are a call ([`call_of`]).
 fn parse_envelope(text: &str) -> Option<Vec<Call>> {
     let t = text.trim_start();
     if !t.starts_with('{') {
@@ -226,15 +226,5 @@ fn parse_envelope(text: &str) -> Option<Vec<Call>> {
     if !o.is_empty() || calls.is_empty() {
         return None;
     }
-    calls
-        .iter()
-        .map(|c| {
-            let name = c.get("name")?.as_str()?.to_string();
-            let args = c.get("arguments")?;
-            args.is_object().then(|| Call {
-                name,
-                arguments: args.to_string(),
-            })
-        })
-        .collect()
+    calls.iter().map(|c| call_of(c, "arguments")).collect()
 }
