@@ -42,7 +42,12 @@
 //!   the KV metadata buffer (`srt/disaggregation/utils.py`, at most 128 alternatives;
 //!   `decode.py` appends it): a prefill not asked for log-probabilities has none to send, and
 //!   the decode reports a zero there. The values are the mock's own function of the token id
-//!   ([`mock_logprob`]); the text entries are `null` (`return_text_in_logprobs` false).
+//!   ([`mock_logprob`]); the text entries are `null` (`return_text_in_logprobs` false). With
+//!   `logprob_start_len` s (a prompt position) the prefill's answer carries the prompt's
+//!   `input_token_logprobs` from s (`[logprob, id, null]`, the first `null`:
+//!   `scheduler_components/logprob_result_processor.py` puts None first and drops the last
+//!   position's, which predicts the output) and `input_top_logprobs` (`null` first); the prefill
+//!   runs the prompt, the decode only receives its KV.
 //! - `/server_info` (and its deprecated alias `/get_server_info`): the resolved server arguments
 //!   flat, plus the scheduler's `max_total_num_tokens` and `max_req_input_len`
 //!   (`srt/utils/common.py` `build_server_info`; `srt/managers/scheduler.py`), each overridable per
@@ -124,6 +129,8 @@ pub enum Fault {
     /// Decode's `output_token_logprobs` name another token than the one in `output_ids` (a
     /// worker whose log-probabilities are not the answer's).
     DecodeLogprobOtherToken,
+    /// The prefill's `input_token_logprobs` name other tokens than the prompt's.
+    PrefillLogprobOtherToken,
     /// Decode events carry no `meta_info.prompt_tokens` (SGLang 0.5.23 always sends it,
     /// `srt/managers/output_streamer.py`; a server that does not is not one lockstep can verify).
     DecodeNoCount,
@@ -797,6 +804,8 @@ struct Half {
     no_stop_trim: bool,
     /// `return_logprob` with `top_logprobs_num` (0 when absent).
     logprobs: Option<usize>,
+    /// `logprob_start_len`, where it is a prompt position (-1 or absent: none).
+    logprob_start: Option<usize>,
 }
 
 fn parse_half(v: &Value) -> Result<Half, &'static str> {
@@ -842,6 +851,10 @@ fn parse_half(v: &Value) -> Result<Half, &'static str> {
             .pointer("/sampling_params/no_stop_trim")
             .and_then(Value::as_bool)
             .unwrap_or(false),
+        logprob_start: v
+            .get("logprob_start_len")
+            .and_then(Value::as_i64)
+            .and_then(|s| usize::try_from(s).ok()),
         logprobs: (v.get("return_logprob").and_then(Value::as_bool) == Some(true)).then(|| {
             v.get("top_logprobs_num")
                 .and_then(Value::as_u64)
@@ -1153,6 +1166,46 @@ async fn prefill(
             Some(c) => c.serve(&h.ids, h.salt.as_deref()),
             None => radix_hit(&inner, &h),
         });
+        // The prompt's log-probabilities from `logprob_start_len` (`logprob_result_processor.py`:
+        // the first `None`, then each later token's; ids `origin_input_ids[start:]`).
+        if let (Some(k), Some(start)) = (h.logprobs, h.logprob_start)
+            && start < n
+            && let Some(m) = info.as_object_mut()
+        {
+            let input = &h.ids[start..];
+            let lp = |i: usize, id: u32| {
+                let named = if fault == Fault::PrefillLogprobOtherToken {
+                    id ^ 1
+                } else {
+                    id
+                };
+                let v = (i > 0).then(|| mock_logprob(id));
+                json!([v, named, null])
+            };
+            m.insert(
+                "input_token_logprobs".into(),
+                input.iter().enumerate().map(|(i, &id)| lp(i, id)).collect(),
+            );
+            if k > 0 {
+                m.insert(
+                    "input_top_logprobs".into(),
+                    input
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &id)| {
+                            if i == 0 {
+                                Value::Null
+                            } else {
+                                mock_top(id, k)
+                                    .into_iter()
+                                    .map(|(t, v)| json!([v, t, null]))
+                                    .collect()
+                            }
+                        })
+                        .collect(),
+                );
+            }
+        }
         let body = json!({ "text": first, "output_ids": [h.ids[0]], "meta_info": info });
         let _ = tx.send((StatusCode::OK, body));
     });

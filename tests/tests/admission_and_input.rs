@@ -324,8 +324,6 @@ async fn fields_lockstep_does_not_honour_are_refused_by_name() {
             ),
             "tools",
         ),
-        // Prompt log-probabilities are not computed yet (the output's are, SGLang's included).
-        (cmpl(json!({"echo": true, "logprobs": 1})), "echo"),
         (
             chat(json!({"functions": [{"name": "f", "parameters": {}}]})),
             "functions",
@@ -364,10 +362,6 @@ async fn fields_lockstep_does_not_honour_are_refused_by_name() {
         (
             cmpl(json!({"guided_json": {"type": "object"}})),
             "guided_json",
-        ),
-        (
-            generate(json!({"return_logprob": true, "logprob_start_len": 0})),
-            "logprob_start_len",
         ),
         (
             generate(json!({"sampling_params": {"repetition_penalty": 1.2}})),

@@ -188,3 +188,82 @@ async fn real_clients_read_sglang_log_probabilities() {
     )
     .await;
 }
+
+/// The prompt's log-probabilities on SGLang are the prefill's (it runs the prompt; the decode
+/// only gets its KV): `logprob_start_len: 0` goes to the prefill half alone, its
+/// `input_token_logprobs` must name the prompt's tokens, and they come back as completions'
+/// `echo` with `logprobs` and as `/generate`'s `input_token_logprobs`; another token fails the
+/// answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_prompt_log_probabilities_come_from_the_prefill_checked() {
+    let stack = Stack::start().await;
+    let g = post(
+        &stack,
+        "/generate",
+        json!({"text": PROMPT, "return_logprob": true, "top_logprobs_num": 2, "logprob_start_len": 0,
+               "sampling_params": {"max_new_tokens": 2, "temperature": 0}}),
+    )
+    .await;
+    assert_eq!(g.status, 200, "{}", g.body);
+    let meta = &g.json()["meta_info"];
+    let input = meta["input_token_logprobs"]
+        .as_array()
+        .expect("input")
+        .clone();
+    let n = meta["prompt_tokens"].as_u64().expect("n") as usize;
+    assert_eq!(input.len(), n, "{meta}");
+    assert!(
+        input[0][0].is_null() && meta["input_top_logprobs"][0].is_null(),
+        "{meta}"
+    );
+    for e in &input[1..] {
+        let id = e[1].as_u64().expect("id") as u32;
+        assert!((e[0].as_f64().expect("v") - f64::from(mock_logprob(id))).abs() < 1e-6);
+    }
+    let sent = stack.mock.requests();
+    let start_of = |role: &str| {
+        sent.iter()
+            .find(|(r, _)| format!("{r:?}") == role)
+            .map(|(_, b)| b["logprob_start_len"].clone())
+    };
+    assert_eq!(start_of("Prefill"), Some(json!(0)));
+    assert_eq!(
+        start_of("Decode"),
+        Some(Value::Null),
+        "the decode is not asked"
+    );
+    for stream in [false, true] {
+        let c = post(
+            &stack,
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "temperature": 0, "echo": true,
+                   "logprobs": 2, "stream": stream}),
+        )
+        .await;
+        assert_eq!(c.status, 200, "{}", c.body);
+        let values: Vec<Value> = c
+            .objects(stream)
+            .iter()
+            .filter_map(|o| o.pointer("/choices/0/logprobs/token_logprobs"))
+            .flat_map(|l| l.as_array().cloned().unwrap_or_default())
+            .collect();
+        assert_eq!(values.len(), n + 2, "stream={stream}: {}", c.body);
+        assert!(values[0].is_null());
+        for (v, e) in values[1..n].iter().zip(&input[1..]) {
+            assert_eq!(v.as_f64(), e[0].as_f64(), "stream={stream}");
+        }
+    }
+    stack.mock.set_fault(Fault::PrefillLogprobOtherToken);
+    let c = post(
+        &stack,
+        "/v1/completions",
+        json!({"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "echo": true, "logprobs": 1}),
+    )
+    .await;
+    assert!(
+        c.status >= 500 && c.error_code().is_some(),
+        "{} {}",
+        c.status,
+        c.body
+    );
+}

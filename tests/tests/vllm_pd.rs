@@ -573,6 +573,21 @@ async fn log_probabilities_come_from_the_vllm_decode_checked() {
             );
         }
     }
+    // The prompt's log-probabilities are not read from vLLM yet: refused by name, before any
+    // worker is asked.
+    let before = s.mock.requests().len();
+    let body =
+        json!({"model": MODEL, "prompt": PROMPT, "max_tokens": 1, "echo": true, "logprobs": 1});
+    let a = s.send("/v1/completions", &body).await;
+    assert_eq!(
+        (a.status, a.error_code().as_deref()),
+        (400, Some("unsupported")),
+        "{}",
+        a.body
+    );
+    assert_eq!(a.json()["error"]["param"], "echo");
+    assert!(a.body.contains("vllm"), "{}", a.body);
+    assert_eq!(s.mock.requests().len(), before);
     s.mock.set_fault(VllmFault::DecodeLogprobOtherToken);
     let body = json!({"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "logprobs": 1});
     let a = s.send("/v1/completions", &body).await;

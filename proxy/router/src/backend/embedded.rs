@@ -139,6 +139,8 @@ impl PdBackend for EmbeddedBackend {
                 prompt_tokens: done.prompt_tokens,
                 kv_digest: done.kv_digest,
                 cached_tokens: done.cached_tokens,
+                // They come with the decode's first token (the KV carries them).
+                prompt_logprobs: None,
             })
         }
         .boxed()

@@ -227,6 +227,7 @@ impl PdBackend for LockstepBackend {
                 prompt_tokens: r.prompt_tokens,
                 kv_digest: Some(r.kv_digest),
                 cached_tokens: Some(r.cached_tokens),
+                prompt_logprobs: None,
             })
         }
         .boxed()

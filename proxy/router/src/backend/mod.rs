@@ -185,7 +185,7 @@ impl Deployment {
 }
 
 /// What the prefill half reported once it finished.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct PrefillReport {
     /// The prompt token count the prefill worker says it computed.
     pub prompt_tokens: u64,
@@ -194,6 +194,9 @@ pub struct PrefillReport {
     /// Prompt tokens the worker took from its prefix cache, when it reports them (SGLang
     /// `meta_info.cached_tokens`, vLLM `usage.prompt_tokens_details.cached_tokens`).
     pub cached_tokens: Option<u64>,
+    /// The prompt's log-probabilities (one per prompt token after the first), where the request
+    /// asked and this backend's prefill computes them (SGLang's `input_token_logprobs`).
+    pub prompt_logprobs: Option<Vec<TokenLogprobs>>,
 }
 
 /// How one half failed, as the protocol saw it.

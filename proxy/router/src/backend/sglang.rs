@@ -77,6 +77,9 @@ impl SglangBackend {
             // with the KV (`srt/disaggregation/utils.py`), the decode the rest.
             return_logprob: s.logprobs.map(|_| true),
             top_logprobs_num: s.logprobs,
+            // The prompt's log-probabilities are the prefill's (it runs the prompt; the decode
+            // gets its KV): asked of the prefill half, the one not streamed.
+            logprob_start_len: s.prompt_logprobs.filter(|_| !stream).map(|_| 0),
         };
         // One buffer, large enough for the usual body, and no copy after.
         let mut rest = Vec::with_capacity(384);
@@ -123,6 +126,8 @@ struct GenerateBody<'a> {
     return_logprob: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]
     top_logprobs_num: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    logprob_start_len: Option<u32>,
 }
 
 /// A cache salt as its 16 hex digits, a JSON string written straight into the body.
@@ -239,6 +244,7 @@ pub(crate) fn prefill_report(v: &Answer, rid: &str) -> Result<PrefillReport, Hal
         prompt_tokens,
         kv_digest: None,
         cached_tokens: v.meta(|m| m.cached_tokens),
+        prompt_logprobs: None,
     })
 }
 
@@ -280,6 +286,7 @@ impl PdBackend for SglangBackend {
             .prefill
             .headers(lockstep_serve::telemetry::trace_headers(), false);
         let rid = d.pair_id.rid();
+        let scored = d.sampling.prompt_logprobs.map(|k| (k, d.input_ids.clone()));
         Box::pin(async move {
             let side = Side::Prefill;
             let target = target.map_err(|m| CallError::Connect(m).of(side))?;
@@ -293,7 +300,12 @@ impl PdBackend for SglangBackend {
                     failure: status_failure(status, &body),
                 });
             }
-            prefill_report(&Answer::parse(side, &body, "not JSON")?, &rid)
+            let answer = Answer::parse(side, &body, "not JSON")?;
+            let mut report = prefill_report(&answer, &rid)?;
+            if let Some((k, ids)) = scored {
+                report.prompt_logprobs = Some(answer.prompt_logprobs(&ids, k)?);
+            }
+            Ok(report)
         })
     }
 

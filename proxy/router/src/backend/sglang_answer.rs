@@ -35,6 +35,11 @@ pub(crate) struct Meta {
     /// The `top_logprobs_num` most likely tokens per output token, as entries like the above
     /// (sent when `top_logprobs_num` > 0).
     pub(crate) output_top_logprobs: Option<Vec<Option<Vec<LogprobEntry>>>>,
+    /// The prompt's entries from `logprob_start_len` on, the first's value `null` (the prefill's
+    /// answer, `scheduler_components/logprob_result_processor.py`).
+    pub(crate) input_token_logprobs: Option<Vec<LogprobEntry>>,
+    /// Their alternatives (`null` for the first).
+    pub(crate) input_top_logprobs: Option<Vec<Option<Vec<LogprobEntry>>>>,
 }
 
 /// One `[logprob, token_id, text]` entry of SGLang's log-probability lists (the text skipped
@@ -60,6 +65,63 @@ impl Answer {
             side,
             failure: HalfFailure::Protocol(format!("{what}: {e}")),
         })
+    }
+
+    /// The prompt's log-probabilities in a prefill's answer to `logprob_start_len: 0` (`k`
+    /// alternatives each): an entry per prompt token, each naming the token `ids` has at its place,
+    /// the first without a value; returned for the tokens after the first. Anything else is not
+    /// this prompt's answer.
+    pub(crate) fn prompt_logprobs(
+        &self,
+        ids: &[u32],
+        k: u32,
+    ) -> Result<Vec<super::TokenLogprobs>, HalfError> {
+        let protocol = |m: String| HalfError {
+            side: Side::Prefill,
+            failure: HalfFailure::Protocol(m),
+        };
+        let meta = self.meta_info.as_ref();
+        let entries = meta
+            .and_then(|m| m.input_token_logprobs.as_deref())
+            .unwrap_or_default();
+        if entries.len() != ids.len() {
+            return Err(protocol(format!(
+                "{} input_token_logprobs for a {}-token prompt",
+                entries.len(),
+                ids.len()
+            )));
+        }
+        let tops = meta.and_then(|m| m.input_top_logprobs.as_deref());
+        let mut out = Vec::with_capacity(ids.len().saturating_sub(1));
+        for (i, (e, &id)) in entries.iter().zip(ids).enumerate() {
+            if e.1 != id {
+                return Err(protocol(format!(
+                    "input_token_logprobs names token {} where the prompt has {id}",
+                    e.1
+                )));
+            }
+            if i == 0 {
+                continue;
+            }
+            let top = match (k, tops) {
+                (0, _) => Vec::new(),
+                (_, Some(t)) => t
+                    .get(i)
+                    .and_then(Option::as_deref)
+                    .ok_or_else(|| {
+                        protocol("input_top_logprobs is shorter than the prompt".into())
+                    })?
+                    .iter()
+                    .map(|t| (t.1, t.logprob()))
+                    .collect(),
+                (_, None) => return Err(protocol("input_top_logprobs is missing".into())),
+            };
+            out.push(super::TokenLogprobs {
+                logprob: e.logprob(),
+                top,
+            });
+        }
+        Ok(out)
     }
 
     pub(crate) fn meta(&self, pick: impl Fn(&Meta) -> Option<u64>) -> Option<u64> {

@@ -328,3 +328,37 @@ fn log_probabilities_are_read_past_the_delivered_ones_in_both_modes() {
     assert!(s.logprobs(&e, &ids, 2).is_err());
     assert_eq!(s.logprobs(&e, &ids, 0).expect("none asked").len(), 1);
 }
+
+/// A prefill's prompt entries (`logprob_start_len: 0`): one per prompt token, each naming it,
+/// the first without a value; returned for the tokens after the first; else not this prompt's.
+#[test]
+fn prompt_log_probabilities_must_name_the_prompt() {
+    let answer = |entries: Value, tops: Value| {
+        read(
+            json!({ "text": "", "meta_info": { "input_token_logprobs": entries,
+                                                "input_top_logprobs": tops } }),
+        )
+    };
+    let good = answer(
+        json!([[null, 5, null], [-1.5, 6, null], [-0.5, 7, null]]),
+        json!([null, [[-1.0, 9, null]], [[-0.5, 7, null]]]),
+    );
+    let got = good.prompt_logprobs(&[5, 6, 7], 1).expect("read");
+    assert_eq!(got.len(), 2);
+    assert_eq!(
+        (got[0].logprob, got[0].top.clone()),
+        (-1.5, vec![(9, -1.0)])
+    );
+    assert!(
+        good.prompt_logprobs(&[5, 6, 7], 0)
+            .expect("no alternatives")[1]
+            .top
+            .is_empty()
+    );
+    // Another token, another length, alternatives asked and missing.
+    assert!(good.prompt_logprobs(&[5, 6, 8], 1).is_err());
+    assert!(good.prompt_logprobs(&[5, 6], 1).is_err());
+    let bare = answer(json!([[null, 5, null], [-1.5, 6, null]]), Value::Null);
+    assert!(bare.prompt_logprobs(&[5, 6], 1).is_err());
+    assert!(bare.prompt_logprobs(&[5, 6], 0).is_ok());
+}

@@ -256,6 +256,7 @@ impl PdBackend for VllmBackend {
                 prompt_tokens: d.input_ids.len() as u64,
                 kv_digest: None,
                 cached_tokens: None,
+                prompt_logprobs: None,
             };
             return Box::pin(std::future::ready(Ok(report)));
         }
@@ -316,6 +317,7 @@ impl PdBackend for VllmBackend {
                     cached_tokens: v
                         .pointer("/usage/prompt_tokens_details/cached_tokens")
                         .and_then(Value::as_u64),
+                    prompt_logprobs: None,
                 };
                 if prompt_tokens != expected {
                     // The lifecycle ends the pair on the count (an integrity violation); the

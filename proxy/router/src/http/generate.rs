@@ -65,10 +65,12 @@ impl FrontRequest for GenerateRequest {
     ) -> Result<(Input, SamplingParams, OpenAiShape), LockstepError> {
         let mut rest = self.rest;
         let (logprobs, texts, start) = super::logprob_params::generate_logprobs(&mut rest)?;
-        if start.is_some() && model.backend != crate::config::BackendKind::Embedded {
+        use crate::config::BackendKind;
+        if start.is_some() && !matches!(model.backend, BackendKind::Embedded | BackendKind::Sglang)
+        {
             return Err(LockstepError::Unsupported {
                 message: format!(
-                    "`logprob_start_len` asks for the prompt's log-probabilities, which lockstep computes on its embedded engine only, not on {}; leave it -1 (the output's)",
+                    "`logprob_start_len` asks for the prompt's log-probabilities, which lockstep returns from its embedded engine and SGLang, not from {}; leave it -1 (the output's)",
                     model.backend.as_str()
                 ),
                 param: Some("logprob_start_len".into()),

@@ -193,6 +193,7 @@ impl Front {
             prompt_tokens,
             cached_tokens,
             permit,
+            ..
         } = committed;
         let started = pb::GenerateResponse {
             event: Some(pb::generate_response::Event::Started(pb::Started {

@@ -303,6 +303,7 @@ async fn a_committed_answer_ends_with_a_finish_or_an_error_never_quietly() {
         vec![
             PairEvent::Chunk(chunk("t", None, 1)),
             PairEvent::Committed {
+                prompt_logprobs: None,
                 pair_id: id,
                 prompt_tokens: 1,
                 cached_tokens: 0,

@@ -28,6 +28,8 @@ pub(crate) struct Committed {
     pub(crate) prompt_tokens: u64,
     pub(crate) cached_tokens: u64,
     pub(crate) permit: crate::tenant::Held,
+    /// The prompt's log-probabilities the prefill reported (SGLang's), for the first chunk.
+    pub(crate) prompt_logprobs: Option<Vec<TokenLogprobs>>,
 }
 
 /// Starts the pair of an admitted request and waits for the commit barrier. Shared by every
@@ -54,6 +56,7 @@ pub(crate) async fn commit(admitted: Admitted) -> Result<Committed, LockstepErro
             pair_id,
             prompt_tokens,
             cached_tokens,
+            prompt_logprobs,
         }) => {
             let mut permit = caller.permit;
             permit.committed(prompt_tokens);
@@ -63,6 +66,7 @@ pub(crate) async fn commit(admitted: Admitted) -> Result<Committed, LockstepErro
                 prompt_tokens,
                 cached_tokens,
                 permit,
+                prompt_logprobs,
             })
         }
         Some(PairEvent::Failed(e)) => Err(e),
@@ -70,6 +74,15 @@ pub(crate) async fn commit(admitted: Admitted) -> Result<Committed, LockstepErro
             message: "pair ended without an outcome".into(),
         }),
     }
+}
+
+/// What a request asked of its prompt's log-probabilities: `k` alternatives for each of the `n`
+/// prompt tokens after the first, and the entries its prefill reported (SGLang's; the embedded
+/// engine's come with the first chunk).
+pub(crate) struct PromptScores {
+    pub(crate) k: u32,
+    pub(crate) n: u64,
+    pub(crate) reported: Option<Vec<TokenLogprobs>>,
 }
 
 /// A committed pair's answer as every front end reads it (HTTP shapes and gRPC): its chunks up
@@ -83,15 +96,23 @@ pub(crate) fn committed_chunks(
     pair_id: PairId,
     permit: crate::tenant::Held,
     logprobs: Option<u32>,
-    prompt: Option<(u32, u64)>,
+    prompt: Option<PromptScores>,
 ) -> impl futures_util::Stream<Item = Result<DecodeChunk, LockstepError>> + Send + 'static {
-    futures_util::stream::unfold(Some((rx, permit, 0)), move |open| async move {
-        let (mut rx, permit, before) = open?;
+    let (check, reported) = match prompt {
+        Some(p) => (Some((p.k, p.n)), p.reported),
+        None => (None, None),
+    };
+    futures_util::stream::unfold(Some((rx, permit, 0, reported)), move |open| async move {
+        let (mut rx, permit, before, mut reported) = open?;
         let item = match rx.recv().await {
-            Some(PairEvent::Chunk(c)) => {
+            Some(PairEvent::Chunk(mut c)) => {
+                // The prefill's report of the prompt (SGLang) goes out with the first chunk.
+                if c.prompt_logprobs.is_none() {
+                    c.prompt_logprobs = reported.take();
+                }
                 let checked = logprobs
                     .map_or(Ok(()), |k| super::logprobs::check(pair_id, k, &c, before))
-                    .and_then(|()| match prompt {
+                    .and_then(|()| match check {
                         Some((k, n)) if before == 0 => {
                             super::logprobs::check_prompt(pair_id, k, n, &c)
                         }
@@ -101,7 +122,7 @@ pub(crate) fn committed_chunks(
                     Ok(()) => {
                         permit.delivered(c.completion_tokens);
                         let (last, now) = (c.finish.is_some(), c.completion_tokens);
-                        return Some((Ok(c), (!last).then_some((rx, permit, now))));
+                        return Some((Ok(c), (!last).then_some((rx, permit, now, None))));
                     }
                     Err(e) => e,
                 }
@@ -235,6 +256,7 @@ pub(crate) async fn serve_pair<R: Render>(admitted: Admitted, shape: R) -> Respo
         prompt_tokens,
         cached_tokens,
         permit,
+        prompt_logprobs,
     } = match commit(admitted).await {
         Ok(c) => c,
         Err(e) => return shape.error(e),
@@ -251,7 +273,11 @@ pub(crate) async fn serve_pair<R: Render>(admitted: Admitted, shape: R) -> Respo
         logprobs: Vec::new(),
         prompt: (prompt_ids, Vec::new()),
     };
-    let prompt = scored.map(|k| (k, prompt_tokens.saturating_sub(1)));
+    let prompt = scored.map(|k| PromptScores {
+        k,
+        n: prompt_tokens.saturating_sub(1),
+        reported: prompt_logprobs,
+    });
     let chunks = committed_chunks(rx, pair_id, permit, logprobs, prompt);
     if shape.stream() {
         let body = chunks.scan((p, shape), |(p, shape), next| {

@@ -22,6 +22,8 @@ pub enum PairEvent {
         /// request without a tenant (the cache is shared there, so the count would tell one
         /// caller what another sent).
         cached_tokens: u64,
+        /// The prompt's log-probabilities, where the prefill reported them.
+        prompt_logprobs: Option<Vec<crate::backend::TokenLogprobs>>,
     },
     /// Decode output; the chunk with `finish` set is the last.
     Chunk(DecodeChunk),

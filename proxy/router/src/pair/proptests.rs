@@ -72,6 +72,7 @@ impl PdBackend for Fake {
                     Ok(PrefillReport {
                         kv_digest: Some(42),
                         cached_tokens: None,
+                        prompt_logprobs: None,
                         prompt_tokens: if count_off { n + 1 } else { n },
                     })
                 }

@@ -237,6 +237,7 @@ impl ModelPairs {
                             pair_id: a.d.pair_id,
                             prompt_tokens: expected,
                             cached_tokens: a.cached_tokens,
+                            prompt_logprobs: a.prompt_logprobs.take(),
                         });
                     }
                     (Action::Resume, Some(a)) => {
@@ -419,6 +420,7 @@ impl ModelPairs {
             barrier_span: None,
             kv_transfer: None,
             reported_cached: None,
+            prompt_logprobs: None,
             cached_tokens: 0,
             held: None,
             failed_half: None,
@@ -568,6 +570,8 @@ pub(super) struct Attempt {
     kv_transfer: Option<tracing::Span>,
     /// The prefix-cache count the prefill reported.
     reported_cached: Option<u64>,
+    /// The prompt's log-probabilities the prefill reported, for the commit.
+    prompt_logprobs: Option<Vec<crate::backend::TokenLogprobs>>,
     /// What the client is told of it (0 without a tenant).
     cached_tokens: u64,
     /// The decode chunk the machine is judging or holding.

@@ -36,6 +36,7 @@ impl ModelPairs {
                 match r {
                     Ok(report) => {
                         a.reported_cached = report.cached_tokens;
+                        a.prompt_logprobs = report.prompt_logprobs;
                         Observation::Prefill { prompt_tokens: report.prompt_tokens, digest: report.kv_digest }
                     }
                     Err(e) => a.half_failed(e),
