@@ -88,6 +88,8 @@ pub enum VllmFault {
     DecodeCutOnce(usize),
     /// The decode's log-probabilities name the token after the one it output.
     DecodeLogprobOtherToken,
+    /// The prefill's `prompt_logprobs` hold other tokens than the prompt's.
+    PrefillPromptLogprobsOtherToken,
 }
 
 /// Mock settings.
@@ -542,6 +544,41 @@ fn prefill(
                       "stop_reason": stop_reason }],
         "usage": { "prompt_tokens": reported, "completion_tokens": 1, "total_tokens": reported + 1 },
     });
+    // `prompt_logprobs: k` (`completion/protocol.py` `CompletionResponseChoice.prompt_logprobs`):
+    // `null` for the first prompt token, then a map from token id to `{logprob, rank,
+    // decoded_token}` holding the prompt's token (here never among the most likely: rank k + 1)
+    // and the k most likely (`logprobs.py` `append_logprobs_for_next_position`).
+    if let Some(k) = req.get("prompt_logprobs").and_then(Value::as_u64) {
+        let entries: Vec<Value> = prompt
+            .iter()
+            .enumerate()
+            .map(|(i, &id)| {
+                if i == 0 {
+                    return Value::Null;
+                }
+                let named = if fault == VllmFault::PrefillPromptLogprobsOtherToken {
+                    id ^ 1
+                } else {
+                    id
+                };
+                let lp = crate::sglang_mock::mock_logprob(id) - 2.5;
+                let mut m = serde_json::Map::new();
+                m.insert(
+                    named.to_string(),
+                    json!({"logprob": lp, "rank": k + 1, "decoded_token": ""}),
+                );
+                for j in 0..k {
+                    let above = 0.1 * (k - j) as f32;
+                    m.insert(
+                        (id.wrapping_add(1 + j as u32)).to_string(),
+                        json!({"logprob": lp + above, "rank": j + 1, "decoded_token": ""}),
+                    );
+                }
+                Value::Object(m)
+            })
+            .collect();
+        answer["choices"][0]["prompt_logprobs"] = json!(entries);
+    }
     // `request_finished` (`nixl/pull_scheduler.py`) keeps the blocks for a decode after a
     // length-capped or a stopped finish alike.
     if fault != VllmFault::MissingParams {

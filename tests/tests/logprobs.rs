@@ -113,6 +113,24 @@ workers = [{{ url = "http://{d}" }}]
         (a.status, a.error_code().as_deref()),
         (400, Some("invalid_request"))
     );
+    // The prompt's log-probabilities are not returned by workers yet: refused by name.
+    let a = TestClient::default()
+        .post(
+            &via_workers,
+            &json!({ "model": "m", "prompt": "x", "max_tokens": 1, "echo": true, "logprobs": 1 }),
+            Duration::from_secs(10),
+        )
+        .await;
+    assert_eq!(
+        (
+            a.status,
+            a.error_code().as_deref(),
+            a.json()["error"]["param"].clone()
+        ),
+        (400, Some("unsupported"), json!("echo")),
+        "{}",
+        a.body
+    );
     embedded.wait_released().await;
 }
 

@@ -573,21 +573,53 @@ async fn log_probabilities_come_from_the_vllm_decode_checked() {
             );
         }
     }
-    // The prompt's log-probabilities are not read from vLLM yet: refused by name, before any
-    // worker is asked.
-    let before = s.mock.requests().len();
+    // The prompt's log-probabilities are the prefill's (it runs the prompt): `prompt_logprobs`
+    // goes to it alone, its entries must hold the prompt's tokens, and they come back with
+    // `echo`, streamed and not.
+    let n = lockstep_tests::tokenizer::build()
+        .encode(PROMPT, false)
+        .expect("ids")
+        .get_ids()
+        .len();
+    for stream in [false, true] {
+        let before = s.mock.requests().len();
+        let body = json!({"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "echo": true,
+                          "logprobs": 2, "stream": stream});
+        let a = s.send("/v1/completions", &body).await;
+        assert_eq!(a.status, 200, "{}", a.body);
+        for (role, _, v) in &s.mock.requests()[before..] {
+            let want = match role {
+                VllmRole::Prefill => json!(2),
+                VllmRole::Decode => Value::Null,
+            };
+            assert_eq!(v["prompt_logprobs"], want, "{role:?}");
+        }
+        let values: Vec<Value> = a
+            .objects(stream)
+            .iter()
+            .filter_map(|o| o.pointer("/choices/0/logprobs/token_logprobs"))
+            .flat_map(|l| l.as_array().cloned().unwrap_or_default())
+            .collect();
+        assert_eq!(values.len(), n + 2, "stream={stream}: {}", a.body);
+        assert!(values[0].is_null());
+        for v in &values[1..n] {
+            let v = v.as_f64().expect("a value") as f32;
+            assert!(
+                (0..40u32).any(|id| (mock_logprob(id) - 2.5 - v).abs() < 1e-6),
+                "{v} is one of the mock's values"
+            );
+        }
+    }
+    s.mock.set_fault(VllmFault::PrefillPromptLogprobsOtherToken);
     let body =
         json!({"model": MODEL, "prompt": PROMPT, "max_tokens": 1, "echo": true, "logprobs": 1});
     let a = s.send("/v1/completions", &body).await;
-    assert_eq!(
-        (a.status, a.error_code().as_deref()),
-        (400, Some("unsupported")),
-        "{}",
+    assert!(
+        a.status >= 500 && a.error_code().is_some(),
+        "{} {}",
+        a.status,
         a.body
     );
-    assert_eq!(a.json()["error"]["param"], "echo");
-    assert!(a.body.contains("vllm"), "{}", a.body);
-    assert_eq!(s.mock.requests().len(), before);
     s.mock.set_fault(VllmFault::DecodeLogprobOtherToken);
     let body = json!({"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "logprobs": 1});
     let a = s.send("/v1/completions", &body).await;

@@ -15,6 +15,7 @@ pub(crate) mod sglang_answer;
 pub mod sglang_info;
 pub(crate) mod sse;
 pub mod vllm;
+mod vllm_logprobs;
 mod vllm_params;
 pub(crate) mod vllm_probe;
 

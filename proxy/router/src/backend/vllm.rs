@@ -29,6 +29,7 @@ use tokio::sync::watch;
 
 use super::client::UpstreamClient;
 use super::sse::{ChunkSource, SseReader, decode_stream};
+use super::vllm_logprobs::chunk_logprobs;
 use super::{
     Constraint, DecodeChunk, DecodeStream, Dispatch, FinishReason, HalfError, HalfFailure,
     PdBackend, PrefillReport, Side,
@@ -109,6 +110,9 @@ impl VllmBackend {
                 b["logprobs"] = Value::from(k);
                 b["return_tokens_as_token_ids"] = Value::Bool(true);
             }
+        } else if let Some(k) = s.prompt_logprobs {
+            // The prompt's are the prefill's: it runs the prompt, the decode reads its KV.
+            b["prompt_logprobs"] = Value::from(k);
         }
         let opt = [
             ("temperature", s.temperature.map(Value::from)),
@@ -267,6 +271,7 @@ impl PdBackend for VllmBackend {
         let handoff = self.handoff(d.pair_id);
         let me = self.clone();
         let expected = d.input_ids.len() as u64;
+        let scored = d.sampling.prompt_logprobs.map(|k| (k, d.input_ids.clone()));
         let d_id = d.pair_id.to_string();
         let prefill_host = d.prefill.host.clone();
         Box::pin(async move {
@@ -311,13 +316,24 @@ impl PdBackend for VllmBackend {
                     side,
                     failure: HalfFailure::Protocol("no usage.prompt_tokens".into()),
                 })?;
+                let prompt_logprobs = match scored {
+                    Some((k, ids)) => Some(
+                        super::vllm_logprobs::prompt_logprobs(choice, &ids, k).map_err(|m| {
+                            HalfError {
+                                side,
+                                failure: HalfFailure::Protocol(m),
+                            }
+                        })?,
+                    ),
+                    None => None,
+                };
                 let report = PrefillReport {
                     prompt_tokens,
                     kv_digest: None,
                     cached_tokens: v
                         .pointer("/usage/prompt_tokens_details/cached_tokens")
                         .and_then(Value::as_u64),
-                    prompt_logprobs: None,
+                    prompt_logprobs,
                 };
                 if prompt_tokens != expected {
                     // The lifecycle ends the pair on the count (an integrity violation); the
@@ -507,75 +523,6 @@ impl ChunkSource for Sse {
             }));
         }
     }
-}
-
-/// A chunk's log-probabilities (`choices[0].logprobs` in the completions shape vLLM 0.33 builds,
-/// `completion/serving.py` `_create_completion_logprobs`: `tokens` as `token_id:N`,
-/// `token_logprobs`, `top_logprobs` as a map from token to value holding the sampled token and
-/// the `k` most likely), one per id of the chunk, each naming its id; the `k` most likely are
-/// the map's `k` highest values (the sampled token comes first in the map, and is among them
-/// only where it is among the most likely).
-fn chunk_logprobs(
-    choice: &Value,
-    ids: &[u32],
-    k: u32,
-) -> Result<Vec<super::TokenLogprobs>, String> {
-    if ids.is_empty() {
-        return Ok(Vec::new());
-    }
-    let lp = choice
-        .get("logprobs")
-        .filter(|v| !v.is_null())
-        .ok_or("a chunk with tokens came without the log-probabilities asked for")?;
-    let list = |key: &str| {
-        lp.get(key)
-            .and_then(Value::as_array)
-            .filter(|a| a.len() == ids.len())
-            .ok_or_else(|| format!("logprobs.{key} is not one entry per token id"))
-    };
-    let id_of = |t: &Value| {
-        t.as_str()
-            .and_then(|t| t.strip_prefix("token_id:"))
-            .and_then(|n| n.parse::<u32>().ok())
-            .ok_or_else(|| format!("logprobs token {t} is not `token_id:N`"))
-    };
-    let (tokens, values, tops) = (
-        list("tokens")?,
-        list("token_logprobs")?,
-        list("top_logprobs")?,
-    );
-    let mut out = Vec::with_capacity(ids.len());
-    for (i, &id) in ids.iter().enumerate() {
-        let named = id_of(&tokens[i])?;
-        if named != id {
-            return Err(format!(
-                "logprobs name token {named} where the output has {id}"
-            ));
-        }
-        let logprob = values[i]
-            .as_f64()
-            .ok_or("a token's logprob is not a number")? as f32;
-        let mut top = tops[i]
-            .as_object()
-            .ok_or("a token's top_logprobs is not a map")?
-            .iter()
-            .map(|(t, v)| {
-                let id = id_of(&Value::String(t.clone()))?;
-                let lp = v.as_f64().ok_or("a top logprob is not a number")?;
-                Ok((id, lp as f32))
-            })
-            .collect::<Result<Vec<_>, String>>()?;
-        top.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        if top.len() < k as usize {
-            return Err(format!(
-                "{} top logprobs where {k} were asked for",
-                top.len()
-            ));
-        }
-        top.truncate(k as usize);
-        out.push(super::TokenLogprobs { logprob, top });
-    }
-    Ok(out)
 }
 
 /// A chunk's `token_ids` (its own ids, with `return_token_ids`); none where absent.

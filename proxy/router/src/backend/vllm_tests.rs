@@ -117,3 +117,30 @@ fn chunk_log_probabilities_are_read_and_checked() {
         assert!(chunk_logprobs(&bad, &ids, k).is_err(), "{bad} {ids:?} {k}");
     }
 }
+
+/// A prefill's `prompt_logprobs`: one per prompt token (`null` first), each map holding the
+/// prompt's token; the alternatives by rank 1 to k; anything else fails the prefill.
+#[test]
+fn prompt_log_probabilities_are_read_by_rank_and_checked() {
+    let choice = |entries: Value| json!({ "text": "x", "prompt_logprobs": entries });
+    let good = choice(json!([null,
+        {"6": {"logprob": -3.0, "rank": 3, "decoded_token": "b"},
+         "9": {"logprob": -0.5, "rank": 1, "decoded_token": "c"},
+         "8": {"logprob": -1.0, "rank": 2, "decoded_token": "d"}}]));
+    let got = super::super::vllm_logprobs::prompt_logprobs(&good, &[5, 6], 2).expect("read");
+    assert_eq!(got.len(), 1);
+    assert_eq!(
+        (got[0].logprob, got[0].top.clone()),
+        (-3.0, vec![(9, -0.5), (8, -1.0)])
+    );
+    let read = |c: &Value, ids: &[u32], k| super::super::vllm_logprobs::prompt_logprobs(c, ids, k);
+    // The prompt's token at rank 3 is an alternative when three are asked.
+    assert_eq!(read(&good, &[5, 6], 3).expect("read")[0].top[2], (6, -3.0));
+    assert!(read(&good, &[5, 7], 2).is_err(), "another prompt token");
+    assert!(read(&good, &[5, 6, 7], 2).is_err(), "another length");
+    assert!(
+        read(&good, &[5, 6], 4).is_err(),
+        "fewer alternatives than asked"
+    );
+    assert!(read(&choice(Value::Null), &[5, 6], 0).is_err(), "none");
+}

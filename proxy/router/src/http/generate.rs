@@ -66,11 +66,10 @@ impl FrontRequest for GenerateRequest {
         let mut rest = self.rest;
         let (logprobs, texts, start) = super::logprob_params::generate_logprobs(&mut rest)?;
         use crate::config::BackendKind;
-        if start.is_some() && !matches!(model.backend, BackendKind::Embedded | BackendKind::Sglang)
-        {
+        if start.is_some() && model.backend == BackendKind::Lockstep {
             return Err(LockstepError::Unsupported {
                 message: format!(
-                    "`logprob_start_len` asks for the prompt's log-probabilities, which lockstep returns from its embedded engine and SGLang, not from {}; leave it -1 (the output's)",
+                    "`logprob_start_len` asks for the prompt's log-probabilities, which lockstep returns from its embedded engine, SGLang and vLLM, not from {} workers yet; leave it -1 (the output's)",
                     model.backend.as_str()
                 ),
                 param: Some("logprob_start_len".into()),

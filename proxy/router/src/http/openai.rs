@@ -444,12 +444,11 @@ impl FrontRequest for CompletionRequest {
             // The prompt's log-probabilities (what evaluation harnesses score): computed by
             // lockstep's embedded engine only.
             Some(Value::Bool(true))
-                if logprobs.is_some()
-                    && !matches!(model.backend, BackendKind::Embedded | BackendKind::Sglang) =>
+                if logprobs.is_some() && model.backend == BackendKind::Lockstep =>
             {
                 return Err(LockstepError::Unsupported {
                     message: format!(
-                        "`echo` with `logprobs` asks for the prompt's log-probabilities, which lockstep returns from its embedded engine and SGLang, not from {}; echo alone, or logprobs alone, is served",
+                        "`echo` with `logprobs` asks for the prompt's log-probabilities, which lockstep returns from its embedded engine, SGLang and vLLM, not from {} workers yet; echo alone, or logprobs alone, is served",
                         model.backend.as_str()
                     ),
                     param: Some("echo".into()),
