@@ -78,6 +78,7 @@ fn main() {
         decode_endpoint: "https://127.0.0.1:9102".into(),
         cache_salt: Some(5),
         kv_key: vec![1; 32],
+        prompt_logprobs: None,
     };
     let decode = pb::DecodeRequest {
         pair_id: 7,

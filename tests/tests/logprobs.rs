@@ -113,24 +113,24 @@ workers = [{{ url = "http://{d}" }}]
         (a.status, a.error_code().as_deref()),
         (400, Some("invalid_request"))
     );
-    // The prompt's log-probabilities are not returned by workers yet: refused by name.
-    let a = TestClient::default()
-        .post(
-            &via_workers,
-            &json!({ "model": "m", "prompt": "x", "max_tokens": 1, "echo": true, "logprobs": 1 }),
-            Duration::from_secs(10),
-        )
-        .await;
-    assert_eq!(
-        (
-            a.status,
-            a.error_code().as_deref(),
-            a.json()["error"]["param"].clone()
-        ),
-        (400, Some("unsupported"), json!("echo")),
-        "{}",
-        a.body
+    // The prompt's log-probabilities: the prefill worker scores the prompt and reports them;
+    // the same values as the embedded engine's.
+    let echo = |model: &str| {
+        json!({ "model": model, "prompt": "The capital of France is", "max_tokens": 1,
+                "temperature": 0, "echo": true, "logprobs": 2 })
+    };
+    let values = |a: Answer| a.json()["choices"][0]["logprobs"]["token_logprobs"].clone();
+    let w = values(post(&via_workers, echo("m")).await);
+    let e = values(post(&via_engine, echo(MODEL)).await);
+    let (w, e) = (w.as_array().expect("list"), e.as_array().expect("list"));
+    assert!(
+        w.len() > 2 && w.len() == e.len() && w[0].is_null(),
+        "{w:?} {e:?}"
     );
+    for (a, b) in w.iter().zip(e).skip(1) {
+        let (a, b) = (a.as_f64().expect("a value"), b.as_f64().expect("a value"));
+        assert!((a - b).abs() < 1e-3, "{a} {b}");
+    }
     embedded.wait_released().await;
 }
 

@@ -390,6 +390,7 @@ async fn leases_free_what_a_lost_peer_leaves_behind() {
             decode_endpoint: format!("http://{}", d.addr),
             cache_salt: None,
             kv_key: vec![1; 32],
+            prompt_logprobs: None,
         })
         .await
         .expect("prefill")
@@ -433,6 +434,7 @@ async fn leases_free_what_a_lost_peer_leaves_behind() {
             decode_endpoint: format!("http://{}", d.addr),
             cache_salt: None,
             kv_key: vec![1; 32],
+            prompt_logprobs: None,
         })
         .await
         .expect_err("a decode worker does not prefill");
@@ -542,6 +544,7 @@ fn prefill_req(pair: u64, prompt: &[u32], decode: &str, key: &[u8]) -> pb::Prefi
         decode_endpoint: format!("http://{decode}"),
         cache_salt: None,
         kv_key: key.to_vec(),
+        prompt_logprobs: None,
     }
 }
 

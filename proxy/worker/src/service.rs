@@ -272,14 +272,25 @@ impl Worker for WorkerService {
         let key = KvKey::from_request(&r.kv_key)?;
         let n = r.input_ids.len();
         let head: Arc<[u32]> = r.input_ids[..n - 1].into();
+        let score = match r.prompt_logprobs {
+            Some(k) if k as usize > lockstep_engine::sample::MAX_TOP_LOGPROBS => {
+                return Err(Status::invalid_argument(format!(
+                    "prompt_logprobs {k} is above {}",
+                    lockstep_engine::sample::MAX_TOP_LOGPROBS
+                )));
+            }
+            Some(k) => Some((k as usize, Arc::<[u32]>::from(r.input_ids.as_slice()))),
+            None => None,
+        };
         let (tx, rx) = tokio::sync::oneshot::channel::<KvTransfer>();
-        let report = self.engine.prefill(
+        let report = self.engine.prefill_scored(
             r.pair_id,
             head,
             r.cache_salt,
             Box::new(move |t| {
                 let _ = tx.send(t);
             }),
+            score,
         );
         let guard = AbortOnDrop {
             engine: &self.engine,
@@ -317,11 +328,22 @@ impl Worker for WorkerService {
                 "prefill rejected the request (injected fault; its KV went on)",
             ));
         }
+        let prompt_logprobs = kv
+            .prompt_logprobs
+            .unwrap_or_default()
+            .into_iter()
+            .map(|l| pb::TokenLogprobs {
+                logprob: l.logprob,
+                top_ids: l.top.iter().map(|t| t.0).collect(),
+                top_logprobs: l.top.iter().map(|t| t.1).collect(),
+            })
+            .collect();
         Ok(Response::new(pb::PrefillResponse {
             prompt_tokens: n as u64,
             kv_tokens: kv.tokens,
             kv_digest: kv.digest,
             cached_tokens: kv.cached,
+            prompt_logprobs,
         }))
     }
 

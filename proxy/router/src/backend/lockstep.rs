@@ -213,7 +213,9 @@ impl PdBackend for LockstepBackend {
             decode_endpoint: d.decode.url.clone(),
             cache_salt: Some(d.cache_salt()),
             kv_key: kv_key(d.pair_id.raw()),
+            prompt_logprobs: d.sampling.prompt_logprobs,
         };
+        let asked = d.sampling.prompt_logprobs.is_some();
         let mut req = traced(req);
         req.set_timeout(self.deadlines.0);
         async move {
@@ -223,11 +225,33 @@ impl PdBackend for LockstepBackend {
                 .await
                 .map_err(|s| half_error(Side::Prefill, &s, false))?
                 .into_inner();
+            // The prompt's entries, where asked (their count is checked with the first chunk).
+            let prompt_logprobs = asked
+                .then(|| {
+                    r.prompt_logprobs
+                        .into_iter()
+                        .map(|l| {
+                            (l.top_ids.len() == l.top_logprobs.len())
+                                .then(|| super::TokenLogprobs {
+                                    logprob: l.logprob,
+                                    top: l.top_ids.into_iter().zip(l.top_logprobs).collect(),
+                                })
+                                .ok_or_else(|| HalfError {
+                                    side: Side::Prefill,
+                                    failure: HalfFailure::Protocol(
+                                        "a prompt entry's top ids and values differ in number"
+                                            .into(),
+                                    ),
+                                })
+                        })
+                        .collect::<Result<Vec<_>, _>>()
+                })
+                .transpose()?;
             Ok(PrefillReport {
                 prompt_tokens: r.prompt_tokens,
                 kv_digest: Some(r.kv_digest),
                 cached_tokens: Some(r.cached_tokens),
-                prompt_logprobs: None,
+                prompt_logprobs,
             })
         }
         .boxed()

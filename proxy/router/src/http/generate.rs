@@ -65,16 +65,6 @@ impl FrontRequest for GenerateRequest {
     ) -> Result<(Input, SamplingParams, OpenAiShape), LockstepError> {
         let mut rest = self.rest;
         let (logprobs, texts, start) = super::logprob_params::generate_logprobs(&mut rest)?;
-        use crate::config::BackendKind;
-        if start.is_some() && model.backend == BackendKind::Lockstep {
-            return Err(LockstepError::Unsupported {
-                message: format!(
-                    "`logprob_start_len` asks for the prompt's log-probabilities, which lockstep returns from its embedded engine, SGLang and vLLM, not from {} workers yet; leave it -1 (the output's)",
-                    model.backend.as_str()
-                ),
-                param: Some("logprob_start_len".into()),
-            });
-        }
         refuse_unhonoured(fields::GENERATE, &rest, "")?;
         let mut s = self.sampling_params;
         let constraint = fields::native_constraint(&mut s.rest, model.backend)?;

@@ -10,7 +10,7 @@ use super::openai_shape::{Echo, OpenAiShape};
 use super::respond::serve_pair;
 use crate::admission::{ChatMessage, FrontRequest, Input, Prompt};
 use crate::backend::SamplingParams;
-use crate::config::{BackendKind, ModelConfig};
+use crate::config::ModelConfig;
 use crate::error::LockstepError;
 
 /// `stop`: one string or a list.
@@ -441,19 +441,6 @@ impl FrontRequest for CompletionRequest {
         let logprobs = super::logprob_params::completion_logprobs(&mut rest)?;
         let echo = match rest.remove("echo") {
             None | Some(Value::Null) | Some(Value::Bool(false)) => false,
-            // The prompt's log-probabilities (what evaluation harnesses score): computed by
-            // lockstep's embedded engine only.
-            Some(Value::Bool(true))
-                if logprobs.is_some() && model.backend == BackendKind::Lockstep =>
-            {
-                return Err(LockstepError::Unsupported {
-                    message: format!(
-                        "`echo` with `logprobs` asks for the prompt's log-probabilities, which lockstep returns from its embedded engine, SGLang and vLLM, not from {} workers yet; echo alone, or logprobs alone, is served",
-                        model.backend.as_str()
-                    ),
-                    param: Some("echo".into()),
-                });
-            }
             Some(Value::Bool(true)) => true,
             Some(v) => return Err(bad("echo", format!("`echo` is a boolean, got {v}"))),
         };
