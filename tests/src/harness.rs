@@ -104,6 +104,17 @@ success_threshold = 1
 }
 
 impl Stack {
+    /// POSTs `body` to `path` on lockstep (10 s bound), as an open-mode client.
+    pub async fn post(&self, path: &str, body: serde_json::Value) -> crate::client::Answer {
+        crate::client::TestClient::default()
+            .post(
+                &format!("{}{path}", self.url),
+                &body,
+                Duration::from_secs(10),
+            )
+            .await
+    }
+
     /// Starts a mock with default settings and lockstep with the test deadlines.
     pub async fn start() -> Stack {
         Stack::start_with(MockConfig::default(), "", TEST_TIMEOUTS).await

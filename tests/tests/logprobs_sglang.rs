@@ -6,22 +6,11 @@
 
 use std::time::Duration;
 
-use lockstep_tests::client::{Answer, TestClient};
 use lockstep_tests::harness::{MODEL, Stack};
 use lockstep_tests::sglang_mock::{Fault, mock_logprob, mock_top};
 use serde_json::{Value, json};
 
 const PROMPT: &str = "red green blue yellow";
-
-async fn post(stack: &Stack, path: &str, body: Value) -> Answer {
-    TestClient::default()
-        .post(
-            &format!("{}{path}", stack.url),
-            &body,
-            Duration::from_secs(10),
-        )
-        .await
-}
 
 /// `/generate`'s `output_token_logprobs` as (logprob, id), and the alternatives' ids per token.
 fn generate_entries(meta: &Value) -> (Vec<(f64, u32)>, Vec<Vec<u32>>) {
@@ -57,7 +46,7 @@ async fn sglang_log_probabilities_reach_every_front_end_checked() {
     // `/generate`, whole: the mock's value for each output token, its two alternatives.
     let body = json!({"text": PROMPT, "return_logprob": true, "top_logprobs_num": 2,
                       "sampling_params": {"max_new_tokens": 5, "temperature": 0}});
-    let a = post(&stack, "/generate", body.clone()).await;
+    let a = stack.post("/generate", body.clone()).await;
     assert_eq!(a.status, 200, "{}", a.body);
     let (lps, tops) = generate_entries(&a.json()["meta_info"]);
     assert_eq!(lps.len(), 5, "{}", a.body);
@@ -82,20 +71,20 @@ async fn sglang_log_probabilities_reach_every_front_end_checked() {
     // Streamed: the last event's lists are the same.
     let mut stream_body = body.clone();
     stream_body["stream"] = json!(true);
-    let s = post(&stack, "/generate", stream_body).await;
+    let s = stack.post("/generate", stream_body).await;
     assert_eq!(s.status, 200, "{}", s.body);
     let last = s.objects(true).pop().expect("events");
     assert_eq!(generate_entries(&last["meta_info"]), (lps.clone(), tops));
 
     // Completions on the same text: the same values, token by token, streamed and not.
     for stream in [false, true] {
-        let c = post(
-            &stack,
-            "/v1/completions",
-            json!({"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "temperature": 0,
+        let c = stack
+            .post(
+                "/v1/completions",
+                json!({"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "temperature": 0,
                    "logprobs": 2, "stream": stream}),
-        )
-        .await;
+            )
+            .await;
         assert_eq!(c.status, 200, "{}", c.body);
         let got: Vec<f64> = c
             .objects(stream)
@@ -112,8 +101,7 @@ async fn sglang_log_probabilities_reach_every_front_end_checked() {
     }
 
     // Chat: one entry per completion token, two alternatives each.
-    let c = post(
-        &stack,
+    let c = stack.post(
         "/v1/chat/completions",
         json!({"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4,
                "logprobs": true, "top_logprobs": 2}),
@@ -143,13 +131,13 @@ async fn sglang_log_probabilities_of_another_token_fail_the_answer() {
     let stack = Stack::start().await;
     stack.mock.set_fault(Fault::DecodeLogprobOtherToken);
     for stream in [false, true] {
-        let a = post(
-            &stack,
-            "/v1/chat/completions",
-            json!({"model": MODEL, "messages": [{"role": "user", "content": PROMPT}],
+        let a = stack
+            .post(
+                "/v1/chat/completions",
+                json!({"model": MODEL, "messages": [{"role": "user", "content": PROMPT}],
                    "max_tokens": 4, "logprobs": true, "stream": stream}),
-        )
-        .await;
+            )
+            .await;
         assert!(
             a.status >= 500 || (stream && a.error_code().is_some()),
             "stream={stream}: {} {}",
@@ -160,8 +148,7 @@ async fn sglang_log_probabilities_of_another_token_fail_the_answer() {
         assert!(a.error_code().is_some(), "{}", a.body);
     }
     // Without log-probabilities the same worker answers.
-    let a = post(
-        &stack,
+    let a = stack.post(
         "/v1/chat/completions",
         json!({"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4}),
     )
@@ -197,8 +184,7 @@ async fn real_clients_read_sglang_log_probabilities() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sglang_prompt_log_probabilities_come_from_the_prefill_checked() {
     let stack = Stack::start().await;
-    let g = post(
-        &stack,
+    let g = stack.post(
         "/generate",
         json!({"text": PROMPT, "return_logprob": true, "top_logprobs_num": 2, "logprob_start_len": 0,
                "sampling_params": {"max_new_tokens": 2, "temperature": 0}}),
@@ -233,8 +219,7 @@ async fn sglang_prompt_log_probabilities_come_from_the_prefill_checked() {
         "the decode is not asked"
     );
     for stream in [false, true] {
-        let c = post(
-            &stack,
+        let c = stack.post(
             "/v1/completions",
             json!({"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "temperature": 0, "echo": true,
                    "logprobs": 2, "stream": stream}),
@@ -254,12 +239,12 @@ async fn sglang_prompt_log_probabilities_come_from_the_prefill_checked() {
         }
     }
     stack.mock.set_fault(Fault::PrefillLogprobOtherToken);
-    let c = post(
-        &stack,
-        "/v1/completions",
-        json!({"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "echo": true, "logprobs": 1}),
-    )
-    .await;
+    let c = stack
+        .post(
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "echo": true, "logprobs": 1}),
+        )
+        .await;
     assert!(
         c.status >= 500 && c.error_code().is_some(),
         "{} {}",
