@@ -255,6 +255,8 @@ struct Inner {
     cfg: MockConfig,
     tokenizer: Tokenizer,
     fault: Mutex<Fault>,
+    /// Faults for requests with one `sampling_seed` (one choice of several), before `fault`.
+    seed_faults: Mutex<HashMap<u64, Fault>>,
     healthy: Mutex<(bool, bool)>,
     pool: Mutex<Pool>,
     rooms: Mutex<HashMap<u64, Room>>,
@@ -418,6 +420,7 @@ impl PdMock {
         let inner = Arc::new(Inner {
             tokenizer,
             fault: Mutex::new(Fault::None),
+            seed_faults: Mutex::default(),
             healthy: Mutex::new((true, true)),
             pool: Mutex::new(pool),
             rooms: Mutex::new(HashMap::new()),
@@ -503,6 +506,12 @@ impl PdMock {
     /// Sets the fault applied to following requests.
     pub fn set_fault(&self, f: Fault) {
         *lock(&self.inner.fault) = f;
+    }
+    /// Sets the fault applied to following requests whose `sampling_params.sampling_seed` is
+    /// `seed` (one choice of a request for several: lockstep gives each its own seed), instead
+    /// of the one [`PdMock::set_fault`] set.
+    pub fn set_fault_for_seed(&self, seed: u64, f: Fault) {
+        lock(&self.inner.seed_faults).insert(seed, f);
     }
     /// Overrides one key of one server's `/server_info` (the server behaves accordingly where
     /// the mock models the setting: `incremental_streaming_output`, `skip_tokenizer_init`,
@@ -922,7 +931,11 @@ async fn generate(State(ctx): State<Ctx>, headers: axum::http::HeaderMap, body: 
         Ok(h) => h,
         Err(m) => return sglang_error(StatusCode::BAD_REQUEST, m),
     };
-    let fault = *lock(&ctx.inner.fault);
+    let seeded = v
+        .pointer("/sampling_params/sampling_seed")
+        .and_then(Value::as_u64)
+        .and_then(|s| lock(&ctx.inner.seed_faults).get(&s).copied());
+    let fault = seeded.unwrap_or_else(|| *lock(&ctx.inner.fault));
     match ctx.role {
         Role::Prefill => {
             lock(&ctx.inner.rid_rooms).push((half.rid.clone(), half.room));

@@ -136,6 +136,29 @@ impl Held {
         }
     }
 
+    /// Reserves `tokens` (the exact prompt and `max_tokens`) of `tenant`'s token budget: in this
+    /// process now, or, where the limits are shared, checked and noted for
+    /// [`Held::claim_shared`].
+    pub fn reserve(&mut self, tenant: &Tenant, tokens: u64) -> Result<(), LockstepError> {
+        if let Some(b) = tenant.local_tokens() {
+            self.tokens = Some(b.reserve(tokens, &tenant.name)?);
+        } else if let Some(s) = &tenant.shared {
+            self.want_tokens = s.check_fits(tokens)?;
+        }
+        Ok(())
+    }
+
+    /// What one more choice of a request (`n` > 1) holds: one more request against the tenant's
+    /// rate, one more concurrent slot and its own token reservation, as if sent on its own.
+    pub fn another(tenant: Option<&Tenant>, tokens: u64) -> Result<Held, LockstepError> {
+        let Some(t) = tenant else {
+            return Ok(Held::default());
+        };
+        let mut h = Held::with_slot(t.take_permit()?);
+        h.reserve(t, tokens)?;
+        Ok(h)
+    }
+
     /// The pair committed: its prompt's tokens are spent.
     pub fn committed(&mut self, prompt_tokens: u64) {
         self.prompt = prompt_tokens;

@@ -73,12 +73,16 @@ where
     // The tenant's limits shared with the other replicas: taken from the store in one step.
     if let Some(t) = admitted.caller.tenant.clone() {
         let model = admitted.model.name.clone();
+        let refuse = |e| Refusal::count_for(state, &model, Some(&t), e);
         admitted
             .caller
             .permit
             .claim_shared(&t)
             .await
-            .map_err(|e| Refusal::count_for(state, &model, Some(&t), e))?;
+            .map_err(refuse)?;
+        for h in &mut admitted.further {
+            h.claim_shared(&t).await.map_err(refuse)?;
+        }
     }
     // `lockstep sidecar`: the prefill the request named, checked (after the prompt is known to
     // fit, so a refused prompt never makes a prefill join).

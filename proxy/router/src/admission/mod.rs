@@ -19,6 +19,7 @@ pub(crate) mod background;
 mod body;
 pub mod bpe;
 pub mod codec;
+mod input;
 mod placement;
 mod pretokenize;
 pub mod segments;
@@ -27,13 +28,13 @@ mod token_bytes;
 mod words;
 
 pub use body::{admit_body, admit_decoded};
+pub use input::{Input, Prompt};
 
 pub use codec::{ChatMessage, PromptCodec, check_fits};
 
 use std::sync::Arc;
 
 use http::HeaderMap;
-use serde::Deserialize;
 
 use crate::backend::SamplingParams;
 use crate::error::LockstepError;
@@ -54,91 +55,6 @@ pub struct Caller {
     pub named_prefill: Option<crate::pool::NamedPrefill>,
 }
 
-/// A completion-style prompt as clients send it: a string, a list of one string, or token ids.
-#[derive(Debug)]
-pub enum Prompt {
-    /// One text.
-    Text(String),
-    /// Texts (only a list of one is served).
-    Texts(Vec<String>),
-    /// Token ids.
-    Ids(Vec<u32>),
-    /// Lists of token ids (only a list of one is served).
-    Batches(Vec<Vec<u32>>),
-}
-
-/// A string prompt is taken as the parser hands it over (`admission::text_or`); a list is one of the
-/// list forms, all its elements of one kind (an empty list is no texts).
-impl<'de> Deserialize<'de> for Prompt {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Prompt, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Elem {
-            Text(String),
-            Id(u32),
-            Batch(Vec<u32>),
-        }
-        const EXPECTING: &str = "a string, a list of strings, or token ids";
-        let list = match crate::admission::text_or::text_or_list::<_, Elem>(d, EXPECTING)? {
-            Ok(text) => return Ok(Prompt::Text(text)),
-            Err(list) => list,
-        };
-        /// Every element through `pick`, or an error for a list of mixed kinds.
-        fn all<T, E: serde::de::Error>(
-            list: Vec<Elem>,
-            pick: fn(Elem) -> Option<T>,
-        ) -> Result<Vec<T>, E> {
-            let mixed = || E::custom(format!("a prompt list mixes kinds: expected {EXPECTING}"));
-            list.into_iter()
-                .map(|e| pick(e).ok_or_else(mixed))
-                .collect()
-        }
-        Ok(match list.first() {
-            None | Some(Elem::Text(_)) => Prompt::Texts(all(list, |e| match e {
-                Elem::Text(t) => Some(t),
-                _ => None,
-            })?),
-            Some(Elem::Id(_)) => Prompt::Ids(all(list, |e| match e {
-                Elem::Id(i) => Some(i),
-                _ => None,
-            })?),
-            Some(Elem::Batch(_)) => Prompt::Batches(all(list, |e| match e {
-                Elem::Batch(b) => Some(b),
-                _ => None,
-            })?),
-        })
-    }
-}
-
-/// What a front end asks the model to continue.
-#[derive(Debug)]
-pub enum Input {
-    /// Chat messages, rendered through the model's chat template (step 4).
-    Chat(Vec<ChatMessage>),
-    /// Chat messages and the request's tool definitions, both rendered by the template.
-    ChatTools(Vec<ChatMessage>, Vec<serde_json::Value>),
-    /// A prompt, tokenized as it is (special tokens in text are parsed as special).
-    Prompt(Prompt),
-}
-
-impl Input {
-    /// Bytes of text the tokenizer would read (0 for token ids).
-    pub fn text_bytes(&self) -> usize {
-        match self {
-            Input::Chat(m) => m.iter().map(|m| m.content.len() + m.role.len()).sum(),
-            Input::ChatTools(m, t) => {
-                m.iter()
-                    .map(|m| m.content.len() + m.role.len())
-                    .sum::<usize>()
-                    + t.iter().map(|t| t.to_string().len()).sum::<usize>()
-            }
-            Input::Prompt(Prompt::Text(s)) => s.len(),
-            Input::Prompt(Prompt::Texts(v)) => v.iter().map(String::len).sum(),
-            Input::Prompt(_) => 0,
-        }
-    }
-}
-
 /// Bodies and prompts up to this many bytes are parsed, templated and tokenized inline
 /// (microseconds); longer ones on the low-priority pool ([`in_background`]), at most one per
 /// core at a time, so they never stall the async threads that serve every other request.
@@ -155,6 +71,11 @@ pub trait FrontRequest: Send + 'static {
     /// blocking thread, so no grammar is compiled on the async threads.
     fn compiles_a_grammar(&self) -> bool {
         false
+    }
+    /// How many choices it asks for (`n`; checked by [`FrontRequest::validate`]): each is its own
+    /// pair and counts as one request against the tenant's limits.
+    fn choices(&self) -> u32 {
+        1
     }
     /// Validates the rest against the model's configuration (nothing else: validation reads no
     /// runtime state): the prompt, the sampling parameters, the shape.
@@ -180,6 +101,9 @@ pub struct Admitted {
     pub caller: Caller,
     /// Where its prefill runs (`lockstep sidecar`: the prefill the request named, checked).
     pub prefill: crate::pool::PrefillPin,
+    /// What each further choice holds of the tenant's limits (`n` > 1: `n - 1` of them; the
+    /// first choice's is the caller's).
+    pub further: Vec<crate::tenant::Held>,
 }
 
 /// A refused request: counted (by model and code) when made, then answered by the front end.
@@ -378,6 +302,8 @@ struct Checked<S> {
     caller: Caller,
     /// Bytes of text the tokenizer will read.
     bytes: usize,
+    /// Choices asked for ([`FrontRequest::choices`]).
+    choices: u32,
 }
 
 /// Step 3, and a prompt whose bytes alone prove it cannot fit refused before any tokenizing.
@@ -390,6 +316,7 @@ fn check<R: FrontRequest>(
     let tenant = tenant.as_deref();
     let model =
         find_model(&caller, req.model()).map_err(|e| Refusal::count_for(state, "", tenant, e))?;
+    let choices = req.choices();
     let (input, sampling, shape) = req
         .validate(&model.cfg)
         .map_err(|e| Refusal::count_for(state, &model.name, tenant, e))?;
@@ -411,6 +338,7 @@ fn check<R: FrontRequest>(
         shape,
         caller,
         bytes,
+        choices,
     })
 }
 
@@ -430,15 +358,16 @@ impl<S> Checked<S> {
         // on what is delivered.
         // Where the limits are shared, the store takes them after admission
         // ([`crate::tenant::Held::claim_shared`]).
+        // Each further choice (`n` > 1) counts as a request of its own.
         let mut caller = self.caller;
+        let want = ids.len() as u64 + self.sampling.max_new_tokens;
         if let Some(t) = &tenant {
-            let n = ids.len() as u64 + self.sampling.max_new_tokens;
-            if let Some(b) = t.local_tokens() {
-                caller.permit.tokens = Some(b.reserve(n, &t.name).map_err(refuse)?);
-            } else if let Some(s) = &t.shared {
-                caller.permit.want_tokens = s.check_fits(n).map_err(refuse)?;
-            }
+            caller.permit.reserve(t, want).map_err(refuse)?;
         }
+        let further = (1..self.choices)
+            .map(|_| crate::tenant::Held::another(tenant.as_deref(), want))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(refuse)?;
         // A long prompt's ids are written as JSON here too, once for both halves, off the
         // async threads.
         let ids_json = (self.bytes > INLINE_TOKENIZE_BYTES && model.ids_as_json())
@@ -450,6 +379,7 @@ impl<S> Checked<S> {
             sampling: self.sampling,
             caller,
             prefill: crate::pool::PrefillPin::Pool,
+            further,
         };
         Ok((admitted, self.shape))
     }
@@ -554,37 +484,4 @@ pub fn fit(
         model.cfg.context_window,
         model.kv_capacity(),
     )
-}
-
-#[cfg(test)]
-mod prompt_tests {
-    use super::Prompt;
-
-    #[test]
-    fn a_prompt_is_a_string_strings_ids_or_batches_of_ids() {
-        let p = |j: &str| serde_json::from_str::<Prompt>(j);
-        assert!(matches!(p(r#""a\u00e9""#), Ok(Prompt::Text(t)) if t == "aé"));
-        assert!(matches!(p(r#"["a", "b"]"#), Ok(Prompt::Texts(t)) if t == ["a", "b"]));
-        assert!(matches!(p("[1, 2]"), Ok(Prompt::Ids(i)) if i == [1, 2]));
-        assert!(matches!(p("[[1], [2, 3]]"), Ok(Prompt::Batches(b)) if b == [vec![1], vec![2, 3]]));
-        // An empty list is the first list form, as the untagged enum had it.
-        assert!(matches!(p("[]"), Ok(Prompt::Texts(t)) if t.is_empty()));
-        for bad in [
-            "5",
-            "null",
-            r#"{"a": 1}"#,
-            "[-1]",
-            r#"[1, "a"]"#,
-            r#"["a", 1]"#,
-            "[[1], 2]",
-            "[1.5]",
-        ] {
-            assert!(p(bad).is_err(), "{bad}");
-        }
-        let e = p("5").expect_err("number").to_string();
-        assert!(
-            e.contains("a string, a list of strings, or token ids"),
-            "{e}"
-        );
-    }
 }

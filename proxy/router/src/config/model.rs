@@ -149,6 +149,10 @@ pub struct ModelConfig {
     /// Largest `max_tokens` a request may ask for (0: only the context window limits it).
     #[serde(default)]
     pub max_tokens_limit: u64,
+    /// Most choices (`n`) one request may ask for; each is its own pair and counts as one
+    /// request against its tenant's limits.
+    #[serde(default = "default_max_n")]
+    pub max_n: u32,
 }
 
 impl ModelConfig {
@@ -169,6 +173,13 @@ fn default_headroom() -> f64 {
 }
 fn default_max_tokens() -> u64 {
     256
+}
+/// Most choices one request may ask for, unless `models[].max_n` says otherwise.
+pub const DEFAULT_MAX_N: u32 = 8;
+/// The largest `models[].max_n` accepted.
+pub const MAX_MAX_N: u32 = 128;
+fn default_max_n() -> u32 {
+    DEFAULT_MAX_N
 }
 
 /// A chat template given inline or as a file.
@@ -281,6 +292,12 @@ impl Section for ModelConfig {
         }
         if m.default_max_tokens == 0 {
             out.push(format!("{at}.default_max_tokens"), "must be greater than 0");
+        }
+        if !(1..=MAX_MAX_N).contains(&m.max_n) {
+            out.push(
+                format!("{at}.max_n"),
+                format!("must be 1 to {MAX_MAX_N}, got {}", m.max_n),
+            );
         }
         if let Err(p) = deployment_check(
             &m.name,

@@ -95,7 +95,7 @@ impl FrontRequest for GenerateRequest {
         };
         if s.n.is_some_and(|n| n != 1) {
             return Err(LockstepError::Unsupported {
-                message: "n > 1 is not supported yet".into(),
+                message: "`/generate` answers one choice: ask `/v1/completions` for `n` > 1".into(),
                 param: Some("sampling_params.n".into()),
             });
         }

@@ -1,6 +1,7 @@
 //! The HTTP front end: OpenAI-compatible and SGLang-native routes, health and readiness.
 
 pub(crate) mod anthropic;
+mod choices;
 mod engine_pages;
 mod extract;
 mod fields;

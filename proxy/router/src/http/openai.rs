@@ -141,11 +141,16 @@ impl CommonParams {
         self,
         model: &ModelConfig,
     ) -> Result<(SamplingParams, bool, bool), LockstepError> {
-        if self.n.is_some_and(|n| n != 1) {
-            return Err(LockstepError::Unsupported {
-                message: "n > 1 is not supported yet; send one request per choice".into(),
-                param: Some("n".into()),
-            });
+        if let Some(n) = self.n
+            && !(1..=i64::from(model.max_n)).contains(&n)
+        {
+            return Err(bad(
+                "n",
+                format!(
+                    "`n` must be 1 to {} (this model's `max_n`), got {n}",
+                    model.max_n
+                ),
+            ));
         }
         if self.best_of.is_some_and(|n| n != 1) {
             return Err(LockstepError::Unsupported {
@@ -359,6 +364,10 @@ fn history_calls(
 impl FrontRequest for ChatRequest {
     type Shape = OpenAiShape;
 
+    fn choices(&self) -> u32 {
+        choices(self.params.n)
+    }
+
     fn model(&self) -> Option<&str> {
         Some(&self.model)
     }
@@ -382,6 +391,7 @@ impl FrontRequest for ChatRequest {
             model.backend,
         )?;
         let logprobs = super::logprob_params::chat_logprobs(&mut rest)?;
+        let n = choices(self.params.n);
         let (mut sampling, stream, include_usage) =
             self.params.with_rest(rest, fields::CHAT, model)?;
         sampling.logprobs = logprobs;
@@ -399,14 +409,29 @@ impl FrontRequest for ChatRequest {
             sampling,
             OpenAiShape::chat(stream, include_usage)
                 .with_tools(parser)
-                .with_logprobs(logprobs),
+                .with_logprobs(logprobs)
+                .with_choices(n),
         ))
     }
 }
 
 /// `POST /v1/chat/completions`.
 pub(crate) async fn chat_completions(Admit(admitted, shape): Admit<ChatRequest>) -> Response {
-    serve_pair(admitted, shape).await
+    serve(admitted, shape).await
+}
+
+/// One pair's answer, or one of several choices (`n`).
+async fn serve(admitted: crate::admission::Admitted, shape: OpenAiShape) -> Response {
+    if shape.choices() > 1 {
+        super::choices::serve_choices(admitted, shape).await
+    } else {
+        serve_pair(admitted, shape).await
+    }
+}
+
+/// `n` as a count of choices (checked by validation; a value out of range asks for one here).
+fn choices(n: Option<i64>) -> u32 {
+    n.and_then(|n| u32::try_from(n).ok()).unwrap_or(1).max(1)
 }
 
 #[derive(Debug, Deserialize)]
@@ -422,6 +447,10 @@ pub(crate) struct CompletionRequest {
 
 impl FrontRequest for CompletionRequest {
     type Shape = OpenAiShape;
+
+    fn choices(&self) -> u32 {
+        choices(self.params.n)
+    }
 
     fn compiles_a_grammar(&self) -> bool {
         self.rest
@@ -439,6 +468,7 @@ impl FrontRequest for CompletionRequest {
     ) -> Result<(Input, SamplingParams, OpenAiShape), LockstepError> {
         let mut rest = self.rest;
         let logprobs = super::logprob_params::completion_logprobs(&mut rest)?;
+        let n = choices(self.params.n);
         let echo = match rest.remove("echo") {
             None | Some(Value::Null) | Some(Value::Bool(false)) => false,
             Some(Value::Bool(true)) => true,
@@ -448,7 +478,9 @@ impl FrontRequest for CompletionRequest {
             self.params.with_rest(rest, fields::COMPLETIONS, model)?;
         sampling.logprobs = logprobs;
         sampling.prompt_logprobs = logprobs.filter(|_| echo);
-        let shape = OpenAiShape::completion(stream, include_usage).with_logprobs(logprobs);
+        let shape = OpenAiShape::completion(stream, include_usage)
+            .with_logprobs(logprobs)
+            .with_choices(n);
         let shape = if echo {
             shape.with_echo(match &self.prompt {
                 Prompt::Text(t) => Echo::Text(t.clone()),
@@ -465,7 +497,7 @@ impl FrontRequest for CompletionRequest {
 
 /// `POST /v1/completions`.
 pub(crate) async fn completions(Admit(admitted, shape): Admit<CompletionRequest>) -> Response {
-    serve_pair(admitted, shape).await
+    serve(admitted, shape).await
 }
 
 #[cfg(test)]

@@ -23,10 +23,19 @@ enum Api {
 }
 
 /// What the client asked for: which API shape, streamed or not, usage on the stream or not,
-/// and whether tool calls are parsed from the answer (chat).
-#[derive(Debug)]
+/// and whether tool calls are parsed from the answer (chat); with several choices (`n`), which
+/// one this shape writes.
+#[derive(Debug, Clone)]
 pub(crate) struct OpenAiShape {
     api: Api,
+    /// Choices the request asked for (`n`); with more than one, each choice's shape writes its
+    /// own events and the stream's ending is written once ([`OpenAiShape::ending`]).
+    choices: u32,
+    /// The choice this shape writes (its `index`).
+    index: u32,
+    /// The answer's id where it is not this choice's own pair's (the first choice's pair names
+    /// an answer of several).
+    answer: Option<crate::pair::PairId>,
     stream: bool,
     include_usage: bool,
     /// Whether the stream's first event went out.
@@ -41,7 +50,7 @@ pub(crate) struct OpenAiShape {
 }
 
 /// The prompt a completion with `echo` repeats.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) enum Echo {
     /// The prompt's text.
     Text(String),
@@ -62,7 +71,7 @@ impl Echo {
 /// tokenizer; in a stream, the tokens not yet sent (a chunk whose text is held back sends no
 /// event) and the completion's text offset so far; for `/generate`, the top count
 /// (`top_logprobs_num`) and whether entries carry token texts (`return_text_in_logprobs`).
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub(crate) struct Logprobs {
     pub(crate) codec: Option<Arc<PromptCodec>>,
     pub(crate) pending: Vec<(u32, TokenLogprobs)>,
@@ -77,6 +86,9 @@ impl OpenAiShape {
     fn new(api: Api, stream: bool, include_usage: bool) -> OpenAiShape {
         OpenAiShape {
             api,
+            choices: 1,
+            index: 0,
+            answer: None,
             stream,
             include_usage,
             started: false,
@@ -137,6 +149,43 @@ impl OpenAiShape {
     pub(crate) fn generate(stream: bool) -> OpenAiShape {
         OpenAiShape::new(Api::Generate, stream, false)
     }
+
+    /// An answer of `n` choices (chat and completions' `n`).
+    pub(crate) fn with_choices(mut self, n: u32) -> OpenAiShape {
+        self.choices = n.max(1);
+        self
+    }
+
+    /// Choices asked for.
+    pub(crate) fn choices(&self) -> u32 {
+        self.choices
+    }
+
+    /// The shape of choice `index` of an answer named by the pair `answer`.
+    pub(crate) fn for_choice(&self, index: u32, answer: crate::pair::PairId) -> OpenAiShape {
+        OpenAiShape {
+            index,
+            answer: Some(answer),
+            ..self.clone()
+        }
+    }
+
+    /// What ends a stream: the usage event where asked (`usage`: every choice's), then `[DONE]`.
+    pub(crate) fn ending(&self, p: &Progress, usage: super::openai_out::Usage) -> Vec<u8> {
+        let mut out = Vec::new();
+        if self.include_usage {
+            let object = if self.api == Api::Chat {
+                "chat.completion.chunk"
+            } else {
+                "text_completion"
+            };
+            let mut last = self.answer(p, object, [(); 0]);
+            last.usage = Some(usage);
+            push_event(&mut out, &last);
+        }
+        out.extend_from_slice(b"data: [DONE]\n\n");
+        out
+    }
 }
 
 impl OpenAiShape {
@@ -147,7 +196,7 @@ impl OpenAiShape {
         };
         AnswerId {
             prefix,
-            pair: p.pair_id,
+            pair: self.answer.unwrap_or(p.pair_id),
         }
     }
 
@@ -323,7 +372,7 @@ impl Render for OpenAiShape {
                     p,
                     "chat.completion",
                     [ChatChoice {
-                        index: 0,
+                        index: self.index,
                         message: Message {
                             role: "assistant",
                             content: &p.text,
@@ -339,7 +388,7 @@ impl Render for OpenAiShape {
                     p,
                     "text_completion",
                     [TextChoice {
-                        index: 0,
+                        index: self.index,
                         text: &self.completion_text(p),
                         logprobs: self.full_logprobs(p),
                         finish_reason: Some(finish.as_str()),
@@ -369,13 +418,13 @@ impl Render for OpenAiShape {
                 }
                 json!({
                     "id": self.id(p), "object": "chat.completion", "created": p.created, "model": p.model,
-                    "choices": [{ "index": 0, "message": message, "logprobs": self.full_logprobs(p), "finish_reason": reason }],
+                    "choices": [{ "index": self.index, "message": message, "logprobs": self.full_logprobs(p), "finish_reason": reason }],
                     "usage": usage,
                 })
             }
             Api::Completion => json!({
                 "id": self.id(p), "object": "text_completion", "created": p.created, "model": p.model,
-                "choices": [{ "index": 0, "text": self.completion_text(p), "logprobs": self.full_logprobs(p), "finish_reason": finish.as_str() }],
+                "choices": [{ "index": self.index, "text": self.completion_text(p), "logprobs": self.full_logprobs(p), "finish_reason": finish.as_str() }],
                 "usage": usage,
             }),
             Api::Generate => json!(self.native(p, Some(finish))),
@@ -429,7 +478,7 @@ impl Render for OpenAiShape {
                 let mut event =
                     |delta: Delta<'_>, logprobs: Option<Value>, finish_reason: Option<&str>| {
                         let choice = ChatDelta {
-                            index: 0,
+                            index: self.index,
                             delta,
                             logprobs,
                             finish_reason,
@@ -464,7 +513,7 @@ impl Render for OpenAiShape {
                 };
                 if !text.is_empty() || finish.is_some() {
                     let choice = TextChoice {
-                        index: 0,
+                        index: self.index,
                         text: &text,
                         logprobs: self.take_pending(p),
                         finish_reason: finish,
@@ -475,18 +524,9 @@ impl Render for OpenAiShape {
             Api::Generate => push_event(&mut out, &self.native(p, c.finish)),
         }
         self.started = true;
-        if finish.is_some() {
-            if self.include_usage {
-                let object = if self.api == Api::Chat {
-                    "chat.completion.chunk"
-                } else {
-                    "text_completion"
-                };
-                let mut last = self.answer(p, object, [(); 0]);
-                last.usage = Some(p.usage());
-                push_event(&mut out, &last);
-            }
-            out.extend_from_slice(b"data: [DONE]\n\n");
+        // With several choices the stream ends once, after every choice finished.
+        if finish.is_some() && self.choices == 1 {
+            out.extend(self.ending(p, p.usage()));
         }
         Bytes::from(out)
     }

@@ -36,43 +36,115 @@ pub(crate) struct Committed {
 /// front end (HTTP shapes and gRPC). Dropping the future before it returns drops the pair's
 /// receiver: both halves abort.
 pub(crate) async fn commit(admitted: Admitted) -> Result<Committed, LockstepError> {
-    let Admitted {
-        model,
-        ids,
-        ids_json,
-        sampling,
-        caller,
-        prefill,
-    } = admitted;
-    let (mut rx, _task) = model.pairs.start(
-        ids.into(),
-        ids_json,
-        sampling.into(),
-        caller.tenant.clone(),
-        prefill,
-    );
-    match rx.recv().await {
-        Some(PairEvent::Committed {
-            pair_id,
-            prompt_tokens,
-            cached_tokens,
-            prompt_logprobs,
-        }) => {
-            let mut permit = caller.permit;
-            permit.committed(prompt_tokens);
-            Ok(Committed {
-                rx,
+    let (launch, permit) = Launch::of(admitted);
+    launch.commit(permit).await
+}
+
+/// What starts one pair of an admitted request (each choice's, where it asked for several).
+#[derive(Clone)]
+pub(crate) struct Launch {
+    pub(crate) model: Arc<crate::state::ModelRuntime>,
+    pub(crate) ids: Arc<[u32]>,
+    pub(crate) ids_json: Option<Bytes>,
+    pub(crate) sampling: Arc<crate::backend::SamplingParams>,
+    pub(crate) tenant: Option<Arc<crate::tenant::Tenant>>,
+    pub(crate) prefill: crate::pool::PrefillPin,
+}
+
+impl Launch {
+    /// The pair an admitted request starts, and what its first choice holds of the tenant's
+    /// limits.
+    pub(crate) fn of(admitted: Admitted) -> (Launch, crate::tenant::Held) {
+        let Admitted {
+            model,
+            ids,
+            ids_json,
+            sampling,
+            caller,
+            prefill,
+            further: _,
+        } = admitted;
+        let launch = Launch {
+            model,
+            ids: ids.into(),
+            ids_json,
+            sampling: sampling.into(),
+            tenant: caller.tenant.clone(),
+            prefill,
+        };
+        (launch, caller.permit)
+    }
+
+    /// Starts the pair and waits for its commit barrier; `permit` lives as long as its answer.
+    pub(crate) async fn commit(
+        self,
+        mut permit: crate::tenant::Held,
+    ) -> Result<Committed, LockstepError> {
+        let (mut rx, _task) = self.model.pairs.start(
+            self.ids,
+            self.ids_json,
+            self.sampling,
+            self.tenant,
+            self.prefill,
+        );
+        match rx.recv().await {
+            Some(PairEvent::Committed {
                 pair_id,
                 prompt_tokens,
                 cached_tokens,
-                permit,
                 prompt_logprobs,
-            })
+            }) => {
+                permit.committed(prompt_tokens);
+                Ok(Committed {
+                    rx,
+                    pair_id,
+                    prompt_tokens,
+                    cached_tokens,
+                    permit,
+                    prompt_logprobs,
+                })
+            }
+            Some(PairEvent::Failed(e)) => Err(e),
+            Some(PairEvent::Chunk(_)) | None => Err(LockstepError::Unavailable {
+                message: "pair ended without an outcome".into(),
+            }),
         }
-        Some(PairEvent::Failed(e)) => Err(e),
-        Some(PairEvent::Chunk(_)) | None => Err(LockstepError::Unavailable {
-            message: "pair ended without an outcome".into(),
-        }),
+    }
+}
+
+impl Committed {
+    /// The answer's progress so far (nothing yet) and its chunks as [`committed_chunks`] reads
+    /// them: `prompt_ids` and `scored` where the request asked for its prompt's
+    /// log-probabilities (`scored` alternatives each), `logprobs` for its tokens'.
+    pub(crate) fn answer(
+        self,
+        model: String,
+        prompt_ids: Vec<u32>,
+        scored: Option<u32>,
+        logprobs: Option<u32>,
+    ) -> (
+        Progress,
+        impl futures_util::Stream<Item = Result<DecodeChunk, LockstepError>> + Send + 'static,
+    ) {
+        let p = Progress {
+            model,
+            pair_id: self.pair_id,
+            prompt_tokens: self.prompt_tokens,
+            cached_tokens: self.cached_tokens,
+            created: now(),
+            text: String::new(),
+            completion_tokens: 0,
+            matched_stop: None,
+            logprobs: Vec::new(),
+            prompt: (prompt_ids, Vec::new()),
+        };
+        let prompt = scored.map(|k| PromptScores {
+            k,
+            n: self.prompt_tokens.saturating_sub(1),
+            reported: self.prompt_logprobs,
+        });
+        let chunks = committed_chunks(self.rx, self.pair_id, self.permit, logprobs, prompt);
+        (p, chunks)
     }
 }
 
@@ -173,7 +245,7 @@ pub(crate) trait Render: Send + 'static {
 }
 
 /// A pair's answer: `head` with the pair id header, and `body`.
-fn answer(head: http::response::Builder, pair_id: PairId, body: Body) -> Response {
+pub(crate) fn answer(head: http::response::Builder, pair_id: PairId, body: Body) -> Response {
     head.header(
         http::HeaderName::from_static("x-lockstep-pair-id"),
         pair_id.to_string(),
@@ -183,7 +255,7 @@ fn answer(head: http::response::Builder, pair_id: PairId, body: Body) -> Respons
 }
 
 /// The error for an answer that could not be built.
-fn build_failed() -> LockstepError {
+pub(crate) fn build_failed() -> LockstepError {
     LockstepError::Unavailable {
         message: "response build failed".into(),
     }
@@ -250,35 +322,12 @@ pub(crate) async fn serve_pair<R: Render>(admitted: Admitted, shape: R) -> Respo
         return shape.error(e);
     }
     shape.vocab(&codec);
-    let Committed {
-        rx,
-        pair_id,
-        prompt_tokens,
-        cached_tokens,
-        permit,
-        prompt_logprobs,
-    } = match commit(admitted).await {
+    let committed = match commit(admitted).await {
         Ok(c) => c,
         Err(e) => return shape.error(e),
     };
-    let mut p = Progress {
-        model: model.to_string(),
-        pair_id,
-        prompt_tokens,
-        cached_tokens,
-        created: now(),
-        text: String::new(),
-        completion_tokens: 0,
-        matched_stop: None,
-        logprobs: Vec::new(),
-        prompt: (prompt_ids, Vec::new()),
-    };
-    let prompt = scored.map(|k| PromptScores {
-        k,
-        n: prompt_tokens.saturating_sub(1),
-        reported: prompt_logprobs,
-    });
-    let chunks = committed_chunks(rx, pair_id, permit, logprobs, prompt);
+    let pair_id = committed.pair_id;
+    let (mut p, chunks) = committed.answer(model.to_string(), prompt_ids, scored, logprobs);
     if shape.stream() {
         let body = chunks.scan((p, shape), |(p, shape), next| {
             let out = match next {

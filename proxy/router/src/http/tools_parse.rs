@@ -115,7 +115,7 @@ fn parse_calls(kind: ToolParserKind, text: &str) -> Option<(String, Vec<Call>)> 
 
 /// A streamed answer's split between content (sent as it comes) and a tool call (held from
 /// where it may begin until the output ends, then parsed).
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) struct ToolStream {
     pub(crate) tools: ToolParse,
     /// Text not sent yet: a tail that may begin a call, or, once one began, all of it.
