@@ -2,8 +2,8 @@
 the embedded engine, no tool parser configured: generic tool calls): langchain-openai 1.8
 (`bind_tools`, `with_structured_output` by function calling and by JSON schema, a tool round
 trip, streamed and not), litellm 1.110 (tools, streamed tool calls, log-probabilities) and openai
-3.57 (log-probabilities, parallel tool calls off). Each case was a 400 before generic tool calls
-and log-probabilities. Run by tests/tests/embedded.rs in the clients' own virtual environment
+3.57 (log-probabilities, parallel tool calls off), and several choices (`n`) through all three.
+Each case was a 400 before generic tool calls, log-probabilities and `n`. Run by tests/tests/embedded.rs in the clients' own virtual environment
 (tests/python/requirements-clients.txt) with LOCKSTEP_URL and LOCKSTEP_MODEL set; exits non-zero
 on the first failed check."""
 
@@ -112,6 +112,33 @@ r = oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content"
 check(r.choices[0].finish_reason == "tool_calls" and len(r.choices[0].message.tool_calls) == 1,
       f"one call with parallel_tool_calls off: {r.choices[0].message.tool_calls}")
 
+# Several choices: seeded, each choice equals a one-choice request with the seed moved on by its index;
+# streamed, the openai package's chunks name their choice and rebuild the same texts.
+ask = dict(model=MODEL, messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=8, temperature=1.0,
+           seed=5)
+r = oa.chat.completions.create(n=3, **ask)
+texts = [c.message.content for c in r.choices]
+check([c.index for c in r.choices] == [0, 1, 2], f"openai n=3 {texts}")
+ones = [oa.chat.completions.create(**{**ask, "seed": 5 + i}) for i in range(3)]
+for i, one in enumerate(ones):
+    check(one.choices[0].message.content == texts[i], f"choice {i} is seed {5 + i}'s answer: {one.choices[0]}")
+check(r.usage.prompt_tokens == ones[0].usage.prompt_tokens
+      and r.usage.completion_tokens == sum(o.usage.completion_tokens for o in ones),
+      f"usage: the prompt once, every choice's tokens: {r.usage}")
+streamed = {}
+for chunk in oa.chat.completions.create(n=3, stream=True, stream_options={"include_usage": True}, **ask):
+    for c in chunk.choices:
+        streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+    if chunk.usage is not None:
+        check(chunk.usage.completion_tokens == r.usage.completion_tokens, f"streamed usage {chunk.usage}")
+check([streamed.get(i) for i in range(3)] == texts, f"openai streamed n=3 {streamed}")
+c = oa.completions.create(model=MODEL, prompt="Once upon a time", n=2, max_tokens=6, temperature=1.0, seed=9)
+check(sorted(x.index for x in c.choices) == [0, 1], f"completions n=2 {c}")
+# LangChain: `n` generations of one prompt.
+gens = ChatOpenAI(base_url=URL + "/v1", api_key="unused", model=MODEL, temperature=1.0, max_tokens=8, n=2,
+                  seed=5, max_retries=0, timeout=120).generate([[HumanMessage("Name a fruit.")]]).generations[0]
+check([g.text for g in gens] == texts[:2], f"langchain n=2 {[g.text for g in gens]} vs {texts[:2]}")
+
 # litellm: a forced call (required, then named), whole and streamed; log-probabilities.
 named = {"type": "function", "function": {"name": "get_weather"}}
 common = dict(model="openai/" + MODEL, api_base=URL + "/v1", api_key="unused", temperature=0, max_tokens=60,
@@ -130,6 +157,9 @@ r = litellm.completion(messages=[{"role": "user", "content": "Count: one, two,"}
 lp = r.choices[0].logprobs["content"] if isinstance(r.choices[0].logprobs, dict) else r.choices[0].logprobs.content
 first = lp[0] if isinstance(lp[0], dict) else lp[0].model_dump()
 check(math.isfinite(first["logprob"]) and len(first["top_logprobs"]) == 2, f"litellm logprobs {first}")
+# litellm: several choices, as the openai package sees them.
+r = litellm.completion(messages=ask["messages"], n=3, seed=5, **{**common, "temperature": 1.0, "max_tokens": 8})
+check([c.message.content for c in r.choices] == texts, f"litellm n=3 {[c.message.content for c in r.choices]}")
 # A plain litellm chat, for the default config.
 r = litellm.completion(messages=[{"role": "user", "content": "Say hello."}], **common)
 check(bool(r.choices[0].message.content), f"litellm chat {r.choices[0].message.content!r}")

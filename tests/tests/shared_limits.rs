@@ -377,3 +377,61 @@ async fn a_grpc_call_on_one_replica_sees_the_budget_spent_on_another() {
     assert_eq!(info.reason, "rate_limited");
     assert!(info.metadata.contains_key("retry_after_s"), "{info:?}");
 }
+
+/// Several choices (`n`) hold one shared lease each: two choices fill a limit of two pairs
+/// across the replicas, a third request is refused on the other replica meanwhile, and three
+/// choices are refused whole, leaving no lease behind and nothing dispatched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_choice_holds_its_own_shared_lease() {
+    let redis = RedisServer::start();
+    let slow = MockConfig {
+        token_delay: Duration::from_millis(100),
+        ..MockConfig::default()
+    };
+    let r = Replicas::start(2, "max_concurrent_pairs = 2", &shared(&redis, ""), slow).await;
+    assert!(r.all_report("lockstep_shared_replicas", 2.0).await);
+    let leases = || {
+        redis
+            .command("ZCARD lockstep:{acme}:pairs\r\n")
+            .unwrap_or_default()
+    };
+    let with_n = |url: String, n: u32, max_tokens: u64| async move {
+        let body = serde_json::json!({"model": MODEL, "prompt": "red green blue",
+                                      "max_tokens": max_tokens, "n": n});
+        TestClient::default()
+            .send_with(
+                "POST",
+                &format!("{url}/v1/completions"),
+                &[("authorization", "Bearer acme-key")],
+                body.to_string(),
+                Duration::from_secs(20),
+            )
+            .await
+    };
+    let three = with_n(r.url(0), 3, 4).await;
+    assert_eq!(three.status, 429, "{}", three.body);
+    // The leases its first two choices took are released (in the background, as a dropped
+    // claim's are).
+    assert!(
+        wait_for(Duration::from_secs(5), || leases().starts_with(":0")).await,
+        "{}",
+        leases()
+    );
+    assert_eq!(r.first.mock.request_count(), 0, "nothing dispatched");
+    let two = tokio::spawn(with_n(r.url(1), 2, 20));
+    assert!(
+        wait_for(Duration::from_secs(10), || leases().starts_with(":2")).await,
+        "{}",
+        leases()
+    );
+    let other = send(&r.url(0), 4).await;
+    assert_eq!(other.status, 429, "{}", other.body);
+    let two = two.await.expect("task");
+    assert_eq!(two.status, 200, "{}", two.body);
+    assert_eq!(two.json()["choices"].as_array().map(Vec::len), Some(2));
+    assert!(
+        wait_for(Duration::from_secs(5), || leases().starts_with(":0")).await,
+        "{}",
+        leases()
+    );
+}
