@@ -31,6 +31,7 @@ pub mod bundle;
 pub mod cpu;
 pub mod cuda;
 pub mod device;
+pub mod embed;
 pub mod engine;
 pub mod error;
 pub mod gguf;

@@ -311,11 +311,33 @@ impl Llama {
         items: &mut [Step<'_>],
         all: &[bool],
     ) -> Result<Vec<Vec<f32>>, ModelError> {
+        self.forward_batch_out(pool, items, all, false)
+    }
+
+    /// One step that returns every token's final hidden state (after the output norm, before
+    /// the output head: what llama.cpp pools into an embedding), item by item, in order; no
+    /// logits are computed.
+    pub fn forward_batch_hidden(
+        &self,
+        pool: &mut PagePool,
+        items: &mut [Step<'_>],
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        let all = vec![true; items.len()];
+        self.forward_batch_out(pool, items, &all, true)
+    }
+
+    fn forward_batch_out(
+        &self,
+        pool: &mut PagePool,
+        items: &mut [Step<'_>],
+        all: &[bool],
+        hidden: bool,
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
         // The whole step runs on a thread of the pool: its parallel products then start from a
         // worker (which takes part in them) instead of each being sent to the pool and waited
         // for from outside, two thread switches per product.
         if rayon::current_thread_index().is_none() {
-            return rayon::scope(|_| self.forward_batch_scored(pool, items, all));
+            return rayon::scope(|_| self.forward_batch_out(pool, items, all, hidden));
         }
         use crate::cpu::{Kernels, Level};
         match Kernels::chosen().level() {
@@ -323,8 +345,10 @@ impl Llama {
             // SAFETY: a `Kernels` value at AVX2 or above exists only when the CPU has AVX2, FMA
             // and F16C.
             #[allow(unsafe_code)]
-            Level::Avx2 | Level::Avx512Vnni => unsafe { self.forward_batch_avx2(pool, items, all) },
-            _ => self.forward_batch_body(pool, items, all),
+            Level::Avx2 | Level::Avx512Vnni => unsafe {
+                self.forward_batch_avx2(pool, items, all, hidden)
+            },
+            _ => self.forward_batch_body(pool, items, all, hidden),
         }
     }
 
@@ -341,8 +365,9 @@ impl Llama {
         pool: &mut PagePool,
         items: &mut [Step<'_>],
         all: &[bool],
+        hidden: bool,
     ) -> Result<Vec<Vec<f32>>, ModelError> {
-        self.forward_batch_body(pool, items, all)
+        self.forward_batch_body(pool, items, all, hidden)
     }
 
     #[inline(always)]
@@ -351,6 +376,7 @@ impl Llama {
         pool: &mut PagePool,
         items: &mut [Step<'_>],
         all: &[bool],
+        hidden: bool,
     ) -> Result<Vec<Vec<f32>>, ModelError> {
         let c = &self.cfg;
         let (d, hd) = (c.dim, c.head_dim);
@@ -471,6 +497,9 @@ impl Llama {
             }
         }
         let rows = last.len() / d;
+        if hidden {
+            return Ok(last.chunks_exact(d).map(<[f32]>::to_vec).collect());
+        }
         if rows == 0 {
             return Ok(Vec::new());
         }

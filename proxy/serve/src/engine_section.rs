@@ -51,6 +51,13 @@ pub struct EngineSection {
     /// all present, else CPU, with one log line saying which), `cpu`, or `cuda:N` (an error at
     /// start if that device cannot be used).
     pub device: String,
+    /// Serve `/v1/embeddings` from this model (a router's embedded model): each input's final
+    /// hidden states pooled as `pooling` says, scaled to unit length, as llama.cpp's
+    /// `llama-server --embeddings --pooling P` answers.
+    pub embeddings: bool,
+    /// How an input's token states become its embedding: `mean`, `cls` (the first token's) or
+    /// `last` (the last token's), llama.cpp's `--pooling`.
+    pub pooling: lockstep_engine::embed::Pooling,
 }
 
 impl Default for EngineSection {
@@ -70,6 +77,8 @@ impl Default for EngineSection {
             fault: None,
             fault_every: 1,
             device: "auto".into(),
+            embeddings: false,
+            pooling: lockstep_engine::embed::Pooling::Mean,
         }
     }
 }

@@ -121,6 +121,12 @@ impl ConfigFile for WorkerFile {
         let mut out = Problems::default();
         self.worker.validate("worker", &mut out);
         self.engine.validate("engine", &mut out);
+        if self.engine.embeddings {
+            out.push(
+                "engine.embeddings",
+                "a worker serves pairs only; embeddings are a router's embedded model's",
+            );
+        }
         out.into_vec()
     }
 }

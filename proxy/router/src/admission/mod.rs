@@ -27,6 +27,7 @@ pub(crate) mod text_or;
 mod token_bytes;
 mod words;
 
+pub(crate) use body::parse_json;
 pub use body::{admit_body, admit_decoded};
 pub use input::{Input, Prompt};
 

@@ -381,6 +381,12 @@ impl ModelConfig {
         let model_file = self.reads_model_file();
         if let (true, Some(e)) = (model_file, &self.engine) {
             e.validate_model_file(&format!("{at}.engine"), out);
+            if e.embeddings {
+                out.push(
+                    format!("{at}.engine.embeddings"),
+                    "embeddings are computed by the embedded backend's engine only",
+                );
+            }
             // A chat template may replace the model file's (to render tools, say); the
             // tokenizer may not: the workers tokenize with the file's.
             if self.tokenizer.is_some() {

@@ -80,7 +80,7 @@ where
 
 /// Reads the body within the configured limit, mapping every failure to a stable error code:
 /// 413 `body_too_large`, 400 `invalid_json` (unreadable) or 408 `body_timeout`.
-async fn read_body(
+pub(super) async fn read_body(
     state: &AppState,
     headers: &HeaderMap,
     body: Body,

@@ -2,6 +2,7 @@
 
 pub(crate) mod anthropic;
 mod choices;
+mod embeddings;
 mod engine_pages;
 mod extract;
 mod fields;
@@ -61,6 +62,7 @@ pub fn router(state: Arc<AppState>, with_metrics: bool) -> Router {
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/responses", post(responses::responses))
         .route("/generate", post(generate::generate))
+        .route("/v1/embeddings", post(embeddings::embeddings))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             rate_headers,
