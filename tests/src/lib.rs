@@ -3,6 +3,7 @@
 //! front of the mock ([`harness`]).
 
 pub mod client;
+pub mod embed_mock;
 pub mod embedded;
 pub mod fuzz;
 pub mod gateway;

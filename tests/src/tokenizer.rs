@@ -51,6 +51,25 @@ pub fn build() -> Tokenizer {
     with_specials(tok)
 }
 
+/// [`build`] with a post-processor that adds special tokens around every text, as an embedding
+/// model's (BERT's `[CLS] ... [SEP]`) does: `<|im_start|> ... <|endoftext|>`.
+pub fn build_embedding() -> Tokenizer {
+    use tokenizers::processors::template::TemplateProcessing;
+    let v = vocab();
+    let post = TemplateProcessing::builder()
+        .try_single("<|im_start|> $A <|endoftext|>")
+        .expect("template")
+        .special_tokens(vec![
+            ("<|im_start|>", v["<|im_start|>"]),
+            ("<|endoftext|>", v["<|endoftext|>"]),
+        ])
+        .build()
+        .expect("post-processor");
+    let mut tok = build();
+    tok.with_post_processor(Some(post));
+    tok
+}
+
 /// `tok` with the mock chat format's special tokens.
 fn with_specials(mut tok: Tokenizer) -> Tokenizer {
     let specials: Vec<AddedToken> = SPECIALS

@@ -27,6 +27,8 @@ pub async fn check_deployment(
     m: &ModelConfig,
 ) -> Result<Deployment, String> {
     match remote_backend(m, client) {
+        // An embeddings model has no pair to check: each answer is checked instead.
+        Some(_) if m.embeds_remotely() => Ok(Deployment::capacity(m.configured_capacity())),
         Some(backend) => backend.deployment(m).await,
         None => crate::backend::embedded::pool_capacity(m).map(Deployment::capacity),
     }
@@ -241,6 +243,9 @@ pub(crate) async fn build_models(
                 codec,
                 pairs,
                 engine,
+                embed: m
+                    .embeds_remotely()
+                    .then(|| Arc::new(WorkerPool::new(&m.embed))),
                 limits,
                 members: feed,
             }),
@@ -274,7 +279,7 @@ async fn build_remote(
 ) -> Result<Built, String> {
     let backend = remote_backend(m, client).ok_or("not a remote backend")?;
     let discovered = discover(m, metrics).await?;
-    let deployment = backend.deployment(m).await?;
+    let deployment = check_deployment(client, m).await?;
     let codec = remote_codec(m).await?;
     Ok(Built {
         deployment,

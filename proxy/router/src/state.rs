@@ -29,6 +29,8 @@ pub struct ModelRuntime {
     pub pairs: Arc<ModelPairs>,
     /// The embedded engines, for `backend = "embedded"`.
     pub engine: Option<Arc<Pd>>,
+    /// The embedding workers of an embeddings model (`[models.embed]`).
+    pub embed: Option<Arc<crate::pool::WorkerPool>>,
     pub(crate) limits: Arc<WorkerLimits>,
     /// Where membership changes for its remote pools go (the admin API's add and remove);
     /// `None` for the embedded engine.

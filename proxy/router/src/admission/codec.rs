@@ -91,7 +91,13 @@ impl PromptCodec {
             .ok_or_else(|| format!("model `{name}`: no tokenizer configured"))?;
         let tokenizer = Tokenizer::from_file(path)
             .map_err(|e| format!("model `{name}`: tokenizer {}: {e}", path.display()))?;
+        // An embeddings model renders no chat: its inputs are tokenized as they are.
         let source = configured_template(model)?
+            .or_else(|| {
+                model
+                    .embeds_remotely()
+                    .then(|| "{% for m in messages %}{{ m.content }}{% endfor %}".to_string())
+            })
             .ok_or_else(|| format!("model `{name}`: no chat template configured"))?;
         PromptCodec::new_with(
             model.special_tokens_in_content,
@@ -223,6 +229,20 @@ impl PromptCodec {
     /// as special tokens; no extra BOS is added: the template carries it).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, LockstepError> {
         self.text.encode(text, false)
+    }
+
+    /// Tokenizes text as an embedding server does (SGLang's and vLLM's default
+    /// `add_special_tokens`): the tokenizer's own post-processing adds its special tokens
+    /// (`[CLS]` ... `[SEP]` for a BERT model).
+    pub fn encode_with_specials(&self, text: &str) -> Result<Vec<u32>, LockstepError> {
+        self.text
+            .tokenizer()
+            .encode(text, true)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| LockstepError::InvalidRequest {
+                message: format!("cannot tokenize the input: {e}"),
+                param: Some("input".into()),
+            })
     }
 
     /// [`PromptCodec::encode`] for the tenant whose cache salt is `salt`: a long prompt's

@@ -317,6 +317,16 @@ fn check<R: FrontRequest>(
     let tenant = tenant.as_deref();
     let model =
         find_model(&caller, req.model()).map_err(|e| Refusal::count_for(state, "", tenant, e))?;
+    if model.embed.is_some() {
+        let e = LockstepError::Unsupported {
+            message: format!(
+                "model `{}` is an embeddings model: it answers `/v1/embeddings` only",
+                model.name
+            ),
+            param: Some("model".into()),
+        };
+        return Err(Refusal::count_for(state, &model.name, tenant, e));
+    }
     let choices = req.choices();
     let (input, sampling, shape) = req
         .validate(&model.cfg)

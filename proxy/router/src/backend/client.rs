@@ -82,6 +82,15 @@ pub enum CallError {
     Transport(String),
 }
 
+impl std::fmt::Display for CallError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CallError::Connect(m) => write!(f, "cannot connect: {m}"),
+            CallError::Transport(m) => f.write_str(m),
+        }
+    }
+}
+
 impl UpstreamClient {
     /// A client whose connects are bounded by `connect_timeout`, trusting the webpki roots and
     /// the CA certificates of `ca` (a PEM file, for a private PKI).

@@ -20,7 +20,7 @@ mod vllm_params;
 pub(crate) mod vllm_probe;
 
 pub use body::ReqBody;
-pub use client::UpstreamClient;
+pub use client::{CallError, UpstreamClient};
 
 use std::sync::Arc;
 

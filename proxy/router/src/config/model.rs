@@ -119,6 +119,12 @@ pub struct ModelConfig {
     /// Decode workers (remote backends).
     #[serde(default)]
     pub decode: PoolConfig,
+    /// Embedding workers (`sglang`: servers started with `--is-embedding`; `vllm`: with
+    /// `--runner pooling`): a model with these is an embeddings model, answering
+    /// `/v1/embeddings` from one worker a request (no pair) and nothing else; it has no prefill
+    /// or decode workers, and needs a tokenizer but no chat template.
+    #[serde(default)]
+    pub embed: PoolConfig,
     /// The embedded engine (`backend = "embedded"`).
     #[serde(default)]
     pub engine: Option<EngineSection>,
@@ -156,6 +162,11 @@ pub struct ModelConfig {
 }
 
 impl ModelConfig {
+    /// Whether this is a remote embeddings model (`[models.embed]` lists its workers).
+    pub fn embeds_remotely(&self) -> bool {
+        !self.embed.workers.is_empty()
+    }
+
     /// The KV capacity the configuration itself allows: `kv_capacity_tokens`, and for the
     /// embedded engine no more than one pool (`kv_pages × page_size`).
     pub fn configured_capacity(&self) -> u64 {
@@ -309,6 +320,10 @@ impl Section for ModelConfig {
             out.push(at, p);
         }
         match m.backend {
+            BackendKind::Embedded if m.embeds_remotely() => out.push(
+                format!("{at}.embed"),
+                "the embedded engine serves embeddings itself (`[models.engine] embeddings = true`)",
+            ),
             BackendKind::Embedded => m.validate_embedded(at, out),
             _ => m.validate_remote(at, out),
         }
@@ -411,8 +426,11 @@ impl ModelConfig {
             ),
             Some(_) => {}
         }
+        if self.embeds_remotely() {
+            self.validate_embed(at, out);
+        }
         match &self.chat_template {
-            _ if model_file => {}
+            _ if model_file || self.embeds_remotely() => {}
             None => out.push(format!("{at}.chat_template"), "required for this backend"),
             Some(ChatTemplateConfig::Path(p)) if !p.is_file() => out.push(
                 format!("{at}.chat_template.path"),
@@ -420,8 +438,10 @@ impl ModelConfig {
             ),
             Some(_) => {}
         }
-        self.prefill.validate(&format!("{at}.prefill"), out);
-        self.decode.validate(&format!("{at}.decode"), out);
+        if !self.embeds_remotely() {
+            self.prefill.validate(&format!("{at}.prefill"), out);
+            self.decode.validate(&format!("{at}.decode"), out);
+        }
         if self.backend == BackendKind::Vllm && self.vllm.block_size == 0 {
             out.push(format!("{at}.vllm.block_size"), "must be greater than 0");
         }
@@ -448,6 +468,37 @@ impl ModelConfig {
                 }
             }
         }
+    }
+
+    /// An embeddings model: SGLang or vLLM workers, its own tokenizer, and no pair workers.
+    fn validate_embed(&self, at: &str, out: &mut Problems) {
+        if !matches!(self.backend, BackendKind::Sglang | BackendKind::Vllm) {
+            out.push(
+                format!("{at}.embed"),
+                "embedding workers are SGLang or vLLM servers (backend = \"sglang\" or \"vllm\")",
+            );
+        }
+        if self.engine.is_some() {
+            out.push(
+                format!("{at}.engine"),
+                "an embeddings model reads its `tokenizer` (the workers' tokenizer.json)",
+            );
+        }
+        for (side, pool) in [("prefill", &self.prefill), ("decode", &self.decode)] {
+            if !pool.workers.is_empty() || pool.discovery.is_some() {
+                out.push(
+                    format!("{at}.{side}"),
+                    "an embeddings model (`[models.embed]`) has no prefill or decode workers",
+                );
+            }
+        }
+        if self.embed.discovery.is_some() {
+            out.push(
+                format!("{at}.embed.discovery"),
+                "embedding workers are listed in `workers`",
+            );
+        }
+        self.embed.validate(&format!("{at}.embed"), out);
     }
 
     /// Makes the model's file paths relative to `base` (the configuration's folder).

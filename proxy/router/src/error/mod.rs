@@ -145,6 +145,13 @@ pub enum LockstepError {
         /// Why.
         message: String,
     },
+    /// An embedding worker failed, or answered something lockstep cannot verify is the answer
+    /// to what it sent (another count of inputs or tokens, a malformed vector).
+    #[error("embedding failed: {message}")]
+    EmbeddingFailed {
+        /// Why.
+        message: String,
+    },
     /// The halves disagree about what was computed: the answer cannot be proven to be the caller's.
     #[error("integrity violation in pair {pair_id}: {message}")]
     IntegrityViolation {
@@ -271,6 +278,7 @@ impl LockstepError {
             LockstepError::Unsupported { .. } => "unsupported",
             LockstepError::PrefillRejected { .. } => "prefill_rejected",
             LockstepError::DecodeFailed { .. } => "decode_failed",
+            LockstepError::EmbeddingFailed { .. } => "embedding_failed",
             LockstepError::IntegrityViolation { .. } => "integrity_violation",
             LockstepError::Timeout { .. } => "timeout",
             LockstepError::NoHealthyWorker { .. } => "no_healthy_worker",
@@ -304,6 +312,7 @@ impl LockstepError {
             }
             LockstepError::PrefillRejected { .. }
             | LockstepError::DecodeFailed { .. }
+            | LockstepError::EmbeddingFailed { .. }
             | LockstepError::IntegrityViolation { .. } => StatusCode::BAD_GATEWAY,
             LockstepError::Timeout { .. } => StatusCode::GATEWAY_TIMEOUT,
             LockstepError::NoHealthyWorker { .. }
@@ -391,7 +400,9 @@ impl LockstepError {
             LockstepError::PrefillRejected { .. } | LockstepError::DecodeFailed { .. } => {
                 Code::Aborted
             }
-            LockstepError::IntegrityViolation { .. } => Code::DataLoss,
+            LockstepError::IntegrityViolation { .. } | LockstepError::EmbeddingFailed { .. } => {
+                Code::DataLoss
+            }
             LockstepError::Timeout { .. } | LockstepError::BodyTimeout { .. } => {
                 Code::DeadlineExceeded
             }

@@ -92,6 +92,12 @@ fn every_code_has_one_status_and_a_complete_body() {
             502,
         ),
         (
+            LockstepError::EmbeddingFailed {
+                message: "x".into(),
+            },
+            502,
+        ),
+        (
             LockstepError::Timeout {
                 pair_id: id,
                 phase: Phase::Prefill,

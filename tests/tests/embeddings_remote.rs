@@ -1,0 +1,371 @@
+//! `/v1/embeddings` from SGLang and vLLM embedding workers (`[models.embed]`), through the mock
+//! that follows both servers' released source (`tests/src/embed_mock.rs`): lockstep tokenizes
+//! each input as the servers do (special tokens added), sends the ids, and returns the worker's
+//! vectors only when the answer is provably the answer to what it sent; an embeddings model
+//! answers nothing else, and a generation model no embeddings.
+
+use std::time::Duration;
+
+use base64::Engine as _;
+use lockstep_router::app::Lockstep;
+use lockstep_router::config::Config;
+use lockstep_tests::client::{Answer, TestClient};
+use lockstep_tests::embed_mock::{EmbedFault, EmbedMock, EmbedMockConfig, Flavor, mock_vector};
+use lockstep_tests::harness::{Stack, TEST_TIMEOUTS};
+use lockstep_tests::tokenizer;
+use serde_json::{Value, json};
+
+const MODEL: &str = "embedder";
+
+struct Remote {
+    mock: EmbedMock,
+    lockstep: Lockstep,
+    _dir: tempfile::TempDir,
+}
+
+fn config(mock: &EmbedMock, tok: &std::path::Path, backend: &str, extra: &str) -> String {
+    format!(
+        r#"
+[server]
+http_listen = "127.0.0.1:0"
+{extra}
+
+[[models]]
+name = "{MODEL}"
+backend = "{backend}"
+context_window = 64
+kv_capacity_tokens = 64
+tokenizer = "{tok}"
+
+[models.embed]
+workers = [{{ url = "{url}" }}]
+"#,
+        tok = tok.display(),
+        url = mock.url()
+    )
+}
+
+async fn start(cfg: EmbedMockConfig, extra: &str) -> Remote {
+    let backend = match cfg.flavor {
+        Flavor::Sglang => "sglang",
+        Flavor::Vllm => "vllm",
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tok = dir.path().join("tokenizer.json");
+    let t = tokenizer::build_embedding();
+    std::fs::write(&tok, t.to_string(true).expect("json")).expect("write");
+    let mock = EmbedMock::start(cfg, t).await.expect("mock starts");
+    let cfg = Config::parse(&config(&mock, &tok, backend, extra)).expect("parses");
+    assert!(cfg.problems().is_empty(), "{:?}", cfg.problems());
+    let lockstep = Lockstep::start(cfg).await.expect("lockstep starts");
+    Remote {
+        mock,
+        lockstep,
+        _dir: dir,
+    }
+}
+
+impl Remote {
+    async fn post(&self, path: &str, body: Value) -> Answer {
+        TestClient::default()
+            .post(
+                &format!("http://{}{path}", self.lockstep.http_addr),
+                &body,
+                Duration::from_secs(10),
+            )
+            .await
+    }
+}
+
+fn floats(v: &Value) -> Vec<f32> {
+    v.as_array()
+        .expect("list")
+        .iter()
+        .map(|x| x.as_f64().expect("number") as f32)
+        .collect()
+}
+
+fn same(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-6)
+}
+
+/// Both servers' shapes: texts are tokenized with the model's special tokens (what SGLang and
+/// vLLM do), sent as ids with `encoding_format: float`; the vectors are the worker's, in order,
+/// in either encoding; the usage counts lockstep's tokens, which the worker's must equal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_vectors_come_back_for_the_ids_lockstep_sent() {
+    let tok = tokenizer::build_embedding();
+    for flavor in [Flavor::Sglang, Flavor::Vllm] {
+        let r = start(
+            EmbedMockConfig {
+                flavor,
+                ..EmbedMockConfig::default()
+            },
+            "",
+        )
+        .await;
+        let texts = ["red green blue", "the cat sat"];
+        let ids: Vec<Vec<u32>> = texts
+            .iter()
+            .map(|t| tok.encode(*t, true).expect("encodes").get_ids().to_vec())
+            .collect();
+        assert_eq!(ids[0].len(), 5, "three words and two special tokens");
+        let a = r
+            .post("/v1/embeddings", json!({"model": MODEL, "input": texts}))
+            .await;
+        assert_eq!(a.status, 200, "{flavor:?}: {}", a.body);
+        let v = a.json();
+        assert_eq!(v["model"], MODEL);
+        assert_eq!(
+            v["usage"]["prompt_tokens"],
+            ids.iter().map(Vec::len).sum::<usize>()
+        );
+        for (i, want) in ids.iter().enumerate() {
+            assert_eq!(v["data"][i]["index"], i);
+            assert!(same(
+                &floats(&v["data"][i]["embedding"]),
+                &mock_vector(want, 8)
+            ));
+        }
+        let sent = r.mock.requests().pop().expect("a request");
+        assert_eq!(sent["input"], json!(ids), "ids with the special tokens");
+        assert_eq!(sent["encoding_format"], "float");
+        // Token ids pass as they are; base64 is encoded by lockstep from the floats.
+        let b = r
+            .post(
+                "/v1/embeddings",
+                json!({"model": MODEL, "input": [5, 6, 7], "encoding_format": "base64"}),
+            )
+            .await;
+        assert_eq!(b.status, 200, "{}", b.body);
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(b.json()["data"][0]["embedding"].as_str().expect("text"))
+            .expect("base64");
+        let got: Vec<f32> = bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        assert!(same(&got, &mock_vector(&[5, 6, 7], 8)));
+    }
+}
+
+/// An answer that is not provably the answer to what was sent is a 502 `embedding_failed`:
+/// another token count, a missing entry, indexes out of order, vectors of two lengths, a
+/// failing worker. A worker's own 400 is the caller's 400.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_lockstep_cannot_verify_is_an_error() {
+    let r = start(EmbedMockConfig::default(), "").await;
+    let body = json!({"model": MODEL, "input": ["red green", "blue"]});
+    assert_eq!(r.post("/v1/embeddings", body.clone()).await.status, 200);
+    for fault in [
+        EmbedFault::CountOff,
+        EmbedFault::DropLast,
+        EmbedFault::SwapIndex,
+        EmbedFault::ShortVector,
+        EmbedFault::Status(500),
+    ] {
+        r.mock.set_fault(Some(fault));
+        let a = r.post("/v1/embeddings", body.clone()).await;
+        assert_eq!(a.status, 502, "{fault:?}: {}", a.body);
+        assert_eq!(
+            a.error_code().as_deref(),
+            Some("embedding_failed"),
+            "{}",
+            a.body
+        );
+        assert!(!a.body.contains("\"data\""), "{}", a.body);
+    }
+    r.mock.set_fault(Some(EmbedFault::Status(400)));
+    let a = r.post("/v1/embeddings", body.clone()).await;
+    assert_eq!(a.status, 400, "{}", a.body);
+    r.mock.set_fault(None);
+    // The server's own refusal of `dimensions` (not a Matryoshka model) reaches the caller.
+    let d = r
+        .post(
+            "/v1/embeddings",
+            json!({"model": MODEL, "input": "red", "dimensions": 4}),
+        )
+        .await;
+    assert_eq!(d.status, 400, "{}", d.body);
+    assert!(d.body.contains("matryoshka"), "{}", d.body);
+}
+
+/// A Matryoshka model's `dimensions` go to the worker, and the answer must have them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dimensions_reach_a_matryoshka_worker() {
+    let r = start(
+        EmbedMockConfig {
+            matryoshka: true,
+            flavor: Flavor::Vllm,
+            ..EmbedMockConfig::default()
+        },
+        "",
+    )
+    .await;
+    let a = r
+        .post(
+            "/v1/embeddings",
+            json!({"model": MODEL, "input": ["red", "blue"], "dimensions": 4}),
+        )
+        .await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(
+        a.json()["data"][1]["embedding"].as_array().map(Vec::len),
+        Some(4)
+    );
+    assert_eq!(r.mock.requests().pop().expect("sent")["dimensions"], 4);
+}
+
+/// Bad input is refused before any worker is asked; an embeddings model answers no generation,
+/// and a generation model no embeddings.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embeddings_and_generation_models_refuse_each_others_requests() {
+    let r = start(EmbedMockConfig::default(), "").await;
+    let long = "red ".repeat(80);
+    for (body, param) in [
+        (json!({"model": MODEL, "input": ""}), "input[0]"),
+        (json!({"model": MODEL, "input": ["red", long]}), "input[1]"),
+        (
+            json!({"model": MODEL, "input": [[1, 2], [1_000_000]]}),
+            "input[1]",
+        ),
+        (
+            json!({"model": MODEL, "input": "red", "encoding_format": "int8"}),
+            "encoding_format",
+        ),
+        (
+            json!({"model": MODEL, "input": "red", "dimensions": 0}),
+            "dimensions",
+        ),
+    ] {
+        let a = r.post("/v1/embeddings", body.clone()).await;
+        assert_eq!(a.status, 400, "{body}: {}", a.body);
+        assert_eq!(a.json()["error"]["param"], param, "{body}: {}", a.body);
+    }
+    assert!(r.mock.requests().is_empty(), "no worker asked");
+    for (path, body) in [
+        (
+            "/v1/chat/completions",
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "red"}]}),
+        ),
+        ("/v1/completions", json!({"model": MODEL, "prompt": "red"})),
+    ] {
+        let a = r.post(path, body).await;
+        assert_eq!(a.status, 400, "{}", a.body);
+        assert_eq!(a.json()["error"]["param"], "model");
+        assert!(a.body.contains("embeddings model"), "{}", a.body);
+    }
+    let pd = Stack::start_with(Default::default(), "", TEST_TIMEOUTS).await;
+    let a = pd
+        .post(
+            "/v1/embeddings",
+            json!({"model": lockstep_tests::harness::MODEL, "input": "red"}),
+        )
+        .await;
+    assert_eq!(a.status, 400, "{}", a.body);
+    assert_eq!(a.json()["error"]["param"], "model");
+}
+
+/// The configuration keeps an embeddings model to its kind: SGLang or vLLM workers, no pair
+/// workers beside them.
+#[test]
+fn an_embeddings_model_has_embedding_workers_only() {
+    let base = |backend: &str, extra: &str| {
+        format!(
+            r#"
+[[models]]
+name = "e"
+backend = "{backend}"
+context_window = 64
+kv_capacity_tokens = 64
+tokenizer = "{tok}"
+{extra}
+[models.embed]
+workers = [{{ url = "http://127.0.0.1:9" }}]
+"#,
+            tok = concat!(env!("CARGO_MANIFEST_DIR"), "/../config/mock-tokenizer.json")
+        )
+    };
+    let ok = Config::parse(&base("vllm", "")).expect("parses");
+    assert!(ok.problems().is_empty(), "{:?}", ok.problems());
+    for (backend, extra, key) in [
+        (
+            "sglang",
+            "[models.prefill]\nworkers = [{ url = \"http://127.0.0.1:8\", bootstrap_port = 1 }]\n",
+            "prefill",
+        ),
+        ("lockstep", "", "embed"),
+    ] {
+        let cfg = Config::parse(&base(backend, extra)).expect("parses");
+        let problems = format!("{:?}", cfg.problems());
+        assert!(problems.contains(key), "{backend}: {problems}");
+    }
+}
+
+/// A worker that cannot be reached (nothing was sent) is passed over for another, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_worker_is_passed_over() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tok = dir.path().join("tokenizer.json");
+    let t = tokenizer::build_embedding();
+    std::fs::write(&tok, t.to_string(true).expect("json")).expect("write");
+    let mock = EmbedMock::start(EmbedMockConfig::default(), t)
+        .await
+        .expect("mock starts");
+    // A port nothing listens on: bound, then closed.
+    let dead = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr");
+    let text = config(&mock, &tok, "sglang", "").replace(
+        &format!("workers = [{{ url = \"{}\" }}]", mock.url()),
+        &format!(
+            "workers = [{{ url = \"http://{dead}\" }}, {{ url = \"{}\" }}]",
+            mock.url()
+        ),
+    );
+    let lockstep = Lockstep::start(Config::parse(&text).expect("parses"))
+        .await
+        .expect("starts");
+    for _ in 0..4 {
+        let a = TestClient::default()
+            .post(
+                &format!("http://{}/v1/embeddings", lockstep.http_addr),
+                &json!({"model": MODEL, "input": "red"}),
+                Duration::from_secs(10),
+            )
+            .await;
+        assert_eq!(a.status, 200, "{}", a.body);
+    }
+    assert_eq!(mock.requests().len(), 4);
+}
+
+/// The official openai package (base64 by default), langchain-openai and litellm read the
+/// workers' vectors through lockstep, for both servers' shapes
+/// (`tests/python/embeddings_clients.py`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_clients_read_the_workers_embeddings() {
+    let Some(python) = lockstep_tests::client::clients_python() else {
+        return;
+    };
+    for flavor in [Flavor::Sglang, Flavor::Vllm] {
+        let r = start(
+            EmbedMockConfig {
+                flavor,
+                ..EmbedMockConfig::default()
+            },
+            "",
+        )
+        .await;
+        lockstep_tests::client::run_python_checks_in(
+            &python,
+            "embeddings_clients.py",
+            &format!("http://{}", r.lockstep.http_addr),
+            MODEL,
+            &[("LOCKSTEP_EMBED_DIM", "8")],
+            Duration::from_secs(120),
+            "all embedding client checks passed",
+        )
+        .await;
+    }
+}
