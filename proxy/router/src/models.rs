@@ -279,7 +279,13 @@ async fn build_remote(
 ) -> Result<Built, String> {
     let backend = remote_backend(m, client).ok_or("not a remote backend")?;
     let discovered = discover(m, metrics).await?;
-    let deployment = check_deployment(client, m).await?;
+    // The serving backend itself runs the check: it keeps what the workers reported (SGLang's
+    // stream mode, say). An embeddings model has no pair to check: each answer is checked.
+    let deployment = if m.embeds_remotely() {
+        Deployment::capacity(m.configured_capacity())
+    } else {
+        backend.deployment(m).await?
+    };
     let codec = remote_codec(m).await?;
     Ok(Built {
         deployment,
