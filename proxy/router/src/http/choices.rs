@@ -18,7 +18,7 @@ use serde_json::{Value, json};
 
 use super::openai_out::Usage;
 use super::openai_shape::OpenAiShape;
-use super::respond::{Launch, Progress, Render, answer, build_failed};
+use super::respond::{Asked, Launch, Progress, Render, answer, build_failed};
 use crate::admission::Admitted;
 use crate::backend::{FinishReason, SamplingParams};
 
@@ -47,15 +47,11 @@ fn usage(ps: &[Progress]) -> Usage {
 /// waits until all committed, then answers in the client's shape: every choice with its
 /// `index`, streamed interleaved as they come.
 pub(crate) async fn serve_choices(mut admitted: Admitted, shape: OpenAiShape) -> Response {
-    let model = admitted.model.name.to_string();
-    let (codec, logprobs) = (admitted.model.codec.clone(), admitted.sampling.logprobs);
-    let scored = admitted.sampling.prompt_logprobs;
-    let prompt_ids = scored.map(|_| admitted.ids.clone()).unwrap_or_default();
     let mut shape = shape;
-    if let Err(e) = shape.fits_prompt(admitted.ids.len()) {
-        return shape.error(e);
-    }
-    shape.vocab(&codec);
+    let asked = match Asked::of(&admitted, &mut shape) {
+        Ok(a) => a,
+        Err(e) => return shape.error(e),
+    };
     let further = std::mem::take(&mut admitted.further);
     let (launch, permit) = Launch::of(admitted);
     let first = match launch.clone().commit(permit).await {
@@ -82,7 +78,7 @@ pub(crate) async fn serve_choices(mut admitted: Admitted, shape: OpenAiShape) ->
     let mut shapes = Vec::new();
     let mut streams = Vec::new();
     for (c, i) in std::iter::once(first).chain(others).zip(0u32..) {
-        let (p, chunks) = c.answer(model.clone(), prompt_ids.clone(), scored, logprobs);
+        let (p, chunks) = c.answer(asked.clone());
         ps.push(p);
         shapes.push(shape.for_choice(i, lead));
         streams.push(chunks.map(move |c| (i as usize, c)).boxed());

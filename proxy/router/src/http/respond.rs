@@ -112,22 +112,47 @@ impl Launch {
     }
 }
 
+/// What an answer needs of its admitted request besides its pair: the model's name, and the
+/// log-probabilities it asked for (its tokens' alternatives; its prompt's, with the prompt).
+#[derive(Clone)]
+pub(crate) struct Asked {
+    model: String,
+    prompt_ids: Vec<u32>,
+    scored: Option<u32>,
+    logprobs: Option<u32>,
+}
+
+impl Asked {
+    /// What `admitted` asked, with `shape` checked against its prompt (`Err`: the refusal) and
+    /// given the model's tokenizer.
+    pub(crate) fn of<R: Render>(
+        admitted: &Admitted,
+        shape: &mut R,
+    ) -> Result<Asked, LockstepError> {
+        shape.fits_prompt(admitted.ids.len())?;
+        shape.vocab(&admitted.model.codec);
+        let scored = admitted.sampling.prompt_logprobs;
+        Ok(Asked {
+            model: admitted.model.name.to_string(),
+            prompt_ids: scored.map(|_| admitted.ids.clone()).unwrap_or_default(),
+            scored,
+            logprobs: admitted.sampling.logprobs,
+        })
+    }
+}
+
 impl Committed {
     /// The answer's progress so far (nothing yet) and its chunks as [`committed_chunks`] reads
-    /// them: `prompt_ids` and `scored` where the request asked for its prompt's
-    /// log-probabilities (`scored` alternatives each), `logprobs` for its tokens'.
+    /// them, checked for what `asked` asked.
     pub(crate) fn answer(
         self,
-        model: String,
-        prompt_ids: Vec<u32>,
-        scored: Option<u32>,
-        logprobs: Option<u32>,
+        asked: Asked,
     ) -> (
         Progress,
         impl futures_util::Stream<Item = Result<DecodeChunk, LockstepError>> + Send + 'static,
     ) {
         let p = Progress {
-            model,
+            model: asked.model,
             pair_id: self.pair_id,
             prompt_tokens: self.prompt_tokens,
             cached_tokens: self.cached_tokens,
@@ -136,14 +161,14 @@ impl Committed {
             completion_tokens: 0,
             matched_stop: None,
             logprobs: Vec::new(),
-            prompt: (prompt_ids, Vec::new()),
+            prompt: (asked.prompt_ids, Vec::new()),
         };
-        let prompt = scored.map(|k| PromptScores {
+        let prompt = asked.scored.map(|k| PromptScores {
             k,
             n: self.prompt_tokens.saturating_sub(1),
             reported: self.prompt_logprobs,
         });
-        let chunks = committed_chunks(self.rx, self.pair_id, self.permit, logprobs, prompt);
+        let chunks = committed_chunks(self.rx, self.pair_id, self.permit, asked.logprobs, prompt);
         (p, chunks)
     }
 }
@@ -313,21 +338,17 @@ impl Progress {
 /// Starts the admitted request's pair, waits for the commit barrier, then answers in the client's
 /// shape.
 pub(crate) async fn serve_pair<R: Render>(admitted: Admitted, shape: R) -> Response {
-    let model = admitted.model.name.clone();
-    let (codec, logprobs) = (admitted.model.codec.clone(), admitted.sampling.logprobs);
-    let scored = admitted.sampling.prompt_logprobs;
-    let prompt_ids = scored.map(|_| admitted.ids.clone()).unwrap_or_default();
     let mut shape = shape;
-    if let Err(e) = shape.fits_prompt(admitted.ids.len()) {
-        return shape.error(e);
-    }
-    shape.vocab(&codec);
+    let asked = match Asked::of(&admitted, &mut shape) {
+        Ok(a) => a,
+        Err(e) => return shape.error(e),
+    };
     let committed = match commit(admitted).await {
         Ok(c) => c,
         Err(e) => return shape.error(e),
     };
     let pair_id = committed.pair_id;
-    let (mut p, chunks) = committed.answer(model.to_string(), prompt_ids, scored, logprobs);
+    let (mut p, chunks) = committed.answer(asked);
     if shape.stream() {
         let body = chunks.scan((p, shape), |(p, shape), next| {
             let out = match next {
