@@ -247,6 +247,62 @@ impl PagePool {
         expect: ImportExpectation,
         t: &KvTransfer,
     ) -> Result<Sequence, TransferError> {
+        self.verify_set(&expect, t)?;
+        let want_pages = t.pages.len();
+        let refs: Vec<PageRef> = self.alloc(owner, want_pages)?;
+        for (r, p) in refs.iter().zip(&t.pages) {
+            self.set_page_bytes(r.page, &p.bytes);
+        }
+        Ok(Sequence {
+            owner,
+            pages: refs,
+            len: t.manifest.tokens as usize,
+        })
+    }
+
+    /// [`PagePool::import`] of the set of `tokens` (the prompt whose KV it is) for the tenant
+    /// `tenant_salt`, where the set's full pages this pool's prefix cache already holds for
+    /// those tokens, with the very bytes the set sent (the cached page's checksum is the
+    /// manifest's), are shared instead of copied: several pairs of one prompt (a request's
+    /// choices) hold its pages once. Verified whole first, as `import`; returns the sequence
+    /// and the tokens shared.
+    pub fn import_sharing(
+        &mut self,
+        owner: crate::pool::OwnerId,
+        expect: ImportExpectation,
+        t: &KvTransfer,
+        tokens: &[u32],
+        tenant_salt: u64,
+    ) -> Result<(Sequence, usize), TransferError> {
+        self.verify_set(&expect, t)?;
+        let m = &t.manifest;
+        let ps = self.config().page_size;
+        let len = m.tokens as usize;
+        let covered = tokens.get(..len).ok_or(TransferError::TokenCountMismatch {
+            expected: tokens.len() as u64,
+            found: m.tokens,
+        })?;
+        let hits = self.prefix_hits(covered, tenant_salt, len / ps, |i, p| {
+            xxh3_64(self.page_view(p)) == m.page_checksums[i]
+        });
+        let need = t.pages.len() - hits.len();
+        let refs = self.take_prefix_pages(owner, &hits, need)?;
+        for (r, p) in refs.iter().zip(&t.pages).skip(hits.len()) {
+            self.set_page_bytes(r.page, &p.bytes);
+        }
+        Ok((
+            Sequence {
+                owner,
+                pages: refs,
+                len,
+            },
+            hits.len() * ps,
+        ))
+    }
+
+    /// Every check of a KV set against `expect` (manifest, pair, model, tokens, layout, each
+    /// page's pair, place, size and checksum).
+    fn verify_set(&self, expect: &ImportExpectation, t: &KvTransfer) -> Result<(), TransferError> {
         let m = &t.manifest;
         if m.compute_checksum() != m.manifest_checksum {
             return Err(TransferError::ManifestCorrupt);
@@ -322,15 +378,7 @@ impl PagePool {
                 return Err(TransferError::PageCorrupt { index: p.index });
             }
         }
-        let refs: Vec<PageRef> = self.alloc(owner, want_pages)?;
-        for (r, p) in refs.iter().zip(&t.pages) {
-            self.set_page_bytes(r.page, &p.bytes);
-        }
-        Ok(Sequence {
-            owner,
-            pages: refs,
-            len: m.tokens as usize,
-        })
+        Ok(())
     }
 }
 

@@ -423,3 +423,118 @@ fn truncated_streams_are_errors_not_panics() {
         );
     }
 }
+
+/// A verified set's full pages that the pool already caches for the same tenant and tokens,
+/// with the very bytes the set carries, are shared instead of copied; a page whose bytes differ
+/// (and every page after it), another tenant's pages and the partial last page are copied; the
+/// imported sequence reads exactly the set's KV either way.
+#[test]
+fn an_import_shares_the_cached_pages_whose_bytes_it_carries() {
+    let model = ModelFingerprint::derive("{\"layers\":2}", "sha256:abc");
+    let prompt: Vec<u32> = (0..20).collect();
+    let salt = 5;
+    // The prefill side: three sets of the same 19 tokens (the decode computes the 20th).
+    let mut src = PagePool::new(cfg(16, 8, KvDtype::F16, ScrubPolicy::None)).expect("src");
+    let set = |src: &mut PagePool, pair: u64, seed: f32| {
+        let mut s = src.new_sequence(OwnerId::sequence(pair), 0).expect("s");
+        fill(src, &mut s, 19, seed);
+        let t = src.export(&s, pair, model).expect("export");
+        src.release(s).expect("release");
+        t
+    };
+    let (first, second) = (set(&mut src, 1, 3.0), set(&mut src, 2, 3.0));
+    let mut other = set(&mut src, 3, 3.0);
+    // A set whose second page holds other bytes (its own checksums agree: it is verified).
+    let bad = set(&mut src, 4, 9.0);
+    other.pages[1].bytes.clone_from(&bad.pages[1].bytes);
+    other.manifest.page_checksums[1] = bad.manifest.page_checksums[1];
+    other.manifest.manifest_checksum = other.manifest.compute_checksum();
+
+    let mut dst = PagePool::new(cfg(16, 8, KvDtype::F16, ScrubPolicy::None)).expect("dst");
+    let (mut a, shared) = dst
+        .import_sharing(
+            OwnerId::sequence(1),
+            expect_of(&first),
+            &first,
+            &prompt,
+            salt,
+        )
+        .expect("first");
+    assert_eq!(shared, 0, "nothing cached yet");
+    fill(&mut dst, &mut a, 1, 3.0);
+    dst.publish_prefix(&mut a, &prompt, salt).expect("publish");
+    let free = dst.available_pages();
+    let (b, shared) = dst
+        .import_sharing(
+            OwnerId::sequence(2),
+            expect_of(&second),
+            &second,
+            &prompt,
+            salt,
+        )
+        .expect("second");
+    assert_eq!(shared, 16, "both full pages shared");
+    assert_eq!(b.pages[..2], a.pages[..2]);
+    assert_eq!(
+        dst.available_pages(),
+        free - 1,
+        "only the partial page copied"
+    );
+    let (c, shared) = dst
+        .import_sharing(
+            OwnerId::sequence(3),
+            expect_of(&other),
+            &other,
+            &prompt,
+            salt,
+        )
+        .expect("other");
+    assert_eq!(shared, 8, "the first page only: the second's bytes differ");
+    assert_ne!(c.pages[1], a.pages[1]);
+    let (d, shared) = dst
+        .import_sharing(
+            OwnerId::sequence(4),
+            expect_of(&first),
+            &first,
+            &prompt,
+            salt + 1,
+        )
+        .expect("another tenant");
+    assert_eq!(shared, 0, "another tenant shares nothing");
+    // Every sequence reads its own set's KV.
+    let w = dst.config().token_width();
+    let (mut k1, mut v1, mut k2, mut v2) = (vec![0.0; w], vec![0.0; w], vec![0.0; w], vec![0.0; w]);
+    for (seq, t) in [(&b, &second), (&c, &other), (&d, &first)] {
+        let mut want = PagePool::new(cfg(16, 8, KvDtype::F16, ScrubPolicy::None)).expect("ref");
+        let r = want
+            .import(OwnerId::sequence(9), expect_of(t), t)
+            .expect("plain import");
+        for pos in 0..19 {
+            for layer in 0..2 {
+                dst.read(seq, pos, layer, &mut k1, &mut v1).expect("read");
+                want.read(&r, pos, layer, &mut k2, &mut v2).expect("read");
+                assert_eq!((&k1, &v1), (&k2, &v2), "pos {pos} layer {layer}");
+            }
+        }
+    }
+    // A corrupt set is refused whole, as by `import`, and takes nothing.
+    let mut corrupt = second.clone();
+    let mut flipped = corrupt.pages[0].bytes.to_vec();
+    flipped[0] ^= 1;
+    corrupt.pages[0].bytes = flipped.into();
+    let before = dst.available_pages();
+    assert!(matches!(
+        dst.import_sharing(
+            OwnerId::sequence(5),
+            expect_of(&corrupt),
+            &corrupt,
+            &prompt,
+            salt
+        ),
+        Err(TransferError::PageCorrupt { index: 0 })
+    ));
+    assert_eq!(dst.available_pages(), before);
+    for s in [a, b, c, d] {
+        dst.release(s).expect("release");
+    }
+}

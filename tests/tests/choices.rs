@@ -76,7 +76,7 @@ async fn metric(url: &str, name: &str) -> u64 {
 
 /// On the embedded engine: three seeded choices, each equal to a request for one choice with its
 /// seed; the prompt's full pages computed once (the others' prefills read them from the prefix
-/// cache); the usage counts the prompt once; streamed, every choice's events carry its index,
+/// cache) and held once by the decode engine (the others' sets share its pages); the usage counts the prompt once; streamed, every choice's events carry its index,
 /// and one usage event and one `[DONE]` end the stream after every choice finished.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn embedded_choices_are_seeded_pairs_sharing_the_prompts_pages() {
@@ -98,6 +98,12 @@ async fn embedded_choices_are_seeded_pairs_sharing_the_prompts_pages() {
         metric(&s.url, hits).await,
         2 * 32,
         "the second and third choices read the first's two full pages"
+    );
+    // And the decode engine holds them once: the later choices' sets share its pages.
+    assert_eq!(
+        metric(&s.url, "lockstep_kv_import_shared_tokens_total{").await,
+        2 * 32,
+        "the decode engine shares the first choice's two full pages"
     );
     let v = a.json();
     let choices = v["choices"].as_array().expect("choices");

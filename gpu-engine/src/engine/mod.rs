@@ -182,6 +182,9 @@ pub struct EngineStats {
     pub generated: AtomicUsize,
     /// Prompt tokens whose KV came from the prefix cache instead of being computed.
     pub prefix_hit_tokens: AtomicUsize,
+    /// Prompt tokens of imported KV sets whose pages were already cached with the same bytes:
+    /// shared instead of copied (a decode engine's).
+    pub import_shared_tokens: AtomicUsize,
 }
 
 /// A cheap, clonable way to submit work to an engine.

@@ -23,14 +23,37 @@ impl PagePool {
         tokens: &[u32],
         tenant_salt: u64,
     ) -> Result<(Sequence, usize), PoolError> {
-        let hashes = self.prefix_hashes(tokens, tenant_salt);
         // Share at most up to the last token, so the sequence computes at least one token itself.
         let max_shared = (tokens.len().saturating_sub(1)) / self.cfg.page_size;
-        // A hit is a page whose key matches *and* whose salt, tokens and parent are this
-        // prompt's: the 64-bit key alone is never trusted.
+        let hits = self.prefix_hits(tokens, tenant_salt, max_shared, |_, _| true);
+        let need = tokens.len().div_ceil(self.cfg.page_size).max(1) - hits.len();
+        let pages = self.take_prefix_pages(owner, &hits, need)?;
+        let shared = hits.len() * self.cfg.page_size;
+        Ok((
+            Sequence {
+                owner,
+                pages,
+                len: shared,
+            },
+            shared,
+        ))
+    }
+
+    /// The cached pages that begin `tokens` for the tenant `tenant_salt`, at most `max_pages`,
+    /// each one `accept` (its position and page) lets through. A hit is a page whose key matches
+    /// *and* whose salt, tokens and parent are this prompt's: the 64-bit key alone is never
+    /// trusted.
+    pub(crate) fn prefix_hits(
+        &self,
+        tokens: &[u32],
+        tenant_salt: u64,
+        max_pages: usize,
+        accept: impl Fn(usize, PageIdx) -> bool,
+    ) -> Vec<PageIdx> {
+        let hashes = self.prefix_hashes(tokens, tenant_salt);
         let ps = self.cfg.page_size;
         let mut hits: Vec<PageIdx> = Vec::new();
-        for (i, h) in hashes.iter().take(max_shared).enumerate() {
+        for (i, h) in hashes.iter().take(max_pages).enumerate() {
             let Some(&p) = self.by_hash.get(h) else { break };
             let exact = self.prefix[p as usize].as_ref().is_some_and(|m| {
                 m.salt == tenant_salt
@@ -41,12 +64,22 @@ impl PagePool {
                             tag: self.tags[q as usize],
                         })
             });
-            if !exact {
+            if !exact || !accept(i, p) {
                 break;
             }
             hits.push(p);
         }
-        let need = tokens.len().div_ceil(self.cfg.page_size).max(1) - hits.len();
+        hits
+    }
+
+    /// A reference on each of `hits` (cached pages) followed by `need` new pages of `owner`, all
+    /// or nothing.
+    pub(crate) fn take_prefix_pages(
+        &mut self,
+        owner: OwnerId,
+        hits: &[PageIdx],
+        need: usize,
+    ) -> Result<Vec<PageRef>, PoolError> {
         // Hit pages that are evictable stop being available once referenced.
         let hits_evictable = hits
             .iter()
@@ -65,7 +98,7 @@ impl PagePool {
             });
         }
         let mut pages = Vec::with_capacity(hits.len() + need);
-        for p in &hits {
+        for p in hits {
             if let Some(meta) = self.prefix[*p as usize].as_mut() {
                 if meta.refs == 0 {
                     self.evictable.remove(&meta.lru);
@@ -78,15 +111,7 @@ impl PagePool {
             });
         }
         pages.extend(self.alloc(owner, need)?);
-        let shared = hits.len() * self.cfg.page_size;
-        Ok((
-            Sequence {
-                owner,
-                pages,
-                len: shared,
-            },
-            shared,
-        ))
+        Ok(pages)
     }
 
     /// Offers a sequence's full, private pages to the prefix cache (after its prefill). Each

@@ -76,6 +76,10 @@ pub struct Metrics {
     /// Prompt tokens an embedded engine took from its prefix cache (brought up to the engine's
     /// count at scrape).
     pub prefix_cache_hit_tokens: IntCounterVec,
+    /// Prompt tokens of KV sets an embedded decode engine imported whose pages it held already
+    /// with the same bytes, shared instead of copied (brought up to the engine's count at
+    /// scrape).
+    pub kv_import_shared_tokens: IntCounterVec,
     /// Prompt tokens routed by the prefix-aware policy (brought up to the pool's count at scrape).
     pub prefix_routed_tokens: IntCounterVec,
     /// Of those, tokens the policy predicted the chosen worker holds.
@@ -388,6 +392,12 @@ impl Metrics {
                 &r,
                 "lockstep_prefix_cache_hit_tokens_total",
                 "Prompt tokens an embedded engine reused from its prefix cache (same tenant only).",
+                &["model", "engine"],
+            ),
+            kv_import_shared_tokens: counter(
+                &r,
+                "lockstep_kv_import_shared_tokens_total",
+                "Prompt tokens of imported KV sets an embedded engine already held with the same bytes (same tenant only), shared instead of copied.",
                 &["model", "engine"],
             ),
             prefix_routed_tokens: counter(

@@ -215,6 +215,10 @@ impl AppState {
                         &m.prefix_cache_hit_tokens.with_label_values(&[name, engine]),
                         s.prefix_hit_tokens.load(Ordering::Relaxed) as u64,
                     );
+                    catch_up(
+                        &m.kv_import_shared_tokens.with_label_values(&[name, engine]),
+                        s.import_shared_tokens.load(Ordering::Relaxed) as u64,
+                    );
                 }
             }
             for (side, pool) in [

@@ -7,6 +7,7 @@ use super::Scheduler;
 use crate::pool::OwnerId;
 use crate::sample::{Sampler, TextStream};
 use crate::transfer::ImportExpectation;
+use std::sync::atomic::Ordering;
 
 impl Scheduler {
     /// Allocates a job's pages (importing its KV when it brings some).
@@ -102,31 +103,39 @@ impl Scheduler {
                             model: self.bundle.fingerprint,
                             tokens: g.prompt.len() as u64 - 1,
                         };
-                        let imported = self
-                            .pool
-                            .import(owner, expect, &t)
-                            .map_err(EngineError::from)
-                            .and_then(|mut s| {
-                                let extra = tokens - s.len;
-                                let r = self
-                                    .pool
-                                    .reserve(&mut s, extra)
-                                    .map_err(EngineError::from)
-                                    .and_then(|()| {
-                                        self.device.upload(
-                                            &self.pool,
-                                            &s,
-                                            &t.manifest.page_checksums,
-                                        )
-                                    });
-                                match r {
-                                    Ok(()) => Ok(s),
-                                    Err(e) => {
-                                        let _ = self.pool.release(s);
-                                        Err(e)
-                                    }
+                        // With the prefix cache, the prompt's full pages already here for
+                        // this tenant with the very bytes the set sent are shared, not copied
+                        // (a request's several choices hold them once).
+                        let imported = match salt {
+                            Some(salt) => self
+                                .pool
+                                .import_sharing(owner, expect, &t, &g.prompt, salt)
+                                .map(|(s, shared)| {
+                                    self.stats
+                                        .import_shared_tokens
+                                        .fetch_add(shared, Ordering::Relaxed);
+                                    s
+                                }),
+                            None => self.pool.import(owner, expect, &t),
+                        };
+                        let imported = imported.map_err(EngineError::from).and_then(|mut s| {
+                            let extra = tokens - s.len;
+                            let r = self
+                                .pool
+                                .reserve(&mut s, extra)
+                                .map_err(EngineError::from)
+                                .and_then(|()| {
+                                    self.device
+                                        .upload(&self.pool, &s, &t.manifest.page_checksums)
+                                });
+                            match r {
+                                Ok(()) => Ok(s),
+                                Err(e) => {
+                                    let _ = self.pool.release(s);
+                                    Err(e)
                                 }
-                            });
+                            }
+                        });
                         match imported {
                             Ok(s) => (s, Some(t.manifest.compute_checksum())),
                             Err(e) => return Err((Job::Gen(g, events, None), e)),
@@ -157,7 +166,9 @@ impl Scheduler {
                     seq,
                     input: g.prompt,
                     fed,
-                    publish: salt.filter(|_| digest.is_none()),
+                    // An imported prompt's full pages are offered too: a later pair of the
+                    // same tenant and prompt shares them where its set's bytes are theirs.
+                    publish: salt,
                     role: Role::Gen {
                         events,
                         sampler: Sampler::new(g.sampling),
