@@ -466,7 +466,7 @@ async fn every_metric_and_label_the_rules_and_dashboard_use_exists() {
     stack.mock.set_fault(Fault::DecodeStatus(500));
     assert_ne!(send(prompt("red green")).await.status, 200);
     stack.mock.set_fault(Fault::None);
-    let bad = send(serde_json::json!({ "model": MODEL, "prompt": "x", "n": 3 })).await;
+    let bad = send(serde_json::json!({ "model": MODEL, "prompt": "x", "n": 999 })).await;
     assert_eq!(bad.status, 400, "{}", bad.body);
     let scrape = TestClient::default()
         .send_with(
