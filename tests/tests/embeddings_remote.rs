@@ -23,12 +23,11 @@ struct Remote {
     _dir: tempfile::TempDir,
 }
 
-fn config(mock: &EmbedMock, tok: &std::path::Path, backend: &str, extra: &str) -> String {
+fn config(mock: &EmbedMock, tok: &std::path::Path, backend: &str) -> String {
     format!(
         r#"
 [server]
 http_listen = "127.0.0.1:0"
-{extra}
 
 [[models]]
 name = "{MODEL}"
@@ -45,7 +44,7 @@ workers = [{{ url = "{url}" }}]
     )
 }
 
-async fn start(cfg: EmbedMockConfig, extra: &str) -> Remote {
+async fn start(cfg: EmbedMockConfig) -> Remote {
     let backend = match cfg.flavor {
         Flavor::Sglang => "sglang",
         Flavor::Vllm => "vllm",
@@ -55,7 +54,7 @@ async fn start(cfg: EmbedMockConfig, extra: &str) -> Remote {
     let t = tokenizer::build_embedding();
     std::fs::write(&tok, t.to_string(true).expect("json")).expect("write");
     let mock = EmbedMock::start(cfg, t).await.expect("mock starts");
-    let cfg = Config::parse(&config(&mock, &tok, backend, extra)).expect("parses");
+    let cfg = Config::parse(&config(&mock, &tok, backend)).expect("parses");
     assert!(cfg.problems().is_empty(), "{:?}", cfg.problems());
     let lockstep = Lockstep::start(cfg).await.expect("lockstep starts");
     Remote {
@@ -96,13 +95,10 @@ fn same(a: &[f32], b: &[f32]) -> bool {
 async fn workers_vectors_come_back_for_the_ids_lockstep_sent() {
     let tok = tokenizer::build_embedding();
     for flavor in [Flavor::Sglang, Flavor::Vllm] {
-        let r = start(
-            EmbedMockConfig {
-                flavor,
-                ..EmbedMockConfig::default()
-            },
-            "",
-        )
+        let r = start(EmbedMockConfig {
+            flavor,
+            ..EmbedMockConfig::default()
+        })
         .await;
         let texts = ["red green blue", "the cat sat"];
         let ids: Vec<Vec<u32>> = texts
@@ -154,7 +150,7 @@ async fn workers_vectors_come_back_for_the_ids_lockstep_sent() {
 /// failing worker. A worker's own 400 is the caller's 400.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_answer_lockstep_cannot_verify_is_an_error() {
-    let r = start(EmbedMockConfig::default(), "").await;
+    let r = start(EmbedMockConfig::default()).await;
     let body = json!({"model": MODEL, "input": ["red green", "blue"]});
     assert_eq!(r.post("/v1/embeddings", body.clone()).await.status, 200);
     for fault in [
@@ -193,14 +189,11 @@ async fn an_answer_lockstep_cannot_verify_is_an_error() {
 /// A Matryoshka model's `dimensions` go to the worker, and the answer must have them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dimensions_reach_a_matryoshka_worker() {
-    let r = start(
-        EmbedMockConfig {
-            matryoshka: true,
-            flavor: Flavor::Vllm,
-            ..EmbedMockConfig::default()
-        },
-        "",
-    )
+    let r = start(EmbedMockConfig {
+        matryoshka: true,
+        flavor: Flavor::Vllm,
+        ..EmbedMockConfig::default()
+    })
     .await;
     let a = r
         .post(
@@ -220,7 +213,7 @@ async fn dimensions_reach_a_matryoshka_worker() {
 /// and a generation model no embeddings.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn embeddings_and_generation_models_refuse_each_others_requests() {
-    let r = start(EmbedMockConfig::default(), "").await;
+    let r = start(EmbedMockConfig::default()).await;
     let long = "red ".repeat(80);
     for (body, param) in [
         (json!({"model": MODEL, "input": ""}), "input[0]"),
@@ -317,7 +310,7 @@ async fn an_unreachable_worker_is_passed_over() {
         .expect("bind")
         .local_addr()
         .expect("addr");
-    let text = config(&mock, &tok, "sglang", "").replace(
+    let text = config(&mock, &tok, "sglang").replace(
         &format!("workers = [{{ url = \"{}\" }}]", mock.url()),
         &format!(
             "workers = [{{ url = \"http://{dead}\" }}, {{ url = \"{}\" }}]",
@@ -349,13 +342,10 @@ async fn real_clients_read_the_workers_embeddings() {
         return;
     };
     for flavor in [Flavor::Sglang, Flavor::Vllm] {
-        let r = start(
-            EmbedMockConfig {
-                flavor,
-                ..EmbedMockConfig::default()
-            },
-            "",
-        )
+        let r = start(EmbedMockConfig {
+            flavor,
+            ..EmbedMockConfig::default()
+        })
         .await;
         lockstep_tests::client::run_python_checks_in(
             &python,

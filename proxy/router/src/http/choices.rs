@@ -18,7 +18,9 @@ use serde_json::{Value, json};
 
 use super::openai_out::Usage;
 use super::openai_shape::OpenAiShape;
-use super::respond::{Asked, Launch, Progress, Render, answer, build_failed};
+use super::respond::{
+    Asked, Launch, Progress, Render, answer, build_failed, event_stream, json_head,
+};
 use crate::admission::Admitted;
 use crate::backend::{FinishReason, SamplingParams};
 
@@ -116,16 +118,7 @@ pub(crate) async fn serve_choices(mut admitted: Admitted, shape: OpenAiShape) ->
                 std::future::ready(Some(Ok::<_, Infallible>(bytes::Bytes::from(out))))
             },
         );
-        let head = head
-            .header(
-                http::header::CONTENT_TYPE,
-                http::HeaderValue::from_static("text/event-stream"),
-            )
-            .header(
-                http::header::CACHE_CONTROL,
-                http::HeaderValue::from_static("no-cache"),
-            );
-        return answer(head, lead, Body::from_stream(body));
+        return answer(event_stream(head), lead, Body::from_stream(body));
     }
     let mut merged = std::pin::pin!(merged);
     let mut finish: Vec<Option<FinishReason>> = vec![None; n];
@@ -159,11 +152,7 @@ pub(crate) async fn serve_choices(mut admitted: Admitted, shape: OpenAiShape) ->
     let Ok(json) = serde_json::to_vec(&whole) else {
         return shape.error(build_failed());
     };
-    let head = head.header(
-        http::header::CONTENT_TYPE,
-        http::HeaderValue::from_static("application/json"),
-    );
-    answer(head, lead, Body::from(json))
+    answer(json_head(head), lead, Body::from(json))
 }
 
 #[cfg(test)]

@@ -135,11 +135,7 @@ async fn run(state: &Arc<AppState>, req: Request) -> Result<Response, Refusal> {
         "model": &*name,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     });
-    Response::builder()
-        .header(
-            http::header::CONTENT_TYPE,
-            http::HeaderValue::from_static("application/json"),
-        )
+    super::respond::json_head(Response::builder())
         .body(Body::from(body.to_string()))
         .map_err(|_| {
             Refusal(LockstepError::Unavailable {

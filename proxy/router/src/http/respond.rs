@@ -279,6 +279,26 @@ pub(crate) fn answer(head: http::response::Builder, pair_id: PairId, body: Body)
     .unwrap_or_else(|_| build_failed().into_response())
 }
 
+/// `head` for an SSE answer: `text/event-stream`, not cached.
+pub(crate) fn event_stream(head: http::response::Builder) -> http::response::Builder {
+    head.header(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("text/event-stream"),
+    )
+    .header(
+        http::header::CACHE_CONTROL,
+        http::HeaderValue::from_static("no-cache"),
+    )
+}
+
+/// `head` for a JSON answer.
+pub(crate) fn json_head(head: http::response::Builder) -> http::response::Builder {
+    head.header(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/json"),
+    )
+}
+
 /// The error for an answer that could not be built.
 pub(crate) fn build_failed() -> LockstepError {
     LockstepError::Unavailable {
@@ -361,15 +381,7 @@ pub(crate) async fn serve_pair<R: Render>(admitted: Admitted, shape: R) -> Respo
             std::future::ready(Some(Ok::<_, Infallible>(out)))
         });
         return answer(
-            Response::builder()
-                .header(
-                    http::header::CONTENT_TYPE,
-                    http::HeaderValue::from_static("text/event-stream"),
-                )
-                .header(
-                    http::header::CACHE_CONTROL,
-                    http::HeaderValue::from_static("no-cache"),
-                ),
+            event_stream(Response::builder()),
             pair_id,
             Body::from_stream(body),
         );
@@ -385,14 +397,7 @@ pub(crate) async fn serve_pair<R: Render>(admitted: Admitted, shape: R) -> Respo
             let Ok(json) = shape.full_json(&p, finish) else {
                 return shape.error(build_failed());
             };
-            return answer(
-                Response::builder().header(
-                    http::header::CONTENT_TYPE,
-                    http::HeaderValue::from_static("application/json"),
-                ),
-                pair_id,
-                Body::from(json),
-            );
+            return answer(json_head(Response::builder()), pair_id, Body::from(json));
         }
     }
     // The chunks end with a finish or an error: never here.
