@@ -185,29 +185,55 @@ async fn embeddings(State(inner): State<Arc<Inner>>, Json(body): Json<Value>) ->
             .map(|e| e.get_ids().to_vec())
             .unwrap_or_default()
     };
+    // SGLang 0.5.23 `serving_embedding.py` `_validate_request`, item by item; nested id lists
+    // are typed by the request model (`List[List[int]]`), so anything but ids is a 400.
+    let ids = |l: &[Value]| -> Option<Vec<u32>> {
+        l.iter()
+            .map(|x| x.as_u64().and_then(|x| u32::try_from(x).ok()))
+            .collect()
+    };
     let inputs: Vec<Vec<u32>> = match &body["input"] {
-        Value::String(s) if !s.trim().is_empty() => vec![encode(s)],
+        Value::String(s) if s.trim().is_empty() => {
+            return error(cfg.flavor, 400, "Input cannot be empty or whitespace only");
+        }
+        Value::String(s) => vec![encode(s)],
         Value::Array(a) if !a.is_empty() => match &a[0] {
-            Value::String(_) => a.iter().map(|s| encode(s.as_str().unwrap_or(""))).collect(),
-            Value::Number(_) => vec![
-                a.iter()
-                    .filter_map(|x| x.as_u64())
-                    .map(|x| x as u32)
-                    .collect(),
-            ],
-            Value::Array(_) => a
-                .iter()
-                .map(|l| {
-                    l.as_array()
-                        .map(|l| {
-                            l.iter()
-                                .filter_map(|x| x.as_u64())
-                                .map(|x| x as u32)
-                                .collect()
-                        })
-                        .unwrap_or_default()
-                })
-                .collect(),
+            Value::String(_) => {
+                let mut out = Vec::new();
+                for (i, item) in a.iter().enumerate() {
+                    let Some(t) = item.as_str() else {
+                        return error(cfg.flavor, 400, "All items in input list must be strings");
+                    };
+                    if t.trim().is_empty() {
+                        let m = format!("Input at index {i} cannot be empty or whitespace only");
+                        return error(cfg.flavor, 400, &m);
+                    }
+                    out.push(encode(t));
+                }
+                out
+            }
+            Value::Number(_) => {
+                if let Some(i) = a.iter().position(|x| x.as_i64().is_some_and(|x| x < 0)) {
+                    let m = format!("Token ID at index {i} must be non-negative");
+                    return error(cfg.flavor, 400, &m);
+                }
+                match ids(a) {
+                    Some(l) => vec![l],
+                    None => {
+                        return error(cfg.flavor, 400, "All items in input list must be integers");
+                    }
+                }
+            }
+            Value::Array(_) => {
+                let lists: Option<Vec<Vec<u32>>> = a
+                    .iter()
+                    .map(|l| l.as_array().and_then(|l| ids(l)))
+                    .collect();
+                match lists {
+                    Some(l) => l,
+                    None => return error(cfg.flavor, 400, "input: a list of token id lists"),
+                }
+            }
             _ => return error(cfg.flavor, 400, "Input cannot be empty"),
         },
         _ => return error(cfg.flavor, 400, "Input cannot be empty"),

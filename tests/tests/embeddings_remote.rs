@@ -359,3 +359,38 @@ async fn real_clients_read_the_workers_embeddings() {
         .await;
     }
 }
+
+/// The mock refuses what SGLang 0.5.23's `_validate_request` refuses (so it is never friendlier
+/// than the server): whitespace-only text, a negative token id, mixed lists, another encoding.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_mock_refuses_what_sglang_refuses() {
+    let mock = EmbedMock::start(EmbedMockConfig::default(), tokenizer::build_embedding())
+        .await
+        .expect("mock starts");
+    for (input, says) in [
+        (json!("   "), "empty or whitespace only"),
+        (json!(["red", " "]), "Input at index 1"),
+        (json!(["red", 5]), "must be strings"),
+        (json!([5, -1]), "Token ID at index 1 must be non-negative"),
+        (json!([5, "x"]), "must be integers"),
+        (json!([]), "Input cannot be empty"),
+    ] {
+        let a = TestClient::default()
+            .post(
+                &format!("{}/v1/embeddings", mock.url()),
+                &json!({"input": input}),
+                Duration::from_secs(5),
+            )
+            .await;
+        assert_eq!(a.status, 400, "{input}: {}", a.body);
+        assert!(a.body.contains(says), "{input}: {}", a.body);
+    }
+    let a = TestClient::default()
+        .post(
+            &format!("{}/v1/embeddings", mock.url()),
+            &json!({"input": "red", "encoding_format": "int8"}),
+            Duration::from_secs(5),
+        )
+        .await;
+    assert_eq!(a.status, 400, "{}", a.body);
+}
