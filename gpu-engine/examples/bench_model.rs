@@ -4,7 +4,7 @@
 //! after a 512-token prompt). Threads: `RAYON_NUM_THREADS`. `BENCH_CONTEXT=N` (under 512) runs
 //! the batch-1 decode after an N-token prompt instead, and `BENCH_STEPS` sets its step count
 //! (default 64): the positions a short HTTP stream decodes at. `BENCH_REPS`: repetitions (3),
-//! the best of each kept.
+//! the best of each kept. `BENCH_ONLY_B1=1` times batch-1 decode alone (for profiling it).
 //!
 //!     cargo run --release -p lockstep-engine --example bench_model -- MODEL.gguf
 
@@ -27,6 +27,7 @@ fn main() -> Result<(), String> {
     let reps = env("BENCH_REPS", 3);
     let context = env("BENCH_CONTEXT", 512).clamp(1, 512);
     let steps = env("BENCH_STEPS", 64);
+    let only_b1 = env("BENCH_ONLY_B1", 0) == 1;
     let b = ModelBundle::open(std::path::Path::new(&path)).map_err(|e| e.to_string())?;
     let (m, c) = (&b.model, b.model.cfg);
     let text = "The quick brown fox jumps over the lazy dog. ".repeat(60);
@@ -35,16 +36,17 @@ fn main() -> Result<(), String> {
     let best = |xs: &mut Vec<f64>| xs.iter().cloned().fold(0.0, f64::max);
     let (mut pre, mut d1, mut d8) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..reps {
-        // Prefill, 512 tokens in one batch.
+        // Prefill, 512 tokens in one batch (with `BENCH_ONLY_B1`, only the decode's context).
+        let first = if only_b1 { context } else { 512 };
         let mut seq = pool
             .new_sequence(OwnerId::sequence(1), 512 + steps.max(88))
             .map_err(|e| e.to_string())?;
         let t = Instant::now();
-        m.forward(&mut pool, &mut seq, &prompt)
+        m.forward(&mut pool, &mut seq, &prompt[..first])
             .map_err(|e| e.to_string())?;
-        pre.push(512.0 / t.elapsed().as_secs_f64());
+        pre.push(first as f64 / t.elapsed().as_secs_f64());
         // Decode at batch 1, 64 steps.
-        if context < 512 {
+        if context < first {
             pool.release(seq).map_err(|e| e.to_string())?;
             seq = pool
                 .new_sequence(OwnerId::sequence(2), context + steps)
@@ -60,6 +62,9 @@ fn main() -> Result<(), String> {
         }
         d1.push(steps as f64 / t.elapsed().as_secs_f64());
         pool.release(seq).map_err(|e| e.to_string())?;
+        if only_b1 {
+            continue;
+        }
         // Decode at batch 8: eight sequences after the same prompt, 32 steps.
         let mut seqs = Vec::new();
         for s in 0..8 {
