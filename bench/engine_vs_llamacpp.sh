@@ -43,12 +43,27 @@ done
 # noise. Each round: lockstep's engine, llama.cpp, then lockstep over HTTP (its own prompt words
 # per round: no prefix cache serves its time to first token).
 ROUNDS=${ROUNDS:-5}
-OURS="" THEIRS="" E2E=""
+# Each round also times batch 1 at the positions a short HTTP stream decodes at (256 steps after
+# a 4-token prompt, one repetition each, the two engines back to back in alternating order):
+# the per-round ratio of these pairs is printed beside the medians.
+OURS="" THEIRS="" E2E="" SHORT=""
+short() {
+  if [ "$1" = lockstep ]; then
+    BENCH_ONLY_B1=1 BENCH_CONTEXT=4 BENCH_STEPS=256 BENCH_REPS=1 RAYON_NUM_THREADS=$THREADS \
+      target/release/examples/bench_model "$MODEL"
+  else
+    BENCH_CONTEXT=4 BENCH_STEPS=256 BENCH_REPS=1 "$VENV/bin/python" bench/llamacpp_engine.py \
+      "$MODEL" "$THREADS" 2>/dev/null
+  fi | python3 -c 'import json, sys; print(json.load(sys.stdin)["decode_b1_tok_s"])'
+}
 for r in $(seq 1 "$ROUNDS"); do
   OURS="$OURS$(RAYON_NUM_THREADS=$THREADS target/release/examples/bench_model "$MODEL")"$'\n'
   THEIRS="$THEIRS$("$VENV/bin/python" bench/llamacpp_engine.py "$MODEL" "$THREADS" 2>/dev/null)"$'\n'
   E2E="$E2E$(python3 bench/e2e_http.py "http://127.0.0.1:$PORT" SmolLM2-135M-Instruct "$r")"$'\n'
+  if [ $((r % 2)) = 1 ]; then a=$(short lockstep); b=$(short llama); else b=$(short llama); a=$(short lockstep); fi
+  SHORT="$SHORT$a $b"$'\n'
 done
+export SHORT
 
 python3 - "$OURS" "$THEIRS" "$E2E" "$THREADS" <<'PY'
 import json, os, statistics, sys
@@ -68,6 +83,11 @@ for k, name in [("prefill512_tok_s", "prefill 512 tokens, tok/s"), ("decode_b1_t
     cell = lambda m, v: f"{m:.1f} ({min(v):.1f}-{max(v):.1f})"
     print(f"{name:<28}{cell(ma, a):>26}{cell(mb, b):>26}{ma / mb:>7.2f}x")
 cell = lambda v: f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})"
+pairs = [tuple(map(float, l.split())) for l in os.environ["SHORT"].splitlines() if l.strip()]
+sa, sb = [a for a, _ in pairs], [b for _, b in pairs]
+print(f"{'decode batch 1, pos 4-260':<28}{statistics.median(sa):>12.1f} ({min(sa):.1f}-{max(sa):.1f})"
+      f"{statistics.median(sb):>13.1f} ({min(sb):.1f}-{max(sb):.1f})"
+      f"   per pair {cell([a / b for a, b in pairs])}x")
 print("lockstep end to end (HTTP, split prefill/decode engines), medians (min-max):")
 for k in ["ttft_512_s", "decode_b1_tok_s", "decode_after512_tok_s", "concurrent8_tok_s"]:
     print(f"  {k:<24}{cell([r[k] for r in e2e]):>26}")
