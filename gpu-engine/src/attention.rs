@@ -64,8 +64,8 @@ fn prefetch(data: &KvData, at: usize, len: usize) {
     let _ = (data, at, len);
 }
 
-/// `e^x` for `x <= 0` (softmax terms: a score less the running maximum), within about one
-/// ulp of libm's, `0` below `-87.3` and at `-inf`. Branch-free and built from plain f32
+/// `e^x` for `x <= 0` (softmax terms: a score less the running maximum), within two ulps of
+/// libm's, `0` below `-87.3` and at `-inf`. Branch-free and built from plain f32
 /// arithmetic (Cody-Waite reduction and Cephes' degree-5 polynomial, without fused
 /// multiply-adds), so a loop over a page's scores vectorises, and the result is the same bit
 /// for bit in every kernel set and whichever path (prefill tile or decode step) computes it.
@@ -203,17 +203,12 @@ fn round_f16<const F16C: bool>(x: &mut [f32]) {
     }
 }
 
-/// Decode scores with AVX2.
+/// A decode step's scores and V update with AVX2, over K/V as stored (f32 or f16).
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 mod avx2 {
     use std::arch::x86_64::*;
 
-    /// [`super::scores_rows`] eight rows at a time: per row the eight running sums of
-    /// [`crate::matmul::dot_f32`] (element `d` into sum `d mod 8`, a multiply then an add, in
-    /// order), then their sum in lane order from `-0.0` (as `Iterator::sum` folds), for eight
-    /// rows at once, then the remainder dimensions in order.
-    ///
     /// A stored KV element: f32, or f16 converted in registers (exactly, as the scratch path's
     /// bulk conversion converts it).
     pub(super) trait Elem: Copy {
@@ -289,6 +284,11 @@ mod avx2 {
         }
     }
 
+    /// [`super::scores_rows`] eight rows at a time: per row the eight running sums of
+    /// [`crate::matmul::dot_f32`] (element `d` into sum `d mod 8`, a multiply then an add, in
+    /// order), then their sum in lane order from `-0.0` (as `Iterator::sum` folds), for eight
+    /// rows at once, then the remainder dimensions in order.
+    ///
     /// # Safety
     /// The CPU must have AVX2 and F16C.
     #[inline]
@@ -862,6 +862,47 @@ mod tests {
                     want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
                     "hd {hd} n {n}"
                 );
+            }
+        }
+    }
+
+    /// Over an f16 cache a decode step reads K and V as stored: its scores and V update are
+    /// bit for bit those of the same values converted first (the prefill tile's path).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn reading_f16_directly_gives_the_converted_path_bits() {
+        use half::f16;
+        if !crate::cpu::Kernels::available()
+            .iter()
+            .any(|k| k.level() >= crate::cpu::Level::Avx2)
+        {
+            return;
+        }
+        let mut next = noise(0x5eed_0f16_0000_0001);
+        for hd in [64, 60, 128] {
+            for n in [1, 7, 16, 32] {
+                let q: Vec<f32> = (0..hd).map(|_| next()).collect();
+                let kh: Vec<f16> = (0..n * hd).map(|_| f16::from_f32(next())).collect();
+                let k: Vec<f32> = kh.iter().map(|h| h.to_f32()).collect();
+                let (mut direct, mut converted) = ([0.0f32; 32], [0.0f32; 32]);
+                // SAFETY: the CPU has AVX2 (checked above), which implies F16C in `Kernels`.
+                #[allow(unsafe_code)]
+                unsafe {
+                    super::avx2::scores8(&q, &kh, n, &mut direct)
+                };
+                scores_rows::<false>(&q, &k, n, &mut converted);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&direct[..n]), bits(&converted[..n]), "hd {hd} n {n}");
+                let p: Vec<f32> = (0..n).map(|_| next().abs() / 4.0).collect();
+                let start: Vec<f32> = (0..hd).map(|_| next()).collect();
+                let (mut a, mut b) = (start.clone(), start);
+                // SAFETY: as above.
+                #[allow(unsafe_code)]
+                unsafe {
+                    super::avx2::accumulate(&mut a, &p, &kh, hd)
+                };
+                accumulate(&mut b, &p, &k, hd);
+                assert_eq!(bits(&a), bits(&b), "hd {hd} n {n}");
             }
         }
     }
