@@ -1,7 +1,7 @@
 //! Scalar arithmetic of the attention kernels, written so the compiler vectorises it.
 
 /// `e^x` for `x <= 0` (softmax terms: a score less the running maximum), within two ulps of
-/// libm's, `0` below `-87.3` and at `-inf`. Branch-free and built from plain f32
+/// libm's, `0` below `-87` and at `-inf`. Branch-free and built from plain f32
 /// arithmetic (Cody-Waite reduction and Cephes' degree-5 polynomial, without fused
 /// multiply-adds), so a loop over a page's scores vectorises, and the result is the same bit
 /// for bit in every kernel set and whichever path (prefill tile or decode step) computes it.
