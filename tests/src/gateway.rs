@@ -148,7 +148,7 @@ pub async fn start_role(text: &str, role: Role) -> (Lockstep, Option<RunningPick
     let lockstep = Lockstep::start(cfg).await.expect("lockstep starts");
     let picker = match epp {
         Some(e) => Some(
-            lockstep_epp::serve(lockstep.state.clone(), e.grpc_listen, e.body_chunk_bytes)
+            lockstep_epp::serve(lockstep.state.clone(), &e)
                 .await
                 .expect("the picker serves"),
         ),

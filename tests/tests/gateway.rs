@@ -35,6 +35,17 @@ struct Gateway {
 
 /// `allow`: the sidecar's `prefill_allow`; `naive`: llm-d's SGLang sequence as the sidecar.
 async fn gateway(tok: tokenizers::Tokenizer, allow: &str, naive: bool) -> Gateway {
+    gateway_with(tok, allow, naive, "").await
+}
+
+/// [`gateway`] with `picker` appended to the picker's configuration (`[epp]` lines first, then
+/// any tables).
+async fn gateway_with(
+    tok: tokenizers::Tokenizer,
+    allow: &str,
+    naive: bool,
+    picker: &str,
+) -> Gateway {
     let dir = tempfile::tempdir().expect("tempdir");
     let tok_path = dir.path().join("tokenizer.json");
     std::fs::write(&tok_path, tok.to_string(true).expect("tokenizer")).expect("write");
@@ -52,7 +63,8 @@ async fn gateway(tok: tokenizers::Tokenizer, allow: &str, naive: bool) -> Gatewa
         let hp = s.http_addr.to_string();
         (Some(s), None, hp)
     };
-    let (epp, picker) = start_role(&as_epp(&base, &mock.decode_url(), &endpoint), Role::Epp).await;
+    let epp_text = as_epp(&base, &mock.decode_url(), &endpoint) + picker;
+    let (epp, picker) = start_role(&epp_text, Role::Epp).await;
     let picker = picker.expect("a picker");
     let envoy = Envoy::start(picker.addr.port()).await;
     Gateway {
@@ -320,6 +332,82 @@ async fn with_the_picker_down_envoy_fails_closed() {
         before,
         "a request went past a picker that was down"
     );
+}
+
+/// Through the shipped Envoy file: a caller without a key gets its 401 while its body is still
+/// on the way (the picker decides on the headers), and past `epp.max_streams` a request is 503
+/// (`status_on_error`), never passed through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_picker_refuses_on_headers_and_caps_its_streams_through_envoy() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let tenants = format!(
+        "max_streams = 1\n[[tenants]]\nname = \"acme\"\napi_keys_sha256 = [\"{}\"]\n",
+        lockstep_router::tenant::key_hash_hex("acme-key")
+    );
+    let g = gateway_with(tokenizer::build(), "\"127.0.0.0/8\"", false, &tenants).await;
+    let addr = g.envoy.url.trim_start_matches("http://").to_string();
+    // Headers and the start of a 100 kB body that never comes.
+    let partial = |key: &str| {
+        format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: lockstep\r\ncontent-type: application/json\r\n{key}content-length: 100000\r\n\r\n{{\"model\": "
+        )
+    };
+    let mut anonymous = tokio::net::TcpStream::connect(&addr)
+        .await
+        .expect("connect");
+    anonymous
+        .write_all(partial("").as_bytes())
+        .await
+        .expect("write");
+    let mut head = vec![0u8; 512];
+    let n = tokio::time::timeout(Duration::from_secs(5), anonymous.read(&mut head))
+        .await
+        .expect("answered before the body ends")
+        .expect("read");
+    let head = String::from_utf8_lossy(&head[..n]).into_owned();
+    assert!(head.starts_with("HTTP/1.1 401"), "{head}");
+    // One keyed request holds the picker's one stream while its body trickles...
+    let mut holder = tokio::net::TcpStream::connect(&addr)
+        .await
+        .expect("connect");
+    holder
+        .write_all(partial("authorization: Bearer acme-key\r\n").as_bytes())
+        .await
+        .expect("write");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // ...so the next is 503, and nothing reached a worker.
+    let (path, body, _) = every_api(false).remove(0);
+    let a = send(
+        &g.envoy.url,
+        path,
+        &[("authorization", "Bearer acme-key")],
+        &body,
+    )
+    .await;
+    assert_eq!(a.status, 503, "{}\n{}", a.body, g.envoy.log());
+    assert_eq!(g.mock.request_count(), 0, "a request passed the picker");
+    drop(holder);
+    // Its stream ended, the cap has room again.
+    let deadline = std::time::Instant::now() + BOUND;
+    loop {
+        let a = send(
+            &g.envoy.url,
+            path,
+            &[("authorization", "Bearer acme-key")],
+            &body,
+        )
+        .await;
+        if a.status == 200 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} {}",
+            a.status,
+            a.body
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 fn probe_args(target: &str) -> lockstep_probe::ProbeArgs {

@@ -379,18 +379,14 @@ async fn serve(
     // `lockstep epp`: the ext_proc listener over the same models and pools.
     let picker = match epp {
         None => None,
-        Some(e) => {
-            match lockstep_epp::serve(running.state.clone(), e.grpc_listen, e.body_chunk_bytes)
-                .await
-            {
-                Ok(p) => Some(p),
-                Err(e) => {
-                    eprintln!("{}: refusing to start:\n{e}", shown(path));
-                    running.shutdown().await;
-                    return ExitCode::FAILURE;
-                }
+        Some(e) => match lockstep_epp::serve(running.state.clone(), &e).await {
+            Ok(p) => Some(p),
+            Err(e) => {
+                eprintln!("{}: refusing to start:\n{e}", shown(path));
+                running.shutdown().await;
+                return ExitCode::FAILURE;
             }
-        }
+        },
     };
     serve_until_stopped(&running, path, prepare, signals).await;
     tracing::info!("shutting down");

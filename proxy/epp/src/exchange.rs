@@ -3,6 +3,17 @@
 //! trailers; then response headers, body chunks, optional trailers). Every message Envoy sends
 //! gets its answer in order; the request's headers are answered only once its body is whole and
 //! the endpoints are picked.
+//!
+//! What a caller can make the picker hold is bounded before it holds it:
+//! - the caller is authenticated and its tenant's limits taken on `request_headers`, so a request
+//!   without a key (or over its limits) ends there, with an `ImmediateResponse`, before a byte of
+//!   its body is read;
+//! - the request (headers and body) must arrive within `server.body_timeout_ms` of the stream's
+//!   start (408 `body_timeout`), and its body within `server.max_body_bytes` (413);
+//! - [`crate::Picker`] caps the streams served at once (`epp.max_streams`).
+//!
+//! Health and readiness paths are the one exception to authentication: they are answered with a
+//! decode endpoint and hold nothing (no slot, no permit).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -20,11 +31,13 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
+use lockstep_router::admission::Caller;
 use lockstep_router::error::LockstepError;
 use lockstep_router::http::picker;
 use lockstep_router::pool::{LoadGuard, PREFILLER_HEADER, host_port};
 use lockstep_router::state::AppState;
-use tokio::sync::mpsc;
+use tokio::sync::{OwnedSemaphorePermit, mpsc};
+use tokio::time::Instant;
 use tonic::{Status, Streaming};
 
 /// The header (and `envoy.lb` metadata key) naming the picked endpoint.
@@ -57,11 +70,23 @@ pub(crate) struct Exchange {
     body: BytesMut,
     /// The request's headers are answered (the endpoints picked).
     decided: bool,
+    /// The caller, authenticated on the request's headers, with its tenant's permit.
+    caller: Option<Caller>,
+    /// When the request (headers and body) must have arrived by.
+    deadline: Instant,
     held: Option<Held>,
+    /// This stream's place under `epp.max_streams`.
+    _stream: OwnedSemaphorePermit,
 }
 
 impl Exchange {
-    pub(crate) fn new(state: Arc<AppState>, chunk: usize, tx: Tx) -> Exchange {
+    pub(crate) fn new(
+        state: Arc<AppState>,
+        chunk: usize,
+        tx: Tx,
+        stream: OwnedSemaphorePermit,
+    ) -> Exchange {
+        let deadline = Instant::now() + state.body_timeout;
         Exchange {
             state,
             chunk,
@@ -71,7 +96,10 @@ impl Exchange {
             subset: None,
             body: BytesMut::new(),
             decided: false,
+            caller: None,
+            deadline,
             held: None,
+            _stream: stream,
         }
     }
 
@@ -79,7 +107,22 @@ impl Exchange {
     /// the request. Dropping the exchange frees what it held.
     pub(crate) async fn run(mut self, mut inbound: Streaming<ProcessingRequest>) {
         loop {
-            let msg = match inbound.message().await {
+            // Until the request is whole, every message is awaited against its deadline; after,
+            // the response streams at the pace of the workers (their own deadlines bound it).
+            let next = if self.decided {
+                inbound.message().await
+            } else {
+                match tokio::time::timeout_at(self.deadline, inbound.message()).await {
+                    Ok(m) => m,
+                    Err(_) => {
+                        let ms = self.state.body_timeout.as_millis() as u64;
+                        self.state.metrics.refusal("", "body_timeout");
+                        self.immediate(&LockstepError::BodyTimeout { ms }).await;
+                        return;
+                    }
+                }
+            };
+            let msg = match next {
                 Ok(Some(m)) => m,
                 Ok(None) => return,
                 Err(e) => {
@@ -108,12 +151,23 @@ impl Exchange {
                     return Err(protocol("request headers twice"));
                 }
                 self.read_headers(h.headers.as_ref());
+                if self.path.is_empty() {
+                    return Err(protocol("request headers without :path"));
+                }
                 self.subset = subset_of(metadata.as_ref());
+                // The key and the tenant's limits, before any of the body is read.
+                if !picker::is_open(&self.path) {
+                    self.caller =
+                        Some(picker::authorize_wire(&self.state, &self.headers).map_err(|r| r.0)?);
+                }
                 if h.end_of_stream {
                     self.decide().await?;
                 }
             }
             Some(In::RequestBody(b)) => {
+                if self.path.is_empty() {
+                    return Err(protocol("request body before its headers"));
+                }
                 if self.decided {
                     return Err(protocol("request body after the request ended"));
                 }
@@ -128,6 +182,9 @@ impl Exchange {
                 }
             }
             Some(In::RequestTrailers(_)) => {
+                if self.path.is_empty() {
+                    return Err(protocol("request trailers before its headers"));
+                }
                 if !self.decided {
                     self.decide().await?;
                 }
@@ -186,8 +243,23 @@ impl Exchange {
     async fn decide(&mut self) -> Result<(), LockstepError> {
         self.decided = true;
         let body = std::mem::take(&mut self.body).freeze();
+        let caller = self.caller.take();
+        if picker::is_health(&self.path) {
+            // Health and readiness: a decode endpoint, no slot held (a `Watch` keeps only its
+            // tenant's permit).
+            let d = self.decode_for_path()?;
+            let destination = endpoint(&d)?;
+            drop(d);
+            let permit = caller.map(|c| c.permit).unwrap_or_default();
+            return self
+                .answer_headers(destination, None, Vec::new(), permit, body)
+                .await;
+        }
+        let Some(caller) = caller else {
+            return Err(protocol("a request not authenticated on its headers"));
+        };
         let (slots, permit, prefill) = if picker::is_generation(&self.path) {
-            let admitted = picker::admit_wire(&self.state, &self.path, &self.headers, body.clone())
+            let admitted = picker::admit_wire(&self.state, &self.path, caller, body.clone())
                 .await
                 .map_err(|r| r.0)?;
             let pick = picker::pick(&self.state, &admitted, self.subset.as_deref())?;
@@ -198,22 +270,43 @@ impl Exchange {
                 Some(prefill),
             )
         } else {
-            let d = match &self.subset {
-                Some(s) => self
-                    .state
-                    .models
-                    .load()
-                    .by_name
-                    .values()
-                    .find_map(|m| lockstep_router::pool::pick_within(&m.pairs.decode, s)),
-                None => picker::any_decode(&self.state),
-            };
-            let d = d.ok_or_else(|| LockstepError::Unavailable {
-                message: "no decode endpoint takes requests".into(),
-            })?;
-            (vec![d], lockstep_router::tenant::Held::default(), None)
+            // Any other path that reaches a worker: the caller authenticated on the headers,
+            // holding its tenant's permit and a decode slot while the request lives.
+            (vec![self.decode_for_path()?], caller.permit, None)
         };
         let destination = endpoint(&slots[0])?;
+        self.answer_headers(destination, prefill, slots, permit, body)
+            .await
+    }
+
+    /// A decode worker for a path that is not a generation, from the subset hint where the data
+    /// plane sent one: 503 when none takes requests.
+    fn decode_for_path(&self) -> Result<LoadGuard, LockstepError> {
+        let d = match &self.subset {
+            Some(s) => self
+                .state
+                .models
+                .load()
+                .by_name
+                .values()
+                .find_map(|m| lockstep_router::pool::pick_within(&m.pairs.decode, s)),
+            None => picker::any_decode(&self.state),
+        };
+        d.ok_or_else(|| LockstepError::Unavailable {
+            message: "no decode endpoint takes requests".into(),
+        })
+    }
+
+    /// Answers the request's headers with the picked endpoints, holding `slots` and `permit` as
+    /// long as the request lives, then sends its body back unchanged.
+    async fn answer_headers(
+        &mut self,
+        destination: String,
+        prefill: Option<String>,
+        slots: Vec<LoadGuard>,
+        permit: lockstep_router::tenant::Held,
+        body: Bytes,
+    ) -> Result<(), LockstepError> {
         tracing::debug!(path = %self.path, %destination, prefill = ?prefill, "picked");
         let mut set = vec![header(DESTINATION, &destination)];
         // A client's own `x-prefiller-host-port` never reaches a sidecar: it is replaced, or
@@ -245,9 +338,6 @@ impl Exchange {
         )
         .await?;
         // The body goes on unchanged, in chunks Envoy takes.
-        if body.is_empty() {
-            return Ok(());
-        }
         let mut rest = body;
         while !rest.is_empty() {
             let piece = rest.split_to(rest.len().min(self.chunk));

@@ -27,6 +27,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
     ExternalProcessor, ExternalProcessorServer,
 };
 use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
+use lockstep_router::config::EppConfig;
 use lockstep_router::state::AppState;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
@@ -41,6 +42,8 @@ pub const HEALTH_SERVICES: &[&str] = &["liveness", "readiness"];
 pub struct Picker {
     state: Arc<AppState>,
     chunk: usize,
+    /// One permit per stream served (`epp.max_streams`).
+    streams: Arc<tokio::sync::Semaphore>,
 }
 
 #[tonic::async_trait]
@@ -51,9 +54,17 @@ impl ExternalProcessor for Picker {
         &self,
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
+        // Past the cap a stream is refused before any of it is read; Envoy answers the request
+        // with its `status_on_error`.
+        let Ok(stream) = self.streams.clone().try_acquire_owned() else {
+            self.state.metrics.refusal("", "unavailable");
+            return Err(Status::resource_exhausted(
+                "the endpoint picker serves epp.max_streams streams already",
+            ));
+        };
         let inbound = request.into_inner();
         let (tx, rx) = tokio::sync::mpsc::channel(16);
-        let exchange = exchange::Exchange::new(self.state.clone(), self.chunk, tx);
+        let exchange = exchange::Exchange::new(self.state.clone(), self.chunk, tx, stream);
         tokio::spawn(exchange.run(inbound));
         Ok(Response::new(ReceiverStream::new(rx)))
     }
@@ -78,13 +89,11 @@ impl RunningPicker {
     }
 }
 
-/// Serves the picker on `listen` over `state` (the models, pools and tenants of a lockstep
-/// started from the same configuration). `chunk`: the largest body chunk sent back to Envoy.
-pub async fn serve(
-    state: Arc<AppState>,
-    listen: SocketAddr,
-    chunk: usize,
-) -> Result<RunningPicker, String> {
+/// Serves the picker as `cfg` says (`[epp]`: its listener, the largest body chunk sent back to
+/// Envoy, the most streams at once) over `state` (the models, pools and tenants of a lockstep
+/// started from the same configuration).
+pub async fn serve(state: Arc<AppState>, cfg: &EppConfig) -> Result<RunningPicker, String> {
+    let listen = cfg.grpc_listen;
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .map_err(|e| format!("cannot listen on {listen} (epp.grpc_listen): {e}"))?;
@@ -94,7 +103,8 @@ pub async fn serve(
     set_health(&reporter, true, ready).await;
     let picker = Picker {
         state: state.clone(),
-        chunk,
+        chunk: cfg.body_chunk_bytes,
+        streams: Arc::new(tokio::sync::Semaphore::new(cfg.max_streams)),
     };
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let watch_state = state.clone();

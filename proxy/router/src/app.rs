@@ -126,7 +126,14 @@ impl Lockstep {
         };
         let (grpc, health) = crate::http::grpc::services(state.clone(), grpc_limits);
         crate::http::grpc::set_serving(&health, true).await;
-        let app = crate::http::router(state.clone(), !cfg.server.metrics_on_admin).merge(grpc);
+        let app = crate::http::router(state.clone(), !cfg.server.metrics_on_admin);
+        // `lockstep epp` serves no gRPC front end: its HTTP listener has its own health,
+        // readiness and metrics only (nothing there may drive an engine).
+        let app = if state.picker_only {
+            app
+        } else {
+            app.merge(grpc)
+        };
         let header_timeout = Duration::from_millis(cfg.server.header_timeout_ms);
         let tls = match (&cfg.server.tls_cert_file, &cfg.server.tls_key_file) {
             (Some(c), Some(k)) => Some(lockstep_serve::tls::ServerTls::Fixed(

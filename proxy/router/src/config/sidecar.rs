@@ -73,6 +73,11 @@ pub struct EppConfig {
     /// Largest body chunk sent back to Envoy, bytes (Envoy's limit for one streamed body
     /// mutation is 64 KiB).
     pub body_chunk_bytes: usize,
+    /// Most ext_proc streams (requests) served at once; past it a new stream is refused with
+    /// gRPC `RESOURCE_EXHAUSTED` before any of it is read (Envoy answers the request with its
+    /// `status_on_error`, 503 in `deploy/envoy/envoy.yaml`). With `server.max_body_bytes` it
+    /// bounds the memory that request bodies can hold in the picker.
+    pub max_streams: usize,
 }
 
 impl Default for EppConfig {
@@ -80,6 +85,7 @@ impl Default for EppConfig {
         EppConfig {
             grpc_listen: SocketAddr::from(([0, 0, 0, 0], 9002)),
             body_chunk_bytes: 62 * 1024,
+            max_streams: 1024,
         }
     }
 }
@@ -91,6 +97,9 @@ impl Section for EppConfig {
                 format!("{at}.body_chunk_bytes"),
                 "must be between 1 and 63488 (62 KiB)",
             );
+        }
+        if self.max_streams == 0 {
+            out.push(format!("{at}.max_streams"), "must be at least 1");
         }
     }
 }

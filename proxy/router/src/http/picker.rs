@@ -9,7 +9,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use http::HeaderMap;
 
-use crate::admission::{Admitted, Refusal, admit_body, authorize};
+use crate::admission::{Admitted, Caller, Refusal, admit_body, authorize};
 use crate::error::LockstepError;
 use crate::pool::{PairPick, PrefillChoice, RouteKey, pick_pair};
 use crate::state::AppState;
@@ -30,20 +30,47 @@ pub fn is_generation(path: &str) -> bool {
     GENERATION_PATHS.contains(&path_only(path))
 }
 
+/// Health and readiness paths: they reach a decode endpoint but run nothing there, so a picker
+/// holds no worker slot for them.
+pub const HEALTH_PATHS: &[&str] = &[
+    "/health",
+    "/ready",
+    "/grpc.health.v1.Health/Check",
+    "/grpc.health.v1.Health/Watch",
+];
+
+/// Whether `path` (without its query) is a health or readiness path ([`HEALTH_PATHS`]).
+pub fn is_health(path: &str) -> bool {
+    HEALTH_PATHS.contains(&path_only(path))
+}
+
+/// Whether a picker lets `path` through without a key: the health paths answered once. A gRPC
+/// health `Watch` lives as long as its caller wants, so it needs a key like everything else and
+/// holds its tenant's permit (never a worker slot).
+pub fn is_open(path: &str) -> bool {
+    is_health(path) && path_only(path) != "/grpc.health.v1.Health/Watch"
+}
+
 fn path_only(path: &str) -> &str {
     path.split('?').next().unwrap_or(path)
 }
 
-/// A request through the admission stage of the API at `path` (`POST` with a JSON body already
-/// read whole). Every refusal is counted once.
+/// Steps 1 and 2 of admission for a request the picker has only the headers of: the tenant's
+/// key, draining and the tenant's limits. A picker runs it on `request_headers`, so a caller
+/// without a key, or over its limits, is refused before a byte of its body is read.
+pub fn authorize_wire(state: &AppState, headers: &HeaderMap) -> Result<Caller, Refusal> {
+    authorize(state, headers)
+}
+
+/// The rest of the admission stage of the API at `path` for an authorized `caller` (`POST` with
+/// a JSON body already read whole). Every refusal is counted once.
 pub async fn admit_wire(
     state: &Arc<AppState>,
     path: &str,
-    headers: &HeaderMap,
+    caller: Caller,
     body: Bytes,
 ) -> Result<Admitted, Refusal> {
     use super::{anthropic, generate, openai, responses};
-    let caller = authorize(state, headers)?;
     let a = match path_only(path) {
         "/v1/chat/completions" => {
             admit_body::<openai::ChatRequest>(state, caller, body)
