@@ -20,7 +20,14 @@ const HEADER: &str = "x-prefiller-host-port";
 /// An SGLang sidecar: no configured prefill, the mock's decode as the local engine, loopback
 /// allowed (`allow`: the `[sidecar]` table's `prefill_allow`).
 async fn sglang_sidecar(allow: &str) -> Stack {
+    sglang_sidecar_with(allow, "", "").await
+}
+
+/// [`sglang_sidecar`] with `sidecar` lines added to `[sidecar]` and `prefill` lines to
+/// `[models.prefill]`.
+async fn sglang_sidecar_with(allow: &str, sidecar: &str, prefill: &str) -> Stack {
     let allow = allow.to_string();
+    let (sidecar, prefill_extra) = (sidecar.to_string(), prefill.to_string());
     Stack::start_edited(
         MockConfig::default(),
         "",
@@ -31,8 +38,13 @@ async fn sglang_sidecar(allow: &str) -> Stack {
                 mock.prefill_url()
             );
             assert!(text.contains(&prefill));
-            let text = text.replace(&prefill, "workers = []\nbootstrap_port = 8998");
-            format!("{text}\n[sidecar]\nprefill_allow = [{allow}]\nverify_wait_ms = 3000\n")
+            let text = text.replace(
+                &prefill,
+                &format!("workers = []\nbootstrap_port = 8998\n{prefill_extra}"),
+            );
+            format!(
+                "{text}\n[sidecar]\nprefill_allow = [{allow}]\nverify_wait_ms = 3000\n{sidecar}\n"
+            )
         },
     )
     .await
@@ -167,9 +179,11 @@ async fn a_named_prefill_that_fails_its_deployment_check_gets_no_pair() {
         "{}",
         a.body
     );
+    // The client learns which of its names failed, never why (the worker's answers, its URL).
+    assert!(a.body.contains(&named), "{}", a.body);
     assert!(
-        a.body.contains("disaggregation_mode"),
-        "the reason is named: {}",
+        !a.body.contains("disaggregation_mode") && !a.body.contains("http://"),
+        "the reason reached the client: {}",
         a.body
     );
     assert!(
@@ -404,4 +418,182 @@ async fn grpc_calls_name_their_prefill_in_metadata_and_get_the_same_lifecycle() 
         .expect_err("outside prefill_allow");
     assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
     assert!(s.mock.wait_idle(Duration::from_secs(5)).await);
+}
+
+/// A named prefill that reports a prompt limit under the model's is refused, and the model's
+/// limit stays what it was for every other request; once it reports enough it is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_named_prefill_cannot_lower_the_models_limits() {
+    let s = sglang_sidecar("\"127.0.0.0/8\"").await;
+    let limit = || {
+        let models = s.lockstep.state.models.load();
+        models.by_name[MODEL].worker_prompt_limit()
+    };
+    let before = limit();
+    assert!(before.is_some_and(|l| l > 100), "{before:?}");
+    s.mock
+        .set_server_arg(Role::Prefill, "max_req_input_len", json!(2));
+    let named = s.mock.prefill_addr.to_string();
+    let a = post(&s.url, Some(&named), &chat(false)).await;
+    assert_eq!(a.status, 503, "{}", a.body);
+    assert_eq!(a.error_code().as_deref(), Some("prefill_unverified"));
+    assert_eq!(
+        limit(),
+        before,
+        "a named prefill lowered the model's prompt limit"
+    );
+    // Reporting as much as the decode does, it passes at its next check and serves (SGLang's
+    // scheduler refuses `len >= max_req_input_len`: the limit is one under it).
+    s.mock.set_server_arg(
+        Role::Prefill,
+        "max_req_input_len",
+        json!(before.expect("a limit") + 1),
+    );
+    let deadline = std::time::Instant::now() + BOUND;
+    loop {
+        let a = post(&s.url, Some(&named), &chat(false)).await;
+        if a.status == 200 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{}", a.body);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(limit(), before);
+}
+
+/// The prefill pool's API key never goes to a named prefill over plain `http://` off loopback
+/// (403 before any connection), unless the pool says `insecure_plaintext`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_named_prefill_off_loopback_never_gets_the_key_in_plaintext() {
+    let s = sglang_sidecar_with(
+        "\"127.0.0.0/8\", \"10.77.0.0/16\"",
+        "",
+        "api_key = \"prefill-secret\"",
+    )
+    .await;
+    let started = std::time::Instant::now();
+    let a = post(&s.url, Some("10.77.0.9:30000"), &chat(false)).await;
+    assert_eq!(a.status, 403, "{}", a.body);
+    assert_eq!(a.error_code().as_deref(), Some("prefill_not_allowed"));
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "it waited on something"
+    );
+    assert!(s.pool("prefill").is_empty(), "{:?}", s.pool("prefill"));
+    // On loopback the key may go in plaintext, as for configured workers.
+    let named = s.mock.prefill_addr.to_string();
+    let a = post(&s.url, Some(&named), &chat(false)).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+}
+
+/// `sidecar.max_prefills` is a hard bound however many requests name new prefills at once, and
+/// a named prefill that serves nothing for `prefill_idle_ms` leaves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn named_prefills_are_bounded_and_idle_ones_leave() {
+    let s = sglang_sidecar_with(
+        "\"127.0.0.0/8\"",
+        "max_prefills = 3\nprefill_idle_ms = 300",
+        "",
+    )
+    .await;
+    let named = s.mock.prefill_addr.to_string();
+    assert_eq!(post(&s.url, Some(&named), &chat(false)).await.status, 200);
+    let sampler = {
+        let state = s.lockstep.state.clone();
+        tokio::spawn(async move {
+            let mut most = 0;
+            for _ in 0..400 {
+                let models = state.models.load();
+                let n = models.by_name[MODEL].pairs.prefill.workers().len();
+                most = most.max(n);
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            most
+        })
+    };
+    // Forty requests at once, each naming a prefill of its own that nothing answers.
+    let mut calls = Vec::new();
+    for i in 0..40 {
+        let url = s.url.clone();
+        calls.push(tokio::spawn(async move {
+            let n = format!("127.0.{}.{}:9", i / 200, 2 + i % 200);
+            post(&url, Some(&n), &chat(false)).await
+        }));
+    }
+    let mut codes = std::collections::BTreeSet::new();
+    for c in calls {
+        let a = c.await.expect("joined");
+        assert_eq!(a.status, 503, "{}", a.body);
+        codes.insert(a.error_code().unwrap_or_default());
+    }
+    assert!(codes.contains("workers_busy"), "{codes:?}");
+    let most = sampler.await.expect("sampler");
+    assert!(most <= 3, "{most} named prefills kept at once");
+    let policy = s.lockstep.state.named_prefills.as_ref().expect("a sidecar");
+    assert!(policy.kept() <= 3, "{}", policy.kept());
+    // The served prefill, idle since, leaves once a later request looks.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let _ = post(&s.url, Some("127.0.9.9:9"), &chat(false)).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while s
+        .pool("prefill")
+        .iter()
+        .any(|w| w.0 == s.mock.prefill_url())
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{:?}",
+            s.pool("prefill")
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Named prefills are checked concurrently: ten addresses that accept and never answer do not
+/// hold up a prefill that answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_prefills_do_not_hold_up_the_check_of_another() {
+    let s = sglang_sidecar("\"127.0.0.0/8\"").await;
+    let mut tarpits = Vec::new();
+    let mut names = Vec::new();
+    for _ in 0..10 {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        names.push(l.local_addr().expect("addr").to_string());
+        tarpits.push(tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((c, _)) = l.accept().await {
+                held.push(c);
+            }
+        }));
+    }
+    let mut calls = Vec::new();
+    for n in names {
+        let url = s.url.clone();
+        calls.push(tokio::spawn(async move {
+            post(&url, Some(&n), &chat(false)).await
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let started = std::time::Instant::now();
+    let a = post(&s.url, Some(&s.mock.prefill_addr.to_string()), &chat(false)).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "the check waited behind the silent ones: {:?}",
+        started.elapsed()
+    );
+    for c in calls {
+        let a = c.await.expect("joined");
+        assert_eq!(
+            a.error_code().as_deref(),
+            Some("prefill_unverified"),
+            "{}",
+            a.body
+        );
+    }
+    for t in tarpits {
+        t.abort();
+    }
 }

@@ -1,9 +1,17 @@
 //! A model's workers at run time: one task per model follows its source of membership changes
 //! ([`crate::pool::WorkerSource`]), and one task per member checks that member:
 //! - a member not verified (it did not answer the deployment check, or it joined at run time)
-//!   is checked by its backend together with the verified members
-//!   ([`crate::backend::probe::verify_member`]) every health interval until it passes; until
-//!   then it gets no pairs, and when it passes the model's limits tighten to the set's;
+//!   is probed ([`crate::backend::probe::probe_member`]), then checked together with the
+//!   verified members ([`crate::backend::probe::fold_member`]), first half a second after it
+//!   appears and then backing off to every health interval, until it passes; until then it gets
+//!   no pairs, and when it passes the model's limits tighten to the set's. Probes run
+//!   concurrently (at most [`CONCURRENT_PROBES`] a model), so one slow or silent address holds
+//!   up no other member; the fold that follows runs under the verified set's lock, so no two
+//!   members pass without being checked together;
+//! - a prefill named by a request (`lockstep sidecar`) never changes the model's limits: it is
+//!   refused unless it accepts every prompt the model admits (its prompt limit at least the
+//!   configured `max_prompt_tokens`, else the verified members'), and its own limit is kept on
+//!   it;
 //! - every member's health: the backend's probe (`GET /health`, or the worker service's `Health`
 //!   for lockstep workers), unhealthy after `failure_threshold` failures in a row, healthy again
 //!   after `success_threshold` successes;
@@ -19,7 +27,7 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use tokio::task::{AbortHandle, JoinSet};
 
-use crate::backend::probe::{Probed, verify_member};
+use crate::backend::probe::{Probed, fold_member, probe_member};
 use crate::backend::{PdBackend, UpstreamClient};
 use crate::config::{ModelConfig, WorkerConfig};
 use crate::pool::{MemberChange, Upstream, WorkerPool, WorkerSource};
@@ -43,10 +51,15 @@ pub(crate) struct Members {
     /// The verified members with what each reported: a worker checked later is checked with
     /// them.
     pub verified: Mutex<Vec<Probed>>,
-    /// One check of a new member at a time: two members checked at once would each be checked
-    /// without the other.
-    pub checking: tokio::sync::Mutex<()>,
+    /// Bounds the probes of members in flight at once ([`CONCURRENT_PROBES`]).
+    pub probing: tokio::sync::Semaphore,
 }
+
+/// Most deployment probes of one model's members in flight at once.
+pub(crate) const CONCURRENT_PROBES: usize = 32;
+
+/// The first re-check of a member that is not verified, ms; it doubles up to the health interval.
+const FIRST_RECHECK_MS: u64 = 500;
 
 impl Members {
     fn pool(&self, side: Side) -> &Arc<WorkerPool> {
@@ -102,6 +115,18 @@ impl Members {
                 }
                 None => {
                     tracing::debug!(model = %name, side = side.as_str(), worker = %worker.url, "worker already a member")
+                }
+            },
+            MemberChange::Named { worker } => match self.prefill.join(&worker) {
+                Some(w) => {
+                    // Marked before its checks start: its first check already knows.
+                    w.set_named(true);
+                    tracing::info!(model = %name, worker = %w.url, "prefill named by a request joined: it gets pairs once it passes the deployment check");
+                    let h = tasks.spawn(self.clone().watch(Side::Prefill, w.clone()));
+                    handles.insert((Side::Prefill, w.url.clone()), h);
+                }
+                None => {
+                    tracing::debug!(model = %name, worker = %worker.url, "named prefill already a member")
                 }
             },
             MemberChange::Leave { side, url } => {
@@ -171,10 +196,23 @@ impl Members {
 
     async fn check(&self, side: Side, w: &Arc<Upstream>) {
         let cfg = &self.model.health;
-        let mut tick = tokio::time::interval(Duration::from_millis(cfg.interval_ms));
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let interval = Duration::from_millis(cfg.interval_ms);
+        // A member not verified is checked again soon (workers that come up after lockstep, the
+        // usual order on Kubernetes), then less often.
+        let mut recheck = Duration::from_millis(FIRST_RECHECK_MS).min(interval);
+        let mut first = true;
         loop {
-            tick.tick().await;
+            if !first {
+                let wait = if w.is_verified() {
+                    interval
+                } else {
+                    let r = recheck;
+                    recheck = (recheck * 2).min(interval);
+                    r
+                };
+                tokio::time::sleep(wait).await;
+            }
+            first = false;
             if w.has_left() {
                 return;
             }
@@ -190,32 +228,67 @@ impl Members {
     }
 
     /// Checks a member not verified together with the verified ones; on a pass it takes pairs
-    /// and the model's limits tighten to the set's.
+    /// and the model's limits tighten to the set's (a named prefill's never do).
     async fn verify(&self, side: Side, w: &Upstream) {
-        let _one = self.checking.lock().await;
-        let known = self
-            .verified
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        let cfg: WorkerConfig = w.config();
         let name = &self.model.name;
-        match verify_member(&*self.backend, &self.model, side, &cfg, &known).await {
-            Ok(_) if w.has_left() => {}
-            Ok((me, d)) => {
-                // Limits only tighten: admission stays within every verified worker's.
-                self.limits.tighten(&d);
-                self.verified
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .push(me);
+        let probed = {
+            let Ok(_slot) = self.probing.acquire().await else {
+                return;
+            };
+            probe_member(&*self.backend, &self.model, side, &w.config()).await
+        };
+        // Folded and recorded under the verified set's lock: each member that passes was checked
+        // with every other one that passed.
+        let outcome = probed.and_then(|me| {
+            let mut verified = self.verified.lock().unwrap_or_else(|p| p.into_inner());
+            let d = fold_member(&self.model, &me, &verified)?;
+            if w.named() {
+                self.named_floor(&me)?;
+            }
+            if w.has_left() {
+                return Ok(None);
+            }
+            verified.retain(|p| !(p.url == me.url && p.side == side));
+            let own = me.report.max_prompt_tokens;
+            verified.push(me);
+            Ok(Some((d, own)))
+        });
+        match outcome {
+            Ok(None) => {}
+            Ok(Some((d, own))) => {
+                if w.named() {
+                    // What a request's prefill reports limits only the pairs pinned to it.
+                    w.set_own_prompt_limit(own);
+                } else {
+                    // Limits only tighten: admission stays within every verified worker's.
+                    self.limits.tighten(&d);
+                }
                 w.checked(Ok(()));
-                tracing::info!(model = %name, worker = %w.url, kv_capacity = d.kv_capacity, prompt_limit = ?d.max_prompt_tokens, "worker verified: it takes pairs");
+                tracing::info!(model = %name, worker = %w.url, named = w.named(), kv_capacity = d.kv_capacity, prompt_limit = ?d.max_prompt_tokens, "worker verified: it takes pairs");
             }
             Err(e) => {
                 tracing::warn!(model = %name, worker = %w.url, error = %e, "worker not verified: it gets no pairs");
-                w.checked(Err(e.to_string()));
+                w.checked(Err(e));
             }
+        }
+    }
+
+    /// A named prefill must accept every prompt the model admits: a prompt limit under the
+    /// configured `max_prompt_tokens` (else under what the verified members established) is
+    /// refused, so one request's prefill cannot lower what any other request gets.
+    fn named_floor(&self, me: &Probed) -> Result<(), String> {
+        let Some(limit) = me.report.max_prompt_tokens else {
+            return Ok(());
+        };
+        let floor = match self.model.max_prompt_tokens {
+            0 => self.limits.prompt_limit(),
+            n => Some(n),
+        };
+        match floor {
+            Some(f) if limit < f => Err(format!(
+                "it reports a prompt limit of {limit} tokens, under the {f} this model admits: a prefill named by a request may not lower the model's limits"
+            )),
+            _ => Ok(()),
         }
     }
 }
@@ -237,6 +310,8 @@ mod tests {
         forgotten: Mutex<Vec<String>>,
         health: Mutex<Vec<String>>,
         probes: AtomicUsize,
+        /// Every probe fails while set (a worker not up yet).
+        down: std::sync::atomic::AtomicBool,
     }
 
     impl PdBackend for Arc<Recorder> {
@@ -259,7 +334,7 @@ mod tests {
             w: &'a WorkerConfig,
         ) -> BoxFuture<'a, Result<WorkerReport, ProbeError>> {
             self.probes.fetch_add(1, Ordering::Relaxed);
-            let refused = w.url.ends_with(":9");
+            let refused = w.url.ends_with(":9") || self.down.load(Ordering::Relaxed);
             Box::pin(async move {
                 if refused {
                     Err(ProbeError::Unreachable("down".into()))
@@ -297,10 +372,14 @@ mod tests {
     }
 
     fn members(rec: &Arc<Recorder>) -> Arc<Members> {
+        members_checked_every(rec, 10)
+    }
+
+    fn members_checked_every(rec: &Arc<Recorder>, interval_ms: u64) -> Arc<Members> {
         let model = crate::config::test_model(
             "http://a:1",
             "http://a:1",
-            "[models.health]\ninterval_ms = 10",
+            &format!("[models.health]\ninterval_ms = {interval_ms}"),
         );
         let pool = |p: &PoolConfig| Arc::new(WorkerPool::new(p));
         Arc::new(Members {
@@ -310,7 +389,7 @@ mod tests {
             client: UpstreamClient::with_ca(Duration::from_secs(1), None).expect("client"),
             limits: Arc::new(WorkerLimits::new(&Deployment::capacity(4000))),
             verified: Mutex::new(Vec::new()),
-            checking: tokio::sync::Mutex::new(()),
+            probing: tokio::sync::Semaphore::new(CONCURRENT_PROBES),
             model,
         })
     }
@@ -413,6 +492,54 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert_eq!(checks("http://b:2"), b, "a left member is still checked");
         assert!(checks("http://c:9") > c, "a member is no longer checked");
+        task.abort();
+    }
+
+    /// A worker that comes up after lockstep (the usual order on Kubernetes) is checked again
+    /// within about a second, not after a health interval.
+    #[tokio::test(start_paused = true)]
+    async fn a_worker_not_up_yet_is_checked_again_soon() {
+        let rec = Arc::new(Recorder::default());
+        rec.down.store(true, Ordering::Relaxed);
+        let m = members_checked_every(&rec, 10_000);
+        let (feed, source) = crate::pool::MemberFeed::new();
+        let task = tokio::spawn(m.clone().run(source));
+        assert!(feed.send(MemberChange::Join {
+            side: Side::Decode,
+            worker: worker("http://late:2"),
+        }));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let w = m.decode.member_at("http://late:2").expect("a member");
+        assert!(!w.is_verified());
+        rec.down.store(false, Ordering::Relaxed);
+        // Checked at 0.5 s (still down then? no: up now) and passes well before 10 s.
+        tokio::time::sleep(Duration::from_millis(1_600)).await;
+        assert!(w.is_verified(), "not checked again within 1.7 s");
+        task.abort();
+    }
+
+    /// What a prefill named by a request reports never lowers the model's limits; one that
+    /// reports a prompt limit under the model's is refused.
+    #[tokio::test]
+    async fn a_named_prefill_never_lowers_the_models_limits() {
+        let rec = Arc::new(Recorder::default());
+        let m = members(&rec);
+        let before = m.limits.prompt_limit();
+        let (feed, source) = crate::pool::MemberFeed::new();
+        let task = tokio::spawn(m.clone().run(source));
+        assert!(feed.send(MemberChange::Named {
+            worker: worker("http://named:8000"),
+        }));
+        until(|| {
+            m.prefill
+                .member_at("http://named:8000")
+                .is_some_and(|w| w.is_verified() && w.named())
+        })
+        .await;
+        // It reported a capacity of 3000 under the configured 4000: kept to itself.
+        let cap = m.limits.kv_capacity.load(std::sync::atomic::Ordering::Acquire);
+        assert_eq!(cap, 4000);
+        assert_eq!(m.limits.prompt_limit(), before);
         task.abort();
     }
 }

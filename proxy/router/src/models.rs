@@ -208,7 +208,7 @@ pub(crate) async fn build_models(
                 prefill: prefill.clone(),
                 decode: decode.clone(),
                 verified: std::sync::Mutex::new(deployment.verified.clone()),
-                checking: tokio::sync::Mutex::new(()),
+                probing: tokio::sync::Semaphore::new(crate::members::CONCURRENT_PROBES),
             });
             let mut sources = vec![source];
             sources.extend(discovered);

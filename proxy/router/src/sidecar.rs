@@ -3,11 +3,15 @@
 //! is pinned to it, after it is found to be a prefill this sidecar may call and one that passed
 //! the deployment check with the local decode:
 //! - a member of the prefill pool (configured or discovered) is used as it is;
-//! - an address inside `sidecar.prefill_allow` joins the pool (a [`MemberChange::Join`], so the
-//!   member task checks it with the verified set, as any worker that joins at run time) and the
-//!   request waits for that check, up to `sidecar.verify_wait_ms`; a failed check is 503
-//!   `prefill_unverified` naming why;
-//! - anything else is 403 `prefill_not_allowed`, and nothing is contacted.
+//! - an address inside `sidecar.prefill_allow` is kept within `sidecar.max_prefills` (reserved
+//!   before it joins) and joins the pool (a [`crate::pool::MemberChange::Named`], so the member
+//!   task checks it with the verified set, as any worker that joins at run time, and what it
+//!   reports never lowers the model's limits) and the request waits for that check, up to
+//!   `sidecar.verify_wait_ms`; a failed check is 503 `prefill_unverified` (the reason goes to
+//!   the log, not to the client);
+//! - anything else, and an address off loopback when the prefill pool's API key would reach it
+//!   over plain `http://` (the `insecure_plaintext` rule), is 403 `prefill_not_allowed`, and
+//!   nothing is contacted.
 //!
 //! No prefill named: vLLM's decode serves the request alone (llm-d's sidecar does the same when
 //! the picker decides against disaggregation), SGLang's cannot (503 `prefill_required`).
@@ -16,18 +20,19 @@ use std::time::Duration;
 
 use crate::config::{BackendKind, WorkerConfig};
 use crate::error::LockstepError;
-use crate::pool::{MemberChange, NamedPrefill, NamedPrefills, PrefillPin};
+use crate::pool::{NamedPrefill, NamedPrefills, PrefillPin};
 use crate::state::ModelRuntime;
-use crate::vocab::Side;
 
 /// SGLang's default bootstrap port (`--disaggregation-bootstrap-port`).
 const SGLANG_BOOTSTRAP_PORT: u16 = 8998;
 
-/// The prefill the pair of a request on `model` uses, from what the request named.
+/// The prefill the pair of a request on `model` uses, from what the request named;
+/// `prompt_tokens`: the request's prompt (a named prefill's own limit applies to it).
 pub(crate) async fn pin(
     policy: &NamedPrefills,
     model: &ModelRuntime,
     named: Option<&NamedPrefill>,
+    prompt_tokens: usize,
 ) -> Result<PrefillPin, LockstepError> {
     let Some(named) = named else {
         // The backend says whether its decode can serve alone (vLLM's can, SGLang's cannot).
@@ -41,33 +46,61 @@ pub(crate) async fn pin(
     };
     let url = named.url();
     let pool = &model.pairs.prefill;
-    if pool.member_at(&url).is_none() {
-        if !named.ip.is_some_and(|ip| policy.allows(ip)) {
+    // A member from the configuration or discovery is used as it is; anything else is a
+    // prefill named at run time, allowed, then kept within `sidecar.max_prefills`.
+    if pool.member_at(&url).is_none_or(|w| w.named()) {
+        let Some(ip) = named.ip.filter(|ip| policy.allows(*ip)) else {
+            return Err(LockstepError::PrefillNotAllowed {
+                prefill: named.host_port.clone(),
+            });
+        };
+        if key_in_plaintext(model, ip) {
+            tracing::warn!(model = %model.name, prefill = %named.host_port, "named prefill refused: the prefill pool's API key would cross the network in plaintext (http:// off loopback); set models.prefill.insecure_plaintext = true (UNSAFE) to allow it");
             return Err(LockstepError::PrefillNotAllowed {
                 prefill: named.host_port.clone(),
             });
         }
-        join(policy, model, &url)?;
+        let feed = model
+            .members
+            .as_ref()
+            .ok_or_else(|| LockstepError::Unavailable {
+                message: format!("model `{}` takes no prefill named at run time", model.name),
+            })?;
+        policy.keep(pool, feed, named_worker(model, &url), &model.name)?;
     }
     let deadline = tokio::time::Instant::now() + policy.verify_wait;
     loop {
         let Some(w) = pool.member_at(&url) else {
             // Not yet joined (the member task applies the change), or it left again.
             if tokio::time::Instant::now() >= deadline {
-                return Err(unverified(&url, "it did not join the prefill pool in time"));
+                return Err(unverified(
+                    named,
+                    &url,
+                    "it did not join the prefill pool in time",
+                ));
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
             continue;
         };
         if w.is_verified() {
+            // What the named prefill reported limits the pairs pinned to it alone.
+            if let Some(limit) = w.own_prompt_limit()
+                && prompt_tokens as u64 > limit
+            {
+                return Err(LockstepError::PromptTooLong {
+                    prompt_tokens: prompt_tokens as u64,
+                    limit,
+                });
+            }
             return Ok(PrefillPin::At(url.into()));
         }
         if let Some(why) = w.check_error() {
-            return Err(unverified(&url, &why));
+            return Err(unverified(named, &url, &why));
         }
         if tokio::time::Instant::now() >= deadline {
             let ms = policy.verify_wait.as_millis();
             return Err(unverified(
+                named,
                 &url,
                 &format!("its deployment check did not finish within {ms} ms"),
             ));
@@ -76,62 +109,42 @@ pub(crate) async fn pin(
     }
 }
 
-fn unverified(url: &str, why: &str) -> LockstepError {
+/// Whether calling a named prefill at `ip` would send the prefill pool's API key over the
+/// network in plaintext: the rule configured workers are held to (`insecure_plaintext`).
+fn key_in_plaintext(model: &ModelRuntime, ip: std::net::IpAddr) -> bool {
+    let pool = &model.cfg.prefill;
+    let loopback = match ip {
+        std::net::IpAddr::V6(v6) => v6
+            .to_ipv4_mapped()
+            .map_or(v6.is_loopback(), |v4| v4.is_loopback()),
+        std::net::IpAddr::V4(v4) => v4.is_loopback(),
+    };
+    (pool.api_key.is_some() || pool.admin_api_key.is_some())
+        && !pool.insecure_plaintext
+        && !loopback
+}
+
+/// 503 `prefill_unverified`: the client learns which of its names failed (what it sent), never
+/// why (connect errors, a worker's answers, other workers' URLs); the log has the reason.
+fn unverified(named: &NamedPrefill, url: &str, why: &str) -> LockstepError {
+    tracing::warn!(prefill = %url, reason = %why, "named prefill not verified: request refused");
     LockstepError::PrefillUnverified {
-        prefill: url.to_string(),
-        reason: why.to_string(),
+        prefill: named.host_port.clone(),
     }
 }
 
-/// Asks the model's member task to add `url` to the prefill pool, first making room: past
-/// `sidecar.max_prefills` named members, the idle one that joined first leaves.
-fn join(policy: &NamedPrefills, model: &ModelRuntime, url: &str) -> Result<(), LockstepError> {
-    let feed = model
-        .members
-        .as_ref()
-        .ok_or_else(|| LockstepError::Unavailable {
-            message: format!("model `{}` takes no prefill named at run time", model.name),
-        })?;
-    let named: Vec<_> = model
-        .pairs
-        .prefill
-        .workers()
-        .iter()
-        .filter(|w| w.joined())
-        .cloned()
-        .collect();
-    if named.len() >= policy.max_members {
-        let Some(idle) = named.iter().find(|w| w.in_flight() == 0) else {
-            return Err(LockstepError::WorkersBusy {
-                model: model.name.to_string(),
-                side: Side::Prefill.as_str(),
-            });
-        };
-        feed.send(MemberChange::Leave {
-            side: Side::Prefill,
-            url: idle.url.clone(),
-        });
-    }
+/// The worker settings a prefill named at `url` joins with.
+fn named_worker(model: &ModelRuntime, url: &str) -> WorkerConfig {
     let port = model
         .cfg
         .prefill
         .bootstrap_port
         .unwrap_or(SGLANG_BOOTSTRAP_PORT);
-    let sent = feed.send(MemberChange::Join {
-        side: Side::Prefill,
-        worker: WorkerConfig {
-            url: url.to_string(),
-            bootstrap_port: (model.cfg.backend == BackendKind::Sglang).then_some(port),
-            bootstrap_host: None,
-            kv_events: None,
-            kv_events_replay: None,
-        },
-    });
-    if sent {
-        Ok(())
-    } else {
-        Err(LockstepError::Unavailable {
-            message: format!("model `{}` is being replaced; retry", model.name),
-        })
+    WorkerConfig {
+        url: url.to_string(),
+        bootstrap_port: (model.cfg.backend == BackendKind::Sglang).then_some(port),
+        bootstrap_host: None,
+        kv_events: None,
+        kv_events_replay: None,
     }
 }

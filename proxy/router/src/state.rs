@@ -58,6 +58,11 @@ impl WorkerLimits {
         }
     }
 
+    /// The longest prompt the verified workers accept, where they report one.
+    pub(crate) fn prompt_limit(&self) -> Option<u64> {
+        Some(self.prompt_limit.load(Ordering::Acquire)).filter(|l| *l != u64::MAX)
+    }
+
     /// Lowers the limits to `d`'s where they are lower.
     pub fn tighten(&self, d: &crate::backend::Deployment) {
         self.kv_capacity.fetch_min(d.kv_capacity, Ordering::AcqRel);
@@ -83,7 +88,7 @@ impl ModelRuntime {
 
     /// The longest prompt the workers accept, where they report one.
     pub fn worker_prompt_limit(&self) -> Option<u64> {
-        Some(self.limits.prompt_limit.load(Ordering::Acquire)).filter(|l| *l != u64::MAX)
+        self.limits.prompt_limit()
     }
 
     /// The longest an aborted pair's KV can stay held on its workers after the failure, by

@@ -89,7 +89,7 @@ where
     if let Some(policy) = &state.named_prefills {
         let a = &admitted;
         let named = a.caller.named_prefill.as_ref();
-        admitted.prefill = crate::sidecar::pin(policy, &a.model, named)
+        admitted.prefill = crate::sidecar::pin(policy, &a.model, named, a.ids.len())
             .await
             .map_err(|e| Refusal::count_for(state, &a.model.name, a.caller.tenant.as_deref(), e))?;
     }

@@ -163,12 +163,12 @@ pub struct Deployment {
     /// `max_req_input_len - 1`).
     pub max_prompt_tokens: Option<u64>,
     /// Workers the check could not reach (URL without a trailing slash, and why): they get no
-    /// pairs until they answer and pass ([`probe::verify_member`]).
+    /// pairs until they answer and pass ([`probe::fold_member`]).
     pub unverified: Vec<(String, String)>,
     /// The longest lease the workers report for KV waiting on a pair (lockstep workers).
     pub kv_lease_ms: Option<u64>,
     /// The workers the check verified, with what each reported: a worker checked later is
-    /// checked together with them ([`probe::verify_member`]).
+    /// checked together with them ([`probe::fold_member`]).
     pub verified: Vec<probe::Probed>,
 }
 

@@ -5,7 +5,7 @@
 //!
 //! The same fold runs at start, at every reload, in `lockstep check`, and for a worker checked
 //! later (one that did not answer at start, or one that joined the pool at run time): it is then
-//! checked together with the workers already verified ([`verify_member`]).
+//! checked together with the workers already verified ([`probe_member`], [`fold_member`]).
 
 use std::collections::HashMap;
 
@@ -169,36 +169,53 @@ pub async fn check<B: PdBackend + ?Sized>(
     }
 }
 
-/// Checks one worker that was not verified (it did not answer at start, or it joined the pool at
-/// run time) together with the workers already verified (`known`): it passes when the whole set
-/// passes. Returns its report and the limits of the set with it.
-pub async fn verify_member<B: PdBackend + ?Sized>(
+/// The first half of checking one worker that was not verified (it did not answer at start, or
+/// it joined the pool at run time): what it reports of itself. It passes when the set of it and
+/// the workers already verified passes ([`fold_member`]).
+pub async fn probe_member<B: PdBackend + ?Sized>(
     backend: &B,
     m: &ModelConfig,
     side: Side,
     w: &WorkerConfig,
-    known: &[Probed],
-) -> Result<(Probed, Deployment), String> {
+) -> Result<Probed, String> {
     let report = backend
         .probe_worker(m, side, w)
         .await
         .map_err(|e| match e {
             ProbeError::Unreachable(e) | ProbeError::Refused(e) => e,
         })?;
-    let me = Probed {
+    Ok(Probed {
         side,
         url: w.url.trim_end_matches('/').to_string(),
         report,
-    };
+    })
+}
+
+/// The second half of checking a member: what it reported ([`probe_member`]) folded with the
+/// verified members' `known` reports ([`fold`]). Synchronous, so a caller that holds the verified
+/// set while it folds and records checks each member together with every other one that passed.
+pub fn fold_member(m: &ModelConfig, me: &Probed, known: &[Probed]) -> Result<Deployment, String> {
     let mut all: Vec<Probed> = known.iter().filter(|p| p.url != me.url).cloned().collect();
     all.push(me.clone());
-    let d = fold(m, &all)?;
-    Ok((me, d))
+    fold(m, &all)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Both halves of checking a member, as the member tasks run them.
+    async fn verify_member<B: PdBackend + ?Sized>(
+        backend: &B,
+        m: &ModelConfig,
+        side: Side,
+        w: &WorkerConfig,
+        known: &[Probed],
+    ) -> Result<(Probed, Deployment), String> {
+        let me = probe_member(backend, m, side, w).await?;
+        let d = fold_member(m, &me, known)?;
+        Ok((me, d))
+    }
 
     fn model() -> ModelConfig {
         crate::config::test_model("http://p", "http://d", "")

@@ -6,7 +6,7 @@
 //!
 //! Fails closed: a worker that answers what lockstep cannot accept stops the model from serving;
 //! one that does not answer gets no pairs until it answers and passes
-//! ([`super::probe::verify_member`], run by the model's background checks), since its KV
+//! ([`super::probe::fold_member`], run by the model's background checks), since its KV
 //! checksum, role and stream mode are unknown. The set is checked by the one fold
 //! ([`super::probe::fold`]): this file reads one worker's answer ([`read`]).
 

@@ -17,9 +17,13 @@ pub struct SidecarConfig {
     /// (configured or discovered). Anything else is 403 `prefill_not_allowed`, before any
     /// connection is made. Empty: only pool members.
     pub prefill_allow: Vec<String>,
-    /// Prefills named at run time kept as members at once (each is health-checked); past it the
-    /// idle one named longest ago leaves, and with none idle a new name is 503.
+    /// Prefills named at run time kept as members at once (each is health-checked), a hard
+    /// bound: a name is reserved before its prefill joins. Past it the idle one named longest ago
+    /// leaves, and with none idle a new name is 503 `workers_busy`.
     pub max_prefills: usize,
+    /// A named prefill that runs no pair and has not been named for this long leaves the pool,
+    /// ms (looked at whenever a request names a prefill).
+    pub prefill_idle_ms: u64,
     /// How long a request waits for a newly named prefill to pass its deployment check, ms.
     pub verify_wait_ms: u64,
 }
@@ -29,6 +33,7 @@ impl Default for SidecarConfig {
         SidecarConfig {
             prefill_allow: Vec::new(),
             max_prefills: 64,
+            prefill_idle_ms: 300_000,
             verify_wait_ms: 5_000,
         }
     }
@@ -56,6 +61,9 @@ impl Section for SidecarConfig {
         }
         if self.max_prefills == 0 {
             out.push(format!("{at}.max_prefills"), "must be at least 1");
+        }
+        if self.prefill_idle_ms == 0 {
+            out.push(format!("{at}.prefill_idle_ms"), "must be at least 1");
         }
         if self.verify_wait_ms == 0 {
             out.push(format!("{at}.verify_wait_ms"), "must be at least 1");

@@ -229,12 +229,13 @@ pub enum LockstepError {
     },
     /// `lockstep sidecar`: the named prefill has not passed its deployment check with the
     /// local decode (yet).
-    #[error("prefill `{prefill}` is not verified for this decode: {reason}")]
+    #[error(
+        "prefill `{prefill}` (x-prefiller-host-port) has not passed its deployment check with this decode"
+    )]
     PrefillUnverified {
-        /// The prefill's URL.
+        /// The prefill as the request named it (`host:port`); why it failed is logged, never
+        /// told to the client.
         prefill: String,
-        /// Its check's failure, or that it did not finish in time.
-        reason: String,
     },
     /// A tenant's rate or concurrency limit.
     #[error("{message}")]

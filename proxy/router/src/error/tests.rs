@@ -167,8 +167,7 @@ fn every_code_has_one_status_and_a_complete_body() {
         ),
         (
             LockstepError::PrefillUnverified {
-                prefill: "http://10.0.0.9:8000".into(),
-                reason: "not reachable".into(),
+                prefill: "10.0.0.9:8000".into(),
             },
             503,
         ),

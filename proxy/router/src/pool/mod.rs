@@ -2,7 +2,7 @@
 //! that join and leave at run time (their checks: the `members` module, a layer up).
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 use arc_swap::ArcSwap;
 use rand::Rng;
@@ -65,6 +65,12 @@ pub struct Upstream {
     draining: AtomicBool,
     /// It joined at run time ([`WorkerPool::join`]), not from the configuration: a reload keeps it.
     joined: AtomicBool,
+    /// A request named it (`lockstep sidecar`'s `x-prefiller-host-port`): what it reports limits
+    /// only the pairs pinned to it, never the model's.
+    named: AtomicBool,
+    /// The longest prompt it reported accepting (`u64::MAX`: none reported); read for a named
+    /// prefill, whose report does not tighten the model's limits.
+    own_prompt_limit: AtomicU64,
     /// It left the pool: no new pairs; its checks stop.
     left: AtomicBool,
     fails: AtomicU32,
@@ -102,6 +108,8 @@ impl Upstream {
             verified: AtomicBool::new(true),
             draining: AtomicBool::new(false),
             joined: AtomicBool::new(false),
+            named: AtomicBool::new(false),
+            own_prompt_limit: AtomicU64::new(u64::MAX),
             left: AtomicBool::new(false),
             fails: AtomicU32::new(0),
             oks: AtomicU32::new(0),
@@ -194,6 +202,27 @@ impl Upstream {
     /// Marks it as joined at run time (a reload keeps it in the pool).
     pub fn set_joined(&self, on: bool) {
         self.joined.store(on, Ordering::Release);
+    }
+
+    /// Whether a request named it (a sidecar's prefill from `x-prefiller-host-port`).
+    pub fn named(&self) -> bool {
+        self.named.load(Ordering::Acquire)
+    }
+
+    /// Marks it as named by a request.
+    pub fn set_named(&self, on: bool) {
+        self.named.store(on, Ordering::Release);
+    }
+
+    /// The longest prompt it reported accepting, where it reported one.
+    pub fn own_prompt_limit(&self) -> Option<u64> {
+        Some(self.own_prompt_limit.load(Ordering::Acquire)).filter(|l| *l != u64::MAX)
+    }
+
+    /// Records the longest prompt it reported accepting.
+    pub fn set_own_prompt_limit(&self, limit: Option<u64>) {
+        self.own_prompt_limit
+            .store(limit.unwrap_or(u64::MAX), Ordering::Release);
     }
 
     /// Its name in metrics and API answers on `side`: `prefill-2` ([`worker_label`]).
@@ -384,7 +413,7 @@ impl WorkerPool {
 
     /// Adds a worker at run time (a pod that appeared). It is not verified: it gets no pairs
     /// until its backend's check passes for it together with the verified members
-    /// (`backend::probe::verify_member`). `None` when its URL is already a member.
+    /// (`backend::probe::fold_member`). `None` when its URL is already a member.
     pub fn join(&self, cfg: &WorkerConfig) -> Option<Arc<Upstream>> {
         self.join_carrying(cfg, None)
     }
@@ -422,6 +451,7 @@ impl WorkerPool {
             if let Some(c) = carried {
                 w.in_flight = c.in_flight.clone();
                 w.healthy = AtomicBool::new(c.healthy.load(Ordering::Acquire));
+                w.named = AtomicBool::new(c.named());
             }
             w.verified = AtomicBool::new(false);
             w.joined = AtomicBool::new(true);

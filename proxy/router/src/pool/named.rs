@@ -5,11 +5,15 @@
 //! `sidecar.prefill_allow`. A host name that is not a pool member is never resolved (DNS would
 //! decide where the prefill goes).
 
+use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use crate::config::SidecarConfig;
+use crate::config::{SidecarConfig, WorkerConfig};
 use crate::error::LockstepError;
+use crate::pool::{MemberChange, MemberFeed, WorkerPool};
+use crate::vocab::Side;
 
 /// The header an endpoint picker names the prefill in (`host:port`, the first of a comma list).
 pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";
@@ -38,6 +42,11 @@ pub struct NamedPrefills {
     pub max_members: usize,
     /// How long a request waits for a newly named prefill's deployment check.
     pub verify_wait: Duration,
+    /// How long a named prefill that runs no pair stays without being named again.
+    pub idle: Duration,
+    /// The prefills named at run time, by URL, with when each was last named: reserved here
+    /// before they join, so there are never more than `max_members`.
+    kept: Arc<Mutex<HashMap<String, Instant>>>,
 }
 
 impl NamedPrefills {
@@ -47,7 +56,77 @@ impl NamedPrefills {
             allow: cfg.networks()?,
             max_members: cfg.max_prefills,
             verify_wait: Duration::from_millis(cfg.verify_wait_ms),
+            idle: Duration::from_millis(cfg.prefill_idle_ms),
+            kept: Arc::default(),
         })
+    }
+
+    /// Keeps the named prefill at `url` as a member of `pool` (its joining sent through `feed`
+    /// with `worker`'s settings when it is not one): its place is reserved first, so at most
+    /// `max_members` are kept whatever the requests in flight. Named prefills idle for
+    /// [`NamedPrefills::idle`] leave first; past the bound the idle one named longest ago leaves,
+    /// and with none idle (each runs a pair, or was named within `verify_wait`) the name is 503
+    /// `workers_busy`.
+    pub(crate) fn keep(
+        &self,
+        pool: &WorkerPool,
+        feed: &MemberFeed,
+        worker: WorkerConfig,
+        model: &str,
+    ) -> Result<(), LockstepError> {
+        let url = worker.url.clone();
+        let now = Instant::now();
+        let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+        let idle_since = |u: &str, last: Instant| {
+            let busy = pool.member_at(u).is_some_and(|w| w.in_flight() > 0);
+            (!busy).then(|| now.saturating_duration_since(last))
+        };
+        let leave = |u: String| {
+            feed.send(MemberChange::Leave {
+                side: Side::Prefill,
+                url: u,
+            });
+        };
+        // Those that served nothing for a while leave.
+        let gone: Vec<String> = kept
+            .iter()
+            .filter(|(u, last)| *u != &url && idle_since(u, **last).is_some_and(|d| d >= self.idle))
+            .map(|(u, _)| u.clone())
+            .collect();
+        for u in gone {
+            kept.remove(&u);
+            tracing::info!(prefill = %u, "named prefill idle: it leaves the pool");
+            leave(u);
+        }
+        let reserved = kept.contains_key(&url);
+        if !reserved && kept.len() >= self.max_members {
+            let oldest = kept
+                .iter()
+                .filter(|(u, last)| idle_since(u, **last).is_some_and(|d| d >= self.verify_wait))
+                .min_by_key(|(_, last)| **last)
+                .map(|(u, _)| u.clone());
+            let Some(u) = oldest else {
+                return Err(LockstepError::WorkersBusy {
+                    model: model.to_string(),
+                    side: Side::Prefill.as_str(),
+                });
+            };
+            kept.remove(&u);
+            leave(u);
+        }
+        kept.insert(url.clone(), now);
+        if pool.member_at(&url).is_none() && !feed.send(MemberChange::Named { worker }) {
+            kept.remove(&url);
+            return Err(LockstepError::Unavailable {
+                message: format!("model `{model}` is being replaced; retry"),
+            });
+        }
+        Ok(())
+    }
+
+    /// How many named prefills are kept (reserved or members).
+    pub fn kept(&self) -> usize {
+        self.kept.lock().unwrap_or_else(|p| p.into_inner()).len()
     }
 
     /// Whether `ip` is inside one of the allowed networks.

@@ -20,6 +20,12 @@ pub enum MemberChange {
         /// How to reach it.
         worker: WorkerConfig,
     },
+    /// A prefill a request named (`lockstep sidecar`): it joins the prefill pool as
+    /// [`MemberChange::Join`] does, and what it reports limits only the pairs pinned to it.
+    Named {
+        /// How to reach it.
+        worker: WorkerConfig,
+    },
     /// The worker at `url` is gone from `side`.
     Leave {
         /// Its side.
