@@ -539,6 +539,7 @@ fn the_gateway_manifests_wire_the_pool_to_the_picker_and_the_sidecars() {
         "epp.yaml",
         "workers.yaml",
         "inferencepool.yaml",
+        "networkpolicy.yaml",
     ] {
         objs.extend(documents(&dir.join(f)));
     }
@@ -641,6 +642,43 @@ fn the_gateway_manifests_wire_the_pool_to_the_picker_and_the_sidecars() {
             .iter()
             .any(|a| a == "--vllm-port=30001")
     );
+    // Only the Gateway's pods and the picker reach the sidecar's port: no rule opens it to
+    // everyone, and the other ports take the prefill pods alone.
+    let np = find(&objs, "NetworkPolicy", "lockstep-sidecar");
+    for (k, v) in labels.as_object().expect("labels") {
+        assert_eq!(&np["spec"]["podSelector"]["matchLabels"][k], v, "{k}");
+    }
+    assert_eq!(np["spec"]["policyTypes"], serde_json::json!(["Ingress"]));
+    let rules = np["spec"]["ingress"].as_array().expect("ingress rules");
+    let covers = |p: &Value| {
+        let lo = p["port"].as_u64().unwrap_or(0);
+        let hi = p["endPort"].as_u64().unwrap_or(lo);
+        (lo..=hi).contains(&target)
+    };
+    let opening: Vec<&Value> = rules
+        .iter()
+        .filter(|r| {
+            r["ports"]
+                .as_array()
+                .is_some_and(|ps| ps.iter().any(covers))
+        })
+        .collect();
+    assert_eq!(opening.len(), 1, "{opening:?}");
+    let from = opening[0]["from"].as_array().expect("from: never everyone");
+    let names: Vec<String> = from
+        .iter()
+        .map(|f| f["podSelector"]["matchLabels"].to_string())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            r#"{"lockstep.dev/gateway":"true"}"#,
+            r#"{"app.kubernetes.io/name":"lockstep-epp"}"#
+        ]
+    );
+    for r in rules {
+        assert!(r["from"].as_array().is_some_and(|f| !f.is_empty()), "{r}");
+    }
 }
 
 #[test]

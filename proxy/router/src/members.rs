@@ -537,7 +537,10 @@ mod tests {
         })
         .await;
         // It reported a capacity of 3000 under the configured 4000: kept to itself.
-        let cap = m.limits.kv_capacity.load(std::sync::atomic::Ordering::Acquire);
+        let cap = m
+            .limits
+            .kv_capacity
+            .load(std::sync::atomic::Ordering::Acquire);
         assert_eq!(cap, 4000);
         assert_eq!(m.limits.prompt_limit(), before);
         task.abort();

@@ -49,7 +49,7 @@ pub(crate) async fn pin(
     // A member from the configuration or discovery is used as it is; anything else is a
     // prefill named at run time, allowed, then kept within `sidecar.max_prefills`.
     if pool.member_at(&url).is_none_or(|w| w.named()) {
-        let Some(ip) = named.ip.filter(|ip| policy.allows(*ip)) else {
+        let Some(ip) = named.ip.filter(|ip| policy.allows(*ip, named.port)) else {
             return Err(LockstepError::PrefillNotAllowed {
                 prefill: named.host_port.clone(),
             });

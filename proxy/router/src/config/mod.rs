@@ -35,7 +35,7 @@ pub use pool::{
 };
 pub use server::{Connections, ServerConfig};
 pub use shared::{OnUnavailable, SharedConfig};
-pub use sidecar::{EppConfig, Role, SidecarConfig};
+pub use sidecar::{AllowedPrefills, EppConfig, Role, SidecarConfig};
 pub use tenant::TenantConfig;
 pub use timeouts::{FailoverConfig, QueueConfig, RetryConfig, TimeoutConfig};
 

@@ -12,9 +12,10 @@ use serde::Deserialize;
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct SidecarConfig {
-    /// Networks (CIDR, `10.0.0.0/8`, `fd00::/8`, or one address) a prefill named by
-    /// `x-prefiller-host-port` may be in, besides the members of the model's prefill pool
-    /// (configured or discovered). Anything else is 403 `prefill_not_allowed`, before any
+    /// Networks (CIDR, `10.0.0.0/8`, `fd00::/8`, or one address), each optionally with a port
+    /// or a port range (`10.0.0.0/8:8000`, `10.0.0.0/8:8000-8010`, `[fd00::/8]:8000`), a prefill
+    /// named by `x-prefiller-host-port` may be at, besides the members of the model's prefill
+    /// pool (configured or discovered). Anything else is 403 `prefill_not_allowed`, before any
     /// connection is made. Empty: only pool members.
     pub prefill_allow: Vec<String>,
     /// Prefills named at run time kept as members at once (each is health-checked), a hard
@@ -39,17 +40,67 @@ impl Default for SidecarConfig {
     }
 }
 
+/// One `sidecar.prefill_allow` entry: a network and the ports allowed in it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AllowedPrefills {
+    /// The network (an address alone is its own /32 or /128).
+    pub net: ipnet::IpNet,
+    /// The ports allowed, inclusive (`1..=65535` when the entry names none).
+    pub ports: std::ops::RangeInclusive<u16>,
+}
+
+impl AllowedPrefills {
+    /// Reads `NET`, `NET:PORT` or `NET:LOW-HIGH`, where `NET` is a CIDR or an address; an IPv6
+    /// one with ports is bracketed (`[fd00::/8]:8000`).
+    pub fn parse(s: &str) -> Result<AllowedPrefills, String> {
+        let s = s.trim();
+        let bad = || {
+            format!(
+                "`{s}` is not NET, NET:PORT or NET:LOW-HIGH with NET a CIDR (`10.0.0.0/8`) or an IP address (an IPv6 one with ports in brackets: `[fd00::/8]:8000`)"
+            )
+        };
+        let (net, ports) = if let Some(rest) = s.strip_prefix('[') {
+            let (net, after) = rest.split_once(']').ok_or_else(bad)?;
+            match after {
+                "" => (net, None),
+                p => (net, Some(p.strip_prefix(':').ok_or_else(bad)?)),
+            }
+        } else {
+            match s.split_once(':') {
+                // More than one colon: an IPv6 network without ports.
+                Some((_, rest)) if rest.contains(':') => (s, None),
+                Some((net, p)) => (net, Some(p)),
+                None => (s, None),
+            }
+        };
+        let net = net
+            .parse::<ipnet::IpNet>()
+            .or_else(|_| net.parse::<std::net::IpAddr>().map(ipnet::IpNet::from))
+            .map_err(|_| bad())?;
+        let port = |p: &str| p.trim().parse::<u16>().ok().filter(|p| *p > 0);
+        let ports = match ports {
+            None => 1..=u16::MAX,
+            Some(p) => match p.split_once('-') {
+                Some((lo, hi)) => match (port(lo), port(hi)) {
+                    (Some(lo), Some(hi)) if lo <= hi => lo..=hi,
+                    _ => return Err(bad()),
+                },
+                None => {
+                    let p = port(p).ok_or_else(bad)?;
+                    p..=p
+                }
+            },
+        };
+        Ok(AllowedPrefills { net, ports })
+    }
+}
+
 impl SidecarConfig {
-    /// The allowed networks, parsed (an address alone is its own /32 or /128).
-    pub fn networks(&self) -> Result<Vec<ipnet::IpNet>, String> {
+    /// The allowed networks and their ports, parsed.
+    pub fn networks(&self) -> Result<Vec<AllowedPrefills>, String> {
         self.prefill_allow
             .iter()
-            .map(|s| {
-                let s = s.trim();
-                s.parse::<ipnet::IpNet>()
-                    .or_else(|_| s.parse::<std::net::IpAddr>().map(ipnet::IpNet::from))
-                    .map_err(|_| format!("`{s}` is not a CIDR (`10.0.0.0/8`) or an IP address"))
-            })
+            .map(|s| AllowedPrefills::parse(s))
             .collect()
     }
 }

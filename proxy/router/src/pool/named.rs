@@ -10,7 +10,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::config::{SidecarConfig, WorkerConfig};
+use crate::config::{AllowedPrefills, SidecarConfig, WorkerConfig};
 use crate::error::LockstepError;
 use crate::pool::{MemberChange, MemberFeed, WorkerPool};
 use crate::vocab::Side;
@@ -25,6 +25,8 @@ pub struct NamedPrefill {
     pub host_port: String,
     /// Its address, when the host is an IP literal.
     pub ip: Option<IpAddr>,
+    /// Its port.
+    pub port: u16,
 }
 
 impl NamedPrefill {
@@ -37,7 +39,7 @@ impl NamedPrefill {
 /// What a sidecar lets requests name.
 #[derive(Debug, Clone)]
 pub struct NamedPrefills {
-    allow: Vec<ipnet::IpNet>,
+    allow: Vec<AllowedPrefills>,
     /// Prefills named at run time kept as members at once.
     pub max_members: usize,
     /// How long a request waits for a newly named prefill's deployment check.
@@ -129,14 +131,16 @@ impl NamedPrefills {
         self.kept.lock().unwrap_or_else(|p| p.into_inner()).len()
     }
 
-    /// Whether `ip` is inside one of the allowed networks.
-    pub fn allows(&self, ip: IpAddr) -> bool {
+    /// Whether `ip:port` is inside one of the allowed networks, on one of its ports.
+    pub fn allows(&self, ip: IpAddr, port: u16) -> bool {
         // An IPv4-mapped IPv6 address is judged as the IPv4 address it is.
         let ip = match ip {
             IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
             v4 => v4,
         };
-        self.allow.iter().any(|n| n.contains(&ip))
+        self.allow
+            .iter()
+            .any(|a| a.net.contains(&ip) && a.ports.contains(&port))
     }
 
     /// The prefill the request's headers name, if any: 400 `invalid_request` for a value that is
@@ -161,6 +165,7 @@ impl NamedPrefills {
             return Ok(Some(NamedPrefill {
                 host_port: a.to_string(),
                 ip: Some(a.ip()),
+                port: a.port(),
             }));
         }
         // A host name: `name:port`, nothing else (no user, path or scheme).
@@ -171,6 +176,7 @@ impl NamedPrefills {
             Some(p) if p > 0 && !first.contains('@') => Ok(Some(NamedPrefill {
                 host_port: format!("{}:{p}", auth.host().to_ascii_lowercase()),
                 ip: None,
+                port: p,
             })),
             _ => Err(bad("not host:port")),
         }
@@ -233,22 +239,58 @@ mod tests {
         };
         let p = NamedPrefills::new(&cfg).expect("policy");
         let ip = |s: &str| s.parse::<IpAddr>().expect("ip");
-        assert!(p.allows(ip("10.1.255.3")));
-        assert!(!p.allows(ip("10.2.0.1")));
-        assert!(p.allows(ip("192.168.5.7")));
-        assert!(!p.allows(ip("192.168.5.8")));
-        assert!(p.allows(ip("fd12::9")));
+        let allows = |s: &str| p.allows(ip(s), 8000);
+        assert!(allows("10.1.255.3"));
+        assert!(!allows("10.2.0.1"));
+        assert!(allows("192.168.5.7"));
+        assert!(!allows("192.168.5.8"));
+        assert!(allows("fd12::9"));
         assert!(
-            p.allows(ip("::ffff:10.1.0.1")),
+            allows("::ffff:10.1.0.1"),
             "an IPv4-mapped address is its IPv4 one"
         );
-        assert!(!p.allows(ip("::ffff:10.2.0.1")));
+        assert!(!allows("::ffff:10.2.0.1"));
         let none = NamedPrefills::new(&SidecarConfig::default()).expect("policy");
-        assert!(!none.allows(ip("127.0.0.1")), "no list: no address");
-        let bad = SidecarConfig {
-            prefill_allow: vec!["10.0.0.0/33".into()],
+        assert!(!none.allows(ip("127.0.0.1"), 8000), "no list: no address");
+        for bad in [
+            "10.0.0.0/33",
+            "10.0.0.0/8:0",
+            "10.0.0.0/8:70000",
+            "10.0.0.0/8:9000-8000",
+            "10.0.0.0/8:",
+            "[fd00::/8]8000",
+            "[fd00::/8",
+            "fd00::/8:8000",
+        ] {
+            let cfg = SidecarConfig {
+                prefill_allow: vec![bad.into()],
+                ..SidecarConfig::default()
+            };
+            assert!(NamedPrefills::new(&cfg).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn an_allowed_network_may_name_its_ports() {
+        let cfg = SidecarConfig {
+            prefill_allow: vec![
+                "10.1.0.0/16:8000".into(),
+                "10.2.0.0/16:8000-8010".into(),
+                "192.168.5.7:30000".into(),
+                "[fd00::/8]:9000".into(),
+                "[fd00::1]".into(),
+            ],
             ..SidecarConfig::default()
         };
-        assert!(NamedPrefills::new(&bad).is_err());
+        let p = NamedPrefills::new(&cfg).expect("policy");
+        let at = |s: &str, port: u16| p.allows(s.parse().expect("ip"), port);
+        assert!(at("10.1.2.3", 8000));
+        assert!(!at("10.1.2.3", 8001), "another port of an allowed address");
+        assert!(at("10.2.2.3", 8000) && at("10.2.2.3", 8010));
+        assert!(!at("10.2.2.3", 8011) && !at("10.2.2.3", 7999));
+        assert!(at("192.168.5.7", 30000) && !at("192.168.5.7", 22));
+        assert!(at("fd12::9", 9000) && !at("fd12::9", 9001));
+        assert!(at("fd00::1", 22), "no port named: any port");
+        assert!(at("::ffff:10.1.0.1", 8000) && !at("::ffff:10.1.0.1", 9));
     }
 }
