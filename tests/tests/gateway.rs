@@ -576,9 +576,14 @@ async fn the_picker_holds_tenants_to_their_key_and_limits_before_any_worker() {
         "\n[[tenants]]\nname = \"acme\"\napi_keys_sha256 = [\"{}\"]\nrequests_per_second = 1\nburst = 2\n",
         key_hash_hex("acme-key")
     );
+    // With tenants, the sidecar's engine pages need a key: the picker sends the engine's own
+    // (`[models.decode] api_key`, in the configuration both share).
     let base = format!(
         "{}{tenants}",
-        config_text_with(&mock, &tok_path, "", "", TEST_TIMEOUTS)
+        config_text_with(&mock, &tok_path, "", "", TEST_TIMEOUTS).replace(
+            "[models.decode]\n",
+            "[models.decode]\napi_key = \"engine-key\"\n"
+        )
     );
     let (sidecar, _) = start_role(
         &as_sidecar(&base, &mock.prefill_url(), "\"127.0.0.0/8\""),

@@ -597,3 +597,83 @@ async fn silent_prefills_do_not_hold_up_the_check_of_another() {
         t.abort();
     }
 }
+
+/// The engine's pages are held as its API is: `/health` open, anything else with a tenant key or
+/// the engine's own key; `/server_info` cut to what the deployment check reads (SGLang puts its
+/// `api_key` and `admin_api_key` there); the engine's `/metrics` off the listener with
+/// `server.metrics_on_admin`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_engines_pages_need_a_key_and_never_show_the_engines_keys() {
+    let tenants = format!(
+        "\n[[tenants]]\nname = \"acme\"\napi_keys_sha256 = [\"{}\"]\n",
+        lockstep_router::tenant::key_hash_hex("acme-key")
+    );
+    let server = format!(
+        "admin_listen = \"127.0.0.1:0\"\nadmin_key_sha256 = \"{}\"\nmetrics_on_admin = true",
+        lockstep_router::tenant::key_hash_hex("admin-key")
+    );
+    let s = Stack::start_edited(
+        MockConfig::default(),
+        &server,
+        TEST_TIMEOUTS,
+        |mock, text| {
+            let prefill = format!(
+                "workers = [{{ url = \"{}\", bootstrap_port = 8998 }}]",
+                mock.prefill_url()
+            );
+            let text = text.replace(&prefill, "workers = []\nbootstrap_port = 8998");
+            let text = text.replace(
+                "[models.decode]\n",
+                "[models.decode]\napi_key = \"engine-key\"\n",
+            );
+            format!("{text}\n[sidecar]\nprefill_allow = [\"127.0.0.0/8\"]\n{tenants}")
+        },
+    )
+    .await
+    .expect("the sidecar starts");
+    s.mock
+        .set_server_arg(Role::Decode, "api_key", json!("engine-key"));
+    s.mock
+        .set_server_arg(Role::Decode, "admin_api_key", json!("engine-admin-key"));
+    let c = TestClient::default();
+    let get = |path: &str, key: Option<&str>| {
+        let url = format!("{}{path}", s.url);
+        let auth = key.map(|k| format!("Bearer {k}"));
+        let c = c.clone();
+        async move {
+            let headers: Vec<(&str, &str)> = auth
+                .as_deref()
+                .map(|a| ("authorization", a))
+                .into_iter()
+                .collect();
+            c.send_with("GET", &url, &headers, String::new(), BOUND)
+                .await
+        }
+    };
+    assert_eq!(get("/health", None).await.status, 200);
+    for path in ["/server_info", "/get_server_info", "/v1/models", "/version"] {
+        let a = get(path, None).await;
+        assert_eq!(a.status, 401, "{path}: {}", a.body);
+        assert_eq!(get(path, Some("wrong")).await.status, 401, "{path}");
+    }
+    let calls = s.mock.info_calls();
+    for key in ["acme-key", "engine-key"] {
+        let a = get("/server_info", Some(key)).await;
+        assert_eq!(a.status, 200, "{key}: {}", a.body);
+        assert_eq!(a.json()["disaggregation_mode"], "decode", "{}", a.body);
+        assert!(
+            !a.body.contains("engine-key") && !a.body.contains("api_key"),
+            "the engine's keys: {}",
+            a.body
+        );
+    }
+    assert_eq!(
+        s.mock.info_calls(),
+        calls + 2,
+        "refused calls reached the engine"
+    );
+    // `metrics_on_admin`: neither the engine's metrics nor lockstep's on this listener.
+    for path in ["/metrics", "/lockstep/metrics"] {
+        assert_eq!(get(path, Some("acme-key")).await.status, 404, "{path}");
+    }
+}

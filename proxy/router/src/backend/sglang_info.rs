@@ -102,6 +102,47 @@ async fn server_info(
     )))
 }
 
+/// The `/server_info` fields lockstep reads (the deployment check): all a sidecar passes on of
+/// its engine's page, whose other fields include the engine's own API keys
+/// (sgl-project/sglang#30166).
+pub const SERVER_INFO_FIELDS: &[&str] = &[
+    "version",
+    "disaggregation_mode",
+    "disaggregation_transfer_backend",
+    "disaggregation_bootstrap_port",
+    "disaggregation_enable_kv_checksum",
+    "incremental_streaming_output",
+    "skip_tokenizer_init",
+    "page_size",
+    "kv_cache_dtype",
+    "tp_size",
+    "pp_size",
+    "max_total_num_tokens",
+    "max_req_input_len",
+];
+
+/// `v` (a `/server_info` answer) with only [`SERVER_INFO_FIELDS`], at the top level and in the
+/// first `internal_states` entry, where [`field`] reads them.
+pub fn allowed_server_info(v: &Value) -> Value {
+    let keep = |o: &serde_json::Map<String, Value>| -> serde_json::Map<String, Value> {
+        o.iter()
+            .filter(|(k, _)| SERVER_INFO_FIELDS.contains(&k.as_str()))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    };
+    let Some(top) = v.as_object() else {
+        return Value::Object(serde_json::Map::new());
+    };
+    let mut out = keep(top);
+    if let Some(first) = v.pointer("/internal_states/0").and_then(Value::as_object) {
+        out.insert(
+            "internal_states".into(),
+            Value::Array(vec![Value::Object(keep(first))]),
+        );
+    }
+    Value::Object(out)
+}
+
 /// A key of a `/server_info` answer: top level, or in the first `internal_states` entry (where
 /// some releases put the scheduler's figures).
 fn field<'a>(v: &'a Value, key: &str) -> Option<&'a Value> {
@@ -366,5 +407,55 @@ workers = [{{ url = "http://d/" }}]
         let mut d = info("decode");
         d["skip_tokenizer_init"] = json!(true);
         assert!(run(&m, info("prefill"), d).is_err());
+    }
+
+    /// What a sidecar passes on of its engine's `/server_info` is all the deployment check reads
+    /// (the same verdict on every variation the check knows) and never the engine's keys.
+    #[test]
+    fn the_allowed_server_info_fields_are_all_the_check_reads() {
+        let m = model("");
+        let mut d = info("decode");
+        d["api_key"] = json!("engine-secret");
+        d["admin_api_key"] = json!("admin-secret");
+        d["internal_states"] = json!([{ "max_req_input_len": 500, "api_key": "x" }]);
+        d["max_req_input_len"] = Value::Null;
+        let cut = allowed_server_info(&d);
+        let text = cut.to_string();
+        assert!(
+            !text.contains("secret") && !text.contains("api_key"),
+            "{text}"
+        );
+        let full = run(&m, info("prefill"), d.clone()).expect("ok");
+        let kept = run(&m, allowed_server_info(&info("prefill")), cut).expect("ok");
+        assert_eq!(full.0.max_prompt_tokens, kept.0.max_prompt_tokens);
+        assert_eq!(full.0.kv_capacity, kept.0.kv_capacity);
+        assert_eq!(full.1, kept.1);
+        for (role, patch) in [
+            (
+                "decode",
+                json!({"disaggregation_enable_kv_checksum": false}),
+            ),
+            ("decode", json!({"page_size": 32})),
+            ("decode", json!({"tp_size": 2})),
+            ("decode", json!({"kv_cache_dtype": "fp8_e4m3"})),
+            ("decode", json!({"pp_size": 2})),
+            ("decode", json!({"skip_tokenizer_init": true})),
+            ("decode", json!({"incremental_streaming_output": true})),
+            ("prefill", json!({"disaggregation_mode": "decode"})),
+            ("decode", json!({"disaggregation_transfer_backend": "fake"})),
+            ("prefill", json!({"disaggregation_bootstrap_port": 9000})),
+            ("decode", json!({"max_total_num_tokens": 900})),
+        ] {
+            let (mut p, mut d) = (info("prefill"), info("decode"));
+            let target = if role == "prefill" { &mut p } else { &mut d };
+            for (k, val) in patch.as_object().expect("object") {
+                target[k] = val.clone();
+            }
+            let full = run(&m, p.clone(), d.clone())
+                .map(|(dep, mode)| (dep.kv_capacity, dep.max_prompt_tokens, mode));
+            let kept = run(&m, allowed_server_info(&p), allowed_server_info(&d))
+                .map(|(dep, mode)| (dep.kv_capacity, dep.max_prompt_tokens, mode));
+            assert_eq!(full, kept, "{patch}");
+        }
     }
 }
