@@ -427,3 +427,97 @@ async fn hit_rate_table() {
         println!("| {r} | {aware:.3} | {events:.3} |");
     }
 }
+
+/// A publisher that completes the ZMTP handshake as a PUB, then announces a frame of `size`.
+async fn oversized_publisher(size: u64) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = l.local_addr().expect("addr");
+    tokio::spawn(async move {
+        // Every connection the router makes gets the same: it reconnects after each.
+        while let Ok((mut s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let mut greeting = [0u8; 64];
+                s.read_exact(&mut greeting).await.ok()?;
+                let mut mine = [0u8; 64];
+                mine[0] = 0xFF;
+                mine[9] = 0x7F;
+                mine[10] = 3;
+                mine[12..16].copy_from_slice(b"NULL");
+                s.write_all(&mine).await.ok()?;
+                let mut head = [0u8; 2];
+                s.read_exact(&mut head).await.ok()?;
+                let mut ready = vec![0u8; usize::from(head[1])];
+                s.read_exact(&mut ready).await.ok()?;
+                let body = b"\x05READY\x0bSocket-Type\x00\x00\x00\x03PUB";
+                s.write_all(&[0x04, body.len() as u8]).await.ok()?;
+                s.write_all(body).await.ok()?;
+                let mut frame = vec![0x02];
+                frame.extend_from_slice(&size.to_be_bytes());
+                s.write_all(&frame).await.ok()?;
+                tokio::time::sleep(Duration::from_secs(30)).await;
+                Some(())
+            });
+        }
+    });
+    format!("tcp://{addr}")
+}
+
+/// A KV event publisher that announces a message of 2^47 bytes (which made the zeromq crate
+/// reserve it and abort the process) is dropped and counted; lockstep keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_announcing_a_huge_message_is_dropped_and_counted() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tok = tokenizer::build();
+    let tok_path = dir.path().join("tokenizer.json");
+    std::fs::write(&tok_path, tok.to_string(true).expect("tokenizer")).expect("write");
+    let mock = PdMock::start(MockConfig::default(), tok)
+        .await
+        .expect("mock");
+    let publisher = oversized_publisher(1 << 47).await;
+    let text = config_text_with(&mock, &tok_path, "", "", TEST_TIMEOUTS);
+    let old = format!(
+        "workers = [{{ url = \"{}\", bootstrap_port = 8998 }}]",
+        mock.prefill_url()
+    );
+    assert!(text.contains(&old));
+    let text = text.replace(
+        &old,
+        &format!(
+            "policy = \"prefix_events\"\nkv_events = {{ max_message_bytes = 65536 }}\nworkers = [{{ url = \"{}\", bootstrap_port = 8998, kv_events = \"{publisher}\" }}]",
+            mock.prefill_url()
+        ),
+    );
+    let cfg = Config::parse(&text).expect("config");
+    assert!(cfg.problems().is_empty(), "{:?}", cfg.problems());
+    let lockstep = Lockstep::start(cfg).await.expect("starts");
+    let url = format!("http://{}", lockstep.http_addr);
+    let line = "lockstep_kv_event_batches_total{model=\"mock-pd\",result=\"too_large\",side=\"prefill\"} 1";
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let m = TestClient::default()
+            .get(&format!("{url}/metrics"), Duration::from_secs(5))
+            .await;
+        if m.body.contains(line) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{line} not in\n{}",
+            m.body
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let a = TestClient::default()
+        .send_with(
+            "POST",
+            &format!("{url}/v1/completions"),
+            &[],
+            json!({"model": MODEL, "prompt": "hello there", "max_tokens": 2}).to_string(),
+            Duration::from_secs(20),
+        )
+        .await;
+    assert_eq!(a.status, 200, "{}", a.body);
+}

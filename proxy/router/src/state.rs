@@ -241,7 +241,11 @@ impl AppState {
                     hit,
                 );
                 let ev = pool.event_stats();
-                for (result, n) in [("applied", ev.batches), ("unreadable", ev.errors)] {
+                for (result, n) in [
+                    ("applied", ev.batches),
+                    ("unreadable", ev.errors),
+                    ("too_large", ev.too_large),
+                ] {
                     catch_up(
                         &m.kv_event_batches.with_label_values(&[name, side, result]),
                         n,

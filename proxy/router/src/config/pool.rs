@@ -23,7 +23,7 @@ pub enum PolicyKind {
 
 /// Where a pool's workers publish KV events (`policy = "prefix_events"`), for a worker whose
 /// entry names none (a discovered pod: its IP with these ports).
-#[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct KvEventsConfig {
     /// The publisher's port (the engines' default is 5557).
@@ -36,6 +36,26 @@ pub struct KvEventsConfig {
     /// The topic subscribed to (the engines' `topic`, default empty: every message).
     #[serde(default)]
     pub topic: String,
+    /// Largest message read from a publisher or a replay, bytes (all its frames): a publisher
+    /// that announces more is dropped and counted (`lockstep_kv_event_batches_total{result=
+    /// "too_large"}`), then followed again later. An engine's batch of events is a few KiB.
+    #[serde(default = "default_max_event_message")]
+    pub max_message_bytes: usize,
+}
+
+fn default_max_event_message() -> usize {
+    4 * 1024 * 1024
+}
+
+impl Default for KvEventsConfig {
+    fn default() -> Self {
+        KvEventsConfig {
+            port: None,
+            replay_port: None,
+            topic: String::new(),
+            max_message_bytes: default_max_event_message(),
+        }
+    }
 }
 
 /// Tuning of `policy = "prefix_aware"` (SGLang's cache-aware policy, on hashed token blocks).
@@ -273,6 +293,16 @@ impl Section for PoolConfig {
             || r.balance_rel_threshold < 1.0
         {
             out.push(format!("{at}.prefix"), "block_tokens and capacity_blocks must be positive, cache_threshold in [0, 1], balance_rel_threshold at least 1");
+        }
+        if self
+            .kv_events
+            .as_ref()
+            .is_some_and(|k| k.max_message_bytes < 1024 || k.max_message_bytes > 1 << 30)
+        {
+            out.push(
+                format!("{at}.kv_events.max_message_bytes"),
+                "must be between 1024 and 1073741824 (1 GiB)",
+            );
         }
         if self.policy == PolicyKind::PrefixEvents {
             let port = self.kv_events.as_ref().and_then(|k| k.port);

@@ -3,6 +3,11 @@
 //! index ([`super::kv_events`]). Each replica follows every worker itself; nothing is shared
 //! between replicas.
 //!
+//! Both sockets are [`lockstep_zmtp`]'s, bounded in what a publisher sends: a message over
+//! `kv_events.max_message_bytes` is refused on its header (nothing of that size is reserved),
+//! the publisher is dropped and counted as `too_large`, and followed again after
+//! [`RETRY_AFTER_TOO_LARGE`]. Nothing a publisher sends can end the process.
+//!
 //! The publisher's side (SGLang 0.5.23 `srt/disaggregation/kv_events.py` `ZmqEventPublisher`,
 //! vLLM 0.33.0 `vllm/distributed/kv_events.py`, the same): PUB sends `(topic, seq, payload)`;
 //! the replay ROUTER takes `(identity, "", start_seq)` and answers every buffered batch from
@@ -13,7 +18,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use zeromq::{Socket, SocketRecv, SocketSend};
+use lockstep_zmtp::{Connection, Limits, Subscriber};
 
 use super::kv_events::{Sequence, WorkerBlocks, decode_batch};
 use super::{Upstream, WorkerPool};
@@ -22,6 +27,8 @@ use super::{Upstream, WorkerPool};
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
 /// Between attempts to reach a publisher.
 const RETRY: Duration = Duration::from_secs(1);
+/// Before following again a publisher that sent a message over the limit.
+const RETRY_AFTER_TOO_LARGE: Duration = Duration::from_secs(30);
 
 /// The pool's index of what its workers' engines report, with its counters.
 #[derive(Debug, Default)]
@@ -31,6 +38,8 @@ pub(super) struct EventIndex {
     pub(super) batches: AtomicU64,
     pub(super) gaps: AtomicU64,
     pub(super) errors: AtomicU64,
+    /// Messages over `kv_events.max_message_bytes` (each dropped its publisher).
+    pub(super) too_large: AtomicU64,
 }
 
 /// What the pool's event index counted: batches applied, sequence gaps, unreadable batches, and
@@ -43,6 +52,8 @@ pub struct EventStats {
     pub gaps: u64,
     /// Batches that could not be read (the worker's index dropped each time).
     pub errors: u64,
+    /// Messages over `kv_events.max_message_bytes` (the publisher dropped each time).
+    pub too_large: u64,
     /// Blocks indexed, all workers.
     pub blocks: u64,
 }
@@ -138,20 +149,14 @@ fn seq_of(frame: &Bytes) -> Option<u64> {
         .map(u64::from_be_bytes)
 }
 
-/// Asks `endpoint` (a replay ROUTER) for every batch from `from`.
-async fn replay(endpoint: &str, from: u64) -> Option<Vec<(u64, Bytes)>> {
+/// Asks `endpoint` (a replay ROUTER) for every batch from `from`; each message within `limits`.
+async fn replay(endpoint: &str, from: u64, limits: Limits) -> Option<Vec<(u64, Bytes)>> {
     let ask = async {
-        let mut s = zeromq::DealerSocket::new();
-        s.connect(endpoint).await.ok()?;
-        let msg = zeromq::ZmqMessage::try_from(vec![
-            Bytes::new(),
-            Bytes::copy_from_slice(&from.to_be_bytes()),
-        ])
-        .ok()?;
-        s.send(msg).await.ok()?;
+        let mut s = Connection::connect(endpoint, "DEALER", limits).await.ok()?;
+        s.send(&[b"", &from.to_be_bytes()]).await.ok()?;
         let mut out = Vec::new();
         loop {
-            let m = s.recv().await.ok()?.into_vec();
+            let m = s.recv().await.ok()?;
             // ["", topic, seq, payload]; the end marker's seq is -1.
             let seq = m.get(2).and_then(seq_of)?;
             if seq == u64::MAX {
@@ -178,19 +183,22 @@ impl WorkerPool {
             return std::future::pending().await;
         };
         let capacity = self.prefix.cfg.capacity_blocks;
+        let limits = self.events_limits;
         loop {
-            let mut sub = zeromq::SubSocket::new();
-            let connected =
-                tokio::time::timeout(Duration::from_secs(5), sub.connect(&endpoint)).await;
-            if !matches!(connected, Ok(Ok(()))) || sub.subscribe(&self.events_topic).await.is_err()
-            {
-                tracing::debug!(worker = %w.url, %endpoint, "KV event publisher not reachable yet");
-                tokio::time::sleep(RETRY).await;
-                continue;
-            }
+            let mut sub = match Subscriber::connect(&endpoint, &self.events_topic, limits).await {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::debug!(worker = %w.url, %endpoint, error = %e, "KV event publisher not reachable yet");
+                    tokio::time::sleep(RETRY).await;
+                    continue;
+                }
+            };
             tracing::info!(worker = %w.url, %endpoint, "following the worker's KV events");
-            while let Ok(m) = sub.recv().await {
-                let frames = m.into_vec();
+            let ended = loop {
+                let frames = match sub.recv().await {
+                    Ok(f) => f,
+                    Err(e) => break e,
+                };
                 let (Some(seq), Some(payload)) = (frames.get(1).and_then(seq_of), frames.get(2))
                 else {
                     index.errors.fetch_add(1, Ordering::Relaxed);
@@ -200,15 +208,23 @@ impl WorkerPool {
                     continue;
                 };
                 let replayed = match (index.replay_from(&w.url, seq), &w.kv_events_replay) {
-                    (Some(from), Some(r)) => replay(r, from).await,
+                    (Some(from), Some(r)) => replay(r, from, limits).await,
                     _ => None,
                 };
                 index.receive(&w.url, seq, payload, capacity, replayed);
-            }
+            };
             if let Some(mut b) = index.workers.get_mut(&w.url) {
                 b.clear();
             }
-            tokio::time::sleep(RETRY).await;
+            let wait = if let lockstep_zmtp::Error::TooLarge { announced, limit } = ended {
+                index.too_large.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(worker = %w.url, %endpoint, announced, limit, "KV event publisher announced a message over kv_events.max_message_bytes: dropped, that worker's index cleared");
+                RETRY_AFTER_TOO_LARGE
+            } else {
+                tracing::debug!(worker = %w.url, %endpoint, error = %ended, "KV event publisher connection ended");
+                RETRY
+            };
+            tokio::time::sleep(wait).await;
         }
     }
 
@@ -220,6 +236,7 @@ impl WorkerPool {
                 batches: e.batches.load(Ordering::Relaxed),
                 gaps: e.gaps.load(Ordering::Relaxed),
                 errors: e.errors.load(Ordering::Relaxed),
+                too_large: e.too_large.load(Ordering::Relaxed),
                 blocks: e.workers.iter().map(|w| w.len() as u64).sum(),
             })
     }

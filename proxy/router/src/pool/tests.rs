@@ -3,6 +3,8 @@
 use super::*;
 use std::sync::atomic::AtomicU64;
 
+use crate::config::HealthConfig;
+
 use crate::vocab::Side;
 
 /// A pool of workers on these loopback ports, each taking at most `max` pairs (0: any number).
