@@ -5,7 +5,8 @@
 #   bash bench/fuzz.sh [TARGET|all] [SECS]        default: all targets, 60 s each
 #
 # Targets (bodies in tests/src/fuzz.rs): gguf, kv_transfer, worker_messages, data_stream, sse,
-# upstream_json, admission, chat_template, bpe, responses, messages, tool_output, grammar. Each run grows fuzz/corpus/TARGET (minimized after
+# upstream_json, admission, chat_template, bpe, responses, messages, tool_output, grammar,
+# ext_proc, kv_events. Each run grows fuzz/corpus/TARGET (minimized after
 # the run; commit it: CI replays it through `cargo test`, tests/tests/fuzz_replay.rs), leaves any
 # crash reproducer in fuzz/artifacts/TARGET (fix it, then copy it to fuzz/regressions/TARGET),
 # and appends its seconds and executions to fuzz/LOG.md.
@@ -15,7 +16,7 @@ cd "$(dirname "$0")/.."
 command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
 export RUSTC_BOOTSTRAP=1
 
-all="gguf kv_transfer worker_messages data_stream sse upstream_json admission chat_template bpe responses messages tool_output grammar"
+all="gguf kv_transfer worker_messages data_stream sse upstream_json admission chat_template bpe responses messages tool_output grammar ext_proc kv_events"
 which=${1:-all}
 secs=${2:-60}
 [ "$which" = all ] && targets=$all || targets=$which

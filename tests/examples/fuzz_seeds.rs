@@ -217,4 +217,96 @@ fn main() {
         write(dir, "grammar", &format!("kind{i}"), &b);
     }
     println!("seeds written under {}", dir.display());
+
+    // Envoy's ext_proc: request headers with a key, a named prefill and the subset hint.
+    {
+        use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
+        use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as In;
+        use envoy_types::pb::envoy::service::ext_proc::v3::{HttpHeaders, ProcessingRequest};
+        use envoy_types::pb::google::protobuf::{ListValue, Struct, Value as PbValue, value::Kind};
+        let header = |k: &str, v: &str| HeaderValue {
+            key: k.into(),
+            raw_value: v.as_bytes().to_vec(),
+            ..HeaderValue::default()
+        };
+        let hint = Struct {
+            fields: [(
+                lockstep_epp::SUBSET.to_string(),
+                PbValue {
+                    kind: Some(Kind::ListValue(ListValue {
+                        values: vec![PbValue {
+                            kind: Some(Kind::StringValue("10.0.0.1:8000".into())),
+                        }],
+                    })),
+                },
+            )]
+            .into(),
+        };
+        let msg = ProcessingRequest {
+            request: Some(In::RequestHeaders(HttpHeaders {
+                headers: Some(HeaderMap {
+                    headers: vec![
+                        header(":path", "/v1/chat/completions"),
+                        header("authorization", "Bearer k"),
+                        header("x-prefiller-host-port", "10.0.0.2:8000"),
+                    ],
+                }),
+                end_of_stream: false,
+                ..HttpHeaders::default()
+            })),
+            metadata_context: Some(Metadata {
+                filter_metadata: [(lockstep_epp::SUBSET_NAMESPACE.to_string(), hint)].into(),
+                ..Metadata::default()
+            }),
+            ..ProcessingRequest::default()
+        };
+        write(dir, "ext_proc", "request-headers", &msg.encode_to_vec());
+    }
+
+    // A KV event publisher's message past the handshake: (topic, seq, msgpack batch) frames, an
+    // event as a map (SGLang) and as an array.
+    {
+        use rmpv::Value as Mp;
+        let event_map = Mp::Map(vec![
+            (Mp::from("type"), Mp::from("BlockStored")),
+            (Mp::from("block_hashes"), Mp::Array(vec![Mp::from(7u64)])),
+            (Mp::from("parent_block_hash"), Mp::Nil),
+            (
+                Mp::from("token_ids"),
+                Mp::Array((1..=16u64).map(Mp::from).collect()),
+            ),
+            (Mp::from("block_size"), Mp::from(16u64)),
+            (Mp::from("lora_id"), Mp::Nil),
+        ]);
+        let event_array = Mp::Array(vec![
+            Mp::from("BlockRemoved"),
+            Mp::Array(vec![Mp::from(7u64)]),
+            Mp::from("GPU"),
+        ]);
+        for (name, event) in [("map-event", event_map), ("array-event", event_array)] {
+            let mut batch = Vec::new();
+            rmpv::encode::write_value(
+                &mut batch,
+                &Mp::Array(vec![Mp::F64(1.0e9), Mp::Array(vec![event])]),
+            )
+            .expect("encode");
+            let mut m = Vec::new();
+            for (more, frame) in [
+                (true, &b"kv"[..]),
+                (true, &5u64.to_be_bytes()[..]),
+                (false, &batch[..]),
+            ] {
+                let flags = u8::from(more);
+                if frame.len() > 255 {
+                    m.push(flags | 2);
+                    m.extend((frame.len() as u64).to_be_bytes());
+                } else {
+                    m.push(flags);
+                    m.push(frame.len() as u8);
+                }
+                m.extend_from_slice(frame);
+            }
+            write(dir, "kv_events", name, &m);
+        }
+    }
 }

@@ -24,6 +24,8 @@ pub const TARGETS: &[&str] = &[
     "messages",
     "tool_output",
     "grammar",
+    "ext_proc",
+    "kv_events",
 ];
 
 /// Runs `target` on `data`.
@@ -51,6 +53,8 @@ pub fn run(target: &str, data: &[u8]) {
         "grammar" => lockstep_router::fuzzing::grammar(data),
         "chat_template" => chat_template(data),
         "bpe" => bpe(data),
+        "ext_proc" => lockstep_epp::fuzz_message(data),
+        "kv_events" => runtime().block_on(lockstep_router::fuzzing::kv_events(data)),
         other => panic!("no fuzz target `{other}`"),
     }
 }

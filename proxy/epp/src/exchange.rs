@@ -218,25 +218,9 @@ impl Exchange {
     }
 
     fn read_headers(&mut self, h: Option<&EnvoyHeaders>) {
-        for hv in h.map(|h| h.headers.as_slice()).unwrap_or_default() {
-            let value = if hv.raw_value.is_empty() {
-                hv.value.as_bytes()
-            } else {
-                &hv.raw_value
-            };
-            match hv.key.as_str() {
-                ":path" => self.path = String::from_utf8_lossy(value).into_owned(),
-                k if k.starts_with(':') => {}
-                k => {
-                    if let (Ok(n), Ok(v)) = (
-                        http::HeaderName::from_bytes(k.as_bytes()),
-                        http::HeaderValue::from_bytes(value),
-                    ) {
-                        self.headers.append(n, v);
-                    }
-                }
-            }
-        }
+        let (path, headers) = headers_of(h);
+        self.path = path;
+        self.headers = headers;
     }
 
     /// The request is whole: admit it, pick, answer its headers, then send its body back.
@@ -426,6 +410,57 @@ impl Exchange {
             }))
             .await;
     }
+}
+
+/// The `:path` and the other headers of an ext_proc header map (a header whose name or value
+/// HTTP refuses is left out; pseudo-headers other than `:path` are not headers).
+pub(crate) fn headers_of(h: Option<&EnvoyHeaders>) -> (String, http::HeaderMap) {
+    let mut path = String::new();
+    let mut headers = http::HeaderMap::new();
+    for hv in h.map(|h| h.headers.as_slice()).unwrap_or_default() {
+        let value = if hv.raw_value.is_empty() {
+            hv.value.as_bytes()
+        } else {
+            &hv.raw_value
+        };
+        match hv.key.as_str() {
+            ":path" => path = String::from_utf8_lossy(value).into_owned(),
+            k if k.starts_with(':') => {}
+            k => {
+                if let (Ok(n), Ok(v)) = (
+                    http::HeaderName::from_bytes(k.as_bytes()),
+                    http::HeaderValue::from_bytes(value),
+                ) {
+                    headers.append(n, v);
+                }
+            }
+        }
+    }
+    (path, headers)
+}
+
+/// Entry point of the `ext_proc` fuzz target (`fuzz/`, `tests/tests/fuzz_replay.rs`): one
+/// ext_proc message as Envoy would send it, decoded and read as the picker reads it (headers,
+/// the key and the named prefill from them, the subset hint, the served endpoint). Must return
+/// whatever the bytes. Not an API.
+pub fn fuzz_message(data: &[u8]) {
+    use prost::Message;
+    let Ok(msg) = ProcessingRequest::decode(data) else {
+        return;
+    };
+    let metadata = msg.metadata_context.as_ref();
+    let _ = subset_of(metadata);
+    let _ = served_as_picked(metadata, "10.0.0.1:8000");
+    let h = match &msg.request {
+        Some(In::RequestHeaders(h)) | Some(In::ResponseHeaders(h)) => h.headers.as_ref(),
+        Some(In::RequestTrailers(t)) => t.trailers.as_ref(),
+        Some(In::ResponseTrailers(t)) => t.trailers.as_ref(),
+        _ => None,
+    };
+    let (path, headers) = headers_of(h);
+    let _ = (picker::is_open(&path), picker::is_generation(&path));
+    let _ = lockstep_router::pool::NamedPrefills::read(&headers);
+    let _ = picker::error_body(&path, &LockstepError::BodyTimeout { ms: 1 });
 }
 
 /// The endpoint the data plane says served (`envoy.lb` / `x-gateway-destination-endpoint-served`),

@@ -32,7 +32,7 @@ use lockstep_router::state::AppState;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
-pub use exchange::{DESTINATION, SERVED, SUBSET, SUBSET_NAMESPACE};
+pub use exchange::{DESTINATION, SERVED, SUBSET, SUBSET_NAMESPACE, fuzz_message};
 
 /// The gRPC health service names the protocol asks for, besides the ext_proc service's own.
 pub const HEALTH_SERVICES: &[&str] = &["liveness", "readiness"];
