@@ -29,7 +29,7 @@ use tonic::Streaming;
 const ANSWER: Duration = Duration::from_secs(5);
 
 struct Picker {
-    _mock: PdMock,
+    mock: PdMock,
     lockstep: Lockstep,
     picker: RunningPicker,
     _dir: tempfile::TempDir,
@@ -59,7 +59,7 @@ async fn picker(server: &str, tenant: &str, epp: &str, decode: &str) -> Picker {
     ));
     let (lockstep, picker) = start_role(&text, Role::Epp).await;
     Picker {
-        _mock: mock,
+        mock,
         lockstep,
         picker: picker.expect("a picker"),
         _dir: dir,
@@ -352,4 +352,69 @@ async fn the_pickers_http_listener_serves_no_front_end() {
         .send_with("GET", &format!("{url}/health"), &[], String::new(), ANSWER)
         .await;
     assert_eq!(a.status, 200, "{}", a.body);
+}
+
+/// A gRPC `Generate` or `Chat` through the picker gets both workers, the prefill named in
+/// `x-prefiller-host-port` as for HTTP (an SGLang sidecar cannot serve without one); the model
+/// its message names must exist.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grpc_generation_gets_a_named_prefill() {
+    use prost::Message;
+    let p = picker("", "", "", "").await;
+    let framed = |model: &str| {
+        let m = lockstep_proto::v1::GenerateRequest {
+            model: model.into(),
+            ..Default::default()
+        }
+        .encode_to_vec();
+        let mut b = vec![0u8];
+        b.extend((m.len() as u32).to_be_bytes());
+        b.extend(m);
+        b
+    };
+    for path in [
+        "/lockstep.v1.Lockstep/Generate",
+        "/lockstep.v1.Lockstep/Chat",
+    ] {
+        let mut s = p.open().await.expect("a stream");
+        s.send(headers(path, Some("acme-key"), false)).await;
+        s.send(body(&framed(MODEL), true)).await;
+        let Out::RequestHeaders(h) = s.next().await else {
+            panic!("{path}: not a headers response");
+        };
+        let set = h
+            .response
+            .and_then(|c| c.header_mutation)
+            .expect("a header mutation")
+            .set_headers;
+        let prefill = set
+            .iter()
+            .filter_map(|o| o.header.as_ref())
+            .find(|h| h.key == "x-prefiller-host-port")
+            .map(|h| String::from_utf8_lossy(&h.raw_value).into_owned());
+        assert_eq!(
+            prefill.as_deref(),
+            Some(p.mock.prefill_addr.to_string().as_str()),
+            "{path}"
+        );
+    }
+    let mut s = p.open().await.expect("a stream");
+    s.send(headers(
+        "/lockstep.v1.Lockstep/Generate",
+        Some("acme-key"),
+        false,
+    ))
+    .await;
+    s.send(body(&framed("no-such-model"), true)).await;
+    let (status, text) = s.refused().await;
+    assert_eq!(status, 404, "{text}");
+    let mut s = p.open().await.expect("a stream");
+    s.send(headers(
+        "/lockstep.v1.Lockstep/Generate",
+        Some("acme-key"),
+        false,
+    ))
+    .await;
+    s.send(body(&[1, 0, 0, 0, 0], true)).await;
+    assert_eq!(s.refused().await.0, 400, "a compressed message");
 }

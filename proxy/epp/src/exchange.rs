@@ -253,6 +253,16 @@ impl Exchange {
                 admitted.caller.permit,
                 Some(prefill),
             )
+        } else if picker::is_grpc_generation(&self.path) {
+            // gRPC `Generate` and `Chat`: the pair's prefill named as for HTTP (the sidecar's
+            // SGLang decode cannot serve alone).
+            let pick = picker::pick_grpc(&self.state, &caller, &body, self.subset.as_deref())?;
+            let prefill = endpoint(&pick.prefill)?;
+            (
+                vec![pick.decode, pick.prefill],
+                caller.permit,
+                Some(prefill),
+            )
         } else {
             // Any other path that reaches a worker: the caller authenticated on the headers,
             // holding its tenant's permit and a decode slot while the request lives.

@@ -30,6 +30,11 @@ pub fn is_generation(path: &str) -> bool {
     GENERATION_PATHS.contains(&path_only(path))
 }
 
+/// Whether `path` is a `lockstep.v1` gRPC generation ([`GRPC_GENERATION_PATHS`]).
+pub fn is_grpc_generation(path: &str) -> bool {
+    GRPC_GENERATION_PATHS.contains(&path)
+}
+
 /// Health and readiness paths: they reach a decode endpoint but run nothing there, so a picker
 /// holds no worker slot for them.
 pub const HEALTH_PATHS: &[&str] = &[
@@ -128,24 +133,81 @@ pub fn pick(
     a: &Admitted,
     subset: Option<&[String]>,
 ) -> Result<PairPick, LockstepError> {
-    let pairs = &a.model.pairs;
     let salt = crate::tenant::salt_of(a.caller.tenant.as_deref());
     let key = RouteKey {
         tokens: &a.ids,
         salt,
     };
+    pick_pair_of(state, &a.model, Some(&key), subset)
+}
+
+/// The gRPC generation paths (`lockstep.v1`): the picker reads the model their message names and
+/// picks both workers, so the sidecar gets a prefill as for an HTTP generation; the sidecar runs
+/// the admission stage on the message itself.
+pub const GRPC_GENERATION_PATHS: &[&str] = &[
+    "/lockstep.v1.Lockstep/Generate",
+    "/lockstep.v1.Lockstep/Chat",
+];
+
+/// Both workers for a gRPC generation (`path` one of [`GRPC_GENERATION_PATHS`]) whose body is
+/// `body` (gRPC framing: a flag byte, a 4-byte length, the message) from `caller`: the model its
+/// message names (field 1 of `GenerateRequest` and `ChatRequest`; empty: the only model), which
+/// the caller must be allowed; no prompt is read, so the prefill is the least loaded.
+pub fn pick_grpc(
+    state: &AppState,
+    caller: &Caller,
+    body: &[u8],
+    subset: Option<&[String]>,
+) -> Result<PairPick, LockstepError> {
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct Named {
+        #[prost(string, tag = "1")]
+        model: String,
+    }
+    let bad = |why: &str| LockstepError::InvalidRequest {
+        message: format!("gRPC message: {why}"),
+        param: None,
+    };
+    let (flag, rest) = body.split_first().ok_or_else(|| bad("empty body"))?;
+    if *flag != 0 {
+        return Err(bad("compressed messages are not accepted"));
+    }
+    let len = rest
+        .get(..4)
+        .and_then(|b| <[u8; 4]>::try_from(b).ok())
+        .map(u32::from_be_bytes)
+        .ok_or_else(|| bad("no length prefix"))?;
+    let msg = rest
+        .get(4..)
+        .filter(|m| m.len() == len as usize)
+        .ok_or_else(|| bad("one message per call, of its stated length"))?;
+    let named = <Named as prost::Message>::decode(msg).map_err(|e| bad(&e.to_string()))?;
+    let model = crate::admission::find_model(
+        caller,
+        (!named.model.is_empty()).then_some(named.model.as_str()),
+    )?;
+    pick_pair_of(state, &model, None, subset)
+}
+
+fn pick_pair_of(
+    state: &AppState,
+    model: &crate::state::ModelRuntime,
+    key: Option<&RouteKey>,
+    subset: Option<&[String]>,
+) -> Result<PairPick, LockstepError> {
+    let pairs = &model.pairs;
     let picked = match subset {
         None => pick_pair(
             &pairs.prefill,
             &pairs.decode,
-            Some(&key),
+            key,
             PrefillChoice::Pick { avoid: None },
             None,
         ),
         Some(allowed) => crate::pool::pick_within(&pairs.decode, allowed)
             .ok_or(Side::Decode)
             .and_then(|decode| {
-                let prefill = pairs.prefill.pick(None, Some(&key)).ok_or(Side::Prefill)?;
+                let prefill = pairs.prefill.pick(None, key).ok_or(Side::Prefill)?;
                 Ok(PairPick { prefill, decode })
             }),
     };
@@ -153,7 +215,7 @@ pub fn pick(
         state
             .metrics
             .epp_picks
-            .with_label_values(&[&*a.model.name])
+            .with_label_values(&[&*model.name])
             .inc();
     }
     picked.map_err(|side| {
@@ -161,19 +223,19 @@ pub fn pick(
             Side::Prefill => &pairs.prefill,
             Side::Decode => &pairs.decode,
         };
-        let model = a.model.name.to_string();
+        let name = model.name.to_string();
         let e = if pool.any_healthy() && subset.is_none() {
             LockstepError::WorkersBusy {
-                model,
+                model: name,
                 side: side.as_str(),
             }
         } else {
             LockstepError::NoHealthyWorker {
-                model,
+                model: name,
                 side: side.as_str(),
             }
         };
-        state.metrics.refusal(&a.model.name, e.code());
+        state.metrics.refusal(&model.name, e.code());
         e
     })
 }
