@@ -6,9 +6,13 @@
 //! (`tenants[].weight`): each entry's tag is its tenant's previous tag, or the queue's virtual
 //! time when that is later, plus `1 / weight`, so a tenant with many requests waiting is served
 //! at its share, never ahead of a lighter tenant's first request. A tenant may have at most
-//! `queue.max_per_tenant` requests waiting. Only the head of the queue tries for a slot; it is
-//! woken when a slot frees (the pools' `freed` notifications) or every few milliseconds; a
-//! request arriving while others wait takes its place behind them.
+//! `queue.max_per_tenant` requests waiting. The head of the queue tries for a slot first; it is
+//! woken when a slot frees (the pools' `freed` notifications) or every few milliseconds. A
+//! request behind it tries only once every request ahead of it has tried and found no slot since
+//! the last slot freed ([`Ticket::may_try`]): a head that cannot use the free slots (pinned to a
+//! saturated prefill, in a sidecar) does not block requests that can, and a freed slot still goes
+//! to the first in order that can take it. A request arriving while others wait takes its place
+//! behind them.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -17,6 +21,8 @@ use std::sync::{Arc, Mutex};
 #[derive(Debug, Default)]
 pub struct FairQueue {
     inner: Mutex<Inner>,
+    /// Told when a request found no slot: the one behind it may try.
+    turn: tokio::sync::Notify,
 }
 
 #[derive(Debug, Default)]
@@ -27,6 +33,8 @@ struct Inner {
     last_tag: HashMap<Arc<str>, f64>,
     waiting: Vec<Entry>,
     next_id: u64,
+    /// Counts the slots seen freed: a request stuck in an earlier round may take a new slot.
+    round: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -35,6 +43,8 @@ struct Entry {
     priority: i32,
     tag: f64,
     tenant: Arc<str>,
+    /// The round in which it last tried and found no slot.
+    stuck_in: Option<u64>,
 }
 
 /// A place in the queue; leaving it (dropping the ticket) lets the next one be the head.
@@ -92,21 +102,36 @@ impl FairQueue {
             priority,
             tag,
             tenant: tenant.clone(),
+            stuck_in: None,
         });
         Some(Ticket { queue: self, id })
     }
 
-    /// The entry served next: the highest priority, then the smallest tag, then the oldest.
+    /// The order entries are served in: the highest priority, then the smallest tag, then the
+    /// oldest (`Less`: `a` first).
+    fn order(a: &Entry, b: &Entry) -> std::cmp::Ordering {
+        b.priority
+            .cmp(&a.priority)
+            .then(a.tag.total_cmp(&b.tag))
+            .then(a.id.cmp(&b.id))
+    }
+
+    /// The entry served next.
     fn head(q: &Inner) -> Option<u64> {
         q.waiting
             .iter()
-            .max_by(|a, b| {
-                a.priority
-                    .cmp(&b.priority)
-                    .then(b.tag.total_cmp(&a.tag))
-                    .then(b.id.cmp(&a.id))
-            })
+            .min_by(|a, b| Self::order(a, b))
             .map(|e| e.id)
+    }
+
+    /// A slot freed: every request may try again, in order.
+    pub fn slot_freed(&self) {
+        self.lock().round += 1;
+    }
+
+    /// Told when a request ahead found no slot (see [`Ticket::may_try`]).
+    pub fn turn(&self) -> &tokio::sync::Notify {
+        &self.turn
     }
 }
 
@@ -114,6 +139,30 @@ impl Ticket<'_> {
     /// Whether this request is at the head of the queue.
     pub fn is_head(&self) -> bool {
         FairQueue::head(&self.queue.lock()) == Some(self.id)
+    }
+
+    /// Whether this request may try for a slot now: every request ahead of it tried and found
+    /// none since the last slot freed (the head always may).
+    pub fn may_try(&self) -> bool {
+        let q = self.queue.lock();
+        let Some(me) = q.waiting.iter().find(|e| e.id == self.id) else {
+            return false;
+        };
+        q.waiting
+            .iter()
+            .filter(|e| FairQueue::order(e, me).is_lt())
+            .all(|e| e.stuck_in == Some(q.round))
+    }
+
+    /// It tried and found no slot this round: the requests behind it may try (they are told).
+    pub fn found_none(&self) {
+        let mut q = self.queue.lock();
+        let round = q.round;
+        if let Some(e) = q.waiting.iter_mut().find(|e| e.id == self.id) {
+            e.stuck_in = Some(round);
+        }
+        drop(q);
+        self.queue.turn.notify_waiters();
     }
 
     /// It got its slot: the queue's virtual time moves to its tag.
@@ -133,6 +182,9 @@ impl Drop for Ticket<'_> {
             // Nobody waits: tags start afresh (a tenant idle for long gets no credit either way).
             q.last_tag.clear();
         }
+        drop(q);
+        // One that waited on this one's turn may try now.
+        self.queue.turn.notify_waiters();
     }
 }
 
@@ -208,5 +260,30 @@ mod tests {
         assert!(q.join(&low, 1, 0, 2).is_none(), "the tenant's bound");
         assert_eq!(q.depth()[&low], 2);
         assert_eq!(drain(&q, t), ["high", "low", "low"]);
+    }
+
+    /// The head blocks no one: a request behind a head that found no slot may try, and a slot
+    /// freed goes back to the head first.
+    #[test]
+    fn a_head_that_finds_no_slot_lets_the_next_try() {
+        let q = FairQueue::default();
+        let (a, b, c) = (name("a"), name("b"), name("c"));
+        let first = q.join(&a, 1, 0, 4).expect("room");
+        let second = q.join(&b, 1, 0, 4).expect("room");
+        let third = q.join(&c, 1, 0, 4).expect("room");
+        assert!(first.may_try() && first.is_head());
+        assert!(!second.may_try(), "the head has not tried yet");
+        first.found_none();
+        assert!(second.may_try(), "the head found none: the next may try");
+        assert!(!third.may_try(), "the second has not tried yet");
+        second.found_none();
+        assert!(third.may_try());
+        // A slot frees: the head tries first again.
+        q.slot_freed();
+        assert!(first.may_try());
+        assert!(!second.may_try() && !third.may_try());
+        // The head leaves: the second is head and may try.
+        drop(first);
+        assert!(second.is_head() && second.may_try());
     }
 }

@@ -62,23 +62,27 @@ impl ModelPairs {
             .with_label_values(&[&*self.model, &*tenant]);
         depth.inc();
         let result = loop {
-            if ticket.is_head() {
+            // The head tries first; one behind it once those ahead found no slot (a head pinned
+            // to a saturated prefill blocks no request that could run elsewhere).
+            if ticket.may_try() {
                 match self.pick(req, avoid, attempt) {
                     Ok(a) => {
                         ticket.served();
                         break Ok(a);
                     }
                     Err(s) if down(s) => break Err(s),
-                    Err(_) => {}
+                    Err(_) => ticket.found_none(),
                 }
             }
             // Listened for after the try: the try's own slot on the other side, taken and given
             // back, is no slot freed. One freed in between is seen at the next recheck.
             let freed_p = self.prefill.freed().notified();
             let freed_d = self.decode.freed().notified();
+            let turn = self.queue.turn().notified();
             tokio::select! {
-                _ = freed_p => {}
-                _ = freed_d => {}
+                _ = freed_p => self.queue.slot_freed(),
+                _ = freed_d => self.queue.slot_freed(),
+                _ = turn => {}
                 _ = sleep(RECHECK) => {}
                 _ = sleep_until(deadline) => break Err(side),
                 _ = tx.closed() => break Err(side),
