@@ -27,6 +27,8 @@ pub struct RedisServer {
     /// Its port on 127.0.0.1.
     pub port: u16,
     child: Option<Child>,
+    /// Serving TLS only (`--tls-port`), with this certificate and key.
+    tls: Option<(PathBuf, PathBuf)>,
 }
 
 impl RedisServer {
@@ -35,14 +37,30 @@ impl RedisServer {
         let mut r = RedisServer {
             port: crate::gateway::free_port(),
             child: None,
+            tls: None,
         };
         r.restart();
         r
     }
 
-    /// `redis://127.0.0.1:PORT/0`.
+    /// Starts one serving TLS only, with `cert` and `key` (PEM; clients not asked for a
+    /// certificate), and waits (10 s) until its port accepts.
+    pub fn start_tls(cert: &std::path::Path, key: &std::path::Path) -> RedisServer {
+        let mut r = RedisServer {
+            port: crate::gateway::free_port(),
+            child: None,
+            tls: Some((cert.to_path_buf(), key.to_path_buf())),
+        };
+        r.restart();
+        r
+    }
+
+    /// `redis://127.0.0.1:PORT/0`, or `rediss://localhost:PORT/0` serving TLS.
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}/0", self.port)
+        match self.tls {
+            Some(_) => format!("rediss://localhost:{}/0", self.port),
+            None => format!("redis://127.0.0.1:{}/0", self.port),
+        }
     }
 
     /// Kills it at once (SIGKILL, by pid): whatever it held is gone.
@@ -56,31 +74,53 @@ impl RedisServer {
     /// (Re)starts it on the same port, empty, and waits until it answers.
     pub fn restart(&mut self) {
         self.kill();
+        let port = self.port.to_string();
+        let mut args: Vec<String> = match &self.tls {
+            None => vec!["--port".into(), port],
+            Some((cert, key)) => vec![
+                "--port".into(),
+                "0".into(),
+                "--tls-port".into(),
+                port,
+                "--tls-cert-file".into(),
+                cert.display().to_string(),
+                "--tls-key-file".into(),
+                key.display().to_string(),
+                "--tls-auth-clients".into(),
+                "no".into(),
+            ],
+        };
+        for a in [
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--protected-mode",
+            "yes",
+        ] {
+            args.push(a.into());
+        }
         let child = Command::new(redis_binary())
-            .args([
-                "--port",
-                &self.port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--protected-mode",
-                "yes",
-            ])
+            .args(&args)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .expect("redis-server starts");
         self.child = Some(child);
         for _ in 0..200 {
-            if self.ping() {
+            let up = match self.tls {
+                // A TLS port cannot be asked PING in plain text: accepting is enough.
+                Some(_) => std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok(),
+                None => self.ping(),
+            };
+            if up {
                 return;
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        panic!("redis-server on port {} did not answer PING", self.port);
+        panic!("redis-server on port {} did not answer", self.port);
     }
 
     /// Whether it answers PING now.

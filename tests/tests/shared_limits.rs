@@ -435,3 +435,92 @@ async fn each_choice_holds_its_own_shared_lease() {
         leases()
     );
 }
+
+/// `rediss://`: the limits are shared through a real `redis-server` serving TLS only, its
+/// certificate checked against `shared.ca_file`; a store whose certificate does not chain to it
+/// is never used (the replica says the store is down).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rediss_store_is_reached_over_tls_and_its_certificate_checked() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pem = |name: &str| {
+        let key = rcgen::KeyPair::generate().expect("key");
+        let params = rcgen::CertificateParams::new(vec!["localhost".to_string()]).expect("params");
+        let cert = params.self_signed(&key).expect("cert");
+        let (c, k) = (
+            dir.path().join(format!("{name}.pem")),
+            dir.path().join(format!("{name}.key")),
+        );
+        std::fs::write(&c, cert.pem()).expect("write");
+        std::fs::write(&k, key.serialize_pem()).expect("write");
+        (c, k)
+    };
+    let (cert, key) = pem("redis");
+    let (other, _) = pem("other");
+    let redis = RedisServer::start_tls(&cert, &key);
+    let with_ca = |ca: &std::path::Path| {
+        format!(
+            "redis_url = \"{}\"\nca_file = \"{}\"\nreplicas = 1\nlease_ttl_ms = 1500\ntimeout_ms = 200\non_unavailable = \"deny\"\n",
+            redis.url(),
+            ca.display()
+        )
+    };
+    let r = Replicas::start(
+        2,
+        "tokens_per_minute = 120",
+        &with_ca(&cert),
+        MockConfig::default(),
+    )
+    .await;
+    assert!(r.all_report("lockstep_shared_store_up", 1.0).await);
+    // One budget over TLS: spent across both replicas, refused once it is gone.
+    let (spent, served, refused) = spend_until_refused(&r, &[0, 1], 8).await;
+    assert!(spent <= 120, "{spent} tokens spent of 120");
+    assert!(served.iter().all(|n| *n > 0), "{served:?}");
+    assert_eq!(refused.status, 429, "{}", refused.body);
+    drop(r);
+    // The wrong CA: the store is never reached, and `deny` refuses.
+    let r = Replicas::start(
+        1,
+        "tokens_per_minute = 120",
+        &with_ca(&other),
+        MockConfig::default(),
+    )
+    .await;
+    let a = send(&r.url(0), 8).await;
+    assert_eq!(a.status, 503, "{}", a.body);
+    assert_eq!(a.error_code().as_deref(), Some("shared_store_unavailable"));
+}
+
+/// `on_unavailable = "local"` with no replica count and a store never reached: nothing safe to
+/// divide the limit by, so the tenant is refused as with `deny`, never given the whole limit on
+/// every replica. With a count it enforces its share.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_without_a_replica_count_refuses_until_the_store_has_been_seen() {
+    let closed = format!(
+        "redis_url = \"redis://127.0.0.1:{}/0\"\nlease_ttl_ms = 1500\ntimeout_ms = 200\n",
+        lockstep_tests::gateway::free_port()
+    );
+    let r = Replicas::start(
+        1,
+        "tokens_per_minute = 100000",
+        &closed,
+        MockConfig::default(),
+    )
+    .await;
+    let a = send(&r.url(0), 8).await;
+    assert_eq!(a.status, 503, "{}", a.body);
+    assert_eq!(a.error_code().as_deref(), Some("shared_store_unavailable"));
+    drop(r);
+    let r = Replicas::start(
+        1,
+        "tokens_per_minute = 100000",
+        &format!("{closed}replicas = 4\n"),
+        MockConfig::default(),
+    )
+    .await;
+    let a = send(&r.url(0), 8).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    // Its share: a quarter of the budget.
+    let left = header(&a, "x-ratelimit-remaining-tokens").expect("remaining");
+    assert!(left < 25_000, "{left}");
+}

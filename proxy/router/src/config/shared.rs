@@ -8,7 +8,9 @@ use serde::Deserialize;
 #[serde(rename_all = "lowercase")]
 pub enum OnUnavailable {
     /// Each replica enforces its share of every limit (the limit divided by the replicas last
-    /// seen) in its own process.
+    /// seen, never fewer than `shared.replicas`) in its own process. A replica that has no
+    /// count (`replicas = 0` and the store never reached since it started) refuses as `deny`:
+    /// dividing by one would give every replica the whole limit.
     #[default]
     Local,
     /// Every request of a limited tenant is refused: 503 `shared_store_unavailable`.
@@ -20,8 +22,16 @@ pub enum OnUnavailable {
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct SharedConfig {
-    /// `redis://HOST:PORT/DB` (`redis://:PASSWORD@HOST:PORT/DB` with a password).
+    /// `redis://HOST:PORT/DB` (`redis://:PASSWORD@HOST:PORT/DB` with a password), or
+    /// `rediss://...` for TLS. A password in a `redis://` URL to a host off loopback is refused
+    /// unless `insecure_plaintext = true` (UNSAFE): it and every budget would cross the network
+    /// in clear.
     pub redis_url: String,
+    /// PEM file of the CAs a `rediss://` store's certificate must chain to (default: the
+    /// system's roots).
+    pub ca_file: Option<std::path::PathBuf>,
+    /// Allows a password over plain `redis://` off loopback (UNSAFE).
+    pub insecure_plaintext: bool,
     /// While the store cannot be reached: `local` (each replica enforces its share) or `deny`.
     pub on_unavailable: OnUnavailable,
     /// Replicas to assume when dividing the limits without the store (0: learned from the
@@ -40,6 +50,8 @@ impl Default for SharedConfig {
     fn default() -> Self {
         SharedConfig {
             redis_url: String::new(),
+            ca_file: None,
+            insecure_plaintext: false,
             on_unavailable: OnUnavailable::Local,
             replicas: 0,
             lease_ttl_ms: 10_000,
@@ -57,13 +69,41 @@ impl Section for SharedConfig {
                 format!("{at}.redis_url"),
                 "required (`redis://HOST:PORT/DB`)",
             );
-        } else if !url.starts_with("redis://") {
+        } else if !url.starts_with("redis://") && !url.starts_with("rediss://") {
             out.push(
                 format!("{at}.redis_url"),
-                "expected `redis://HOST:PORT/DB` (TLS and unix sockets are not built in)",
+                "expected `redis://HOST:PORT/DB` or `rediss://HOST:PORT/DB` (TLS); unix sockets are not built in",
             );
-        } else if let Err(e) = redis::Client::open(url) {
-            out.push(format!("{at}.redis_url"), e.to_string());
+        } else {
+            match redis::IntoConnectionInfo::into_connection_info(url) {
+                Err(e) => out.push(format!("{at}.redis_url"), e.to_string()),
+                Ok(info) => {
+                    let tls = url.starts_with("rediss://");
+                    let password = info.redis_settings().password().is_some();
+                    let host = match info.addr() {
+                        redis::ConnectionAddr::Tcp(h, _) => Some(h.clone()),
+                        _ => None,
+                    };
+                    let loopback = host.as_deref().is_some_and(|h| {
+                        h == "localhost"
+                            || h.trim_matches(['[', ']'])
+                                .parse::<std::net::IpAddr>()
+                                .is_ok_and(|ip| ip.is_loopback())
+                    });
+                    if !tls && password && !loopback && !self.insecure_plaintext {
+                        out.push(
+                            format!("{at}.redis_url"),
+                            format!("the password and every tenant's budgets would cross the network in clear to `{}`: use rediss:// (with {at}.ca_file for a private CA), or set {at}.insecure_plaintext = true (UNSAFE)", host.unwrap_or_default()),
+                        );
+                    }
+                    if !tls && self.ca_file.is_some() {
+                        out.push(
+                            format!("{at}.ca_file"),
+                            "only a rediss:// store is reached over TLS",
+                        );
+                    }
+                }
+            }
         }
         if self.lease_ttl_ms < 300 {
             out.push(format!("{at}.lease_ttl_ms"), "must be at least 300");
@@ -140,10 +180,43 @@ mod tests {
                 },
                 "shared.key_prefix",
             ),
+            // A password in clear off loopback; a CA for a store not reached over TLS.
+            (
+                SharedConfig {
+                    redis_url: "redis://:pw@10.0.0.5:6379/0".into(),
+                    ..ok.clone()
+                },
+                "shared.redis_url",
+            ),
+            (
+                SharedConfig {
+                    ca_file: Some("/ca.pem".into()),
+                    ..ok.clone()
+                },
+                "shared.ca_file",
+            ),
         ] {
             let p = problems(&bad);
             assert!(p.iter().any(|p| p.starts_with(key)), "{key}: {p:?}");
         }
+        for fine in [
+            "rediss://:pw@10.0.0.5:6379/0",
+            "redis://:pw@127.0.0.1:6379/0",
+            "redis://:pw@localhost:6379/0",
+            "redis://10.0.0.5:6379/0",
+        ] {
+            let c = SharedConfig {
+                redis_url: fine.into(),
+                ..ok.clone()
+            };
+            assert!(problems(&c).is_empty(), "{fine}: {:?}", problems(&c));
+        }
+        let unsafe_ok = SharedConfig {
+            redis_url: "redis://:pw@10.0.0.5:6379/0".into(),
+            insecure_plaintext: true,
+            ..ok.clone()
+        };
+        assert!(problems(&unsafe_ok).is_empty());
         let parsed: SharedConfig = lockstep_serve::toml_file::parse(
             "redis_url = \"redis://h:1/2\"\non_unavailable = \"deny\"",
         )

@@ -42,6 +42,10 @@ pub struct SharedStore {
     up: AtomicBool,
     /// Replicas alive as last seen (at least `cfg.replicas`, at least 1).
     replicas: AtomicU32,
+    /// Whether `replicas` is a count anyone gave: configured (`shared.replicas`), or seen in
+    /// the store at least once. Until then `on_unavailable = "local"` cannot divide a limit
+    /// safely, and refuses as `deny` does.
+    count_known: AtomicBool,
     /// Leases this replica holds, by lease-set key.
     held: Mutex<HashMap<String, HashSet<String>>>,
     seq: AtomicU64,
@@ -77,13 +81,33 @@ struct Answer {
     tokens_left: i64,
 }
 
+/// The Redis client of `cfg`: `redis://`, or `rediss://` (TLS, rustls) trusting the system's
+/// roots or `shared.ca_file`'s.
+fn client(cfg: &SharedConfig) -> Result<redis::Client, String> {
+    let url = cfg.redis_url.trim();
+    let client = match &cfg.ca_file {
+        Some(ca) => {
+            let pem =
+                std::fs::read(ca).map_err(|e| format!("shared.ca_file: {}: {e}", ca.display()))?;
+            redis::Client::build_with_tls(
+                url,
+                redis::TlsCertificates {
+                    client_tls: None,
+                    root_cert: Some(pem),
+                },
+            )
+        }
+        None => redis::Client::open(url),
+    };
+    client.map_err(|e| format!("shared.redis_url: {e}"))
+}
+
 impl SharedStore {
     /// Connects lazily to `cfg.redis_url` and starts the heartbeat (presence, lease renewal,
     /// reconnection). A store that cannot be reached at start is not fatal: the replica starts
     /// as `on_unavailable` says and joins when the store answers.
     pub async fn start(cfg: &SharedConfig, metrics: Arc<Metrics>) -> Result<Arc<Self>, String> {
-        let client = redis::Client::open(cfg.redis_url.trim())
-            .map_err(|e| format!("shared.redis_url: {e}"))?;
+        let client = client(cfg)?;
         let timeout = Duration::from_millis(cfg.timeout_ms);
         let conn_cfg = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(timeout))
@@ -98,6 +122,7 @@ impl SharedStore {
             replica: format!("{:016x}", rand::random::<u64>()),
             up: AtomicBool::new(true),
             replicas: AtomicU32::new(cfg.replicas.max(1)),
+            count_known: AtomicBool::new(cfg.replicas > 0),
             held: Mutex::new(HashMap::new()),
             seq: AtomicU64::new(0),
             metrics,
@@ -212,6 +237,7 @@ impl SharedStore {
         if let Ok(n) = self.call::<u32>(inv).await {
             let n = n.max(self.cfg.replicas).max(1);
             self.replicas.store(n, Ordering::Relaxed);
+            self.count_known.store(true, Ordering::Release);
             self.metrics.shared_replicas.set(i64::from(n));
         }
     }
@@ -341,14 +367,18 @@ impl SharedLimits {
         {
             return c.map(Claimed::Store);
         }
-        match store.cfg.on_unavailable {
-            OnUnavailable::Deny => Err(LockstepError::SharedStoreUnavailable {
+        // `local` divides each limit by the replicas; with no count configured and none seen in
+        // the store yet, there is nothing safe to divide by: refuse as `deny` does.
+        let local = store.cfg.on_unavailable == OnUnavailable::Local
+            && store.count_known.load(Ordering::Acquire);
+        match local {
+            false => Err(LockstepError::SharedStoreUnavailable {
                 message: format!(
                     "tenant `{}`: the store its limits are shared through cannot be reached; try again shortly",
                     self.name
                 ),
             }),
-            OnUnavailable::Local => {
+            true => {
                 let local = store.local_share(&self.key, self.spec);
                 let slot = local.take_permit(&self.name)?;
                 let tokens = match &local.tokens {
