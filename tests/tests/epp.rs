@@ -418,3 +418,32 @@ async fn a_grpc_generation_gets_a_named_prefill() {
     s.send(body(&[1, 0, 0, 0, 0], true)).await;
     assert_eq!(s.refused().await.0, 400, "a compressed message");
 }
+
+/// Whatever the streams, the bodies the picker holds while it reads them stay within
+/// `epp.max_buffered_bytes`: past it a request is 503, and a body that went on frees its share.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bodies_held_stay_within_the_budget() {
+    let p = picker("", "", "max_buffered_bytes = 65536\n", "").await;
+    let chunk = vec![b' '; 40 * 1024];
+    let mut a = p.open().await.expect("a stream");
+    a.send(headers("/v1/chat/completions", Some("acme-key"), false))
+        .await;
+    a.send(body(&chunk, false)).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut b = p.open().await.expect("a stream");
+    b.send(headers("/v1/chat/completions", Some("acme-key"), false))
+        .await;
+    b.send(body(&chunk, false)).await;
+    let (status, text) = b.refused().await;
+    assert_eq!(status, 503, "{text}");
+    // The first ends its body: picked, and its bytes leave the budget.
+    a.send(body(&chat(), true)).await;
+    assert!(!a.picked().await.is_empty());
+    let mut c = p.open().await.expect("a stream");
+    c.send(headers("/v1/chat/completions", Some("acme-key"), false))
+        .await;
+    c.send(body(&chunk, false)).await;
+    c.send(body(&chat(), true)).await;
+    // Whitespace then a JSON body: one request, picked.
+    assert!(!c.picked().await.is_empty());
+}

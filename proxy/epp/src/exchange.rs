@@ -10,7 +10,8 @@
 //!   its body is read;
 //! - the request (headers and body) must arrive within `server.body_timeout_ms` of the stream's
 //!   start (408 `body_timeout`), and its body within `server.max_body_bytes` (413);
-//! - [`crate::Picker`] caps the streams served at once (`epp.max_streams`).
+//! - [`crate::Picker`] caps the streams served at once (`epp.max_streams`) and the body bytes
+//!   they hold together (`epp.max_buffered_bytes`, 503 past it).
 //!
 //! Health and readiness paths are the one exception to authentication: they are answered with a
 //! decode endpoint and hold nothing (no slot, no permit).
@@ -77,6 +78,10 @@ pub(crate) struct Exchange {
     held: Option<Held>,
     /// This stream's place under `epp.max_streams`.
     _stream: OwnedSemaphorePermit,
+    /// The picker's budget of body bytes held (`epp.max_buffered_bytes`).
+    budget: Arc<tokio::sync::Semaphore>,
+    /// What of it this stream's body holds, until the body goes on.
+    holding: Option<OwnedSemaphorePermit>,
 }
 
 impl Exchange {
@@ -85,6 +90,7 @@ impl Exchange {
         chunk: usize,
         tx: Tx,
         stream: OwnedSemaphorePermit,
+        budget: Arc<tokio::sync::Semaphore>,
     ) -> Exchange {
         let deadline = Instant::now() + state.body_timeout;
         Exchange {
@@ -100,6 +106,8 @@ impl Exchange {
             deadline,
             held: None,
             _stream: stream,
+            budget,
+            holding: None,
         }
     }
 
@@ -176,6 +184,7 @@ impl Exchange {
                         limit: self.state.max_body_bytes,
                     });
                 }
+                self.hold(b.body.len())?;
                 self.body.extend_from_slice(&b.body);
                 if b.end_of_stream || b.end_of_stream_without_message {
                     self.decide().await?;
@@ -223,10 +232,33 @@ impl Exchange {
         self.headers = headers;
     }
 
+    /// Takes `n` more bytes of the picker's body budget for this stream's body: 503 when the
+    /// streams hold all of it.
+    fn hold(&mut self, n: usize) -> Result<(), LockstepError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let more = u32::try_from(n)
+            .ok()
+            .and_then(|n| self.budget.clone().try_acquire_many_owned(n).ok())
+            .ok_or_else(|| LockstepError::Unavailable {
+                message: "the endpoint picker holds as many request bodies as it may \
+                          (epp.max_buffered_bytes); retry"
+                    .into(),
+            })?;
+        match &mut self.holding {
+            Some(h) => h.merge(more),
+            None => self.holding = Some(more),
+        }
+        Ok(())
+    }
+
     /// The request is whole: admit it, pick, answer its headers, then send its body back.
     async fn decide(&mut self) -> Result<(), LockstepError> {
         self.decided = true;
         let body = std::mem::take(&mut self.body).freeze();
+        // The body goes on (or the request ends): its bytes leave the budget when this returns.
+        let _held = self.holding.take();
         let caller = self.caller.take();
         if picker::is_health(&self.path) {
             // Health and readiness: a decode endpoint, no slot held (a `Watch` keeps only its

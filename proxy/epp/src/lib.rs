@@ -44,6 +44,8 @@ pub struct Picker {
     chunk: usize,
     /// One permit per stream served (`epp.max_streams`).
     streams: Arc<tokio::sync::Semaphore>,
+    /// One permit per body byte held (`epp.max_buffered_bytes`).
+    buffered: Arc<tokio::sync::Semaphore>,
 }
 
 #[tonic::async_trait]
@@ -64,7 +66,13 @@ impl ExternalProcessor for Picker {
         };
         let inbound = request.into_inner();
         let (tx, rx) = tokio::sync::mpsc::channel(16);
-        let exchange = exchange::Exchange::new(self.state.clone(), self.chunk, tx, stream);
+        let exchange = exchange::Exchange::new(
+            self.state.clone(),
+            self.chunk,
+            tx,
+            stream,
+            self.buffered.clone(),
+        );
         tokio::spawn(exchange.run(inbound));
         Ok(Response::new(ReceiverStream::new(rx)))
     }
@@ -105,6 +113,7 @@ pub async fn serve(state: Arc<AppState>, cfg: &EppConfig) -> Result<RunningPicke
         state: state.clone(),
         chunk: cfg.body_chunk_bytes,
         streams: Arc::new(tokio::sync::Semaphore::new(cfg.max_streams)),
+        buffered: Arc::new(tokio::sync::Semaphore::new(cfg.max_buffered_bytes)),
     };
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let watch_state = state.clone();

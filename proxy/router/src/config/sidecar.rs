@@ -137,6 +137,11 @@ pub struct EppConfig {
     /// `status_on_error`, 503 in `deploy/envoy/envoy.yaml`). With `server.max_body_bytes` it
     /// bounds the memory that request bodies can hold in the picker.
     pub max_streams: usize,
+    /// Request body bytes all streams may hold at once while their requests are read, before
+    /// each is whole and picked (then its body goes on to Envoy and is let go). Past it a
+    /// request is 503 `unavailable` with `Retry-After`: whatever the streams, the picker holds
+    /// no more of their bodies than this.
+    pub max_buffered_bytes: usize,
 }
 
 impl Default for EppConfig {
@@ -145,6 +150,7 @@ impl Default for EppConfig {
             grpc_listen: SocketAddr::from(([0, 0, 0, 0], 9002)),
             body_chunk_bytes: 62 * 1024,
             max_streams: 1024,
+            max_buffered_bytes: 256 * 1024 * 1024,
         }
     }
 }
@@ -159,6 +165,12 @@ impl Section for EppConfig {
         }
         if self.max_streams == 0 {
             out.push(format!("{at}.max_streams"), "must be at least 1");
+        }
+        if self.max_buffered_bytes < 64 * 1024 || self.max_buffered_bytes > u32::MAX as usize {
+            out.push(
+                format!("{at}.max_buffered_bytes"),
+                "must be between 65536 and 4294967295",
+            );
         }
     }
 }
