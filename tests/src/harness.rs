@@ -45,6 +45,18 @@ pub fn config_text(
     config_text_with(mock, tokenizer, "", model_extra, timeouts)
 }
 
+/// The SGLang PD mock started with `cfg` over the test tokenizer, and that tokenizer written to
+/// a file in a fresh directory (kept alive by the returned `TempDir`), for a configuration
+/// written by hand ([`config_text_with`]).
+pub async fn mock_with_tokenizer(cfg: MockConfig) -> (tempfile::TempDir, PathBuf, PdMock) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tok = tokenizer::build();
+    let path = dir.path().join("tokenizer.json");
+    std::fs::write(&path, tok.to_string(true).expect("tokenizer")).expect("write");
+    let mock = PdMock::start(cfg, tok).await.expect("mock");
+    (dir, path, mock)
+}
+
 /// [`config_text`] with extra `[server]` settings.
 pub fn config_text_with(
     mock: &PdMock,

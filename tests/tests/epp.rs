@@ -19,9 +19,8 @@ use lockstep_router::app::Lockstep;
 use lockstep_router::config::Role;
 use lockstep_router::tenant::key_hash_hex;
 use lockstep_tests::gateway::{as_epp, start_role};
-use lockstep_tests::harness::{MODEL, TEST_TIMEOUTS, config_text_with};
+use lockstep_tests::harness::{MODEL, TEST_TIMEOUTS, config_text_with, mock_with_tokenizer};
 use lockstep_tests::sglang_mock::{MockConfig, PdMock};
-use lockstep_tests::tokenizer;
 use tokio::sync::mpsc;
 use tonic::Streaming;
 
@@ -39,13 +38,7 @@ struct Picker {
 /// key `acme-key` and `tenant` settings, `server`: extra `[server]` lines, `epp`: extra `[epp]`
 /// lines, `decode`: extra `[models.decode]` lines.
 async fn picker(server: &str, tenant: &str, epp: &str, decode: &str) -> Picker {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let tok_path = dir.path().join("tokenizer.json");
-    let tok = tokenizer::build();
-    std::fs::write(&tok_path, tok.to_string(true).expect("tokenizer")).expect("write");
-    let mock = PdMock::start(MockConfig::default(), tok)
-        .await
-        .expect("mock");
+    let (dir, tok_path, mock) = mock_with_tokenizer(MockConfig::default()).await;
     let base = config_text_with(&mock, &tok_path, server, "", TEST_TIMEOUTS);
     let decode_hp = mock.decode_url().trim_start_matches("http://").to_string();
     let mut text = as_epp(&base, &mock.decode_url(), &decode_hp);
@@ -155,24 +148,34 @@ impl Stream {
         }
     }
 
-    /// The destination the picker answered the request's headers with.
-    async fn picked(&mut self) -> String {
+    /// The headers the picker set in answer to the request's headers (name, value).
+    async fn picked_headers(&mut self) -> Vec<(String, String)> {
         match self.next().await {
-            Out::RequestHeaders(h) => {
-                let set = h
-                    .response
-                    .and_then(|c| c.header_mutation)
-                    .expect("a header mutation")
-                    .set_headers;
-                let d = set
-                    .iter()
-                    .filter_map(|o| o.header.as_ref())
-                    .find(|h| h.key == lockstep_epp::DESTINATION)
-                    .expect("a destination");
-                String::from_utf8_lossy(&d.raw_value).into_owned()
-            }
+            Out::RequestHeaders(h) => h
+                .response
+                .and_then(|c| c.header_mutation)
+                .expect("a header mutation")
+                .set_headers
+                .iter()
+                .filter_map(|o| o.header.as_ref())
+                .map(|h| {
+                    (
+                        h.key.clone(),
+                        String::from_utf8_lossy(&h.raw_value).into_owned(),
+                    )
+                })
+                .collect(),
             other => panic!("not a headers response: {other:?}"),
         }
+    }
+
+    /// The destination the picker answered the request's headers with.
+    async fn picked(&mut self) -> String {
+        let set = self.picked_headers().await;
+        set.into_iter()
+            .find(|(k, _)| k == lockstep_epp::DESTINATION)
+            .map(|(_, v)| v)
+            .expect("a destination")
     }
 }
 
@@ -379,19 +382,12 @@ async fn a_grpc_generation_gets_a_named_prefill() {
         let mut s = p.open().await.expect("a stream");
         s.send(headers(path, Some("acme-key"), false)).await;
         s.send(body(&framed(MODEL), true)).await;
-        let Out::RequestHeaders(h) = s.next().await else {
-            panic!("{path}: not a headers response");
-        };
-        let set = h
-            .response
-            .and_then(|c| c.header_mutation)
-            .expect("a header mutation")
-            .set_headers;
-        let prefill = set
-            .iter()
-            .filter_map(|o| o.header.as_ref())
-            .find(|h| h.key == "x-prefiller-host-port")
-            .map(|h| String::from_utf8_lossy(&h.raw_value).into_owned());
+        let prefill = s
+            .picked_headers()
+            .await
+            .into_iter()
+            .find(|(k, _)| k == "x-prefiller-host-port")
+            .map(|(_, v)| v);
         assert_eq!(
             prefill.as_deref(),
             Some(p.mock.prefill_addr.to_string().as_str()),

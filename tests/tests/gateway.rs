@@ -347,18 +347,20 @@ async fn the_picker_refuses_on_headers_and_caps_its_streams_through_envoy() {
     let g = gateway_with(tokenizer::build(), "\"127.0.0.0/8\"", false, &tenants).await;
     let addr = g.envoy.url.trim_start_matches("http://").to_string();
     // Headers and the start of a 100 kB body that never comes.
-    let partial = |key: &str| {
-        format!(
-            "POST /v1/chat/completions HTTP/1.1\r\nhost: lockstep\r\ncontent-type: application/json\r\n{key}content-length: 100000\r\n\r\n{{\"model\": "
-        )
+    let partial = |key: &'static str| {
+        let addr = addr.clone();
+        async move {
+            let mut s = tokio::net::TcpStream::connect(&addr)
+                .await
+                .expect("connect");
+            let head = format!(
+                "POST /v1/chat/completions HTTP/1.1\r\nhost: lockstep\r\ncontent-type: application/json\r\n{key}content-length: 100000\r\n\r\n{{\"model\": "
+            );
+            s.write_all(head.as_bytes()).await.expect("write");
+            s
+        }
     };
-    let mut anonymous = tokio::net::TcpStream::connect(&addr)
-        .await
-        .expect("connect");
-    anonymous
-        .write_all(partial("").as_bytes())
-        .await
-        .expect("write");
+    let mut anonymous = partial("").await;
     let mut head = vec![0u8; 512];
     let n = tokio::time::timeout(Duration::from_secs(5), anonymous.read(&mut head))
         .await
@@ -367,13 +369,7 @@ async fn the_picker_refuses_on_headers_and_caps_its_streams_through_envoy() {
     let head = String::from_utf8_lossy(&head[..n]).into_owned();
     assert!(head.starts_with("HTTP/1.1 401"), "{head}");
     // One keyed request holds the picker's one stream while its body trickles...
-    let mut holder = tokio::net::TcpStream::connect(&addr)
-        .await
-        .expect("connect");
-    holder
-        .write_all(partial("authorization: Bearer acme-key\r\n").as_bytes())
-        .await
-        .expect("write");
+    let holder = partial("authorization: Bearer acme-key\r\n").await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     // ...so the next is 503, and nothing reached a worker.
     let (path, body, _) = every_api(false).remove(0);

@@ -469,13 +469,8 @@ async fn oversized_publisher(size: u64) -> String {
 /// reserve it and abort the process) is dropped and counted; lockstep keeps serving.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_publisher_announcing_a_huge_message_is_dropped_and_counted() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let tok = tokenizer::build();
-    let tok_path = dir.path().join("tokenizer.json");
-    std::fs::write(&tok_path, tok.to_string(true).expect("tokenizer")).expect("write");
-    let mock = PdMock::start(MockConfig::default(), tok)
-        .await
-        .expect("mock");
+    let (_dir, tok_path, mock) =
+        lockstep_tests::harness::mock_with_tokenizer(MockConfig::default()).await;
     let publisher = oversized_publisher(1 << 47).await;
     let text = config_text_with(&mock, &tok_path, "", "", TEST_TIMEOUTS);
     let old = format!(

@@ -167,10 +167,17 @@ fn stored(map: &[(Value, Value)]) -> Result<KvEvent, String> {
     })
 }
 
+/// How deep a KV event batch's msgpack may nest.
+const MAX_BATCH_DEPTH: usize = 16;
+
 /// A batch's events (the payload of one message). A batch lockstep cannot read is an error:
 /// the caller stops trusting that worker's index.
 pub fn decode_batch(payload: &[u8]) -> Result<Vec<KvEvent>, String> {
-    let v = rmpv::decode::read_value(&mut &payload[..]).map_err(|e| format!("msgpack: {e}"))?;
+    // An EventBatch nests four deep (batch, events, event, hashes or tokens); a publisher's
+    // deeper nesting is refused, never recursed into (rmpv's own bound, 1024, overflows a
+    // 2 MiB thread stack in a debug build, found by the `kv_events` fuzz target).
+    let v = rmpv::decode::read_value_with_max_depth(&mut &payload[..], MAX_BATCH_DEPTH)
+        .map_err(|e| format!("msgpack: {e}"))?;
     let batch = v
         .as_array()
         .ok_or("an EventBatch is an array [ts, events, ...]")?;

@@ -178,6 +178,11 @@ fn unreadable_batches_are_errors() {
     // Token count that is not blocks × block_size.
     let bad = sglang_stored(&[1, 2], None, &[1, 2, 3], SALT_TEXT);
     assert!(decode_batch(&batch(vec![bad])).is_err());
+    // Nesting deeper than a batch ever does is refused, not recursed into (a million arrays of
+    // one would overflow the stack).
+    let deep = vec![0x91u8; 1_000_000];
+    let e = decode_batch(&deep).expect_err("too deep");
+    assert!(e.contains("depth"), "{e}");
 }
 
 #[test]
