@@ -18,6 +18,7 @@
 //! configured with `failure_mode_allow: false`, so a picker that is down fails the request too.
 
 mod exchange;
+mod wire;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -32,7 +33,7 @@ use lockstep_router::state::AppState;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
-pub use exchange::{DESTINATION, SERVED, SUBSET, SUBSET_NAMESPACE, fuzz_message};
+pub use wire::{DESTINATION, SERVED, SUBSET, SUBSET_NAMESPACE, fuzz_message};
 
 /// The gRPC health service names the protocol asks for, besides the ext_proc service's own.
 pub const HEALTH_SERVICES: &[&str] = &["liveness", "readiness"];
