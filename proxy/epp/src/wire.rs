@@ -1,7 +1,7 @@
 //! What Envoy's ext_proc messages say and how the picker writes its own: the request's
 //! headers as HTTP sees them, the data plane's metadata (the subset hint, the endpoint that
 //! served), the destination in a header and in `envoy.lb` metadata. The stream itself is
-//! [`crate::exchange`]'s.
+//! `exchange.rs`'s.
 
 use std::collections::HashMap;
 
