@@ -73,31 +73,71 @@ async fn get(port: u16, path: &str) -> String {
     out
 }
 
-/// Starts the binary with `args`; waits (20 s) for `needle` in its output.
-async fn start(args: &[&str], needle: &str) -> tokio::process::Child {
+/// Starts the binary on ports from [`free_port`] (`args` of the ports it is given), trying new
+/// ones when another process took one between [`free_port`] and the bind (up to three times).
+async fn start_on_free_ports(
+    args: impl Fn(u16, u16) -> Vec<String>,
+    needle: &str,
+) -> (tokio::process::Child, u16, u16) {
+    let mut last = String::new();
+    for _ in 0..3 {
+        let (a, b) = (free_port(), free_port());
+        let argv = args(a, b);
+        let refs: Vec<&str> = argv.iter().map(String::as_str).collect();
+        match try_start(&refs, needle).await {
+            Ok(child) => return (child, a, b),
+            Err(e) if e.contains("cannot listen") => last = e,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    panic!("{last}");
+}
+
+/// Starts the binary with `args` and waits (20 s) for `needle` in its output, or says why it
+/// did not start (what it printed).
+async fn try_start(args: &[&str], needle: &str) -> Result<tokio::process::Child, String> {
     use tokio::io::AsyncBufReadExt;
     let mut child = tokio::process::Command::new(BIN)
         .args(args)
         .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
         .kill_on_drop(true)
         .spawn()
         .expect("spawn");
     let mut lines = tokio::io::BufReader::new(child.stdout.take().expect("stdout")).lines();
+    let mut seen = Vec::new();
     let found = tokio::time::timeout(Duration::from_secs(20), async {
         while let Ok(Some(l)) = lines.next_line().await {
             if l.contains(needle) {
                 return true;
             }
+            seen.push(l);
         }
         false
     })
     .await
     .unwrap_or(false);
-    assert!(found, "`{needle}` never logged by {args:?}");
+    if !found {
+        // Why it did not start: what it printed, both streams.
+        let mut err = String::new();
+        if let Some(mut e) = child.stderr.take() {
+            use tokio::io::AsyncReadExt;
+            let _ = tokio::time::timeout(Duration::from_secs(2), e.read_to_string(&mut err)).await;
+        }
+        return Err(format!(
+            "`{needle}` never logged by {args:?}\nstdout:\n{}\nstderr:\n{err}",
+            seen.join("\n")
+        ));
+    }
+    // Its error stream is drained too, so it never blocks on a full pipe.
+    if let Some(mut e) = child.stderr.take() {
+        tokio::spawn(async move {
+            let _ = tokio::io::copy(&mut e, &mut tokio::io::sink()).await;
+        });
+    }
     // Keep draining its output so it never blocks on a full pipe.
     tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-    child
+    Ok(child)
 }
 
 #[test]
@@ -143,20 +183,22 @@ async fn the_sidecar_takes_llm_ds_flags_and_passes_the_engines_pages_through() {
         "http://127.0.0.1:9",
         "[sidecar]\nprefill_allow = [\"127.0.0.1\"]\n",
     );
-    let port = free_port();
-    let port_s = port.to_string();
-    let mut child = start(
-        &[
-            "sidecar",
-            "--config",
-            path.to_str().expect("utf8"),
-            "--port",
-            &port_s,
-            "--vllm-port",
-            &engine_port,
-            "--kv-connector",
-            "sglang",
-        ],
+    let (mut child, port, _) = start_on_free_ports(
+        |port, _| {
+            [
+                "sidecar",
+                "--config",
+                path.to_str().expect("utf8"),
+                "--port",
+                &port.to_string(),
+                "--vllm-port",
+                &engine_port,
+                "--kv-connector",
+                "sglang",
+            ]
+            .map(String::from)
+            .to_vec()
+        },
         "lockstep listening",
     )
     .await;
@@ -192,24 +234,26 @@ async fn the_picker_serves_ext_proc_and_only_health_over_http() {
         "workers = []\nbootstrap_port = 8998",
         &format!("workers = [{{ url = \"{prefill}\", bootstrap_port = 8998 }}]"),
     );
-    let http_port = free_port();
-    let text = text.replace(
-        "127.0.0.1:0\"\nlog_level",
-        &format!("127.0.0.1:{http_port}\"\nlog_level"),
-    );
-    std::fs::write(&path, text).expect("write");
-    let grpc = format!("127.0.0.1:{}", free_port());
-    let mut child = start(
-        &[
-            "epp",
-            "--config",
-            path.to_str().expect("utf8"),
-            "--grpc-listen",
-            &grpc,
-        ],
+    let config_path = path.to_str().expect("utf8").to_string();
+    let (mut child, http_port, grpc_port) = start_on_free_ports(
+        |http, grpc| {
+            let text = text.replace(
+                "127.0.0.1:0\"\nlog_level",
+                &format!("127.0.0.1:{http}\"\nlog_level"),
+            );
+            std::fs::write(&config_path, text).expect("write");
+            vec![
+                "epp".into(),
+                "--config".into(),
+                config_path.clone(),
+                "--grpc-listen".into(),
+                format!("127.0.0.1:{grpc}"),
+            ]
+        },
         "endpoint picker listening",
     )
     .await;
+    let grpc = format!("127.0.0.1:{grpc_port}");
     let ready = get(http_port, "/ready").await;
     assert!(ready.starts_with("HTTP/1.1 200"), "{ready}");
     let metrics = get(http_port, "/metrics").await;
