@@ -78,13 +78,15 @@ pub fn envoy_config(listen: u16, epp_port: u16, admin: u16) -> String {
 
 impl Envoy {
     /// Starts Envoy with the deploy config in front of the picker at `epp_port`; waits (20 s at
-    /// most) until its admin says it is live.
+    /// most) until its admin says it is live. Its listener and admin bind port 0 and the ports
+    /// they got are read back (the admin's from `--admin-address-path`, the listener's from the
+    /// admin's `/listeners`): no port is picked here for another process to take first.
     pub async fn start(epp_port: u16) -> Envoy {
         let dir = tempfile::tempdir().expect("tempdir");
-        let (listen, admin) = (free_port(), free_port());
         let cfg = dir.path().join("envoy.yaml");
-        std::fs::write(&cfg, envoy_config(listen, epp_port, admin)).expect("write envoy.yaml");
+        std::fs::write(&cfg, envoy_config(0, epp_port, 0)).expect("write envoy.yaml");
         let log = std::fs::File::create(dir.path().join("envoy.log")).expect("log file");
+        let admin_path = dir.path().join("admin-address");
         let child = Command::new(envoy_binary())
             .arg("-c")
             .arg(&cfg)
@@ -95,32 +97,48 @@ impl Envoy {
                 "-l",
                 "warning",
             ])
+            .arg("--admin-address-path")
+            .arg(&admin_path)
             .arg("--log-path")
             .arg(dir.path().join("envoy.log"))
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
             .expect("envoy starts");
-        let envoy = Envoy {
+        let mut envoy = Envoy {
             child,
-            url: format!("http://127.0.0.1:{listen}"),
-            admin: format!("http://127.0.0.1:{admin}"),
+            url: String::new(),
+            admin: String::new(),
             _dir: dir,
         };
         let client = crate::client::TestClient::default();
         let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
         loop {
-            let up = tokio::time::timeout(
-                Duration::from_secs(1),
-                tokio::net::TcpStream::connect(("127.0.0.1", admin)),
-            )
-            .await;
-            if matches!(up, Ok(Ok(_))) {
+            if envoy.admin.is_empty()
+                && let Ok(a) = std::fs::read_to_string(&admin_path)
+                && !a.trim().is_empty()
+            {
+                envoy.admin = format!("http://{}", a.trim());
+            }
+            if !envoy.admin.is_empty() {
                 let r = client
                     .get(&format!("{}/ready", envoy.admin), Duration::from_secs(2))
                     .await;
                 if r.status == 200 && r.body.contains("LIVE") {
-                    return envoy;
+                    let l = client
+                        .get(
+                            &format!("{}/listeners?format=json", envoy.admin),
+                            Duration::from_secs(2),
+                        )
+                        .await;
+                    let port = l.json()["listener_statuses"][0]["local_address"]["socket_address"]
+                        ["port_value"]
+                        .as_u64()
+                        .filter(|p| *p > 0);
+                    if let Some(p) = port {
+                        envoy.url = format!("http://127.0.0.1:{p}");
+                        return envoy;
+                    }
                 }
             }
             assert!(
