@@ -66,6 +66,14 @@ struct Stream {
 }
 
 impl Picker {
+    /// A stream carrying a request to `path` with the tenant's key and all of `body`.
+    async fn keyed(&self, path: &str, body_bytes: &[u8]) -> Stream {
+        let s = self.open().await.expect("a stream");
+        s.send(headers(path, Some("acme-key"), false)).await;
+        s.send(body(body_bytes, true)).await;
+        s
+    }
+
     async fn open(&self) -> Result<Stream, tonic::Status> {
         let url = format!("http://{}", self.picker.addr);
         let mut client = ExternalProcessorClient::connect(url)
@@ -249,10 +257,7 @@ async fn a_body_that_does_not_end_in_time_is_refused() {
     let mut idle = p.open().await.expect("a stream");
     assert_eq!(idle.refused().await.0, 408);
     // The slot is free: a whole request is picked.
-    let mut next = p.open().await.expect("a stream");
-    next.send(headers("/v1/chat/completions", Some("acme-key"), false))
-        .await;
-    next.send(body(&chat(), true)).await;
+    let mut next = p.keyed("/v1/chat/completions", &chat()).await;
     assert!(!next.picked().await.is_empty());
 }
 
@@ -296,21 +301,13 @@ async fn health_paths_hold_no_worker_slot() {
     let p = picker("", "", "", "max_pairs_per_worker = 1").await;
     let mut watches = Vec::new();
     for _ in 0..2 {
-        let mut w = p.open().await.expect("a stream");
-        w.send(headers(
-            "/grpc.health.v1.Health/Watch",
-            Some("acme-key"),
-            false,
-        ))
-        .await;
-        w.send(body(&[0, 0, 0, 0, 0], true)).await;
+        let mut w = p
+            .keyed("/grpc.health.v1.Health/Watch", &[0, 0, 0, 0, 0])
+            .await;
         assert!(!w.picked().await.is_empty());
         watches.push(w);
     }
-    let mut g = p.open().await.expect("a stream");
-    g.send(headers("/v1/chat/completions", Some("acme-key"), false))
-        .await;
-    g.send(body(&chat(), true)).await;
+    let mut g = p.keyed("/v1/chat/completions", &chat()).await;
     let decode = g.picked().await;
     assert!(!decode.is_empty());
     // The generation holds the one slot: another path to that worker waits its turn (503).
@@ -379,9 +376,7 @@ async fn a_grpc_generation_gets_a_named_prefill() {
         "/lockstep.v1.Lockstep/Generate",
         "/lockstep.v1.Lockstep/Chat",
     ] {
-        let mut s = p.open().await.expect("a stream");
-        s.send(headers(path, Some("acme-key"), false)).await;
-        s.send(body(&framed(MODEL), true)).await;
+        let mut s = p.keyed(path, &framed(MODEL)).await;
         let prefill = s
             .picked_headers()
             .await
@@ -394,24 +389,14 @@ async fn a_grpc_generation_gets_a_named_prefill() {
             "{path}"
         );
     }
-    let mut s = p.open().await.expect("a stream");
-    s.send(headers(
-        "/lockstep.v1.Lockstep/Generate",
-        Some("acme-key"),
-        false,
-    ))
-    .await;
-    s.send(body(&framed("no-such-model"), true)).await;
+    let mut s = p
+        .keyed("/lockstep.v1.Lockstep/Generate", &framed("no-such-model"))
+        .await;
     let (status, text) = s.refused().await;
     assert_eq!(status, 404, "{text}");
-    let mut s = p.open().await.expect("a stream");
-    s.send(headers(
-        "/lockstep.v1.Lockstep/Generate",
-        Some("acme-key"),
-        false,
-    ))
-    .await;
-    s.send(body(&[1, 0, 0, 0, 0], true)).await;
+    let mut s = p
+        .keyed("/lockstep.v1.Lockstep/Generate", &[1, 0, 0, 0, 0])
+        .await;
     assert_eq!(s.refused().await.0, 400, "a compressed message");
 }
 

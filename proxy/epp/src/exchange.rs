@@ -156,8 +156,10 @@ impl Exchange {
                 self.subset = subset_of(metadata.as_ref());
                 // The key and the tenant's limits, before any of the body is read.
                 if !picker::is_open(&self.path) {
-                    self.caller =
-                        Some(picker::authorize_wire(&self.state, &self.headers).map_err(|r| r.0)?);
+                    self.caller = Some(
+                        lockstep_router::admission::authorize(&self.state, &self.headers)
+                            .map_err(|r| r.0)?,
+                    );
                 }
                 if h.end_of_stream {
                     self.decide().await?;

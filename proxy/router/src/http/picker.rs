@@ -7,9 +7,8 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http::HeaderMap;
 
-use crate::admission::{Admitted, Caller, Refusal, admit_body, authorize};
+use crate::admission::{Admitted, Caller, Refusal, admit_body};
 use crate::error::LockstepError;
 use crate::pool::{PairPick, PrefillChoice, RouteKey, pick_pair};
 use crate::state::AppState;
@@ -58,13 +57,6 @@ pub fn is_open(path: &str) -> bool {
 
 fn path_only(path: &str) -> &str {
     path.split('?').next().unwrap_or(path)
-}
-
-/// Steps 1 and 2 of admission for a request the picker has only the headers of: the tenant's
-/// key, draining and the tenant's limits. A picker runs it on `request_headers`, so a caller
-/// without a key, or over its limits, is refused before a byte of its body is read.
-pub fn authorize_wire(state: &AppState, headers: &HeaderMap) -> Result<Caller, Refusal> {
-    authorize(state, headers)
 }
 
 /// The rest of the admission stage of the API at `path` for an authorized `caller` (`POST` with
