@@ -9,7 +9,7 @@
 
 use std::time::{Duration, Instant};
 
-use lockstep_router::admission::codec::{ChatMessage, PromptCodec};
+use lockstep_prompt::codec::{ChatMessage, PromptCodec};
 
 /// English-like text of about `n` bytes, different for each `seed`.
 fn prose(seed: u64, n: usize) -> String {

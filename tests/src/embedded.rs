@@ -3,8 +3,8 @@
 
 use std::time::{Duration, Instant};
 
+use lockstep_core::config::{Config, EngineSection};
 use lockstep_router::app::Lockstep;
-use lockstep_router::config::{Config, EngineSection};
 use lockstep_serve::toml_file::expand_home;
 use serde_json::Value;
 

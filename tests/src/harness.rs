@@ -3,8 +3,8 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use lockstep_core::config::Config;
 use lockstep_router::app::Lockstep;
-use lockstep_router::config::Config;
 
 use crate::sglang_mock::{MockConfig, PdMock};
 use crate::tokenizer;
@@ -228,7 +228,7 @@ impl Stack {
     pub async fn start_with_admin(timeouts: &str) -> Stack {
         let server = format!(
             "admin_listen = \"127.0.0.1:0\"\nadmin_key_sha256 = \"{}\"",
-            lockstep_router::tenant::key_hash_hex(ADMIN_KEY)
+            lockstep_tenancy::tenant::key_hash_hex(ADMIN_KEY)
         );
         Stack::start_full(MockConfig::default(), &server, "", timeouts).await
     }

@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use lockstep_router::tenant::key_hash_hex;
+use lockstep_tenancy::tenant::key_hash_hex;
 use lockstep_tests::client::{self, Answer, Endpoint, TestClient};
 use lockstep_tests::harness::{MODEL, Stack, TEST_TIMEOUTS};
 use lockstep_tests::sglang_mock::{Fault, MockConfig, Role};

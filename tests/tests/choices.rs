@@ -7,7 +7,7 @@
 use std::collections::{BTreeMap, HashSet};
 use std::time::Duration;
 
-use lockstep_router::tenant::key_hash_hex;
+use lockstep_tenancy::tenant::key_hash_hex;
 use lockstep_tests::client::{Answer, TestClient};
 use lockstep_tests::embedded::{self, MODEL as EMBEDDED};
 use lockstep_tests::harness::{MODEL, Stack, TEST_TIMEOUTS};

@@ -185,7 +185,7 @@ fn the_router_is_deployed_as_lockstep_needs_and_its_selectors_match_the_workers(
             .as_str()
             .expect("config text")
             .to_string();
-        let cfg = lockstep_router::config::Config::parse(&config)
+        let cfg = lockstep_core::config::Config::parse(&config)
             .unwrap_or_else(|e| panic!("{overlay}: {e}"));
         // Valid but for the model files, which the volume provides.
         for p in cfg.problems() {
@@ -422,7 +422,7 @@ async fn every_metric_and_label_the_rules_and_dashboard_use_exists() {
             let port = mock.decode_url().rsplit(':').next().expect("port").to_string();
             let tenant = format!(
                 "\n[[tenants]]\nname = \"acme\"\napi_keys_sha256 = [\"{}\"]\n",
-                lockstep_router::tenant::key_hash_hex("acme-key")
+                lockstep_tenancy::tenant::key_hash_hex("acme-key")
             );
             (text + &tenant).replace(
                 &format!("workers = [{{ url = \"{}\" }}]", mock.decode_url()),
@@ -481,7 +481,7 @@ async fn every_metric_and_label_the_rules_and_dashboard_use_exists() {
     let mut have = families(&scrape.body);
     // The embedded engine's pages have samples only where an engine runs: the series as
     // lockstep's registry writes it once one is set.
-    let engine = lockstep_router::metrics::Metrics::new();
+    let engine = lockstep_core::metrics::Metrics::new();
     engine
         .kv_pages
         .with_label_values(&["m", "prefill", "used"])
@@ -572,7 +572,7 @@ fn the_gateway_manifests_wire_the_pool_to_the_picker_and_the_sidecars() {
     let cm = &find(&objs, "ConfigMap", "lockstep-gateway-config")["data"];
     let load = |key: &str, role| {
         let text = cm[key].as_str().expect("config text");
-        let mut cfg = lockstep_router::config::Config::parse(text).expect("parses");
+        let mut cfg = lockstep_core::config::Config::parse(text).expect("parses");
         for p in cfg.problems() {
             let p = p.to_string();
             assert!(p.contains("file not found: /models/"), "{key}: {p}");
@@ -580,8 +580,8 @@ fn the_gateway_manifests_wire_the_pool_to_the_picker_and_the_sidecars() {
         cfg.for_role(role).unwrap_or_else(|e| panic!("{key}: {e}"));
         cfg
     };
-    let epp = load("epp.toml", lockstep_router::config::Role::Epp);
-    let sidecar = load("sidecar.toml", lockstep_router::config::Role::Sidecar);
+    let epp = load("epp.toml", lockstep_core::config::Role::Epp);
+    let sidecar = load("sidecar.toml", lockstep_core::config::Role::Sidecar);
     let grpc = epp.epp.as_ref().expect("[epp]").grpc_listen.port();
     let dep = find(&objs, "Deployment", "lockstep-epp");
     let c = &dep["spec"]["template"]["spec"]["containers"][0];

@@ -241,7 +241,7 @@ async fn a_drain_during_a_retry_backoff_starts_no_new_pair() {
     .expect("write");
     stack
         .lockstep
-        .reload(lockstep_router::config::Config::load(&stack.config_path).expect("loads"))
+        .reload(lockstep_core::config::Config::load(&stack.config_path).expect("loads"))
         .await
         .expect("reloads");
     stack.mock.set_fault(Fault::PrefillStatus(503));

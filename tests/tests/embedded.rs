@@ -364,7 +364,7 @@ async fn leak_test_concurrent_secrets_near_and_over_capacity() {
 /// the request); answers are the same either way.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefix_cache_keys_are_salted_by_tenant() {
-    use lockstep_router::tenant::key_hash_hex;
+    use lockstep_tenancy::tenant::key_hash_hex;
     let tenants = format!(
         "\n[[tenants]]\nname = \"acme\"\napi_keys_sha256 = [\"{}\"]\n\n[[tenants]]\nname = \"globex\"\napi_keys_sha256 = [\"{}\"]\n",
         key_hash_hex("acme-key"),

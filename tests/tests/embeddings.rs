@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use base64::Engine as _;
 use lockstep_engine::embed::{Pooling, embed};
-use lockstep_router::tenant::key_hash_hex;
+use lockstep_tenancy::tenant::key_hash_hex;
 use lockstep_tests::client::{Answer, TestClient};
 use lockstep_tests::embedded::{self, MODEL};
 use serde_json::{Value, json};

@@ -7,8 +7,8 @@
 use std::time::Duration;
 
 use base64::Engine as _;
+use lockstep_core::config::Config;
 use lockstep_router::app::Lockstep;
-use lockstep_router::config::Config;
 use lockstep_tests::client::{Answer, TestClient};
 use lockstep_tests::embed_mock::{EmbedFault, EmbedMock, EmbedMockConfig, Flavor, mock_vector};
 use lockstep_tests::harness::{Stack, TEST_TIMEOUTS};

@@ -14,10 +14,10 @@ use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse,
 };
+use lockstep_core::config::Role;
 use lockstep_epp::RunningPicker;
 use lockstep_router::app::Lockstep;
-use lockstep_router::config::Role;
-use lockstep_router::tenant::key_hash_hex;
+use lockstep_tenancy::tenant::key_hash_hex;
 use lockstep_tests::gateway::{as_epp, start_role};
 use lockstep_tests::harness::{MODEL, TEST_TIMEOUTS, config_text_with, mock_with_tokenizer};
 use lockstep_tests::sglang_mock::{MockConfig, PdMock};

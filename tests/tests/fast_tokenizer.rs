@@ -4,7 +4,7 @@
 //! differently (contractions, digits, every kind of space, scripts, combining marks, special
 //! tokens, any character), and on words long enough for the merge queue.
 
-use lockstep_router::admission::bpe::{FastBpe, TextEncoder};
+use lockstep_prompt::bpe::{FastBpe, TextEncoder};
 use lockstep_tests::embedded::model_path;
 use proptest::prelude::*;
 use tokenizers::Tokenizer;

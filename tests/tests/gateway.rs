@@ -8,9 +8,9 @@
 
 use std::time::Duration;
 
+use lockstep_core::config::Role;
 use lockstep_epp::RunningPicker;
 use lockstep_router::app::Lockstep;
-use lockstep_router::config::Role;
 use lockstep_tests::client::{Answer, TestClient};
 use lockstep_tests::gateway::{Envoy, as_epp, as_sidecar, start_role};
 use lockstep_tests::harness::{MODEL, TEST_TIMEOUTS, config_text_with};
@@ -342,7 +342,7 @@ async fn the_picker_refuses_on_headers_and_caps_its_streams_through_envoy() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let tenants = format!(
         "max_streams = 1\n[[tenants]]\nname = \"acme\"\napi_keys_sha256 = [\"{}\"]\n",
-        lockstep_router::tenant::key_hash_hex("acme-key")
+        lockstep_tenancy::tenant::key_hash_hex("acme-key")
     );
     let g = gateway_with(tokenizer::build(), "\"127.0.0.0/8\"", false, &tenants).await;
     let addr = g.envoy.url.trim_start_matches("http://").to_string();
@@ -560,7 +560,7 @@ async fn a_body_longer_than_one_envoy_chunk_goes_on_whole_and_no_endpoint_is_a_5
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_picker_holds_tenants_to_their_key_and_limits_before_any_worker() {
-    use lockstep_router::tenant::key_hash_hex;
+    use lockstep_tenancy::tenant::key_hash_hex;
     let dir = tempfile::tempdir().expect("tempdir");
     let tok = tokenizer::build();
     let tok_path = dir.path().join("tokenizer.json");

@@ -10,9 +10,9 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use lockstep_core::config::Config;
 use lockstep_router::app::Lockstep;
-use lockstep_router::config::Config;
-use lockstep_router::tenant::key_hash_hex;
+use lockstep_tenancy::tenant::key_hash_hex;
 use lockstep_tests::client::TestClient;
 use lockstep_tests::harness::{MODEL, TEST_TIMEOUTS, config_text_with};
 use lockstep_tests::kv_publisher::{Dialect, EngineCache};

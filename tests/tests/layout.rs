@@ -650,10 +650,7 @@ fn router_and_worker_never_depend_on_each_other() {
 /// layer's modules and those below, never above. `fuzzing` (the fuzz targets' door) and
 /// `lib.rs` sit above them all.
 const ROUTER_LAYERS: &[&[&str]] = &[
-    &[
-        "vocab", "config", "error", "metrics", "audit", "tenant", "shared", "budget",
-    ],
-    &["pool", "backend", "discovery"],
+    &["backend"],
     &["pair"],
     &["state"],
     &["admission", "models", "members", "sidecar"],
@@ -662,24 +659,8 @@ const ROUTER_LAYERS: &[&[&str]] = &[
     &["fuzzing", "lib"],
 ];
 
-/// Files whose layer is not their top module's: the prompt codec and the tokenizer under it
-/// are built by `state` (each model's codec lives in its runtime) and used by admission.
-const ROUTER_LAYER_OF_FILE: &[(&str, &str)] = &[
-    ("src/admission/codec.rs", "state"),
-    ("src/admission/bpe.rs", "state"),
-    ("src/admission/segments.rs", "state"),
-    ("src/admission/pretokenize.rs", "state"),
-    ("src/admission/words.rs", "state"),
-    ("src/admission/placement.rs", "state"),
-    ("src/admission/background.rs", "state"),
-    ("src/admission/token_bytes.rs", "state"),
-];
-
 /// A router file's layer: that of its top module (`src/pair/machine.rs` is `pair`'s).
 fn router_layer(file: &str) -> Option<usize> {
-    if let Some((_, m)) = ROUTER_LAYER_OF_FILE.iter().find(|(f, _)| *f == file) {
-        return ROUTER_LAYERS.iter().position(|l| l.contains(m));
-    }
     let rest = file.strip_prefix("src/")?;
     let top = rest.split('/').next()?.trim_end_matches(".rs");
     ROUTER_LAYERS.iter().position(|l| l.contains(&top))

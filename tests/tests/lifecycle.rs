@@ -194,7 +194,7 @@ async fn connect_failure_retries_on_another_worker() {
     let text = stack
         .config_text("", lockstep_tests::harness::TEST_TIMEOUTS)
         .replace(&format!("[{live}]"), &format!("[{dead}, {live}]"));
-    let cfg = lockstep_router::config::Config::parse(&text).expect("config");
+    let cfg = lockstep_core::config::Config::parse(&text).expect("config");
     assert_eq!(cfg.models[0].prefill.workers.len(), 2);
     let ls = lockstep_router::app::Lockstep::start(cfg)
         .await

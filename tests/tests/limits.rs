@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use lockstep_router::config::Config;
+use lockstep_core::config::Config;
 use lockstep_tests::client::{self, Answer, Endpoint, TestClient};
 use lockstep_tests::harness::{MODEL, Stack, TEST_TIMEOUTS};
 use lockstep_tests::sglang_mock::{Fault, MockConfig};
@@ -218,7 +218,7 @@ async fn read_until(s: &mut tokio::net::TcpStream, needle: &str, secs: u64) -> S
 /// body never read.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_bodies_time_out_and_unauthenticated_bodies_are_never_read() {
-    use lockstep_router::tenant::key_hash_hex;
+    use lockstep_tenancy::tenant::key_hash_hex;
     use tokio::io::AsyncWriteExt;
     let server = format!(
         "body_timeout_ms = 300\n\n[[tenants]]\nname = \"t\"\napi_keys_sha256 = [\"{}\"]\n",

@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
+use lockstep_core::config::Config;
 use lockstep_router::app::Lockstep;
-use lockstep_router::config::Config;
 use lockstep_tests::client::{Answer, TestClient};
 use lockstep_tests::embedded::{MODEL, model_path, small_worker, start};
 use lockstep_worker::Role;

@@ -6,9 +6,9 @@
 
 use std::time::Duration;
 
+use lockstep_core::config::Config;
 use lockstep_router::app::Lockstep;
-use lockstep_router::config::Config;
-use lockstep_router::tenant::key_hash_hex;
+use lockstep_tenancy::tenant::key_hash_hex;
 use lockstep_tests::client::TestClient;
 use lockstep_tests::embedded::{model_path, small_worker};
 use lockstep_worker::Role;

@@ -278,7 +278,7 @@ async fn a_probe_that_verified_nothing_exits_3() {
     let key = "probe-tenant-key";
     let tenants = format!(
         "\n[[tenants]]\nname = \"ops\"\napi_keys_sha256 = [\"{}\"]\n",
-        lockstep_router::tenant::key_hash_hex(key)
+        lockstep_tenancy::tenant::key_hash_hex(key)
     );
     let stack = Stack::start_with_tokenizer(
         tokenizer::build_canary(),

@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use lockstep_router::config::Config;
+use lockstep_core::config::Config;
 use lockstep_router::pair::PairState;
 use lockstep_tests::client::TestClient;
 use lockstep_tests::harness::{MODEL, Stack, TEST_TIMEOUTS};

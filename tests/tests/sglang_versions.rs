@@ -6,8 +6,8 @@
 
 use std::time::Duration;
 
+use lockstep_core::config::Config;
 use lockstep_router::app::Lockstep;
-use lockstep_router::config::Config;
 use lockstep_tests::client::{self, ENDPOINTS, Endpoint, TestClient};
 use lockstep_tests::harness::{MODEL, Stack, TEST_TIMEOUTS, config_text};
 use lockstep_tests::sglang_mock::{Fault, MockConfig, PdMock, Role};

@@ -6,8 +6,8 @@
 
 use std::time::Duration;
 
+use lockstep_core::config::Config;
 use lockstep_router::app::Lockstep;
-use lockstep_router::config::Config;
 use lockstep_tests::client::TestClient;
 use lockstep_tests::harness::{MODEL, Stack, TEST_TIMEOUTS};
 use lockstep_tests::sglang_mock::{Fault, MockConfig, Role};
@@ -281,7 +281,7 @@ async fn vllm_sidecar() -> (VllmMock, Lockstep, tempfile::TempDir) {
     );
     let mut cfg = Config::parse(&text).expect("config parses");
     assert!(cfg.problems().is_empty(), "{:?}", cfg.problems());
-    cfg.for_role(lockstep_router::config::Role::Sidecar)
+    cfg.for_role(lockstep_core::config::Role::Sidecar)
         .expect("a sidecar's configuration");
     let lockstep = Lockstep::start(cfg).await.expect("the sidecar starts");
     (mock, lockstep, dir)
@@ -606,11 +606,11 @@ async fn silent_prefills_do_not_hold_up_the_check_of_another() {
 async fn the_engines_pages_need_a_key_and_never_show_the_engines_keys() {
     let tenants = format!(
         "\n[[tenants]]\nname = \"acme\"\napi_keys_sha256 = [\"{}\"]\n",
-        lockstep_router::tenant::key_hash_hex("acme-key")
+        lockstep_tenancy::tenant::key_hash_hex("acme-key")
     );
     let server = format!(
         "admin_listen = \"127.0.0.1:0\"\nadmin_key_sha256 = \"{}\"\nmetrics_on_admin = true",
-        lockstep_router::tenant::key_hash_hex("admin-key")
+        lockstep_tenancy::tenant::key_hash_hex("admin-key")
     );
     let s = Stack::start_edited(
         MockConfig::default(),

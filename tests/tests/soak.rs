@@ -17,9 +17,9 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use lockstep_core::config::Config;
 use lockstep_probe::{ProbeArgs, Report};
 use lockstep_router::app::Lockstep;
-use lockstep_router::config::Config;
 use lockstep_tests::embedded::small_worker;
 use lockstep_tests::harness::Stack;
 use lockstep_tests::sglang_mock::{Fault, MockConfig, PdMock};

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use lockstep_router::tenant::key_hash_hex;
+use lockstep_tenancy::tenant::key_hash_hex;
 use lockstep_tests::client::{self, Answer, Endpoint, TestClient};
 use lockstep_tests::harness::{MODEL, Stack, TEST_TIMEOUTS};
 use lockstep_tests::sglang_mock::{Fault, MockConfig, Role};
@@ -334,7 +334,7 @@ async fn sglang_halves_carry_the_tenants_cache_salt() {
     for (rid, s) in &per_pair {
         assert!(s.len() == 2 && s[0] == s[1], "pair {rid}: {s:?}");
     }
-    let expect = |t: &str| format!("{:016x}", lockstep_router::tenant::cache_salt(Some(t)));
+    let expect = |t: &str| format!("{:016x}", lockstep_tenancy::tenant::cache_salt(Some(t)));
     let sent: std::collections::BTreeSet<&str> = salts.iter().map(|(_, _, s)| s.as_str()).collect();
     assert_eq!(
         sent,

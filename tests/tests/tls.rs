@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use lockstep_router::tenant::key_hash_hex;
+use lockstep_tenancy::tenant::key_hash_hex;
 use lockstep_tests::client;
 use lockstep_tests::client::Endpoint;
 use lockstep_tests::harness::{MODEL, Stack, TEST_TIMEOUTS};

@@ -3,7 +3,7 @@
 //! conversation grows; a hit never crosses tenants; and through lockstep, a tenant's second long
 //! request is served from the cache (the metric) with the same answer.
 
-use lockstep_router::admission::codec::{ChatMessage, PromptCodec};
+use lockstep_prompt::codec::{ChatMessage, PromptCodec};
 use lockstep_tests::embedded::model_path;
 
 fn codec() -> Option<std::sync::Arc<PromptCodec>> {

@@ -8,9 +8,9 @@
 
 use std::time::Duration;
 
+use lockstep_core::config::Config;
 use lockstep_router::app::Lockstep;
-use lockstep_router::config::Config;
-use lockstep_router::tenant::{cache_salt, key_hash_hex};
+use lockstep_tenancy::tenant::{cache_salt, key_hash_hex};
 use lockstep_tests::client::{self, Answer, Endpoint, TestClient};
 use lockstep_tests::vllm_mock::{BlockIdShape, VllmFault, VllmMock, VllmMockConfig, VllmRole};
 use serde_json::{Value, json};

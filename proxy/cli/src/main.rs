@@ -7,9 +7,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use lockstep_core::config::Config;
 use lockstep_router::app::Lockstep;
 use lockstep_router::backend::UpstreamClient;
-use lockstep_router::config::Config;
 use lockstep_router::models::check_deployment;
 use lockstep_serve::signals::Signals;
 use lockstep_serve::telemetry::init_logs;
@@ -238,7 +238,7 @@ async fn run(cli: Cli, huge_pages_off: bool) -> ExitCode {
             }
             println!(
                 "{}",
-                lockstep_router::tenant::key_hash_hex(key.trim_end_matches(['\r', '\n']))
+                lockstep_tenancy::tenant::key_hash_hex(key.trim_end_matches(['\r', '\n']))
             );
             ExitCode::SUCCESS
         }
@@ -294,7 +294,7 @@ async fn run(cli: Cli, huge_pages_off: bool) -> ExitCode {
             log_level,
         } => {
             let prepare = move |mut cfg: Config| {
-                cfg.for_role(lockstep_router::config::Role::Serve)?;
+                cfg.for_role(lockstep_core::config::Role::Serve)?;
                 if let Some(a) = http_listen {
                     cfg.server.http_listen = a;
                 }
@@ -321,7 +321,7 @@ async fn run(cli: Cli, huge_pages_off: bool) -> ExitCode {
             log_level,
         } => {
             let prepare = move |mut cfg: Config| {
-                cfg.for_role(lockstep_router::config::Role::Epp)?;
+                cfg.for_role(lockstep_core::config::Role::Epp)?;
                 if let (Some(a), Some(e)) = (grpc_listen, cfg.epp.as_mut()) {
                     e.grpc_listen = a;
                 }

@@ -2,7 +2,7 @@
 //! configuration, so the sidecar drops into llm-d's Helm values (`--port`, `--vllm-port`,
 //! `--kv-connector`), applied to the file at start and at every reload alike.
 
-use lockstep_router::config::{BackendKind, Config, Role, VllmConnector, WorkerConfig};
+use lockstep_core::config::{BackendKind, Config, Role, VllmConnector, WorkerConfig};
 
 /// llm-d's `--kv-connector` values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

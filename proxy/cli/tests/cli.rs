@@ -438,7 +438,7 @@ name = "a"
 api_keys_sha256 = ["{h}"]
 burst = 5
 "#,
-            h = lockstep_router::tenant::key_hash_hex("k")
+            h = lockstep_tenancy::tenant::key_hash_hex("k")
         ),
     );
     assert!(!ok, "{out}");

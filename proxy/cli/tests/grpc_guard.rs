@@ -35,7 +35,7 @@ workers = [{{ url = "{prefill}", bootstrap_port = 8998 }}]
 [models.decode]
 workers = [{{ url = "{decode}" }}]
 "#,
-        key = lockstep_router::tenant::key_hash_hex("acme-key"),
+        key = lockstep_tenancy::tenant::key_hash_hex("acme-key"),
         tok = tok.display()
     );
     let path = dir.join("lockstep.toml");

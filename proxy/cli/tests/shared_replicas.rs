@@ -5,9 +5,9 @@
 
 use std::time::{Duration, Instant};
 
+use lockstep_core::config::Config;
 use lockstep_router::app::Lockstep;
-use lockstep_router::config::Config;
-use lockstep_router::tenant::key_hash_hex;
+use lockstep_tenancy::tenant::key_hash_hex;
 use lockstep_tests::client::{self, Answer, Endpoint, TestClient};
 use lockstep_tests::harness::{MODEL, config_text_with, wait_for};
 use lockstep_tests::redis::RedisServer;

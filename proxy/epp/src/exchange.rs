@@ -28,11 +28,11 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::google::protobuf::Struct;
+use lockstep_core::error::LockstepError;
 use lockstep_router::admission::Caller;
-use lockstep_router::error::LockstepError;
 use lockstep_router::http::picker;
-use lockstep_router::pool::{LoadGuard, PREFILLER_HEADER, host_port};
 use lockstep_router::state::AppState;
+use lockstep_routing::pool::{LoadGuard, PREFILLER_HEADER, host_port};
 use tokio::sync::{OwnedSemaphorePermit, mpsc};
 use tokio::time::Instant;
 use tonic::{Status, Streaming};
@@ -46,7 +46,7 @@ type Tx = mpsc::Sender<Result<ProcessingResponse, Status>>;
 /// What is held while the request lives: both workers' slots, the tenant's permit.
 struct Held {
     _slots: Vec<LoadGuard>,
-    _permit: lockstep_router::tenant::Held,
+    _permit: lockstep_tenancy::tenant::Held,
     /// The endpoint picked.
     destination: String,
 }
@@ -308,7 +308,7 @@ impl Exchange {
                 .load()
                 .by_name
                 .values()
-                .find_map(|m| lockstep_router::pool::pick_within(&m.pairs.decode, s)),
+                .find_map(|m| lockstep_routing::pool::pick_within(&m.pairs.decode, s)),
             None => picker::any_decode(&self.state),
         };
         d.ok_or_else(|| LockstepError::Unavailable {
@@ -323,7 +323,7 @@ impl Exchange {
         destination: String,
         prefill: Option<String>,
         slots: Vec<LoadGuard>,
-        permit: lockstep_router::tenant::Held,
+        permit: lockstep_tenancy::tenant::Held,
         body: Bytes,
     ) -> Result<(), LockstepError> {
         tracing::debug!(path = %self.path, %destination, prefill = ?prefill, "picked");

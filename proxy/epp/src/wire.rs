@@ -12,7 +12,7 @@ use envoy_types::pb::envoy::config::core::v3::{
 use envoy_types::pb::envoy::service::ext_proc::v3::ProcessingRequest;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as In;
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
-use lockstep_router::error::LockstepError;
+use lockstep_core::error::LockstepError;
 use lockstep_router::http::picker;
 
 /// The header (and `envoy.lb` metadata key) naming the picked endpoint.
@@ -71,7 +71,7 @@ pub fn fuzz_message(data: &[u8]) {
     };
     let (path, headers) = headers_of(h);
     let _ = (picker::is_open(&path), picker::is_generation(&path));
-    let _ = lockstep_router::pool::NamedPrefills::read(&headers);
+    let _ = lockstep_routing::pool::NamedPrefills::read(&headers);
     let _ = picker::error_body(&path, &LockstepError::BodyTimeout { ms: 1 });
 }
 
@@ -155,7 +155,7 @@ pub(crate) fn subset_of(metadata: Option<&Metadata>) -> Option<Vec<String>> {
 mod tests {
     use super::*;
     use envoy_types::pb::google::protobuf::ListValue;
-    use lockstep_router::pool::PREFILLER_HEADER;
+    use lockstep_routing::pool::PREFILLER_HEADER;
 
     fn text(s: &str) -> Value {
         Value {

@@ -28,12 +28,12 @@ use serde::Deserialize;
 use serde_json::json;
 use sha2::{Digest, Sha256};
 
-use crate::error::LockstepError;
 use crate::models::reload_state;
 use crate::pair::{CancelReason, PairId};
-use crate::pool::MemberChange;
 use crate::state::AppState;
-use crate::vocab::Side;
+use lockstep_core::error::LockstepError;
+use lockstep_core::vocab::Side;
+use lockstep_routing::pool::MemberChange;
 
 /// What the admin handlers share.
 #[derive(Debug, Clone)]
@@ -268,7 +268,7 @@ fn membership(st: &AdminState, body: &[u8], join: bool) -> Result<(Side, String)
         ));
     };
     let url = req.url.trim_end_matches('/').to_string();
-    let worker = crate::config::WorkerConfig {
+    let worker = lockstep_core::config::WorkerConfig {
         url: url.clone(),
         bootstrap_port: req.bootstrap_port,
         bootstrap_host: req.bootstrap_host,
@@ -326,7 +326,7 @@ async fn reload(State(st): State<AdminState>) -> Response {
         )
             .into_response();
     };
-    let result = match crate::config::Config::load(&path) {
+    let result = match lockstep_core::config::Config::load(&path) {
         Ok(cfg) => reload_state(&st.app, cfg).await,
         Err(e) => Err(e.to_string()),
     };

@@ -10,14 +10,14 @@ use lockstep_serve::accept::{ConnLimits, serve_http};
 use lockstep_serve::tasks::ServerTasks;
 use tokio::net::TcpListener;
 
-use crate::audit::Audit;
 use crate::backend::UpstreamClient;
-use crate::config::Config;
-use crate::metrics::Metrics;
 use crate::models::{build_models, reload_state};
 use crate::pair::{PairRegistry, PairStats};
 use crate::state::AppState;
-use crate::tenant::Tenants;
+use lockstep_core::audit::Audit;
+use lockstep_core::config::Config;
+use lockstep_core::metrics::Metrics;
+use lockstep_tenancy::tenant::Tenants;
 
 /// A running lockstep: its state, address and background tasks.
 #[derive(Debug)]
@@ -46,19 +46,21 @@ impl Lockstep {
         let registry = Arc::new(PairRegistry::default());
         let stats = Arc::new(PairStats::default());
         if let Some(s) = &cfg.server.cache_salt_secret {
-            crate::tenant::set_salt_secret(s.expose().as_bytes());
+            lockstep_tenancy::tenant::set_salt_secret(s.expose().as_bytes());
         }
         let metrics = Arc::new(Metrics::new());
         let audit = Arc::new(Audit::open(&cfg.server.audit_log)?);
         let mut models =
             build_models(&cfg, &client, &registry, &stats, &metrics, &audit, None).await?;
         let shared = match &cfg.shared {
-            Some(s) => Some(crate::shared::SharedStore::start(s, metrics.clone()).await?),
+            Some(s) => {
+                Some(lockstep_tenancy::shared::SharedStore::start(s, metrics.clone()).await?)
+            }
             None => None,
         };
         models.tenants = Arc::new(Tenants::shared(&cfg.tenants, shared));
         let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
-        let tokenize_pool = crate::admission::background::pool(cores)
+        let tokenize_pool = lockstep_prompt::background::pool(cores)
             .map_err(|e| format!("cannot start the tokenizer threads: {e}"))?;
         crate::backend::warm_ids_json();
         let state = Arc::new(AppState {
@@ -78,13 +80,13 @@ impl Lockstep {
             tokenize_pool: Arc::new(tokenize_pool),
             picker_only: cfg.epp.is_some(),
             named_prefills: match &cfg.sidecar {
-                Some(s) => Some(crate::pool::NamedPrefills::new(s)?),
+                Some(s) => Some(lockstep_routing::pool::NamedPrefills::new(s)?),
                 None => None,
             },
         });
         let threads = match cfg.server.connections {
-            crate::config::Connections::Shared => None,
-            crate::config::Connections::Pinned => {
+            lockstep_core::config::Connections::Shared => None,
+            lockstep_core::config::Connections::Pinned => {
                 let n = match cfg.server.worker_threads {
                     0 => cores,
                     n => n,
@@ -159,7 +161,7 @@ impl Lockstep {
         let admin_addr = match cfg.server.admin_listen {
             None => None,
             Some(addr) => {
-                let key = crate::tenant::parse_sha256_hex(&cfg.server.admin_key_sha256)
+                let key = lockstep_tenancy::tenant::parse_sha256_hex(&cfg.server.admin_key_sha256)
                     .ok_or("server.admin_key_sha256: 64 lowercase hex digits required")?;
                 let l = TcpListener::bind(addr)
                     .await

@@ -58,7 +58,7 @@ fn anonymous(state: &AppState) -> Caller {
     Caller {
         catalog: state.models.load_full(),
         tenant: None,
-        permit: crate::tenant::Held::default(),
+        permit: lockstep_tenancy::tenant::Held::default(),
         named_prefill: None,
     }
 }
@@ -68,8 +68,8 @@ fn anonymous(state: &AppState) -> Caller {
 /// call names a declared function and carries JSON arguments, and the streamed reading (the
 /// deltas one by one) finds the same calls as the whole text.
 pub fn tool_output(data: &[u8]) {
-    use crate::config::ToolParserKind;
     use crate::http::tools::{ToolParse, ToolStream, parse};
+    use lockstep_core::config::ToolParserKind;
     let Some((&pick, rest)) = data.split_first() else {
         return;
     };
@@ -187,9 +187,9 @@ pub async fn kv_events(data: &[u8]) {
     };
     if let Ok(frames) = lockstep_zmtp::read_message(data, limits).await {
         for f in &frames {
-            let _ = crate::pool::decode_batch(f);
+            let _ = lockstep_routing::pool::decode_batch(f);
         }
     }
     // The payload frame alone, as a batch.
-    let _ = crate::pool::decode_batch(data);
+    let _ = lockstep_routing::pool::decode_batch(data);
 }

@@ -8,22 +8,12 @@
 pub mod admin;
 pub mod admission;
 pub mod app;
-pub mod audit;
 pub mod backend;
-pub mod budget;
-pub mod config;
-pub mod discovery;
-pub mod error;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod http;
 pub(crate) mod members;
-pub mod metrics;
 pub mod models;
 pub mod pair;
-pub mod pool;
-pub mod shared;
 pub(crate) mod sidecar;
 pub mod state;
-pub mod tenant;
-pub mod vocab;

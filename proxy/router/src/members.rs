@@ -1,5 +1,5 @@
 //! A model's workers at run time: one task per model follows its source of membership changes
-//! ([`crate::pool::WorkerSource`]), and one task per member checks that member:
+//! ([`lockstep_routing::pool::WorkerSource`]), and one task per member checks that member:
 //! - a member not verified (it did not answer the deployment check, or it joined at run time)
 //!   is probed ([`crate::backend::probe::probe_member`]), then checked together with the
 //!   verified members ([`crate::backend::probe::fold_member`]), first half a second after it
@@ -29,10 +29,10 @@ use tokio::task::{AbortHandle, JoinSet};
 
 use crate::backend::probe::{Probed, fold_member, probe_member};
 use crate::backend::{PdBackend, UpstreamClient};
-use crate::config::{ModelConfig, WorkerConfig};
-use crate::pool::{MemberChange, Upstream, WorkerPool, WorkerSource};
 use crate::state::WorkerLimits;
-use crate::vocab::Side;
+use lockstep_core::config::{ModelConfig, WorkerConfig};
+use lockstep_core::vocab::Side;
+use lockstep_routing::pool::{MemberChange, Upstream, WorkerPool, WorkerSource};
 
 /// What a model's member tasks share.
 pub(crate) struct Members {
@@ -300,8 +300,8 @@ mod tests {
     use crate::backend::{
         DecodeStream, Deployment, Dispatch, HalfError, PrefillReport, UpstreamClient,
     };
-    use crate::config::PoolConfig;
     use futures_util::future::BoxFuture;
+    use lockstep_core::config::PoolConfig;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     /// Records what the member tasks ask of a backend; a worker on port 9 never passes its check.
@@ -376,7 +376,7 @@ mod tests {
     }
 
     fn members_checked_every(rec: &Arc<Recorder>, interval_ms: u64) -> Arc<Members> {
-        let model = crate::config::test_model(
+        let model = lockstep_core::config::test_model(
             "http://a:1",
             "http://a:1",
             &format!("[models.health]\ninterval_ms = {interval_ms}"),
@@ -400,7 +400,7 @@ mod tests {
     async fn a_replace_leaves_members_joined_one_by_one_alone() {
         let rec = Arc::new(Recorder::default());
         let m = members(&rec);
-        let (feed, source) = crate::pool::MemberFeed::new();
+        let (feed, source) = lockstep_routing::pool::MemberFeed::new();
         let task = tokio::spawn(m.clone().run(source));
         let send = |c| assert!(feed.send(c));
         let member = |url: &str| m.prefill.member_at(url).is_some();
@@ -446,7 +446,7 @@ mod tests {
     async fn joins_are_checked_and_a_left_worker_is_forgotten_once_no_pool_has_it() {
         let rec = Arc::new(Recorder::default());
         let m = members(&rec);
-        let (feed, source) = crate::pool::MemberFeed::new();
+        let (feed, source) = lockstep_routing::pool::MemberFeed::new();
         let task = tokio::spawn(m.clone().run(source));
         let send = |c| assert!(feed.send(c));
         send(MemberChange::Join {
@@ -502,7 +502,7 @@ mod tests {
         let rec = Arc::new(Recorder::default());
         rec.down.store(true, Ordering::Relaxed);
         let m = members_checked_every(&rec, 10_000);
-        let (feed, source) = crate::pool::MemberFeed::new();
+        let (feed, source) = lockstep_routing::pool::MemberFeed::new();
         let task = tokio::spawn(m.clone().run(source));
         assert!(feed.send(MemberChange::Join {
             side: Side::Decode,
@@ -525,7 +525,7 @@ mod tests {
         let rec = Arc::new(Recorder::default());
         let m = members(&rec);
         let before = m.limits.prompt_limit();
-        let (feed, source) = crate::pool::MemberFeed::new();
+        let (feed, source) = lockstep_routing::pool::MemberFeed::new();
         let task = tokio::spawn(m.clone().run(source));
         assert!(feed.send(MemberChange::Named {
             worker: worker("http://named:8000"),

@@ -8,16 +8,16 @@ use lockstep_engine::engine::ModelBundle;
 use lockstep_engine::pd::Pd;
 use lockstep_serve::engine_section::EngineMode;
 
-use crate::admission::PromptCodec;
-use crate::audit::Audit;
 use crate::backend::embedded::EmbeddedBackend;
 use crate::backend::sglang::SglangBackend;
 use crate::backend::{Deployment, PdBackend, UpstreamClient};
-use crate::config::{BackendKind, Config, ModelConfig, PoolConfig, WorkerConfig};
-use crate::metrics::Metrics;
 use crate::pair::{ModelPairs, PairRegistry, PairStats};
-use crate::pool::{MemberFeed, WorkerPool};
 use crate::state::{AppState, ModelRuntime, Models, WorkerLimits};
+use lockstep_core::audit::Audit;
+use lockstep_core::config::{BackendKind, Config, ModelConfig, PoolConfig, WorkerConfig};
+use lockstep_core::metrics::Metrics;
+use lockstep_prompt::PromptCodec;
+use lockstep_routing::pool::{MemberFeed, WorkerPool};
 
 /// The deployment check of `m` against its live workers, through its backend's probe
 /// ([`PdBackend::deployment`]); an embedded model is checked against its configured pool.
@@ -44,7 +44,7 @@ pub async fn with_discovered(m: &ModelConfig) -> Result<(ModelConfig, Vec<String
             continue;
         };
         let at = format!("model `{}`: {side} pool", m.name);
-        let (_, workers, not_ready) = crate::discovery::connect_and_list(&d)
+        let (_, workers, not_ready) = lockstep_routing::discovery::connect_and_list(&d)
             .await
             .map_err(|e| format!("{at}: {e}"))?;
         let urls: Vec<&str> = workers.iter().map(|w| w.url.as_str()).collect();
@@ -143,7 +143,7 @@ pub(crate) async fn build_models(
 ) -> Result<Models, String> {
     let problems = cfg.problems();
     if !problems.is_empty() {
-        return Err(crate::config::lines(&problems).join("\n"));
+        return Err(lockstep_core::config::lines(&problems).join("\n"));
     }
     // The worker plane's certificates are read again at every build (start and reload).
     let client = &client.with_plane(&cfg.worker_plane)?;
@@ -169,7 +169,7 @@ pub(crate) async fn build_models(
                 continue;
             }
         };
-        if m.tool_mode() != crate::config::ToolParserKind::Generic
+        if m.tool_mode() != lockstep_core::config::ToolParserKind::Generic
             && let Err(e) = codec.check_renders_tools()
         {
             errors.push(format!("model `{}`: {e}", m.name));
@@ -229,7 +229,7 @@ pub(crate) async fn build_models(
             stats: stats.clone(),
             metrics: metrics.clone(),
             audit: audit.clone(),
-            series: crate::metrics::ModelMetrics::new(metrics, &name),
+            series: lockstep_core::metrics::ModelMetrics::new(metrics, &name),
             queue: crate::pair::FairQueue::default(),
             queue_cfg: m.queue.clone(),
         });
@@ -267,7 +267,7 @@ struct Built {
     decode: Arc<WorkerPool>,
     engine: Option<Arc<Pd>>,
     /// The membership changes of each discovered pool.
-    discovered: Vec<crate::pool::WorkerSource>,
+    discovered: Vec<lockstep_routing::pool::WorkerSource>,
 }
 
 /// A model served by remote workers (SGLang, vLLM, lockstep workers): the backend's deployment
@@ -304,17 +304,17 @@ async fn build_remote(
 async fn discover(
     m: &ModelConfig,
     metrics: &Arc<Metrics>,
-) -> Result<Vec<crate::pool::WorkerSource>, String> {
-    use crate::vocab::Side;
+) -> Result<Vec<lockstep_routing::pool::WorkerSource>, String> {
+    use lockstep_core::vocab::Side;
     let mut sources = Vec::new();
     for (side, pool) in [(Side::Prefill, &m.prefill), (Side::Decode, &m.decode)] {
         let Some(d) = &pool.discovery else { continue };
         let at = format!("model `{}`: {} pool", m.name, side.as_str());
-        let (client, workers, not_ready) = crate::discovery::connect_and_list(d)
+        let (client, workers, not_ready) = lockstep_routing::discovery::connect_and_list(d)
             .await
             .map_err(|e| format!("{at}: {e}"))?;
         tracing::info!(model = %m.name, side = side.as_str(), namespace = %d.namespace, selector = %d.selector, workers = workers.len(), not_ready, "Kubernetes discovery: pods listed; they join as the watch sees them");
-        sources.push(crate::discovery::watch(
+        sources.push(lockstep_routing::discovery::watch(
             client,
             m.name.as_str().into(),
             side,
@@ -333,7 +333,7 @@ async fn remote_codec(m: &ModelConfig) -> Result<Arc<PromptCodec>, String> {
     };
     let (e, name) = (e.clone(), m.name.clone());
     let content_specials = m.special_tokens_in_content;
-    let template = crate::admission::codec::configured_template(m)?;
+    let template = lockstep_prompt::codec::configured_template(m)?;
     tokio::task::spawn_blocking(move || {
         let path = lockstep_serve::model_file::ensure_model(e.model_file())
             .map_err(|err| format!("model `{name}`: {err}"))?;
@@ -377,7 +377,7 @@ async fn build_embedded(m: &ModelConfig) -> Result<Built, String> {
         .ok_or_else(|| format!("model `{}`: no [models.engine] section", m.name))?;
     let name = m.name.clone();
     let content_specials = m.special_tokens_in_content;
-    let template = crate::admission::codec::configured_template(m)?;
+    let template = lockstep_prompt::codec::configured_template(m)?;
     let (pd, codec) = tokio::task::spawn_blocking(move || {
         let path = lockstep_serve::model_file::ensure_model(e.model_file()).map_err(|err| format!("model `{name}`: {err}"))?;
         let device = e

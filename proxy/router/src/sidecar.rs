@@ -1,10 +1,10 @@
 //! `lockstep sidecar`: which prefill an admitted request's pair uses. The endpoint picker names
-//! one in `x-prefiller-host-port` ([`crate::pool::NamedPrefills`] reads it at admission); the pair
+//! one in `x-prefiller-host-port` ([`lockstep_routing::pool::NamedPrefills`] reads it at admission); the pair
 //! is pinned to it, after it is found to be a prefill this sidecar may call and one that passed
 //! the deployment check with the local decode:
 //! - a member of the prefill pool (configured or discovered) is used as it is;
 //! - an address inside `sidecar.prefill_allow` is kept within `sidecar.max_prefills` (reserved
-//!   before it joins) and joins the pool (a [`crate::pool::MemberChange::Named`], so the member
+//!   before it joins) and joins the pool (a [`lockstep_routing::pool::MemberChange::Named`], so the member
 //!   task checks it with the verified set, as any worker that joins at run time, and what it
 //!   reports never lowers the model's limits) and the request waits for that check, up to
 //!   `sidecar.verify_wait_ms`; a failed check is 503 `prefill_unverified` (the reason goes to
@@ -18,10 +18,10 @@
 
 use std::time::Duration;
 
-use crate::config::{BackendKind, WorkerConfig};
-use crate::error::LockstepError;
-use crate::pool::{NamedPrefill, NamedPrefills, PrefillPin};
 use crate::state::ModelRuntime;
+use lockstep_core::config::{BackendKind, WorkerConfig};
+use lockstep_core::error::LockstepError;
+use lockstep_routing::pool::{NamedPrefill, NamedPrefills, PrefillPin};
 
 /// SGLang's default bootstrap port (`--disaggregation-bootstrap-port`).
 const SGLANG_BOOTSTRAP_PORT: u16 = 8998;

@@ -9,12 +9,12 @@ use arc_swap::ArcSwap;
 use lockstep_engine::pd::Pd;
 use tokio::task::JoinHandle;
 
-use crate::admission::codec::PromptCodec;
-use crate::audit::Audit;
 use crate::backend::UpstreamClient;
-use crate::config::ModelConfig;
-use crate::metrics::Metrics;
 use crate::pair::{ModelPairs, PairRegistry, PairStats};
+use lockstep_core::audit::Audit;
+use lockstep_core::config::ModelConfig;
+use lockstep_core::metrics::Metrics;
+use lockstep_prompt::codec::PromptCodec;
 
 /// One served model.
 #[derive(Debug)]
@@ -30,11 +30,11 @@ pub struct ModelRuntime {
     /// The embedded engines, for `backend = "embedded"`.
     pub engine: Option<Arc<Pd>>,
     /// The embedding workers of an embeddings model (`[models.embed]`).
-    pub embed: Option<Arc<crate::pool::WorkerPool>>,
+    pub embed: Option<Arc<lockstep_routing::pool::WorkerPool>>,
     pub(crate) limits: Arc<WorkerLimits>,
     /// Where membership changes for its remote pools go (the admin API's add and remove);
     /// `None` for the embedded engine.
-    pub members: Option<crate::pool::MemberFeed>,
+    pub members: Option<lockstep_routing::pool::MemberFeed>,
 }
 
 /// The limits the workers report, as admission applies them: set by the deployment check and
@@ -101,18 +101,20 @@ impl ModelRuntime {
     pub fn stranded_kv_bound(&self) -> std::time::Duration {
         use std::time::Duration;
         match self.cfg.backend {
-            crate::config::BackendKind::Sglang => {
+            lockstep_core::config::BackendKind::Sglang => {
                 self.cfg.timeouts.abort_confirm() + Duration::from_secs(4)
             }
-            crate::config::BackendKind::Vllm => Duration::from_millis(self.cfg.vllm.kv_lease_ms),
-            crate::config::BackendKind::Lockstep => {
+            lockstep_core::config::BackendKind::Vllm => {
+                Duration::from_millis(self.cfg.vllm.kv_lease_ms)
+            }
+            lockstep_core::config::BackendKind::Lockstep => {
                 match self.limits.kv_lease_ms.load(Ordering::Acquire) {
                     // Not reported yet: the worker's default lease.
                     0 => Duration::from_secs(30),
                     l => Duration::from_millis(l),
                 }
             }
-            crate::config::BackendKind::Embedded => Duration::ZERO,
+            lockstep_core::config::BackendKind::Embedded => Duration::ZERO,
         }
     }
 }
@@ -125,7 +127,7 @@ pub struct Models {
     pub by_name: BTreeMap<String, Arc<ModelRuntime>>,
     /// The tenants of the same configuration: swapped in with the models, in one store, so no
     /// request sees one configuration's models with another's tenants.
-    pub tenants: Arc<crate::tenant::Tenants>,
+    pub tenants: Arc<lockstep_tenancy::tenant::Tenants>,
     pub(crate) health: Vec<JoinHandle<()>>,
 }
 
@@ -169,7 +171,7 @@ pub struct AppState {
     pub(crate) reload_lock: tokio::sync::Mutex<()>,
     /// `lockstep sidecar`: what a request may name as its prefill (`x-prefiller-host-port`);
     /// `None` elsewhere, where the header is not read.
-    pub named_prefills: Option<crate::pool::NamedPrefills>,
+    pub named_prefills: Option<lockstep_routing::pool::NamedPrefills>,
     /// `lockstep epp`: its HTTP listener serves health, readiness and metrics only (generation
     /// requests reach it through Envoy's `ext_proc`).
     pub picker_only: bool,

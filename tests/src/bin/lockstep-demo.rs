@@ -4,8 +4,8 @@
 use std::path::PathBuf;
 
 use clap::Parser;
+use lockstep_core::config::Config;
 use lockstep_router::app::Lockstep;
-use lockstep_router::config::Config;
 use lockstep_tests::sglang_mock::{MockConfig, PdMock};
 use lockstep_tests::tokenizer;
 

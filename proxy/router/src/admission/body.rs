@@ -9,8 +9,8 @@ use serde::de::DeserializeOwned;
 
 use super::{Admitted, Caller, FrontRequest, INLINE_TOKENIZE_BYTES, Refusal};
 use super::{admit, admit_here, in_background};
-use crate::error::LockstepError;
 use crate::state::AppState;
+use lockstep_core::error::LockstepError;
 
 /// Admits a request from its JSON body (already read within the size and time bounds) for a
 /// caller already authorized ([`admit_sized`]: parsed with the rest of the work, inline or on

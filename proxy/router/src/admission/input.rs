@@ -3,7 +3,7 @@
 
 use serde::Deserialize;
 
-use super::codec::ChatMessage;
+use lockstep_prompt::ChatMessage;
 
 /// A completion-style prompt as clients send it: a string, a list of one string, or token ids.
 #[derive(Debug)]

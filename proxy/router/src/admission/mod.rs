@@ -15,32 +15,22 @@
 //! Every refusal is counted once, here ([`Refusal`]), by model (empty until the model is known)
 //! and stable error code.
 
-pub(crate) mod background;
 mod body;
-pub mod bpe;
-pub mod codec;
 mod input;
-mod placement;
-mod pretokenize;
-pub mod segments;
 pub(crate) mod text_or;
-mod token_bytes;
-mod words;
 
 pub(crate) use body::parse_json;
 pub use body::{admit_body, admit_decoded};
 pub use input::{Input, Prompt};
-
-pub use codec::{ChatMessage, PromptCodec, check_fits};
 
 use std::sync::Arc;
 
 use http::HeaderMap;
 
 use crate::backend::SamplingParams;
-use crate::error::LockstepError;
 use crate::state::{AppState, ModelRuntime};
-use crate::tenant::Tenant;
+use lockstep_core::error::LockstepError;
+use lockstep_tenancy::tenant::Tenant;
 
 /// Who is calling (step 1) and the tenant's concurrency slot for this request (step 2).
 #[derive(Debug)]
@@ -51,9 +41,9 @@ pub struct Caller {
     /// The tenant (`None` when lockstep runs open).
     pub tenant: Option<Arc<Tenant>>,
     /// Held as long as the response lives; dropping it frees the tenant's slot.
-    pub permit: crate::tenant::Held,
+    pub permit: lockstep_tenancy::tenant::Held,
     /// The prefill the request named (`x-prefiller-host-port`), read only by `lockstep sidecar`.
-    pub named_prefill: Option<crate::pool::NamedPrefill>,
+    pub named_prefill: Option<lockstep_routing::pool::NamedPrefill>,
 }
 
 /// Bodies and prompts up to this many bytes are parsed, templated and tokenized inline
@@ -82,7 +72,7 @@ pub trait FrontRequest: Send + 'static {
     /// runtime state): the prompt, the sampling parameters, the shape.
     fn validate(
         self,
-        model: &crate::config::ModelConfig,
+        model: &lockstep_core::config::ModelConfig,
     ) -> Result<(Input, SamplingParams, Self::Shape), LockstepError>;
 }
 
@@ -101,10 +91,10 @@ pub struct Admitted {
     /// Who asked, with their concurrency slot.
     pub caller: Caller,
     /// Where its prefill runs (`lockstep sidecar`: the prefill the request named, checked).
-    pub prefill: crate::pool::PrefillPin,
+    pub prefill: lockstep_routing::pool::PrefillPin,
     /// What each further choice holds of the tenant's limits (`n` > 1: `n - 1` of them; the
     /// first choice's is the caller's).
-    pub further: Vec<crate::tenant::Held>,
+    pub further: Vec<lockstep_tenancy::tenant::Held>,
 }
 
 /// A refused request: counted (by model and code) when made, then answered by the front end.
@@ -141,7 +131,7 @@ pub struct Identity {
     /// The tenant (`None` when lockstep runs open).
     pub tenant: Option<Arc<Tenant>>,
     /// The prefill the request named (`x-prefiller-host-port`), read only by `lockstep sidecar`.
-    pub named_prefill: Option<crate::pool::NamedPrefill>,
+    pub named_prefill: Option<lockstep_routing::pool::NamedPrefill>,
 }
 
 /// Step 1: the caller's tenant from its API key (401 for a missing or unknown one).
@@ -152,7 +142,7 @@ pub fn identify(state: &AppState, headers: &HeaderMap) -> Result<Identity, Refus
         .authenticate(headers)
         .map_err(|e| Refusal::count(state, "", e))?;
     let named_prefill = match &state.named_prefills {
-        Some(_) => crate::pool::NamedPrefills::read(headers)
+        Some(_) => lockstep_routing::pool::NamedPrefills::read(headers)
             .map_err(|e| Refusal::count_for(state, "", tenant.as_deref(), e))?,
         None => None,
     };
@@ -181,7 +171,7 @@ pub fn authorize_identified(state: &AppState, who: Identity) -> Result<Caller, R
         };
         return Err(Refusal::count(state, "", e));
     }
-    let permit = crate::tenant::Held::with_slot(match &tenant {
+    let permit = lockstep_tenancy::tenant::Held::with_slot(match &tenant {
         None => None,
         Some(t) => t
             .take_permit()
@@ -361,14 +351,14 @@ impl<S> Checked<S> {
         let refuse = |e| Refusal::count_for(state, &model.name, tenant.as_deref(), e);
         // The tenant's salt keys the tokenizer's segment cache (a hit never crosses tenants);
         // an HMAC, so only for prompts long enough to use the cache.
-        let salt = (self.bytes >= segments::MIN_PROMPT_BYTES)
-            .then(|| crate::tenant::salt_of(tenant.as_deref()));
+        let salt = (self.bytes >= lockstep_prompt::segments::MIN_PROMPT_BYTES)
+            .then(|| lockstep_tenancy::tenant::salt_of(tenant.as_deref()));
         let ids = tokenize(&model, self.input, salt).map_err(refuse)?;
         fit(&model, &ids, &self.sampling).map_err(refuse)?;
         // The tenant's token budget: the exact prompt and `max_tokens`, reserved now, settled
         // on what is delivered.
         // Where the limits are shared, the store takes them after admission
-        // ([`crate::tenant::Held::claim_shared`]).
+        // ([`lockstep_tenancy::tenant::Held::claim_shared`]).
         // Each further choice (`n` > 1) counts as a request of its own.
         let mut caller = self.caller;
         let want = ids.len() as u64 + self.sampling.max_new_tokens;
@@ -376,7 +366,7 @@ impl<S> Checked<S> {
             caller.permit.reserve(t, want).map_err(refuse)?;
         }
         let further = (1..self.choices)
-            .map(|_| crate::tenant::Held::another(tenant.as_deref(), want))
+            .map(|_| lockstep_tenancy::tenant::Held::another(tenant.as_deref(), want))
             .collect::<Result<Vec<_>, _>>()
             .map_err(refuse)?;
         // A long prompt's ids are written as JSON here too, once for both halves, off the
@@ -389,7 +379,7 @@ impl<S> Checked<S> {
             ids_json,
             sampling: self.sampling,
             caller,
-            prefill: crate::pool::PrefillPin::Pool,
+            prefill: lockstep_routing::pool::PrefillPin::Pool,
             further,
         };
         Ok((admitted, self.shape))
@@ -402,7 +392,7 @@ pub(crate) async fn in_background<T: Send + 'static>(
     state: &AppState,
     work: impl FnOnce() -> Result<T, LockstepError> + Send + 'static,
 ) -> Result<T, LockstepError> {
-    background::run(&state.tokenize_slots, &state.tokenize_pool, work).await
+    lockstep_prompt::background::run(&state.tokenize_slots, &state.tokenize_pool, work).await
 }
 
 /// Steps 4 and 5: the template for chat, then the tokenizer; token ids are checked against the
@@ -489,7 +479,7 @@ pub fn fit(
             param: Some("max_tokens".into()),
         });
     }
-    check_fits(
+    lockstep_prompt::check_fits(
         ids.len() as u64,
         sampling.max_new_tokens,
         model.cfg.context_window,

@@ -180,7 +180,7 @@ impl UpstreamClient {
     /// This client with the worker plane's TLS read from `cfg` (none where it has none).
     pub fn with_plane(
         &self,
-        cfg: &crate::config::WorkerPlaneConfig,
+        cfg: &lockstep_core::config::WorkerPlaneConfig,
     ) -> Result<UpstreamClient, String> {
         let plane = match &cfg.tls {
             Some(f) => Some(
@@ -226,16 +226,16 @@ impl UpstreamClient {
         let uri = url
             .parse::<http::Uri>()
             .map_err(|e| CallError::Connect(format!("bad request for {url}: {e}")))?;
-        let target = crate::pool::Endpoint { uri, host: None };
+        let target = lockstep_routing::pool::Endpoint { uri, host: None };
         self.send_to(method, &target, body, extra).await
     }
 
-    /// [`UpstreamClient::send_with`] to a worker's [`crate::pool::Endpoint`]: no URL parsed,
+    /// [`UpstreamClient::send_with`] to a worker's [`lockstep_routing::pool::Endpoint`]: no URL parsed,
     /// and its `Host` header shared, not formatted.
     pub async fn send_to(
         &self,
         method: Method,
-        target: &crate::pool::Endpoint,
+        target: &lockstep_routing::pool::Endpoint,
         body: impl Into<ReqBody>,
         extra: &[(http::HeaderName, http::HeaderValue)],
     ) -> Result<Response<Incoming>, CallError> {
@@ -283,10 +283,10 @@ impl UpstreamClient {
         collect(resp, url).await
     }
 
-    /// [`UpstreamClient::post_collect_with`] to a worker's [`crate::pool::Endpoint`].
+    /// [`UpstreamClient::post_collect_with`] to a worker's [`lockstep_routing::pool::Endpoint`].
     pub async fn post_collect_to(
         &self,
-        target: &crate::pool::Endpoint,
+        target: &lockstep_routing::pool::Endpoint,
         body: impl Into<ReqBody>,
         extra: &[(http::HeaderName, http::HeaderValue)],
     ) -> Result<(u16, Bytes), CallError> {

@@ -17,7 +17,7 @@ use super::{
     DecodeStream, Deployment, Dispatch, FinishReason, HalfError, HalfFailure, PdBackend,
     PrefillReport, SamplingParams, Side,
 };
-use crate::config::{ModelConfig, deployment_check};
+use lockstep_core::config::{ModelConfig, deployment_check};
 
 /// The backend over one model's embedded engines.
 #[derive(Debug, Clone)]

@@ -23,7 +23,7 @@ use super::{
     DecodeStream, Dispatch, FinishReason, HalfError, HalfFailure, PdBackend, PrefillReport,
     SamplingParams, Side, TokenLogprobs,
 };
-use crate::config::{ModelConfig, WorkerConfig};
+use lockstep_core::config::{ModelConfig, WorkerConfig};
 use lockstep_proto::MAX_MESSAGE_BYTES;
 use lockstep_serve::tls::{PlaneTls, worker_channel};
 
@@ -46,7 +46,7 @@ impl LockstepBackend {
     pub fn new(
         connect_timeout: Duration,
         tls: Option<std::sync::Arc<PlaneTls>>,
-        timeouts: &crate::config::TimeoutConfig,
+        timeouts: &lockstep_core::config::TimeoutConfig,
     ) -> LockstepBackend {
         LockstepBackend {
             clients: Default::default(),
@@ -433,7 +433,7 @@ mod tests {
         let b = LockstepBackend::new(
             Duration::from_secs(1),
             None,
-            &crate::config::TimeoutConfig::default(),
+            &lockstep_core::config::TimeoutConfig::default(),
         );
         for port in [7001, 7002] {
             b.client(&format!("http://127.0.0.1:{port}"))

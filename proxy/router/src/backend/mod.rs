@@ -29,12 +29,12 @@ use bytes::Bytes;
 use futures_util::future::BoxFuture;
 use futures_util::stream::BoxStream;
 
-use crate::config::ModelConfig;
-use crate::pool::Upstream;
-pub use crate::vocab::{
+use lockstep_core::config::ModelConfig;
+pub use lockstep_core::vocab::{
     Constraint, DecodeChunk, FinishReason, MAX_TOP_LOGPROBS, PairId, SamplingParams, Side,
     TokenLogprobs,
 };
+use lockstep_routing::pool::Upstream;
 
 /// Everything a backend needs to run both halves of one pair.
 #[derive(Debug, Clone)]
@@ -51,7 +51,7 @@ pub struct Dispatch {
     pub sampling: Arc<SamplingParams>,
     /// The tenant whose request it is (`None` without tenants): the prefix-cache namespace.
     pub tenant: Option<Arc<str>>,
-    /// The tenant's prefix-cache salt ([`crate::tenant::Tenant::salt`]; without tenants, the
+    /// The tenant's prefix-cache salt ([`lockstep_tenancy::tenant::Tenant::salt`]; without tenants, the
     /// one shared namespace).
     pub salt: u64,
     /// `input_ids` as a JSON array, written once for both halves ([`Dispatch::ids_json`]).
@@ -319,7 +319,7 @@ pub trait PdBackend: Send + Sync + 'static {
         &'a self,
         _m: &'a ModelConfig,
         _side: Side,
-        _w: &'a crate::config::WorkerConfig,
+        _w: &'a lockstep_core::config::WorkerConfig,
     ) -> BoxFuture<'a, Result<probe::WorkerReport, probe::ProbeError>> {
         Box::pin(std::future::ready(Ok(probe::WorkerReport::default())))
     }

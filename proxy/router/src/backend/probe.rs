@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 
 use super::{Deployment, PdBackend, Side};
-use crate::config::{ModelConfig, WorkerConfig, deployment_check};
+use lockstep_core::config::{ModelConfig, WorkerConfig, deployment_check};
 
 /// What one worker said about itself. Each `None` where it did not say.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -218,7 +218,7 @@ mod tests {
     }
 
     fn model() -> ModelConfig {
-        crate::config::test_model("http://p", "http://d", "")
+        lockstep_core::config::test_model("http://p", "http://d", "")
     }
 
     fn probed(side: Side, url: &str, report: WorkerReport) -> Probed {

@@ -18,7 +18,7 @@ use super::{
     Constraint, DecodeChunk, DecodeStream, Dispatch, FinishReason, HalfError, HalfFailure,
     PdBackend, PrefillReport, Side,
 };
-use crate::config::ModelConfig;
+use lockstep_core::config::ModelConfig;
 
 /// Talks to SGLang prefill and decode workers.
 #[derive(Debug, Clone)]
@@ -108,8 +108,8 @@ struct SglangSampling<'a> {
 #[derive(serde::Serialize)]
 struct GenerateBody<'a> {
     sampling_params: SglangSampling<'a>,
-    /// The pair id as SGLang's `rid` ([`crate::vocab::PairId::rid`]).
-    rid: crate::vocab::RidText,
+    /// The pair id as SGLang's `rid` ([`lockstep_core::vocab::PairId::rid`]).
+    rid: lockstep_core::vocab::RidText,
     bootstrap_host: &'a str,
     bootstrap_port: Option<u16>,
     /// The pair id as the integer SGLang expects.
@@ -260,7 +260,7 @@ impl PdBackend for SglangBackend {
         &'a self,
         m: &'a ModelConfig,
         side: Side,
-        w: &'a crate::config::WorkerConfig,
+        w: &'a lockstep_core::config::WorkerConfig,
     ) -> BoxFuture<'a, Result<WorkerReport, ProbeError>> {
         Box::pin(async move {
             let (report, mode) = super::sglang_info::probe_worker(&self.client, m, side, w).await?;

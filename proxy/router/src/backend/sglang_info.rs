@@ -17,7 +17,7 @@ use serde_json::Value;
 use super::Side;
 use super::client::UpstreamClient;
 use super::probe::{ProbeError, WorkerReport};
-use crate::config::{ModelConfig, WorkerConfig};
+use lockstep_core::config::{ModelConfig, WorkerConfig};
 
 /// How a decode worker streams `/generate` output.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -185,7 +185,7 @@ pub fn read(
         // annotation or the pool's `discovery.bootstrap_port`.
         r.problems.push(format!(
             "has no bootstrap port for its decodes to fetch KV from: annotate its pod with `{}` or set the pool's discovery.bootstrap_port",
-            crate::discovery::BOOTSTRAP_PORT_ANNOTATION
+            lockstep_routing::discovery::BOOTSTRAP_PORT_ANNOTATION
         ));
     }
     if side == Side::Prefill
@@ -257,7 +257,7 @@ workers = [{{ url = "http://p", bootstrap_port = 8998 }}]
 workers = [{{ url = "http://d/" }}]
 "#
         );
-        crate::config::Config::parse(&text)
+        lockstep_core::config::Config::parse(&text)
             .expect("config")
             .models
             .remove(0)

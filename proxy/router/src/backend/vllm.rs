@@ -34,9 +34,9 @@ use super::{
     Constraint, DecodeChunk, DecodeStream, Dispatch, FinishReason, HalfError, HalfFailure,
     PdBackend, PrefillReport, Side,
 };
-use crate::config::ModelConfig;
-use crate::config::{VllmConnector, VllmSection};
-use crate::vocab::PairId;
+use lockstep_core::config::ModelConfig;
+use lockstep_core::config::{VllmConnector, VllmSection};
+use lockstep_core::vocab::PairId;
 
 /// The prefill's verdict, as the decode half waits for it.
 #[derive(Debug, Clone)]
@@ -221,7 +221,7 @@ impl PdBackend for VllmBackend {
         &'a self,
         m: &'a ModelConfig,
         side: Side,
-        w: &'a crate::config::WorkerConfig,
+        w: &'a lockstep_core::config::WorkerConfig,
     ) -> BoxFuture<'a, Result<super::probe::WorkerReport, super::probe::ProbeError>> {
         Box::pin(super::vllm_probe::probe_worker(
             &self.client,

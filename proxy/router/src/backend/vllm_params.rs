@@ -2,7 +2,7 @@
 
 use serde_json::Value;
 
-use crate::config::{VllmConnector, VllmSection};
+use lockstep_core::config::{VllmConnector, VllmSection};
 
 /// Checks the transfer params a prefill returned for `prompt_tokens` tokens.
 ///

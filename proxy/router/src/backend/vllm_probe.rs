@@ -19,8 +19,8 @@ use serde_json::Value;
 
 use super::UpstreamClient;
 use super::probe::{ProbeError, WorkerReport};
-use crate::config::{ModelConfig, WorkerConfig};
-use crate::vocab::Side;
+use lockstep_core::config::{ModelConfig, WorkerConfig};
+use lockstep_core::vocab::Side;
 
 /// What one worker reported (each `None` where it did not say).
 #[derive(Debug, Default, PartialEq)]
@@ -155,7 +155,7 @@ mod tests {
     use super::*;
 
     fn model() -> ModelConfig {
-        crate::config::test_model("http://p", "http://d", "")
+        lockstep_core::config::test_model("http://p", "http://d", "")
     }
 
     fn report(len: Option<Option<u64>>, bs: Option<u64>, kv: Option<u64>) -> Report {

@@ -39,13 +39,15 @@ async fn a_decode_too_late_for_the_lease_is_not_sent() {
     };
     let backend = VllmBackend::new(client, "m", cfg);
     let worker = |url: &str| {
-        Arc::new(crate::pool::Upstream::new(&crate::config::WorkerConfig {
-            url: url.into(),
-            bootstrap_port: None,
-            bootstrap_host: None,
-            kv_events: None,
-            kv_events_replay: None,
-        }))
+        Arc::new(lockstep_routing::pool::Upstream::new(
+            &lockstep_core::config::WorkerConfig {
+                url: url.into(),
+                bootstrap_port: None,
+                bootstrap_host: None,
+                kv_events: None,
+                kv_events_replay: None,
+            },
+        ))
     };
     let d = Dispatch {
         pair_id: PairId::random(),

@@ -15,10 +15,11 @@ use super::extract::Admit;
 use super::fields::{self, Known, known, refuse_unhonoured};
 use super::openai::{CommonParams, Stop, bad, renamed};
 use super::respond::{Progress, Render, serve_pair, sse_named};
-use crate::admission::{ChatMessage, FrontRequest, Input, Refusal};
+use crate::admission::{FrontRequest, Input, Refusal};
 use crate::backend::{DecodeChunk, FinishReason, SamplingParams};
-use crate::config::ModelConfig;
-use crate::error::LockstepError;
+use lockstep_core::config::ModelConfig;
+use lockstep_core::error::LockstepError;
+use lockstep_prompt::ChatMessage;
 
 /// `system`: a string or a list of text blocks (read by hand: `admission::text_or`).
 #[derive(Debug)]

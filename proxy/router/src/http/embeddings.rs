@@ -19,8 +19,8 @@ use serde_json::{Map, Value, json};
 
 use super::fields::{self, known, refuse_unhonoured};
 use crate::admission::{Input, Prompt, Refusal, authorize, find_model, tokenize};
-use crate::error::LockstepError;
 use crate::state::{AppState, ModelRuntime};
+use lockstep_core::error::LockstepError;
 
 /// Most inputs one request may embed (OpenAI's limit).
 pub(crate) const MAX_INPUTS: usize = 2048;
@@ -149,7 +149,7 @@ enum Source {
     /// Its embedded engine, whose vectors have this many dimensions.
     Engine(u64),
     /// Its embedding workers.
-    Workers(Arc<crate::pool::WorkerPool>),
+    Workers(Arc<lockstep_routing::pool::WorkerPool>),
 }
 
 /// The request against the model: it must serve embeddings; its inputs (1 to [`MAX_INPUTS`]),
@@ -308,7 +308,7 @@ async fn compute(model: &ModelRuntime, ids: Vec<Vec<u32>>) -> Result<Vec<Vec<f32
 async fn remote(
     state: &AppState,
     model: &ModelRuntime,
-    pool: &crate::pool::WorkerPool,
+    pool: &lockstep_routing::pool::WorkerPool,
     ids: &[Vec<u32>],
     dimensions: Option<u64>,
 ) -> Result<Vec<Vec<f32>>, LockstepError> {

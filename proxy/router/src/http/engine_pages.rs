@@ -23,8 +23,8 @@ use axum::routing::get;
 use http::Uri;
 use sha2::Digest;
 
-use crate::error::LockstepError;
 use crate::state::AppState;
+use lockstep_core::error::LockstepError;
 
 /// The paths passed to the engine (`/metrics` besides, unless `server.metrics_on_admin`).
 pub(crate) const ENGINE_PAGES: &[&str] = &[

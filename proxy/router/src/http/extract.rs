@@ -15,9 +15,9 @@ use http_body_util::BodyExt;
 use serde::de::DeserializeOwned;
 
 use crate::admission::{Admitted, FrontRequest, Refusal, admit_body, authorize};
-use crate::error::LockstepError;
 use crate::state::AppState;
-use crate::tenant::Tenant;
+use lockstep_core::error::LockstepError;
+use lockstep_tenancy::tenant::Tenant;
 
 impl IntoResponse for Refusal {
     fn into_response(self) -> Response {

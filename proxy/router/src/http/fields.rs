@@ -6,8 +6,8 @@
 use serde_json::{Map, Value};
 
 use crate::backend::Constraint;
-use crate::config::BackendKind;
-use crate::error::LockstepError;
+use lockstep_core::config::BackendKind;
+use lockstep_core::error::LockstepError;
 
 /// A field lockstep knows but does not forward: when its value is a no-op, and why otherwise.
 pub(crate) struct Known {

@@ -12,8 +12,8 @@ use super::respond::serve_pair;
 use super::rest::known_and_rest;
 use crate::admission::{FrontRequest, Input, Prompt};
 use crate::backend::SamplingParams;
-use crate::config::ModelConfig;
-use crate::error::LockstepError;
+use lockstep_core::config::ModelConfig;
+use lockstep_core::error::LockstepError;
 
 known_and_rest! {
     #[derive(Debug, Default)]

@@ -24,10 +24,10 @@ use crate::admission::{
     Admitted, FrontRequest, Identity, Input, Prompt, admit_decoded, authorize_identified, identify,
 };
 use crate::backend::{FinishReason, SamplingParams};
-use crate::error::LockstepError;
 use crate::pair::{CancelReason, PairId};
 use crate::state::AppState;
-use crate::tenant::Tenant;
+use lockstep_core::error::LockstepError;
+use lockstep_tenancy::tenant::Tenant;
 
 /// The gRPC services, ready to mount on the HTTP router, and the health reporter (drain flips it).
 pub fn services(
@@ -121,7 +121,7 @@ fn common(s: Option<pb::SamplingParams>) -> CommonParams {
 /// for backends lockstep does not read them from).
 fn sampling(
     s: Option<pb::SamplingParams>,
-    model: &crate::config::ModelConfig,
+    model: &lockstep_core::config::ModelConfig,
 ) -> Result<(SamplingParams, bool, bool), LockstepError> {
     let logprobs = s.as_ref().and_then(|s| s.logprobs);
     let mut out = common(s).sampling(model)?;
@@ -315,7 +315,7 @@ impl FrontRequest for pb::GenerateRequest {
 
     fn validate(
         self,
-        model: &crate::config::ModelConfig,
+        model: &lockstep_core::config::ModelConfig,
     ) -> Result<(Input, SamplingParams, ()), LockstepError> {
         let (sampling, ..) = sampling(self.sampling, model)?;
         let prompt = match self.prompt {
@@ -341,7 +341,7 @@ impl FrontRequest for pb::ChatRequest {
 
     fn validate(
         self,
-        model: &crate::config::ModelConfig,
+        model: &lockstep_core::config::ModelConfig,
     ) -> Result<(Input, SamplingParams, ()), LockstepError> {
         let (sampling, ..) = sampling(self.sampling, model)?;
         let messages = to_messages(

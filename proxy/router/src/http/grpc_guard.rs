@@ -28,8 +28,8 @@ use hyper::body::Frame;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::admission::{Refusal, identify};
-use crate::error::LockstepError;
 use crate::state::AppState;
+use lockstep_core::error::LockstepError;
 
 /// Largest health request read (a `HealthCheckRequest` is one service name).
 pub(super) const HEALTH_BODY_BYTES: usize = 4096;

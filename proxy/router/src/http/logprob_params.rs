@@ -7,7 +7,7 @@
 use serde_json::{Map, Value};
 
 use crate::backend::MAX_TOP_LOGPROBS;
-use crate::error::LockstepError;
+use lockstep_core::error::LockstepError;
 
 /// A `0..=20` count of top log-probabilities at `param` (`None` when absent or null).
 fn top_count(rest: &mut Map<String, Value>, param: &str) -> Result<Option<u32>, LockstepError> {

@@ -10,10 +10,10 @@
 
 use serde_json::{Map, Value, json};
 
-use crate::admission::PromptCodec;
 use crate::backend::{DecodeChunk, TokenLogprobs};
-use crate::error::LockstepError;
 use crate::pair::PairId;
+use lockstep_core::error::LockstepError;
+use lockstep_prompt::PromptCodec;
 
 /// The floor written for a log-probability (vLLM's: `max(logprob, -9999.0)`).
 const FLOOR: f32 = -9999.0;

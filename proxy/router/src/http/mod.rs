@@ -34,9 +34,9 @@ use axum::routing::{get, post};
 use http::{Method, Uri};
 use serde_json::json;
 
-use crate::error::LockstepError;
 use crate::state::AppState;
 use extract::Authenticated;
+use lockstep_core::error::LockstepError;
 
 /// The router of all HTTP routes.
 pub fn router(state: Arc<AppState>, with_metrics: bool) -> Router {
@@ -104,7 +104,7 @@ async fn trace_request(req: axum::extract::Request, next: axum::middleware::Next
 /// for a caller whose tenant has a token budget or a request rate ([`Tenant::rate_headers`]):
 /// what is left after this request's reservation.
 ///
-/// [`Tenant::rate_headers`]: crate::tenant::Tenant::rate_headers
+/// [`Tenant::rate_headers`]: lockstep_tenancy::tenant::Tenant::rate_headers
 async fn rate_headers(
     State(state): State<Arc<AppState>>,
     req: axum::extract::Request,

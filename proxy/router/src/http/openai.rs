@@ -8,10 +8,11 @@ use super::extract::Admit;
 use super::fields::{self, refuse_unhonoured};
 use super::openai_shape::{Echo, OpenAiShape};
 use super::respond::serve_pair;
-use crate::admission::{ChatMessage, FrontRequest, Input, Prompt};
+use crate::admission::{FrontRequest, Input, Prompt};
 use crate::backend::SamplingParams;
-use crate::config::ModelConfig;
-use crate::error::LockstepError;
+use lockstep_core::config::ModelConfig;
+use lockstep_core::error::LockstepError;
+use lockstep_prompt::ChatMessage;
 
 /// `stop`: one string or a list.
 #[derive(Debug, Deserialize)]

@@ -12,8 +12,8 @@ use super::openai_out::{
 };
 use super::respond::{Progress, Render};
 use super::tools::{self, ToolStream};
-use crate::admission::PromptCodec;
 use crate::backend::{DecodeChunk, FinishReason, TokenLogprobs};
+use lockstep_prompt::PromptCodec;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Api {
@@ -329,11 +329,11 @@ enum NativeFinish<'a> {
 }
 
 impl Render for OpenAiShape {
-    fn fits_prompt(&self, tokens: usize) -> Result<(), crate::error::LockstepError> {
+    fn fits_prompt(&self, tokens: usize) -> Result<(), lockstep_core::error::LockstepError> {
         match self.logprobs.as_ref().and_then(|l| l.start) {
             // As SGLang 0.5.23's scheduler refuses it (`scheduler.py`: "is higher than the
             // number of input tokens").
-            Some(s) if s > tokens => Err(crate::error::LockstepError::InvalidRequest {
+            Some(s) if s > tokens => Err(lockstep_core::error::LockstepError::InvalidRequest {
                 message: format!(
                     "`logprob_start_len` {s} is higher than the number of input tokens {tokens}"
                 ),

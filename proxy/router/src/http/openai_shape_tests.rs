@@ -2,11 +2,11 @@
 
 use super::super::respond::committed_chunks;
 use super::*;
-use crate::config::ToolParserKind;
 use futures_util::StreamExt;
+use lockstep_core::config::ToolParserKind;
 
-use crate::error::LockstepError;
 use crate::pair::{PairEvent, PairId};
+use lockstep_core::error::LockstepError;
 
 /// Hermes calls to the one declared tool, `get_weather`.
 fn hermes() -> tools::ToolParse {
@@ -280,9 +280,15 @@ async fn a_committed_answer_ends_with_a_finish_or_an_error_never_quietly() {
             tx.send(e).await.expect("room");
         }
         drop(tx);
-        committed_chunks(rx, id, crate::tenant::Held::default(), None, None)
-            .collect::<Vec<_>>()
-            .await
+        committed_chunks(
+            rx,
+            id,
+            lockstep_tenancy::tenant::Held::default(),
+            None,
+            None,
+        )
+        .collect::<Vec<_>>()
+        .await
     };
     // A finish ends it: nothing after is read.
     let got = read(vec![

@@ -9,10 +9,10 @@ use std::sync::Arc;
 use bytes::Bytes;
 
 use crate::admission::{Admitted, Caller, Refusal, admit_body};
-use crate::error::LockstepError;
-use crate::pool::{PairPick, PrefillChoice, RouteKey, pick_pair};
 use crate::state::AppState;
-use crate::vocab::Side;
+use lockstep_core::error::LockstepError;
+use lockstep_core::vocab::Side;
+use lockstep_routing::pool::{PairPick, PrefillChoice, RouteKey, pick_pair};
 
 /// The generation paths a picker admits (their bodies are read and checked); any other path
 /// gets a decode worker without admission (the engine's own pages, `/v1/models`).
@@ -125,7 +125,7 @@ pub fn pick(
     a: &Admitted,
     subset: Option<&[String]>,
 ) -> Result<PairPick, LockstepError> {
-    let salt = crate::tenant::salt_of(a.caller.tenant.as_deref());
+    let salt = lockstep_tenancy::tenant::salt_of(a.caller.tenant.as_deref());
     let key = RouteKey {
         tokens: &a.ids,
         salt,
@@ -196,7 +196,7 @@ fn pick_pair_of(
             PrefillChoice::Pick { avoid: None },
             None,
         ),
-        Some(allowed) => crate::pool::pick_within(&pairs.decode, allowed)
+        Some(allowed) => lockstep_routing::pool::pick_within(&pairs.decode, allowed)
             .ok_or(Side::Decode)
             .and_then(|decode| {
                 let prefill = pairs.prefill.pick(None, key).ok_or(Side::Prefill)?;
@@ -234,7 +234,7 @@ fn pick_pair_of(
 
 /// A decode worker for a request that is not a generation (the engine's pages): the least
 /// loaded healthy one of the only model, or of the model the path does not name.
-pub fn any_decode(state: &AppState) -> Option<crate::pool::LoadGuard> {
+pub fn any_decode(state: &AppState) -> Option<lockstep_routing::pool::LoadGuard> {
     let models = state.models.load();
     models
         .by_name

@@ -14,11 +14,12 @@ use futures_util::StreamExt;
 use serde_json::Value;
 
 use super::openai_out::Usage;
-use crate::admission::{Admitted, PromptCodec};
+use crate::admission::Admitted;
 use crate::backend::{DecodeChunk, FinishReason, TokenLogprobs};
-use crate::error::LockstepError as Error;
-use crate::error::LockstepError;
 use crate::pair::{PairEvent, PairId};
+use lockstep_core::error::LockstepError as Error;
+use lockstep_core::error::LockstepError;
+use lockstep_prompt::PromptCodec;
 
 /// A pair that passed the commit barrier: its events, id and the tenant's permit (held as long as
 /// the response lives).
@@ -27,7 +28,7 @@ pub(crate) struct Committed {
     pub(crate) pair_id: PairId,
     pub(crate) prompt_tokens: u64,
     pub(crate) cached_tokens: u64,
-    pub(crate) permit: crate::tenant::Held,
+    pub(crate) permit: lockstep_tenancy::tenant::Held,
     /// The prompt's log-probabilities the prefill reported (SGLang's), for the first chunk.
     pub(crate) prompt_logprobs: Option<Vec<TokenLogprobs>>,
 }
@@ -47,14 +48,14 @@ pub(crate) struct Launch {
     pub(crate) ids: Arc<[u32]>,
     pub(crate) ids_json: Option<Bytes>,
     pub(crate) sampling: Arc<crate::backend::SamplingParams>,
-    pub(crate) tenant: Option<Arc<crate::tenant::Tenant>>,
-    pub(crate) prefill: crate::pool::PrefillPin,
+    pub(crate) tenant: Option<Arc<lockstep_tenancy::tenant::Tenant>>,
+    pub(crate) prefill: lockstep_routing::pool::PrefillPin,
 }
 
 impl Launch {
     /// The pair an admitted request starts, and what its first choice holds of the tenant's
     /// limits.
-    pub(crate) fn of(admitted: Admitted) -> (Launch, crate::tenant::Held) {
+    pub(crate) fn of(admitted: Admitted) -> (Launch, lockstep_tenancy::tenant::Held) {
         let Admitted {
             model,
             ids,
@@ -78,7 +79,7 @@ impl Launch {
     /// Starts the pair and waits for its commit barrier; `permit` lives as long as its answer.
     pub(crate) async fn commit(
         self,
-        mut permit: crate::tenant::Held,
+        mut permit: lockstep_tenancy::tenant::Held,
     ) -> Result<Committed, LockstepError> {
         let (mut rx, _task) = self.model.pairs.start(
             self.ids,
@@ -191,7 +192,7 @@ pub(crate) struct PromptScores {
 pub(crate) fn committed_chunks(
     rx: tokio::sync::mpsc::Receiver<PairEvent>,
     pair_id: PairId,
-    permit: crate::tenant::Held,
+    permit: lockstep_tenancy::tenant::Held,
     logprobs: Option<u32>,
     prompt: Option<PromptScores>,
 ) -> impl futures_util::Stream<Item = Result<DecodeChunk, LockstepError>> + Send + 'static {

@@ -14,10 +14,11 @@ use super::fields::{self, Known, known, refuse_unhonoured};
 use super::openai::{CommonParams, bad, renamed};
 use super::respond::serve_pair;
 use super::responses_out::ResponsesShape;
-use crate::admission::{ChatMessage, FrontRequest, Input};
+use crate::admission::{FrontRequest, Input};
 use crate::backend::SamplingParams;
-use crate::config::ModelConfig;
-use crate::error::LockstepError;
+use lockstep_core::config::ModelConfig;
+use lockstep_core::error::LockstepError;
+use lockstep_prompt::ChatMessage;
 
 /// `input`: one text (a user message) or a list of message items (read by hand:
 /// `admission::text_or`).

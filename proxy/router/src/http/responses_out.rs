@@ -10,9 +10,9 @@ use serde_json::{Value, json};
 use super::openai_shape::Logprobs;
 use super::respond::{Progress, Render, sse_named};
 use super::tools::{self, Call, ToolStream};
-use crate::admission::PromptCodec;
 use crate::backend::{DecodeChunk, FinishReason};
-use crate::error::LockstepError;
+use lockstep_core::error::LockstepError;
+use lockstep_prompt::PromptCodec;
 
 /// How a Responses answer looks: one `response` object, or its stream of typed events.
 #[derive(Debug)]

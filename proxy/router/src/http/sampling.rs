@@ -3,7 +3,7 @@
 //! OpenAI's, which SGLang's and vLLM's own checks are no looser than, so what lockstep admits a
 //! worker takes.
 
-use crate::error::LockstepError;
+use lockstep_core::error::LockstepError;
 
 /// The knobs, as a request gave them (`None`: not given).
 #[derive(Debug, Default, Clone, Copy)]

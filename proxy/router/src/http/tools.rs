@@ -9,10 +9,11 @@
 
 use serde_json::{Map, Value, json};
 
-use crate::admission::{ChatMessage, Input};
+use crate::admission::Input;
 use crate::backend::{Constraint, SamplingParams};
-use crate::config::{BackendKind, ToolParserKind};
-use crate::error::LockstepError;
+use lockstep_core::config::{BackendKind, ToolParserKind};
+use lockstep_core::error::LockstepError;
+use lockstep_prompt::ChatMessage;
 
 use super::tools_generic as generic;
 

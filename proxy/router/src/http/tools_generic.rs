@@ -19,7 +19,7 @@
 
 use serde_json::{Value, json};
 
-use crate::admission::ChatMessage;
+use lockstep_prompt::ChatMessage;
 
 /// The key of the envelope's list of calls.
 const KEY: &str = "tool_calls";

@@ -3,7 +3,7 @@
 
 use serde_json::{Value, json};
 
-use crate::config::ToolParserKind;
+use lockstep_core::config::ToolParserKind;
 
 /// How a chat answer's tool calls are read: the model's parser, and the functions the request
 /// declared (a call to any other comes back as text).

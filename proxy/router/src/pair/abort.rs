@@ -21,7 +21,7 @@ use super::AbortsInFlight;
 use crate::backend::{
     DecodeChunk, DecodeStream, Dispatch, HalfError, PdBackend, PrefillReport, Side,
 };
-use crate::metrics::Metrics;
+use lockstep_core::metrics::Metrics;
 
 /// How long an abort waits for its half's answer to end before it is sent again.
 pub(super) const RESEND_EVERY: Duration = Duration::from_millis(250);

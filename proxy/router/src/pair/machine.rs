@@ -8,7 +8,7 @@
 pub(super) use super::verdict::{Check, Verdict};
 use super::{CancelReason, Outcome};
 use crate::backend::Side;
-use crate::error::Phase;
+use lockstep_core::error::Phase;
 
 /// What the machine knows of a request, fixed for its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -13,7 +13,7 @@ use stateright::{Checker, Model, Property};
 use super::machine::{Action, Env, Limits, Machine, Mutant, Observation, Stage};
 use super::{AbortReason, CancelReason, Outcome};
 use crate::backend::Side;
-use crate::error::Phase;
+use lockstep_core::error::Phase;
 
 /// The prompt count lockstep sent, in the model.
 const SENT: u64 = 3;

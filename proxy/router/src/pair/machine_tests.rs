@@ -118,7 +118,8 @@ fn nothing_migrates_without_the_delivered_ids_or_on_a_backend_that_cannot_resume
 
 #[test]
 fn only_the_tokens_whose_text_the_client_has_whole_are_carried() {
-    use super::lifecycle::{Detok, unsent};
+    use super::lifecycle::unsent;
+    use lockstep_prompt::Detok;
     // Ids are bytes; their text is the bytes as UTF-8, a split character as U+FFFD.
     let detok: Detok = std::sync::Arc::new(|ids: &[u32]| {
         let bytes: Vec<u8> = ids.iter().map(|&b| b as u8).collect();

@@ -10,12 +10,13 @@ mod registry;
 mod verdict;
 mod waiting;
 
-pub use lifecycle::{Detok, ModelPairs};
+pub use lifecycle::ModelPairs;
+pub use lockstep_prompt::Detok;
 pub use outcome::{AbortReason, Outcome, PairEvent, PairStats};
 pub use queue::FairQueue;
 pub use registry::{AbortsInFlight, CancelReason, PairGuard, PairInfo, PairRegistry, PairState};
 
-pub use crate::vocab::{PairId, RidText};
+pub use lockstep_core::vocab::{PairId, RidText};
 
 #[cfg(test)]
 mod machine_check;

@@ -9,10 +9,10 @@ use tokio::time::Instant as TokioInstant;
 
 use super::outcome::Failure;
 use super::{Outcome, PairStats};
-use crate::audit::{Audit, AuditEvent, AuditKind, AuditTimings, now_ms};
 use crate::backend::{Dispatch, Side};
-use crate::error::LockstepError;
-use crate::metrics::{Metrics, ModelMetrics};
+use lockstep_core::audit::{Audit, AuditEvent, AuditKind, AuditTimings, now_ms};
+use lockstep_core::error::LockstepError;
+use lockstep_core::metrics::{Metrics, ModelMetrics};
 
 /// Where an aborted pair stood, for its metrics and audit line.
 pub(super) struct AbortContext<'a> {
@@ -26,7 +26,7 @@ pub(super) struct AbortContext<'a> {
 
 /// A migration under way: the pair it replaces, why, and what it carries.
 pub(super) struct Migration {
-    pub(super) from: crate::vocab::PairId,
+    pub(super) from: lockstep_core::vocab::PairId,
     pub(super) reason: &'static str,
     pub(super) carried: u64,
     pub(super) started: TokioInstant,

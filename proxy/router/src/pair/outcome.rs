@@ -6,7 +6,7 @@ use std::sync::atomic::AtomicU64;
 use super::machine::{Check, Verdict};
 use super::{CancelReason, PairId};
 use crate::backend::{DecodeChunk, HalfError, HalfFailure, Side};
-use crate::error::{LockstepError, Phase};
+use lockstep_core::error::{LockstepError, Phase};
 
 /// What the front end receives from a pair's task.
 #[derive(Debug)]

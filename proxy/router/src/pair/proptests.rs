@@ -14,8 +14,8 @@ use crate::backend::{
     DecodeChunk, DecodeStream, Dispatch, FinishReason, HalfError, HalfFailure, PdBackend,
     PrefillReport, SamplingParams, Side,
 };
-use crate::config::{PolicyKind, PoolConfig, RetryConfig, TimeoutConfig, WorkerConfig};
-use crate::pool::WorkerPool;
+use lockstep_core::config::{PolicyKind, PoolConfig, RetryConfig, TimeoutConfig, WorkerConfig};
+use lockstep_routing::pool::WorkerPool;
 
 #[derive(Debug, Clone)]
 enum PrefillScript {
@@ -53,7 +53,7 @@ struct Fake {
 impl PdBackend for Fake {
     fn deployment<'a>(
         &'a self,
-        m: &'a crate::config::ModelConfig,
+        m: &'a lockstep_core::config::ModelConfig,
     ) -> BoxFuture<'a, Result<crate::backend::Deployment, String>> {
         Box::pin(async move { Ok(crate::backend::Deployment::capacity(m.kv_capacity_tokens)) })
     }
@@ -245,7 +245,7 @@ fn setup(script: &Script) -> Setup {
     });
     let registry = Arc::new(PairRegistry::default());
     let (prefill, decode) = (pool(), pool());
-    let metrics = Arc::new(crate::metrics::Metrics::new());
+    let metrics = Arc::new(lockstep_core::metrics::Metrics::new());
     let rt = Arc::new(ModelPairs {
         model: "m".into(),
         backend: fake.clone(),
@@ -266,17 +266,17 @@ fn setup(script: &Script) -> Setup {
             backoff_ms: 5,
         },
         // The scripts judge a committed stream's failure as the client's error event.
-        failover: crate::config::FailoverConfig {
+        failover: lockstep_core::config::FailoverConfig {
             max_migrations: 0,
             ..Default::default()
         },
         detok: None,
         stats: Arc::new(PairStats::default()),
-        series: crate::metrics::ModelMetrics::new(&metrics, "m"),
+        series: lockstep_core::metrics::ModelMetrics::new(&metrics, "m"),
         queue: crate::pair::FairQueue::default(),
-        queue_cfg: crate::config::QueueConfig::default(),
+        queue_cfg: lockstep_core::config::QueueConfig::default(),
         metrics,
-        audit: Arc::new(crate::audit::Audit::default()),
+        audit: Arc::new(lockstep_core::audit::Audit::default()),
     });
     (fake, rt, registry, prefill, decode)
 }
@@ -298,7 +298,7 @@ fn run_case(script: Script) -> Result<(), TestCaseError> {
                 ..Default::default()
             }),
             None,
-            crate::pool::PrefillPin::Pool,
+            lockstep_routing::pool::PrefillPin::Pool,
         );
         let mut events = Vec::new();
         loop {
@@ -442,7 +442,7 @@ fn a_stalled_reader_aborts_both_halves_after_client_idle() {
                 ..Default::default()
             }),
             None,
-            crate::pool::PrefillPin::Pool,
+            lockstep_routing::pool::PrefillPin::Pool,
         );
         assert!(matches!(rx.recv().await, Some(PairEvent::Committed { .. })));
         // Stall: hold the receiver, read nothing.
@@ -452,7 +452,7 @@ fn a_stalled_reader_aborts_both_halves_after_client_idle() {
             matches!(
                 outcome,
                 Outcome::Aborted(super::AbortReason::Deadline(
-                    crate::error::Phase::ClientIdle
+                    lockstep_core::error::Phase::ClientIdle
                 ))
             ),
             "{outcome:?}"

@@ -4,7 +4,7 @@
 
 use super::{AbortReason, CancelReason};
 use crate::backend::Side;
-use crate::error::Phase;
+use lockstep_core::error::Phase;
 
 /// Why an attempt failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -11,17 +11,19 @@ use tokio::sync::mpsc;
 use tokio::time::{Instant as TokioInstant, sleep};
 use tracing::Instrument;
 
+use lockstep_prompt::Detok;
+
 use super::abort::{AbortPlan, Halves, abort_both};
 use super::machine::{Action, Env, Limits, Machine, Observation, Stage, Verdict};
 use super::observer::{AbortContext, Migration, PairObserver, TokenTimes};
 use super::outcome::Failure;
 use super::{Outcome, PairEvent, PairGuard, PairId, PairInfo, PairRegistry, PairState, PairStats};
-use crate::audit::Audit;
 use crate::backend::{DecodeChunk, Dispatch, HalfError, PdBackend, SamplingParams, Side};
-use crate::config::{FailoverConfig, RetryConfig, TimeoutConfig};
-use crate::error::LockstepError;
-use crate::metrics::{Metrics, ModelMetrics};
-use crate::pool::{
+use lockstep_core::audit::Audit;
+use lockstep_core::config::{FailoverConfig, RetryConfig, TimeoutConfig};
+use lockstep_core::error::LockstepError;
+use lockstep_core::metrics::{Metrics, ModelMetrics};
+use lockstep_routing::pool::{
     LoadGuard, PrefillChoice, PrefillPin, RouteKey, Upstream, WorkerPool, pick_pair,
 };
 
@@ -58,7 +60,7 @@ pub struct ModelPairs {
     /// Requests waiting for a slot ([`super::queue`]).
     pub queue: super::FairQueue,
     /// The queue's settings (`models[].queue`).
-    pub queue_cfg: crate::config::QueueConfig,
+    pub queue_cfg: lockstep_core::config::QueueConfig,
 }
 
 impl ModelPairs {
@@ -82,7 +84,7 @@ impl ModelPairs {
         input_ids: Arc<[u32]>,
         ids_json: Option<Bytes>,
         sampling: Arc<SamplingParams>,
-        tenant: Option<Arc<crate::tenant::Tenant>>,
+        tenant: Option<Arc<lockstep_tenancy::tenant::Tenant>>,
         prefill: PrefillPin,
     ) -> (mpsc::Receiver<PairEvent>, tokio::task::JoinHandle<Outcome>) {
         let (tx, rx) = mpsc::channel(64);
@@ -91,7 +93,7 @@ impl ModelPairs {
         let request_span = tracing::Span::current();
         let handle = tokio::spawn(async move {
             let req = Request {
-                salt: crate::tenant::salt_of(tenant.as_deref()),
+                salt: lockstep_tenancy::tenant::salt_of(tenant.as_deref()),
                 weight: tenant.as_ref().map_or(1, |t| t.weight),
                 priority: tenant.as_ref().map_or(0, |t| t.priority),
                 tenant: tenant.map(|t| t.name.clone()),
@@ -484,9 +486,6 @@ impl ModelPairs {
         e
     }
 }
-
-/// Token ids to text ([`ModelPairs::detok`]).
-pub type Detok = Arc<dyn Fn(&[u32]) -> String + Send + Sync>;
 
 /// How many of the delivered ids at the end the client lacks the whole text of: the fewest
 /// dropped from the end so that the rest decode to exactly the text delivered (a character

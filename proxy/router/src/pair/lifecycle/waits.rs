@@ -6,10 +6,10 @@ use tokio::time::{Instant as TokioInstant, sleep, sleep_until};
 
 use super::{Attempt, ModelPairs};
 use crate::backend::{DecodeChunk, HalfError, HalfFailure, Side};
-use crate::error::Phase;
 use crate::pair::PairEvent;
 use crate::pair::abort::{decode_chunk, prefill_answer};
 use crate::pair::machine::Observation;
+use lockstep_core::error::Phase;
 
 impl ModelPairs {
     /// The commit barrier's wait: no decode byte leaves before the prefill is verified and the

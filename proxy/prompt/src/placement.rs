@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 
 /// One pool's threads: their kernel thread ids and whether each is kept off a CPU now.
-pub(crate) struct Siblings {
+pub struct Siblings {
     /// Kernel thread ids by pool index (0 until the thread has started).
     tids: Box<[AtomicI32]>,
     /// Whether the thread's CPU set is narrowed now.
@@ -25,7 +25,7 @@ pub(crate) struct Siblings {
 
 impl Siblings {
     /// Room for a pool of `threads` threads.
-    pub(crate) fn new(threads: usize) -> Arc<Siblings> {
+    pub fn new(threads: usize) -> Arc<Siblings> {
         Arc::new(Siblings {
             tids: (0..threads).map(|_| AtomicI32::new(0)).collect(),
             narrowed: (0..threads).map(|_| AtomicBool::new(false)).collect(),
@@ -45,7 +45,7 @@ thread_local! {
 }
 
 /// Registers the calling thread as thread `index` of `siblings` (from the pool's start handler).
-pub(crate) fn register(siblings: &Arc<Siblings>, index: usize) {
+pub fn register(siblings: &Arc<Siblings>, index: usize) {
     let Some(cpus) = Cpus::of(0) else {
         return;
     };
@@ -64,7 +64,7 @@ pub(crate) fn register(siblings: &Arc<Siblings>, index: usize) {
 
 /// Until dropped, the calling pool thread's siblings are kept off the CPU it runs on (see the
 /// module's comment). Nothing on a thread of no registered pool, or with one CPU.
-pub(crate) fn spread_helpers() -> Spread {
+pub fn spread_helpers() -> Spread {
     joined();
     let narrowed = ME.with(|me| {
         let me = me.get()?;
@@ -90,7 +90,7 @@ pub(crate) fn spread_helpers() -> Spread {
 }
 
 /// A pool thread taking a chunk: its whole CPU set back if a caller narrowed it.
-pub(crate) fn joined() {
+pub fn joined() {
     ME.with(|me| {
         if let Some(me) = me.get()
             && me.siblings.narrowed[me.index].swap(false, Ordering::AcqRel)
@@ -101,7 +101,7 @@ pub(crate) fn joined() {
 }
 
 /// What [`spread_helpers`] changed, undone when dropped.
-pub(crate) struct Spread {
+pub struct Spread {
     active: bool,
 }
 

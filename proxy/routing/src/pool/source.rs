@@ -7,8 +7,8 @@
 use futures_util::stream::BoxStream;
 use tokio::sync::mpsc;
 
-use crate::config::WorkerConfig;
-use crate::vocab::Side;
+use lockstep_core::config::WorkerConfig;
+use lockstep_core::vocab::Side;
 
 /// One change to a model's pools.
 #[derive(Debug, Clone)]

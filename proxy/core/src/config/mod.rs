@@ -199,9 +199,9 @@ impl Config {
 }
 
 /// A vLLM model `m` for unit tests (window 1000, capacity 4000), its prefill at `prefill` and its
-/// decode at `decode`, with `extra` TOML lines after the pools.
-#[cfg(test)]
-pub(crate) fn test_model(prefill: &str, decode: &str, extra: &str) -> ModelConfig {
+/// decode at `decode`, with `extra` TOML lines after the pools (for other crates' unit tests too).
+#[doc(hidden)]
+pub fn test_model(prefill: &str, decode: &str, extra: &str) -> ModelConfig {
     let text = format!(
         r#"
 [[models]]

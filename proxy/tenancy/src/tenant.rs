@@ -11,9 +11,9 @@ use sha2::{Digest, Sha256};
 use tokio::sync::OwnedSemaphorePermit;
 
 use crate::budget::Limits;
-use crate::config::TenantConfig;
-use crate::error::LockstepError;
 use crate::shared::{Claimed, SharedLimits, SharedStore};
+use lockstep_core::config::TenantConfig;
+use lockstep_core::error::LockstepError;
 
 /// The secret tenant salts are keyed with: `server.cache_salt_secret` where set (the first
 /// router of the process to start sets it; share it between replicas in front of the same
@@ -295,7 +295,7 @@ impl Tenants {
     }
 
     /// The `[shared]` settings of the store in use (a reload does not change them).
-    pub fn shared_config(&self) -> Option<&crate::config::SharedConfig> {
+    pub fn shared_config(&self) -> Option<&lockstep_core::config::SharedConfig> {
         self.shared.as_deref().map(SharedStore::config)
     }
 

@@ -30,14 +30,14 @@ pub use pair_pick::{PairPick, PrefillChoice, PrefillPin, host_port, pick_pair, p
 use prefix::Blocks;
 use prefix::PrefixIndex;
 
-use crate::config::{PolicyKind, PoolConfig, WorkerConfig};
+use lockstep_core::config::{PolicyKind, PoolConfig, WorkerConfig};
 
 /// What the prefix-aware policy routes on: the prompt's token ids and its tenant's salt.
 #[derive(Debug, Clone, Copy)]
 pub struct RouteKey<'a> {
     /// The prompt.
     pub tokens: &'a [u32],
-    /// The tenant's prefix-cache salt ([`crate::tenant::cache_salt`]).
+    /// The tenant's prefix-cache salt ([`lockstep_tenancy::tenant::cache_salt`]).
     pub salt: u64,
 }
 

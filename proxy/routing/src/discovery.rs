@@ -23,10 +23,10 @@ use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
 use kube::{Api, Client};
 
-use crate::config::{DiscoveryConfig, WorkerConfig};
-use crate::metrics::Metrics;
 use crate::pool::{MemberChange, WorkerSource};
-use crate::vocab::Side;
+use lockstep_core::config::{DiscoveryConfig, WorkerConfig};
+use lockstep_core::metrics::Metrics;
+use lockstep_core::vocab::Side;
 
 /// The annotation an SGLang prefill pod names its bootstrap port with (SMG's, and the
 /// SGLang router's, convention).

@@ -29,9 +29,9 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use tokio::sync::OwnedSemaphorePermit;
 
 use crate::budget::{LimitSpec, Limits, Reservation, never_fits, rate_headers};
-use crate::config::{OnUnavailable, SharedConfig};
-use crate::error::LockstepError;
-use crate::metrics::Metrics;
+use lockstep_core::config::{OnUnavailable, SharedConfig};
+use lockstep_core::error::LockstepError;
+use lockstep_core::metrics::Metrics;
 
 /// The connection to the shared store, this replica's presence and the leases it holds.
 pub struct SharedStore {

@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use super::{LoadGuard, RouteKey, Upstream, WorkerPool};
-use crate::vocab::Side;
+use lockstep_core::vocab::Side;
 
 /// How the prefill worker is chosen.
 #[derive(Debug, Clone, Copy)]

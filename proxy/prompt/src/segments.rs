@@ -26,7 +26,7 @@ use aho_corasick::AhoCorasick;
 use tokenizers::Tokenizer;
 
 use super::bpe::TextEncoder;
-use crate::error::LockstepError;
+use lockstep_core::error::LockstepError;
 
 /// Prompts shorter than this are tokenized whole: the cache would save nothing.
 pub const MIN_PROMPT_BYTES: usize = 4096;
@@ -313,7 +313,7 @@ mod tests {
     use tokenizers::{AddedToken, Tokenizer};
 
     use super::SegmentCache;
-    use crate::admission::bpe::TextEncoder;
+    use crate::bpe::TextEncoder;
 
     fn enc(t: &Tokenizer) -> TextEncoder {
         TextEncoder::new("m", t.clone())

@@ -10,10 +10,10 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::config::{AllowedPrefills, SidecarConfig, WorkerConfig};
-use crate::error::LockstepError;
 use crate::pool::{MemberChange, MemberFeed, WorkerPool};
-use crate::vocab::Side;
+use lockstep_core::config::{AllowedPrefills, SidecarConfig, WorkerConfig};
+use lockstep_core::error::LockstepError;
+use lockstep_core::vocab::Side;
 
 /// The header an endpoint picker names the prefill in (`host:port`, the first of a comma list).
 pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";
@@ -69,7 +69,7 @@ impl NamedPrefills {
     /// [`NamedPrefills::idle`] leave first; past the bound the idle one named longest ago leaves,
     /// and with none idle (each runs a pair, or was named within `verify_wait`) the name is 503
     /// `workers_busy`.
-    pub(crate) fn keep(
+    pub fn keep(
         &self,
         pool: &WorkerPool,
         feed: &MemberFeed,

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering}
 
 use super::endpoint::{self, Endpoint, Origin};
 use super::label::worker_label;
-use crate::config::{HealthConfig, WorkerConfig};
+use lockstep_core::config::{HealthConfig, WorkerConfig};
 
 /// One worker as the router sees it (an upstream): its URL, health, load and draining flag.
 #[derive(Debug)]

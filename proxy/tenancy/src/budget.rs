@@ -20,7 +20,7 @@ use governor::middleware::StateInformationMiddleware;
 use governor::{Quota, RateLimiter};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::error::LockstepError;
+use lockstep_core::error::LockstepError;
 
 /// A tenant's limits as configured: requests per second, burst, concurrent pairs, tokens per
 /// minute (0: unlimited).

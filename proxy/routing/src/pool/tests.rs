@@ -3,9 +3,9 @@
 use super::*;
 use std::sync::atomic::AtomicU64;
 
-use crate::config::HealthConfig;
+use lockstep_core::config::HealthConfig;
 
-use crate::vocab::Side;
+use lockstep_core::vocab::Side;
 
 /// A pool of workers on these loopback ports, each taking at most `max` pairs (0: any number).
 fn on_ports(policy: PolicyKind, ports: &[u16], max: usize) -> WorkerPool {

@@ -11,12 +11,12 @@ use std::sync::Arc;
 
 use tokio::sync::Semaphore;
 
-use crate::error::LockstepError;
+use lockstep_core::error::LockstepError;
 
 /// A pool of `threads` threads (named `lockstep-tokenize-N`) that lower their own priority.
 /// Each thread registers for the placement of chunked encodes' helpers
 /// ([`super::placement`]).
-pub(crate) fn pool(threads: usize) -> std::io::Result<rayon::ThreadPool> {
+pub fn pool(threads: usize) -> std::io::Result<rayon::ThreadPool> {
     let siblings = super::placement::Siblings::new(threads);
     rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
@@ -33,7 +33,7 @@ pub(crate) fn pool(threads: usize) -> std::io::Result<rayon::ThreadPool> {
 /// its result straight back to the waiting task (no blocking-pool thread in between: each hop
 /// is a thread wake-up, tens of µs on a busy VM). A panic in `work` is an error, not a lost
 /// process; the slot is given back either way.
-pub(crate) async fn run<T: Send + 'static>(
+pub async fn run<T: Send + 'static>(
     slots: &Arc<Semaphore>,
     pool: &rayon::ThreadPool,
     work: impl FnOnce() -> Result<T, LockstepError> + Send + 'static,
@@ -77,7 +77,7 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
 mod tests {
     use std::sync::Arc;
 
-    use crate::error::LockstepError;
+    use lockstep_core::error::LockstepError;
 
     #[tokio::test]
     async fn work_runs_on_the_pool_and_a_panic_comes_back_as_an_error() {

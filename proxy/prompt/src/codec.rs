@@ -9,8 +9,11 @@ use tokenizers::Tokenizer;
 
 use super::bpe::TextEncoder;
 use super::segments::{self, SegmentCache};
-use crate::config::{ChatTemplateConfig, ModelConfig};
-use crate::error::LockstepError;
+use lockstep_core::config::{ChatTemplateConfig, ModelConfig};
+use lockstep_core::error::LockstepError;
+
+/// Token ids to text: what a pair checks its delivered text against.
+pub type Detok = Arc<dyn Fn(&[u32]) -> String + Send + Sync>;
 
 /// A chat message after validation: role and flattened text content, and for tool calling the
 /// assistant's earlier calls and the call a tool message answers.
@@ -374,7 +377,7 @@ impl PromptCodec {
     /// the delivered text against the delivered ids. `None` for other decoders: a
     /// SentencePiece-style one strips the leading space of a text's start, so the text of a
     /// continuation is not what follows the text.
-    pub fn concat_decoder(self: &Arc<Self>) -> Option<crate::pair::Detok> {
+    pub fn concat_decoder(self: &Arc<Self>) -> Option<Detok> {
         let decoder = serde_json::to_value(self.text.tokenizer().get_decoder()).ok()?;
         if decoder["type"] != "ByteLevel" {
             return None;

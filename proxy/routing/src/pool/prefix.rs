@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::config::PrefixRouting;
+use lockstep_core::config::PrefixRouting;
 
 /// The blocks one worker is predicted to hold: block hash → when it was last routed there,
 /// and the reverse, for forgetting the least recently routed first.
@@ -61,7 +61,7 @@ pub(super) struct PrefixIndex {
 pub(super) fn choose(
     stats: &[(usize, usize, usize)],
     wanted: usize,
-    cfg: &crate::config::PrefixRouting,
+    cfg: &lockstep_core::config::PrefixRouting,
 ) -> usize {
     let (min_load, max_load) = stats
         .iter()

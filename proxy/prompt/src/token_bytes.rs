@@ -7,7 +7,7 @@
 use tokenizers::Tokenizer;
 
 /// The bytes of every id of `tk`'s vocabulary, by id.
-pub(crate) fn table(tk: &Tokenizer) -> Vec<Box<[u8]>> {
+pub fn table(tk: &Tokenizer) -> Vec<Box<[u8]>> {
     let byte_level = serde_json::to_value(tk.get_decoder()).is_ok_and(|d| d["type"] == "ByteLevel");
     // GPT-2's `bytes_to_unicode`: printable Latin-1 stands for itself, the other bytes for
     // the characters from U+0100 on, in byte order.

@@ -502,7 +502,7 @@ impl ModelConfig {
     }
 
     /// Makes the model's file paths relative to `base` (the configuration's folder).
-    pub(crate) fn resolve_paths(&mut self, base: &std::path::Path) {
+    pub fn resolve_paths(&mut self, base: &std::path::Path) {
         use lockstep_serve::toml_file::resolve;
         if let Some(t) = &mut self.tokenizer {
             resolve(t, base);

@@ -24,7 +24,7 @@ use tokenizers::Tokenizer;
 
 use super::pretokenize::{Digits, Pretokenizer};
 use super::words::{Words, key};
-use crate::error::LockstepError;
+use lockstep_core::error::LockstepError;
 
 /// An added token the automaton finds: its id, and whether it is special.
 #[derive(Debug, Clone, Copy)]

@@ -1,7 +1,7 @@
 //! Which pods are workers, and at what address.
 
 use super::*;
-use crate::config::{DiscoveryKind, DiscoveryScheme};
+use lockstep_core::config::{DiscoveryKind, DiscoveryScheme};
 use serde_json::json;
 
 fn discovery(scheme: DiscoveryScheme, bootstrap_port: Option<u16>) -> DiscoveryConfig {
