@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use lockstep_core::config::{Config, EngineSection};
 use lockstep_router::app::Lockstep;
-use lockstep_serve::toml_file::expand_home;
+use lockstep_runtime::toml_file::expand_home;
 use serde_json::Value;
 
 use crate::client::{Answer, TestClient};

@@ -8,7 +8,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use lockstep_serve::telemetry::TelemetryConfig;
+use lockstep_runtime::telemetry::TelemetryConfig;
 use lockstep_tests::client::{self, Endpoint, TestClient};
 use lockstep_tests::harness::{MODEL, Stack};
 use lockstep_tests::sglang_mock::{Fault, Role};
@@ -90,7 +90,7 @@ async fn spans_arrive_at_an_otlp_receiver_with_the_right_parents() {
             .add_service(TraceServiceServer::new(recv.clone()))
             .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
     );
-    let telemetry = lockstep_serve::telemetry::init(
+    let telemetry = lockstep_runtime::telemetry::init(
         "info",
         &TelemetryConfig {
             otlp_endpoint: format!("http://{addr}"),

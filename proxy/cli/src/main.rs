@@ -1,6 +1,6 @@
 //! The `lockstep` command line: `serve` (the router, `lockstep-router`), `check`, `worker` (a
 //! `lockstep-worker` process), `probe` (the canary prober, `lockstep-probe`) and `hash-key`, composed over the shared serving pieces of
-//! `lockstep-serve`. The crate map: `docs/ARCHITECTURE.md`.
+//! `lockstep-runtime`. The crate map: `docs/ARCHITECTURE.md`.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -11,8 +11,8 @@ use lockstep_core::config::Config;
 use lockstep_router::app::Lockstep;
 use lockstep_router::backend::UpstreamClient;
 use lockstep_router::models::check_deployment;
-use lockstep_serve::signals::Signals;
-use lockstep_serve::telemetry::init_logs;
+use lockstep_runtime::signals::Signals;
+use lockstep_runtime::telemetry::init_logs;
 use lockstep_worker::{Role, RunningWorker, WorkerFile};
 
 mod roles;
@@ -125,8 +125,8 @@ fn shown(path: Option<&PathBuf>) -> String {
 }
 
 fn main() -> ExitCode {
-    // Before the first large buffer: see lockstep_serve::memory.
-    let huge_pages_off = lockstep_serve::memory::no_huge_pages();
+    // Before the first large buffer: see lockstep_runtime::memory.
+    let huge_pages_off = lockstep_runtime::memory::no_huge_pages();
     let cli = Cli::parse();
     // The runtime's size comes from the config, so the config is read before the runtime exists.
     let threads = match &cli.command {
@@ -352,7 +352,7 @@ async fn serve(
     if let Some(l) = log_level {
         cfg.server.log_level = l;
     }
-    let telemetry = match lockstep_serve::telemetry::init(&cfg.server.log_level, &cfg.telemetry) {
+    let telemetry = match lockstep_runtime::telemetry::init(&cfg.server.log_level, &cfg.telemetry) {
         Ok(t) => t,
         Err(e) => {
             init_logs("info");

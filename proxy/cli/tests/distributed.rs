@@ -824,7 +824,7 @@ impl Ca {
     }
 
     /// A leaf's files: (cert, key, this CA).
-    fn leaf(&self, dir: &Path, name: &str) -> lockstep_serve::tls::PlaneTlsFiles {
+    fn leaf(&self, dir: &Path, name: &str) -> lockstep_runtime::tls::PlaneTlsFiles {
         let key = rcgen::KeyPair::generate().expect("key");
         let cert = rcgen::CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".into()])
             .expect("params")
@@ -836,7 +836,7 @@ impl Ca {
         );
         std::fs::write(&c, cert.pem()).expect("write");
         std::fs::write(&k, key.serialize_pem()).expect("write");
-        lockstep_serve::tls::PlaneTlsFiles {
+        lockstep_runtime::tls::PlaneTlsFiles {
             cert_file: c,
             key_file: k,
             ca_file: self.pem.clone(),
@@ -844,7 +844,7 @@ impl Ca {
     }
 }
 
-fn tls_table(f: &lockstep_serve::tls::PlaneTlsFiles) -> String {
+fn tls_table(f: &lockstep_runtime::tls::PlaneTlsFiles) -> String {
     format!(
         "tls = {{ cert_file = \"{}\", key_file = \"{}\", ca_file = \"{}\" }}",
         f.cert_file.display(),
@@ -856,10 +856,10 @@ fn tls_table(f: &lockstep_serve::tls::PlaneTlsFiles) -> String {
 /// `Capacity` from a worker over the plane's TLS with `files` as this client's identity.
 async fn tls_capacity(
     addr: &str,
-    files: &lockstep_serve::tls::PlaneTlsFiles,
+    files: &lockstep_runtime::tls::PlaneTlsFiles,
 ) -> Result<pb::CapacityResponse, tonic::Status> {
-    let plane = lockstep_serve::tls::PlaneTls::load(files).expect("client TLS files");
-    let ch = lockstep_serve::tls::worker_channel(
+    let plane = lockstep_runtime::tls::PlaneTls::load(files).expect("client TLS files");
+    let ch = lockstep_runtime::tls::worker_channel(
         &format!("https://{addr}"),
         Duration::from_secs(5),
         Some(&plane),
@@ -939,9 +939,9 @@ async fn the_worker_plane_is_mutual_tls_end_to_end_and_rotates_on_sighup() {
     );
 
     // A connection opened under the old CA, kept open across the rotation.
-    let old_plane = lockstep_serve::tls::PlaneTls::load(&rfiles).expect("client TLS files");
+    let old_plane = lockstep_runtime::tls::PlaneTls::load(&rfiles).expect("client TLS files");
     let mut held = WorkerClient::new(
-        lockstep_serve::tls::worker_channel(
+        lockstep_runtime::tls::worker_channel(
             &format!("https://{}", d.addr),
             Duration::from_secs(5),
             Some(&old_plane),

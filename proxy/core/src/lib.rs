@@ -7,5 +7,6 @@
 pub mod audit;
 pub mod config;
 pub mod error;
+pub mod generation;
+pub mod ids;
 pub mod metrics;
-pub mod vocab;

@@ -22,7 +22,7 @@ pub fn pool(threads: usize) -> std::io::Result<rayon::ThreadPool> {
         .num_threads(threads)
         .thread_name(|i| format!("lockstep-tokenize-{i}"))
         .start_handler(move |i| {
-            lockstep_serve::threads::lower_priority();
+            lockstep_runtime::threads::lower_priority();
             super::placement::register(&siblings, i);
         })
         .build()

@@ -32,7 +32,7 @@ use crate::models::reload_state;
 use crate::pair::{CancelReason, PairId};
 use crate::state::AppState;
 use lockstep_core::error::LockstepError;
-use lockstep_core::vocab::Side;
+use lockstep_core::ids::Side;
 use lockstep_routing::pool::MemberChange;
 
 /// What the admin handlers share.

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use lockstep_serve::accept::{ConnLimits, serve_http};
-use lockstep_serve::tasks::ServerTasks;
+use lockstep_runtime::accept::{ConnLimits, serve_http};
+use lockstep_runtime::tasks::ServerTasks;
 use tokio::net::TcpListener;
 
 use crate::backend::UpstreamClient;
@@ -93,7 +93,7 @@ impl Lockstep {
                 };
                 let busy_poll = (cfg.server.busy_poll_us > 0)
                     .then(|| Duration::from_micros(cfg.server.busy_poll_us));
-                let (t, polling) = lockstep_serve::threads::ConnThreads::start_polling(
+                let (t, polling) = lockstep_runtime::threads::ConnThreads::start_polling(
                     n,
                     "lockstep-conn",
                     busy_poll,
@@ -138,8 +138,8 @@ impl Lockstep {
         };
         let header_timeout = Duration::from_millis(cfg.server.header_timeout_ms);
         let tls = match (&cfg.server.tls_cert_file, &cfg.server.tls_key_file) {
-            (Some(c), Some(k)) => Some(lockstep_serve::tls::ServerTls::Fixed(
-                lockstep_serve::tls::server_config(c, k)?,
+            (Some(c), Some(k)) => Some(lockstep_runtime::tls::ServerTls::Fixed(
+                lockstep_runtime::tls::server_config(c, k)?,
             )),
             _ => None,
         };

@@ -31,7 +31,7 @@ use crate::backend::probe::{Probed, fold_member, probe_member};
 use crate::backend::{PdBackend, UpstreamClient};
 use crate::state::WorkerLimits;
 use lockstep_core::config::{ModelConfig, WorkerConfig};
-use lockstep_core::vocab::Side;
+use lockstep_core::ids::Side;
 use lockstep_routing::pool::{MemberChange, Upstream, WorkerPool, WorkerSource};
 
 /// What a model's member tasks share.

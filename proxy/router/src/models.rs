@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use lockstep_engine::engine::ModelBundle;
 use lockstep_engine::pd::Pd;
-use lockstep_serve::engine_section::EngineMode;
+use lockstep_runtime::engine_section::EngineMode;
 
 use crate::backend::embedded::EmbeddedBackend;
 use crate::backend::sglang::SglangBackend;
@@ -305,7 +305,7 @@ async fn discover(
     m: &ModelConfig,
     metrics: &Arc<Metrics>,
 ) -> Result<Vec<lockstep_routing::pool::WorkerSource>, String> {
-    use lockstep_core::vocab::Side;
+    use lockstep_core::ids::Side;
     let mut sources = Vec::new();
     for (side, pool) in [(Side::Prefill, &m.prefill), (Side::Decode, &m.decode)] {
         let Some(d) = &pool.discovery else { continue };
@@ -335,9 +335,9 @@ async fn remote_codec(m: &ModelConfig) -> Result<Arc<PromptCodec>, String> {
     let content_specials = m.special_tokens_in_content;
     let template = lockstep_prompt::codec::configured_template(m)?;
     tokio::task::spawn_blocking(move || {
-        let path = lockstep_serve::model_file::ensure_model(e.model_file())
+        let path = lockstep_runtime::model_file::ensure_model(e.model_file())
             .map_err(|err| format!("model `{name}`: {err}"))?;
-        let g = lockstep_serve::model_file::open_model(e.model_file(), &path)
+        let g = lockstep_runtime::model_file::open_model(e.model_file(), &path)
             .map_err(|err| format!("model `{name}`: {err}"))?;
         let t = lockstep_engine::tokenizer::ModelTokenizer::from_gguf(&g)
             .map_err(|err| format!("model `{name}`: {}: {err}", path.display()))?;
@@ -379,13 +379,13 @@ async fn build_embedded(m: &ModelConfig) -> Result<Built, String> {
     let content_specials = m.special_tokens_in_content;
     let template = lockstep_prompt::codec::configured_template(m)?;
     let (pd, codec) = tokio::task::spawn_blocking(move || {
-        let path = lockstep_serve::model_file::ensure_model(e.model_file()).map_err(|err| format!("model `{name}`: {err}"))?;
+        let path = lockstep_runtime::model_file::ensure_model(e.model_file()).map_err(|err| format!("model `{name}`: {err}"))?;
         let device = e
             .device()
             .map_err(|err| format!("model `{name}`: engine.{err}"))?;
         let device =
             ModelBundle::choose_device(device).map_err(|err| format!("model `{name}`: {err}"))?;
-        let g = lockstep_serve::model_file::open_model(e.model_file(), &path)
+        let g = lockstep_runtime::model_file::open_model(e.model_file(), &path)
             .map_err(|err| format!("model `{name}`: {err}"))?;
         let bundle = Arc::new(
             ModelBundle::from_gguf(&g, device).map_err(|err| format!("model `{name}`: {err}"))?,

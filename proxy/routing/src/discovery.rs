@@ -25,8 +25,8 @@ use kube::{Api, Client};
 
 use crate::pool::{MemberChange, WorkerSource};
 use lockstep_core::config::{DiscoveryConfig, WorkerConfig};
+use lockstep_core::ids::Side;
 use lockstep_core::metrics::Metrics;
-use lockstep_core::vocab::Side;
 
 /// The annotation an SGLang prefill pod names its bootstrap port with (SMG's, and the
 /// SGLang router's, convention).

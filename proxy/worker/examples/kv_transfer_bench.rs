@@ -86,14 +86,14 @@ fn set(pair_id: u64, pages: usize, model: ModelFingerprint) -> KvTransfer {
 /// A CA and one leaf for 127.0.0.1 it signs, as the plane's files in `dir`.
 fn plane_files(
     dir: &std::path::Path,
-) -> Result<lockstep_serve::tls::PlaneTlsFiles, Box<dyn std::error::Error>> {
+) -> Result<lockstep_runtime::tls::PlaneTlsFiles, Box<dyn std::error::Error>> {
     let mut ca = rcgen::CertificateParams::new(Vec::<String>::new())?;
     ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
     let issuer = rcgen::CertifiedIssuer::self_signed(ca, rcgen::KeyPair::generate()?)?;
     let key = rcgen::KeyPair::generate()?;
     let leaf =
         rcgen::CertificateParams::new(vec!["127.0.0.1".to_string()])?.signed_by(&key, &issuer)?;
-    let files = lockstep_serve::tls::PlaneTlsFiles {
+    let files = lockstep_runtime::tls::PlaneTlsFiles {
         cert_file: dir.join("leaf.pem"),
         key_file: dir.join("leaf-key.pem"),
         ca_file: dir.join("ca.pem"),
@@ -120,10 +120,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let prefill = RunningWorker::start(Role::Prefill, file.clone()).await?;
     let url = format!("{}://{}", if tls { "https" } else { "http" }, decode.addr);
     let plane = match &file.worker.tls {
-        Some(f) => Some(lockstep_serve::tls::PlaneTls::load(f)?),
+        Some(f) => Some(lockstep_runtime::tls::PlaneTls::load(f)?),
         None => None,
     };
-    let ch = lockstep_serve::tls::worker_channel(&url, Duration::from_secs(2), plane.as_ref())?;
+    let ch = lockstep_runtime::tls::worker_channel(&url, Duration::from_secs(2), plane.as_ref())?;
     let mut client = WorkerClient::new(ch).max_encoding_message_size(MAX_MESSAGE_BYTES);
     let model = ModelFingerprint(
         client

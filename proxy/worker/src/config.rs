@@ -4,9 +4,9 @@
 use std::net::SocketAddr;
 use std::path::Path;
 
-use lockstep_serve::engine_section::EngineSection;
-use lockstep_serve::tls::PlaneTlsFiles;
-use lockstep_serve::toml_file::{self, ConfigError, ConfigFile, Problem, Problems, Section};
+use lockstep_runtime::engine_section::EngineSection;
+use lockstep_runtime::tls::PlaneTlsFiles;
+use lockstep_runtime::toml_file::{self, ConfigError, ConfigFile, Problem, Problems, Section};
 use serde::Deserialize;
 
 /// What a worker does.

@@ -17,7 +17,7 @@ use lockstep_engine::transfer::{KvTransfer, ModelFingerprint};
 use lockstep_proto::MAX_MESSAGE_BYTES;
 use lockstep_proto::v1 as pb;
 use lockstep_proto::v1::worker_client::WorkerClient;
-use lockstep_serve::tls::PlaneTls;
+use lockstep_runtime::tls::PlaneTls;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tonic::Status;
 use tonic::transport::Channel;
@@ -117,13 +117,14 @@ impl KvPusher {
         if let Some(c) = self.peers.get(url) {
             return Ok(c.clone());
         }
-        let ch = lockstep_serve::tls::worker_channel(url, self.connect_timeout, self.tls.as_ref())
-            .map_err(|e| {
-                tracing::warn!(error = %e, "unusable decode endpoint");
-                Status::invalid_argument(
-                    "the decode endpoint is not usable here (the worker's log says why)",
-                )
-            })?;
+        let ch =
+            lockstep_runtime::tls::worker_channel(url, self.connect_timeout, self.tls.as_ref())
+                .map_err(|e| {
+                    tracing::warn!(error = %e, "unusable decode endpoint");
+                    Status::invalid_argument(
+                        "the decode endpoint is not usable here (the worker's log says why)",
+                    )
+                })?;
         let c = WorkerClient::new(ch).max_encoding_message_size(MAX_MESSAGE_BYTES);
         // Bounded: endpoints come from callers; past the bound, start the cache over.
         if self.peers.len() >= MAX_PEERS {

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use lockstep_proto::MAX_MESSAGE_BYTES;
 use lockstep_proto::v1::worker_server::WorkerServer;
-use lockstep_serve::accept::{ConnLimits, serve_http};
-use lockstep_serve::tasks::ServerTasks;
+use lockstep_runtime::accept::{ConnLimits, serve_http};
+use lockstep_runtime::tasks::ServerTasks;
 
 use crate::config::{Role, WorkerFile};
 use crate::data;
@@ -137,7 +137,7 @@ impl RunningWorker {
             },
             service
                 .tls()
-                .map(|t| lockstep_serve::tls::ServerTls::Plane(t.clone())),
+                .map(|t| lockstep_runtime::tls::ServerTls::Plane(t.clone())),
             // A handful of h2 connections whose streams must spread over the cores: the
             // shared runtime.
             None,

@@ -41,7 +41,7 @@ pub struct WorkerService {
     /// The KV data listener's port (0: none).
     data_port: AtomicU32,
     /// Mutual TLS on the worker plane, where configured.
-    tls: Option<Arc<lockstep_serve::tls::PlaneTls>>,
+    tls: Option<Arc<lockstep_runtime::tls::PlaneTls>>,
 }
 
 impl std::fmt::Debug for WorkerService {
@@ -82,15 +82,15 @@ impl WorkerService {
         }
         let tls = match &file.worker.tls {
             Some(f) => {
-                Some(lockstep_serve::tls::PlaneTls::load(f).map_err(|e| format!("worker.{e}"))?)
+                Some(lockstep_runtime::tls::PlaneTls::load(f).map_err(|e| format!("worker.{e}"))?)
             }
             None => None,
         };
         let e = &file.engine;
-        let path = lockstep_serve::model_file::ensure_model(e.model_file())?;
+        let path = lockstep_runtime::model_file::ensure_model(e.model_file())?;
         let device = e.device().map_err(|err| format!("engine.{err}"))?;
         let device = ModelBundle::choose_device(device).map_err(|e| e.to_string())?;
-        let g = lockstep_serve::model_file::open_model(e.model_file(), &path)?;
+        let g = lockstep_runtime::model_file::open_model(e.model_file(), &path)?;
         let bundle = Arc::new(ModelBundle::from_gguf(&g, device).map_err(|e| e.to_string())?);
         drop(g);
         tracing::info!(role = role.as_str(), device = %bundle.device(), file = %path.display(), "worker engine device");
@@ -132,7 +132,7 @@ impl WorkerService {
     }
 
     /// The worker plane's mutual TLS, where configured.
-    pub fn tls(&self) -> Option<&Arc<lockstep_serve::tls::PlaneTls>> {
+    pub fn tls(&self) -> Option<&Arc<lockstep_runtime::tls::PlaneTls>> {
         self.tls.as_ref()
     }
 
@@ -220,7 +220,7 @@ impl WorkerService {
     /// router sends its own prefill and first-token deadlines), at most [`MAX_WAIT`]; the lease
     /// when the caller names none.
     fn wait_bound(&self, meta: &tonic::metadata::MetadataMap) -> Duration {
-        lockstep_serve::grpc_timeout(meta).map_or(self.rooms.lease(), |d| d.min(MAX_WAIT))
+        lockstep_runtime::grpc_timeout(meta).map_or(self.rooms.lease(), |d| d.min(MAX_WAIT))
     }
 
     /// Pushes a set, signed with `key`, to the decode worker at `endpoint` the way a prefill

@@ -20,8 +20,8 @@ pub fn model_path() -> Option<PathBuf> {
     let p = std::env::var_os("LOCKSTEP_MODEL")
         .map(PathBuf::from)
         .unwrap_or_else(|| {
-            lockstep_serve::toml_file::expand_home(
-                &lockstep_serve::engine_section::EngineSection::default().gguf,
+            lockstep_runtime::toml_file::expand_home(
+                &lockstep_runtime::engine_section::EngineSection::default().gguf,
             )
         });
     if p.is_file() {

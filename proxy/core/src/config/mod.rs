@@ -1,6 +1,6 @@
 //! The router's TOML configuration, one module per section, each validating itself
-//! ([`Section`]); loading goes through the one loader of `lockstep-serve`
-//! ([`lockstep_serve::toml_file`]): unknown keys are errors, errors name the file, the key path and
+//! ([`Section`]); loading goes through the one loader of `lockstep-runtime`
+//! ([`lockstep_runtime::toml_file`]): unknown keys are errors, errors name the file, the key path and
 //! what was expected, and [`Config::problems`] lists every problem at once, so `lockstep check`
 //! can show them all.
 
@@ -16,14 +16,14 @@ mod timeouts;
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
-use lockstep_serve::telemetry::TelemetryConfig;
-use lockstep_serve::toml_file::{self, ConfigError, ConfigFile, Problem, Problems, Section};
+use lockstep_runtime::telemetry::TelemetryConfig;
+use lockstep_runtime::toml_file::{self, ConfigError, ConfigFile, Problem, Problems, Section};
 use serde::Deserialize;
 
-pub use lockstep_serve::engine_section::{
+pub use lockstep_runtime::engine_section::{
     EngineMode, EngineSection, FaultKind, ScrubKind, WhenFullKind,
 };
-pub use lockstep_serve::toml_file::lines;
+pub use lockstep_runtime::toml_file::lines;
 pub use model::{
     BackendKind, ChatTemplateConfig, ModelConfig, SglangSection, ToolParserKind, VllmConnector,
     VllmSection, deployment_check,

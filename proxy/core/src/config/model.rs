@@ -2,8 +2,8 @@
 
 use std::path::PathBuf;
 
-use lockstep_serve::engine_section::EngineSection;
-use lockstep_serve::toml_file::{Problems, Section};
+use lockstep_runtime::engine_section::EngineSection;
+use lockstep_runtime::toml_file::{Problems, Section};
 use serde::Deserialize;
 
 use super::pool::{HealthConfig, PoolConfig, WorkerConfig};
@@ -358,7 +358,7 @@ impl ModelConfig {
         pool.discovery = None;
         let mut out = Problems::default();
         m.validate(&format!("models ({})", self.name), &mut out);
-        lockstep_serve::toml_file::lines(&out.into_vec())
+        lockstep_runtime::toml_file::lines(&out.into_vec())
     }
 
     /// Whether the tokenizer and template come from a model file (`backend = "lockstep"` with
@@ -503,7 +503,7 @@ impl ModelConfig {
 
     /// Makes the model's file paths relative to `base` (the configuration's folder).
     pub fn resolve_paths(&mut self, base: &std::path::Path) {
-        use lockstep_serve::toml_file::resolve;
+        use lockstep_runtime::toml_file::resolve;
         if let Some(t) = &mut self.tokenizer {
             resolve(t, base);
         }

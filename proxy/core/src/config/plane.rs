@@ -3,8 +3,8 @@
 //! workers configured the same way; without it, worker URLs must be `http://` on loopback unless
 //! `insecure_plaintext = true` (UNSAFE, and `lockstep check` says so).
 
-use lockstep_serve::tls::PlaneTlsFiles;
-use lockstep_serve::toml_file::Problems;
+use lockstep_runtime::tls::PlaneTlsFiles;
+use lockstep_runtime::toml_file::Problems;
 use serde::Deserialize;
 
 use super::ModelConfig;

@@ -1,6 +1,6 @@
 //! A model's worker pools (`[models.prefill]`, `[models.decode]`) and their health checks.
 
-use lockstep_serve::toml_file::{Problems, Section};
+use lockstep_runtime::toml_file::{Problems, Section};
 use serde::Deserialize;
 
 /// How a pool picks a worker.

@@ -3,7 +3,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-use lockstep_serve::toml_file::{Problems, Section, is_sha256_hex};
+use lockstep_runtime::toml_file::{Problems, Section, is_sha256_hex};
 use serde::Deserialize;
 
 /// The largest `server.busy_poll_us`.

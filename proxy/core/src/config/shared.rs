@@ -1,6 +1,6 @@
 //! `[shared]`: the store several lockstep replicas share their tenants' limits through (Redis).
 
-use lockstep_serve::toml_file::{Problems, Section};
+use lockstep_runtime::toml_file::{Problems, Section};
 use serde::Deserialize;
 
 /// What a replica does while the shared store cannot be reached.
@@ -217,14 +217,15 @@ mod tests {
             ..ok.clone()
         };
         assert!(problems(&unsafe_ok).is_empty());
-        let parsed: SharedConfig = lockstep_serve::toml_file::parse(
+        let parsed: SharedConfig = lockstep_runtime::toml_file::parse(
             "redis_url = \"redis://h:1/2\"\non_unavailable = \"deny\"",
         )
         .expect("parses");
         assert_eq!(parsed.on_unavailable, OnUnavailable::Deny);
         assert!(
-            lockstep_serve::toml_file::parse::<SharedConfig>("on_unavailable = \"open\"").is_err()
+            lockstep_runtime::toml_file::parse::<SharedConfig>("on_unavailable = \"open\"")
+                .is_err()
         );
-        assert!(lockstep_serve::toml_file::parse::<SharedConfig>("redis = \"x\"").is_err());
+        assert!(lockstep_runtime::toml_file::parse::<SharedConfig>("redis = \"x\"").is_err());
     }
 }

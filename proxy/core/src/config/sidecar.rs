@@ -4,7 +4,7 @@
 
 use std::net::SocketAddr;
 
-use lockstep_serve::toml_file::{Problems, Section};
+use lockstep_runtime::toml_file::{Problems, Section};
 use serde::Deserialize;
 
 /// `[sidecar]`: which prefills a request may name, and how long a new one may take to pass its

@@ -2,7 +2,7 @@
 
 use std::collections::HashSet;
 
-use lockstep_serve::toml_file::{Problems, is_sha256_hex};
+use lockstep_runtime::toml_file::{Problems, is_sha256_hex};
 use serde::Deserialize;
 
 /// One tenant: who holds which keys, and what they may do.

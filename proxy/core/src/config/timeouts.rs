@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use lockstep_serve::toml_file::{Problems, Section};
+use lockstep_runtime::toml_file::{Problems, Section};
 use serde::Deserialize;
 
 /// Pair deadlines, in milliseconds. Each one, when it expires, aborts both halves.

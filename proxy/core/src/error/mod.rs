@@ -8,7 +8,7 @@ use axum::response::{IntoResponse, Response};
 use http::StatusCode;
 use serde_json::json;
 
-use crate::vocab::PairId;
+use crate::ids::PairId;
 
 /// Which phase of a pair a deadline bounded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

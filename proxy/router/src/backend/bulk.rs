@@ -28,7 +28,7 @@ fn runtime() -> Option<&'static tokio::runtime::Runtime> {
         tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("lockstep-bulk")
-            .on_thread_start(lockstep_serve::threads::lower_priority)
+            .on_thread_start(lockstep_runtime::threads::lower_priority)
             .enable_all()
             .build()
             .inspect_err(|e| {

@@ -27,7 +27,7 @@ type Http = Client<Connector, ReqBody>;
 type Bulk = Client<super::bulk::OnLane<Connector>, ReqBody>;
 
 /// A cheap-to-clone pooled HTTP/1.1 client. On a connection thread
-/// ([`lockstep_serve::threads`]) it uses a pool of that thread's own, so a request is sent,
+/// ([`lockstep_runtime::threads`]) it uses a pool of that thread's own, so a request is sent,
 /// and its answer read, by the thread that serves it; elsewhere the shared pool.
 #[derive(Clone, Debug)]
 pub struct UpstreamClient {
@@ -47,7 +47,7 @@ struct Shared {
     id: Arc<()>,
     connect_timeout: Duration,
     /// Mutual TLS to lockstep workers (`[worker_plane.tls]`), read at start and every reload.
-    plane: Option<std::sync::Arc<lockstep_serve::tls::PlaneTls>>,
+    plane: Option<std::sync::Arc<lockstep_runtime::tls::PlaneTls>>,
 }
 
 /// An answer's status and whole body (bounded); `what` names the call in an error.
@@ -155,7 +155,7 @@ impl UpstreamClient {
         if req.body().len() >= super::bulk::BULK_BODY_BYTES && super::bulk::available() {
             return self.s.bulk.request(req);
         }
-        if lockstep_serve::threads::current().is_none() {
+        if lockstep_runtime::threads::current().is_none() {
             return self.s.inner.request(req);
         }
         THREAD_POOLS.with_borrow_mut(|pools| {
@@ -184,7 +184,8 @@ impl UpstreamClient {
     ) -> Result<UpstreamClient, String> {
         let plane = match &cfg.tls {
             Some(f) => Some(
-                lockstep_serve::tls::PlaneTls::load(f).map_err(|e| format!("worker_plane.{e}"))?,
+                lockstep_runtime::tls::PlaneTls::load(f)
+                    .map_err(|e| format!("worker_plane.{e}"))?,
             ),
             None => None,
         };
@@ -201,7 +202,7 @@ impl UpstreamClient {
     }
 
     /// The worker plane's TLS, where configured.
-    pub fn plane(&self) -> Option<&std::sync::Arc<lockstep_serve::tls::PlaneTls>> {
+    pub fn plane(&self) -> Option<&std::sync::Arc<lockstep_runtime::tls::PlaneTls>> {
         self.s.plane.as_ref()
     }
 
@@ -445,7 +446,7 @@ mod tests {
         let url = port_echo().await;
         let client = UpstreamClient::with_ca(Duration::from_secs(2), None).expect("client");
         let threads =
-            lockstep_serve::threads::ConnThreads::start(2, "client-test").expect("threads");
+            lockstep_runtime::threads::ConnThreads::start(2, "client-test").expect("threads");
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let mut holds = Vec::new();
         // Held open so the two land on different threads.
@@ -460,7 +461,7 @@ mod tests {
                     assert_eq!(status, 200);
                     ports.push(String::from_utf8(body.to_vec()).expect("utf-8"));
                 }
-                let _ = tx.send((lockstep_serve::threads::current(), ports));
+                let _ = tx.send((lockstep_runtime::threads::current(), ports));
                 let _ = held.await;
             });
         }
@@ -486,7 +487,7 @@ mod tests {
         let url = port_echo().await;
         let client = UpstreamClient::with_ca(Duration::from_secs(2), None).expect("client");
         let threads =
-            lockstep_serve::threads::ConnThreads::start(1, "client-bulk").expect("threads");
+            lockstep_runtime::threads::ConnThreads::start(1, "client-bulk").expect("threads");
         let (tx, rx) = tokio::sync::oneshot::channel();
         threads.spawn(async move {
             let mut answers = Vec::new();
@@ -526,7 +527,7 @@ mod tests {
     async fn a_connection_thread_forgets_the_pools_of_dropped_clients() {
         let url = port_echo().await;
         let threads =
-            lockstep_serve::threads::ConnThreads::start(1, "client-drop").expect("threads");
+            lockstep_runtime::threads::ConnThreads::start(1, "client-drop").expect("threads");
         let (tx, rx) = tokio::sync::oneshot::channel();
         threads.spawn(async move {
             for _ in 0..3 {

@@ -25,7 +25,7 @@ use super::{
 };
 use lockstep_core::config::{ModelConfig, WorkerConfig};
 use lockstep_proto::MAX_MESSAGE_BYTES;
-use lockstep_serve::tls::{PlaneTls, worker_channel};
+use lockstep_runtime::tls::{PlaneTls, worker_channel};
 
 /// The backend over lockstep workers.
 #[derive(Debug, Clone)]
@@ -92,7 +92,7 @@ fn kv_key(pair: u64) -> Vec<u8> {
 /// A request with the current span's trace context in its metadata.
 fn traced<T>(msg: T) -> tonic::Request<T> {
     let mut req = tonic::Request::new(msg);
-    for (k, v) in lockstep_serve::telemetry::trace_headers() {
+    for (k, v) in lockstep_runtime::telemetry::trace_headers() {
         if let (Ok(k), Ok(v)) = (
             tonic::metadata::MetadataKey::from_bytes(k.as_str().as_bytes()),
             tonic::metadata::MetadataValue::try_from(v.as_bytes()),

@@ -30,10 +30,10 @@ use futures_util::future::BoxFuture;
 use futures_util::stream::BoxStream;
 
 use lockstep_core::config::ModelConfig;
-pub use lockstep_core::vocab::{
-    Constraint, DecodeChunk, FinishReason, MAX_TOP_LOGPROBS, PairId, SamplingParams, Side,
-    TokenLogprobs,
+pub use lockstep_core::generation::{
+    Constraint, DecodeChunk, FinishReason, MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs,
 };
+pub use lockstep_core::ids::{PairId, Side};
 use lockstep_routing::pool::Upstream;
 
 /// Everything a backend needs to run both halves of one pair.

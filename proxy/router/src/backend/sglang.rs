@@ -108,8 +108,8 @@ struct SglangSampling<'a> {
 #[derive(serde::Serialize)]
 struct GenerateBody<'a> {
     sampling_params: SglangSampling<'a>,
-    /// The pair id as SGLang's `rid` ([`lockstep_core::vocab::PairId::rid`]).
-    rid: lockstep_core::vocab::RidText,
+    /// The pair id as SGLang's `rid` ([`lockstep_core::ids::PairId::rid`]).
+    rid: lockstep_core::ids::RidText,
     bootstrap_host: &'a str,
     bootstrap_port: Option<u16>,
     /// The pair id as the integer SGLang expects.
@@ -284,7 +284,7 @@ impl PdBackend for SglangBackend {
         let body = Self::generate_body(d, false);
         let trace = d
             .prefill
-            .headers(lockstep_serve::telemetry::trace_headers(), false);
+            .headers(lockstep_runtime::telemetry::trace_headers(), false);
         let rid = d.pair_id.rid();
         let scored = d.sampling.prompt_logprobs.map(|k| (k, d.input_ids.clone()));
         Box::pin(async move {
@@ -315,7 +315,7 @@ impl PdBackend for SglangBackend {
         let body = Self::generate_body(d, true);
         let trace = d
             .decode
-            .headers(lockstep_serve::telemetry::trace_headers(), false);
+            .headers(lockstep_runtime::telemetry::trace_headers(), false);
         let mode = self.stream_mode(&d.decode.url);
         let logprobs = d.sampling.logprobs;
         let start = async move {

@@ -36,7 +36,7 @@ use super::{
 };
 use lockstep_core::config::ModelConfig;
 use lockstep_core::config::{VllmConnector, VllmSection};
-use lockstep_core::vocab::PairId;
+use lockstep_core::ids::PairId;
 
 /// The prefill's verdict, as the decode half waits for it.
 #[derive(Debug, Clone)]
@@ -166,7 +166,7 @@ impl VllmBackend {
 
 /// A half's extra headers: its trace context and `X-Request-Id` (the pair id, on both halves).
 fn half_headers(id: PairId) -> Vec<(http::HeaderName, http::HeaderValue)> {
-    let mut h = lockstep_serve::telemetry::trace_headers();
+    let mut h = lockstep_runtime::telemetry::trace_headers();
     if let Ok(v) = http::HeaderValue::from_str(&id.to_string()) {
         h.push((http::HeaderName::from_static("x-request-id"), v));
     }

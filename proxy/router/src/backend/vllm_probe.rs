@@ -20,7 +20,7 @@ use serde_json::Value;
 use super::UpstreamClient;
 use super::probe::{ProbeError, WorkerReport};
 use lockstep_core::config::{ModelConfig, WorkerConfig};
-use lockstep_core::vocab::Side;
+use lockstep_core::ids::Side;
 
 /// What one worker reported (each `None` where it did not say).
 #[derive(Debug, Default, PartialEq)]

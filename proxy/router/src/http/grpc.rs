@@ -158,7 +158,7 @@ impl Front {
         &self,
         req: Request<R>,
     ) -> Result<Response<EventStream>, Status> {
-        let deadline = lockstep_serve::grpc_timeout(req.metadata()).map(|d| Instant::now() + d);
+        let deadline = lockstep_runtime::grpc_timeout(req.metadata()).map(|d| Instant::now() + d);
         let caller =
             authorize_identified(&self.state, self.identity(&req)?).map_err(|r| r.0.to_status())?;
         let req = req.into_inner();
@@ -365,7 +365,7 @@ fn span(method: &str, meta: &tonic::metadata::MetadataMap) -> tracing::Span {
         rpc.system = "grpc",
         rpc.method = method,
     );
-    lockstep_serve::telemetry::adopt_parent(&span, &meta.clone().into_headers());
+    lockstep_runtime::telemetry::adopt_parent(&span, &meta.clone().into_headers());
     span
 }
 

@@ -96,7 +96,7 @@ async fn trace_request(req: axum::extract::Request, next: axum::middleware::Next
         http.method = %req.method(),
         http.route = %req.uri().path(),
     );
-    lockstep_serve::telemetry::adopt_parent(&span, req.headers());
+    lockstep_runtime::telemetry::adopt_parent(&span, req.headers());
     next.run(req).instrument(span).await
 }
 

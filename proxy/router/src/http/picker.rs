@@ -11,7 +11,7 @@ use bytes::Bytes;
 use crate::admission::{Admitted, Caller, Refusal, admit_body};
 use crate::state::AppState;
 use lockstep_core::error::LockstepError;
-use lockstep_core::vocab::Side;
+use lockstep_core::ids::Side;
 use lockstep_routing::pool::{PairPick, PrefillChoice, RouteKey, pick_pair};
 
 /// The generation paths a picker admits (their bodies are read and checked); any other path

@@ -16,7 +16,7 @@ pub use outcome::{AbortReason, Outcome, PairEvent, PairStats};
 pub use queue::FairQueue;
 pub use registry::{AbortsInFlight, CancelReason, PairGuard, PairInfo, PairRegistry, PairState};
 
-pub use lockstep_core::vocab::{PairId, RidText};
+pub use lockstep_core::ids::{PairId, RidText};
 
 #[cfg(test)]
 mod machine_check;

@@ -26,7 +26,7 @@ pub(super) struct AbortContext<'a> {
 
 /// A migration under way: the pair it replaces, why, and what it carries.
 pub(super) struct Migration {
-    pub(super) from: lockstep_core::vocab::PairId,
+    pub(super) from: lockstep_core::ids::PairId,
     pub(super) reason: &'static str,
     pub(super) carried: u64,
     pub(super) started: TokioInstant,

@@ -9,7 +9,7 @@ use tokio::time::{Instant as TokioInstant, sleep, sleep_until};
 
 use super::PairEvent;
 use super::lifecycle::{Attempt, Avoid, ModelPairs, Request};
-use lockstep_core::vocab::Side;
+use lockstep_core::ids::Side;
 
 /// How often the head looks for a slot when no notification came (a slot freed by a pair of
 /// a configuration that was reloaded away notifies the old pools).

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use crate::pool::{MemberChange, MemberFeed, WorkerPool};
 use lockstep_core::config::{AllowedPrefills, SidecarConfig, WorkerConfig};
 use lockstep_core::error::LockstepError;
-use lockstep_core::vocab::Side;
+use lockstep_core::ids::Side;
 
 /// The header an endpoint picker names the prefill in (`host:port`, the first of a comma list).
 pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";

@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use super::{LoadGuard, RouteKey, Upstream, WorkerPool};
-use lockstep_core::vocab::Side;
+use lockstep_core::ids::Side;
 
 /// How the prefill worker is chosen.
 #[derive(Debug, Clone, Copy)]

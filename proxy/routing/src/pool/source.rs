@@ -8,7 +8,7 @@ use futures_util::stream::BoxStream;
 use tokio::sync::mpsc;
 
 use lockstep_core::config::WorkerConfig;
-use lockstep_core::vocab::Side;
+use lockstep_core::ids::Side;
 
 /// One change to a model's pools.
 #[derive(Debug, Clone)]

@@ -5,7 +5,7 @@ use std::sync::atomic::AtomicU64;
 
 use lockstep_core::config::HealthConfig;
 
-use lockstep_core::vocab::Side;
+use lockstep_core::ids::Side;
 
 /// A pool of workers on these loopback ports, each taking at most `max` pairs (0: any number).
 fn on_ports(policy: PolicyKind, ports: &[u16], max: usize) -> WorkerPool {

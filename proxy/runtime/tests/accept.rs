@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use axum::body::Body;
 use std::sync::Arc;
 
-use lockstep_serve::accept::{ConnLimits, serve_http};
-use lockstep_serve::threads::ConnThreads;
+use lockstep_runtime::accept::{ConnLimits, serve_http};
+use lockstep_runtime::threads::ConnThreads;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -60,7 +60,7 @@ async fn server(
         .route(
             "/where",
             axum::routing::get(|| async {
-                match lockstep_serve::threads::current() {
+                match lockstep_runtime::threads::current() {
                     Some(_) => "connection-thread",
                     None => "shared",
                 }
@@ -250,7 +250,7 @@ async fn an_idle_h2c_client_that_ignores_goaway_is_dropped_after_the_grace(mode:
     let (addr, stop, task) = server(mode).await;
     let (kinds, after) = h2c_without_streams(&addr, false).await;
     assert!(kinds.contains(&7), "a GOAWAY among the frames: {kinds:?}");
-    let grace = lockstep_serve::accept::IDLE_CLOSE_GRACE;
+    let grace = lockstep_runtime::accept::IDLE_CLOSE_GRACE;
     assert!(
         after >= IDLE + grace - Duration::from_millis(100),
         "closed after {after:?}"

@@ -4,7 +4,7 @@
 use std::io::Write;
 use std::time::Duration;
 
-use lockstep_serve::busy_poll::{poll_until_ready, runtime};
+use lockstep_runtime::busy_poll::{poll_until_ready, runtime};
 
 #[test]
 fn the_park_hook_polls_the_runtimes_own_event_loop() {

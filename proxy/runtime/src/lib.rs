@@ -1,4 +1,4 @@
-//! lockstep-serve: what every lockstep process (the router and the workers) needs to serve,
+//! lockstep-runtime: what every lockstep process (the router and the workers) needs to serve,
 //! and nothing of either: the accept loop ([`accept`], with its idle tracking), TLS on listeners ([`tls`]), signals
 //! ([`signals`]), background tasks ([`tasks`]), connection threads ([`threads`]), logs and traces ([`telemetry`]), the TOML loader
 //! with per-section validation ([`toml_file`]), the engine section both processes read
