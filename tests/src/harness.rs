@@ -211,7 +211,12 @@ impl Stack {
         let config_path = dir.path().join("lockstep.toml");
         std::fs::write(&config_path, &text).expect("write config");
         let cfg = Config::load(&config_path).map_err(|e| e.to_string())?;
-        let lockstep = Lockstep::start(cfg).await.map_err(|e| e.to_string())?;
+        // A configuration with `[sidecar]` starts `lockstep sidecar`, as the command would.
+        let lockstep = if cfg.sidecar.is_some() {
+            lockstep_gateway::sidecar::start(cfg).await?
+        } else {
+            Lockstep::start(cfg).await?
+        };
         let url = format!("http://{}", lockstep.http_addr);
         Ok(Stack {
             mock,

@@ -15,7 +15,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse,
 };
 use lockstep_core::config::Role;
-use lockstep_epp::RunningPicker;
+use lockstep_gateway::picker::RunningPicker;
 use lockstep_router::app::Lockstep;
 use lockstep_tenancy::tenant::key_hash_hex;
 use lockstep_tests::gateway::{as_epp, start_role};
@@ -181,7 +181,7 @@ impl Stream {
     async fn picked(&mut self) -> String {
         let set = self.picked_headers().await;
         set.into_iter()
-            .find(|(k, _)| k == lockstep_epp::DESTINATION)
+            .find(|(k, _)| k == lockstep_gateway::picker::DESTINATION)
             .map(|(_, v)| v)
             .expect("a destination")
     }

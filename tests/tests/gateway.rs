@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use lockstep_core::config::Role;
-use lockstep_epp::RunningPicker;
+use lockstep_gateway::picker::RunningPicker;
 use lockstep_router::app::Lockstep;
 use lockstep_tests::client::{Answer, TestClient};
 use lockstep_tests::gateway::{Envoy, as_epp, as_sidecar, start_role};

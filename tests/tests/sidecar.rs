@@ -283,7 +283,9 @@ async fn vllm_sidecar() -> (VllmMock, Lockstep, tempfile::TempDir) {
     assert!(cfg.problems().is_empty(), "{:?}", cfg.problems());
     cfg.for_role(lockstep_core::config::Role::Sidecar)
         .expect("a sidecar's configuration");
-    let lockstep = Lockstep::start(cfg).await.expect("the sidecar starts");
+    let lockstep = lockstep_gateway::sidecar::start(cfg)
+        .await
+        .expect("the sidecar starts");
     (mock, lockstep, dir)
 }
 
@@ -529,7 +531,9 @@ async fn named_prefills_are_bounded_and_idle_ones_leave() {
     assert!(codes.contains("workers_busy"), "{codes:?}");
     let most = sampler.await.expect("sampler");
     assert!(most <= 3, "{most} named prefills kept at once");
-    let policy = s.lockstep.state.named_prefills.as_ref().expect("a sidecar");
+    let policy = &lockstep_gateway::sidecar::SidecarRole::of(&s.lockstep.state)
+        .expect("a sidecar")
+        .named;
     assert!(policy.kept() <= 3, "{}", policy.kept());
     // The served prefill, idle since, leaves once a later request looks.
     tokio::time::sleep(Duration::from_millis(400)).await;

@@ -300,7 +300,7 @@ async fn run(cli: Cli, huge_pages_off: bool) -> ExitCode {
                 }
                 Ok(cfg)
             };
-            serve(config, log_level, prepare, huge_pages_off).await
+            serve(RoleKind::Router, config, log_level, prepare, huge_pages_off).await
         }
         Command::Sidecar {
             config,
@@ -308,6 +308,7 @@ async fn run(cli: Cli, huge_pages_off: bool) -> ExitCode {
             log_level,
         } => {
             serve(
+                RoleKind::Sidecar,
                 Some(config),
                 log_level,
                 move |cfg| flags.apply(cfg),
@@ -327,14 +328,33 @@ async fn run(cli: Cli, huge_pages_off: bool) -> ExitCode {
                 }
                 Ok(cfg)
             };
-            serve(Some(config), log_level, prepare, huge_pages_off).await
+            serve(
+                RoleKind::Picker,
+                Some(config),
+                log_level,
+                prepare,
+                huge_pages_off,
+            )
+            .await
         }
     }
 }
 
-/// Starts the router (`serve`, `sidecar`) from the file at `path` made fit for its role by
-/// `prepare` (at start and at every reload), and serves until a stop signal.
+/// Which process a command starts: the router's own role, or a gateway role.
+#[derive(Debug, Clone, Copy)]
+enum RoleKind {
+    /// `lockstep serve`.
+    Router,
+    /// `lockstep sidecar`.
+    Sidecar,
+    /// `lockstep epp`.
+    Picker,
+}
+
+/// Starts `role` from the file at `path` made fit for it by `prepare` (at start and at every
+/// reload), and serves until a stop signal.
 async fn serve(
+    role: RoleKind,
     path: Option<PathBuf>,
     log_level: Option<String>,
     prepare: impl Fn(Config) -> Result<Config, String> + Send + Sync + Copy + 'static,
@@ -368,25 +388,22 @@ async fn serve(
     // Signal handlers go in before the listener opens: a SIGHUP or SIGTERM that arrives right
     // after "listening" must reach them, not the default action (terminate).
     let signals = Signals::install();
-    let epp = cfg.epp.clone();
-    let running = match Lockstep::start(cfg).await {
+    let started = match role {
+        RoleKind::Router => Lockstep::start(cfg).await.map(|l| (l, None)),
+        RoleKind::Sidecar => lockstep_gateway::sidecar::start(cfg)
+            .await
+            .map(|l| (l, None)),
+        // `lockstep epp`: the ext_proc listener over the router's models and pools.
+        RoleKind::Picker => lockstep_gateway::picker::start(cfg)
+            .await
+            .map(|(l, p)| (l, Some(p))),
+    };
+    let (running, picker) = match started {
         Ok(r) => r,
         Err(e) => {
             eprintln!("{}: refusing to start:\n{e}", shown(path));
             return ExitCode::FAILURE;
         }
-    };
-    // `lockstep epp`: the ext_proc listener over the same models and pools.
-    let picker = match epp {
-        None => None,
-        Some(e) => match lockstep_epp::serve(running.state.clone(), &e).await {
-            Ok(p) => Some(p),
-            Err(e) => {
-                eprintln!("{}: refusing to start:\n{e}", shown(path));
-                running.shutdown().await;
-                return ExitCode::FAILURE;
-            }
-        },
     };
     serve_until_stopped(&running, path, prepare, signals).await;
     tracing::info!("shutting down");

@@ -37,8 +37,28 @@ pub struct Lockstep {
 
 impl Lockstep {
     /// Builds everything from `cfg`, runs the deployment check against the workers, binds the
-    /// listener and starts serving. Fails (naming every problem) rather than start unsafe.
+    /// listener and starts serving as the router's own role (`lockstep serve`, `route`). Fails
+    /// (naming every problem) rather than start unsafe.
     pub async fn start(cfg: Config) -> Result<Lockstep, String> {
+        // The gateway roles' tables would be ignored here: refused, not dropped.
+        for (table, role) in [
+            ("sidecar", cfg.sidecar.is_some()),
+            ("epp", cfg.epp.is_some()),
+        ] {
+            if role {
+                return Err(format!(
+                    "[{table}] is read by `lockstep {table}` (lockstep-gateway); the router's own role would ignore it"
+                ));
+            }
+        }
+        Lockstep::start_as(cfg, Arc::new(crate::state::Router)).await
+    }
+
+    /// [`Lockstep::start`] in the process role `role` (its phases: [`crate::state::Role`]).
+    pub async fn start_as(
+        cfg: Config,
+        role: Arc<dyn crate::state::Role>,
+    ) -> Result<Lockstep, String> {
         let client = UpstreamClient::with_ca(
             Duration::from_millis(cfg.server.connect_timeout_ms),
             cfg.server.upstream_ca_file.as_deref(),
@@ -78,11 +98,7 @@ impl Lockstep {
             tokenize_slots: Arc::new(tokio::sync::Semaphore::new(cores)),
             compile_slots: Arc::new(tokio::sync::Semaphore::new(cores)),
             tokenize_pool: Arc::new(tokenize_pool),
-            picker_only: cfg.epp.is_some(),
-            named_prefills: match &cfg.sidecar {
-                Some(s) => Some(lockstep_routing::pool::NamedPrefills::new(s)?),
-                None => None,
-            },
+            role,
         });
         let threads = match cfg.server.connections {
             lockstep_core::config::Connections::Shared => None,
@@ -129,12 +145,12 @@ impl Lockstep {
         let (grpc, health) = crate::http::grpc::services(state.clone(), grpc_limits);
         crate::http::grpc::set_serving(&health, true).await;
         let app = crate::http::router(state.clone(), !cfg.server.metrics_on_admin);
-        // `lockstep epp` serves no gRPC front end: its HTTP listener has its own health,
-        // readiness and metrics only (nothing there may drive an engine).
-        let app = if state.picker_only {
-            app
-        } else {
+        // A role may serve no gRPC front end (`lockstep epp`: its HTTP listener has its own
+        // health, readiness and metrics only; nothing there may drive an engine).
+        let app = if state.role.serves_grpc() {
             app.merge(grpc)
+        } else {
+            app
         };
         let header_timeout = Duration::from_millis(cfg.server.header_timeout_ms);
         let tls = match (&cfg.server.tls_cert_file, &cfg.server.tls_key_file) {

@@ -59,7 +59,7 @@ fn anonymous(state: &AppState) -> Caller {
         catalog: state.models.load_full(),
         tenant: None,
         permit: lockstep_tenancy::tenant::Held::default(),
-        named_prefill: None,
+        role_data: None,
     }
 }
 

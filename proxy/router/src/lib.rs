@@ -15,5 +15,4 @@ pub mod http;
 pub(crate) mod members;
 pub mod models;
 pub mod pair;
-pub(crate) mod sidecar;
 pub mod state;

@@ -6,6 +6,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use arc_swap::ArcSwap;
+use futures_util::future::BoxFuture;
+use http::HeaderMap;
 use lockstep_engine::pd::Pd;
 use tokio::task::JoinHandle;
 
@@ -13,8 +15,10 @@ use crate::backend::UpstreamClient;
 use crate::pair::{ModelPairs, PairRegistry, PairStats};
 use lockstep_core::audit::Audit;
 use lockstep_core::config::ModelConfig;
+use lockstep_core::error::LockstepError;
 use lockstep_core::metrics::Metrics;
 use lockstep_prompt::codec::PromptCodec;
+use lockstep_routing::pool::PrefillPin;
 
 /// One served model.
 #[derive(Debug)]
@@ -160,7 +164,8 @@ pub struct AppState {
     pub config_path: Option<std::path::PathBuf>,
     /// Worker URLs an operator is draining (re-applied to the workers of a reloaded config).
     pub drained: dashmap::DashSet<String>,
-    pub(crate) client: UpstreamClient,
+    /// The client every upstream call goes through (pooled, per connection thread).
+    pub client: UpstreamClient,
     /// Long prompts tokenizing on the blocking pool at once (one per core).
     pub(crate) tokenize_slots: Arc<tokio::sync::Semaphore>,
     /// Admissions that compile a grammar, at once (one per core).
@@ -169,12 +174,8 @@ pub struct AppState {
     pub(crate) tokenize_pool: Arc<rayon::ThreadPool>,
     /// Held for the whole of a reload: reloads run one at a time.
     pub(crate) reload_lock: tokio::sync::Mutex<()>,
-    /// `lockstep sidecar`: what a request may name as its prefill (`x-prefiller-host-port`);
-    /// `None` elsewhere, where the header is not read.
-    pub named_prefills: Option<lockstep_routing::pool::NamedPrefills>,
-    /// `lockstep epp`: its HTTP listener serves health, readiness and metrics only (generation
-    /// requests reach it through Envoy's `ext_proc`).
-    pub picker_only: bool,
+    /// The process role this router serves in ([`Role`]: the router's own, or a gateway role's).
+    pub role: Arc<dyn Role>,
 }
 
 impl AppState {
@@ -278,5 +279,79 @@ impl AppState {
 fn catch_up(c: &prometheus::IntCounter, now: u64) {
     if now > c.get() {
         c.inc_by(now - c.get());
+    }
+}
+
+/// What a role read off one request's headers ([`Role::on_headers`]), carried with the caller to
+/// the role's later phases; `None` when it read nothing.
+pub type RoleData = Option<Arc<dyn std::any::Any + Send + Sync>>;
+
+/// A process role: how `lockstep serve` and `route` (the router's own, [`Router`]) and the
+/// gateway roles (`lockstep sidecar` and `lockstep epp`, in `lockstep-gateway`) differ. A role is
+/// found again from the state by upcasting to `dyn Any` (`&*state.role as &dyn Any`). The
+/// router calls the phases at fixed points of a request and of the process; each has a default,
+/// the router's own behaviour, and a role overrides only the phases it changes (the shape of
+/// Pingora's `ProxyHttp`). The router never names a role.
+///
+/// Phases, in the order a request meets them:
+/// 1. [`Role::on_headers`]: after the API key names the tenant, before any body is read;
+/// 2. [`Role::pin_prefill`]: after the prompt is known to fit and the tenant's limits are
+///    taken, before the pair is made;
+///
+/// and for the process: [`Role::http_routes`] (the HTTP listener), [`Role::serves_grpc`] (the
+/// gRPC front end beside it), [`Role::needs_prefill_workers`] (readiness).
+pub trait Role: std::any::Any + Send + Sync + std::fmt::Debug {
+    /// The role's name, for logs.
+    fn name(&self) -> &'static str;
+
+    /// Phase 1: what the role reads from a request's headers (an error refuses the request,
+    /// counted once). Default: nothing.
+    fn on_headers(&self, _headers: &HeaderMap) -> Result<RoleData, LockstepError> {
+        Ok(None)
+    }
+
+    /// Phase 2: the prefill the pair of an admitted request on `model` uses, from what
+    /// [`Role::on_headers`] read (`data`); `prompt_tokens`: the prompt's length. Default: the
+    /// prefill pool's policy picks ([`PrefillPin::Pool`]).
+    fn pin_prefill<'a>(
+        &'a self,
+        _model: &'a Arc<ModelRuntime>,
+        _data: &'a RoleData,
+        _prompt_tokens: usize,
+    ) -> BoxFuture<'a, Result<PrefillPin, LockstepError>> {
+        Box::pin(async { Ok(PrefillPin::Pool) })
+    }
+
+    /// The routes of the HTTP listener (`with_metrics`: `/metrics` is served there, not moved to
+    /// the admin listener); the router adds the fallback and the request span. Default (`None`):
+    /// the router's own (`http::default_routes`: the generation APIs, `/v1/models`, `/health`,
+    /// `/ready`, `/metrics`).
+    fn http_routes(
+        &self,
+        _state: &Arc<AppState>,
+        _with_metrics: bool,
+    ) -> Option<axum::Router<Arc<AppState>>> {
+        None
+    }
+
+    /// Whether the gRPC front end (`lockstep.v1`, health, reflection) shares the HTTP listener.
+    /// Default: yes.
+    fn serves_grpc(&self) -> bool {
+        true
+    }
+
+    /// Whether a model is ready only with a healthy prefill worker. Default: yes.
+    fn needs_prefill_workers(&self) -> bool {
+        true
+    }
+}
+
+/// The router's own role (`lockstep serve`, `lockstep route`): every phase at its default.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Router;
+
+impl Role for Router {
+    fn name(&self) -> &'static str {
+        "router"
     }
 }

@@ -70,30 +70,36 @@ where
         .await
         .map_err(|e| Refusal::count(state, "", e))??
     };
-    // The tenant's limits shared with the other replicas: taken from the store in one step.
-    if let Some(t) = admitted.caller.tenant.clone() {
-        let model = admitted.model.name.clone();
-        let refuse = |e| Refusal::count_for(state, &model, Some(&t), e);
-        admitted
-            .caller
-            .permit
-            .claim_shared(&t)
-            .await
-            .map_err(refuse)?;
-        for h in &mut admitted.further {
-            h.claim_shared(&t).await.map_err(refuse)?;
-        }
-    }
-    // `lockstep sidecar`: the prefill the request named, checked (after the prompt is known to
-    // fit, so a refused prompt never makes a prefill join).
-    if let Some(policy) = &state.named_prefills {
-        let a = &admitted;
-        let named = a.caller.named_prefill.as_ref();
-        admitted.prefill = crate::sidecar::pin(policy, &a.model, named, a.ids.len())
-            .await
-            .map_err(|e| Refusal::count_for(state, &a.model.name, a.caller.tenant.as_deref(), e))?;
-    }
+    claim_shared(state, &mut admitted).await?;
+    // The role's prefill (`lockstep sidecar`: the one the request named, checked), after the
+    // prompt is known to fit, so a refused prompt never makes a prefill join.
+    let a = &admitted;
+    admitted.prefill = state
+        .role
+        .pin_prefill(&a.model, &a.caller.role_data, a.ids.len())
+        .await
+        .map_err(|e| Refusal::count_for(state, &a.model.name, a.caller.tenant.as_deref(), e))?;
     Ok((admitted, shape))
+}
+
+/// The tenant's limits shared with the other replicas (`[shared]`): the request's concurrency
+/// slot and token reservation, and those of its further choices, claimed from the store.
+async fn claim_shared(state: &AppState, admitted: &mut Admitted) -> Result<(), Refusal> {
+    let Some(t) = admitted.caller.tenant.clone() else {
+        return Ok(());
+    };
+    let model = admitted.model.name.clone();
+    let refuse = |e| Refusal::count_for(state, &model, Some(&t), e);
+    admitted
+        .caller
+        .permit
+        .claim_shared(&t)
+        .await
+        .map_err(refuse)?;
+    for h in &mut admitted.further {
+        h.claim_shared(&t).await.map_err(refuse)?;
+    }
+    Ok(())
 }
 
 /// Parses `bytes` as `T`: 400 `invalid_json`, or 400 `invalid_request` with the offending field

@@ -42,8 +42,8 @@ pub struct Caller {
     pub tenant: Option<Arc<Tenant>>,
     /// Held as long as the response lives; dropping it frees the tenant's slot.
     pub permit: lockstep_tenancy::tenant::Held,
-    /// The prefill the request named (`x-prefiller-host-port`), read only by `lockstep sidecar`.
-    pub named_prefill: Option<lockstep_routing::pool::NamedPrefill>,
+    /// What the process role read off the headers ([`crate::state::Role::on_headers`]).
+    pub role_data: crate::state::RoleData,
 }
 
 /// Bodies and prompts up to this many bytes are parsed, templated and tokenized inline
@@ -130,8 +130,8 @@ pub struct Identity {
     pub catalog: Arc<crate::state::Models>,
     /// The tenant (`None` when lockstep runs open).
     pub tenant: Option<Arc<Tenant>>,
-    /// The prefill the request named (`x-prefiller-host-port`), read only by `lockstep sidecar`.
-    pub named_prefill: Option<lockstep_routing::pool::NamedPrefill>,
+    /// What the process role read off the headers ([`crate::state::Role::on_headers`]).
+    pub role_data: crate::state::RoleData,
 }
 
 /// Step 1: the caller's tenant from its API key (401 for a missing or unknown one).
@@ -141,15 +141,14 @@ pub fn identify(state: &AppState, headers: &HeaderMap) -> Result<Identity, Refus
         .tenants
         .authenticate(headers)
         .map_err(|e| Refusal::count(state, "", e))?;
-    let named_prefill = match &state.named_prefills {
-        Some(_) => lockstep_routing::pool::NamedPrefills::read(headers)
-            .map_err(|e| Refusal::count_for(state, "", tenant.as_deref(), e))?,
-        None => None,
-    };
+    let role_data = state
+        .role
+        .on_headers(headers)
+        .map_err(|e| Refusal::count_for(state, "", tenant.as_deref(), e))?;
     Ok(Identity {
         catalog,
         tenant,
-        named_prefill,
+        role_data,
     })
 }
 
@@ -163,7 +162,7 @@ pub fn authorize_identified(state: &AppState, who: Identity) -> Result<Caller, R
     let Identity {
         catalog,
         tenant,
-        named_prefill,
+        role_data,
     } = who;
     if state.registry.is_draining() {
         let e = LockstepError::Unavailable {
@@ -181,7 +180,7 @@ pub fn authorize_identified(state: &AppState, who: Identity) -> Result<Caller, R
         catalog,
         tenant,
         permit,
-        named_prefill,
+        role_data,
     })
 }
 

@@ -1,9 +1,9 @@
 //! The HTTP front end: OpenAI-compatible and SGLang-native routes, health and readiness.
 
 pub(crate) mod anthropic;
+mod apis;
 mod choices;
 mod embeddings;
-mod engine_pages;
 mod extract;
 mod fields;
 pub(crate) mod generate;
@@ -14,7 +14,6 @@ mod logprobs;
 pub(crate) mod openai;
 mod openai_out;
 mod openai_shape;
-pub mod picker;
 mod respond;
 pub(crate) mod responses;
 mod responses_out;
@@ -30,7 +29,7 @@ use std::sync::Arc;
 use axum::Router;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::get;
 use http::{Method, Uri};
 use serde_json::json;
 
@@ -38,53 +37,44 @@ use crate::state::AppState;
 use extract::Authenticated;
 use lockstep_core::error::LockstepError;
 
-/// The router of all HTTP routes.
+pub use apis::Api;
+
+/// The router of all HTTP routes: the role's ([`crate::state::Role::http_routes`]), else the
+/// router's own ([`default_routes`]); unknown routes are 404 `route_not_found`, and each request
+/// gets its span.
 pub fn router(state: Arc<AppState>, with_metrics: bool) -> Router {
-    if state.picker_only {
-        // `lockstep epp`: requests come through Envoy's ext_proc; over HTTP only the
-        // process's own health, readiness and metrics.
-        let r = Router::new()
-            .route("/health", get(health))
-            .route("/ready", get(ready));
-        let r = if with_metrics {
-            r.route("/metrics", get(metrics))
-        } else {
-            r
-        };
-        return r
-            .fallback(not_found)
-            .layer(axum::middleware::from_fn(trace_request))
-            .with_state(state);
+    let r = state
+        .role
+        .http_routes(&state, with_metrics)
+        .unwrap_or_else(|| default_routes(&state, with_metrics));
+    r.fallback(not_found)
+        .layer(axum::middleware::from_fn(trace_request))
+        .with_state(state)
+}
+
+/// The router's own routes: the generation APIs ([`generation_routes`]), `/v1/models`,
+/// `/health`, and `/metrics` unless `server.metrics_on_admin` moves it behind the admin key.
+pub fn default_routes(state: &Arc<AppState>, with_metrics: bool) -> Router<Arc<AppState>> {
+    let r = generation_routes(state)
+        .route("/v1/models", get(models))
+        .route("/health", get(health));
+    if with_metrics {
+        r.route("/metrics", get(metrics))
+    } else {
+        r
     }
-    let generation = Router::new()
-        .route("/v1/chat/completions", post(openai::chat_completions))
-        .route("/v1/completions", post(openai::completions))
-        .route("/v1/messages", post(anthropic::messages))
-        .route("/v1/responses", post(responses::responses))
-        .route("/generate", post(generate::generate))
-        .route("/v1/embeddings", post(embeddings::embeddings))
+}
+
+/// The generation APIs ([`Api`]), each answer with the tenant's rate headers, and `/ready`.
+pub fn generation_routes(state: &Arc<AppState>) -> Router<Arc<AppState>> {
+    let generation = Api::ALL
+        .iter()
+        .fold(Router::new(), |r, api| r.route(api.path(), api.handler()))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             rate_headers,
         ));
-    let r = Router::new().merge(generation).route("/ready", get(ready));
-    let r = if state.named_prefills.is_some() {
-        // `lockstep sidecar`: the engine's own pages, lockstep's metrics beside them.
-        engine_pages::routes(r, with_metrics)
-    } else {
-        let r = r
-            .route("/v1/models", get(models))
-            .route("/health", get(health));
-        // `server.metrics_on_admin` moves it behind the admin key.
-        if with_metrics {
-            r.route("/metrics", get(metrics))
-        } else {
-            r
-        }
-    };
-    r.fallback(not_found)
-        .layer(axum::middleware::from_fn(trace_request))
-        .with_state(state)
+    Router::new().merge(generation).route("/ready", get(ready))
 }
 
 /// One `request` span per HTTP request, child of the client's `traceparent` when it sent one.
@@ -134,22 +124,24 @@ async fn not_found(method: Method, uri: Uri) -> Response {
     .into_response()
 }
 
-async fn health() -> Response {
+/// `GET /health`: the process is up.
+pub async fn health() -> Response {
     axum::Json(json!({ "status": "ok" })).into_response()
 }
 
 /// Ready when not draining, every model has a healthy prefill and a healthy decode worker, and
 /// every embedded engine thread is alive.
-async fn ready(State(state): State<Arc<AppState>>) -> Response {
+pub async fn ready(State(state): State<Arc<AppState>>) -> Response {
     let mut not_ready = Vec::new();
     if state.registry.is_draining() {
         not_ready.push("draining".to_string());
     }
     for m in state.models.load().by_name.values() {
         for (side, pool) in [("prefill", &m.pairs.prefill), ("decode", &m.pairs.decode)] {
-            // A sidecar's prefills are named by its requests: none may be known yet.
-            let named = side == "prefill" && state.named_prefills.is_some();
-            if !named && !pool.any_healthy() {
+            // A role may not need prefill workers (a sidecar's are named by its requests:
+            // none may be known yet).
+            let optional = side == "prefill" && !state.role.needs_prefill_workers();
+            if !optional && !pool.any_healthy() {
                 not_ready.push(format!("model `{}` has no healthy {side} worker", m.name));
             }
         }
@@ -171,7 +163,7 @@ async fn ready(State(state): State<Arc<AppState>>) -> Response {
 }
 
 /// Prometheus text exposition ([`AppState::render_metrics`]).
-pub(crate) async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     (
         [(
             http::header::CONTENT_TYPE,

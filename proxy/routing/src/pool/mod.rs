@@ -11,7 +11,6 @@ mod endpoint;
 mod kv_events;
 mod kv_feed;
 mod label;
-mod named;
 mod pair_pick;
 mod prefix;
 mod source;
@@ -24,7 +23,6 @@ pub use source::{MemberChange, MemberFeed, WorkerSource};
 pub use upstream::{LoadGuard, Upstream};
 
 pub use label::worker_label;
-pub use named::{NamedPrefill, NamedPrefills, PREFILLER_HEADER};
 pub use pair_pick::{PairPick, PrefillChoice, PrefillPin, host_port, pick_pair, pick_within};
 #[cfg(test)]
 use prefix::Blocks;

@@ -18,17 +18,18 @@
 
 use std::time::Duration;
 
-use crate::state::ModelRuntime;
+use super::named::{NamedPrefill, NamedPrefills};
 use lockstep_core::config::{BackendKind, WorkerConfig};
 use lockstep_core::error::LockstepError;
-use lockstep_routing::pool::{NamedPrefill, NamedPrefills, PrefillPin};
+use lockstep_router::state::ModelRuntime;
+use lockstep_routing::pool::PrefillPin;
 
 /// SGLang's default bootstrap port (`--disaggregation-bootstrap-port`).
 const SGLANG_BOOTSTRAP_PORT: u16 = 8998;
 
 /// The prefill the pair of a request on `model` uses, from what the request named;
 /// `prompt_tokens`: the request's prompt (a named prefill's own limit applies to it).
-pub(crate) async fn pin(
+pub async fn pin(
     policy: &NamedPrefills,
     model: &ModelRuntime,
     named: Option<&NamedPrefill>,

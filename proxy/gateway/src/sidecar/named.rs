@@ -10,10 +10,10 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::pool::{MemberChange, MemberFeed, WorkerPool};
 use lockstep_core::config::{AllowedPrefills, SidecarConfig, WorkerConfig};
 use lockstep_core::error::LockstepError;
 use lockstep_core::ids::Side;
+use lockstep_routing::pool::{MemberChange, MemberFeed, WorkerPool};
 
 /// The header an endpoint picker names the prefill in (`host:port`, the first of a comma list).
 pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";

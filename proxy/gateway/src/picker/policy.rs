@@ -1,32 +1,25 @@
-//! The admission stage for a request read off the wire by an endpoint picker (`lockstep epp`,
-//! in front of Envoy): the same stage the HTTP front ends run (tenant key and limits, the API's
-//! typed body with nothing dropped, tokenize, refuse what cannot fit), by the path's API, then
-//! both workers picked by the pools' policies. Nothing is proxied here: the picker tells Envoy
-//! where to send the request and a `lockstep sidecar` there runs the pair.
+//! What the endpoint picker decides for a request read off the wire: which paths it admits (the
+//! router's generation APIs, [`Api`]: the same admission stage the HTTP front ends run, tenant
+//! key and limits, the API's typed body with nothing dropped, tokenize, refuse what cannot fit),
+//! which it lets through without a key (health), then both workers picked by the pools'
+//! policies. Nothing is proxied here: the picker tells Envoy where to send the request and a
+//! `lockstep sidecar` there runs the pair.
 
 use std::sync::Arc;
 
 use bytes::Bytes;
 
-use crate::admission::{Admitted, Caller, Refusal, admit_body};
-use crate::state::AppState;
 use lockstep_core::error::LockstepError;
 use lockstep_core::ids::Side;
+use lockstep_router::admission::{Admitted, Caller, Refusal};
+use lockstep_router::http::Api;
+use lockstep_router::state::{AppState, ModelRuntime};
 use lockstep_routing::pool::{PairPick, PrefillChoice, RouteKey, pick_pair};
 
-/// The generation paths a picker admits (their bodies are read and checked); any other path
-/// gets a decode worker without admission (the engine's own pages, `/v1/models`).
-pub const GENERATION_PATHS: &[&str] = &[
-    "/v1/chat/completions",
-    "/v1/completions",
-    "/v1/messages",
-    "/v1/responses",
-    "/generate",
-];
-
-/// Whether `path` (without its query) is one the picker admits.
-pub fn is_generation(path: &str) -> bool {
-    GENERATION_PATHS.contains(&path_only(path))
+/// The API a picker admits at `path` (its body is read and checked): a generation API; any other
+/// path gets a decode worker without admission (the engine's own pages, `/v1/models`).
+pub fn admitted_api(path: &str) -> Option<Api> {
+    Api::of(path).filter(|a| a.generates())
 }
 
 /// Whether `path` is a `lockstep.v1` gRPC generation ([`GRPC_GENERATION_PATHS`]).
@@ -67,51 +60,24 @@ pub async fn admit_wire(
     caller: Caller,
     body: Bytes,
 ) -> Result<Admitted, Refusal> {
-    use super::{anthropic, generate, openai, responses};
-    let a = match path_only(path) {
-        "/v1/chat/completions" => {
-            admit_body::<openai::ChatRequest>(state, caller, body)
-                .await?
-                .0
-        }
-        "/v1/completions" => {
-            admit_body::<openai::CompletionRequest>(state, caller, body)
-                .await?
-                .0
-        }
-        "/v1/messages" => {
-            admit_body::<anthropic::MessagesRequest>(state, caller, body)
-                .await?
-                .0
-        }
-        "/v1/responses" => {
-            admit_body::<responses::ResponsesRequest>(state, caller, body)
-                .await?
-                .0
-        }
-        "/generate" => {
-            admit_body::<generate::GenerateRequest>(state, caller, body)
-                .await?
-                .0
-        }
-        other => {
+    match admitted_api(path) {
+        Some(api) => api.admit(state, caller, body).await,
+        None => {
             let e = LockstepError::RouteNotFound {
                 method: "POST".into(),
-                path: other.to_string(),
+                path: path_only(path).to_string(),
             };
-            return Err(Refusal::count(state, "", e));
+            Err(Refusal::count(state, "", e))
         }
-    };
-    Ok(a)
+    }
 }
 
 /// The error body in the shape of the API at `path` (Anthropic's for `/v1/messages`, OpenAI's
 /// elsewhere).
 pub fn error_body(path: &str, e: &LockstepError) -> serde_json::Value {
-    if path_only(path) == "/v1/messages" {
-        e.anthropic_body()
-    } else {
-        e.body()
+    match Api::of(path) {
+        Some(api) => api.error_body(e),
+        None => e.body(),
     }
 }
 
@@ -174,7 +140,7 @@ pub fn pick_grpc(
         .filter(|m| m.len() == len as usize)
         .ok_or_else(|| bad("one message per call, of its stated length"))?;
     let named = <Named as prost::Message>::decode(msg).map_err(|e| bad(&e.to_string()))?;
-    let model = crate::admission::find_model(
+    let model = lockstep_router::admission::find_model(
         caller,
         (!named.model.is_empty()).then_some(named.model.as_str()),
     )?;
@@ -183,7 +149,7 @@ pub fn pick_grpc(
 
 fn pick_pair_of(
     state: &AppState,
-    model: &crate::state::ModelRuntime,
+    model: &ModelRuntime,
     key: Option<&RouteKey>,
     subset: Option<&[String]>,
 ) -> Result<PairPick, LockstepError> {

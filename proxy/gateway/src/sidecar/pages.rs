@@ -9,7 +9,7 @@
 //!   which a picker sharing the sidecars' configuration sends); open only when neither is
 //!   configured. Checked on the headers, before the engine is called;
 //! - `/server_info` and `/get_server_info` pass on only what the deployment check reads
-//!   ([`crate::backend::sglang_info::SERVER_INFO_FIELDS`]): SGLang returns every server
+//!   ([`lockstep_router::backend::sglang_info::SERVER_INFO_FIELDS`]): SGLang returns every server
 //!   argument there, its `api_key` and `admin_api_key` included (sgl-project/sglang#30166);
 //! - the engine's `/metrics` moves off this listener with `server.metrics_on_admin`, as
 //!   lockstep's does.
@@ -23,11 +23,11 @@ use axum::routing::get;
 use http::Uri;
 use sha2::Digest;
 
-use crate::state::AppState;
 use lockstep_core::error::LockstepError;
+use lockstep_router::state::AppState;
 
 /// The paths passed to the engine (`/metrics` besides, unless `server.metrics_on_admin`).
-pub(crate) const ENGINE_PAGES: &[&str] = &[
+pub const ENGINE_PAGES: &[&str] = &[
     "/health",
     "/v1/models",
     "/server_info",
@@ -37,19 +37,19 @@ pub(crate) const ENGINE_PAGES: &[&str] = &[
     "/version",
 ];
 
-/// The pages whose JSON is cut to [`crate::backend::sglang_info::SERVER_INFO_FIELDS`].
+/// The pages whose JSON is cut to [`lockstep_router::backend::sglang_info::SERVER_INFO_FIELDS`].
 const SERVER_INFO_PAGES: &[&str] = &["/server_info", "/get_server_info"];
 
 /// `r` with the engine's pages, and lockstep's metrics at `/lockstep/metrics` and the engine's
 /// at `/metrics` (`with_metrics`: not moved to the admin listener).
-pub(crate) fn routes(mut r: Router<Arc<AppState>>, with_metrics: bool) -> Router<Arc<AppState>> {
+pub fn routes(mut r: Router<Arc<AppState>>, with_metrics: bool) -> Router<Arc<AppState>> {
     for p in ENGINE_PAGES {
         r = r.route(p, get(engine_page));
     }
     if with_metrics {
         r = r
             .route("/metrics", get(engine_page))
-            .route("/lockstep/metrics", get(super::metrics));
+            .route("/lockstep/metrics", get(lockstep_router::http::metrics));
     }
     r
 }
@@ -117,7 +117,9 @@ async fn engine_page(
                 return match serde_json::from_slice::<serde_json::Value>(&body) {
                     Ok(v) => (
                         status,
-                        axum::Json(crate::backend::sglang_info::allowed_server_info(&v)),
+                        axum::Json(lockstep_router::backend::sglang_info::allowed_server_info(
+                            &v,
+                        )),
                     )
                         .into_response(),
                     Err(_) => unreachable_engine("its server info is not JSON".into()),

@@ -18,6 +18,7 @@
 //! configured with `failure_mode_allow: false`, so a picker that is down fails the request too.
 
 mod exchange;
+pub mod policy;
 mod wire;
 
 use std::net::SocketAddr;
@@ -28,8 +29,9 @@ use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
     ExternalProcessor, ExternalProcessorServer,
 };
 use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
-use lockstep_core::config::EppConfig;
-use lockstep_router::state::AppState;
+use lockstep_core::config::{Config, EppConfig};
+use lockstep_router::app::Lockstep;
+use lockstep_router::state::{AppState, Role};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
@@ -76,6 +78,54 @@ impl ExternalProcessor for Picker {
         );
         tokio::spawn(exchange.run(inbound));
         Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// The picker's role in the router: requests reach it through Envoy's `ext_proc` only, so its
+/// HTTP listener serves the process's health, readiness and metrics and nothing that could drive
+/// a worker, and no gRPC front end.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PickerRole;
+
+impl Role for PickerRole {
+    fn name(&self) -> &'static str {
+        "epp"
+    }
+
+    fn http_routes(
+        &self,
+        _state: &Arc<AppState>,
+        with_metrics: bool,
+    ) -> Option<axum::Router<Arc<AppState>>> {
+        use axum::routing::get;
+        use lockstep_router::http::{health, metrics, ready};
+        let r = axum::Router::new()
+            .route("/health", get(health))
+            .route("/ready", get(ready));
+        Some(if with_metrics {
+            r.route("/metrics", get(metrics))
+        } else {
+            r
+        })
+    }
+
+    fn serves_grpc(&self) -> bool {
+        false
+    }
+}
+
+/// Starts `lockstep epp` from `cfg` (fitted with `Config::for_role`: its `[epp]` table): the
+/// router in the picker's role (models, pools, tenants; no engine, the role allows none) and the
+/// ext_proc listener over it.
+pub async fn start(cfg: Config) -> Result<(Lockstep, RunningPicker), String> {
+    let epp = cfg.epp.clone().ok_or("a picker needs its [epp] table")?;
+    let lockstep = Lockstep::start_as(cfg, Arc::new(PickerRole)).await?;
+    match serve(lockstep.state.clone(), &epp).await {
+        Ok(p) => Ok((lockstep, p)),
+        Err(e) => {
+            lockstep.shutdown().await;
+            Err(e)
+        }
     }
 }
 

@@ -5,6 +5,7 @@
 
 use std::collections::HashMap;
 
+use super::policy as picker;
 use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
 use envoy_types::pb::envoy::config::core::v3::{
     HeaderMap as EnvoyHeaders, HeaderValue, HeaderValueOption, Metadata,
@@ -13,7 +14,6 @@ use envoy_types::pb::envoy::service::ext_proc::v3::ProcessingRequest;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as In;
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 use lockstep_core::error::LockstepError;
-use lockstep_router::http::picker;
 
 /// The header (and `envoy.lb` metadata key) naming the picked endpoint.
 pub const DESTINATION: &str = "x-gateway-destination-endpoint";
@@ -70,8 +70,8 @@ pub fn fuzz_message(data: &[u8]) {
         _ => None,
     };
     let (path, headers) = headers_of(h);
-    let _ = (picker::is_open(&path), picker::is_generation(&path));
-    let _ = lockstep_routing::pool::NamedPrefills::read(&headers);
+    let _ = (picker::is_open(&path), picker::admitted_api(&path));
+    let _ = crate::sidecar::NamedPrefills::read(&headers);
     let _ = picker::error_body(&path, &LockstepError::BodyTimeout { ms: 1 });
 }
 
@@ -154,8 +154,8 @@ pub(crate) fn subset_of(metadata: Option<&Metadata>) -> Option<Vec<String>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sidecar::PREFILLER_HEADER;
     use envoy_types::pb::google::protobuf::ListValue;
-    use lockstep_routing::pool::PREFILLER_HEADER;
 
     fn text(s: &str) -> Value {
         Value {

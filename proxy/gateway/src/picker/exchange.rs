@@ -18,6 +18,8 @@
 
 use std::sync::Arc;
 
+use super::policy as picker;
+use crate::sidecar::PREFILLER_HEADER;
 use bytes::{Bytes, BytesMut};
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap as EnvoyHeaders, Metadata};
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as In;
@@ -30,14 +32,13 @@ use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::google::protobuf::Struct;
 use lockstep_core::error::LockstepError;
 use lockstep_router::admission::Caller;
-use lockstep_router::http::picker;
 use lockstep_router::state::AppState;
-use lockstep_routing::pool::{LoadGuard, PREFILLER_HEADER, host_port};
+use lockstep_routing::pool::{LoadGuard, host_port};
 use tokio::sync::{OwnedSemaphorePermit, mpsc};
 use tokio::time::Instant;
 use tonic::{Status, Streaming};
 
-use crate::wire::{
+use super::wire::{
     DESTINATION, destination_metadata, header, headers_of, served_as_picked, subset_of,
 };
 
@@ -267,7 +268,7 @@ impl Exchange {
         let Some(caller) = caller else {
             return Err(protocol("a request not authenticated on its headers"));
         };
-        let (slots, permit, prefill) = if picker::is_generation(&self.path) {
+        let (slots, permit, prefill) = if picker::admitted_api(&self.path).is_some() {
             let admitted = picker::admit_wire(&self.state, &self.path, caller, body.clone())
                 .await
                 .map_err(|r| r.0)?;
