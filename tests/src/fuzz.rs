@@ -54,7 +54,7 @@ pub fn run(target: &str, data: &[u8]) {
         "chat_template" => chat_template(data),
         "bpe" => bpe(data),
         "ext_proc" => lockstep_gateway::picker::fuzz_message(data),
-        "kv_events" => runtime().block_on(lockstep_router::fuzzing::kv_events(data)),
+        "kv_events" => runtime().block_on(lockstep_routing::fuzzing::kv_events(data)),
         other => panic!("no fuzz target `{other}`"),
     }
 }

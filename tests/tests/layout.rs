@@ -599,49 +599,138 @@ fn the_checker_finds_cycles_and_skips_what_does_not_count() {
     assert!(cycles(&edges).is_empty());
 }
 
-/// The router and the worker never depend on each other (they meet only in `lockstep-proto`), nor
-/// on the binary, and the engine depends on none of them: each is its own process role.
+/// The crates' arrows (`docs/ARCHITECTURE.md`, the crate map): for each crate, exactly the
+/// workspace crates its `[dependencies]` name. Cargo refuses cycles; this keeps the direction:
+/// `cli -> gateway -> router -> {prompt, tenancy, routing} -> core -> runtime -> engine`, the
+/// worker and the probe beside the router (they meet it only in `lockstep-proto`), and no
+/// crate below the gateway naming it. A new crate, or a new arrow, is added here on purpose.
+const CRATE_ARROWS: &[(&str, &[&str])] = &[
+    (
+        "proxy/cli",
+        &[
+            "lockstep-gateway",
+            "lockstep-router",
+            "lockstep-worker",
+            "lockstep-probe",
+            "lockstep-runtime",
+            "lockstep-core",
+            "lockstep-tenancy",
+        ],
+    ),
+    (
+        "proxy/gateway",
+        &[
+            "lockstep-router",
+            "lockstep-routing",
+            "lockstep-tenancy",
+            "lockstep-core",
+        ],
+    ),
+    (
+        "proxy/router",
+        &[
+            "lockstep-prompt",
+            "lockstep-tenancy",
+            "lockstep-routing",
+            "lockstep-core",
+            "lockstep-runtime",
+            "lockstep-engine",
+            "lockstep-proto",
+        ],
+    ),
+    (
+        "proxy/worker",
+        &["lockstep-engine", "lockstep-proto", "lockstep-runtime"],
+    ),
+    ("proxy/probe", &["lockstep-proto"]),
+    ("proxy/prompt", &["lockstep-core", "lockstep-runtime"]),
+    ("proxy/tenancy", &["lockstep-core"]),
+    (
+        "proxy/routing",
+        &["lockstep-core", "lockstep-engine", "lockstep-zmtp"],
+    ),
+    ("proxy/core", &["lockstep-runtime", "lockstep-engine"]),
+    ("proxy/runtime", &["lockstep-engine"]),
+    ("proxy/zmtp", &[]),
+    ("gpu-engine", &[]),
+    ("proto", &[]),
+];
+
+/// The workspace crates a manifest's `[dependencies]` table names (`name = ...` or
+/// `name.workspace = true`); dev- and build-dependencies do not count.
+fn workspace_deps(manifest: &Path) -> BTreeSet<String> {
+    let text = std::fs::read_to_string(manifest).expect("manifest");
+    let mut names = BTreeSet::new();
+    let mut in_deps = false;
+    for line in text.lines().map(str::trim) {
+        if line.starts_with('[') {
+            in_deps = line == "[dependencies]";
+        } else if in_deps
+            && let Some(name) = line.split(['=', '.']).next().map(str::trim)
+            && name.starts_with("lockstep")
+        {
+            names.insert(name.to_string());
+        }
+    }
+    names
+}
+
 #[test]
-fn router_and_worker_never_depend_on_each_other() {
+fn every_crate_depends_on_exactly_its_arrows() {
     let root = workspace_root();
-    // The names in a manifest's dependency tables (`name = ...` or `name.workspace = true`).
-    let deps = |krate: &str| -> Vec<String> {
-        let text = std::fs::read_to_string(root.join(krate).join("Cargo.toml")).expect("manifest");
-        let mut names = Vec::new();
-        let mut in_deps = false;
-        for line in text.lines().map(str::trim) {
-            if line.starts_with('[') {
-                in_deps = line.ends_with("dependencies]");
-            } else if in_deps
-                && let Some(name) = line.split(['=', '.']).next()
-                && !name.trim().is_empty()
-            {
-                names.push(name.trim().to_string());
+    let mut wrong = Vec::new();
+    for dir in crates(&root) {
+        let rel = dir
+            .strip_prefix(&root)
+            .expect("inside")
+            .to_string_lossy()
+            .to_string();
+        if rel == "tests" || rel.starts_with("fuzz") {
+            continue;
+        }
+        let has = workspace_deps(&dir.join("Cargo.toml"));
+        match CRATE_ARROWS.iter().find(|(c, _)| *c == rel) {
+            None => wrong.push(format!("  {rel}: not in CRATE_ARROWS (add its arrows)")),
+            Some((_, allowed)) => {
+                let allowed: BTreeSet<String> = allowed.iter().map(|s| s.to_string()).collect();
+                if has != allowed {
+                    wrong.push(format!(
+                        "  {rel}: depends on {has:?}, its arrows are {allowed:?}"
+                    ));
+                }
             }
         }
-        names
+    }
+    assert!(
+        wrong.is_empty(),
+        "crate dependencies off their arrows:\n{}",
+        wrong.join("\n")
+    );
+}
+
+#[test]
+fn the_arrows_run_one_way() {
+    // Each crate's arrows point only at crates listed after it: the table is in dependency
+    // order, so the arrows have no cycle and no crate below names one above.
+    let package = |dir: &str| -> String {
+        let text = std::fs::read_to_string(workspace_root().join(dir).join("Cargo.toml"))
+            .expect("manifest");
+        let line = text
+            .lines()
+            .find(|l| l.starts_with("name = "))
+            .expect("a name");
+        line.trim_start_matches("name = ")
+            .trim_matches('"')
+            .to_string()
     };
-    for (krate, needs, forbidden) in [
-        (
-            "proxy/router",
-            "lockstep-proto",
-            ["lockstep-worker", "lockstep"],
-        ),
-        (
-            "proxy/worker",
-            "lockstep-proto",
-            ["lockstep-router", "lockstep"],
-        ),
-        (
-            "gpu-engine",
-            "cudarc",
-            ["lockstep-router", "lockstep-worker"],
-        ),
-    ] {
-        let d = deps(krate);
-        assert!(d.iter().any(|n| n == needs), "{krate}: {d:?}");
-        for f in forbidden {
-            assert!(!d.iter().any(|n| n == f), "{krate} depends on {f}: {d:?}");
+    let names: Vec<String> = CRATE_ARROWS.iter().map(|(d, _)| package(d)).collect();
+    for (i, (dir, deps)) in CRATE_ARROWS.iter().enumerate() {
+        for d in *deps {
+            let at = names.iter().position(|n| n == d);
+            assert!(
+                at.is_some_and(|j| j > i),
+                "{dir} -> {d}: an arrow up or sideways in CRATE_ARROWS"
+            );
         }
     }
 }

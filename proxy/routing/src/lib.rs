@@ -3,4 +3,6 @@
 //! discovery that turns pods into members ([`discovery`]).
 
 pub mod discovery;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod pool;
