@@ -37,7 +37,7 @@ pub struct Lockstep {
 
 impl Lockstep {
     /// Builds everything from `cfg`, runs the deployment check against the workers, binds the
-    /// listener and starts serving as the router's own role (`lockstep serve`, `route`). Fails
+    /// listener and starts serving as the router's own role (`lockstep serve`). Fails
     /// (naming every problem) rather than start unsafe.
     pub async fn start(cfg: Config) -> Result<Lockstep, String> {
         // The gateway roles' tables would be ignored here: refused, not dropped.

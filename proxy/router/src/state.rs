@@ -286,7 +286,7 @@ fn catch_up(c: &prometheus::IntCounter, now: u64) {
 /// the role's later phases; `None` when it read nothing.
 pub type RoleData = Option<Arc<dyn std::any::Any + Send + Sync>>;
 
-/// A process role: how `lockstep serve` and `route` (the router's own, [`Router`]) and the
+/// A process role: how `lockstep serve` (the router's own role, [`Router`]) and the
 /// gateway roles (`lockstep sidecar` and `lockstep epp`, in `lockstep-gateway`) differ. A role is
 /// found again from the state by upcasting to `dyn Any` (`&*state.role as &dyn Any`). The
 /// router calls the phases at fixed points of a request and of the process; each has a default,
@@ -346,7 +346,7 @@ pub trait Role: std::any::Any + Send + Sync + std::fmt::Debug {
     }
 }
 
-/// The router's own role (`lockstep serve`, `lockstep route`): every phase at its default.
+/// The router's own role (`lockstep serve`): every phase at its default.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Router;
 
