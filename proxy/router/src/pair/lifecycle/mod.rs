@@ -1,6 +1,7 @@
 //! The pair lifecycle: dispatch both halves, hold decode output behind the commit barrier,
 //! abort both halves on any failure, retry only when safe. One task owns each pair.
 
+mod carry;
 mod waits;
 
 use std::sync::Arc;
@@ -121,18 +122,12 @@ impl ModelPairs {
             max_new: req.sampling.max_new_tokens,
             resumable: self.backend.resumes(&req.sampling),
         });
-        // What a migration needs: the request as the client sent it, and every token id
-        // delivered (kept only where a migration may happen).
-        let keep_ids = self.failover.max_migrations > 0;
-        let original = (req.input_ids.clone(), req.sampling.clone());
-        let mut delivered_ids: Vec<u32> = Vec::new();
-        let mut in_flight_ids: Vec<u32> = Vec::new();
-        // Delivered ids a migration generates again (their text had not reached the client),
-        // and the completion count the client was last told.
-        let mut again = waits::Again::default();
-        let mut delivered_text = String::new();
-        let mut in_flight_text = String::new();
-        let mut migration: Option<Migration> = None;
+        // What a migration needs (kept only where one may happen).
+        let mut carry = carry::Carry::new(
+            self.failover.max_migrations > 0,
+            req.input_ids.clone(),
+            req.sampling.clone(),
+        );
         let mut avoid: Avoid = (None, None);
         let mut cur: Option<Attempt> = None;
         let mut failure: Option<Failure> = None;
@@ -145,7 +140,7 @@ impl ModelPairs {
                 (Stage::Picking, _) => {
                     match self.pick_queued(&req, &avoid, machine.attempt(), &tx).await {
                         Ok(a) => {
-                            if let Some(m) = &migration {
+                            if let Some(m) = &carry.migration {
                                 a.span.follows_from(m.span.clone());
                             }
                             cur = Some(a);
@@ -173,9 +168,7 @@ impl ModelPairs {
                             t.sent(now, started, last_sent);
                         }
                         last_sent = Some(now);
-                        delivered_ids.append(&mut in_flight_ids);
-                        delivered_text.push_str(&in_flight_text);
-                        in_flight_text.clear();
+                        carry.delivered();
                     }
                     input
                 }
@@ -186,7 +179,7 @@ impl ModelPairs {
                 (_, None) => unreachable!("an attempt's stage without its attempt"),
             };
             // Only a failure of a committed stream that may migrate needs the text checked.
-            let may_carry = keep_ids
+            let may_carry = carry.keeps()
                 && machine.committed()
                 && machine.migrations() < self.failover.max_migrations
                 && matches!(
@@ -199,12 +192,7 @@ impl ModelPairs {
                 client_open: !tx.is_closed(),
                 draining: self.registry.is_draining(),
                 unsent: if may_carry {
-                    unsent(
-                        self.detok.as_ref(),
-                        &delivered_ids,
-                        &delivered_text,
-                        &original.1.stop,
-                    )
+                    carry.unsent(self.detok.as_ref())
                 } else {
                     Some(0)
                 },
@@ -216,7 +204,7 @@ impl ModelPairs {
                 match (action, cur.as_mut()) {
                     (Action::Dispatch, Some(a)) => {
                         self.dispatch(a);
-                        if let Some(m) = &migration {
+                        if let Some(m) = &carry.migration {
                             let tenant = req.tenant.as_deref();
                             self.observe().migrating(
                                 &a.d,
@@ -247,7 +235,7 @@ impl ModelPairs {
                         a.guard.set_state(PairState::Committed);
                         a.barrier = Some(a.dispatched.elapsed());
                         a.barrier_span = None;
-                        if let Some(m) = migration.take() {
+                        if let Some(m) = carry.migration.take() {
                             self.observe().migrated(m.reason, true);
                         }
                     }
@@ -256,11 +244,7 @@ impl ModelPairs {
                         let carried = machine.expected() - expected;
                         a.outgoing = a.held.take().and_then(|mut c| {
                             c.completion_tokens += carried;
-                            if keep_ids {
-                                in_flight_ids.clone_from(&c.token_ids);
-                                in_flight_text.clone_from(&c.delta);
-                            }
-                            match again.forward(&mut c) {
+                            match carry.forward(&mut c) {
                                 Ok(()) => Some(PairEvent::Chunk(c)),
                                 Err(e) => {
                                     a.mismatch = Some(e);
@@ -270,7 +254,7 @@ impl ModelPairs {
                         });
                     }
                     (Action::Migrate { verdict, carried }, Some(a)) => {
-                        if let Some(m) = migration.take() {
+                        if let Some(m) = carry.migration.take() {
                             // The previous migration's pair failed before its barrier.
                             self.observe().migrated(m.reason, false);
                         }
@@ -279,12 +263,9 @@ impl ModelPairs {
                             _ => (None, Some(a.d.decode.clone())),
                         };
                         // What the client lacks the text of is generated again.
-                        again.expect(&delivered_ids[(carried as usize).min(delivered_ids.len())..]);
-                        delivered_ids.truncate(carried as usize);
-                        in_flight_ids.clear();
-                        in_flight_text.clear();
-                        req.carry(&original.0, &delivered_ids, &original.1);
-                        migration = Some(Migration {
+                        carry.migrate(carried);
+                        req.carry(&carry.original.0, carry.carried_ids(), &carry.original.1);
+                        carry.migration = Some(Migration {
                             from: a.d.pair_id,
                             reason: verdict.migration_reason().unwrap_or("decode_failed"),
                             carried,
@@ -331,7 +312,7 @@ impl ModelPairs {
                     }
                     (Action::Finish(Outcome::Completed), _) => self.observe().completed(),
                     (Action::Finish(_), _) => {
-                        if let Some(m) = migration.take() {
+                        if let Some(m) = carry.migration.take() {
                             self.observe().migrated(m.reason, false);
                         }
                     }

@@ -5,7 +5,7 @@ use tokio::sync::mpsc;
 use tokio::time::{Instant as TokioInstant, sleep, sleep_until};
 
 use super::{Attempt, ModelPairs};
-use crate::backend::{DecodeChunk, HalfError, HalfFailure, Side};
+use crate::backend::{DecodeChunk, HalfError, HalfFailure};
 use crate::pair::PairEvent;
 use crate::pair::abort::{decode_chunk, prefill_answer};
 use crate::pair::machine::Observation;
@@ -145,89 +145,5 @@ impl Attempt {
         if let (None, Some(barrier)) = (&self.held, &self.barrier_span) {
             self.kv_transfer = Some(tracing::info_span!(parent: barrier, "kv_transfer"));
         }
-    }
-}
-
-/// What a migrated stream owes the client: the delivered ids it generates again (the client had
-/// their ids but not their text), and the completion count it was last told.
-#[derive(Debug, Default)]
-pub(super) struct Again {
-    ids: Vec<u32>,
-    told: u64,
-}
-
-impl Again {
-    /// A migration will generate `ids` again.
-    pub(super) fn expect(&mut self, ids: &[u32]) {
-        self.ids = ids.to_vec();
-    }
-
-    /// A chunk on its way to the client: the ids it generates again are taken out of it (the
-    /// client has them), and they must be the ones the client has (greedy, or lockstep's engine
-    /// resuming a seed, gives them again; another draw would make the ids the client holds
-    /// another answer's: an integrity failure, never migrated). Its completion count never goes
-    /// back below what the client was told.
-    pub(super) fn forward(&mut self, c: &mut DecodeChunk) -> Result<(), HalfError> {
-        let n = c
-            .token_ids
-            .iter()
-            .zip(&self.ids)
-            .take_while(|(a, b)| a == b)
-            .count();
-        if n < c.token_ids.len().min(self.ids.len()) {
-            return Err(HalfError {
-                side: Side::Decode,
-                failure: HalfFailure::Integrity(
-                    "the new pair generated other tokens than the ones already delivered".into(),
-                ),
-            });
-        }
-        c.token_ids.drain(..n);
-        // Their log-probabilities went with them the first time.
-        c.logprobs.drain(..n.min(c.logprobs.len()));
-        self.ids.drain(..n);
-        self.told = self.told.max(c.completion_tokens);
-        c.completion_tokens = self.told;
-        Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::Again;
-    use crate::backend::{DecodeChunk, HalfFailure};
-
-    fn chunk(ids: &[u32], completion_tokens: u64) -> DecodeChunk {
-        DecodeChunk {
-            token_ids: ids.to_vec(),
-            completion_tokens,
-            ..DecodeChunk::default()
-        }
-    }
-
-    #[test]
-    fn tokens_generated_again_reach_the_client_once_and_others_are_an_integrity_failure() {
-        let mut a = Again::default();
-        a.forward(&mut chunk(&[1, 2, 3], 3))
-            .expect("a first pair's chunk");
-        // Carried 1 of 3 delivered: the new pair's first chunks give 2 and 3 again.
-        a.expect(&[2, 3]);
-        let mut c = chunk(&[2], 2);
-        a.forward(&mut c).expect("the same token");
-        assert_eq!((c.token_ids.clone(), c.completion_tokens), (vec![], 3));
-        let mut c = chunk(&[3, 4], 4);
-        let lp = |logprob| crate::backend::TokenLogprobs {
-            logprob,
-            top: Vec::new(),
-        };
-        c.logprobs = vec![lp(-1.0), lp(-2.0)];
-        a.forward(&mut c).expect("the same token, then a new one");
-        assert_eq!((c.token_ids.clone(), c.completion_tokens), (vec![4], 4));
-        assert_eq!(c.logprobs, vec![lp(-2.0)], "the new token's only");
-        // Another draw where the client holds a token already: never delivered.
-        let mut a = Again::default();
-        a.expect(&[7, 8]);
-        let e = a.forward(&mut chunk(&[7, 9], 2)).expect_err("other tokens");
-        assert!(matches!(e.failure, HalfFailure::Integrity(_)), "{e}");
     }
 }
