@@ -16,7 +16,7 @@ use lockstep_core::error::LockstepError;
 /// A pool of `threads` threads (named `lockstep-tokenize-N`) that lower their own priority.
 /// Each thread registers for the placement of chunked encodes' helpers
 /// ([`super::placement`]).
-pub fn pool(threads: usize) -> std::io::Result<rayon::ThreadPool> {
+pub fn threads(threads: usize) -> std::io::Result<rayon::ThreadPool> {
     let siblings = super::placement::Siblings::new(threads);
     rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
@@ -81,7 +81,7 @@ mod tests {
 
     #[tokio::test]
     async fn work_runs_on_the_pool_and_a_panic_comes_back_as_an_error() {
-        let pool = super::pool(2).expect("pool");
+        let pool = super::threads(2).expect("pool");
         let slots = Arc::new(tokio::sync::Semaphore::new(1));
         let name = super::run(&slots, &pool, || {
             Ok(std::thread::current().name().map(str::to_string))
@@ -128,7 +128,7 @@ mod tests {
     #[test]
     fn the_pool_runs_below_the_callers_priority() {
         let (before, before_policy) = (nice(), policy());
-        let pool = super::pool(2).expect("pool");
+        let pool = super::threads(2).expect("pool");
         let inside: Vec<i32> = pool.broadcast(|_| policy());
         // Linux lets any thread move itself to the idle policy (no privilege needed), so the
         // nice fallback is not accepted here.

@@ -80,7 +80,7 @@ impl Lockstep {
         };
         models.tenants = Arc::new(Tenants::shared(&cfg.tenants, shared));
         let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
-        let tokenize_pool = lockstep_prompt::background::pool(cores)
+        let tokenize_threads = lockstep_prompt::background::threads(cores)
             .map_err(|e| format!("cannot start the tokenizer threads: {e}"))?;
         crate::backend::warm_ids_json();
         let state = Arc::new(AppState {
@@ -97,7 +97,7 @@ impl Lockstep {
             reload_lock: tokio::sync::Mutex::new(()),
             tokenize_slots: Arc::new(tokio::sync::Semaphore::new(cores)),
             compile_slots: Arc::new(tokio::sync::Semaphore::new(cores)),
-            tokenize_pool: Arc::new(tokenize_pool),
+            tokenize_threads: Arc::new(tokenize_threads),
             role,
         });
         let threads = match cfg.server.connections {

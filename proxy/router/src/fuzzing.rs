@@ -157,7 +157,7 @@ pub async fn sse(data: &[u8]) {
 /// An upstream's JSON answer through every SGLang and vLLM response check, and its text through
 /// the vLLM `/metrics` label reader.
 pub fn upstream_json(data: &[u8]) {
-    use crate::backend::{sglang, sglang_answer, vllm, vllm_probe};
+    use crate::backend::{sglang, sglang_answer, vllm, vllm_check};
     let _ = sglang::error_message(data);
     if let Ok(a) = sglang_answer::Answer::parse(Side::Decode, data, "fuzz") {
         for side in [Side::Prefill, Side::Decode] {
@@ -173,6 +173,6 @@ pub fn upstream_json(data: &[u8]) {
         let _ = vllm::usage(&v, "prompt_tokens");
     }
     for line in String::from_utf8_lossy(data).lines() {
-        let _ = vllm_probe::label(line, "block_size");
+        let _ = vllm_check::label(line, "block_size");
     }
 }

@@ -1,8 +1,8 @@
 //! A model's workers at run time: one task per model follows its source of membership changes
 //! ([`lockstep_routing::pool::WorkerSource`]), and one task per member checks that member:
 //! - a member not verified (it did not answer the deployment check, or it joined at run time)
-//!   is probed ([`crate::backend::probe::probe_member`]), then checked together with the
-//!   verified members ([`crate::backend::probe::fold_member`]), first half a second after it
+//!   is probed ([`crate::backend::check::probe_member`]), then checked together with the
+//!   verified members ([`crate::backend::check::fold_member`]), first half a second after it
 //!   appears and then backing off to every health interval, until it passes; until then it gets
 //!   no pairs, and when it passes the model's limits tighten to the set's. Probes run
 //!   concurrently (at most [`CONCURRENT_PROBES`] a model), so one slow or silent address holds
@@ -27,7 +27,7 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use tokio::task::{AbortHandle, JoinSet};
 
-use crate::backend::probe::{Probed, fold_member, probe_member};
+use crate::backend::check::{Probed, fold_member, probe_member};
 use crate::backend::{PdBackend, UpstreamClient};
 use crate::state::WorkerLimits;
 use lockstep_core::config::{ModelConfig, WorkerConfig};
@@ -296,7 +296,7 @@ impl Members {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::probe::{ProbeError, WorkerReport};
+    use crate::backend::check::{ProbeError, WorkerReport};
     use crate::backend::{
         DecodeStream, Deployment, Dispatch, HalfError, PrefillReport, UpstreamClient,
     };

@@ -171,7 +171,7 @@ pub struct AppState {
     /// Admissions that compile a grammar, at once (one per core).
     pub(crate) compile_slots: Arc<tokio::sync::Semaphore>,
     /// The threads long prompts tokenize on, below the async threads' priority.
-    pub(crate) tokenize_pool: Arc<rayon::ThreadPool>,
+    pub(crate) tokenize_threads: Arc<rayon::ThreadPool>,
     /// Held for the whole of a reload: reloads run one at a time.
     pub(crate) reload_lock: tokio::sync::Mutex<()>,
     /// The process role this router serves in ([`Role`]: the router's own, or a gateway role's).

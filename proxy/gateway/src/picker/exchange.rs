@@ -45,7 +45,7 @@ use super::wire::{
 type Tx = mpsc::Sender<Result<ProcessingResponse, Status>>;
 
 /// What is held while the request lives: both workers' slots, the tenant's permit.
-struct Held {
+struct Holds {
     _slots: Vec<LoadGuard>,
     _permit: lockstep_tenancy::tenant::Held,
     /// The endpoint picked.
@@ -67,7 +67,7 @@ pub(crate) struct Exchange {
     caller: Option<Caller>,
     /// When the request (headers and body) must have arrived by.
     deadline: Instant,
-    held: Option<Held>,
+    held: Option<Holds>,
     /// This stream's place under `epp.max_streams`.
     _stream: OwnedSemaphorePermit,
     /// The picker's budget of body bytes held (`epp.max_buffered_bytes`).
@@ -345,7 +345,7 @@ impl Exchange {
             ..CommonResponse::default()
         };
         let metadata = destination_metadata(&destination);
-        self.held = Some(Held {
+        self.held = Some(Holds {
             _slots: slots,
             _permit: permit,
             destination,

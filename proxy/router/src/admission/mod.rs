@@ -391,7 +391,7 @@ pub(crate) async fn in_background<T: Send + 'static>(
     state: &AppState,
     work: impl FnOnce() -> Result<T, LockstepError> + Send + 'static,
 ) -> Result<T, LockstepError> {
-    lockstep_prompt::background::run(&state.tokenize_slots, &state.tokenize_pool, work).await
+    lockstep_prompt::background::run(&state.tokenize_slots, &state.tokenize_threads, work).await
 }
 
 /// Steps 4 and 5: the template for chat, then the tokenizer; token ids are checked against the

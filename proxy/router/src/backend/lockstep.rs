@@ -17,8 +17,8 @@ use lockstep_proto::v1::worker_client::WorkerClient;
 use tonic::transport::Channel;
 use tonic::{Code, Status};
 
+use super::check::{ProbeError, WorkerReport};
 use super::events::{HalfEvent, decode_chunks};
-use super::probe::{ProbeError, WorkerReport};
 use super::{
     DecodeStream, Dispatch, FinishReason, HalfError, HalfFailure, PdBackend, PrefillReport,
     SamplingParams, Side, TokenLogprobs,

@@ -5,19 +5,19 @@
 
 mod body;
 mod bulk;
+pub mod check;
 mod client;
 pub mod embedded;
 mod events;
 pub mod lockstep;
-pub mod probe;
 pub mod sglang;
 pub(crate) mod sglang_answer;
 pub mod sglang_info;
 pub(crate) mod sse;
 pub mod vllm;
+pub(crate) mod vllm_check;
 mod vllm_logprobs;
 mod vllm_params;
-pub(crate) mod vllm_probe;
 
 pub use body::ReqBody;
 pub use client::{CallError, UpstreamClient};
@@ -163,13 +163,13 @@ pub struct Deployment {
     /// `max_req_input_len - 1`).
     pub max_prompt_tokens: Option<u64>,
     /// Workers the check could not reach (URL without a trailing slash, and why): they get no
-    /// pairs until they answer and pass ([`probe::fold_member`]).
+    /// pairs until they answer and pass ([`check::fold_member`]).
     pub unverified: Vec<(String, String)>,
     /// The longest lease the workers report for KV waiting on a pair (lockstep workers).
     pub kv_lease_ms: Option<u64>,
     /// The workers the check verified, with what each reported: a worker checked later is
-    /// checked together with them ([`probe::fold_member`]).
-    pub verified: Vec<probe::Probed>,
+    /// checked together with them ([`check::fold_member`]).
+    pub verified: Vec<check::Probed>,
 }
 
 impl Deployment {
@@ -306,9 +306,9 @@ pub trait PdBackend: Send + Sync + 'static {
     /// (invariant 6) against what the workers of `m` report, smaller of the reported and the
     /// configured capacity. No pair exists yet. Returns what admission will use, or every problem
     /// found (the model does not serve). Default: every worker through
-    /// [`PdBackend::probe_worker`], the set through the one fold ([`probe::check`]).
+    /// [`PdBackend::probe_worker`], the set through the one fold ([`check::check`]).
     fn deployment<'a>(&'a self, m: &'a ModelConfig) -> BoxFuture<'a, Result<Deployment, String>> {
-        Box::pin(probe::check(self, m))
+        Box::pin(check::check(self, m))
     }
     /// What one worker of `m` (on `side`) reports about itself: the KV capacity one request can
     /// get, its prompt limit, the facts every worker must share (SGLang: role, KV checksum,
@@ -320,8 +320,8 @@ pub trait PdBackend: Send + Sync + 'static {
         _m: &'a ModelConfig,
         _side: Side,
         _w: &'a lockstep_core::config::WorkerConfig,
-    ) -> BoxFuture<'a, Result<probe::WorkerReport, probe::ProbeError>> {
-        Box::pin(std::future::ready(Ok(probe::WorkerReport::default())))
+    ) -> BoxFuture<'a, Result<check::WorkerReport, check::ProbeError>> {
+        Box::pin(std::future::ready(Ok(check::WorkerReport::default())))
     }
     /// Whether a worker that does not answer the deployment check waits, without pairs, until it
     /// answers and passes (SGLang: its KV checksum and stream mode cannot be known otherwise);

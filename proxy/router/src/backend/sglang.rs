@@ -9,8 +9,8 @@ use futures_util::future::BoxFuture;
 use http::Method;
 use serde_json::{Value, json};
 
+use super::check::{ProbeError, WorkerReport};
 use super::client::{CallError, UpstreamClient};
-use super::probe::{ProbeError, WorkerReport};
 use super::sglang_answer::Answer;
 use super::sglang_info::StreamMode;
 use super::sse::{ChunkSource, SseReader, decode_stream};

@@ -6,17 +6,17 @@
 //!
 //! Fails closed: a worker that answers what lockstep cannot accept stops the model from serving;
 //! one that does not answer gets no pairs until it answers and passes
-//! ([`super::probe::fold_member`], run by the model's background checks), since its KV
+//! ([`super::check::fold_member`], run by the model's background checks), since its KV
 //! checksum, role and stream mode are unknown. The set is checked by the one fold
-//! ([`super::probe::fold`]): this file reads one worker's answer ([`read`]).
+//! ([`super::check::fold`]): this file reads one worker's answer ([`read`]).
 
 use std::time::Duration;
 
 use serde_json::Value;
 
 use super::Side;
+use super::check::{ProbeError, WorkerReport};
 use super::client::UpstreamClient;
-use super::probe::{ProbeError, WorkerReport};
 use lockstep_core::config::{ModelConfig, WorkerConfig};
 
 /// How a decode worker streams `/generate` output.
@@ -236,7 +236,7 @@ pub fn read(
 #[cfg(test)]
 mod tests {
     use super::super::Deployment;
-    use super::super::probe::{Probed, fold};
+    use super::super::check::{Probed, fold};
     use super::*;
     use serde_json::json;
 

@@ -216,14 +216,14 @@ pub(crate) fn usage(v: &Value, key: &str) -> Option<u64> {
 }
 
 impl PdBackend for VllmBackend {
-    /// `/v1/models` and `/metrics` ([`super::vllm_probe`]).
+    /// `/v1/models` and `/metrics` ([`super::vllm_check`]).
     fn probe_worker<'a>(
         &'a self,
         m: &'a ModelConfig,
         side: Side,
         w: &'a lockstep_core::config::WorkerConfig,
-    ) -> BoxFuture<'a, Result<super::probe::WorkerReport, super::probe::ProbeError>> {
-        Box::pin(super::vllm_probe::probe_worker(
+    ) -> BoxFuture<'a, Result<super::check::WorkerReport, super::check::ProbeError>> {
+        Box::pin(super::vllm_check::probe_worker(
             &self.client,
             m,
             side,

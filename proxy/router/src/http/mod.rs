@@ -14,10 +14,10 @@ mod logprobs;
 pub(crate) mod openai;
 mod openai_out;
 mod openai_shape;
+pub(crate) mod other_fields;
 mod respond;
 pub(crate) mod responses;
 mod responses_out;
-pub(crate) mod rest;
 mod sampling;
 
 pub(crate) mod tools;

@@ -33,7 +33,7 @@ pub(super) struct Limits {
 
 /// The decode's first chunk, held behind the barrier.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub(super) struct Held {
+pub(super) struct FirstChunk {
     /// The KV digest the decode says it imported.
     pub digest: Option<u64>,
     /// It is also the last chunk.
@@ -53,7 +53,7 @@ pub(super) enum Stage {
         /// `Some(digest)` once the prefill answered and its count was right.
         prefill: Option<Option<u64>>,
         /// The decode's first chunk, once it arrived and its count was right.
-        first: Option<Held>,
+        first: Option<FirstChunk>,
     },
     /// The `Committed` event is on its way to the client (after a migration, nothing is: the
     /// client was told once); the held chunk follows.
@@ -322,7 +322,7 @@ impl Machine {
             ) => match self.count_check(prompt_tokens, true) {
                 Some(check) => self.fail(Verdict::Check(check), env, &mut out),
                 None => {
-                    let held = Held {
+                    let held = FirstChunk {
                         digest,
                         last,
                         tokens,
@@ -437,7 +437,7 @@ impl Machine {
     fn barrier(
         &mut self,
         prefill: Option<Option<u64>>,
-        first: Option<Held>,
+        first: Option<FirstChunk>,
         env: Env,
         out: &mut Actions,
     ) {

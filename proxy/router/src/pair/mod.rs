@@ -6,9 +6,9 @@ mod machine;
 mod observer;
 mod outcome;
 mod queue;
+mod queued;
 mod registry;
 mod verdict;
-mod waiting;
 
 pub use lifecycle::ModelPairs;
 pub use lockstep_prompt::Detok;

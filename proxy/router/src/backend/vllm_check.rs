@@ -18,7 +18,7 @@ use std::time::Duration;
 use serde_json::Value;
 
 use super::UpstreamClient;
-use super::probe::{ProbeError, WorkerReport};
+use super::check::{ProbeError, WorkerReport};
 use lockstep_core::config::{ModelConfig, WorkerConfig};
 use lockstep_core::ids::Side;
 
@@ -177,12 +177,12 @@ mod tests {
 
     /// The fold over one worker's report: its capacity, or its problem.
     fn check(m: &ModelConfig, served: &str, r: &Report) -> Result<u64, String> {
-        let p = super::super::probe::Probed {
+        let p = super::super::check::Probed {
             side: Side::Prefill,
             url: "http://p".into(),
             report: read(m, served, r),
         };
-        super::super::probe::fold(m, &[p]).map(|d| d.kv_capacity)
+        super::super::check::fold(m, &[p]).map(|d| d.kv_capacity)
     }
 
     #[test]

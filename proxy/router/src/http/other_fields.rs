@@ -63,7 +63,7 @@ macro_rules! known_and_rest {
                     ) -> Result<$name, A::Error> {
                         $(let mut $field: Option<$ty> = None;)*
                         let mut rest = serde_json::Map::new();
-                        while let Some(key) = map.next_key::<$crate::http::rest::Key<'de>>()? {
+                        while let Some(key) = map.next_key::<$crate::http::other_fields::Key<'de>>()? {
                             match key.0.as_ref() {
                                 $(stringify!($field) => {
                                     if $field.is_some() {
