@@ -25,7 +25,7 @@ use lockstep_prompt::ChatMessage;
 #[derive(Debug)]
 pub(crate) enum Text {
     One(String),
-    Blocks(Vec<Block>),
+    Blocks(Vec<super::content::Part>),
 }
 crate::admission::text_or::text_or_list_enum!(
     Text,
@@ -33,16 +33,6 @@ crate::admission::text_or::text_or_list_enum!(
     Blocks,
     "a string or a list of content blocks"
 );
-
-/// A content block; only `text` is served.
-#[derive(Debug, Deserialize)]
-pub(crate) struct Block {
-    #[serde(rename = "type")]
-    kind: String,
-    text: Option<String>,
-    #[serde(flatten)]
-    rest: Map<String, Value>,
-}
 
 #[derive(Debug, Deserialize)]
 pub(crate) struct Message {
@@ -158,28 +148,18 @@ const BLOCK: &[&[Known]] = &[&[
     known("citations", fields::null, "citations are not supported"),
 ]];
 
+/// What Anthropic content blocks may be: text, with its ephemeral cache control.
+const BLOCKS: super::content::PartRule = super::content::PartRule {
+    text_types: &["text"],
+    known: BLOCK,
+    empty_ok: &[],
+    noun: "content block",
+};
+
 fn text_of(t: Text, at: &str) -> Result<String, LockstepError> {
     match t {
         Text::One(s) => Ok(s),
-        Text::Blocks(blocks) => {
-            let mut s = String::new();
-            for (j, b) in blocks.into_iter().enumerate() {
-                let param = format!("{at}[{j}]");
-                refuse_unhonoured(BLOCK, &b.rest, &format!("{param}."))?;
-                match (b.kind.as_str(), b.text) {
-                    ("text", Some(t)) => s.push_str(&t),
-                    (kind, _) => {
-                        return Err(LockstepError::Unsupported {
-                            message: format!(
-                                "content block type `{kind}` is not supported (text only)"
-                            ),
-                            param: Some(param),
-                        });
-                    }
-                }
-            }
-            Ok(s)
-        }
+        Text::Blocks(blocks) => super::content::text_of_parts(blocks, at, &BLOCKS),
     }
 }
 

@@ -3,6 +3,7 @@
 pub(crate) mod anthropic;
 mod apis;
 mod choices;
+mod content;
 mod embeddings;
 mod extract;
 mod fields;

@@ -209,7 +209,7 @@ impl CommonParams {
 #[derive(Debug)]
 pub(crate) enum Content {
     Text(String),
-    Parts(Vec<ContentPart>),
+    Parts(Vec<super::content::Part>),
 }
 
 crate::admission::text_or::text_or_list_enum!(
@@ -219,14 +219,13 @@ crate::admission::text_or::text_or_list_enum!(
     "a string or a list of content parts"
 );
 
-#[derive(Debug, Deserialize)]
-pub(crate) struct ContentPart {
-    #[serde(rename = "type")]
-    kind: String,
-    text: Option<String>,
-    #[serde(flatten)]
-    rest: Map<String, Value>,
-}
+/// What chat content parts may be: text only.
+const CONTENT_PARTS: super::content::PartRule = super::content::PartRule {
+    text_types: &["text"],
+    known: &[],
+    empty_ok: &[],
+    noun: "content part",
+};
 
 #[derive(Debug, Deserialize)]
 pub(crate) struct MessageIn {
@@ -283,22 +282,8 @@ pub(super) fn to_messages(messages: Vec<MessageIn>) -> Result<Vec<ChatMessage>, 
                 None => String::new(),
                 Some(Content::Text(s)) => s,
                 Some(Content::Parts(parts)) => {
-                    let mut s = String::new();
-                    for (j, p) in parts.into_iter().enumerate() {
-                        refuse_unhonoured(&[], &p.rest, &format!("messages[{i}].content[{j}]."))?;
-                        match (p.kind.as_str(), p.text) {
-                            ("text", Some(t)) => s.push_str(&t),
-                            (kind, _) => {
-                                return Err(LockstepError::Unsupported {
-                                    message: format!(
-                                        "content part type `{kind}` is not supported (text only)"
-                                    ),
-                                    param: Some(format!("messages[{i}].content[{j}]")),
-                                });
-                            }
-                        }
-                    }
-                    s
+                    let at = format!("messages[{i}].content");
+                    super::content::text_of_parts(parts, &at, &CONTENT_PARTS)?
                 }
             };
             Ok(ChatMessage {

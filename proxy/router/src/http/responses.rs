@@ -49,7 +49,7 @@ pub(crate) struct Item {
 #[derive(Debug)]
 pub(crate) enum ItemContent {
     Text(String),
-    Parts(Vec<Part>),
+    Parts(Vec<super::content::Part>),
 }
 crate::admission::text_or::text_or_list_enum!(
     ItemContent,
@@ -57,15 +57,6 @@ crate::admission::text_or::text_or_list_enum!(
     Parts,
     "a string or a list of content parts"
 );
-
-#[derive(Debug, Deserialize)]
-pub(crate) struct Part {
-    #[serde(rename = "type")]
-    kind: String,
-    text: Option<String>,
-    #[serde(flatten)]
-    rest: Map<String, Value>,
-}
 
 #[derive(Debug, Deserialize)]
 pub(crate) struct TextConfig {
@@ -222,34 +213,20 @@ fn call_item(
     Ok(m)
 }
 
+/// What an input message's parts may be: input or output text (output given back as history
+/// may carry empty `annotations` and `logprobs`).
+const ITEM_PARTS: super::content::PartRule = super::content::PartRule {
+    text_types: &["input_text", "output_text", "text"],
+    known: &[],
+    empty_ok: &["annotations", "logprobs"],
+    noun: "content part",
+};
+
 fn content_text(content: Option<ItemContent>, at: &str) -> Result<String, LockstepError> {
     match content {
         None => Err(bad(at, format!("`{at}` is required"))),
         Some(ItemContent::Text(s)) => Ok(s),
-        Some(ItemContent::Parts(parts)) => {
-            let mut s = String::new();
-            for (j, p) in parts.into_iter().enumerate() {
-                let param = format!("{at}[{j}]");
-                // `annotations` and `logprobs` ride along on output text given back as history.
-                let mut rest = p.rest;
-                rest.retain(|k, v| {
-                    !(matches!(k.as_str(), "annotations" | "logprobs") && fields::empty(v))
-                });
-                refuse_unhonoured(&[], &rest, &format!("{param}."))?;
-                match (p.kind.as_str(), p.text) {
-                    ("input_text" | "output_text" | "text", Some(t)) => s.push_str(&t),
-                    (kind, _) => {
-                        return Err(LockstepError::Unsupported {
-                            message: format!(
-                                "content part type `{kind}` is not supported (text only)"
-                            ),
-                            param: Some(param),
-                        });
-                    }
-                }
-            }
-            Ok(s)
-        }
+        Some(ItemContent::Parts(parts)) => super::content::text_of_parts(parts, at, &ITEM_PARTS),
     }
 }
 
