@@ -83,7 +83,7 @@ impl ModelRuntime {
     /// Whether this model's backend sends the prompt's ids as JSON (so admission may write them
     /// once, off the async threads, for a long prompt).
     pub fn ids_as_json(&self) -> bool {
-        self.pairs.backend.ids_as_json()
+        self.pairs.backend.capabilities().ids_as_json
     }
     /// The KV capacity admission uses: the configured one, or less when workers reported less.
     pub fn kv_capacity(&self) -> u64 {

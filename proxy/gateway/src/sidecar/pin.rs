@@ -37,7 +37,7 @@ pub async fn pin(
 ) -> Result<PrefillPin, LockstepError> {
     let Some(named) = named else {
         // The backend says whether its decode can serve alone (vLLM's can, SGLang's cannot).
-        return if model.pairs.backend.serves_alone() {
+        return if model.pairs.backend.capabilities().serves_alone {
             Ok(PrefillPin::Alone)
         } else {
             Err(LockstepError::PrefillRequired {

@@ -145,7 +145,7 @@ pub async fn check<B: PdBackend + ?Sized>(
         match got {
             Ok(report) => set.push(Probed { side, url, report }),
             Err(ProbeError::Unreachable(e)) => {
-                if backend.unreached_waits() {
+                if backend.capabilities().unreached_waits {
                     tracing::warn!(model = %m.name, worker = %url, error = %e, "worker did not answer the deployment check: it gets no pairs until it answers and passes");
                     unverified.push((url, e));
                 } else {
@@ -331,8 +331,11 @@ mod tests {
         ) -> futures_util::future::BoxFuture<'static, Result<(), super::super::HalfError>> {
             unreachable!("no pairs here")
         }
-        fn unreached_waits(&self) -> bool {
-            self.waits
+        fn capabilities(&self) -> super::super::Capabilities {
+            super::super::Capabilities {
+                unreached_waits: self.waits,
+                ..Default::default()
+            }
         }
         fn probe_worker<'a>(
             &'a self,

@@ -174,10 +174,6 @@ impl PdBackend for EmbeddedBackend {
         true
     }
 
-    fn decode_counts_prompt(&self) -> bool {
-        true
-    }
-
     fn abort(&self, d: &Dispatch, side: Side) -> BoxFuture<'static, Result<(), HalfError>> {
         self.pd.abort(
             d.pair_id.raw(),

@@ -314,10 +314,6 @@ impl PdBackend for LockstepBackend {
         true
     }
 
-    fn decode_counts_prompt(&self) -> bool {
-        true
-    }
-
     /// The worker service's `Health` (over the plane's mutual TLS where configured): serving,
     /// which a worker answers only while it is not draining and its engine thread lives.
     fn health(

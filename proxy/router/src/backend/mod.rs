@@ -298,6 +298,59 @@ impl std::fmt::Display for HalfError {
 /// Decode output as a stream of chunks; the first item may be the failure to start.
 pub type DecodeStream = BoxStream<'static, Result<DecodeChunk, HalfError>>;
 
+/// What a backend's workers do that the lifecycle relies on, one value per backend
+/// ([`PdBackend::capabilities`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Capabilities {
+    /// Whether a worker that does not answer the deployment check waits, without pairs, until it
+    /// answers and passes (SGLang: its KV checksum and stream mode cannot be known otherwise);
+    /// otherwise it is a warning and the configured limits hold. A worker that joins at run time
+    /// is always checked before it takes pairs.
+    pub unreached_waits: bool,
+    /// Whether an aborted half's own answer shows that the abort took (SGLang ends an aborted
+    /// request's answer with `finish_reason: abort`) while dropping its connection does not
+    /// release it promptly (SGLang notices a gone client only at its next 4 s check, and drops an
+    /// abort for an rid it has not registered yet). Then the lifecycle keeps an aborted half's
+    /// request open, sends the abort again while that answer has not ended, and drops it after
+    /// `timeouts.abort_confirm_ms`. Default false: the half's request is dropped at once, which
+    /// is itself the abort for vLLM, lockstep workers and the embedded engine.
+    pub confirms_abort: bool,
+    /// Whether the decode's first chunk always carries the prompt count it was given (SGLang's
+    /// `meta_info.prompt_tokens`, vLLM's per-chunk usage, lockstep's own workers and engine):
+    /// then a first chunk without one fails the pair instead of passing the count check
+    /// unchecked.
+    pub decode_counts_prompt: bool,
+    /// Whether a decode worker can serve a request alone, with no prefill half (vLLM: a request
+    /// without `kv_transfer_params` runs whole on the server it is sent to); then its first
+    /// chunk's prompt count is the count the barrier checks
+    /// (`decode_counts_prompt` must hold).
+    pub serves_alone: bool,
+    /// Whether the prefill's prefix-cache report (`cached_tokens`) can be told to a tenant's
+    /// client: only where lockstep knows each tenant's cache is its own (its engine and workers
+    /// key the cache by the tenant's salt themselves; vLLM 0.33 validates and applies
+    /// `cache_salt`, `conformance.md` Q8). Elsewhere the count stays in the metrics.
+    pub cache_report_is_tenants_own: bool,
+    /// Whether the halves' bodies carry the ids as JSON ([`Dispatch::ids_json`]): then a long
+    /// prompt's JSON is written at admission, on the low-priority pool, not on the pair's thread.
+    pub ids_as_json: bool,
+}
+
+impl Default for Capabilities {
+    /// lockstep's own engine and workers: nothing waits unchecked, a dropped half is aborted,
+    /// the decode always reports its prompt count, no decode serves alone, each tenant's cache
+    /// is its own, the ids travel as protobuf.
+    fn default() -> Self {
+        Capabilities {
+            unreached_waits: false,
+            confirms_abort: false,
+            decode_counts_prompt: true,
+            serves_alone: false,
+            cache_report_is_tenants_own: true,
+            ids_as_json: false,
+        }
+    }
+}
+
 /// A disaggregated backend, shaped as the phases of a model's life and of each pair (Pingora's
 /// `ProxyHttp` style: the driver, `pair::ModelPairs`, owns the order, the deadlines,
 /// the commit barrier, abort-both and retries; an implementation reports protocol facts).
@@ -323,12 +376,10 @@ pub trait PdBackend: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<check::WorkerReport, check::ProbeError>> {
         Box::pin(std::future::ready(Ok(check::WorkerReport::default())))
     }
-    /// Whether a worker that does not answer the deployment check waits, without pairs, until it
-    /// answers and passes (SGLang: its KV checksum and stream mode cannot be known otherwise);
-    /// otherwise it is a warning and the configured limits hold. A worker that joins at run time
-    /// is always checked before it takes pairs.
-    fn unreached_waits(&self) -> bool {
-        false
+    /// What this backend's workers do that the lifecycle relies on ([`Capabilities`]). Default:
+    /// lockstep's own engine and workers.
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::default()
     }
     /// **Phase 1, after admission**: the pair is registered, both workers are chosen and
     /// [`PdBackend::decode`] was started alongside. Runs the prefill half to completion and
@@ -342,35 +393,11 @@ pub trait PdBackend: Send + Sync + 'static {
     /// half's worker to release what it holds for the pair. Called for both halves, in the
     /// background, bounded by `timeouts.abort_ms`; the client's error never waits for it.
     fn abort(&self, d: &Dispatch, side: Side) -> BoxFuture<'static, Result<(), HalfError>>;
-    /// Whether an aborted half's own answer shows that the abort took (SGLang ends an aborted
-    /// request's answer with `finish_reason: abort`) while dropping its connection does not
-    /// release it promptly (SGLang notices a gone client only at its next 4 s check, and drops an
-    /// abort for an rid it has not registered yet). Then the lifecycle keeps an aborted half's
-    /// request open, sends the abort again while that answer has not ended, and drops it after
-    /// `timeouts.abort_confirm_ms`. Default false: the half's request is dropped at once, which
-    /// is itself the abort for vLLM, lockstep workers and the embedded engine.
-    fn confirms_abort(&self) -> bool {
-        false
-    }
     /// Forgets what the backend keeps for the worker at `url`, one that left its pool (a pod
     /// gone): its connection, the settings its check verified. Per-URL state then grows with
     /// the pool, not with its churn; a worker that comes back is checked again. Default: none
     /// kept.
     fn forget(&self, _url: &str) {}
-    /// Whether the decode's first chunk always carries the prompt count it was given (SGLang's
-    /// `meta_info.prompt_tokens`, vLLM's per-chunk usage, lockstep's own workers and engine):
-    /// then a first chunk without one fails the pair instead of passing the count check
-    /// unchecked.
-    fn decode_counts_prompt(&self) -> bool {
-        false
-    }
-    /// Whether a decode worker can serve a request alone, with no prefill half (vLLM: a request
-    /// without `kv_transfer_params` runs whole on the server it is sent to); then its first
-    /// chunk's prompt count is the count the barrier checks
-    /// ([`PdBackend::decode_counts_prompt`] must hold).
-    fn serves_alone(&self) -> bool {
-        false
-    }
     /// Whether a committed stream of this request can continue on a new pair whose prompt is
     /// the request's prompt and the tokens delivered: the decode's chunks must carry their
     /// token ids (checked per chunk by the lifecycle), and what the new pair generates must go
@@ -383,18 +410,6 @@ pub trait PdBackend: Send + Sync + 'static {
             && sampling.sampling_seed.is_none()
             && off(sampling.frequency_penalty)
             && off(sampling.presence_penalty)
-    }
-    /// Whether the prefill's prefix-cache report (`cached_tokens`) can be told to a tenant's
-    /// client: only where lockstep knows each tenant's cache is its own (its engine and workers
-    /// key the cache by the tenant's salt themselves; vLLM 0.33 validates and applies
-    /// `cache_salt`, `conformance.md` Q8). Elsewhere the count stays in the metrics.
-    fn cache_report_is_tenants_own(&self) -> bool {
-        true
-    }
-    /// Whether the halves' bodies carry the ids as JSON ([`Dispatch::ids_json`]): then a long
-    /// prompt's JSON is written at admission, on the low-priority pool, not on the pair's thread.
-    fn ids_as_json(&self) -> bool {
-        false
     }
     /// Whether the worker at `url` is healthy (the health loop's probe). Default: `GET
     /// {url}/health` through the upstream client, answered 2xx within `timeout`.

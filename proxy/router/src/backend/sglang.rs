@@ -249,6 +249,22 @@ pub(crate) fn prefill_report(v: &Answer, rid: &str) -> Result<PrefillReport, Hal
 }
 
 impl PdBackend for SglangBackend {
+    fn capabilities(&self) -> super::Capabilities {
+        super::Capabilities {
+            // An SGLang worker that does not answer cannot be known to checksum its KV or to
+            // stream as lockstep reads it: no pairs until it answers and passes.
+            unreached_waits: true,
+            // SGLang namespaces its radix cache by `cache_salt`, but nothing lockstep checks
+            // proves a given deployment does (a build without it would mix tenants' prefixes
+            // and report the hits): its `cached_tokens` go to the metrics, not to clients
+            // (second security review).
+            cache_report_is_tenants_own: false,
+            ids_as_json: true,
+            confirms_abort: true,
+            ..super::Capabilities::default()
+        }
+    }
+
     fn forget(&self, url: &str) {
         let mut modes = self.stream_modes.write().unwrap_or_else(|p| p.into_inner());
         modes.remove(url);
@@ -270,12 +286,6 @@ impl PdBackend for SglangBackend {
             }
             Ok(report)
         })
-    }
-
-    /// An SGLang worker that does not answer cannot be known to checksum its KV or to stream as
-    /// lockstep reads it: no pairs until it answers and passes.
-    fn unreached_waits(&self) -> bool {
-        true
     }
 
     fn prefill(&self, d: &Dispatch) -> BoxFuture<'static, Result<PrefillReport, HalfError>> {
@@ -349,25 +359,6 @@ impl PdBackend for SglangBackend {
             })
         };
         decode_stream(start)
-    }
-
-    /// SGLang namespaces its radix cache by `cache_salt`, but nothing lockstep checks proves a
-    /// given deployment does (a build without it would mix tenants' prefixes and report the
-    /// hits): its `cached_tokens` go to the metrics, not to clients (second security review).
-    fn cache_report_is_tenants_own(&self) -> bool {
-        false
-    }
-
-    fn decode_counts_prompt(&self) -> bool {
-        true
-    }
-
-    fn ids_as_json(&self) -> bool {
-        true
-    }
-
-    fn confirms_abort(&self) -> bool {
-        true
     }
 
     fn abort(&self, d: &Dispatch, side: Side) -> BoxFuture<'static, Result<(), HalfError>> {

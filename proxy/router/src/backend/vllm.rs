@@ -216,6 +216,18 @@ pub(crate) fn usage(v: &Value, key: &str) -> Option<u64> {
 }
 
 impl PdBackend for VllmBackend {
+    fn capabilities(&self) -> super::Capabilities {
+        // lockstep asks the decode for `stream_options.continuous_usage_stats`, so vLLM 0.33 puts
+        // `usage` (with `prompt_tokens`) on every chunk (`entrypoints/openai/completion/
+        // serving.py`): the decode counts its prompt. A request without `kv_transfer_params`
+        // runs whole on the decode server, whose usage still says what it computed.
+        super::Capabilities {
+            ids_as_json: true,
+            serves_alone: true,
+            ..super::Capabilities::default()
+        }
+    }
+
     /// `/v1/models` and `/metrics` ([`super::vllm_check`]).
     fn probe_worker<'a>(
         &'a self,
@@ -230,22 +242,6 @@ impl PdBackend for VllmBackend {
             w,
             &self.served_model,
         ))
-    }
-
-    fn ids_as_json(&self) -> bool {
-        true
-    }
-
-    /// lockstep asks the decode for `stream_options.continuous_usage_stats`, so vLLM 0.33 puts
-    /// `usage` (with `prompt_tokens`) on every chunk (`entrypoints/openai/completion/serving.py`).
-    fn decode_counts_prompt(&self) -> bool {
-        true
-    }
-
-    /// A request without `kv_transfer_params` runs whole on the decode server: its usage on
-    /// every chunk still says how many prompt tokens it computed.
-    fn serves_alone(&self) -> bool {
-        true
     }
 
     fn prefill(&self, d: &Dispatch) -> BoxFuture<'static, Result<PrefillReport, HalfError>> {

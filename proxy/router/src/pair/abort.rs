@@ -108,7 +108,7 @@ pub(super) fn abort_both(
     halves: Halves,
     plan: AbortPlan<'_>,
 ) {
-    let confirm = backend.confirms_abort();
+    let confirm = backend.capabilities().confirms_abort;
     // Without confirmation the halves are dropped here: closing the request is itself the
     // abort for those backends.
     let (prefill, decode) = if confirm {

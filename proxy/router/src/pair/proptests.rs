@@ -51,6 +51,13 @@ struct Fake {
 }
 
 impl PdBackend for Fake {
+    fn capabilities(&self) -> crate::backend::Capabilities {
+        // The fake's decode chunks carry no prompt count unless a case gives one.
+        crate::backend::Capabilities {
+            decode_counts_prompt: false,
+            ..Default::default()
+        }
+    }
     fn deployment<'a>(
         &'a self,
         m: &'a lockstep_core::config::ModelConfig,

@@ -115,7 +115,7 @@ impl ModelPairs {
         let expected = req.input_ids.len() as u64;
         let mut machine = Machine::new(Limits {
             expected,
-            decode_counts_prompt: self.backend.decode_counts_prompt(),
+            decode_counts_prompt: self.backend.capabilities().decode_counts_prompt,
             max_retries: self.retry.max_retries,
             max_migrations: self.failover.max_migrations,
             max_migrated_tokens: self.failover.max_migrated_tokens,
@@ -339,7 +339,7 @@ impl ModelPairs {
         };
         let (pg, dg) = match &req.prefill {
             // A decode serving alone: no prefill slot, the decode worker stands for both.
-            PrefillPin::Alone if self.backend.serves_alone() => {
+            PrefillPin::Alone if self.backend.capabilities().serves_alone => {
                 let d = self.decode.pick(avoid.1.as_ref(), Some(&key));
                 (None, d.ok_or(Side::Decode)?)
             }

@@ -138,7 +138,7 @@ impl Attempt {
     pub(super) fn prefill_verified(&mut self, rt: &ModelPairs, tenant: bool, expected: u64) {
         if let Some(n) = self.reported_cached {
             rt.observe().cached_tokens(n);
-            if tenant && rt.backend.cache_report_is_tenants_own() {
+            if tenant && rt.backend.capabilities().cache_report_is_tenants_own {
                 self.cached_tokens = n.min(expected);
             }
         }
