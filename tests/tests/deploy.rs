@@ -483,6 +483,7 @@ async fn every_metric_and_label_the_rules_and_dashboard_use_exists() {
     // lockstep's registry writes it once one is set.
     let engine = lockstep_core::metrics::Metrics::new();
     engine
+        .engines
         .kv_pages
         .with_label_values(&["m", "prefill", "used"])
         .set(1);

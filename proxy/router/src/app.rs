@@ -59,78 +59,9 @@ impl Lockstep {
         cfg: Config,
         role: Arc<dyn crate::state::Role>,
     ) -> Result<Lockstep, String> {
-        let client = UpstreamClient::with_ca(
-            Duration::from_millis(cfg.server.connect_timeout_ms),
-            cfg.server.upstream_ca_file.as_deref(),
-        )?;
-        let registry = Arc::new(PairRegistry::default());
-        let stats = Arc::new(PairStats::default());
-        if let Some(s) = &cfg.server.cache_salt_secret {
-            lockstep_tenancy::tenant::set_salt_secret(s.expose().as_bytes());
-        }
-        let metrics = Arc::new(Metrics::new());
-        let audit = Arc::new(Audit::open(&cfg.server.audit_log)?);
-        let mut models =
-            build_models(&cfg, &client, &registry, &stats, &metrics, &audit, None).await?;
-        let shared = match &cfg.shared {
-            Some(s) => {
-                Some(lockstep_tenancy::shared::SharedStore::start(s, metrics.clone()).await?)
-            }
-            None => None,
-        };
-        models.tenants = Arc::new(Tenants::shared(&cfg.tenants, shared));
         let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
-        let tokenize_threads = lockstep_prompt::background::threads(cores)
-            .map_err(|e| format!("cannot start the tokenizer threads: {e}"))?;
-        crate::backend::warm_ids_json();
-        let state = Arc::new(AppState {
-            models: ArcSwap::from_pointee(models),
-            registry,
-            stats,
-            metrics,
-            audit,
-            max_body_bytes: cfg.server.max_body_bytes,
-            body_timeout: Duration::from_millis(cfg.server.body_timeout_ms),
-            config_path: cfg.source.clone(),
-            drained: dashmap::DashSet::new(),
-            client,
-            reload_lock: tokio::sync::Mutex::new(()),
-            tokenize_slots: Arc::new(tokio::sync::Semaphore::new(cores)),
-            compile_slots: Arc::new(tokio::sync::Semaphore::new(cores)),
-            tokenize_threads: Arc::new(tokenize_threads),
-            role,
-        });
-        let threads = match cfg.server.connections {
-            lockstep_core::config::Connections::Shared => None,
-            lockstep_core::config::Connections::Pinned => {
-                let n = match cfg.server.worker_threads {
-                    0 => cores,
-                    n => n,
-                };
-                let busy_poll = (cfg.server.busy_poll_us > 0)
-                    .then(|| Duration::from_micros(cfg.server.busy_poll_us));
-                let (t, polling) = lockstep_runtime::threads::ConnThreads::start_polling(
-                    n,
-                    "lockstep-conn",
-                    busy_poll,
-                )
-                .map_err(|e| format!("cannot start the connection threads: {e}"))?;
-                if let Some(b) = busy_poll {
-                    if polling == n {
-                        tracing::info!(
-                            "connection threads: {n}, each polling up to {} µs before it sleeps",
-                            b.as_micros()
-                        );
-                    } else {
-                        tracing::warn!(
-                            "connection threads: busy polling asked for, but {} of {n} threads' event loops could not be found to poll; those run without",
-                            n - polling
-                        );
-                    }
-                }
-                Some(Arc::new(t))
-            }
-        };
+        let state = build_state(&cfg, role, cores).await?;
+        let threads = conn_threads(&cfg, cores)?;
         let listener = TcpListener::bind(cfg.server.http_listen)
             .await
             .map_err(|e| format!("cannot listen on {}: {e}", cfg.server.http_listen))?;
@@ -177,37 +108,11 @@ impl Lockstep {
         let admin_addr = match cfg.server.admin_listen {
             None => None,
             Some(addr) => {
-                let key = lockstep_tenancy::tenant::parse_sha256_hex(&cfg.server.admin_key_sha256)
-                    .ok_or("server.admin_key_sha256: 64 lowercase hex digits required")?;
-                let l = TcpListener::bind(addr)
-                    .await
-                    .map_err(|e| format!("cannot listen on {addr} (admin): {e}"))?;
-                let bound = l.local_addr().map_err(|e| e.to_string())?;
-                let router = crate::admin::router(
-                    crate::admin::AdminState {
-                        app: state.clone(),
-                        key_sha256: key,
-                    },
-                    cfg.server.metrics_on_admin,
-                );
+                let (bound, task) =
+                    serve_admin(&cfg, addr, &state, limits, tls.clone(), admin_rx).await?;
                 // The admin server is spawned first so the main server stays the last task
                 // (shutdown awaits that one).
-                tasks.insert(
-                    0,
-                    // A few operators at most: a small fixed cap.
-                    tokio::spawn(serve_http(
-                        l,
-                        router,
-                        ConnLimits {
-                            max_connections: 64,
-                            ..limits
-                        },
-                        tls.clone(),
-                        None,
-                        admin_rx,
-                    )),
-                );
-                tracing::info!(%bound, "admin API listening");
+                tasks.insert(0, task);
                 Some(bound)
             }
         };
@@ -291,4 +196,130 @@ impl Lockstep {
         }
         self.tasks.finish().await;
     }
+}
+
+/// The shared state of a router started from `cfg` in `role`: the upstream client, the models
+/// (deployment-checked), the tenants with their shared store, the registry, metrics, audit log
+/// and the tokenizer threads (`cores` of them).
+async fn build_state(
+    cfg: &Config,
+    role: Arc<dyn crate::state::Role>,
+    cores: usize,
+) -> Result<Arc<AppState>, String> {
+    let client = UpstreamClient::with_ca(
+        Duration::from_millis(cfg.server.connect_timeout_ms),
+        cfg.server.upstream_ca_file.as_deref(),
+    )?;
+    let registry = Arc::new(PairRegistry::default());
+    let stats = Arc::new(PairStats::default());
+    if let Some(s) = &cfg.server.cache_salt_secret {
+        lockstep_tenancy::tenant::set_salt_secret(s.expose().as_bytes());
+    }
+    let metrics = Arc::new(Metrics::new());
+    let audit = Arc::new(Audit::open(&cfg.server.audit_log)?);
+    let mut models = build_models(cfg, &client, &registry, &stats, &metrics, &audit, None).await?;
+    let shared = match &cfg.shared {
+        Some(s) => Some(lockstep_tenancy::shared::SharedStore::start(s, metrics.clone()).await?),
+        None => None,
+    };
+    models.tenants = Arc::new(Tenants::shared(&cfg.tenants, shared));
+    let tokenize_threads = lockstep_prompt::background::threads(cores)
+        .map_err(|e| format!("cannot start the tokenizer threads: {e}"))?;
+    crate::backend::warm_ids_json();
+    let state = Arc::new(AppState {
+        models: ArcSwap::from_pointee(models),
+        registry,
+        stats,
+        metrics,
+        audit,
+        max_body_bytes: cfg.server.max_body_bytes,
+        body_timeout: Duration::from_millis(cfg.server.body_timeout_ms),
+        config_path: cfg.source.clone(),
+        drained: dashmap::DashSet::new(),
+        client,
+        reload_lock: tokio::sync::Mutex::new(()),
+        tokenize_slots: Arc::new(tokio::sync::Semaphore::new(cores)),
+        compile_slots: Arc::new(tokio::sync::Semaphore::new(cores)),
+        tokenize_threads: Arc::new(tokenize_threads),
+        role,
+    });
+    Ok(state)
+}
+
+/// The connection threads (`server.connections = "pinned"`): `server.worker_threads` of them
+/// (0: one per core), each polling its event loop for `server.busy_poll_us` before it sleeps.
+fn conn_threads(
+    cfg: &Config,
+    cores: usize,
+) -> Result<Option<Arc<lockstep_runtime::threads::ConnThreads>>, String> {
+    Ok(match cfg.server.connections {
+        lockstep_core::config::Connections::Shared => None,
+        lockstep_core::config::Connections::Pinned => {
+            let n = match cfg.server.worker_threads {
+                0 => cores,
+                n => n,
+            };
+            let busy_poll = (cfg.server.busy_poll_us > 0)
+                .then(|| Duration::from_micros(cfg.server.busy_poll_us));
+            let (t, polling) = lockstep_runtime::threads::ConnThreads::start_polling(
+                n,
+                "lockstep-conn",
+                busy_poll,
+            )
+            .map_err(|e| format!("cannot start the connection threads: {e}"))?;
+            if let Some(b) = busy_poll {
+                if polling == n {
+                    tracing::info!(
+                        "connection threads: {n}, each polling up to {} µs before it sleeps",
+                        b.as_micros()
+                    );
+                } else {
+                    tracing::warn!(
+                        "connection threads: busy polling asked for, but {} of {n} threads' event loops could not be found to poll; those run without",
+                        n - polling
+                    );
+                }
+            }
+            Some(Arc::new(t))
+        }
+    })
+}
+
+/// The admin API on `addr` (`server.admin_listen`), behind `server.admin_key_sha256`: its bound
+/// address and its server task, which ends when `stop` fires.
+async fn serve_admin(
+    cfg: &Config,
+    addr: std::net::SocketAddr,
+    state: &Arc<AppState>,
+    limits: ConnLimits,
+    tls: Option<lockstep_runtime::tls::ServerTls>,
+    stop: tokio::sync::oneshot::Receiver<()>,
+) -> Result<(std::net::SocketAddr, tokio::task::JoinHandle<()>), String> {
+    let key = lockstep_tenancy::tenant::parse_sha256_hex(&cfg.server.admin_key_sha256)
+        .ok_or("server.admin_key_sha256: 64 lowercase hex digits required")?;
+    let l = TcpListener::bind(addr)
+        .await
+        .map_err(|e| format!("cannot listen on {addr} (admin): {e}"))?;
+    let bound = l.local_addr().map_err(|e| e.to_string())?;
+    let router = crate::admin::router(
+        crate::admin::AdminState {
+            app: state.clone(),
+            key_sha256: key,
+        },
+        cfg.server.metrics_on_admin,
+    );
+    // A few operators at most: a small fixed cap.
+    let task = tokio::spawn(serve_http(
+        l,
+        router,
+        ConnLimits {
+            max_connections: 64,
+            ..limits
+        },
+        tls,
+        None,
+        stop,
+    ));
+    tracing::info!(%bound, "admin API listening");
+    Ok((bound, task))
 }

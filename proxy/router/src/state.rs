@@ -185,23 +185,27 @@ impl AppState {
     /// engines and pools (prefix-cache hits, prefix routing) caught up.
     pub fn render_metrics(&self) -> String {
         let m = &self.metrics;
-        m.worker_inflight.reset();
-        m.worker_healthy.reset();
-        m.kv_pages.reset();
-        m.stranded_kv_bound_seconds.reset();
-        m.kv_capacity_tokens.reset();
+        m.workers.worker_inflight.reset();
+        m.workers.worker_healthy.reset();
+        m.engines.kv_pages.reset();
+        m.pairs.stranded_kv_bound_seconds.reset();
+        m.workers.kv_capacity_tokens.reset();
         for model in self.models.load().by_name.values() {
             let name = &*model.name;
-            m.kv_capacity_tokens
+            m.workers
+                .kv_capacity_tokens
                 .with_label_values(&[name])
                 .set(i64::try_from(model.kv_capacity()).unwrap_or(i64::MAX));
-            m.stranded_kv_bound_seconds
+            m.pairs
+                .stranded_kv_bound_seconds
                 .with_label_values(&[name])
                 .set(model.stranded_kv_bound().as_secs_f64());
             if let Some((hit, miss)) = model.codec.segment_cache_counts() {
                 for (result, n) in [("hit", hit), ("miss", miss)] {
                     catch_up(
-                        &m.tokenizer_cache_bytes.with_label_values(&[name, result]),
+                        &m.admission
+                            .tokenizer_cache_bytes
+                            .with_label_values(&[name, result]),
                         n,
                     );
                 }
@@ -211,20 +215,26 @@ impl AppState {
                     let s = e.stats();
                     let total = s.total_pages.load(Ordering::Relaxed) as i64;
                     let free = s.free_pages.load(Ordering::Relaxed) as i64;
-                    m.kv_pages
+                    m.engines
+                        .kv_pages
                         .with_label_values(&[name, engine, "free"])
                         .set(free);
-                    m.kv_pages
+                    m.engines
+                        .kv_pages
                         .with_label_values(&[name, engine, "used"])
                         .set(total - free);
                     // The engine counts; the counter catches up (a reloaded engine restarts at 0
                     // and the counter waits until it passes the old count).
                     catch_up(
-                        &m.prefix_cache_hit_tokens.with_label_values(&[name, engine]),
+                        &m.engines
+                            .prefix_cache_hit_tokens
+                            .with_label_values(&[name, engine]),
                         s.prefix_hit_tokens.load(Ordering::Relaxed) as u64,
                     );
                     catch_up(
-                        &m.kv_import_shared_tokens.with_label_values(&[name, engine]),
+                        &m.engines
+                            .kv_import_shared_tokens
+                            .with_label_values(&[name, engine]),
                         s.import_shared_tokens.load(Ordering::Relaxed) as u64,
                     );
                 }
@@ -235,11 +245,14 @@ impl AppState {
             ] {
                 let (routed, hit) = pool.prefix_prediction();
                 catch_up(
-                    &m.prefix_routed_tokens.with_label_values(&[name, side]),
+                    &m.workers
+                        .prefix_routed_tokens
+                        .with_label_values(&[name, side]),
                     routed,
                 );
                 catch_up(
-                    &m.prefix_predicted_hit_tokens
+                    &m.workers
+                        .prefix_predicted_hit_tokens
                         .with_label_values(&[name, side]),
                     hit,
                 );
@@ -250,21 +263,29 @@ impl AppState {
                     ("too_large", ev.too_large),
                 ] {
                     catch_up(
-                        &m.kv_event_batches.with_label_values(&[name, side, result]),
+                        &m.workers
+                            .kv_event_batches
+                            .with_label_values(&[name, side, result]),
                         n,
                     );
                 }
-                catch_up(&m.kv_event_gaps.with_label_values(&[name, side]), ev.gaps);
-                m.kv_event_blocks
+                catch_up(
+                    &m.workers.kv_event_gaps.with_label_values(&[name, side]),
+                    ev.gaps,
+                );
+                m.workers
+                    .kv_event_blocks
                     .with_label_values(&[name, side])
                     .set(ev.blocks as i64);
                 for w in pool.workers().iter() {
                     let label = w.label(side);
                     let labels = [name, side, label.as_str()];
-                    m.worker_inflight
+                    m.workers
+                        .worker_inflight
                         .with_label_values(&labels)
                         .set(w.in_flight() as i64);
-                    m.worker_healthy
+                    m.workers
+                        .worker_healthy
                         .with_label_values(&labels)
                         .set(i64::from(w.is_healthy()));
                 }

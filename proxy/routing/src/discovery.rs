@@ -153,6 +153,7 @@ pub fn watch(
     let labels = [model.to_string(), side.as_str().to_string()];
     // Counted from 0, so a rate over it exists before the first failure.
     metrics
+        .workers
         .discovery_watch_restarts
         .with_label_values(&[labels[0].as_str(), labels[1].as_str()])
         .inc_by(0);
@@ -180,6 +181,7 @@ pub fn watch(
                         }
                         Err(e) => {
                             metrics
+                                .workers
                                 .discovery_watch_restarts
                                 .with_label_values(&[labels[0].as_str(), labels[1].as_str()])
                                 .inc();
@@ -197,14 +199,17 @@ pub fn watch(
                     let workers: Vec<WorkerConfig> = st.pods.values().flatten().cloned().collect();
                     let not_ready = st.pods.len() - workers.len();
                     metrics
+                        .workers
                         .discovery_pods
                         .with_label_values(&[l[0], l[1], "ready"])
                         .set(workers.len() as i64);
                     metrics
+                        .workers
                         .discovery_pods
                         .with_label_values(&[l[0], l[1], "not_ready"])
                         .set(not_ready as i64);
                     metrics
+                        .workers
                         .discovery_last_sync
                         .with_label_values(&l)
                         .set(unix_now());

@@ -172,6 +172,7 @@ fn pick_pair_of(
     if picked.is_ok() {
         state
             .metrics
+            .admission
             .epp_picks
             .with_label_values(&[&*model.name])
             .inc();

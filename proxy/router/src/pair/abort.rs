@@ -125,12 +125,15 @@ pub(super) fn abort_both(
         d: d.clone(),
         bound: plan.call_bound,
         resent: metrics
+            .pairs
             .abort_resent
             .with_label_values(&[plan.model, side.as_str()]),
         unconfirmed: metrics
+            .pairs
             .abort_unconfirmed
             .with_label_values(&[plan.model, side.as_str()]),
         released: metrics
+            .pairs
             .half_release_seconds
             .with_label_values(&[plan.model, side.as_str()]),
     };

@@ -104,11 +104,13 @@ impl PairObserver<'_> {
         let model = self.model;
         let side = f.failed_side.map_or("none", Side::as_str);
         self.metrics
+            .pairs
             .pairs_aborted
             .with_label_values(&[model, f.reason.as_str(), side])
             .inc();
         if let Some(kind) = f.integrity {
             self.metrics
+                .pairs
                 .integrity_violations
                 .with_label_values(&[model, kind])
                 .inc();
@@ -187,6 +189,7 @@ impl PairObserver<'_> {
     pub(super) fn migrated(&self, reason: &str, resumed: bool) {
         let outcome = if resumed { "resumed" } else { "failed" };
         self.metrics
+            .pairs
             .migrations
             .with_label_values(&[self.model, reason, outcome])
             .inc();

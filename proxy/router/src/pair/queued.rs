@@ -58,6 +58,7 @@ impl ModelPairs {
         let deadline = waited + Duration::from_millis(cfg.max_wait_ms);
         let depth = self
             .metrics
+            .admission
             .queue_depth
             .with_label_values(&[&*self.model, &*tenant]);
         depth.inc();
@@ -90,6 +91,7 @@ impl ModelPairs {
         };
         depth.dec();
         self.metrics
+            .admission
             .queue_wait
             .with_label_values(&[&*self.model, &*tenant])
             .observe(waited.elapsed().as_secs_f64());

@@ -131,7 +131,7 @@ impl SharedStore {
             release: redis::Script::new(include_str!("release.lua")),
             renew: redis::Script::new(include_str!("renew.lua")),
         });
-        store.metrics.shared_store_up.set(1);
+        store.metrics.shared.shared_store_up.set(1);
         store.heartbeat().await;
         let weak = Arc::downgrade(&store);
         tokio::spawn(heartbeats(
@@ -168,12 +168,12 @@ impl SharedStore {
                 "shared store reachable again: tenant limits are shared across replicas"
             );
         }
-        self.metrics.shared_store_up.set(1);
+        self.metrics.shared.shared_store_up.set(1);
     }
 
     fn mark_down(&self, e: &str) {
-        self.metrics.shared_store_errors.inc();
-        self.metrics.shared_store_up.set(0);
+        self.metrics.shared.shared_store_errors.inc();
+        self.metrics.shared.shared_store_up.set(0);
         if self.up.swap(false, Ordering::AcqRel) {
             match self.cfg.on_unavailable {
                 OnUnavailable::Local => tracing::warn!(
@@ -238,7 +238,7 @@ impl SharedStore {
             let n = n.max(self.cfg.replicas).max(1);
             self.replicas.store(n, Ordering::Relaxed);
             self.count_known.store(true, Ordering::Release);
-            self.metrics.shared_replicas.set(i64::from(n));
+            self.metrics.shared.shared_replicas.set(i64::from(n));
         }
     }
 
