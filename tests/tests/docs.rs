@@ -281,3 +281,44 @@ fn every_shipped_router_configuration_parses() {
     }
     assert!(seen >= 5, "{seen} files");
 }
+
+/// The folders a path written from the workspace root starts with.
+const ROOTS: &[&str] = &[
+    "proxy/",
+    "tests/",
+    "gpu-engine/",
+    "deploy/",
+    "bench/",
+    "scripts/",
+    "docs/",
+    "fuzz/",
+    "proto/",
+];
+
+#[test]
+fn every_path_from_the_workspace_root_in_the_docs_exists() {
+    let root = root();
+    let mut wrong = Vec::new();
+    for page in pages() {
+        let text = std::fs::read_to_string(&page).expect("page");
+        for span in prose(&text).split('`').skip(1).step_by(2) {
+            let path = span.split([' ', ':', '#']).next().unwrap_or("");
+            let looks_like_a_file = path
+                .rsplit('/')
+                .next()
+                .is_some_and(|f| f.contains('.') && !f.starts_with('.'));
+            if ROOTS.iter().any(|r| path.starts_with(r))
+                && looks_like_a_file
+                && !path.contains('*')
+                && !root.join(path).exists()
+            {
+                wrong.push(format!("  {}: {path}", page.display()));
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "paths that do not exist:\n{}",
+        wrong.join("\n")
+    );
+}

@@ -428,3 +428,30 @@ async fn the_bodies_held_stay_within_the_budget() {
     // Whitespace then a JSON body: one request, picked.
     assert!(!c.picked().await.is_empty());
 }
+
+/// A picker never starts an engine, whoever starts it: a configuration with an embedded model
+/// is refused before anything is built; and the router's own role refuses a gateway role's
+/// table rather than ignore it.
+#[tokio::test]
+async fn a_picker_starts_no_engine_and_the_router_ignores_no_role_table() {
+    let default = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/default.toml"),
+    )
+    .expect("config/default.toml");
+    let cfg = lockstep_core::config::Config::parse(&format!(
+        "{default}\n[epp]\ngrpc_listen = \"127.0.0.1:0\"\n"
+    ))
+    .expect("parses");
+    let Err(e) = lockstep_gateway::picker::start(cfg).await else {
+        panic!("a picker with an embedded model started");
+    };
+    assert!(e.contains("endpoint picker routes to"), "{e}");
+    for table in ["[sidecar]\nprefill_allow = [\"127.0.0.1\"]", "[epp]"] {
+        let cfg =
+            lockstep_core::config::Config::parse(&format!("{default}\n{table}\n")).expect("parses");
+        let Err(e) = Lockstep::start(cfg).await else {
+            panic!("the router started with {table}");
+        };
+        assert!(e.contains("would ignore it"), "{e}");
+    }
+}

@@ -240,6 +240,7 @@ async fn build_state(
         reload_lock: tokio::sync::Mutex::new(()),
         tokenize_slots: Arc::new(tokio::sync::Semaphore::new(cores)),
         compile_slots: Arc::new(tokio::sync::Semaphore::new(cores)),
+        embed_slots: tokio::sync::Semaphore::new(1),
         tokenize_threads: Arc::new(tokenize_threads),
         role,
     });

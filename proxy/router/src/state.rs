@@ -170,6 +170,8 @@ pub struct AppState {
     pub(crate) tokenize_slots: Arc<tokio::sync::Semaphore>,
     /// Admissions that compile a grammar, at once (one per core).
     pub(crate) compile_slots: Arc<tokio::sync::Semaphore>,
+    /// Embedded-engine embeddings computed at once (one: the engines' threads share the cores).
+    pub(crate) embed_slots: tokio::sync::Semaphore,
     /// The threads long prompts tokenize on, below the async threads' priority.
     pub(crate) tokenize_threads: Arc<rayon::ThreadPool>,
     /// Held for the whole of a reload: reloads run one at a time.

@@ -28,9 +28,7 @@ use lockstep_core::config::{DiscoveryConfig, WorkerConfig};
 use lockstep_core::ids::Side;
 use lockstep_core::metrics::Metrics;
 
-/// The annotation an SGLang prefill pod names its bootstrap port with (SMG's, and the
-/// SGLang router's, convention).
-pub const BOOTSTRAP_PORT_ANNOTATION: &str = "sglang.ai/bootstrap-port";
+pub use lockstep_core::config::BOOTSTRAP_PORT_ANNOTATION;
 
 /// A client for the API server: the pool's `kubeconfig` file, else `KUBECONFIG` (or
 /// `~/.kube/config`), else the in-cluster service account, as kube infers it.

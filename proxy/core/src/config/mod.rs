@@ -30,8 +30,8 @@ pub use model::{
 };
 pub use plane::WorkerPlaneConfig;
 pub use pool::{
-    DiscoveryConfig, DiscoveryKind, DiscoveryScheme, HealthConfig, KvEventsConfig, PolicyKind,
-    PoolConfig, PrefixRouting, WorkerConfig,
+    BOOTSTRAP_PORT_ANNOTATION, DiscoveryConfig, DiscoveryKind, DiscoveryScheme, HealthConfig,
+    KvEventsConfig, PolicyKind, PoolConfig, PrefixRouting, WorkerConfig,
 };
 pub use server::{Connections, ServerConfig};
 pub use shared::{OnUnavailable, SharedConfig};

@@ -1,6 +1,11 @@
 //! A model's worker pools (`[models.prefill]`, `[models.decode]`) and their health checks.
 
 use lockstep_runtime::toml_file::{Problems, Section};
+
+/// The annotation an SGLang prefill pod names its bootstrap port with (SMG's, and the SGLang
+/// router's, convention): part of a discovered pool's configuration, read by discovery and
+/// named by the deployment check when a prefill has no bootstrap port.
+pub const BOOTSTRAP_PORT_ANNOTATION: &str = "sglang.ai/bootstrap-port";
 use serde::Deserialize;
 
 /// How a pool picks a worker.

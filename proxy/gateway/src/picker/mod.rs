@@ -117,7 +117,9 @@ impl Role for PickerRole {
 /// Starts `lockstep epp` from `cfg` (fitted with `Config::for_role`: its `[epp]` table): the
 /// router in the picker's role (models, pools, tenants; no engine, the role allows none) and the
 /// ext_proc listener over it.
-pub async fn start(cfg: Config) -> Result<(Lockstep, RunningPicker), String> {
+pub async fn start(mut cfg: Config) -> Result<(Lockstep, RunningPicker), String> {
+    // Fitted here too, whoever calls: a picker never starts an engine or another role's table.
+    cfg.for_role(lockstep_core::config::Role::Epp)?;
     let epp = cfg.epp.clone().ok_or("a picker needs its [epp] table")?;
     let lockstep = Lockstep::start_as(cfg, Arc::new(PickerRole)).await?;
     match serve(lockstep.state.clone(), &epp).await {

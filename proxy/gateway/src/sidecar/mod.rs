@@ -72,7 +72,9 @@ impl Role for SidecarRole {
 }
 
 /// Starts `lockstep sidecar` from `cfg` (fitted with `Config::for_role`: its `[sidecar]` table).
-pub async fn start(cfg: Config) -> Result<Lockstep, String> {
+pub async fn start(mut cfg: Config) -> Result<Lockstep, String> {
+    // Fitted here too, whoever calls: one local engine's model, no other role's table.
+    cfg.for_role(lockstep_core::config::Role::Sidecar)?;
     let section = cfg
         .sidecar
         .as_ref()

@@ -185,7 +185,7 @@ pub fn read(
         // annotation or the pool's `discovery.bootstrap_port`.
         r.problems.push(format!(
             "has no bootstrap port for its decodes to fetch KV from: annotate its pod with `{}` or set the pool's discovery.bootstrap_port",
-            lockstep_routing::discovery::BOOTSTRAP_PORT_ANNOTATION
+            lockstep_core::config::BOOTSTRAP_PORT_ANNOTATION
         ));
     }
     if side == Side::Prefill

@@ -8,7 +8,7 @@
 //! once, then a token reservation of every input's tokens once they are counted. Any other model
 //! refuses with a 400 naming `model`; a field lockstep does not honour is refused by name.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use axum::body::Body;
 use axum::extract::{Request, State};
@@ -51,12 +51,6 @@ fn bad(param: &str, message: String) -> LockstepError {
         message,
         param: Some(param.into()),
     }
-}
-
-/// One computation at a time per process: the engines' threads share the cores.
-fn slots() -> &'static tokio::sync::Semaphore {
-    static SLOTS: OnceLock<tokio::sync::Semaphore> = OnceLock::new();
-    SLOTS.get_or_init(|| tokio::sync::Semaphore::new(1))
 }
 
 /// `POST /v1/embeddings`.
@@ -109,7 +103,7 @@ async fn run(state: &Arc<AppState>, req: Request) -> Result<Response, Refusal> {
             .map_err(|e| count(&name, e))?;
     }
     let vectors = match source {
-        Source::Engine(_) => compute(&model, ids).await,
+        Source::Engine(_) => compute(state, &model, ids).await,
         Source::Workers(pool) => remote(state, &model, &pool, &ids, dimensions).await,
     }
     .map_err(|e| count(&name, e))?;
@@ -264,14 +258,18 @@ fn fits(model: &ModelRuntime, ids: &[u32], at: &str) -> Result<(), LockstepError
 
 /// The vectors of `ids`, computed on a blocking thread, one request at a time, within the
 /// model's `timeouts.total_ms` of waiting for its turn.
-async fn compute(model: &ModelRuntime, ids: Vec<Vec<u32>>) -> Result<Vec<Vec<f32>>, LockstepError> {
+async fn compute(
+    state: &AppState,
+    model: &ModelRuntime,
+    ids: Vec<Vec<u32>>,
+) -> Result<Vec<Vec<f32>>, LockstepError> {
     let (Some(pd), Some(engine)) = (model.engine.clone(), model.cfg.engine.clone()) else {
         return Err(LockstepError::Unavailable {
             message: "the model's engine is gone".into(),
         });
     };
     let wait = model.cfg.timeouts.total();
-    let slot = tokio::time::timeout(wait, slots().acquire())
+    let slot = tokio::time::timeout(wait, state.embed_slots.acquire())
         .await
         .map_err(|_| LockstepError::Unavailable {
             message: "embeddings are busy; try again".into(),
