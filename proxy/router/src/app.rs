@@ -118,6 +118,7 @@ impl Lockstep {
         };
         tracing::info!(
             %http_addr,
+            role = state.role.name(),
             connections = ?cfg.server.connections,
             "lockstep listening (HTTP/1.1 and h2c)"
         );
