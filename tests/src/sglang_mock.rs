@@ -32,10 +32,12 @@
 //!   (`entrypoints/http_server.py`, `health_generate`, sleeps 1 s before its first check).
 //! - **Log-probabilities** (`return_logprob`, `top_logprobs_num`, top-level fields of the
 //!   request, SGLang 0.5.23 `srt/managers/io_struct.py` `GenerateReqInput`): every decode event's
-//!   `meta_info` carries `output_token_logprobs` (`[logprob, token_id, null]` per output token,
-//!   cumulative in every event in both stream modes: `tokenizer_manager.py`
-//!   `add_logprob_to_meta_info` extends the request's list and sends all of it; only `output_ids`
-//!   turn incremental), `output_token_logprobs_length`, an empty `input_token_logprobs` (the
+//!   `meta_info` carries `output_token_logprobs` (`[logprob, token_id, null]` per output token:
+//!   cumulative in the default stream mode, `tokenizer_manager.py` `add_logprob_to_meta_info`
+//!   extends the request's list and sends all of it; with `incremental_streaming_output` only
+//!   this event's entries, as `_slice_streaming_output_meta_info` cuts `output_token_logprobs`
+//!   and `output_top_logprobs` from the last event's offset), `output_token_logprobs_length`
+//!   (never sliced), an empty `input_token_logprobs` (the
 //!   default `logprob_start_len` -1 becomes the prompt's length, `scheduler.py`), and, with
 //!   `top_logprobs_num` > 0, `output_top_logprobs` (a list of `[logprob, id, null]` per token) and
 //!   an empty `input_top_logprobs`. In P/D the first token's entry is the prefill's, carried in
@@ -1510,7 +1512,7 @@ async fn decode_work(
             m.remove("prompt_tokens");
         }
         if let Some(k) = h.logprobs
-            && let (Some(m), Value::Object(lp)) = (
+            && let (Some(m), Value::Object(mut lp)) = (
                 ev["meta_info"].as_object_mut(),
                 logprob_meta(
                     &out,
@@ -1520,6 +1522,18 @@ async fn decode_work(
                 ),
             )
         {
+            if incremental {
+                // Incremental mode slices the output-side lists to this event's tokens, from
+                // the offset of the last event sent (`tokenizer_manager.py`
+                // `_slice_streaming_output_meta_info` over `_INCREMENTAL_STREAMING_META_INFO_KEYS`:
+                // `output_token_logprobs`, `output_top_logprobs`, ...); the `_length` and the
+                // input-side lists are not sliced.
+                for key in ["output_token_logprobs", "output_top_logprobs"] {
+                    if let Some(Value::Array(list)) = lp.get_mut(key) {
+                        list.drain(..i.min(list.len()));
+                    }
+                }
+            }
             m.extend(lp);
         }
         if let Some(text) = text {

@@ -1,13 +1,14 @@
 //! Log-probabilities through SGLang (the P/D mock, which follows SGLang 0.5.23's
 //! `add_logprob_to_meta_info`): both halves are asked (`return_logprob`, `top_logprobs_num`),
-//! the decode's cumulative lists become each token's entry, every entry must name its token,
-//! and every front end renders them: `/generate` in SGLang's own shape, completions and chat in
-//! OpenAI's, streamed and not.
+//! the decode's lists become each token's entry (cumulative in SGLang's default stream mode, this
+//! event's alone with `--incremental-streaming-output`: every test runs in both), every entry must
+//! name its token, and every front end renders them: `/generate` in SGLang's own shape,
+//! completions and chat in OpenAI's, streamed and not.
 
 use std::time::Duration;
 
-use lockstep_tests::harness::{MODEL, Stack};
-use lockstep_tests::sglang_mock::{Fault, mock_logprob, mock_top};
+use lockstep_tests::harness::{MODEL, Stack, TEST_TIMEOUTS};
+use lockstep_tests::sglang_mock::{Fault, MockConfig, Role, mock_logprob, mock_top};
 use serde_json::{Value, json};
 
 const PROMPT: &str = "red green blue yellow";
@@ -40,9 +41,31 @@ fn generate_entries(meta: &Value) -> (Vec<(f64, u32)>, Vec<Vec<u32>>) {
     (lps, tops)
 }
 
+/// A stack whose SGLang decode streams in `incremental` mode (`--incremental-streaming-output`)
+/// or SGLang's default cumulative one.
+async fn stack(incremental: bool) -> Stack {
+    if !incremental {
+        return Stack::start().await;
+    }
+    let mock = MockConfig {
+        server_args: vec![(Role::Decode, "incremental_streaming_output", json!(true))],
+        ..MockConfig::default()
+    };
+    Stack::start_with(mock, "", TEST_TIMEOUTS).await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sglang_log_probabilities_reach_every_front_end_checked() {
-    let stack = Stack::start().await;
+    every_front_end(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_log_probabilities_reach_every_front_end_from_an_incremental_stream() {
+    every_front_end(true).await;
+}
+
+async fn every_front_end(incremental: bool) {
+    let stack = stack(incremental).await;
     // `/generate`, whole: the mock's value for each output token, its two alternatives.
     let body = json!({"text": PROMPT, "return_logprob": true, "top_logprobs_num": 2,
                       "sampling_params": {"max_new_tokens": 5, "temperature": 0}});
@@ -128,7 +151,13 @@ async fn sglang_log_probabilities_reach_every_front_end_checked() {
 /// first token, which lockstep cannot tell from a true value, so it always asks both halves).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sglang_log_probabilities_of_another_token_fail_the_answer() {
-    let stack = Stack::start().await;
+    for incremental in [false, true] {
+        another_token(incremental).await;
+    }
+}
+
+async fn another_token(incremental: bool) {
+    let stack = stack(incremental).await;
     stack.mock.set_fault(Fault::DecodeLogprobOtherToken);
     for stream in [false, true] {
         let a = stack
@@ -183,7 +212,13 @@ async fn real_clients_read_sglang_log_probabilities() {
 /// answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sglang_prompt_log_probabilities_come_from_the_prefill_checked() {
-    let stack = Stack::start().await;
+    for incremental in [false, true] {
+        prompt_entries(incremental).await;
+    }
+}
+
+async fn prompt_entries(incremental: bool) {
+    let stack = stack(incremental).await;
     let g = stack.post(
         "/generate",
         json!({"text": PROMPT, "return_logprob": true, "top_logprobs_num": 2, "logprob_start_len": 0,

@@ -408,7 +408,11 @@ struct StreamText {
     mode: StreamMode,
     text_len: usize,
     ids_seen: u64,
-    /// Log-probability entries already delivered (SGLang's lists are cumulative in both modes).
+    /// Log-probability entries already delivered. SGLang's output-side lists follow the stream
+    /// mode: cumulative by default, only the event's own entries with
+    /// `--incremental-streaming-output` (0.5.23 `tokenizer_manager.py`
+    /// `_slice_streaming_output_meta_info`, and `_coalesce_streaming_chunks` concatenating
+    /// them when events queue up).
     logprobs_seen: usize,
 }
 
@@ -438,7 +442,22 @@ impl StreamText {
             .and_then(|m| m.output_token_logprobs.as_deref())
             .unwrap_or_default();
         let tops = meta.and_then(|m| m.output_top_logprobs.as_deref());
-        let from = self.logprobs_seen;
+        // Where this event's entries start in its lists: past the ones delivered when the lists
+        // are cumulative; at 0 when they hold this event's alone, which must be exactly one per
+        // new token.
+        let from = match self.mode {
+            StreamMode::Cumulative => self.logprobs_seen,
+            StreamMode::Incremental => {
+                if all.len() != ids.len() {
+                    return Err(format!(
+                        "{} output_token_logprobs for an incremental event of {} output tokens",
+                        all.len(),
+                        ids.len()
+                    ));
+                }
+                0
+            }
+        };
         let new = all.get(from..from + ids.len()).ok_or_else(|| {
             format!(
                 "{} output_token_logprobs for {} output tokens",

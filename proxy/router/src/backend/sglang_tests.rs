@@ -266,20 +266,22 @@ fn a_finish_reason_reads_as_a_lookup_in_its_parsed_value_would() {
     }
 }
 
-/// SGLang's log-probability lists are cumulative in both stream modes (only `output_ids` turn
-/// incremental): each event's new tokens get the entries past the ones delivered, each naming its
+/// SGLang's log-probability lists follow the stream mode (0.5.23 `tokenizer_manager.py`
+/// `_slice_streaming_output_meta_info`): cumulative by default, where each event's new tokens get
+/// the entries past the ones delivered; the event's own entries alone in incremental mode, where
+/// a list of any other length (a cumulative one included) fails the event. Each entry names its
 /// token; a list that is short, names another token, or lacks the alternatives fails the event.
 #[test]
-fn log_probabilities_are_read_past_the_delivered_ones_in_both_modes() {
-    let lp_event = |ids: &[u32], all: &[u32], top: bool| {
-        let entries: Vec<Value> = all
+fn log_probabilities_are_read_as_each_stream_mode_sends_them() {
+    let lp_event = |ids: &[u32], listed: &[u32], completion: usize, top: bool| {
+        let entries: Vec<Value> = listed
             .iter()
             .map(|&id| json!([-(id as f32) / 4.0, id, null]))
             .collect();
-        let mut meta = json!({ "completion_tokens": all.len(), "finish_reason": null,
+        let mut meta = json!({ "completion_tokens": completion, "finish_reason": null,
                                "output_token_logprobs": entries });
         if top {
-            meta["output_top_logprobs"] = all
+            meta["output_top_logprobs"] = listed
                 .iter()
                 .map(|&id| json!([[-(id as f32) / 4.0, id, null], [null, id + 100, null]]))
                 .collect();
@@ -290,12 +292,12 @@ fn log_probabilities_are_read_past_the_delivered_ones_in_both_modes() {
         let mut s = StreamText::new(mode);
         let events = match mode {
             StreamMode::Cumulative => [
-                lp_event(&[1], &[1], true),
-                lp_event(&[1, 2, 3], &[1, 2, 3], true),
+                lp_event(&[1], &[1], 1, true),
+                lp_event(&[1, 2, 3], &[1, 2, 3], 3, true),
             ],
             StreamMode::Incremental => [
-                lp_event(&[1], &[1], true),
-                lp_event(&[2, 3], &[1, 2, 3], true),
+                lp_event(&[1], &[1], 1, true),
+                lp_event(&[2, 3], &[2, 3], 3, true),
             ],
         };
         let mut got = Vec::new();
@@ -307,6 +309,14 @@ fn log_probabilities_are_read_past_the_delivered_ones_in_both_modes() {
         assert_eq!(got[2].logprob, -0.75);
         assert_eq!(got[2].top, vec![(3, -0.75), (103, f32::NEG_INFINITY)]);
     }
+    // An incremental event whose lists are cumulative is not this stream's.
+    let mut s = StreamText::new(StreamMode::Incremental);
+    let first = lp_event(&[1], &[1], 1, false);
+    let (_, ids) = s.delta(&first).expect("ids");
+    s.logprobs(&first, &ids, 0).expect("entries");
+    let second = lp_event(&[2, 3], &[1, 2, 3], 3, false);
+    let (_, ids) = s.delta(&second).expect("ids");
+    assert!(s.logprobs(&second, &ids, 0).is_err());
     let mut s = StreamText::new(StreamMode::Cumulative);
     // Fewer entries than tokens.
     let e = read(
@@ -323,7 +333,7 @@ fn log_probabilities_are_read_past_the_delivered_ones_in_both_modes() {
     assert!(s.logprobs(&e, &ids, 0).is_err());
     // Alternatives asked for and missing.
     let mut s = StreamText::new(StreamMode::Cumulative);
-    let e = lp_event(&[1], &[1], false);
+    let e = lp_event(&[1], &[1], 1, false);
     let (_, ids) = s.delta(&e).expect("ids");
     assert!(s.logprobs(&e, &ids, 2).is_err());
     assert_eq!(s.logprobs(&e, &ids, 0).expect("none asked").len(), 1);
