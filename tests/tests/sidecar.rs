@@ -148,10 +148,13 @@ async fn a_prefill_outside_the_allowed_networks_is_refused_before_any_connection
     assert_eq!(s.mock.request_count(), 0, "a worker got a request");
     assert_eq!(s.mock.info_calls(), before, "a refused prefill was probed");
     assert!(s.pool("prefill").is_empty());
-    // No header: an SGLang decode cannot serve alone.
-    let a = post(&s.url, None, &chat(false)).await;
-    assert_eq!(a.status, 503, "{}", a.body);
-    assert_eq!(a.error_code().as_deref(), Some("prefill_required"));
+    // No header, or an empty one (llm-d's decode-only): an SGLang decode cannot serve alone,
+    // so lockstep refuses clearly where llm-d would send the decode a request it cannot serve.
+    for named in [None, Some(""), Some(" , 127.0.0.1:9")] {
+        let a = post(&s.url, named, &chat(false)).await;
+        assert_eq!(a.status, 503, "{named:?}: {}", a.body);
+        assert_eq!(a.error_code().as_deref(), Some("prefill_required"));
+    }
     // The refusals are counted by code.
     let m = TestClient::default()
         .get(&format!("{}/lockstep/metrics", s.url), BOUND)
@@ -323,17 +326,27 @@ async fn a_vllm_sidecar_pairs_with_the_named_prefill_and_serves_alone_without_on
             .all(|(_, _, b)| b["kv_transfer_params"].is_object()),
         "a paired decode without the prefill's params"
     );
-    // No header: the decode serves the request alone (no transfer params), its own prompt
-    // count checked.
+    // No header, or an empty one (llm-d's decode-only): the decode serves the request alone (no
+    // transfer params), its own prompt count checked.
     let before = mock.requests().len();
     for stream in [false, true] {
         let a = c
             .send_raw("POST", &url, completion(stream).to_string(), BOUND)
             .await;
         assert_eq!(a.status, 200, "{}", a.body);
+        let a = c
+            .send_with(
+                "POST",
+                &url,
+                &[(HEADER, "")],
+                completion(stream).to_string(),
+                BOUND,
+            )
+            .await;
+        assert_eq!(a.status, 200, "an empty header: {}", a.body);
     }
     let alone: Vec<_> = mock.requests()[before..].to_vec();
-    assert_eq!(alone.len(), 2, "{alone:?}");
+    assert_eq!(alone.len(), 4, "{alone:?}");
     for (role, _, body) in &alone {
         assert_eq!(*role, VllmRole::Decode);
         assert!(body.get("kv_transfer_params").is_none(), "{body}");

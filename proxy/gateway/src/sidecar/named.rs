@@ -143,20 +143,33 @@ impl NamedPrefills {
             .any(|a| a.net.contains(&ip) && a.ports.contains(&port))
     }
 
-    /// The prefill the request's headers name, if any: 400 `invalid_request` for a value that is
-    /// not `host:port` (several headers, or a comma list: the first entry).
+    /// The prefill the request's headers name, if any, read as llm-d's routing sidecar reads
+    /// `x-prefiller-host-port` (`pkg/sidecar/proxy/chat_completions.go`,
+    /// `chatCompletionsHandler`): every header line, one line split on commas (RFC 7230's
+    /// combined form), the first entry, trimmed; an empty one means decode only, as no header
+    /// does (`None`: vLLM's decode serves alone, an SGLang decode refuses with 503
+    /// `prefill_required` because it cannot). An entry that is not `host:port` is 400
+    /// `invalid_request`, where llm-d would answer 403 from its allowlist.
     pub fn read(headers: &http::HeaderMap) -> Result<Option<NamedPrefill>, LockstepError> {
-        let Some(v) = headers.get(PREFILLER_HEADER) else {
-            return Ok(None);
-        };
         let bad = |why: &str| LockstepError::InvalidRequest {
             message: format!("header {PREFILLER_HEADER}: {why}"),
             param: Some(PREFILLER_HEADER.into()),
         };
+        let mut lines = headers.get_all(PREFILLER_HEADER).iter();
+        let Some(v) = lines.next() else {
+            return Ok(None);
+        };
         let text = v.to_str().map_err(|_| bad("not ASCII"))?;
-        let first = text.split(',').next().unwrap_or("").trim();
+        let first = if lines.next().is_none() {
+            // One line: a comma list.
+            text.split(',').next().unwrap_or("")
+        } else {
+            // Several lines: one host each.
+            text
+        }
+        .trim();
         if first.is_empty() {
-            return Err(bad("empty"));
+            return Ok(None);
         }
         if let Ok(a) = first.parse::<SocketAddr>() {
             if a.port() == 0 {
@@ -194,7 +207,7 @@ mod tests {
     }
 
     #[test]
-    fn the_first_entry_is_read_and_only_host_port_is_accepted() {
+    fn the_header_is_read_as_llm_d_reads_it_and_only_host_port_is_accepted() {
         assert_eq!(
             NamedPrefills::read(&http::HeaderMap::new()).ok(),
             Some(None)
@@ -212,9 +225,11 @@ mod tests {
             (host.host_port.as_str(), host.ip),
             ("prefill-0.svc:8000", None)
         );
+        // Empty, as llm-d reads it: decode only, like no header.
+        for empty in ["", " ", " , 10.0.0.1:1"] {
+            assert_eq!(named(empty).ok(), Some(None), "{empty:?}");
+        }
         for bad in [
-            "",
-            " , 10.0.0.1:1",
             "10.0.0.7",
             "10.0.0.7:0",
             "http://10.0.0.7:80",
@@ -225,6 +240,21 @@ mod tests {
             assert_eq!(e.code(), "invalid_request", "{bad}");
             assert_eq!(e.param(), Some(PREFILLER_HEADER), "{bad}");
         }
+        // Several lines: one host each, the first taken whole (a comma inside it is no list).
+        let lines = |vs: &[&str]| {
+            let mut h = http::HeaderMap::new();
+            for v in vs {
+                h.append(PREFILLER_HEADER, v.parse().expect("header value"));
+            }
+            NamedPrefills::read(&h)
+        };
+        let n = lines(&["10.0.0.8:8000", "10.0.0.9:8000"])
+            .expect("ok")
+            .expect("named");
+        assert_eq!(n.host_port, "10.0.0.8:8000");
+        assert_eq!(lines(&[" ", "10.0.0.9:8000"]).ok(), Some(None));
+        let e = lines(&["10.0.0.8:8000,10.0.0.7:1", "10.0.0.9:8000"]).expect_err("a list");
+        assert_eq!(e.code(), "invalid_request");
     }
 
     #[test]
