@@ -684,6 +684,7 @@ fn server_args(inner: &Inner, role: Role) -> Value {
         "disaggregation_bootstrap_port": 8998,
         "disaggregation_enable_kv_checksum": true,
         "incremental_streaming_output": false,
+        "enable_deterministic_inference": false,
         "skip_tokenizer_init": false,
         "allow_auto_truncate": false,
         "page_size": cfg.page_size,
@@ -817,6 +818,8 @@ struct Half {
     logprobs: Option<usize>,
     /// `logprob_start_len`, where it is a prompt position (-1 or absent: none).
     logprob_start: Option<usize>,
+    /// `sampling_params.sampling_seed`, where sent.
+    seed: Option<u64>,
 }
 
 fn parse_half(v: &Value) -> Result<Half, &'static str> {
@@ -871,6 +874,9 @@ fn parse_half(v: &Value) -> Result<Half, &'static str> {
                 .and_then(Value::as_u64)
                 .unwrap_or(0) as usize
         }),
+        seed: v
+            .pointer("/sampling_params/sampling_seed")
+            .and_then(Value::as_u64),
     })
 }
 
@@ -1459,8 +1465,20 @@ async fn decode_work(
             release(pages);
             return;
         }
+        // A deterministic server draws each token from (seed, position): an unseeded request
+        // gets seed 42 (`srt/sampling/sampling_batch_info.py`, built only with
+        // `--enable-deterministic-inference`; `layers/sampler.py` `multinomial_with_seed` over
+        // the seed and the position), here an index into what the KV holds.
+        let deterministic = arg_bool(&inner, Role::Decode, "enable_deterministic_inference");
         // Output is read from the KV: the prompt echoed back, or the token `lag` back.
         out.push(match inner.cfg.continuation_lag {
+            _ if deterministic && !kv.is_empty() => {
+                let seed = h.seed.unwrap_or(42);
+                let mixed = (seed ^ 0x9e37_79b9_7f4a_7c15)
+                    .wrapping_mul(0xbf58_476d_1ce4_e5b9)
+                    .wrapping_add((i as u64).wrapping_mul(0x94d0_49bb_1331_11eb));
+                kv[((mixed >> 17) % kv.len() as u64) as usize]
+            }
             None => kv[i % kv.len().max(1)],
             Some(_) if kv.is_empty() => 0,
             Some(lag) => {

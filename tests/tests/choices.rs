@@ -353,3 +353,71 @@ async fn one_failing_choice_fails_the_request_and_aborts_every_pair() {
     assert_eq!(ok.status, 200, "{}", ok.body);
     assert_eq!(ok.json()["choices"].as_array().map(Vec::len), Some(3));
 }
+
+/// On an SGLang that runs with `--enable-deterministic-inference`, an unseeded request is
+/// seeded 42 (`srt/sampling/sampling_batch_info.py`), so every unseeded choice of a request for
+/// several would be the same answer: lockstep gives each further choice its own seed there, and
+/// the answers differ yet repeat request to request. A client's seed moves on by the choice's
+/// index, as on every backend.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unseeded_choices_differ_on_a_deterministic_sglang() {
+    let mock = MockConfig {
+        server_args: vec![
+            (
+                lockstep_tests::sglang_mock::Role::Prefill,
+                "enable_deterministic_inference",
+                json!(true),
+            ),
+            (
+                lockstep_tests::sglang_mock::Role::Decode,
+                "enable_deterministic_inference",
+                json!(true),
+            ),
+        ],
+        ..MockConfig::default()
+    };
+    let stack = Stack::start_with(mock, "", TEST_TIMEOUTS).await;
+    let texts = |body: Value| {
+        let stack = &stack;
+        async move {
+            let a = stack.post("/v1/completions", body).await;
+            assert_eq!(a.status, 200, "{}", a.body);
+            let mut t: Vec<(u64, String)> = a.json()["choices"]
+                .as_array()
+                .expect("choices")
+                .iter()
+                .map(|c| {
+                    (
+                        c["index"].as_u64().expect("index"),
+                        c["text"].as_str().expect("text").to_string(),
+                    )
+                })
+                .collect();
+            t.sort();
+            t.into_iter().map(|(_, s)| s).collect::<Vec<_>>()
+        }
+    };
+    let body = json!({"model": MODEL, "prompt": "red green blue red green blue",
+                      "max_tokens": 8, "n": 3});
+    let first = texts(body.clone()).await;
+    assert_eq!(first.len(), 3);
+    assert!(
+        first[0] != first[1] && first[1] != first[2] && first[0] != first[2],
+        "the choices are one answer: {first:?}"
+    );
+    assert_eq!(texts(body).await, first, "deterministic: the same again");
+    // The seeds sent: none for the first choice (SGLang's own 42), 43 and 44 for the others.
+    let mut seeds: Vec<Option<u64>> = stack
+        .mock
+        .requests()
+        .iter()
+        .filter(|(r, _)| format!("{r:?}") == "Decode")
+        .take(3)
+        .map(|(_, b)| {
+            b.pointer("/sampling_params/sampling_seed")
+                .and_then(Value::as_u64)
+        })
+        .collect();
+    seeds.sort();
+    assert_eq!(seeds, [None, Some(43), Some(44)]);
+}

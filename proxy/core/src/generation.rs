@@ -9,6 +9,10 @@ use serde::Serialize;
 pub struct SamplingParams {
     /// Completion tokens to generate at most.
     pub max_new_tokens: u64,
+    /// Which choice of a request for several (`n`) this is: 0 for the first or only one. A
+    /// backend whose workers seed unseeded requests alike gives each further choice its own seed.
+    #[serde(skip)]
+    pub choice: u32,
     /// Sampling temperature.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub temperature: Option<f64>,

@@ -63,6 +63,8 @@ impl SglangBackend {
         let body = GenerateBody {
             sampling_params: SglangSampling {
                 base: s,
+                choice_seed: (s.sampling_seed.is_none() && s.choice > 0)
+                    .then(|| UNSEEDED + u64::from(s.choice)),
                 json_schema,
                 regex,
                 ebnf,
@@ -89,12 +91,22 @@ impl SglangBackend {
     }
 }
 
+/// The seed SGLang gives an unseeded request when it runs `--enable-deterministic-inference`
+/// (0.5.23 `srt/sampling/sampling_batch_info.py`; without that flag it samples unseeded and
+/// ignores `sampling_seed`). Every unseeded choice of a request for several would be one answer
+/// there, so choice `i` > 0 is sent `UNSEEDED + i`: the first keeps SGLang's own seed, and the
+/// others move on from it as a client's seed moves on by the choice's index.
+const UNSEEDED: u64 = 42;
+
 /// SGLang's `sampling_params`: the common ones plus the constraint, in SGLang's keys (on both
 /// halves: SGLang's prefill samples the first token).
 #[derive(serde::Serialize)]
 struct SglangSampling<'a> {
     #[serde(flatten)]
     base: &'a super::SamplingParams,
+    /// A further choice's own seed where the request has none ([`UNSEEDED`]).
+    #[serde(rename = "sampling_seed", skip_serializing_if = "Option::is_none")]
+    choice_seed: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     json_schema: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]

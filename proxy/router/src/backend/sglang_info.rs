@@ -112,6 +112,7 @@ pub const SERVER_INFO_FIELDS: &[&str] = &[
     "disaggregation_bootstrap_port",
     "disaggregation_enable_kv_checksum",
     "incremental_streaming_output",
+    "enable_deterministic_inference",
     "skip_tokenizer_init",
     "page_size",
     "kv_cache_dtype",
@@ -199,6 +200,15 @@ pub fn read(
             "its bootstrap server listens on port {got}, but lockstep is configured to send decodes to {want}"
         ));
     }
+    // The prefill samples the first token, the decode the rest: one seeding rule for both.
+    r.share(
+        "enable_deterministic_inference",
+        field(v, "enable_deterministic_inference")
+            .and_then(Value::as_bool)
+            .unwrap_or(false)
+            .to_string(),
+        "the prefill samples the first token and the decode the rest: both must seed unseeded requests alike",
+    );
     let mut stream = None;
     if side == Side::Decode {
         if field(v, "skip_tokenizer_init").and_then(Value::as_bool) == Some(true) {
@@ -304,6 +314,20 @@ workers = [{{ url = "http://d/" }}]
         let (dep, mode) = run(&m, info("prefill"), d).expect("ok");
         assert_eq!(mode, StreamMode::Incremental);
         assert_eq!(dep.max_prompt_tokens, Some(499));
+    }
+
+    /// The prefill samples the first token, the decode the rest: a deterministic half beside a
+    /// sampling one would seed a request's tokens by two rules.
+    #[test]
+    fn both_halves_must_seed_alike() {
+        let m = model("");
+        let mut p = info("prefill");
+        p["enable_deterministic_inference"] = json!(true);
+        let e = run(&m, p.clone(), info("decode")).expect_err("mixed");
+        assert!(e.contains("enable_deterministic_inference"), "{e}");
+        let mut d = info("decode");
+        d["enable_deterministic_inference"] = json!(true);
+        run(&m, p, d).expect("both deterministic");
     }
 
     #[test]

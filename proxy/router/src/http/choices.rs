@@ -28,6 +28,7 @@ use crate::backend::{FinishReason, SamplingParams};
 /// 64-bit range both remote backends take), so seeded choices differ yet repeat run to run.
 pub(crate) fn choice_sampling(s: &SamplingParams, index: u32) -> SamplingParams {
     let mut s = s.clone();
+    s.choice = index;
     s.sampling_seed = s
         .sampling_seed
         .map(|seed| seed.wrapping_add(u64::from(index)) & (i64::MAX as u64));

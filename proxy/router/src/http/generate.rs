@@ -123,6 +123,7 @@ impl FrontRequest for GenerateRequest {
         let stop = super::openai::check_stop("sampling_params.stop", s.stop)?;
         let sampling = SamplingParams {
             max_new_tokens,
+            choice: 0,
             temperature: s.temperature,
             top_p: s.top_p,
             top_k: super::sampling::top_k(s.top_k),

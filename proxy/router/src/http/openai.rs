@@ -186,6 +186,7 @@ impl CommonParams {
         Ok((
             SamplingParams {
                 max_new_tokens,
+                choice: 0,
                 temperature: self.temperature,
                 top_p: self.top_p,
                 top_k: super::sampling::top_k(self.top_k),
