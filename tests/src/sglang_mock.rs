@@ -1422,6 +1422,11 @@ async fn decode_work(
         return;
     }
     let incremental = h.stream && arg_bool(&inner, Role::Decode, "incremental_streaming_output");
+    // A deterministic server draws each token from (seed, position): an unseeded request gets
+    // seed 42 (`srt/sampling/sampling_batch_info.py`, built only with
+    // `--enable-deterministic-inference`; `layers/sampler.py` `multinomial_with_seed` over the
+    // seed and the position), here an index into what the KV holds. Read once per request.
+    let deterministic = arg_bool(&inner, Role::Decode, "enable_deterministic_inference");
     let prefill_logprobs = lock(&inner.logprob_rooms).remove(&h.room);
     let with_text = !arg_bool(&inner, Role::Decode, "skip_tokenizer_init");
     if fault == Fault::DecodeHang {
@@ -1465,11 +1470,6 @@ async fn decode_work(
             release(pages);
             return;
         }
-        // A deterministic server draws each token from (seed, position): an unseeded request
-        // gets seed 42 (`srt/sampling/sampling_batch_info.py`, built only with
-        // `--enable-deterministic-inference`; `layers/sampler.py` `multinomial_with_seed` over
-        // the seed and the position), here an index into what the KV holds.
-        let deterministic = arg_bool(&inner, Role::Decode, "enable_deterministic_inference");
         // Output is read from the KV: the prompt echoed back, or the token `lag` back.
         out.push(match inner.cfg.continuation_lag {
             _ if deterministic && !kv.is_empty() => {
