@@ -4,11 +4,16 @@
 //! - the request (`srt/entrypoints/openai/protocol.py` `EmbeddingRequest`; vLLM
 //!   `pooling/base/protocol.py` `CompletionRequestMixin`): `input` a string, strings, token ids
 //!   or lists of them; text is tokenized with the tokenizer's special tokens added (both servers'
-//!   default `add_special_tokens`); `encoding_format` `float` or `base64`, anything else a 400
-//!   (SGLang `serving_embedding.py` `_validate_request`); an empty input a 400 ("Input cannot be
-//!   empty"); `dimensions` a 400 unless the model is Matryoshka (SGLang
-//!   `tokenizer_manager.py` `_validate_for_matryoshka_dim`, vLLM `PoolingParams`), else the
-//!   vector cut to it and scaled to unit length again; an input longer than the context a 400;
+//!   default `add_special_tokens`); `encoding_format` `float` or `base64` here, anything else a
+//!   400; `dimensions` a 400 unless the model is Matryoshka (SGLang `tokenizer_manager.py`
+//!   `_validate_for_matryoshka_dim`, vLLM `pooling_params.py` `_set_default_parameters`), else
+//!   the vector cut to it and scaled to unit length again; an input longer than the context a
+//!   400 (vLLM `renderers/params.py` `_token_len_check`);
+//! - what each refuses differs, and each flavour refuses what its server does: SGLang checks
+//!   items one by one (`serving_embedding.py` `_validate_request`: whitespace-only text, a
+//!   negative id, mixed lists; [`sglang_inputs`]), vLLM embeds any text, whitespace and the
+//!   empty text included, and refuses ids outside the vocabulary and an empty list
+//!   ([`vllm_inputs`]);
 //! - the answer (`serving_embedding.py` `_build_embedding_response`, vLLM
 //!   `pooling/embed/serving.py` `_openai_json_response`): `data` one `{embedding, index,
 //!   object}` per input in order, `model`, `object: "list"`, `usage` with `prompt_tokens` the
@@ -163,6 +168,136 @@ fn error(flavor: Flavor, status: u16, message: &str) -> Response {
     (code, Json(body)).into_response()
 }
 
+/// A refusal: status and message, in the flavour's error shape.
+type Refused = (u16, String);
+
+fn refuse<T>(message: impl Into<String>) -> Result<T, Refused> {
+    Err((400, message.into()))
+}
+
+/// SGLang 0.5.23 `serving_embedding.py` `_validate_request`, item by item: whitespace-only
+/// text refused; nested id lists are typed by the request model (`List[List[int]]`), so
+/// anything but ids is a 400; text tokenized with the special tokens.
+fn sglang_inputs(
+    input: &Value,
+    encode: &dyn Fn(&str) -> Vec<u32>,
+) -> Result<Vec<Vec<u32>>, Refused> {
+    let inputs = match input {
+        Value::String(s) if s.trim().is_empty() => {
+            return refuse("Input cannot be empty or whitespace only");
+        }
+        Value::String(s) => vec![encode(s)],
+        Value::Array(a) if !a.is_empty() => match &a[0] {
+            Value::String(_) => {
+                let mut out = Vec::new();
+                for (i, item) in a.iter().enumerate() {
+                    let Some(t) = item.as_str() else {
+                        return refuse("All items in input list must be strings");
+                    };
+                    if t.trim().is_empty() {
+                        return refuse(format!(
+                            "Input at index {i} cannot be empty or whitespace only"
+                        ));
+                    }
+                    out.push(encode(t));
+                }
+                out
+            }
+            Value::Number(_) => {
+                if let Some(i) = a.iter().position(|x| x.as_i64().is_some_and(|x| x < 0)) {
+                    return refuse(format!("Token ID at index {i} must be non-negative"));
+                }
+                match token_ids(a) {
+                    Some(l) => vec![l],
+                    None => return refuse("All items in input list must be integers"),
+                }
+            }
+            Value::Array(_) => match id_lists(a) {
+                Some(l) => l,
+                None => return refuse("input: a list of token id lists"),
+            },
+            _ => return refuse("Input cannot be empty"),
+        },
+        _ => return refuse("Input cannot be empty"),
+    };
+    if inputs.iter().any(Vec::is_empty) {
+        return refuse("Input cannot be empty");
+    }
+    Ok(inputs)
+}
+
+/// vLLM 0.33: the request model (`pooling/base/protocol.py` `CompletionRequestMixin.input`,
+/// `list[int] | list[list[int]] | str | list[str]`) refuses any other shape as pydantic does
+/// (`serve/exception_handling/handlers/validation.py`: "N validation error(s)"); every text is
+/// tokenized, whitespace and the empty text included (no whitespace check anywhere in
+/// `pooling/`); `[]` is no prompt at all (`renderers/inputs/preprocess.py` `prompt_to_seq`,
+/// then `base/serving.py` `_preprocessing`: "You must pass at least one prompt"); an id outside
+/// the vocabulary, negative included, is refused (`renderers/base.py` `validate_token_ids`);
+/// an empty id list is an empty prompt (`v1/engine/input_processor.py` `_validate_prompt_len`).
+fn vllm_inputs(
+    input: &Value,
+    encode: &dyn Fn(&str) -> Vec<u32>,
+    vocab: u32,
+) -> Result<Vec<Vec<u32>>, Refused> {
+    let validation =
+        || refuse("1 validation error:\n  {'type': 'union_tag_invalid', 'loc': 'body.input'}");
+    let inputs = match input {
+        Value::String(s) => vec![encode(s)],
+        Value::Array(a) if a.is_empty() => return refuse("You must pass at least one prompt"),
+        Value::Array(a) if a.iter().all(Value::is_string) => a
+            .iter()
+            .map(|t| encode(t.as_str().unwrap_or_default()))
+            .collect(),
+        Value::Array(a) if a.iter().all(|x| x.is_i64() || x.is_u64()) => {
+            let ids: Vec<i64> = a.iter().filter_map(Value::as_i64).collect();
+            if ids.len() != a.len() {
+                return validation();
+            }
+            vec![vocab_ids(&ids, vocab)?]
+        }
+        Value::Array(a) if a.iter().all(Value::is_array) => {
+            let mut out = Vec::new();
+            for l in a {
+                let l = l.as_array().map(Vec::as_slice).unwrap_or_default();
+                let ids: Vec<i64> = l.iter().filter_map(Value::as_i64).collect();
+                if ids.len() != l.len() {
+                    return validation();
+                }
+                out.push(vocab_ids(&ids, vocab)?);
+            }
+            out
+        }
+        _ => return validation(),
+    };
+    if inputs.iter().any(Vec::is_empty) {
+        return refuse("The decoder prompt cannot be empty");
+    }
+    Ok(inputs)
+}
+
+/// `renderers/base.py` `validate_token_ids`: the smallest, then the largest id is checked.
+fn vocab_ids(ids: &[i64], vocab: u32) -> Result<Vec<u32>, Refused> {
+    if let Some(&lo) = ids.iter().min().filter(|lo| **lo < 0) {
+        return refuse(format!("Token id {lo} is out of vocabulary"));
+    }
+    if let Some(&hi) = ids.iter().max().filter(|hi| **hi >= i64::from(vocab)) {
+        return refuse(format!("Token id {hi} is out of vocabulary"));
+    }
+    Ok(ids.iter().map(|&x| x as u32).collect())
+}
+
+fn token_ids(l: &[Value]) -> Option<Vec<u32>> {
+    l.iter()
+        .map(|x| x.as_u64().and_then(|x| u32::try_from(x).ok()))
+        .collect()
+}
+
+fn id_lists(a: &[Value]) -> Option<Vec<Vec<u32>>> {
+    a.iter()
+        .map(|l| l.as_array().and_then(|l| token_ids(l)))
+        .collect()
+}
+
 async fn embeddings(State(inner): State<Arc<Inner>>, Json(body): Json<Value>) -> Response {
     crate::sglang_mock::lock(&inner.requests).push(body.clone());
     let cfg = &inner.cfg;
@@ -172,11 +307,18 @@ async fn embeddings(State(inner): State<Arc<Inner>>, Json(body): Json<Value>) ->
     }
     let format = body["encoding_format"].as_str().unwrap_or("float");
     if format != "float" && format != "base64" {
-        return error(
-            cfg.flavor,
-            400,
-            &format!("encoding_format must be either 'float' or 'base64', got '{format}'"),
-        );
+        let message = match cfg.flavor {
+            // SGLang `serving_embedding.py` `_validate_request`.
+            Flavor::Sglang => {
+                format!("encoding_format must be either 'float' or 'base64', got '{format}'")
+            }
+            // vLLM: the `EncodingFormat` literal, refused by pydantic.
+            Flavor::Vllm => {
+                "1 validation error:\n  {'type': 'literal_error', 'loc': 'body.encoding_format'}"
+                    .to_string()
+            }
+        };
+        return error(cfg.flavor, 400, &message);
     }
     let encode = |t: &str| -> Vec<u32> {
         inner
@@ -185,86 +327,57 @@ async fn embeddings(State(inner): State<Arc<Inner>>, Json(body): Json<Value>) ->
             .map(|e| e.get_ids().to_vec())
             .unwrap_or_default()
     };
-    // SGLang 0.5.23 `serving_embedding.py` `_validate_request`, item by item; nested id lists
-    // are typed by the request model (`List[List[int]]`), so anything but ids is a 400.
-    let ids = |l: &[Value]| -> Option<Vec<u32>> {
-        l.iter()
-            .map(|x| x.as_u64().and_then(|x| u32::try_from(x).ok()))
-            .collect()
+    let parsed = match cfg.flavor {
+        Flavor::Sglang => sglang_inputs(&body["input"], &encode),
+        Flavor::Vllm => vllm_inputs(
+            &body["input"],
+            &encode,
+            inner.tokenizer.get_vocab_size(true) as u32,
+        ),
     };
-    let inputs: Vec<Vec<u32>> = match &body["input"] {
-        Value::String(s) if s.trim().is_empty() => {
-            return error(cfg.flavor, 400, "Input cannot be empty or whitespace only");
-        }
-        Value::String(s) => vec![encode(s)],
-        Value::Array(a) if !a.is_empty() => match &a[0] {
-            Value::String(_) => {
-                let mut out = Vec::new();
-                for (i, item) in a.iter().enumerate() {
-                    let Some(t) = item.as_str() else {
-                        return error(cfg.flavor, 400, "All items in input list must be strings");
-                    };
-                    if t.trim().is_empty() {
-                        let m = format!("Input at index {i} cannot be empty or whitespace only");
-                        return error(cfg.flavor, 400, &m);
-                    }
-                    out.push(encode(t));
-                }
-                out
-            }
-            Value::Number(_) => {
-                if let Some(i) = a.iter().position(|x| x.as_i64().is_some_and(|x| x < 0)) {
-                    let m = format!("Token ID at index {i} must be non-negative");
-                    return error(cfg.flavor, 400, &m);
-                }
-                match ids(a) {
-                    Some(l) => vec![l],
-                    None => {
-                        return error(cfg.flavor, 400, "All items in input list must be integers");
-                    }
-                }
-            }
-            Value::Array(_) => {
-                let lists: Option<Vec<Vec<u32>>> = a
-                    .iter()
-                    .map(|l| l.as_array().and_then(|l| ids(l)))
-                    .collect();
-                match lists {
-                    Some(l) => l,
-                    None => return error(cfg.flavor, 400, "input: a list of token id lists"),
-                }
-            }
-            _ => return error(cfg.flavor, 400, "Input cannot be empty"),
-        },
-        _ => return error(cfg.flavor, 400, "Input cannot be empty"),
+    let inputs = match parsed {
+        Ok(i) => i,
+        Err((status, message)) => return error(cfg.flavor, status, &message),
     };
-    if inputs.iter().any(Vec::is_empty) {
-        return error(cfg.flavor, 400, "Input cannot be empty");
-    }
     if let Some(n) = inputs.iter().map(Vec::len).find(|n| *n > cfg.context) {
-        return error(
-            cfg.flavor,
-            400,
-            &format!(
+        let message = match cfg.flavor {
+            Flavor::Sglang => format!(
                 "The input ({n} tokens) is longer than the model's context length ({} tokens).",
                 cfg.context
             ),
-        );
+            // `renderers/params.py` `_token_len_check`.
+            Flavor::Vllm => format!(
+                "This model's maximum context length is {} tokens. However, your prompt \
+                 contains {n} input tokens, which exceeds this limit even without any output \
+                 tokens. Please reduce the length of the input prompt.",
+                cfg.context
+            ),
+        };
+        return error(cfg.flavor, 400, &message);
     }
     let dims = body["dimensions"].as_u64().map(|d| d as usize);
-    if dims.is_some() && !cfg.matryoshka {
-        return error(
-            cfg.flavor,
-            400,
-            "Model 'mock' does not support matryoshka representation, changing output dimensions will lead to poor results.",
-        );
-    }
-    if dims.is_some_and(|d| d < 1 || d > cfg.dim) {
-        return error(
-            cfg.flavor,
-            400,
-            "Requested dimensions must be greater than 0",
-        );
+    if let Some(d) = dims {
+        let refused = match cfg.flavor {
+            Flavor::Sglang if !cfg.matryoshka => Some(
+                "Model 'mock' does not support matryoshka representation, changing output dimensions will lead to poor results.".to_string(),
+            ),
+            Flavor::Sglang if d < 1 || d > cfg.dim => {
+                Some("Requested dimensions must be greater than 0".to_string())
+            }
+            // vLLM `pooling_params.py` `_set_default_parameters`.
+            Flavor::Vllm if !cfg.matryoshka => Some(format!(
+                "Model 'mock-embedding' does not support Matryoshka embeddings; dimensions \
+                 must be unset (received dimensions={d})."
+            )),
+            Flavor::Vllm if d < 1 || d > cfg.dim => Some(format!(
+                "Model 'mock-embedding' only supports dimensions in range [1, {}], got {d}.",
+                cfg.dim
+            )),
+            _ => None,
+        };
+        if let Some(m) = refused {
+            return error(cfg.flavor, 400, &m);
+        }
     }
     let mut data: Vec<Value> = inputs
         .iter()

@@ -88,12 +88,40 @@ fn same(a: &[f32], b: &[f32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-6)
 }
 
+/// The ids the `tokenizers` Python package gives each fixture text with the special tokens
+/// (`tests/fixtures/embedding_ids.json`, from `tests/python/embedding_ids.py`): not the Rust
+/// crate lockstep tokenizes with, so a mistake both Rust sides share cannot pass.
+fn python_ids() -> std::collections::HashMap<String, Vec<u32>> {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/embedding_ids.json");
+    let f: Value = serde_json::from_str(&std::fs::read_to_string(path).expect("fixture"))
+        .expect("fixture JSON");
+    let ours: Value =
+        serde_json::from_str(&tokenizer::build_embedding().to_string(false).expect("json"))
+            .expect("tokenizer JSON");
+    assert_eq!(
+        f["tokenizer"], ours,
+        "the fixture was made from another tokenizer: rerun tests/python/embedding_ids.py"
+    );
+    f["cases"]
+        .as_array()
+        .expect("cases")
+        .iter()
+        .map(|c| {
+            let ids = c["ids"].as_array().expect("ids").iter();
+            (
+                c["text"].as_str().expect("text").to_string(),
+                ids.map(|x| x.as_u64().expect("id") as u32).collect(),
+            )
+        })
+        .collect()
+}
+
 /// Both servers' shapes: texts are tokenized with the model's special tokens (what SGLang and
 /// vLLM do), sent as ids with `encoding_format: float`; the vectors are the worker's, in order,
 /// in either encoding; the usage counts lockstep's tokens, which the worker's must equal.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn workers_vectors_come_back_for_the_ids_lockstep_sent() {
-    let tok = tokenizer::build_embedding();
+    let fixture = python_ids();
     for flavor in [Flavor::Sglang, Flavor::Vllm] {
         let r = start(EmbedMockConfig {
             flavor,
@@ -101,10 +129,7 @@ async fn workers_vectors_come_back_for_the_ids_lockstep_sent() {
         })
         .await;
         let texts = ["red green blue", "the cat sat"];
-        let ids: Vec<Vec<u32>> = texts
-            .iter()
-            .map(|t| tok.encode(*t, true).expect("encodes").get_ids().to_vec())
-            .collect();
+        let ids: Vec<Vec<u32>> = texts.iter().map(|t| fixture[*t].clone()).collect();
         assert_eq!(ids[0].len(), 5, "three words and two special tokens");
         let a = r
             .post("/v1/embeddings", json!({"model": MODEL, "input": texts}))
@@ -393,4 +418,102 @@ async fn the_mock_refuses_what_sglang_refuses() {
         )
         .await;
     assert_eq!(a.status, 400, "{}", a.body);
+}
+
+/// Whitespace-only text is embedded on both backends: lockstep sends its ids (the special
+/// tokens alone, as Python's tokenizer gives them), which SGLang takes as ids and vLLM as it
+/// takes any text; the empty text stays refused by lockstep (OpenAI's rule), before any worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn whitespace_text_is_embedded_as_the_servers_embed_it() {
+    let fixture = python_ids();
+    for flavor in [Flavor::Sglang, Flavor::Vllm] {
+        let r = start(EmbedMockConfig {
+            flavor,
+            ..EmbedMockConfig::default()
+        })
+        .await;
+        for text in ["   ", " red\tgreen\n"] {
+            let a = r
+                .post("/v1/embeddings", json!({"model": MODEL, "input": text}))
+                .await;
+            assert_eq!(a.status, 200, "{flavor:?} {text:?}: {}", a.body);
+            let want = &fixture[text];
+            assert_eq!(
+                r.mock.requests().pop().expect("sent")["input"],
+                json!([want])
+            );
+            assert!(same(
+                &floats(&a.json()["data"][0]["embedding"]),
+                &mock_vector(want, 8)
+            ));
+            assert_eq!(a.json()["usage"]["prompt_tokens"], want.len());
+        }
+        let before = r.mock.requests().len();
+        let a = r
+            .post("/v1/embeddings", json!({"model": MODEL, "input": ""}))
+            .await;
+        assert_eq!(a.status, 400, "{}", a.body);
+        assert_eq!(r.mock.requests().len(), before, "refused before any worker");
+    }
+}
+
+/// The vLLM-flavoured mock answers what vLLM 0.33 answers: any text is embedded, whitespace and
+/// the empty text included, with the ids Python's tokenizer gives; an empty list, an id outside
+/// the vocabulary (negative too), an empty id list and a mixed list are 400s in vLLM's
+/// `{"error": {...}}` shape.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_vllm_mock_answers_what_vllm_answers() {
+    let fixture = python_ids();
+    let mock = EmbedMock::start(
+        EmbedMockConfig {
+            flavor: Flavor::Vllm,
+            ..EmbedMockConfig::default()
+        },
+        tokenizer::build_embedding(),
+    )
+    .await
+    .expect("mock starts");
+    let post = |input: Value| {
+        let url = format!("{}/v1/embeddings", mock.url());
+        async move {
+            TestClient::default()
+                .post(&url, &json!({"input": input}), Duration::from_secs(5))
+                .await
+        }
+    };
+    for text in ["   ", "", " red\tgreen\n"] {
+        let a = post(json!(text)).await;
+        assert_eq!(a.status, 200, "{text:?}: {}", a.body);
+        assert_eq!(a.json()["usage"]["prompt_tokens"], fixture[text].len());
+        assert!(same(
+            &floats(&a.json()["data"][0]["embedding"]),
+            &mock_vector(&fixture[text], 8)
+        ));
+    }
+    let vocab = tokenizer::build_embedding().get_vocab_size(true);
+    for (input, says) in [
+        (json!([]), "You must pass at least one prompt".to_string()),
+        (
+            json!([5, -1]),
+            "Token id -1 is out of vocabulary".to_string(),
+        ),
+        (
+            json!([[5], [vocab]]),
+            format!("Token id {vocab} is out of vocabulary"),
+        ),
+        (
+            json!([[5], []]),
+            "The decoder prompt cannot be empty".to_string(),
+        ),
+        (json!(["red", 5]), "validation error".to_string()),
+    ] {
+        let a = post(input.clone()).await;
+        assert_eq!(a.status, 400, "{input}: {}", a.body);
+        assert_eq!(a.json()["error"]["code"], 400, "vLLM's shape: {}", a.body);
+        let message = a.json()["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        assert!(message.contains(&says), "{input}: {}", a.body);
+    }
 }
