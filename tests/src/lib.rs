@@ -15,4 +15,5 @@ pub mod redis;
 pub mod sglang_mock;
 pub mod stops;
 pub mod tokenizer;
+mod vllm_chunks;
 pub mod vllm_mock;

@@ -41,6 +41,9 @@
 //!   value is [`crate::sglang_mock::mock_logprob`] less 2.5, the alternatives' 0.1 to 0.1 k
 //!   above it), so a reader must pick them by value.
 //!
+//! - **Chunks with several steps** (`merged_steps`): 2, then 3, ... steps' outputs in one chunk,
+//!   as vLLM merges them when its API server falls behind ([`crate::vllm_chunks`]).
+//!
 //! Faults (applied to every request until changed): the stale-reference prefill of #52234,
 //! missing or duplicated block ids, a decode error status, a decode that hangs.
 
@@ -62,6 +65,7 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
 use crate::sglang_mock::{KEPT, lock, stop_strings};
+use crate::vllm_chunks::{Step, deliver};
 
 /// Injected faults.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -118,6 +122,10 @@ pub struct VllmMockConfig {
     /// sequence so far (prompt and output), a function of the sequence alone as a real model's
     /// greedy output is (the migration tests).
     pub continuation_lag: Option<usize>,
+    /// The API server behind the engine: each chunk carries 2, then 3, then 2 ... steps'
+    /// outputs merged (`RequestOutputCollector.put`, [`crate::vllm_chunks`]); `false`, one step
+    /// a chunk.
+    pub merged_steps: bool,
 }
 
 /// The shape of `kv_transfer_params.remote_block_ids`.
@@ -145,6 +153,7 @@ impl Default for VllmMockConfig {
             api_key: None,
             served_model_name: "vllm-pd".into(),
             continuation_lag: None,
+            merged_steps: false,
         }
     }
 }
@@ -702,6 +711,7 @@ fn stream_from(
     let next_offset = Arc::new(AtomicUsize::new(0));
     let prompt_ids = prompt_of(req);
     let lag = inner.cfg.continuation_lag;
+    let merge = inner.cfg.merged_steps.then_some([2, 3]);
     let cut = match fault {
         VllmFault::DecodeCutOnce(n) => {
             let mut f = lock(&inner.fault);
@@ -745,7 +755,7 @@ fn stream_from(
                     "data: [DONE]\n\n".to_string()
                 };
                 let state = (out, text, sent, live, Some(usize::MAX));
-                return Some((Ok::<_, std::io::Error>(last), state));
+                return Some((Ok::<_, std::io::Error>(Step::Tail(last)), state));
             }
             if hang {
                 // Until the client goes away (dropping this stream drops `live`).
@@ -835,14 +845,11 @@ fn stream_from(
                                       "total_tokens": prompt_tokens + i + 1 });
             }
             let ended = (!finish.is_null()).then_some(i + 1);
-            Some((
-                Ok(format!("data: {ev}\n\n")),
-                (out, text, upto, live, ended),
-            ))
+            Some((Ok(Step::Event(ev)), (out, text, upto, live, ended)))
         }
     });
     Response::builder()
         .header(http::header::CONTENT_TYPE, "text/event-stream")
-        .body(Body::from_stream(stream))
+        .body(Body::from_stream(deliver(stream, merge)))
         .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "response".into()))
 }

@@ -25,6 +25,15 @@ struct Stack {
     _dir: tempfile::TempDir,
 }
 
+/// The mock, its chunks carrying one step each or, `merged`, 2-3 steps merged as vLLM merges
+/// them when its API server falls behind (`VllmMockConfig::merged_steps`).
+fn merged_cfg(merged: bool) -> VllmMockConfig {
+    VllmMockConfig {
+        merged_steps: merged,
+        ..VllmMockConfig::default()
+    }
+}
+
 async fn stack() -> Stack {
     stack_with(VllmMockConfig::default()).await
 }
@@ -522,8 +531,14 @@ async fn structured_outputs_reach_both_vllm_halves() {
 /// here never among them); an entry naming another token fails the answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn log_probabilities_come_from_the_vllm_decode_checked() {
+    for merged in [false, true] {
+        vllm_log_probabilities(merged).await;
+    }
+}
+
+async fn vllm_log_probabilities(merged: bool) {
     use lockstep_tests::sglang_mock::mock_logprob;
-    let s = stack().await;
+    let s = stack_with(merged_cfg(merged)).await;
     for stream in [false, true] {
         let before = s.mock.requests().len();
         let body = json!({"model": MODEL, "messages": [{"role": "user", "content": PROMPT}],
@@ -680,7 +695,13 @@ async fn a_decode_queued_past_the_lease_reads_recycled_blocks_undetected() {
 /// cut before it (`lockstep_tests::stops`; SGLang's side is in `stop_strings.rs`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_string_matched_on_vllm_ends_the_answer_with_stop() {
-    let s = stack().await;
+    for merged in [false, true] {
+        vllm_stop_strings(merged).await;
+    }
+}
+
+async fn vllm_stop_strings(merged: bool) {
+    let s = stack_with(merged_cfg(merged)).await;
     let send = async |path: &'static str, body: Value| s.send(path, &body).await;
     lockstep_tests::stops::stop_strings_end_answers(send, MODEL).await;
     assert!(s.mock.wait_idle(Duration::from_secs(5)).await);
@@ -693,9 +714,15 @@ async fn a_stop_string_matched_on_vllm_ends_the_answer_with_stop() {
 /// migrated on vLLM (its draws would start over): it fails as before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decode_cut_mid_stream_resumes_on_a_new_vllm_pair() {
+    for merged in [false, true] {
+        vllm_migration(merged).await;
+    }
+}
+
+async fn vllm_migration(merged: bool) {
     let cfg = VllmMockConfig {
         continuation_lag: Some(5),
-        ..VllmMockConfig::default()
+        ..merged_cfg(merged)
     };
     let (mock, _dir, started) =
         start_tok(cfg, "", true, lockstep_tests::tokenizer::build_byte_level()).await;
@@ -791,4 +818,106 @@ async fn a_decode_cut_mid_stream_resumes_on_a_new_vllm_pair() {
     );
     assert_eq!(s.decodes(), before + 1);
     assert!(s.mock.wait_idle(Duration::from_secs(5)).await);
+}
+
+/// `n` choices on vLLM, each a pair of its own, one chunk per step or several merged: every
+/// choice's text is the one-choice answer's (the mock's decode is deterministic), under its own
+/// index, finished once, and the usage counts every choice's tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n_choices_on_vllm_read_whole_from_merged_chunks() {
+    for merged in [false, true] {
+        let s = stack_with(merged_cfg(merged)).await;
+        for stream in [false, true] {
+            let body = |n: u32| {
+                json!({"model": MODEL, "prompt": PROMPT, "max_tokens": 7, "n": n,
+                       "stream": stream, "stream_options": {"include_usage": stream}})
+            };
+            let one = s.send("/v1/completions", &body(1)).await;
+            assert_eq!(one.status, 200, "{}", one.body);
+            let want = lockstep_tests::stops::said(&one, stream).text;
+            assert!(!want.is_empty());
+            let a = s.send("/v1/completions", &body(3)).await;
+            assert_eq!(a.status, 200, "merged={merged} stream={stream}: {}", a.body);
+            let mut text = [String::new(), String::new(), String::new()];
+            let mut finishes = [0; 3];
+            let mut usage = Value::Null;
+            for o in a.objects(stream) {
+                for c in o["choices"].as_array().into_iter().flatten() {
+                    let i = c["index"].as_u64().expect("index") as usize;
+                    text[i].push_str(c["text"].as_str().unwrap_or_default());
+                    finishes[i] += usize::from(c["finish_reason"].is_string());
+                }
+                if o["usage"].is_object() {
+                    usage = o["usage"].clone();
+                }
+            }
+            let case = format!("merged={merged} stream={stream}");
+            assert_eq!(
+                text,
+                [want.clone(), want.clone(), want],
+                "{case}: {}",
+                a.body
+            );
+            assert_eq!(finishes, [1, 1, 1], "{case}");
+            assert_eq!(usage["completion_tokens"], 21, "{case}: {}", a.body);
+        }
+        assert!(s.mock.wait_idle(Duration::from_secs(5)).await);
+    }
+}
+
+/// The merged mode is what vLLM sends when its API server falls behind: chunks of 2, 3, 2 steps,
+/// each with every step's ids, log-probability entries (offsets running on) and text, and the
+/// whole the same as one step a chunk.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_mock_merges_steps_as_vllm_does() {
+    let mut seen = Vec::new();
+    for merged in [false, true] {
+        let s = stack_with(merged_cfg(merged)).await;
+        let ids: Vec<u32> = (5..15).collect();
+        let body = json!({"model": MODEL, "prompt": ids, "max_tokens": 7, "stream": true,
+                          "return_token_ids": true, "logprobs": 1});
+        let a = TestClient::default()
+            .post(
+                &format!("{}/v1/completions", s.mock.decode_url()),
+                &body,
+                Duration::from_secs(5),
+            )
+            .await;
+        assert_eq!(a.status, 200, "{}", a.body);
+        let chunks: Vec<Value> = a
+            .objects(true)
+            .into_iter()
+            .filter(|o| o["choices"][0].is_object())
+            .collect();
+        let sizes: Vec<usize> = chunks
+            .iter()
+            .map(|c| c["choices"][0]["token_ids"].as_array().map_or(0, Vec::len))
+            .collect();
+        let want = if merged { vec![2, 3, 2] } else { vec![1; 7] };
+        assert_eq!(sizes, want, "merged={merged}");
+        let mut whole = (Vec::new(), String::new(), Vec::new());
+        for c in &chunks {
+            let c = &c["choices"][0];
+            let lp = &c["logprobs"];
+            for key in ["text_offset", "token_logprobs", "tokens", "top_logprobs"] {
+                assert_eq!(
+                    lp[key].as_array().map(Vec::len),
+                    c["token_ids"].as_array().map(Vec::len)
+                );
+            }
+            whole
+                .0
+                .extend(c["token_ids"].as_array().cloned().unwrap_or_default());
+            whole.1.push_str(c["text"].as_str().unwrap_or_default());
+            whole
+                .2
+                .extend(lp["text_offset"].as_array().cloned().unwrap_or_default());
+        }
+        assert_eq!(
+            chunks.last().expect("chunks")["choices"][0]["finish_reason"],
+            "length"
+        );
+        seen.push(whole);
+    }
+    assert_eq!(seen[0], seen[1], "the same output, chunked otherwise");
 }
