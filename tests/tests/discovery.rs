@@ -28,6 +28,17 @@ fn port(url: &str) -> u16 {
 /// lockstep in front of the mock with the decode pool (and, with `prefill`, the prefill pool)
 /// discovered in namespace `ns`.
 async fn start(api: &KubeApi, ns: &str, prefill: Option<&str>) -> Result<Stack, String> {
+    start_selecting(api, ns, prefill, "app=sglang,component=decode").await
+}
+
+/// [`start`] with the decode pool's `selector`.
+async fn start_selecting(
+    api: &KubeApi,
+    ns: &str,
+    prefill: Option<&str>,
+    selector: &str,
+) -> Result<Stack, String> {
+    let selector = selector.to_string();
     let dir = tempfile::tempdir().expect("tempdir");
     let kubeconfig = api.kubeconfig(dir.path());
     let kubeconfig = format!(", kubeconfig = \"{}\"", kubeconfig.display());
@@ -39,7 +50,7 @@ async fn start(api: &KubeApi, ns: &str, prefill: Option<&str>) -> Result<Stack, 
         &TEST_TIMEOUTS.replace("total_ms = 5000", "total_ms = 20000"),
         move |mock: &PdMock, text: String| {
             let decode = format!(
-                "discovery = {{ kind = \"kubernetes\", namespace = \"{ns}\", selector = \"app=sglang,component=decode\", port = {}{kubeconfig} }}",
+                "discovery = {{ kind = \"kubernetes\", namespace = \"{ns}\", selector = \"{selector}\", port = {}{kubeconfig} }}",
                 port(&mock.decode_url())
             );
             let mut text = text.replace(
@@ -312,4 +323,161 @@ async fn rbac_forbidding_the_list_refuses_to_start_naming_the_verb_and_resource(
         e.contains("cannot list resource"),
         "the API server's own words: {e}"
     );
+}
+
+/// A pod whose labels stop matching the selector leaves the pool, and joins again when they
+/// match again: the API server's watch cache sends `DELETED` and `ADDED` for those changes
+/// (`cache_watcher.go` `convertToWatchEvent`), never a `MODIFIED` of a pod the watcher does
+/// not select.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn removing_a_label_takes_a_pod_out_of_the_pool() {
+    let api = KubeApi::start().await;
+    let ns = "relabel";
+    api.put_pod(ns, "d-0", &PodSpec::ready("127.0.0.1", DECODE));
+    let stack = start(&api, ns, None).await.expect("lockstep starts");
+    let here = format!("http://127.0.0.1:{}", port(&stack.mock.decode_url()));
+    assert!(serving(&stack, "decode", std::slice::from_ref(&here)).await);
+    // Relabelled out of the pool (drained for debugging, say): it leaves, and takes no pairs.
+    api.put_pod(
+        ns,
+        "d-0",
+        &PodSpec::ready("127.0.0.1", &[("app", "sglang"), ("component", "debug")]),
+    );
+    assert!(
+        serving(&stack, "decode", &[]).await,
+        "{:?}",
+        stack.pool("decode")
+    );
+    let before = stack.mock.request_count();
+    let a = complete(&stack).await;
+    assert_eq!(
+        a.error_code().as_deref(),
+        Some("no_healthy_worker"),
+        "{}",
+        a.body
+    );
+    assert_eq!(stack.mock.request_count(), before);
+    api.put_pod(ns, "d-0", &PodSpec::ready("127.0.0.1", DECODE));
+    assert!(serving(&stack, "decode", std::slice::from_ref(&here)).await);
+    assert_eq!(complete(&stack).await.status, 200);
+}
+
+/// A pod being deleted gracefully (`deletionTimestamp` set, still Running and Ready for its grace
+/// period) takes no new pairs from the moment its deletion starts, not when it is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_terminating_pod_gets_no_new_pairs() {
+    let api = KubeApi::start().await;
+    let ns = "terminating";
+    api.put_pod(ns, "d-0", &PodSpec::ready("127.0.0.1", DECODE));
+    let stack = start(&api, ns, None).await.expect("lockstep starts");
+    let here = format!("http://127.0.0.1:{}", port(&stack.mock.decode_url()));
+    assert!(serving(&stack, "decode", std::slice::from_ref(&here)).await);
+    let started = std::time::Instant::now();
+    api.delete_pod_gracefully(ns, "d-0", Duration::from_secs(30));
+    assert!(
+        serving(&stack, "decode", &[]).await,
+        "{:?}",
+        stack.pool("decode")
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "it left only when it was gone"
+    );
+    let before = stack.mock.request_count();
+    let a = complete(&stack).await;
+    assert_eq!(
+        a.error_code().as_deref(),
+        Some("no_healthy_worker"),
+        "{}",
+        a.body
+    );
+    assert_eq!(
+        stack.mock.request_count(),
+        before,
+        "a terminating pod got a pair"
+    );
+}
+
+/// Set-based selectors (`in`, `notin`, `!key`) select what the API server selects; one it
+/// cannot parse refuses the start with its 400.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn set_based_selectors_select_as_the_api_server_does() {
+    let api = KubeApi::start().await;
+    let ns = "sets";
+    let canary: &[(&str, &str)] = &[
+        ("app", "sglang"),
+        ("component", "decode"),
+        ("canary", "yes"),
+    ];
+    api.put_pod(ns, "canary", &PodSpec::ready("127.0.0.2", canary));
+    api.put_pod(
+        ns,
+        "prefill",
+        &PodSpec::ready("127.0.0.3", &[("app", "sglang"), ("component", "prefill")]),
+    );
+    api.put_pod(
+        ns,
+        "d-0",
+        &PodSpec::ready("127.0.0.1", &[("app", "vllm"), ("component", "decode")]),
+    );
+    let stack = start_selecting(
+        &api,
+        ns,
+        None,
+        "app in (sglang, vllm),component notin (prefill),!canary",
+    )
+    .await
+    .expect("lockstep starts");
+    let here = format!("http://127.0.0.1:{}", port(&stack.mock.decode_url()));
+    assert!(
+        serving(&stack, "decode", std::slice::from_ref(&here)).await,
+        "{:?}",
+        stack.pool("decode")
+    );
+    assert_eq!(complete(&stack).await.status, 200);
+    // The canary loses its label: it now matches, and joins.
+    api.put_pod(
+        ns,
+        "canary",
+        &PodSpec::ready("127.0.0.2", &[("app", "sglang"), ("component", "decode")]),
+    );
+    assert!(
+        wait_for(Duration::from_secs(15), || stack.pool("decode").len() == 2).await,
+        "{:?}",
+        stack.pool("decode")
+    );
+    drop(stack);
+    let e = match start_selecting(&api, ns, None, "app in (sglang").await {
+        Ok(_) => panic!("a selector the API server refuses started"),
+        Err(e) => e,
+    };
+    assert!(
+        e.contains("400") && e.contains("unable to parse requirement"),
+        "{e}"
+    );
+}
+
+/// The watch lists at `resourceVersion=0` (from the API server's watch cache, as client-go's
+/// reflector does), which may be behind: a pod deleted just before the list is in it, and the
+/// watch from the list's version removes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_cached_list_is_corrected_by_the_watch() {
+    let api = KubeApi::start().await;
+    let ns = "stale";
+    api.put_pod(ns, "d-0", &PodSpec::ready("127.0.0.1", DECODE));
+    api.put_pod(ns, "d-1", &PodSpec::ready("127.0.0.4", DECODE));
+    api.delete_pod(ns, "d-1");
+    api.set_cache_lag(1);
+    let stack = start(&api, ns, None).await.expect("lockstep starts");
+    let here = format!("http://127.0.0.1:{}", port(&stack.mock.decode_url()));
+    assert!(
+        wait_for(Duration::from_secs(15), || api.cache_lists() >= 1).await,
+        "the watcher listed from the cache"
+    );
+    assert!(
+        serving(&stack, "decode", std::slice::from_ref(&here)).await,
+        "{:?}",
+        stack.pool("decode")
+    );
+    assert_eq!(complete(&stack).await.status, 200);
 }

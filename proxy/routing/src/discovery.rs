@@ -3,7 +3,7 @@
 //! into membership changes ([`MemberChange::Replace`]) for the model's member task.
 //!
 //! - A pod is a worker while it is `Running`, `Ready=True`, has a pod IP and no
-//!   `deletionTimestamp`; its URL is `http://<podIP>:<port>` (IPv6 bracketed; `https` when the
+//!   `deletionTimestamp` (a terminating pod takes no new pairs for its grace period); its URL is `http://<podIP>:<port>` (IPv6 bracketed; `https` when the
 //!   pool says so). An SGLang prefill's bootstrap port is its `sglang.ai/bootstrap-port`
 //!   annotation, else the pool's `bootstrap_port`.
 //! - The set is replaced whole after each complete list and after each event; a worker that
@@ -145,9 +145,16 @@ pub fn watch(
     metrics: Arc<Metrics>,
 ) -> WorkerSource {
     let api: Api<Pod> = Api::namespaced(client, &d.namespace);
-    let events = watcher::watcher(api, watcher::Config::default().labels(&d.selector))
-        .default_backoff()
-        .boxed();
+    // Lists at `resourceVersion=0`, from the API server's watch cache, as client-go's reflector
+    // does: no quorum read of etcd per replica and relist. The cache may be a little behind;
+    // the watch from the list's version brings what it missed, and a worker that has gone
+    // fails its check before it takes pairs. One page: kube-rs sends no `resourceVersion=0`
+    // with a `limit` (the cache would ignore the limit anyway), and a pool's pods are few.
+    let mut config = watcher::Config::default()
+        .labels(&d.selector)
+        .any_semantic();
+    config.page_size = None;
+    let events = watcher::watcher(api, config).default_backoff().boxed();
     let labels = [model.to_string(), side.as_str().to_string()];
     // Counted from 0, so a rate over it exists before the first failure.
     metrics
