@@ -39,11 +39,35 @@ struct Fleet {
     _dir: tempfile::TempDir,
 }
 
+/// The engines' side of a fleet: their events' dialect, block (page) size and data-parallel
+/// ranks.
+#[derive(Clone, Copy)]
+struct Engines {
+    dialect: Dialect,
+    block: usize,
+    ranks: usize,
+}
+
 impl Fleet {
     async fn start(
         replicas: usize,
         workers: usize,
         dialect: Dialect,
+        policy: &str,
+        capacity: usize,
+    ) -> Fleet {
+        let engines = Engines {
+            dialect,
+            block: BLOCK,
+            ranks: 1,
+        };
+        Self::start_with(replicas, workers, engines, policy, capacity).await
+    }
+
+    async fn start_with(
+        replicas: usize,
+        workers: usize,
+        engines: Engines,
         policy: &str,
         capacity: usize,
     ) -> Fleet {
@@ -63,12 +87,16 @@ impl Fleet {
         let mut caches = Vec::new();
         let mut entries = Vec::new();
         for _ in 0..workers {
-            let c = Arc::new(EngineCache::start(dialect, BLOCK, capacity).await);
+            let c = Arc::new(
+                EngineCache::start_ranked(engines.dialect, engines.block, capacity, engines.ranks)
+                    .await,
+            );
             let url = mock.add_prefill(c.clone()).await.expect("prefill");
             let events = if policy == "prefix_events" {
                 format!(
                     ", kv_events = \"{}\", kv_events_replay = \"{}\"",
-                    c.publisher.endpoint, c.publisher.replay
+                    c.publisher().endpoint,
+                    c.publisher().replay
                 )
             } else {
                 String::new()
@@ -101,7 +129,12 @@ impl Fleet {
             .replace(
                 &old,
                 &format!(
-                    "policy = \"{policy}\"\nprefix = {{ block_tokens = {BLOCK} }}\nworkers = [{}]",
+                    "policy = \"{policy}\"\nprefix = {{ block_tokens = {BLOCK} }}\n{}workers = [{}]",
+                    if engines.ranks > 1 && policy == "prefix_events" {
+                        format!("kv_events = {{ dp_size = {} }}\n", engines.ranks)
+                    } else {
+                        String::new()
+                    },
                     entries.join(", ")
                 ),
             );
@@ -202,7 +235,8 @@ impl Fleet {
     fn batches_sent(&self) -> u64 {
         self.caches
             .iter()
-            .map(|c| c.publisher.sent.load(Ordering::Relaxed))
+            .flat_map(|c| &c.publishers)
+            .map(|p| p.sent.load(Ordering::Relaxed))
             .sum()
     }
 }
@@ -224,8 +258,9 @@ async fn following(f: &mut Fleet) {
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
         let mut all = true;
+        let publishers: usize = f.caches.iter().map(|c| c.publishers.len()).sum();
         for i in 0..f.replicas.len() {
-            all &= f.applied(i).await >= f.caches.len() as f64;
+            all &= f.applied(i).await >= publishers as f64;
         }
         if all {
             // What was in flight lands; then every batch sent reaches every replica.
@@ -240,7 +275,16 @@ async fn following(f: &mut Fleet) {
 }
 
 async fn warmed_elsewhere_then_followed(dialect: Dialect) {
-    let mut f = Fleet::start(2, 4, dialect, "prefix_events", 10_000).await;
+    let engines = Engines {
+        dialect,
+        block: BLOCK,
+        ranks: 1,
+    };
+    warmed_elsewhere_then_followed_on(engines).await;
+}
+
+async fn warmed_elsewhere_then_followed_on(engines: Engines) {
+    let mut f = Fleet::start_with(2, 4, engines, "prefix_events", 10_000).await;
     following(&mut f).await;
     // Replica 0 puts six prompts on the workers; replica 1 hears of them from the workers'
     // engines, and sends each conversation, one turn longer, to the worker holding it. (In
@@ -272,6 +316,138 @@ async fn a_replica_routes_to_the_worker_another_replica_warmed_sglang_events() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_routes_to_the_worker_another_replica_warmed_vllm_events() {
     warmed_elsewhere_then_followed(Dialect::Vllm).await;
+}
+
+/// vLLM started with `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`: sha256 bytes for hashes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_events_with_bytes_hashes_route_alike() {
+    warmed_elsewhere_then_followed(Dialect::VllmBytes).await;
+}
+
+/// SGLang's default page size is 1: one `BlockStored` per token, each a block of one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_pages_of_one_token_route_alike() {
+    warmed_elsewhere_then_followed_on(Engines {
+        dialect: Dialect::Sglang,
+        block: 1,
+        ranks: 1,
+    })
+    .await;
+}
+
+/// The ids lockstep sends for `text` (the word tokenizer: one word, one token).
+fn ids(text: &str) -> Vec<u32> {
+    tokenizer::build()
+        .encode(text, false)
+        .expect("encodes")
+        .get_ids()
+        .to_vec()
+}
+
+/// Which cache served the last request (its prompt tokens grew).
+fn served(f: &Fleet, before: &[u64]) -> usize {
+    let now: Vec<u64> = f
+        .caches
+        .iter()
+        .map(|c| c.prompt_tokens.load(Ordering::Relaxed))
+        .collect();
+    now.iter()
+        .zip(before)
+        .position(|(a, b)| a > b)
+        .expect("a worker served it")
+}
+
+fn prompts_served(f: &Fleet) -> Vec<u64> {
+    f.caches
+        .iter()
+        .map(|c| c.prompt_tokens.load(Ordering::Relaxed))
+        .collect()
+}
+
+/// Blocks filled by generated tokens (both engines cache a finished request's output) attract
+/// the conversation's next turn: one worker holds the first turn's prompt, the other the prompt
+/// and its answer; the next turn goes to the second and finds all of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocks_of_generated_tokens_attract_the_next_turn() {
+    for dialect in [Dialect::Sglang, Dialect::Vllm] {
+        let mut f = Fleet::start(1, 2, dialect, "prefix_events", 10_000).await;
+        following(&mut f).await;
+        let (p, answer) = (prompt(21, 3), prompt(22, 2));
+        let before = prompts_served(&f);
+        f.complete(0, "acme", &p).await;
+        let w = served(&f, &before);
+        let (sent, salt) = f.caches[w].last().expect("served");
+        assert_eq!(sent, ids(&p));
+        // The other worker ran the turn to its end: prompt and answer in its cache.
+        let x = 1 - w;
+        let whole: Vec<u32> = sent.iter().copied().chain(ids(&answer)).collect();
+        f.caches[x].store(0, &whole, salt.as_deref());
+        f.sync().await;
+        let hits = f.hits();
+        let before = prompts_served(&f);
+        f.complete(0, "acme", &format!("{p} {answer} {}", prompt(23, 1)))
+            .await;
+        assert_eq!(
+            served(&f, &before),
+            x,
+            "{dialect:?}: not sent to the answer's blocks"
+        );
+        assert_eq!(
+            f.hits()[x] - hits[x],
+            whole.len() as u64,
+            "{dialect:?}: prompt and answer found"
+        );
+    }
+}
+
+/// Data parallelism (`kv_events = { dp_size = 2 }`): each rank publishes on its own ports and
+/// is followed; the engine deals requests to ranks itself, so a worker counts as holding a
+/// prefix only when every rank holds it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_data_parallel_rank_is_followed_and_a_prefix_counts_when_every_rank_holds_it() {
+    let engines = Engines {
+        dialect: Dialect::Sglang,
+        block: BLOCK,
+        ranks: 2,
+    };
+    let mut f = Fleet::start_with(1, 2, engines, "prefix_events", 10_000).await;
+    following(&mut f).await;
+    let predicted = "lockstep_prefix_predicted_hit_tokens_total";
+    let p = prompt(31, 4);
+    let before = prompts_served(&f);
+    f.complete(0, "acme", &p).await;
+    let w = served(&f, &before);
+    f.sync().await;
+    // On rank 0 of `w` only: not a hit the engine can promise.
+    let was = f.metric(0, predicted).await;
+    f.complete(0, "acme", &format!("{p} {}", prompt(32, 1)))
+        .await;
+    assert_eq!(
+        f.metric(0, predicted).await,
+        was,
+        "a prefix on one rank was counted as the worker's"
+    );
+    f.sync().await;
+    // Every rank of `w` holds it now.
+    let (sent, salt) = f.caches[w].last().expect("served");
+    for rank in 0..2 {
+        f.caches[w].store(rank, &sent[..p.split(' ').count()], salt.as_deref());
+    }
+    f.sync().await;
+    let before = prompts_served(&f);
+    f.complete(0, "acme", &format!("{p} {}", prompt(33, 1)))
+        .await;
+    assert_eq!(served(&f, &before), w);
+    assert!(
+        f.metric(0, predicted).await >= was + (3 * BLOCK) as f64,
+        "a prefix on every rank was not counted"
+    );
+    let rank_batches: Vec<u64> = f.caches[w]
+        .publishers
+        .iter()
+        .map(|p| p.sent.load(Ordering::Relaxed))
+        .collect();
+    assert!(rank_batches.iter().all(|n| *n > 1), "{rank_batches:?}");
 }
 
 /// Another tenant's identical prompt finds nothing of the first tenant's blocks: the index is
@@ -346,7 +522,7 @@ async fn gaps_are_filled_from_the_replay_or_drop_the_index() {
     let salt = Some("00000000000000aa");
     let gaps_before = f.metric(0, gaps).await;
     // Lost, then the next one shows the gap: the replay returns it.
-    c.publisher.lose_next();
+    c.publisher().lose_next();
     c.serve(&(0..32).collect::<Vec<u32>>(), salt);
     c.serve(&(100..132).collect::<Vec<u32>>(), salt);
     f.sync().await;
@@ -357,7 +533,7 @@ async fn gaps_are_filled_from_the_replay_or_drop_the_index() {
     );
     assert_eq!(f.metric(0, gaps).await, gaps_before + 1.0);
     // A gap no replay can fill: the index is dropped, then holds what follows.
-    c.publisher.skip(1);
+    c.publisher().skip(1);
     c.serve(&(200..216).collect::<Vec<u32>>(), salt);
     f.sync().await;
     assert_eq!(f.metric(0, gaps).await, gaps_before + 2.0);

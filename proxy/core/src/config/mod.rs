@@ -321,9 +321,26 @@ workers = [{ url = "http://127.0.0.1:2" }]
         for ok in [
             "[models.prefill]\npolicy = \"prefix_events\"\nkv_events = { port = 5557, replay_port = 5558 }\nworkers = [{ url = \"http://127.0.0.1:1\" }]",
             "[models.prefill]\npolicy = \"prefix_events\"\nworkers = [{ url = \"http://127.0.0.1:1\", kv_events = \"tcp://127.0.0.1:5557\" }]",
+            "[models.prefill]\npolicy = \"prefix_events\"\nkv_events = { dp_size = 4 }\nworkers = [{ url = \"http://127.0.0.1:1\", kv_events = \"tcp://127.0.0.1:5557\" }]",
         ] {
             let p = events(ok);
             assert!(!p.contains("kv_events"), "{p}");
+        }
+        // Data-parallel ranks: at least one, and the last rank's ports must exist.
+        for (bad, says) in [
+            (
+                "kv_events = { port = 5557, dp_size = 0 }",
+                "between 1 and 256",
+            ),
+            ("kv_events = { port = 65534, dp_size = 4 }", "passes 65535"),
+        ] {
+            let p = events(&format!(
+                "[models.prefill]\npolicy = \"prefix_events\"\n{bad}\nworkers = [{{ url = \"http://127.0.0.1:1\" }}]"
+            ));
+            assert!(
+                p.contains("prefill.kv_events.dp_size") && p.contains(says),
+                "{p}"
+            );
         }
     }
 

@@ -46,6 +46,16 @@ pub struct KvEventsConfig {
     /// "too_large"}`), then followed again later. An engine's batch of events is a few KiB.
     #[serde(default = "default_max_event_message")]
     pub max_message_bytes: usize,
+    /// The engines' data-parallel size (SGLang `--dp-size`, vLLM `--data-parallel-size`): each
+    /// rank publishes on the ports plus its rank, and every rank is followed. The engine deals
+    /// a request to a rank lockstep does not choose, so a worker counts as holding a prefix
+    /// only as far as every rank holds it.
+    #[serde(default = "default_dp_size")]
+    pub dp_size: u16,
+}
+
+fn default_dp_size() -> u16 {
+    1
 }
 
 fn default_max_event_message() -> usize {
@@ -59,6 +69,7 @@ impl Default for KvEventsConfig {
             replay_port: None,
             topic: String::new(),
             max_message_bytes: default_max_event_message(),
+            dp_size: default_dp_size(),
         }
     }
 }
@@ -308,6 +319,38 @@ impl Section for PoolConfig {
                 format!("{at}.kv_events.max_message_bytes"),
                 "must be between 1024 and 1073741824 (1 GiB)",
             );
+        }
+        if self
+            .kv_events
+            .as_ref()
+            .is_some_and(|k| !(1..=256).contains(&k.dp_size))
+        {
+            out.push(
+                format!("{at}.kv_events.dp_size"),
+                "must be between 1 and 256",
+            );
+        } else if let Some(k) = &self.kv_events {
+            // Rank r publishes on the ports plus r: the last rank's must exist.
+            let worker_ports = self.workers.iter().flat_map(|w| {
+                [&w.kv_events, &w.kv_events_replay]
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|e| e.rsplit_once(':')?.1.parse::<u16>().ok())
+            });
+            let ports: Vec<u16> = [k.port, k.replay_port]
+                .into_iter()
+                .flatten()
+                .chain(worker_ports)
+                .collect();
+            if ports
+                .iter()
+                .any(|p| u32::from(*p) + u32::from(k.dp_size) - 1 > 65535)
+            {
+                out.push(
+                    format!("{at}.kv_events.dp_size"),
+                    "the last rank's port (a publisher's port plus dp_size - 1) passes 65535",
+                );
+            }
         }
         if self.policy == PolicyKind::PrefixEvents {
             let port = self.kv_events.as_ref().and_then(|k| k.port);

@@ -97,12 +97,17 @@ fn our_salt(s: &str) -> Option<u64> {
     .flatten()
 }
 
-/// An event about another KV group (`group_idx` other than 0) or tier (`medium` other than
-/// GPU): nothing the router routes on.
+/// An event about another KV group (`group_idx` other than 0), tier (`medium` other than GPU:
+/// SGLang's `CPU_PINNED` host tier, vLLM's `CPU` and `STORAGE`), a block not local to the
+/// publisher (vLLM's `locality` `REMOTE`) or a secondary offloading tier's (vLLM's
+/// `ownership`): nothing the router routes on.
 fn elsewhere(map: &[(Value, Value)]) -> bool {
     field(map, "group_idx").is_some_and(|g| g.as_u64() != Some(0))
         || field(map, "medium")
             .is_some_and(|m| !m.as_str().is_some_and(|m| m.eq_ignore_ascii_case("gpu")))
+        || field(map, "locality")
+            .is_some_and(|l| !l.as_str().is_some_and(|l| l.eq_ignore_ascii_case("local")))
+        || field(map, "ownership").is_some()
 }
 
 fn stored(map: &[(Value, Value)]) -> Result<KvEvent, String> {
@@ -170,9 +175,27 @@ fn stored(map: &[(Value, Value)]) -> Result<KvEvent, String> {
 /// How deep a KV event batch's msgpack may nest.
 const MAX_BATCH_DEPTH: usize = 16;
 
+/// A batch's events, from the publisher of data-parallel rank `rank`: a batch that names
+/// another rank (`[ts, events, rank]`, both engines fill it in) came from a publisher at the
+/// wrong port (a `dp_size` that is not the engine's), and is refused as unreadable.
+pub fn decode_batch_of_rank(payload: &[u8], rank: u16) -> Result<Vec<KvEvent>, String> {
+    let (named, events) = decode_ranked(payload)?;
+    match named {
+        Some(r) if r != u64::from(rank) => Err(format!(
+            "a batch of data-parallel rank {r} on rank {rank}'s port: is kv_events.dp_size the engine's?"
+        )),
+        _ => Ok(events),
+    }
+}
+
 /// A batch's events (the payload of one message). A batch lockstep cannot read is an error:
 /// the caller stops trusting that worker's index.
 pub fn decode_batch(payload: &[u8]) -> Result<Vec<KvEvent>, String> {
+    decode_ranked(payload).map(|(_, events)| events)
+}
+
+/// A batch's rank, where it names one, and its events.
+fn decode_ranked(payload: &[u8]) -> Result<(Option<u64>, Vec<KvEvent>), String> {
     // An EventBatch nests four deep (batch, events, event, hashes or tokens); a publisher's
     // deeper nesting is refused, never recursed into (rmpv's own bound, 1024, overflows a
     // 2 MiB thread stack in a debug build, found by the `kv_events` fuzz target).
@@ -185,7 +208,11 @@ pub fn decode_batch(payload: &[u8]) -> Result<Vec<KvEvent>, String> {
         .get(1)
         .and_then(Value::as_array)
         .ok_or("EventBatch: events missing")?;
-    events
+    let rank = match batch.get(2) {
+        None | Some(Value::Nil) => None,
+        Some(r) => Some(r.as_u64().ok_or("EventBatch: a rank that is not an int")?),
+    };
+    let events = events
         .iter()
         .map(|e| {
             let map = e
@@ -204,7 +231,8 @@ pub fn decode_batch(payload: &[u8]) -> Result<Vec<KvEvent>, String> {
                 other => Err(format!("an event of unknown type {other:?}")),
             }
         })
-        .collect()
+        .collect::<Result<Vec<_>, String>>()?;
+    Ok((rank, events))
 }
 
 /// One worker's blocks as its engine reported them.

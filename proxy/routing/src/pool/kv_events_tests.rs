@@ -169,6 +169,111 @@ fn blocks_without_lockstep_salt_or_with_other_keys_are_never_indexed() {
     assert_eq!(w.matched_tokens(&[1, 2, 3, 4], SALT), 0);
 }
 
+/// vLLM 0.33's default hashes are the low 64 bits as an unsigned int (above `i64::MAX` half the
+/// time); SGLang's a signed int64; both chain and remove.
+#[test]
+fn unsigned_and_signed_64_bit_hashes_chain() {
+    let mut w = WorkerBlocks::default();
+    let big = u64::MAX - 5;
+    let stored = |hashes: Vec<Value>, parent: Value, tokens: &[u64]| {
+        map(vec![
+            ("type", "BlockStored".into()),
+            ("block_hashes", Value::Array(hashes)),
+            ("parent_block_hash", parent),
+            ("token_ids", ints(tokens)),
+            ("block_size", 2.into()),
+            ("lora_id", Value::Nil),
+            ("medium", "GPU".into()),
+            ("lora_name", Value::Nil),
+            (
+                "extra_keys",
+                Value::Array(vec![Value::Array(vec![SALT_TEXT.into()])]),
+            ),
+            ("group_idx", 0.into()),
+        ])
+    };
+    apply(
+        &mut w,
+        &batch(vec![stored(vec![Value::from(big)], Value::Nil, &[1, 2])]),
+    );
+    // An SGLang-shaped child: its own hash a negative int64, its parent the unsigned one.
+    let mut child = sglang_stored(&[], None, &[3, 4], SALT_TEXT);
+    if let Value::Map(m) = &mut child {
+        for (k, v) in m.iter_mut() {
+            match k.as_str() {
+                Some("block_hashes") => *v = Value::Array(vec![Value::from(-7i64)]),
+                Some("parent_block_hash") => *v = Value::from(big),
+                _ => {}
+            }
+        }
+    }
+    apply(&mut w, &batch(vec![child]));
+    assert_eq!(w.matched_tokens(&[1, 2, 3, 4, 5], SALT), 4);
+    let removed = map(vec![
+        ("type", "BlockRemoved".into()),
+        ("block_hashes", Value::Array(vec![Value::from(-7i64)])),
+        ("medium", "GPU".into()),
+    ]);
+    apply(&mut w, &batch(vec![removed]));
+    assert_eq!(w.matched_tokens(&[1, 2, 3, 4, 5], SALT), 2);
+}
+
+/// Blocks on another tier or owned elsewhere are not what a request routed here reuses:
+/// SGLang's host tier (`CPU_PINNED`), vLLM's `locality` `REMOTE` and an offloading tier's
+/// `ownership`. Their removals do not touch the GPU blocks either.
+#[test]
+fn other_tiers_and_remote_blocks_are_not_indexed() {
+    let mut w = WorkerBlocks::default();
+    let with = |k: &str, v: Value| {
+        let mut e = sglang_stored(&[21], None, &[1, 2], SALT_TEXT);
+        if let Value::Map(m) = &mut e {
+            m.retain(|(key, _)| key.as_str() != Some(k));
+            m.push((k.into(), v));
+        }
+        e
+    };
+    apply(
+        &mut w,
+        &batch(vec![
+            with("medium", "CPU_PINNED".into()),
+            with("locality", "REMOTE".into()),
+            with("ownership", "lmcache".into()),
+        ]),
+    );
+    assert_eq!(w.len(), 0);
+    apply(&mut w, &batch(vec![with("medium", "GPU".into())]));
+    apply(&mut w, &batch(vec![with("locality", "LOCAL".into())]));
+    assert_eq!(w.matched_tokens(&[1, 2, 3], SALT), 2);
+    let host_eviction = map(vec![
+        ("type", "BlockRemoved".into()),
+        ("block_hashes", ints(&[21])),
+        ("medium", "CPU_PINNED".into()),
+    ]);
+    apply(&mut w, &batch(vec![host_eviction]));
+    assert_eq!(w.matched_tokens(&[1, 2, 3], SALT), 2, "the GPU copy stays");
+}
+
+/// Both engines fill in the batch's data-parallel rank; a batch naming another rank than the
+/// port it came on is refused (a `dp_size` that is not the engine's).
+#[test]
+fn a_batch_must_come_on_its_ranks_port() {
+    let ranked = |rank: Value| {
+        let mut out = Vec::new();
+        rmpv::encode::write_value(
+            &mut out,
+            &Value::Array(vec![Value::F64(1.5), Value::Array(vec![]), rank]),
+        )
+        .expect("encode");
+        out
+    };
+    assert!(decode_batch_of_rank(&ranked(0.into()), 0).is_ok());
+    assert!(decode_batch_of_rank(&ranked(1.into()), 1).is_ok());
+    assert!(decode_batch_of_rank(&ranked(Value::Nil), 1).is_ok());
+    let e = decode_batch_of_rank(&ranked(1.into()), 0).expect_err("another rank");
+    assert!(e.contains("dp_size"), "{e}");
+    assert!(decode_batch_of_rank(&ranked("x".into()), 0).is_err());
+}
+
 #[test]
 fn unreadable_batches_are_errors() {
     assert!(decode_batch(b"\xc1").is_err());

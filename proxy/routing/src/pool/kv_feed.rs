@@ -8,6 +8,12 @@
 //! the publisher is dropped and counted as `too_large`, and followed again after
 //! [`RETRY_AFTER_TOO_LARGE`]. Nothing a publisher sends can end the process.
 //!
+//! With data parallelism (`kv_events.dp_size`) each rank of a worker has its own publisher on
+//! the worker's ports plus the rank (both engines' `offset_endpoint_port`), its own sequence
+//! and its own index ([`rank_key`]); each batch must name the rank whose port it came on. The
+//! engine, not lockstep, deals a request to a rank, so a worker holds a prefix only as far as
+//! every one of its ranks holds it ([`WorkerPool::reported_matches`]).
+//!
 //! The publisher's side (SGLang 0.5.23 `srt/disaggregation/kv_events.py` `ZmqEventPublisher`,
 //! vLLM 0.33.0 `vllm/distributed/kv_events.py`, the same): PUB sends `(topic, seq, payload)`;
 //! the replay ROUTER takes `(identity, "", start_seq)` and answers every buffered batch from
@@ -20,7 +26,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use lockstep_zmtp::{Connection, Limits, Subscriber};
 
-use super::kv_events::{Sequence, WorkerBlocks, decode_batch};
+use super::kv_events::{Sequence, WorkerBlocks, decode_batch_of_rank};
 use super::{Upstream, WorkerPool};
 
 /// A replay asked for answers within this, or the gap is not filled (the index is dropped).
@@ -58,11 +64,34 @@ pub struct EventStats {
     pub blocks: u64,
 }
 
+/// The index key of `url`'s rank `rank` (rank 0: the URL itself).
+pub(super) fn rank_key(url: &str, rank: u16) -> String {
+    if rank == 0 {
+        url.to_string()
+    } else {
+        format!("{url}#dp{rank}")
+    }
+}
+
+/// `endpoint` (`tcp://HOST:PORT`) with its port moved up by `rank`, as both engines place a
+/// data-parallel rank's sockets (`ZmqEventPublisher.offset_endpoint_port`).
+pub(super) fn rank_endpoint(endpoint: &str, rank: u16) -> Option<String> {
+    if rank == 0 {
+        return Some(endpoint.to_string());
+    }
+    let (host, port) = endpoint.rsplit_once(':')?;
+    let port = port.parse::<u16>().ok()?.checked_add(rank)?;
+    Some(format!("{host}:{port}"))
+}
+
 impl EventIndex {
-    /// Applies one message of `url`'s publisher; `replayed` fills a gap when it can.
+    /// Applies one message of the publisher keyed `url` (a worker's rank, [`rank_key`]) of
+    /// data-parallel rank `rank`; `replayed` fills a gap when it can.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn receive(
         &self,
         url: &str,
+        rank: u16,
         seq: u64,
         payload: &[u8],
         capacity: usize,
@@ -103,7 +132,7 @@ impl EventIndex {
                     w.clear();
                 }
                 for (_, p) in &run[start..] {
-                    self.apply(&mut w, p, capacity);
+                    self.apply(&mut w, rank, p, capacity);
                 }
             }
             Sequence::Restarted => {
@@ -112,11 +141,11 @@ impl EventIndex {
                 w.clear();
             }
         }
-        self.apply(&mut w, payload, capacity);
+        self.apply(&mut w, rank, payload, capacity);
     }
 
-    fn apply(&self, w: &mut WorkerBlocks, payload: &[u8], capacity: usize) -> bool {
-        match decode_batch(payload) {
+    fn apply(&self, w: &mut WorkerBlocks, rank: u16, payload: &[u8], capacity: usize) -> bool {
+        match decode_batch_of_rank(payload, rank) {
             Ok(events) => {
                 for e in &events {
                     w.apply(e, capacity);
@@ -176,24 +205,44 @@ async fn replay(endpoint: &str, from: u64, limits: Limits) -> Option<Vec<(u64, B
 
 impl WorkerPool {
     /// Follows `w`'s KV events into this pool's index until the task is aborted (the worker
-    /// left, the model was dropped). Nothing to follow when the pool's policy is not
-    /// `prefix_events` or the worker names no publisher.
+    /// left, the model was dropped): each of its data-parallel ranks' publishers. Nothing to
+    /// follow when the pool's policy is not `prefix_events` or the worker names no publisher.
     pub async fn follow_events(self: Arc<Self>, w: Arc<Upstream>) {
-        let (Some(index), Some(endpoint)) = (self.events.as_ref(), w.kv_events.clone()) else {
+        if self.events.is_none() || w.kv_events.is_none() {
+            return std::future::pending().await;
+        }
+        let ranks = (0..self.events_ranks).map(|r| self.clone().follow_rank(w.clone(), r));
+        futures_util::future::join_all(ranks).await;
+    }
+
+    async fn follow_rank(self: Arc<Self>, w: Arc<Upstream>, rank: u16) {
+        let endpoints = (
+            w.kv_events.as_deref().and_then(|e| rank_endpoint(e, rank)),
+            w.kv_events_replay
+                .as_deref()
+                .map(|e| rank_endpoint(e, rank)),
+        );
+        let (Some(index), (Some(endpoint), replay_at)) = (self.events.as_ref(), endpoints) else {
+            tracing::warn!(worker = %w.url, rank, "no KV event endpoint for this data-parallel rank (its port would pass 65535)");
             return std::future::pending().await;
         };
+        let Some(replay_at) = replay_at.map_or(Some(None), |r| r.map(Some)) else {
+            tracing::warn!(worker = %w.url, rank, "no KV event replay endpoint for this data-parallel rank (its port would pass 65535)");
+            return std::future::pending().await;
+        };
+        let key = rank_key(&w.url, rank);
         let capacity = self.prefix.cfg.capacity_blocks;
         let limits = self.events_limits;
         loop {
             let mut sub = match Subscriber::connect(&endpoint, &self.events_topic, limits).await {
                 Ok(s) => s,
                 Err(e) => {
-                    tracing::debug!(worker = %w.url, %endpoint, error = %e, "KV event publisher not reachable yet");
+                    tracing::debug!(worker = %w.url, rank, %endpoint, error = %e, "KV event publisher not reachable yet");
                     tokio::time::sleep(RETRY).await;
                     continue;
                 }
             };
-            tracing::info!(worker = %w.url, %endpoint, "following the worker's KV events");
+            tracing::info!(worker = %w.url, rank, %endpoint, "following the worker's KV events");
             let ended = loop {
                 let frames = match sub.recv().await {
                     Ok(f) => f,
@@ -202,26 +251,26 @@ impl WorkerPool {
                 let (Some(seq), Some(payload)) = (frames.get(1).and_then(seq_of), frames.get(2))
                 else {
                     index.errors.fetch_add(1, Ordering::Relaxed);
-                    if let Some(mut b) = index.workers.get_mut(&w.url) {
+                    if let Some(mut b) = index.workers.get_mut(&key) {
                         b.clear();
                     }
                     continue;
                 };
-                let replayed = match (index.replay_from(&w.url, seq), &w.kv_events_replay) {
+                let replayed = match (index.replay_from(&key, seq), &replay_at) {
                     (Some(from), Some(r)) => replay(r, from, limits).await,
                     _ => None,
                 };
-                index.receive(&w.url, seq, payload, capacity, replayed);
+                index.receive(&key, rank, seq, payload, capacity, replayed);
             };
-            if let Some(mut b) = index.workers.get_mut(&w.url) {
+            if let Some(mut b) = index.workers.get_mut(&key) {
                 b.clear();
             }
             let wait = if let lockstep_zmtp::Error::TooLarge { announced, limit } = ended {
                 index.too_large.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(worker = %w.url, %endpoint, announced, limit, "KV event publisher announced a message over kv_events.max_message_bytes: dropped, that worker's index cleared");
+                tracing::warn!(worker = %w.url, rank, %endpoint, announced, limit, "KV event publisher announced a message over kv_events.max_message_bytes: dropped, that worker's index cleared");
                 RETRY_AFTER_TOO_LARGE
             } else {
-                tracing::debug!(worker = %w.url, %endpoint, error = %ended, "KV event publisher connection ended");
+                tracing::debug!(worker = %w.url, rank, %endpoint, error = %ended, "KV event publisher connection ended");
                 RETRY
             };
             tokio::time::sleep(wait).await;
@@ -242,23 +291,27 @@ impl WorkerPool {
     }
 
     /// Leading prompt tokens each candidate's engine reported holding (the `prefix_events`
-    /// policy's stats).
+    /// policy's stats): with data parallelism, what every rank holds (the least of them).
     pub(super) fn reported_matches(
         &self,
         candidates: &[&Arc<Upstream>],
         tokens: &[u32],
         salt: u64,
     ) -> Vec<usize> {
-        let index = self.events.as_ref();
+        let Some(index) = self.events.as_ref() else {
+            return vec![0; candidates.len()];
+        };
         candidates
             .iter()
             .map(|w| {
-                index
-                    .and_then(|i| {
-                        i.workers
-                            .get(&w.url)
-                            .map(|b| b.matched_tokens(tokens, salt))
+                (0..self.events_ranks)
+                    .map(|r| {
+                        index
+                            .workers
+                            .get(&rank_key(&w.url, r))
+                            .map_or(0, |b| b.matched_tokens(tokens, salt))
                     })
+                    .min()
                     .unwrap_or(0)
             })
             .collect()

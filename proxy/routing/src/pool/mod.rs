@@ -62,6 +62,8 @@ pub struct WorkerPool {
     events_topic: String,
     /// What a KV event publisher may make the pool's readers hold.
     events_limits: lockstep_zmtp::Limits,
+    /// Each worker's data-parallel ranks, each publishing on its own ports.
+    events_ranks: u16,
     events_ports: (Option<u16>, Option<u16>),
 }
 
@@ -87,10 +89,12 @@ impl WorkerPool {
             if let Some(b) = old.prefix.workers.get(&w.url) {
                 self.prefix.workers.insert(w.url.clone(), b.clone());
             }
-            if let (Some(new), Some(old)) = (&self.events, &old.events)
-                && let Some((url, b)) = old.workers.remove(&w.url)
-            {
-                new.workers.insert(url, b);
+            if let (Some(new), Some(old)) = (&self.events, &old.events) {
+                for r in 0..self.events_ranks {
+                    if let Some((key, b)) = old.workers.remove(&kv_feed::rank_key(&w.url, r)) {
+                        new.workers.insert(key, b);
+                    }
+                }
             }
         }
         self.workers = ArcSwap::from_pointee(list);
@@ -110,6 +114,7 @@ impl WorkerPool {
                 ..lockstep_zmtp::Limits::default()
             },
             events_ports: ports,
+            events_ranks: events.dp_size.max(1),
             workers: ArcSwap::from_pointee(
                 cfg.workers
                     .iter()
@@ -221,7 +226,9 @@ impl WorkerPool {
         w.left.store(true, Ordering::Release);
         self.prefix.workers.remove(url);
         if let Some(e) = &self.events {
-            e.workers.remove(url);
+            for r in 0..self.events_ranks {
+                e.workers.remove(&kv_feed::rank_key(url, r));
+            }
         }
         Some(w)
     }
