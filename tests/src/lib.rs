@@ -5,6 +5,7 @@
 pub mod client;
 pub mod embed_mock;
 pub mod embedded;
+pub mod engine_publisher;
 pub mod fuzz;
 pub mod gateway;
 pub mod harness;

@@ -14,6 +14,7 @@ use lockstep_core::config::Config;
 use lockstep_router::app::Lockstep;
 use lockstep_tenancy::tenant::key_hash_hex;
 use lockstep_tests::client::TestClient;
+use lockstep_tests::engine_publisher::{self, Engine, EnginePublisher, free_ports};
 use lockstep_tests::harness::{MODEL, TEST_TIMEOUTS, config_text_with};
 use lockstep_tests::kv_publisher::{Dialect, EngineCache};
 use lockstep_tests::sglang_mock::{MockConfig, PdMock};
@@ -71,6 +72,19 @@ impl Fleet {
         policy: &str,
         capacity: usize,
     ) -> Fleet {
+        Self::start_full(replicas, workers, engines, policy, capacity, None).await
+    }
+
+    /// [`Fleet::start_with`]; with `publishers`, each worker's KV events are followed there
+    /// (`(PUB, replay)`) instead of at its cache's own publisher.
+    async fn start_full(
+        replicas: usize,
+        workers: usize,
+        engines: Engines,
+        policy: &str,
+        capacity: usize,
+        publishers: Option<&[(String, String)]>,
+    ) -> Fleet {
         let dir = tempfile::tempdir().expect("tempdir");
         let tok = tokenizer::build();
         let tok_path = dir.path().join("tokenizer.json");
@@ -92,12 +106,12 @@ impl Fleet {
                     .await,
             );
             let url = mock.add_prefill(c.clone()).await.expect("prefill");
+            let (endpoint, replay) = match publishers {
+                Some(p) => p[entries.len()].clone(),
+                None => (c.publisher().endpoint.clone(), c.publisher().replay.clone()),
+            };
             let events = if policy == "prefix_events" {
-                format!(
-                    ", kv_events = \"{}\", kv_events_replay = \"{}\"",
-                    c.publisher().endpoint,
-                    c.publisher().replay
-                )
+                format!(", kv_events = \"{endpoint}\", kv_events_replay = \"{replay}\"")
             } else {
                 String::new()
             };
@@ -691,4 +705,233 @@ async fn a_publisher_announcing_a_huge_message_is_dropped_and_counted() {
         )
         .await;
     assert_eq!(a.status, 200, "{}", a.body);
+}
+
+/// The events one prompt's blocks make on `engine`, as its code builds them (SGLang
+/// `mem_cache/events.py` `record_store`: one event per page, the salt named; vLLM
+/// `v1/core/block_pool.py`: one event, integer hashes, the salt in the first block's keys).
+fn engine_events(
+    engine: Engine,
+    ids: &[u32],
+    salt: &str,
+    first_hash: i64,
+) -> Vec<serde_json::Value> {
+    let blocks: Vec<&[u32]> = ids.chunks_exact(BLOCK).collect();
+    match engine {
+        Engine::Sglang => {
+            let mut parent = serde_json::Value::Null;
+            blocks
+                .iter()
+                .enumerate()
+                .map(|(i, b)| {
+                    let h = first_hash - i as i64;
+                    let e = json!({"type": "BlockStored", "block_hashes": [h],
+                        "parent_block_hash": parent, "token_ids": b, "block_size": BLOCK,
+                        "lora_id": null, "medium": "GPU", "cache_salt": salt});
+                    parent = json!(h);
+                    e
+                })
+                .collect()
+        }
+        Engine::Vllm => {
+            let hashes: Vec<u64> = (0..blocks.len())
+                .map(|i| (1u64 << 63) + first_hash.unsigned_abs() + i as u64)
+                .collect();
+            let mut keys = vec![serde_json::Value::Null; blocks.len()];
+            keys[0] = json!([salt]);
+            vec![json!({"type": "BlockStored", "block_hashes": hashes,
+                "parent_block_hash": null, "token_ids": ids[..blocks.len() * BLOCK],
+                "block_size": BLOCK, "lora_id": null, "medium": "GPU", "lora_name": null,
+                "extra_keys": keys, "group_idx": 0})]
+        }
+    }
+}
+
+/// Two workers of two data-parallel ranks each, every rank's publisher the engine's own code
+/// (over libzmq), on the ports the engine's `offset_endpoint_port` gives each rank.
+async fn engine_publishers(engine: Engine, src: &std::path::Path) -> Vec<Vec<EnginePublisher>> {
+    let mut workers = Vec::new();
+    for _ in 0..2 {
+        let mut tries = 0;
+        let ranks = loop {
+            // PUB at p, p + 1; replay at p + 2, p + 3.
+            let p = free_ports(4);
+            let mut ranks = Vec::new();
+            for rank in 0..2 {
+                match EnginePublisher::start(engine, src, p, p + 2, rank).await {
+                    Ok(x) => ranks.push(x),
+                    Err(e) => {
+                        eprintln!("publisher on {p}: {e}; again");
+                        break;
+                    }
+                }
+            }
+            tries += 1;
+            if ranks.len() == 2 || tries == 5 {
+                break ranks;
+            }
+        };
+        assert_eq!(ranks.len(), 2, "publishers did not start");
+        workers.push(ranks);
+    }
+    workers
+}
+
+/// Publishes `AllBlocksCleared` on every publisher until two rounds in a row are each applied
+/// whole: every rank is followed.
+async fn following_engines(f: &Fleet, pubs: &mut [Vec<EnginePublisher>]) {
+    let n = pubs.iter().map(Vec::len).sum::<usize>() as f64;
+    let mut whole = 0;
+    for _ in 0..100 {
+        let before = f.applied(0).await;
+        for p in pubs.iter_mut().flatten() {
+            p.publish(vec![json!({"type": "AllBlocksCleared"})]).await;
+        }
+        let mut got = 0.0;
+        for _ in 0..20 {
+            got = f.applied(0).await - before;
+            if got >= n {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        whole = if got == n { whole + 1 } else { 0 };
+        if whole == 2 {
+            return;
+        }
+    }
+    panic!("lockstep never followed every rank's publisher");
+}
+
+async fn the_engines_own_publishers(engine: Engine) {
+    let Some(src) = engine_publisher::sources() else {
+        return;
+    };
+    let mut pubs = engine_publishers(engine, &src).await;
+    let endpoints: Vec<(String, String)> = pubs
+        .iter()
+        .map(|ranks| (ranks[0].endpoint.clone(), ranks[0].replay.clone()))
+        .collect();
+    assert!(
+        pubs[0][1].endpoint.ends_with(&format!(
+            ":{}",
+            endpoints[0]
+                .0
+                .rsplit(':')
+                .next()
+                .and_then(|p| p.parse::<u16>().ok())
+                .expect("port")
+                + 1
+        )),
+        "the engine moved rank 1's port by one"
+    );
+    let engines = Engines {
+        dialect: Dialect::Sglang,
+        block: BLOCK,
+        ranks: 2,
+    };
+    let f = Fleet::start_full(1, 2, engines, "prefix_events", 10_000, Some(&endpoints)).await;
+    following_engines(&f, &mut pubs).await;
+    // The tenant's salt, as lockstep sends it.
+    f.complete(0, "acme", &prompt(40, 1)).await;
+    let salt = f
+        .caches
+        .iter()
+        .find_map(|c| c.last())
+        .and_then(|(_, s)| s)
+        .expect("a salt");
+    let p = prompt(41, 4);
+    let events = engine_events(engine, &ids(&p), &salt, -1000);
+    let predicted = "lockstep_prefix_predicted_hit_tokens_total";
+    // On rank 1 of worker 0 alone: the engine may deal the request to rank 0.
+    let applied = f.applied(0).await;
+    pubs[0][1].publish(events.clone()).await;
+    assert!(wait_applied(&f, applied + 1.0).await);
+    let was = f.metric(0, predicted).await;
+    f.complete(0, "acme", &format!("{p} {}", prompt(42, 1)))
+        .await;
+    assert_eq!(
+        f.metric(0, predicted).await,
+        was,
+        "{engine:?}: one rank counted"
+    );
+    // On both ranks: the worker holds it, the request goes there.
+    let applied = f.applied(0).await;
+    pubs[0][0].publish(events).await;
+    assert!(wait_applied(&f, applied + 1.0).await);
+    let before = prompts_served(&f);
+    f.complete(0, "acme", &format!("{p} {}", prompt(43, 1)))
+        .await;
+    assert_eq!(
+        served(&f, &before),
+        0,
+        "{engine:?}: not sent to the worker holding it"
+    );
+    assert!(
+        f.metric(0, predicted).await >= was + (4 * BLOCK) as f64,
+        "{engine:?}: the prompt's blocks were not predicted held"
+    );
+    // A replica started now learns every rank's cache from its replay ROUTER (libzmq's) on
+    // the first message it hears from each.
+    let blocks = "lockstep_kv_event_index_blocks{model=\"mock-pd\",side=\"prefill\"}";
+    let held = f.metric(0, blocks).await;
+    let late = Lockstep::start(Config::load(&f.path).expect("config"))
+        .await
+        .expect("late replica");
+    let late_url = format!("http://{}/metrics", late.http_addr);
+    let mut learned = false;
+    for i in 0..50i64 {
+        // Something new on every rank, so the late replica hears from each.
+        for (k, p) in pubs.iter_mut().flatten().enumerate() {
+            let extra = prompt(500 + i as usize * 4 + k, 1);
+            p.publish(engine_events(
+                engine,
+                &ids(&extra),
+                &salt,
+                -5000 - i * 100 - k as i64 * 10,
+            ))
+            .await;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let now = f.metric(0, blocks).await;
+        let body = TestClient::default()
+            .get(&late_url, Duration::from_secs(5))
+            .await
+            .body;
+        let theirs: f64 = body
+            .lines()
+            .filter(|l| l.starts_with(blocks))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum();
+        if theirs == now && now > held {
+            learned = true;
+            break;
+        }
+    }
+    assert!(
+        learned,
+        "{engine:?}: the late replica never held what the first holds"
+    );
+}
+
+async fn wait_applied(f: &Fleet, want: f64) -> bool {
+    for _ in 0..200 {
+        if f.applied(0).await >= want {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    false
+}
+
+/// SGLang 0.5.23's own publisher code (libzmq, msgspec), two ranks a worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglangs_own_publisher_feeds_every_rank_and_its_replay() {
+    the_engines_own_publishers(Engine::Sglang).await;
+}
+
+/// vLLM 0.33.0's own publisher code (libzmq, msgspec), two ranks a worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllms_own_publisher_feeds_every_rank_and_its_replay() {
+    the_engines_own_publishers(Engine::Vllm).await;
 }
