@@ -61,10 +61,17 @@ impl Drop for Envoy {
 /// The repository's `deploy/envoy/envoy.yaml`, its listener on `listen`, the picker at
 /// `epp_port` and its admin on `admin`, all on loopback.
 pub fn envoy_config(listen: u16, epp_port: u16, admin: u16) -> String {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/envoy/envoy.yaml");
-    let text = std::fs::read_to_string(&path).expect("deploy/envoy/envoy.yaml");
+    envoy_config_of("envoy.yaml", listen, epp_port, admin)
+}
+
+/// [`envoy_config`] of another file in `deploy/envoy/`.
+pub fn envoy_config_of(file: &str, listen: u16, epp_port: u16, admin: u16) -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../deploy/envoy")
+        .join(file);
+    let text = std::fs::read_to_string(&path).expect("deploy/envoy file");
     let swap = |t: String, from: &str, to: String| {
-        assert!(t.contains(from), "envoy.yaml lacks `{from}`");
+        assert!(t.contains(from), "{file} lacks `{from}`");
         t.replace(from, &to)
     };
     let text = swap(
@@ -82,9 +89,14 @@ impl Envoy {
     /// they got are read back (the admin's from `--admin-address-path`, the listener's from the
     /// admin's `/listeners`): no port is picked here for another process to take first.
     pub async fn start(epp_port: u16) -> Envoy {
+        Self::start_text(envoy_config(0, epp_port, 0)).await
+    }
+
+    /// [`Envoy::start`] with configuration `text` (ports 0, as [`envoy_config_of`] sets them).
+    pub async fn start_text(text: String) -> Envoy {
         let dir = tempfile::tempdir().expect("tempdir");
         let cfg = dir.path().join("envoy.yaml");
-        std::fs::write(&cfg, envoy_config(0, epp_port, 0)).expect("write envoy.yaml");
+        std::fs::write(&cfg, text).expect("write envoy.yaml");
         let log = std::fs::File::create(dir.path().join("envoy.log")).expect("log file");
         let admin_path = dir.path().join("admin-address");
         let child = Command::new(envoy_binary())

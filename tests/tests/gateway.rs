@@ -46,6 +46,18 @@ async fn gateway_with(
     naive: bool,
     picker: &str,
 ) -> Gateway {
+    gateway_on(tok, allow, naive, picker, None).await
+}
+
+/// [`gateway_with`] on `deploy/envoy/envoy-metadata.yaml`, its configuration passed through
+/// `edit` with the decode endpoint (`None`: `envoy.yaml` as shipped).
+async fn gateway_on(
+    tok: tokenizers::Tokenizer,
+    allow: &str,
+    naive: bool,
+    picker: &str,
+    edit: Option<&dyn Fn(String, &str) -> String>,
+) -> Gateway {
     let dir = tempfile::tempdir().expect("tempdir");
     let tok_path = dir.path().join("tokenizer.json");
     std::fs::write(&tok_path, tok.to_string(true).expect("tokenizer")).expect("write");
@@ -66,7 +78,18 @@ async fn gateway_with(
     let epp_text = as_epp(&base, &mock.decode_url(), &endpoint) + picker;
     let (epp, picker) = start_role(&epp_text, Role::Epp).await;
     let picker = picker.expect("a picker");
-    let envoy = Envoy::start(picker.addr.port()).await;
+    let envoy = match edit {
+        None => Envoy::start(picker.addr.port()).await,
+        Some(edit) => {
+            let text = lockstep_tests::gateway::envoy_config_of(
+                "envoy-metadata.yaml",
+                0,
+                picker.addr.port(),
+                0,
+            );
+            Envoy::start_text(edit(text, &endpoint)).await
+        }
+    };
     Gateway {
         mock,
         sidecar,
@@ -626,4 +649,121 @@ async fn the_picker_holds_tenants_to_their_key_and_limits_before_any_worker() {
         .filter(|(r, _)| *r == Half::Prefill)
         .count();
     assert_eq!(prefills, served, "a refused request reached a worker");
+}
+
+/// The example subset of `deploy/envoy/envoy-metadata.yaml`, to be replaced.
+const EXAMPLE_SUBSET: &str = r#"["10.0.0.1:8000", "10.0.0.2:8000"]"#;
+
+/// `envoy-metadata.yaml` with the subset hint `subset` (a YAML list).
+fn with_subset(subset: String) -> impl Fn(String, &str) -> String {
+    move |text: String, _endpoint: &str| {
+        assert!(text.contains(EXAMPLE_SUBSET));
+        text.replace(EXAMPLE_SUBSET, &subset)
+    }
+}
+
+/// The picker's whole protocol through the real Envoy (`deploy/envoy/envoy-metadata.yaml`):
+/// Envoy routes on the `envoy.lb` metadata the picker answers (no header routing in that
+/// file), the subset hint a filter sets restricts the choice, and the served endpoint comes
+/// back to the picker in `envoy.lb` with the response's headers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoy_routes_on_the_pickers_metadata_within_the_subset_hint() {
+    let this = |text: String, endpoint: &str| {
+        assert!(text.contains(EXAMPLE_SUBSET));
+        text.replace(EXAMPLE_SUBSET, &format!("[\"{endpoint}\"]"))
+    };
+    let g = gateway_on(
+        tokenizer::build(),
+        "\"127.0.0.0/8\"",
+        false,
+        "",
+        Some(&this),
+    )
+    .await;
+    for stream in [false, true] {
+        for (path, body, ends) in every_api(stream) {
+            let a = send(&g.envoy.url, path, &[], &body).await;
+            assert_eq!(
+                a.status,
+                200,
+                "{path} stream={stream}: {}\n{}",
+                a.body,
+                g.envoy.log()
+            );
+            assert!(a.body.contains(ends), "{path}: {}", a.body);
+        }
+    }
+    assert!(g.mock.wait_idle(BOUND).await);
+}
+
+/// An empty subset hint is a 503 (GIE proposal 004: never a choice from every endpoint), and so
+/// is a subset naming none of the pool's endpoints; no worker is contacted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_or_foreign_subset_hint_is_a_503_with_no_worker_contacted() {
+    for subset in ["[]", r#"["127.0.0.1:1"]"#] {
+        let edit = with_subset(subset.to_string());
+        let g = gateway_on(
+            tokenizer::build(),
+            "\"127.0.0.0/8\"",
+            false,
+            "",
+            Some(&edit),
+        )
+        .await;
+        let before = g.mock.request_count();
+        let (path, body, _) = every_api(false).remove(1);
+        let a = send(&g.envoy.url, path, &[], &body).await;
+        assert_eq!(a.status, 503, "subset {subset}: {}", a.body);
+        assert_eq!(
+            g.mock.request_count(),
+            before,
+            "subset {subset}: a worker was contacted"
+        );
+    }
+}
+
+/// The data plane reports the endpoint that served (`envoy.lb` /
+/// `x-gateway-destination-endpoint-served`, forwarded with the response's headers); one that is
+/// not the endpoint picked fails the response.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_served_endpoint_other_than_the_picked_one_fails_the_response() {
+    let edit = |text: String, endpoint: &str| {
+        let text = text.replace(EXAMPLE_SUBSET, &format!("[\"{endpoint}\"]"));
+        assert!(text.contains("\"%UPSTREAM_HOST%\""));
+        text.replace("\"%UPSTREAM_HOST%\"", "\"127.0.0.9:1\"")
+    };
+    let g = gateway_on(
+        tokenizer::build(),
+        "\"127.0.0.0/8\"",
+        false,
+        "",
+        Some(&edit),
+    )
+    .await;
+    let (path, body, _) = every_api(false).remove(1);
+    let a = send(&g.envoy.url, path, &[], &body).await;
+    assert_eq!(a.status, 503, "{}", a.body);
+}
+
+/// Without `receiving_namespaces` Envoy drops the picker's `envoy.lb` metadata (what the shipped
+/// file did), and a data plane routing on it has nowhere to send the request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_receiving_namespace_the_pickers_metadata_is_dropped() {
+    let edit = |text: String, endpoint: &str| {
+        let text = text.replace(EXAMPLE_SUBSET, &format!("[\"{endpoint}\"]"));
+        let receiving = "                        receiving_namespaces:\n                          untyped: [\"envoy.lb\"]\n";
+        assert!(text.contains(receiving));
+        text.replace(receiving, "")
+    };
+    let g = gateway_on(
+        tokenizer::build(),
+        "\"127.0.0.0/8\"",
+        false,
+        "",
+        Some(&edit),
+    )
+    .await;
+    let (path, body, _) = every_api(false).remove(1);
+    let a = send(&g.envoy.url, path, &[], &body).await;
+    assert_ne!(a.status, 200, "{}", a.body);
 }
