@@ -715,3 +715,53 @@ fn the_envoy_example_fails_closed_and_routes_only_where_the_picker_says() {
         assert_eq!(r["route"]["cluster"], dst["name"], "{text}");
     }
 }
+
+/// Both Envoy files receive the picker's `envoy.lb` metadata and fail closed; the metadata one
+/// routes on it, not on a header; the real Envoy accepts both (`--mode validate`).
+#[test]
+fn both_envoy_files_receive_the_pickers_metadata_and_envoy_accepts_them() {
+    for file in ["envoy.yaml", "envoy-metadata.yaml"] {
+        let path = root().join("deploy/envoy").join(file);
+        let docs = documents(&path);
+        let hcm = &docs[0]["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
+        let filters = hcm["http_filters"].as_array().expect("filters");
+        let ext = filters
+            .iter()
+            .find(|f| f["name"] == "envoy.filters.http.ext_proc")
+            .expect("ext_proc");
+        let ext = &ext["typed_config"];
+        assert_eq!(ext["failure_mode_allow"], false, "{file}");
+        assert_eq!(
+            ext["metadata_options"]["receiving_namespaces"]["untyped"],
+            serde_json::json!(["envoy.lb"]),
+            "{file}"
+        );
+        let dst = docs[0]["static_resources"]["clusters"]
+            .as_array()
+            .expect("clusters")
+            .iter()
+            .find(|c| c["type"] == "ORIGINAL_DST")
+            .cloned()
+            .expect("ORIGINAL_DST");
+        if file == "envoy-metadata.yaml" {
+            let lb = &dst["original_dst_lb_config"];
+            assert!(lb.get("use_http_header").is_none(), "{lb}");
+            assert_eq!(lb["metadata_key"]["key"], "envoy.lb");
+            assert_eq!(
+                lb["metadata_key"]["path"][0]["key"],
+                "x-gateway-destination-endpoint"
+            );
+        }
+        let envoy = lockstep_tests::gateway::envoy_binary();
+        let out = std::process::Command::new(envoy)
+            .args(["--mode", "validate", "-c"])
+            .arg(&path)
+            .output()
+            .expect("envoy runs");
+        assert!(
+            out.status.success(),
+            "{file}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
