@@ -49,6 +49,9 @@ async fn gateway_with(
     gateway_on(tok, allow, naive, picker, None).await
 }
 
+/// An edit of an Envoy configuration, given the decode endpoint.
+type EnvoyEdit<'a> = &'a dyn Fn(String, &str) -> String;
+
 /// [`gateway_with`] on `deploy/envoy/envoy-metadata.yaml`, its configuration passed through
 /// `edit` with the decode endpoint (`None`: `envoy.yaml` as shipped).
 async fn gateway_on(
@@ -56,7 +59,7 @@ async fn gateway_on(
     allow: &str,
     naive: bool,
     picker: &str,
-    edit: Option<&dyn Fn(String, &str) -> String>,
+    edit: Option<EnvoyEdit<'_>>,
 ) -> Gateway {
     let dir = tempfile::tempdir().expect("tempdir");
     let tok_path = dir.path().join("tokenizer.json");
