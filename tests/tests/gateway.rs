@@ -657,12 +657,28 @@ async fn the_picker_holds_tenants_to_their_key_and_limits_before_any_worker() {
 /// The example subset of `deploy/envoy/envoy-metadata.yaml`, to be replaced.
 const EXAMPLE_SUBSET: &str = r#"["10.0.0.1:8000", "10.0.0.2:8000"]"#;
 
-/// `envoy-metadata.yaml` with the subset hint `subset` (a YAML list).
-fn with_subset(subset: String) -> impl Fn(String, &str) -> String {
-    move |text: String, _endpoint: &str| {
+/// A gateway on `deploy/envoy/envoy-metadata.yaml`, its subset hint `subset(decode endpoint)`
+/// (a YAML list), then `edit`ed.
+async fn metadata_gateway(
+    subset: impl Fn(&str) -> String,
+    edit: impl Fn(String) -> String,
+) -> Gateway {
+    let e = |text: String, endpoint: &str| {
         assert!(text.contains(EXAMPLE_SUBSET));
-        text.replace(EXAMPLE_SUBSET, &subset)
-    }
+        edit(text.replace(EXAMPLE_SUBSET, &subset(endpoint)))
+    };
+    gateway_on(tokenizer::build(), "\"127.0.0.0/8\"", false, "", Some(&e)).await
+}
+
+/// The subset of the decode endpoint alone.
+fn just(endpoint: &str) -> String {
+    format!("[\"{endpoint}\"]")
+}
+
+/// One completion through the gateway's Envoy.
+async fn one_completion(g: &Gateway) -> Answer {
+    let (path, body, _) = every_api(false).remove(1);
+    send(&g.envoy.url, path, &[], &body).await
 }
 
 /// The picker's whole protocol through the real Envoy (`deploy/envoy/envoy-metadata.yaml`):
@@ -671,18 +687,7 @@ fn with_subset(subset: String) -> impl Fn(String, &str) -> String {
 /// back to the picker in `envoy.lb` with the response's headers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn envoy_routes_on_the_pickers_metadata_within_the_subset_hint() {
-    let this = |text: String, endpoint: &str| {
-        assert!(text.contains(EXAMPLE_SUBSET));
-        text.replace(EXAMPLE_SUBSET, &format!("[\"{endpoint}\"]"))
-    };
-    let g = gateway_on(
-        tokenizer::build(),
-        "\"127.0.0.0/8\"",
-        false,
-        "",
-        Some(&this),
-    )
-    .await;
+    let g = metadata_gateway(just, |t| t).await;
     for stream in [false, true] {
         for (path, body, ends) in every_api(stream) {
             let a = send(&g.envoy.url, path, &[], &body).await;
@@ -704,18 +709,9 @@ async fn envoy_routes_on_the_pickers_metadata_within_the_subset_hint() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_empty_or_foreign_subset_hint_is_a_503_with_no_worker_contacted() {
     for subset in ["[]", r#"["127.0.0.1:1"]"#] {
-        let edit = with_subset(subset.to_string());
-        let g = gateway_on(
-            tokenizer::build(),
-            "\"127.0.0.0/8\"",
-            false,
-            "",
-            Some(&edit),
-        )
-        .await;
+        let g = metadata_gateway(|_| subset.to_string(), |t| t).await;
         let before = g.mock.request_count();
-        let (path, body, _) = every_api(false).remove(1);
-        let a = send(&g.envoy.url, path, &[], &body).await;
+        let a = one_completion(&g).await;
         assert_eq!(a.status, 503, "subset {subset}: {}", a.body);
         assert_eq!(
             g.mock.request_count(),
@@ -730,21 +726,12 @@ async fn an_empty_or_foreign_subset_hint_is_a_503_with_no_worker_contacted() {
 /// not the endpoint picked fails the response.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_served_endpoint_other_than_the_picked_one_fails_the_response() {
-    let edit = |text: String, endpoint: &str| {
-        let text = text.replace(EXAMPLE_SUBSET, &format!("[\"{endpoint}\"]"));
+    let g = metadata_gateway(just, |text| {
         assert!(text.contains("\"%UPSTREAM_HOST%\""));
         text.replace("\"%UPSTREAM_HOST%\"", "\"127.0.0.9:1\"")
-    };
-    let g = gateway_on(
-        tokenizer::build(),
-        "\"127.0.0.0/8\"",
-        false,
-        "",
-        Some(&edit),
-    )
+    })
     .await;
-    let (path, body, _) = every_api(false).remove(1);
-    let a = send(&g.envoy.url, path, &[], &body).await;
+    let a = one_completion(&g).await;
     assert_eq!(a.status, 503, "{}", a.body);
 }
 
@@ -752,21 +739,12 @@ async fn a_served_endpoint_other_than_the_picked_one_fails_the_response() {
 /// file did), and a data plane routing on it has nowhere to send the request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_receiving_namespace_the_pickers_metadata_is_dropped() {
-    let edit = |text: String, endpoint: &str| {
-        let text = text.replace(EXAMPLE_SUBSET, &format!("[\"{endpoint}\"]"));
+    let g = metadata_gateway(just, |text| {
         let receiving = "                        receiving_namespaces:\n                          untyped: [\"envoy.lb\"]\n";
         assert!(text.contains(receiving));
         text.replace(receiving, "")
-    };
-    let g = gateway_on(
-        tokenizer::build(),
-        "\"127.0.0.0/8\"",
-        false,
-        "",
-        Some(&edit),
-    )
+    })
     .await;
-    let (path, body, _) = every_api(false).remove(1);
-    let a = send(&g.envoy.url, path, &[], &body).await;
+    let a = one_completion(&g).await;
     assert_ne!(a.status, 200, "{}", a.body);
 }
