@@ -70,6 +70,8 @@ pub struct PromptCodec {
     /// cached piece by piece).
     segments: Option<SegmentCache>,
     env: Environment<'static>,
+    /// The chat template's source.
+    template: String,
     bos_token: String,
     eos_token: String,
     /// The longest vocabulary entry in bytes: no token covers more input than that.
@@ -136,7 +138,7 @@ impl PromptCodec {
         eos_token: String,
     ) -> Result<Arc<PromptCodec>, String> {
         let mut env = Environment::new();
-        env.add_template_owned("chat", template)
+        env.add_template_owned("chat", template.clone())
             .map_err(|e| format!("model `{name}`: chat template: {e}"))?;
         let texts: Vec<String> = tokenizer
             .get_added_tokens_decoder()
@@ -167,6 +169,7 @@ impl PromptCodec {
             specials,
             segments,
             env,
+            template,
             bos_token,
             eos_token,
             max_token_bytes,
@@ -401,6 +404,25 @@ impl PromptCodec {
     /// The vocabulary size, to validate client-sent token ids.
     pub fn vocab_size(&self) -> usize {
         self.text.tokenizer().get_vocab_size(true)
+    }
+
+    /// Each id's vocabulary entry (`Ġhello` in a byte-level vocabulary, `<|im_start|>` for an
+    /// added token; empty outside the vocabulary), as a tokenizer's `convert_ids_to_tokens`.
+    pub fn token_strings(&self, ids: &[u32]) -> Vec<String> {
+        let t = self.text.tokenizer();
+        ids.iter()
+            .map(|id| t.id_to_token(*id).unwrap_or_default())
+            .collect()
+    }
+
+    /// The chat template's source, as the model renders it.
+    pub fn chat_template(&self) -> &str {
+        &self.template
+    }
+
+    /// The template's `bos_token` and `eos_token`.
+    pub fn bos_eos(&self) -> (&str, &str) {
+        (&self.bos_token, &self.eos_token)
     }
 }
 

@@ -20,6 +20,7 @@ mod respond;
 pub(crate) mod responses;
 mod responses_out;
 mod sampling;
+mod tokenize;
 
 pub(crate) mod tools;
 mod tools_generic;
@@ -30,7 +31,7 @@ use std::sync::Arc;
 use axum::Router;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{get, post};
 use http::{Method, Uri};
 use serde_json::json;
 
@@ -53,11 +54,15 @@ pub fn router(state: Arc<AppState>, with_metrics: bool) -> Router {
         .with_state(state)
 }
 
-/// The router's own routes: the generation APIs ([`generation_routes`]), `/v1/models`,
-/// `/health`, and `/metrics` unless `server.metrics_on_admin` moves it behind the admin key.
+/// The router's own routes: the generation APIs ([`generation_routes`]), `/v1/models`, the
+/// tokenizer endpoints (`/tokenize`, `/detokenize`, `/tokenizer_info`), `/health`, and
+/// `/metrics` unless `server.metrics_on_admin` moves it behind the admin key.
 pub fn default_routes(state: &Arc<AppState>, with_metrics: bool) -> Router<Arc<AppState>> {
     let r = generation_routes(state)
         .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
+        .route("/tokenizer_info", get(tokenize::tokenizer_info))
         .route("/health", get(health));
     if with_metrics {
         r.route("/metrics", get(metrics))
