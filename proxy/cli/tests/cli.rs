@@ -90,6 +90,22 @@ fn help_on_every_subcommand() {
     }
 }
 
+/// `lockstep config schema` prints the configuration's JSON Schema: the shipped
+/// `config/lockstep.schema.json`, byte for byte.
+#[test]
+fn config_schema_prints_the_shipped_schema() {
+    let out = Command::new(BIN)
+        .args(["config", "schema"])
+        .output()
+        .expect("run lockstep");
+    assert!(out.status.success());
+    let shipped = std::fs::read_to_string(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../config/lockstep.schema.json"),
+    )
+    .expect("config/lockstep.schema.json");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), shipped);
+}
+
 /// The probe's exit code reaches the shell: 2 when nothing ever answered.
 #[test]
 fn probe_exits_2_when_nothing_answers() {

@@ -14,7 +14,7 @@ use crate::toml_file::{Problems, Section};
 
 /// An embedded engine: a router model's `[models.engine]` (backend `embedded`, or the model file
 /// of backend `lockstep`) and a worker's `[engine]`.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct EngineSection {
     /// The GGUF file (`~/` is the home directory; relative paths are relative to the config).
@@ -84,7 +84,7 @@ impl Default for EngineSection {
 }
 
 /// Split or unified embedded engine.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum EngineMode {
     /// Prefill and decode engines, verified transfer between them.
@@ -94,7 +94,7 @@ pub enum EngineMode {
 }
 
 /// What to do when the pool is full.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum WhenFullKind {
     /// Queue.
@@ -104,7 +104,7 @@ pub enum WhenFullKind {
 }
 
 /// Page scrubbing.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ScrubKind {
     /// Never.
@@ -114,7 +114,7 @@ pub enum ScrubKind {
 }
 
 /// Injected transfer faults (tests).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum FaultKind {
     /// Flip a byte of the first page.

@@ -17,7 +17,7 @@ use tracing_subscriber::util::SubscriberInitExt;
 use serde::Deserialize;
 
 /// `[telemetry]`: OpenTelemetry trace export over OTLP/gRPC.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct TelemetryConfig {
     /// The collector, e.g. `http://127.0.0.1:4317`. Empty: no export (the default).

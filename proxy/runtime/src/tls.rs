@@ -36,7 +36,7 @@ pub fn server_config(cert: &Path, key: &Path) -> Result<Arc<rustls::ServerConfig
 /// The certificate files of the worker plane (`[worker.tls]` on a worker, `[worker_plane.tls]`
 /// on the router): every member presents `cert_file` (with `key_file`) and accepts only peers
 /// whose certificate chains to `ca_file`, both ways (mutual TLS).
-#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct PlaneTlsFiles {
     /// This member's certificate chain (PEM). Its names (DNS or IP SANs) must match the host of

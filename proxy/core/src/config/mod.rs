@@ -7,6 +7,7 @@
 mod model;
 mod plane;
 mod pool;
+mod schema;
 mod server;
 mod shared;
 mod sidecar;
@@ -33,6 +34,7 @@ pub use pool::{
     BOOTSTRAP_PORT_ANNOTATION, DiscoveryConfig, DiscoveryKind, DiscoveryScheme, HealthConfig,
     KvEventsConfig, PolicyKind, PoolConfig, PrefixRouting, WorkerConfig,
 };
+pub use schema::json_schema;
 pub use server::{Connections, ServerConfig};
 pub use shared::{OnUnavailable, SharedConfig};
 pub use sidecar::{AllowedPrefills, EppConfig, Role, SidecarConfig};
@@ -40,7 +42,7 @@ pub use tenant::TenantConfig;
 pub use timeouts::{FailoverConfig, QueueConfig, RetryConfig, TimeoutConfig};
 
 /// The whole configuration file.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
     /// Listeners and process-wide limits.

@@ -10,7 +10,7 @@ use super::pool::{HealthConfig, PoolConfig, WorkerConfig};
 use super::timeouts::{RetryConfig, TimeoutConfig};
 
 /// Which kind of backend serves a model.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum BackendKind {
     /// SGLang prefill/decode workers over the native `/generate` API.
@@ -47,7 +47,7 @@ impl BackendKind {
 }
 
 /// A tool-call output format.
-#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ToolParserKind {
     /// `<tool_call>{"name", "arguments"}</tool_call>` blocks (Hermes, NousResearch).
@@ -67,7 +67,7 @@ pub enum ToolParserKind {
 }
 
 /// One model, its limits and its backend.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ModelConfig {
     /// The name clients use in `model`.
@@ -194,7 +194,7 @@ fn default_max_n() -> u32 {
 }
 
 /// A chat template given inline or as a file.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, rename_all = "snake_case")]
 pub enum ChatTemplateConfig {
     /// The template text itself.
@@ -204,7 +204,7 @@ pub enum ChatTemplateConfig {
 }
 
 /// `[models.vllm]`: how lockstep speaks to vLLM's disaggregated serving.
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, PartialEq, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct VllmSection {
     /// The KV connector the vLLM servers run: `nixl` or `mooncake`.
@@ -232,7 +232,7 @@ impl Default for VllmSection {
 }
 
 /// `[models.sglang]`: what lockstep requires of SGLang workers.
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, PartialEq, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct SglangSection {
     /// Serve only when every prefill and decode worker runs with
@@ -251,7 +251,7 @@ impl Default for SglangSection {
 }
 
 /// vLLM's KV connectors lockstep knows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum VllmConnector {
     /// NixlConnector: params carry block ids, engine id, host and port.

@@ -10,7 +10,7 @@ use serde::Deserialize;
 use super::ModelConfig;
 
 /// `[worker_plane]`.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct WorkerPlaneConfig {
     /// Mutual TLS to lockstep workers: this router's client certificate and key, and the CA the

@@ -9,7 +9,7 @@ pub const BOOTSTRAP_PORT_ANNOTATION: &str = "sglang.ai/bootstrap-port";
 use serde::Deserialize;
 
 /// How a pool picks a worker.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum PolicyKind {
     /// Each worker in turn.
@@ -28,7 +28,7 @@ pub enum PolicyKind {
 
 /// Where a pool's workers publish KV events (`policy = "prefix_events"`), for a worker whose
 /// entry names none (a discovered pod: its IP with these ports).
-#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct KvEventsConfig {
     /// The publisher's port (the engines' default is 5557).
@@ -75,7 +75,7 @@ impl Default for KvEventsConfig {
 }
 
 /// Tuning of `policy = "prefix_aware"` (SGLang's cache-aware policy, on hashed token blocks).
-#[derive(Debug, Clone, Copy, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct PrefixRouting {
     /// Tokens per hashed block (match the workers' page size for exact predictions).
@@ -105,7 +105,7 @@ impl Default for PrefixRouting {
 }
 
 /// One side's worker pool.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct PoolConfig {
     /// Selection policy.
@@ -148,7 +148,7 @@ pub struct PoolConfig {
 }
 
 /// A credential from the configuration: never printed (`Debug` shows `***`).
-#[derive(Clone, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Deserialize, PartialEq, Eq, schemars::JsonSchema)]
 #[serde(transparent)]
 pub struct Secret(String);
 
@@ -198,7 +198,7 @@ impl PoolConfig {
 }
 
 /// Where a pool's workers come from (`discovery = { kind = "kubernetes", ... }`).
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct DiscoveryConfig {
     /// The source; `kubernetes`: Pods from the API server (`KUBECONFIG`, or the in-cluster
@@ -224,7 +224,7 @@ pub struct DiscoveryConfig {
 }
 
 /// The kinds of discovery.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum DiscoveryKind {
     /// Pods from the Kubernetes API.
@@ -232,7 +232,7 @@ pub enum DiscoveryKind {
 }
 
 /// How discovered workers are called.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum DiscoveryScheme {
     /// Plain HTTP.
@@ -253,7 +253,7 @@ impl DiscoveryScheme {
 }
 
 /// One worker.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct WorkerConfig {
     /// Base URL, e.g. `http://10.0.0.5:30000`.
@@ -274,7 +274,7 @@ pub struct WorkerConfig {
 }
 
 /// Background health checks (`GET /health`).
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct HealthConfig {
     /// Time between checks.

@@ -10,7 +10,7 @@ use serde::Deserialize;
 pub const MAX_BUSY_POLL_US: u64 = 10_000;
 
 /// Listeners and process-wide limits.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct ServerConfig {
     /// Address of the HTTP listener (HTTP/1.1 and h2c).
@@ -107,7 +107,7 @@ impl Default for ServerConfig {
 }
 
 /// Where the API listener's connections are served.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Connections {
     /// Each connection lives on one of `worker_threads` threads with its own event loop and its

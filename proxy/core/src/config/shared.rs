@@ -4,7 +4,7 @@ use lockstep_runtime::toml_file::{Problems, Section};
 use serde::Deserialize;
 
 /// What a replica does while the shared store cannot be reached.
-#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default, schemars::JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum OnUnavailable {
     /// Each replica enforces its share of every limit (the limit divided by the replicas last
@@ -19,7 +19,7 @@ pub enum OnUnavailable {
 
 /// `[shared]`: tenant limits (request rate, concurrent pairs, token budgets) kept in one Redis
 /// for every replica in front of the same workers.
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, PartialEq, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct SharedConfig {
     /// `redis://HOST:PORT/DB` (`redis://:PASSWORD@HOST:PORT/DB` with a password), or

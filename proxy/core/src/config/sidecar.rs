@@ -9,7 +9,7 @@ use serde::Deserialize;
 
 /// `[sidecar]`: which prefills a request may name, and how long a new one may take to pass its
 /// deployment check.
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, PartialEq, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct SidecarConfig {
     /// Networks (CIDR, `10.0.0.0/8`, `fd00::/8`, or one address), each optionally with a port
@@ -123,7 +123,7 @@ impl Section for SidecarConfig {
 }
 
 /// `[epp]`: where the endpoint picker serves Envoy's `ext_proc` and the gRPC health services.
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, PartialEq, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct EppConfig {
     /// The gRPC listener (h2c): `envoy.service.ext_proc.v3.ExternalProcessor` and

@@ -6,7 +6,7 @@ use lockstep_runtime::toml_file::{Problems, is_sha256_hex};
 use serde::Deserialize;
 
 /// One tenant: who holds which keys, and what they may do.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct TenantConfig {
     /// The tenant's name (audit log, errors).

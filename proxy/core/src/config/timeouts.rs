@@ -6,7 +6,7 @@ use lockstep_runtime::toml_file::{Problems, Section};
 use serde::Deserialize;
 
 /// Pair deadlines, in milliseconds. Each one, when it expires, aborts both halves.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct TimeoutConfig {
     /// Whole pair, dispatch to last token.
@@ -78,7 +78,7 @@ impl TimeoutConfig {
 }
 
 /// Retry policy: only before anything reached the client, only for failures safe to retry.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct RetryConfig {
     /// Additional attempts after the first (0 disables retries).
@@ -97,7 +97,7 @@ impl Default for RetryConfig {
 }
 
 /// `[models.failover]`: a committed stream whose worker fails continues on a new pair.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct FailoverConfig {
     /// New pairs one request may migrate to after commit (0: a worker's failure ends the
@@ -147,7 +147,7 @@ impl Section for TimeoutConfig {
 }
 
 /// `models[].queue`: waiting for a slot when every worker of a side is at its pair limit.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct QueueConfig {
     /// How long a request may wait for a slot, ms (0: no queue, 503 `workers_busy` at once).
