@@ -87,7 +87,6 @@ pub(super) fn rank_endpoint(endpoint: &str, rank: u16) -> Option<String> {
 impl EventIndex {
     /// Applies one message of the publisher keyed `url` (a worker's rank, [`rank_key`]) of
     /// data-parallel rank `rank`; `replayed` fills a gap when it can.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn receive(
         &self,
         url: &str,
@@ -216,20 +215,12 @@ impl WorkerPool {
     }
 
     async fn follow_rank(self: Arc<Self>, w: Arc<Upstream>, rank: u16) {
-        let endpoints = (
-            w.kv_events.as_deref().and_then(|e| rank_endpoint(e, rank)),
-            w.kv_events_replay
-                .as_deref()
-                .map(|e| rank_endpoint(e, rank)),
-        );
-        let (Some(index), (Some(endpoint), replay_at)) = (self.events.as_ref(), endpoints) else {
-            tracing::warn!(worker = %w.url, rank, "no KV event endpoint for this data-parallel rank (its port would pass 65535)");
+        // The configuration check keeps every rank's ports within range.
+        let at = |e: &Option<String>| e.as_deref().and_then(|e| rank_endpoint(e, rank));
+        let (Some(index), Some(endpoint)) = (self.events.as_ref(), at(&w.kv_events)) else {
             return std::future::pending().await;
         };
-        let Some(replay_at) = replay_at.map_or(Some(None), |r| r.map(Some)) else {
-            tracing::warn!(worker = %w.url, rank, "no KV event replay endpoint for this data-parallel rank (its port would pass 65535)");
-            return std::future::pending().await;
-        };
+        let replay_at = at(&w.kv_events_replay);
         let key = rank_key(&w.url, rank);
         let capacity = self.prefix.cfg.capacity_blocks;
         let limits = self.events_limits;
