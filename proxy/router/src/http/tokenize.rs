@@ -81,7 +81,6 @@ struct TokenizeRequest {
     add_special_tokens: Option<bool>,
     /// llama.cpp's name for `add_special_tokens`.
     add_special: Option<bool>,
-    #[serde(default)]
     return_token_strs: Option<bool>,
     #[serde(flatten)]
     rest: Map<String, Value>,
