@@ -60,4 +60,28 @@ for what, cfg, key in wrong:
     assert errors, what
     text = " ".join(e.message + str(list(e.absolute_path)) for e in errors)
     assert key in text or "tgi" in text or "big" in text, (what, text)
-print(f"{len(shipped)} shipped configurations valid; {len(wrong)} wrong ones refused")
+# The worker file's schema: config/worker.toml and the ConfigMaps' worker files.
+wschema = json.load(open(os.path.join(root, "config/worker.schema.json"), encoding="utf-8"))
+jsonschema.Draft202012Validator.check_schema(wschema)
+wvalidator = jsonschema.Draft202012Validator(wschema)
+workers = {}
+with open(os.path.join(root, "config/worker.toml"), "rb") as f:
+    workers["config/worker.toml"] = tomllib.load(f)
+for path in sorted(glob.glob(os.path.join(root, "deploy/kubernetes/**/configmap.yaml"), recursive=True)):
+    for doc in yaml.safe_load_all(open(path, encoding="utf-8")):
+        for name, text in ((doc or {}).get("data") or {}).items():
+            if name.endswith(".toml") and "[worker]" in text:
+                workers[f"{os.path.relpath(path, root)}:{name}"] = tomllib.loads(text)
+for name, cfg in workers.items():
+    errors = [f"{list(e.absolute_path)}: {e.message}" for e in wvalidator.iter_errors(cfg)]
+    assert not errors, (name, errors)
+w = copy.deepcopy(workers["config/worker.toml"])
+w.setdefault("worker", {})["lisen"] = "127.0.0.1:1"
+assert list(wvalidator.iter_errors(w)), "a misspelt worker key passed"
+w = copy.deepcopy(workers["config/worker.toml"])
+w.setdefault("engine", {})["kv_pages"] = "many"
+assert list(wvalidator.iter_errors(w)), "a wrong engine type passed"
+# Neither file validates as the other.
+assert list(wvalidator.iter_errors(base)), "a router file passed as a worker file"
+assert list(validator.iter_errors(workers["config/worker.toml"])), "a worker file passed as a router file"
+print(f"{len(shipped)} shipped configurations and {len(workers)} worker files valid; {len(wrong)} wrong ones refused")

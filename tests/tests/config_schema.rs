@@ -24,6 +24,16 @@ fn the_shipped_schema_is_what_the_config_types_generate() {
         lockstep_core::config::json_schema(),
         "config/lockstep.schema.json is stale: lockstep config schema > config/lockstep.schema.json"
     );
+    let worker: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(root().join("config/worker.schema.json"))
+            .expect("config/worker.schema.json"),
+    )
+    .expect("JSON");
+    assert_eq!(
+        worker,
+        lockstep_worker::config::json_schema(),
+        "config/worker.schema.json is stale: lockstep config schema --worker > config/worker.schema.json"
+    );
     // Tables refuse unknown keys, as the configuration loader does.
     assert_eq!(shipped["additionalProperties"], false);
     assert_eq!(

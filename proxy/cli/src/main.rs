@@ -33,7 +33,11 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum ConfigCommand {
     /// Print the configuration file's JSON Schema, generated from the types it is read into.
-    Schema,
+    Schema {
+        /// The worker file's (`lockstep worker --config`) instead of the router's.
+        #[arg(long)]
+        worker: bool,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -241,9 +245,13 @@ async fn run(cli: Cli, huge_pages_off: bool) -> ExitCode {
             ExitCode::SUCCESS
         }
         Command::Config {
-            what: ConfigCommand::Schema,
+            what: ConfigCommand::Schema { worker },
         } => {
-            let schema = lockstep_core::config::json_schema();
+            let schema = if worker {
+                lockstep_worker::config::json_schema()
+            } else {
+                lockstep_core::config::json_schema()
+            };
             println!(
                 "{}",
                 serde_json::to_string_pretty(&schema).unwrap_or_default()

@@ -91,7 +91,7 @@ fn help_on_every_subcommand() {
 }
 
 /// `lockstep config schema` prints the configuration's JSON Schema: the shipped
-/// `config/lockstep.schema.json`, byte for byte.
+/// `config/lockstep.schema.json`, byte for byte (`--worker`: `config/worker.schema.json`).
 #[test]
 fn config_schema_prints_the_shipped_schema() {
     let out = Command::new(BIN)
@@ -103,6 +103,16 @@ fn config_schema_prints_the_shipped_schema() {
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../config/lockstep.schema.json"),
     )
     .expect("config/lockstep.schema.json");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), shipped);
+    let out = Command::new(BIN)
+        .args(["config", "schema", "--worker"])
+        .output()
+        .expect("run lockstep");
+    assert!(out.status.success());
+    let shipped = std::fs::read_to_string(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../config/worker.schema.json"),
+    )
+    .expect("config/worker.schema.json");
     assert_eq!(String::from_utf8_lossy(&out.stdout), shipped);
 }
 

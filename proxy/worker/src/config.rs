@@ -32,7 +32,7 @@ impl Role {
 }
 
 /// A worker's configuration file.
-#[derive(Debug, Clone, Deserialize, Default)]
+#[derive(Debug, Clone, Deserialize, Default, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct WorkerFile {
     /// The worker process.
@@ -45,7 +45,7 @@ pub struct WorkerFile {
 }
 
 /// `[worker]`.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct WorkerSection {
     /// The worker service's listener (gRPC over h2c, plus `GET /health`). Bind it privately.
@@ -82,7 +82,7 @@ pub struct WorkerSection {
 }
 
 /// How KV pages travel from a prefill worker to a decode worker.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum KvTransport {
     /// Raw framed bytes on a pooled TCP connection to the decode worker's data listener.
@@ -186,4 +186,12 @@ impl Section for WorkerSection {
             out.push(format!("{at}.idle_timeout_ms"), "must be greater than 0");
         }
     }
+}
+
+/// The worker file's JSON Schema (draft 2020-12; `lockstep config schema --worker`), generated
+/// from the types it is read into, as [`lockstep_core::config::json_schema`] is for the router's.
+pub fn json_schema() -> serde_json::Value {
+    let mut schema = serde_json::to_value(schemars::schema_for!(WorkerFile)).unwrap_or_default();
+    schema["title"] = "lockstep worker configuration (lockstep worker --config)".into();
+    schema
 }
