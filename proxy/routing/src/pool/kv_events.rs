@@ -299,7 +299,14 @@ impl WorkerBlocks {
                 salt,
                 indexable,
             } => {
-                if self.block_size == 0 {
+                // The engine's block size is the largest an event names: vLLM also publishes
+                // partial blocks, smaller (`v1/core/block_pool.py`, models whose hash block is
+                // below the block size). A larger size than the one learned means that one was
+                // a partial block's: what was indexed with it is dropped.
+                if *block_size > self.block_size {
+                    if self.block_size != 0 {
+                        self.clear();
+                    }
                     self.block_size = *block_size;
                 }
                 let mut at = match parent {
