@@ -77,6 +77,11 @@ async fn start_selecting(
     .await
 }
 
+/// The mock decode's URL as a discovered pod at 127.0.0.1 gives it.
+fn here(stack: &Stack) -> String {
+    format!("http://127.0.0.1:{}", port(&stack.mock.decode_url()))
+}
+
 async fn complete(stack: &Stack) -> Answer {
     let (path, body) = client::request(Endpoint::Completions, MODEL, "red green", false, 2, &[]);
     TestClient::default()
@@ -120,7 +125,7 @@ async fn workers_follow_the_pods_the_selector_matches() {
     );
     api.put_pod(ns, "d-0", &PodSpec::ready("127.0.0.1", DECODE));
     let stack = start(&api, ns, None).await.expect("lockstep starts");
-    let here = format!("http://127.0.0.1:{}", port(&stack.mock.decode_url()));
+    let here = here(&stack);
     assert!(
         serving(&stack, "decode", std::slice::from_ref(&here)).await,
         "{:?}",
@@ -258,7 +263,7 @@ async fn a_lost_watch_relists_and_an_api_server_outage_keeps_the_workers() {
     let ns = "outage";
     api.put_pod(ns, "d-0", &PodSpec::ready("127.0.0.1", DECODE));
     let stack = start(&api, ns, None).await.expect("lockstep starts");
-    let here = format!("http://127.0.0.1:{}", port(&stack.mock.decode_url()));
+    let here = here(&stack);
     assert!(serving(&stack, "decode", std::slice::from_ref(&here)).await);
     // The API server goes away: the known worker keeps serving; the failing watch is counted.
     api.stop();
@@ -335,7 +340,7 @@ async fn removing_a_label_takes_a_pod_out_of_the_pool() {
     let ns = "relabel";
     api.put_pod(ns, "d-0", &PodSpec::ready("127.0.0.1", DECODE));
     let stack = start(&api, ns, None).await.expect("lockstep starts");
-    let here = format!("http://127.0.0.1:{}", port(&stack.mock.decode_url()));
+    let here = here(&stack);
     assert!(serving(&stack, "decode", std::slice::from_ref(&here)).await);
     // Relabelled out of the pool (drained for debugging, say): it leaves, and takes no pairs.
     api.put_pod(
@@ -370,7 +375,7 @@ async fn a_terminating_pod_gets_no_new_pairs() {
     let ns = "terminating";
     api.put_pod(ns, "d-0", &PodSpec::ready("127.0.0.1", DECODE));
     let stack = start(&api, ns, None).await.expect("lockstep starts");
-    let here = format!("http://127.0.0.1:{}", port(&stack.mock.decode_url()));
+    let here = here(&stack);
     assert!(serving(&stack, "decode", std::slice::from_ref(&here)).await);
     let started = std::time::Instant::now();
     api.delete_pod_gracefully(ns, "d-0", Duration::from_secs(30));
@@ -428,7 +433,7 @@ async fn set_based_selectors_select_as_the_api_server_does() {
     )
     .await
     .expect("lockstep starts");
-    let here = format!("http://127.0.0.1:{}", port(&stack.mock.decode_url()));
+    let here = here(&stack);
     assert!(
         serving(&stack, "decode", std::slice::from_ref(&here)).await,
         "{:?}",
@@ -469,7 +474,7 @@ async fn a_stale_cached_list_is_corrected_by_the_watch() {
     api.delete_pod(ns, "d-1");
     api.set_cache_lag(1);
     let stack = start(&api, ns, None).await.expect("lockstep starts");
-    let here = format!("http://127.0.0.1:{}", port(&stack.mock.decode_url()));
+    let here = here(&stack);
     assert!(
         wait_for(Duration::from_secs(15), || api.cache_lists() >= 1).await,
         "the watcher listed from the cache"

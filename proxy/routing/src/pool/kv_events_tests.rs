@@ -290,7 +290,12 @@ fn a_partial_block_first_does_not_fix_the_block_size() {
     apply(&mut w, &batch(vec![partial]));
     apply(
         &mut w,
-        &batch(vec![sglang_stored(&[41, 42], None, &[1, 2, 3, 4], SALT_TEXT)]),
+        &batch(vec![sglang_stored(
+            &[41, 42],
+            None,
+            &[1, 2, 3, 4],
+            SALT_TEXT,
+        )]),
     );
     assert_eq!(w.matched_tokens(&[1, 2, 3, 4, 5], SALT), 4);
     // A partial block after them leaves the size and the index as they are.
