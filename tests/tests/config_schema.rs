@@ -56,3 +56,81 @@ fn every_shipped_configuration_validates_and_a_misspelt_key_fails() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// Taplo (npm `@taplo/cli` 0.7.0, the toolkit VS Code's Even Better TOML runs) reads the schemas
+/// through `.taplo.toml`: the shipped files pass, and a misspelt key is flagged at its line.
+#[test]
+fn taplo_checks_the_shipped_files_against_the_schemas() {
+    let taplo = std::env::var_os("LOCKSTEP_TAPLO")
+        .map(PathBuf::from)
+        .or_else(|| {
+            let home = PathBuf::from(std::env::var_os("HOME")?);
+            Some(home.join(".cache/lockstep-taplo/node_modules/.bin/taplo"))
+        })
+        .filter(|p| p.is_file());
+    let Some(taplo) = taplo else {
+        assert!(
+            std::env::var_os("LOCKSTEP_REQUIRE_TAPLO").is_none(),
+            "Taplo is required: npm install --prefix ~/.cache/lockstep-taplo @taplo/cli@0.7.0"
+        );
+        eprintln!(
+            "skipped: no Taplo (npm install --prefix ~/.cache/lockstep-taplo @taplo/cli@0.7.0)"
+        );
+        return;
+    };
+    let run = |args: &[&std::ffi::OsStr]| {
+        let out = std::process::Command::new(&taplo)
+            .current_dir(root())
+            .args(args)
+            .output()
+            .expect("taplo runs");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (out.status.success(), text)
+    };
+    let mut files: Vec<PathBuf> = std::fs::read_dir(root().join("config"))
+        .expect("config/")
+        .map(|e| e.expect("entry").path())
+        .filter(|p| p.extension().is_some_and(|x| x == "toml"))
+        .collect();
+    files.sort();
+    assert!(files.len() >= 6, "{files:?}");
+    let mut args: Vec<&std::ffi::OsStr> = vec!["check".as_ref()];
+    args.extend(files.iter().map(|p| p.as_os_str()));
+    let (ok, text) = run(&args);
+    assert!(ok, "{text}");
+    assert!(
+        text.contains(".taplo.toml"),
+        "the rules were not read: {text}"
+    );
+    // The shipped rules, in a copy of the tree's layout: a misspelt key in a file under
+    // config/ is flagged at its line.
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::create_dir(dir.path().join("config")).expect("mkdir");
+    for f in [
+        ".taplo.toml",
+        "config/lockstep.schema.json",
+        "config/worker.schema.json",
+    ] {
+        std::fs::copy(root().join(f), dir.path().join(f)).expect("copy");
+    }
+    let good = std::fs::read_to_string(root().join("config/default.toml")).expect("default");
+    std::fs::write(
+        dir.path().join("config/bad.toml"),
+        good.replacen("[server]", "[server]\nhttp_lisen = \"x\"", 1),
+    )
+    .expect("write");
+    let out = std::process::Command::new(&taplo)
+        .current_dir(dir.path())
+        .args(["check", "config/bad.toml"])
+        .output()
+        .expect("taplo runs");
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && text.contains("http_lisen"),
+        "{text}"
+    );
+}
