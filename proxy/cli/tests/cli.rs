@@ -94,26 +94,24 @@ fn help_on_every_subcommand() {
 /// `config/lockstep.schema.json`, byte for byte (`--worker`: `config/worker.schema.json`).
 #[test]
 fn config_schema_prints_the_shipped_schema() {
-    let out = Command::new(BIN)
-        .args(["config", "schema"])
-        .output()
-        .expect("run lockstep");
-    assert!(out.status.success());
-    let shipped = std::fs::read_to_string(
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../config/lockstep.schema.json"),
-    )
-    .expect("config/lockstep.schema.json");
-    assert_eq!(String::from_utf8_lossy(&out.stdout), shipped);
-    let out = Command::new(BIN)
-        .args(["config", "schema", "--worker"])
-        .output()
-        .expect("run lockstep");
-    assert!(out.status.success());
-    let shipped = std::fs::read_to_string(
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../config/worker.schema.json"),
-    )
-    .expect("config/worker.schema.json");
-    assert_eq!(String::from_utf8_lossy(&out.stdout), shipped);
+    for (flags, file) in [
+        (&[][..], "lockstep.schema.json"),
+        (&["--worker"][..], "worker.schema.json"),
+    ] {
+        let out = Command::new(BIN)
+            .args(["config", "schema"])
+            .args(flags)
+            .output()
+            .expect("run lockstep");
+        assert!(out.status.success(), "{file}");
+        let shipped = std::fs::read_to_string(
+            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../../config")
+                .join(file),
+        )
+        .expect("the shipped schema");
+        assert_eq!(String::from_utf8_lossy(&out.stdout), shipped, "{file}");
+    }
 }
 
 /// The probe's exit code reaches the shell: 2 when nothing ever answered.

@@ -25,6 +25,7 @@ use super::openai::{MessageIn, bad, to_messages};
 use crate::admission::{Refusal, authorize, find_model};
 use crate::state::AppState;
 use lockstep_core::error::LockstepError;
+use lockstep_tenancy::tenant::Tenant;
 
 /// Fields of vLLM's requests lockstep knows and does not apply: accepted at their defaults.
 const TOKENIZE: &[&[Known]] = &[&[
@@ -108,11 +109,30 @@ fn answer(r: Result<Value, Refusal>) -> Response {
     }
 }
 
-/// The request's JSON body, read within the server's bounds after the key was checked.
-async fn body<T: serde::de::DeserializeOwned>(
+/// A body that may name its model.
+trait Named {
+    fn model(&self) -> Option<&str>;
+}
+
+impl Named for TokenizeRequest {
+    fn model(&self) -> Option<&str> {
+        self.model.as_deref()
+    }
+}
+
+impl Named for DetokenizeRequest {
+    fn model(&self) -> Option<&str> {
+        self.model.as_deref()
+    }
+}
+
+/// The request's JSON body, read within the server's bounds after the key was checked, and the
+/// model it names (or the one served) if the caller may use it; with the caller's tenant, for
+/// counting a later refusal.
+async fn model_and_body<T: serde::de::DeserializeOwned + Named>(
     state: &Arc<AppState>,
     req: Request,
-) -> Result<(crate::admission::Caller, T), Refusal> {
+) -> Result<(Arc<crate::state::ModelRuntime>, T, Option<Arc<Tenant>>), Refusal> {
     let (parts, body) = req.into_parts();
     let caller = authorize(state, &parts.headers)?;
     let tenant = caller.tenant.clone();
@@ -120,8 +140,9 @@ async fn body<T: serde::de::DeserializeOwned>(
     let bytes = super::extract::read_body(state, &parts.headers, body)
         .await
         .map_err(count)?;
-    let parsed = crate::admission::parse_json(&bytes).map_err(count)?;
-    Ok((caller, parsed))
+    let parsed: T = crate::admission::parse_json(&bytes).map_err(count)?;
+    let model = find_model(&caller, parsed.model()).map_err(count)?;
+    Ok((model, parsed, tenant))
 }
 
 /// `POST /tokenize`.
@@ -130,10 +151,8 @@ pub(crate) async fn tokenize(State(state): State<Arc<AppState>>, req: Request) -
 }
 
 async fn run_tokenize(state: &Arc<AppState>, req: Request) -> Result<Value, Refusal> {
-    let (caller, req): (_, TokenizeRequest) = body(state, req).await?;
-    let tenant = caller.tenant.clone();
+    let (model, req, tenant) = model_and_body::<TokenizeRequest>(state, req).await?;
     let count = |model: &str, e| Refusal::count_for(state, model, tenant.as_deref(), e);
-    let model = find_model(&caller, req.model.as_deref()).map_err(|e| count("", e))?;
     let name = model.name.clone();
     let max_model_len = model.cfg.context_window;
     let strings = req.return_token_strs.unwrap_or(false);
@@ -214,10 +233,8 @@ pub(crate) async fn detokenize(State(state): State<Arc<AppState>>, req: Request)
 }
 
 async fn run_detokenize(state: &Arc<AppState>, req: Request) -> Result<Value, Refusal> {
-    let (caller, req): (_, DetokenizeRequest) = body(state, req).await?;
-    let tenant = caller.tenant.clone();
+    let (model, req, tenant) = model_and_body::<DetokenizeRequest>(state, req).await?;
     let count = |model: &str, e| Refusal::count_for(state, model, tenant.as_deref(), e);
-    let model = find_model(&caller, req.model.as_deref()).map_err(|e| count("", e))?;
     let name = model.name.clone();
     refuse_unhonoured(&[], &req.rest, "").map_err(|e| count(&name, e))?;
     let vocab = model.codec.vocab_size();
