@@ -116,6 +116,27 @@ async fn send(url: &str, path: &str, headers: &[(&str, &str)], body: &Value) -> 
         .await
 }
 
+/// Every API, streamed and not, through the gateway's Envoy with `headers`: each a 200 with its
+/// success's ending. How many were served.
+async fn serve_every_api(g: &Gateway, headers: &[(&str, &str)]) -> usize {
+    let mut served = 0;
+    for stream in [false, true] {
+        for (path, body, end) in every_api(stream) {
+            let a = send(&g.envoy.url, path, headers, &body).await;
+            assert_eq!(
+                a.status,
+                200,
+                "{path} stream={stream}: {}\n{}",
+                a.body,
+                g.envoy.log()
+            );
+            assert!(a.body.contains(end), "{path} stream={stream}: {}", a.body);
+            served += 1;
+        }
+    }
+    served
+}
+
 /// One request per API, streamed or not: (path, body, what its success ends with).
 fn every_api(stream: bool) -> Vec<(&'static str, Value, &'static str)> {
     let prompt = "hello there general";
@@ -167,28 +188,8 @@ fn every_api(stream: bool) -> Vec<(&'static str, Value, &'static str)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_api_is_served_through_envoy_the_picker_and_the_sidecar() {
     let g = gateway(tokenizer::build(), "\"127.0.0.0/8\"", false).await;
-    let mut served = 0;
-    for stream in [false, true] {
-        for (path, body, end) in every_api(stream) {
-            // A client's own `x-prefiller-host-port` is replaced by the picker's choice.
-            let a = send(
-                &g.envoy.url,
-                path,
-                &[("x-prefiller-host-port", "10.9.9.9:1")],
-                &body,
-            )
-            .await;
-            assert_eq!(
-                a.status,
-                200,
-                "{path} stream={stream}: {}\n{}",
-                a.body,
-                g.envoy.log()
-            );
-            assert!(a.body.contains(end), "{path} stream={stream}: {}", a.body);
-            served += 1;
-        }
-    }
+    // A client's own `x-prefiller-host-port` is replaced by the picker's choice.
+    let served = serve_every_api(&g, &[("x-prefiller-host-port", "10.9.9.9:1")]).await;
     // Each request was one pair: its two halves share a room, the prefill the picker named.
     let reqs = g.mock.requests();
     let rooms = |h: Half| -> Vec<Value> {
@@ -688,19 +689,7 @@ async fn one_completion(g: &Gateway) -> Answer {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn envoy_routes_on_the_pickers_metadata_within_the_subset_hint() {
     let g = metadata_gateway(just, |t| t).await;
-    for stream in [false, true] {
-        for (path, body, ends) in every_api(stream) {
-            let a = send(&g.envoy.url, path, &[], &body).await;
-            assert_eq!(
-                a.status,
-                200,
-                "{path} stream={stream}: {}\n{}",
-                a.body,
-                g.envoy.log()
-            );
-            assert!(a.body.contains(ends), "{path}: {}", a.body);
-        }
-    }
+    serve_every_api(&g, &[]).await;
     assert!(g.mock.wait_idle(BOUND).await);
 }
 
