@@ -278,16 +278,21 @@ fn a_batch_must_come_on_its_ranks_port() {
 /// block size: the full blocks that follow are indexed at theirs.
 #[test]
 fn a_partial_block_first_does_not_fix_the_block_size() {
-    let mut w = WorkerBlocks::default();
-    let mut partial = sglang_stored(&[40], None, &[9], SALT_TEXT);
-    if let Value::Map(m) = &mut partial {
-        for (k, v) in m.iter_mut() {
-            if k.as_str() == Some("block_size") {
-                *v = 1.into();
+    let partial = |mut e: Value| {
+        if let Value::Map(m) = &mut e {
+            for (k, v) in m.iter_mut() {
+                if k.as_str() == Some("block_size") {
+                    *v = 1.into();
+                }
             }
         }
-    }
-    apply(&mut w, &batch(vec![partial]));
+        e
+    };
+    let mut w = WorkerBlocks::default();
+    apply(
+        &mut w,
+        &batch(vec![partial(sglang_stored(&[40], None, &[9], SALT_TEXT))]),
+    );
     apply(
         &mut w,
         &batch(vec![sglang_stored(
@@ -299,15 +304,15 @@ fn a_partial_block_first_does_not_fix_the_block_size() {
     );
     assert_eq!(w.matched_tokens(&[1, 2, 3, 4, 5], SALT), 4);
     // A partial block after them leaves the size and the index as they are.
-    let mut late = sglang_stored(&[43], Some(42), &[5], SALT_TEXT);
-    if let Value::Map(m) = &mut late {
-        for (k, v) in m.iter_mut() {
-            if k.as_str() == Some("block_size") {
-                *v = 1.into();
-            }
-        }
-    }
-    apply(&mut w, &batch(vec![late]));
+    apply(
+        &mut w,
+        &batch(vec![partial(sglang_stored(
+            &[43],
+            Some(42),
+            &[5],
+            SALT_TEXT,
+        ))]),
+    );
     assert_eq!(w.matched_tokens(&[1, 2, 3, 4, 5], SALT), 4);
 }
 
