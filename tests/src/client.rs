@@ -204,6 +204,11 @@ pub async fn run_python_checks(script: &str, url: &str, model: &str, bound: Dura
     run_python_checks_with(script, url, model, &[], bound, done).await
 }
 
+/// The Python the checks run under: `$PYTHON`, else `python3`.
+pub fn python() -> String {
+    std::env::var("PYTHON").unwrap_or_else(|_| "python3".into())
+}
+
 /// [`run_python_checks`] with more environment variables for the script.
 pub async fn run_python_checks_with(
     script: &str,
@@ -213,8 +218,7 @@ pub async fn run_python_checks_with(
     bound: Duration,
     done: &str,
 ) {
-    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
-    run_python_checks_in(&python, script, url, model, env, bound, done).await
+    run_python_checks_in(&python(), script, url, model, env, bound, done).await
 }
 
 /// The Python of the ecosystem clients' virtual environment (langchain-openai, litellm and an

@@ -8,6 +8,8 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use serde_json::Value;
+
+use crate::client::python;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 
@@ -56,10 +58,6 @@ pub fn sources() -> Option<PathBuf> {
         return None;
     }
     Some(dir)
-}
-
-fn python() -> String {
-    std::env::var("PYTHON").unwrap_or_else(|_| "python3".into())
 }
 
 /// A running publisher process (killed, by its pid, when dropped).

@@ -113,7 +113,7 @@ async fn lm_evaluation_harness_reads_the_tokenizer_through_lockstep() {
     let Some(e) = embedded::start("").await else {
         return;
     };
-    let has = std::process::Command::new("python3")
+    let has = std::process::Command::new(client::python())
         .args(["-c", "import lm_eval.utils"])
         .status()
         .is_ok_and(|s| s.success());
