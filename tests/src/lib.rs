@@ -12,6 +12,7 @@ pub mod harness;
 pub mod kube_api;
 pub mod kv_publisher;
 pub mod naive_front;
+pub mod postgres;
 pub mod redis;
 pub mod sglang_mock;
 pub mod stops;

@@ -636,8 +636,10 @@ const CRATE_ARROWS: &[(&str, &[&str])] = &[
             "lockstep-runtime",
             "lockstep-engine",
             "lockstep-proto",
+            "lockstep-state",
         ],
     ),
+    ("proxy/state", &["lockstep-core"]),
     (
         "proxy/worker",
         &["lockstep-engine", "lockstep-proto", "lockstep-runtime"],

@@ -224,6 +224,7 @@ async fn build_state(
         None => None,
     };
     models.tenants = Arc::new(Tenants::shared(&cfg.tenants, shared));
+    let responses = crate::stored::ResponseState::open(&cfg.state).await?;
     let tokenize_threads = lockstep_prompt::background::threads(cores)
         .map_err(|e| format!("cannot start the tokenizer threads: {e}"))?;
     crate::backend::warm_ids_json();
@@ -244,6 +245,7 @@ async fn build_state(
         embed_slots: tokio::sync::Semaphore::new(1),
         tokenize_threads: Arc::new(tokenize_threads),
         role,
+        responses,
     });
     Ok(state)
 }

@@ -16,3 +16,4 @@ pub(crate) mod members;
 pub mod models;
 pub mod pair;
 pub mod state;
+pub mod stored;

@@ -178,6 +178,8 @@ pub struct AppState {
     pub(crate) reload_lock: tokio::sync::Mutex<()>,
     /// The process role this router serves in ([`Role`]: the router's own, or a gateway role's).
     pub role: Arc<dyn Role>,
+    /// Stored responses and conversations (`[state]`).
+    pub responses: crate::stored::ResponseState,
 }
 
 impl AppState {

@@ -11,6 +11,7 @@ mod schema;
 mod server;
 mod shared;
 mod sidecar;
+mod state;
 mod tenant;
 mod timeouts;
 
@@ -38,6 +39,7 @@ pub use schema::json_schema;
 pub use server::{Connections, ServerConfig};
 pub use shared::{OnUnavailable, SharedConfig};
 pub use sidecar::{AllowedPrefills, EppConfig, Role, SidecarConfig};
+pub use state::StateConfig;
 pub use tenant::TenantConfig;
 pub use timeouts::{FailoverConfig, QueueConfig, RetryConfig, TimeoutConfig};
 
@@ -68,6 +70,9 @@ pub struct Config {
     /// Tenant limits shared with other replicas through Redis (needs a restart to change).
     #[serde(default)]
     pub shared: Option<SharedConfig>,
+    /// Stored responses and conversations (needs a restart to change).
+    #[serde(default)]
+    pub state: StateConfig,
     /// The file this configuration was read from (admin reload re-reads it).
     #[serde(skip)]
     pub source: Option<PathBuf>,
@@ -91,6 +96,9 @@ impl ConfigFile for Config {
         if let Some(t) = &mut self.worker_plane.tls {
             t.resolve_paths(base);
         }
+        if let Some(p) = &mut self.state.path {
+            toml_file::resolve(p, base);
+        }
     }
 
     fn problems(&self) -> Vec<Problem> {
@@ -109,6 +117,7 @@ impl ConfigFile for Config {
         if let Some(s) = &self.shared {
             s.validate("shared", &mut out);
         }
+        self.state.validate("state", &mut out);
         let model_names: HashSet<&str> = self.models.iter().map(|m| m.name.as_str()).collect();
         tenant::validate_tenants(&self.tenants, &model_names, &mut out);
         let mut names = HashSet::new();

@@ -262,6 +262,22 @@ pub enum LockstepError {
         /// What failed.
         message: String,
     },
+    /// A stored object (a response, a conversation, an item) the caller's tenant has none of:
+    /// never there, deleted, expired, or another tenant's (the answer is the same).
+    #[error("{kind} `{id}` not found")]
+    NotFound {
+        /// `response`, `conversation` or `item`.
+        kind: &'static str,
+        /// The id asked for.
+        id: String,
+    },
+    /// The database of stored responses and conversations (`[state]`) cannot be reached or
+    /// failed: nothing is answered from a state lockstep cannot read or write.
+    #[error("{message}")]
+    StateUnavailable {
+        /// What failed.
+        message: String,
+    },
 }
 
 impl LockstepError {
@@ -294,6 +310,8 @@ impl LockstepError {
             LockstepError::PrefillRequired { .. } => "prefill_required",
             LockstepError::PrefillUnverified { .. } => "prefill_unverified",
             LockstepError::SharedStoreUnavailable { .. } => "shared_store_unavailable",
+            LockstepError::NotFound { .. } => "not_found",
+            LockstepError::StateUnavailable { .. } => "state_unavailable",
         }
     }
 
@@ -308,9 +326,9 @@ impl LockstepError {
             | LockstepError::Unsupported { .. } => StatusCode::BAD_REQUEST,
             LockstepError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             LockstepError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
-            LockstepError::ModelNotFound { .. } | LockstepError::RouteNotFound { .. } => {
-                StatusCode::NOT_FOUND
-            }
+            LockstepError::ModelNotFound { .. }
+            | LockstepError::RouteNotFound { .. }
+            | LockstepError::NotFound { .. } => StatusCode::NOT_FOUND,
             LockstepError::PrefillRejected { .. }
             | LockstepError::DecodeFailed { .. }
             | LockstepError::EmbeddingFailed { .. }
@@ -321,7 +339,8 @@ impl LockstepError {
             | LockstepError::WorkersBusy { .. }
             | LockstepError::PrefillRequired { .. }
             | LockstepError::PrefillUnverified { .. }
-            | LockstepError::SharedStoreUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            | LockstepError::SharedStoreUnavailable { .. }
+            | LockstepError::StateUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             LockstepError::Unauthorized { .. } => StatusCode::UNAUTHORIZED,
             LockstepError::ModelNotAllowed { .. } | LockstepError::PrefillNotAllowed { .. } => {
                 StatusCode::FORBIDDEN
@@ -395,9 +414,9 @@ impl LockstepError {
             | LockstepError::PromptBytesTooLong { .. }
             | LockstepError::Unsupported { .. }
             | LockstepError::BodyTooLarge { .. } => Code::InvalidArgument,
-            LockstepError::ModelNotFound { .. } | LockstepError::RouteNotFound { .. } => {
-                Code::NotFound
-            }
+            LockstepError::ModelNotFound { .. }
+            | LockstepError::RouteNotFound { .. }
+            | LockstepError::NotFound { .. } => Code::NotFound,
             LockstepError::PrefillRejected { .. } | LockstepError::DecodeFailed { .. } => {
                 Code::Aborted
             }
@@ -411,7 +430,8 @@ impl LockstepError {
             | LockstepError::Unavailable { .. }
             | LockstepError::PrefillRequired { .. }
             | LockstepError::PrefillUnverified { .. }
-            | LockstepError::SharedStoreUnavailable { .. } => Code::Unavailable,
+            | LockstepError::SharedStoreUnavailable { .. }
+            | LockstepError::StateUnavailable { .. } => Code::Unavailable,
             LockstepError::WorkersBusy { .. }
             | LockstepError::RateLimited { .. }
             | LockstepError::TokensExhausted { .. } => Code::ResourceExhausted,
@@ -514,7 +534,9 @@ impl LockstepError {
                 http::header::RETRY_AFTER,
                 http::HeaderValue::from(*retry_after_s),
             )],
-            LockstepError::WorkersBusy { .. } | LockstepError::SharedStoreUnavailable { .. } => {
+            LockstepError::WorkersBusy { .. }
+            | LockstepError::SharedStoreUnavailable { .. }
+            | LockstepError::StateUnavailable { .. } => {
                 vec![(http::header::RETRY_AFTER, http::HeaderValue::from(1u64))]
             }
             LockstepError::Unauthorized { .. } => vec![(

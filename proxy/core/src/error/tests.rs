@@ -171,6 +171,19 @@ fn every_code_has_one_status_and_a_complete_body() {
             },
             503,
         ),
+        (
+            LockstepError::NotFound {
+                kind: "response",
+                id: "resp_x".into(),
+            },
+            404,
+        ),
+        (
+            LockstepError::StateUnavailable {
+                message: "database down".into(),
+            },
+            503,
+        ),
     ];
     // Every variant has an example here (the derived discriminants list them all).
     use strum::IntoEnumIterator;

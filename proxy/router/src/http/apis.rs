@@ -69,7 +69,7 @@ impl Api {
             Api::ChatCompletions => post(openai::chat_completions),
             Api::Completions => post(openai::completions),
             Api::Messages => post(anthropic::messages),
-            Api::Responses => post(responses::responses),
+            Api::Responses => post(super::stored::create),
             Api::Generate => post(generate::generate),
             Api::Embeddings => post(embeddings::embeddings),
         }

@@ -59,23 +59,32 @@ where
     type Rejection = Refusal;
 
     async fn from_request(req: Request, state: &Arc<AppState>) -> Result<Self, Self::Rejection> {
-        let (parts, body) = req.into_parts();
-        let caller = match authorize(state, &parts.headers) {
-            Ok(c) => c,
-            // An unauthenticated body is never read: the answer goes out now and the connection
-            // closes after it (HTTP/1.1; h2 resets the stream).
-            Err(r @ Refusal(LockstepError::Unauthorized { .. })) => return Err(r),
-            Err(r) => {
-                discard(body).await;
-                return Err(r);
-            }
-        };
-        let bytes = read_body(state, &parts.headers, body)
-            .await
-            .map_err(|e| Refusal::count(state, "", e))?;
+        let (caller, bytes) = authorized_body(state, req).await?;
         let (admitted, shape) = admit_body::<R>(state, caller, bytes).await?;
         Ok(Admit(admitted, shape))
     }
+}
+
+/// Steps 1 and 2 of admission on the headers, then the body read within its bounds: the caller
+/// and the body's bytes. An unauthenticated body is never read: the answer goes out now and the
+/// connection closes after it (HTTP/1.1; h2 resets the stream).
+pub(crate) async fn authorized_body(
+    state: &Arc<AppState>,
+    req: Request,
+) -> Result<(crate::admission::Caller, Bytes), Refusal> {
+    let (parts, body) = req.into_parts();
+    let caller = match authorize(state, &parts.headers) {
+        Ok(c) => c,
+        Err(r @ Refusal(LockstepError::Unauthorized { .. })) => return Err(r),
+        Err(r) => {
+            discard(body).await;
+            return Err(r);
+        }
+    };
+    let bytes = read_body(state, &parts.headers, body)
+        .await
+        .map_err(|e| Refusal::count(state, "", e))?;
+    Ok((caller, bytes))
 }
 
 /// Reads the body within the configured limit, mapping every failure to a stable error code:

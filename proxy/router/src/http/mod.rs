@@ -20,6 +20,7 @@ mod respond;
 pub(crate) mod responses;
 mod responses_out;
 mod sampling;
+mod stored;
 mod tokenize;
 
 pub(crate) mod tools;
@@ -63,6 +64,7 @@ pub fn default_routes(state: &Arc<AppState>, with_metrics: bool) -> Router<Arc<A
         .route("/tokenize", post(tokenize::tokenize))
         .route("/detokenize", post(tokenize::detokenize))
         .route("/tokenizer_info", get(tokenize::tokenizer_info))
+        .merge(stored::routes())
         .route("/health", get(health));
     if with_metrics {
         r.route("/metrics", get(metrics))

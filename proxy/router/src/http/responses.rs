@@ -1,18 +1,17 @@
-//! OpenAI's Responses API, `POST /v1/responses`, stateless: `input` (text or messages),
-//! `instructions`, `max_output_tokens`, `temperature`, `top_p`, `text.format` (structured
-//! outputs where the backend enforces them), `stream` with the Responses event types. lockstep
-//! keeps no response state, so `store: true`, `previous_response_id`, `conversation` and
-//! `background` are refused with 400 rather than half-honoured. Same admission, pair lifecycle
-//! and commit barrier as chat; errors in OpenAI's shape.
+//! OpenAI's Responses API, `POST /v1/responses`: `input` (text or items), `instructions`,
+//! `max_output_tokens`, `temperature`, `top_p`, `text.format` (structured outputs where the
+//! backend enforces them), `stream` with the Responses event types. Its state (`store`,
+//! `previous_response_id`, `conversation`, `background`) is resolved before admission by the
+//! stored-responses front (`http::stored`), which hands the earlier items in as a [`Plan`];
+//! without one (the endpoint picker, or `[state] enabled = false`) a request that asks for state
+//! is refused with 400 rather than half-honoured. Same admission, pair lifecycle and commit
+//! barrier as chat; errors in OpenAI's shape.
 
-use axum::response::Response;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
-use super::extract::Admit;
 use super::fields::{self, Known, known, refuse_unhonoured};
 use super::openai::{CommonParams, bad, renamed};
-use super::respond::serve_pair;
 use super::responses_out::ResponsesShape;
 use crate::admission::{FrontRequest, Input};
 use crate::backend::SamplingParams;
@@ -65,10 +64,29 @@ pub(crate) struct TextConfig {
     rest: Map<String, Value>,
 }
 
+/// What the stored-responses front resolved for a request before admission.
+#[derive(Debug, Default)]
+pub(crate) struct Plan {
+    /// The response's id.
+    pub(crate) id: String,
+    /// Whether it is stored.
+    pub(crate) store: bool,
+    /// Whether it runs in the background.
+    pub(crate) background: bool,
+    /// The items before this request's input: the previous response's context, or the
+    /// conversation's items.
+    pub(crate) prior: Vec<Value>,
+    /// This request's input as items, each with its id.
+    pub(crate) input_items: Vec<Value>,
+    /// What the response object repeats: `previous_response_id`, `conversation`.
+    pub(crate) previous_response_id: Option<String>,
+    pub(crate) conversation: Option<String>,
+}
+
 #[derive(Debug, Deserialize)]
 pub(crate) struct ResponsesRequest {
     model: String,
-    input: InputItems,
+    pub(crate) input: InputItems,
     instructions: Option<String>,
     max_output_tokens: Option<i64>,
     temperature: Option<f64>,
@@ -76,12 +94,43 @@ pub(crate) struct ResponsesRequest {
     #[serde(default)]
     stream: bool,
     text: Option<TextConfig>,
+    pub(crate) store: Option<bool>,
+    pub(crate) previous_response_id: Option<String>,
+    pub(crate) conversation: Option<Value>,
+    pub(crate) background: Option<bool>,
+    pub(crate) metadata: Option<Value>,
     /// Every other field: refused unless its value asks for nothing ([`fields`]).
     #[serde(flatten)]
     rest: Map<String, Value>,
+    /// Set by the stored-responses front: the request's state, resolved.
+    #[serde(skip)]
+    pub(crate) plan: Option<Plan>,
 }
 
-const STATE: &str = "lockstep keeps no response state (stateless Responses API)";
+const STATE: &str =
+    "response state is not kept here (`[state] enabled = false`, or a front that keeps none)";
+
+impl ResponsesRequest {
+    /// Without a [`Plan`]: a request asking for state is refused by the field it names.
+    fn refuse_state(&self) -> Result<(), LockstepError> {
+        let asked = [
+            ("store", self.store == Some(true)),
+            ("previous_response_id", self.previous_response_id.is_some()),
+            (
+                "conversation",
+                self.conversation.as_ref().is_some_and(|c| !c.is_null()),
+            ),
+            ("background", self.background == Some(true)),
+        ];
+        match asked.iter().find(|(_, on)| *on) {
+            Some((param, _)) => Err(LockstepError::Unsupported {
+                message: format!("`{param}`: {STATE}"),
+                param: Some((*param).into()),
+            }),
+            None => Ok(()),
+        }
+    }
+}
 
 fn no_truncation(v: &Value) -> bool {
     v.is_null() || v.as_str() == Some("disabled")
@@ -89,11 +138,6 @@ fn no_truncation(v: &Value) -> bool {
 
 /// Top-level fields of `/v1/responses` beyond the ones it honours.
 const RESPONSES: &[&[Known]] = &[&[
-    known("store", fields::falsy, STATE),
-    known("previous_response_id", fields::null, STATE),
-    known("conversation", fields::null, STATE),
-    known("background", fields::falsy, STATE),
-    known("metadata", fields::any, ""),
     known("user", fields::any, ""),
     known("safety_identifier", fields::any, ""),
     known("prompt_cache_key", fields::any, ""),
@@ -316,6 +360,10 @@ impl FrontRequest for ResponsesRequest {
         self,
         model: &ModelConfig,
     ) -> Result<(Input, SamplingParams, ResponsesShape), LockstepError> {
+        if self.plan.is_none() {
+            self.refuse_state()?;
+        }
+        let metadata = check_metadata(self.metadata, "metadata")?;
         let mut rest = self.rest;
         let (tools, forced) = super::tools::request(
             flat_tools(rest.remove("tools"))?,
@@ -348,7 +396,20 @@ impl FrontRequest for ResponsesRequest {
             .map_err(|e| renamed(e, "max_completion_tokens", "max_output_tokens"))?;
         sampling.constraint = constraint;
         sampling.logprobs = logprobs;
-        let messages = to_messages(self.instructions.clone(), self.input)?;
+        let plan = self.plan.unwrap_or_else(|| Plan {
+            id: lockstep_state::new_id("resp"),
+            ..Plan::default()
+        });
+        let input = if plan.store || !plan.prior.is_empty() {
+            let all = plan.prior.iter().chain(&plan.input_items).cloned();
+            InputItems::Items(
+                serde_json::from_value(Value::Array(all.collect()))
+                    .map_err(|e| bad("input", format!("`input`: {e}")))?,
+            )
+        } else {
+            self.input
+        };
+        let messages = to_messages(self.instructions.clone(), input)?;
         let (input, parser) = super::tools::settle(
             tools,
             forced,
@@ -365,16 +426,102 @@ impl FrontRequest for ResponsesRequest {
             "text": { "format": format },
             "top_logprobs": logprobs.unwrap_or(0),
             "parallel_tool_calls": parser.as_ref().is_none_or(|p| !p.one_call),
+            "store": plan.store,
+            "background": plan.background,
+            "previous_response_id": plan.previous_response_id,
+            "conversation": plan.conversation.as_ref().map(|c| json!({ "id": c })),
+            "metadata": metadata,
         });
         Ok((
             input,
             sampling,
-            ResponsesShape::new(stream, echo, parser).with_logprobs(logprobs),
+            ResponsesShape::new(plan.id, stream, echo, parser).with_logprobs(logprobs),
         ))
     }
 }
 
-/// `POST /v1/responses`.
-pub(crate) async fn responses(Admit(admitted, shape): Admit<ResponsesRequest>) -> Response {
-    serve_pair(admitted, shape).await
+/// The input items of a request (`input` as the client sent it): each an object with its
+/// `type` (`message` where left out) and an id (`msg_`/`fc_`/`fco_` + random where left out),
+/// a message's string content as one text part. Checked as generation reads them.
+pub(crate) fn input_items(input: &Value) -> Result<Vec<Value>, LockstepError> {
+    let items = match input {
+        Value::String(t) => vec![json!({ "role": "user", "content": t })],
+        Value::Array(items) => items.clone(),
+        _ => {
+            return Err(bad(
+                "input",
+                "`input` is a string or a list of items".into(),
+            ));
+        }
+    };
+    let items: Vec<Value> = items
+        .into_iter()
+        .enumerate()
+        .map(|(i, item)| {
+            let Value::Object(mut o) = item else {
+                return Err(bad(
+                    &format!("input[{i}]"),
+                    "an input item is an object".into(),
+                ));
+            };
+            let kind = o
+                .entry("type")
+                .or_insert_with(|| json!("message"))
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
+            if let Some(Value::String(t)) = o.get("content") {
+                let part = if o.get("role").and_then(Value::as_str) == Some("assistant") {
+                    json!({ "type": "output_text", "text": t, "annotations": [] })
+                } else {
+                    json!({ "type": "input_text", "text": t })
+                };
+                o.insert("content".into(), json!([part]));
+            }
+            if !o.get("id").is_some_and(Value::is_string) {
+                let prefix = match kind.as_str() {
+                    "function_call" => "fc",
+                    "function_call_output" => "fco",
+                    _ => "msg",
+                };
+                o.insert("id".into(), json!(lockstep_state::new_id(prefix)));
+            }
+            Ok(Value::Object(o))
+        })
+        .collect::<Result<_, _>>()?;
+    check_items(&items)?;
+    Ok(items)
+}
+
+/// Checks items as generation reads them (their roles, parts and calls).
+pub(crate) fn check_items(items: &[Value]) -> Result<(), LockstepError> {
+    if items.is_empty() {
+        return Ok(());
+    }
+    let typed: Vec<Item> = serde_json::from_value(Value::Array(items.to_vec()))
+        .map_err(|e| bad("items", format!("an item is not one lockstep reads: {e}")))?;
+    to_messages(None, InputItems::Items(typed)).map(drop)
+}
+
+/// OpenAI's metadata: up to 16 string values, keys up to 64 characters and values up to 512
+/// (`{}` when left out).
+pub(crate) fn check_metadata(v: Option<Value>, at: &str) -> Result<Value, LockstepError> {
+    let m = match v {
+        None | Some(Value::Null) => return Ok(json!({})),
+        Some(Value::Object(m)) => m,
+        Some(_) => return Err(bad(at, format!("`{at}` is an object of strings"))),
+    };
+    if m.len() > 16 {
+        return Err(bad(at, format!("`{at}` holds at most 16 keys")));
+    }
+    for (k, v) in &m {
+        let fits = k.chars().count() <= 64 && v.as_str().is_some_and(|s| s.chars().count() <= 512);
+        if !fits {
+            return Err(bad(
+                &format!("{at}.{k}"),
+                "metadata keys are up to 64 characters, values strings up to 512".into(),
+            ));
+        }
+    }
+    Ok(Value::Object(m))
 }

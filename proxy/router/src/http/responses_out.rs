@@ -17,6 +17,8 @@ use lockstep_prompt::PromptCodec;
 /// How a Responses answer looks: one `response` object, or its stream of typed events.
 #[derive(Debug)]
 pub(crate) struct ResponsesShape {
+    /// The response's id (`resp_` + random); its items' ids are made from it.
+    id: String,
     stream: bool,
     /// The next event's `sequence_number`.
     seq: u64,
@@ -29,15 +31,21 @@ pub(crate) struct ResponsesShape {
     /// Where the request included log-probabilities: the model's tokenizer (for the token
     /// texts) and, in a stream, the tokens whose entries no delta carried yet.
     logprobs: Option<Logprobs>,
+    /// Where the events are kept as well as written (a stored response's): each event's type
+    /// and object, until taken.
+    journal: Option<Vec<(String, Value)>>,
 }
 
 impl ResponsesShape {
     pub(crate) fn new(
+        id: String,
         stream: bool,
         echo: Value,
         tools: Option<super::tools::ToolParse>,
     ) -> ResponsesShape {
         ResponsesShape {
+            id,
+            journal: None,
             stream,
             seq: 0,
             echo,
@@ -77,8 +85,60 @@ impl ResponsesShape {
     }
 }
 
-fn ids(p: &Progress) -> (String, String) {
-    (format!("resp_{}", p.pair_id), format!("msg_{}", p.pair_id))
+impl ResponsesShape {
+    /// The response's id.
+    pub(crate) fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Whether the client asked for a stream.
+    pub(crate) fn streams(&self) -> bool {
+        self.stream
+    }
+
+    /// Keeps every event (type and object) until [`ResponsesShape::take_events`].
+    pub(crate) fn journaled(mut self) -> ResponsesShape {
+        self.journal = Some(Vec::new());
+        self
+    }
+
+    /// The events kept since the last call.
+    pub(crate) fn take_events(&mut self) -> Vec<(String, Value)> {
+        self.journal
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
+    }
+
+    /// The response object before its pair commits (`queued` or `in_progress`).
+    pub(crate) fn pending(&self, model: &str, created: u64, status: &str) -> Value {
+        self.object(created, model, status, json!([]), None, Value::Null)
+    }
+
+    /// The response object when its pair failed before it finished.
+    pub(crate) fn failed(&self, model: &str, created: u64, e: &LockstepError) -> Value {
+        let error = json!({ "code": e.code(), "message": e.to_string() });
+        self.object(created, model, "failed", json!([]), None, error)
+    }
+
+    /// Ends the stream with `response.failed` for a failure outside any pair's progress (before
+    /// it committed): kept in the journal like every event.
+    pub(crate) fn fail_event(&mut self, model: &str, created: u64, e: &LockstepError) {
+        let r = self.failed(model, created, e);
+        self.event(
+            &mut String::new(),
+            "response.failed",
+            json!({ "response": r }),
+        );
+    }
+
+    fn suffix(&self) -> &str {
+        self.id.strip_prefix("resp_").unwrap_or(&self.id)
+    }
+
+    fn msg_id(&self) -> String {
+        format!("msg_{}", self.suffix())
+    }
 }
 
 fn usage(p: &Progress) -> Value {
@@ -91,16 +151,16 @@ fn usage(p: &Progress) -> Value {
     })
 }
 
-fn message_item(p: &Progress, status: &str, content: Value) -> Value {
-    json!({ "type": "message", "id": ids(p).1, "status": status, "role": "assistant", "content": content })
+fn message_item(id: &str, status: &str, content: Value) -> Value {
+    json!({ "type": "message", "id": id, "status": status, "role": "assistant", "content": content })
 }
 
 fn text_part(text: &str, logprobs: Value) -> Value {
     json!({ "type": "output_text", "text": text, "annotations": [], "logprobs": logprobs })
 }
 
-fn call_item(p: &Progress, i: usize, c: &Call, status: &str, arguments: &str) -> Value {
-    json!({ "type": "function_call", "id": format!("fc_{}_{i}", p.pair_id), "call_id": format!("call_{}_{i}", p.pair_id),
+fn call_item(suffix: &str, i: usize, c: &Call, status: &str, arguments: &str) -> Value {
+    json!({ "type": "function_call", "id": format!("fc_{suffix}_{i}"), "call_id": format!("call_{suffix}_{i}"),
             "name": c.name, "arguments": arguments, "status": status })
 }
 
@@ -114,25 +174,43 @@ impl ResponsesShape {
         finish: Option<FinishReason>,
         error: Value,
     ) -> Value {
+        let mut r = self.object(p.created, &p.model, status, output, finish, error);
+        if finish.is_some() {
+            r["usage"] = usage(p);
+        }
+        r
+    }
+
+    /// The response object; `usage` is filled in by the caller once known.
+    fn object(
+        &self,
+        created: u64,
+        model: &str,
+        status: &str,
+        output: Value,
+        finish: Option<FinishReason>,
+        error: Value,
+    ) -> Value {
         let mut r = json!({
-            "id": ids(p).0,
+            "id": self.id,
             "object": "response",
-            "created_at": p.created,
+            "created_at": created,
             "status": status,
             "error": error,
             "incomplete_details": match finish {
                 Some(FinishReason::Length) => json!({ "reason": "max_output_tokens" }),
                 _ => Value::Null,
             },
-            "model": p.model,
+            "model": model,
             "output": output,
             "parallel_tool_calls": false,
             "tool_choice": if self.tools.is_some() { "auto" } else { "none" },
             "tools": [],
             "store": false,
+            "background": false,
             "previous_response_id": null,
             "metadata": {},
-            "usage": if finish.is_some() { usage(p) } else { Value::Null },
+            "usage": Value::Null,
         });
         if let (Some(r), Some(e)) = (r.as_object_mut(), self.echo.as_object()) {
             r.extend(e.clone());
@@ -153,13 +231,13 @@ impl ResponsesShape {
         let mut out = Vec::new();
         if !text.is_empty() || calls.is_empty() {
             let part = text_part(text, self.all_logprobs(p));
-            out.push(message_item(p, "completed", json!([part])));
+            out.push(message_item(&self.msg_id(), "completed", json!([part])));
         }
         out.extend(
             calls
                 .iter()
                 .enumerate()
-                .map(|(i, c)| call_item(p, i, c, "completed", &c.arguments)),
+                .map(|(i, c)| call_item(self.suffix(), i, c, "completed", &c.arguments)),
         );
         out
     }
@@ -178,20 +256,24 @@ impl ResponsesShape {
         v["sequence_number"] = json!(self.seq);
         self.seq += 1;
         sse_named(out, name, &v);
+        if let Some(j) = self.journal.as_mut() {
+            j.push((name.to_string(), v));
+        }
     }
 
     /// The message item's events for `delta`, opening the item first.
     fn text_delta(&mut self, out: &mut String, p: &Progress, delta: &str) {
-        let at = |v: Value, p: &Progress| {
+        let msg_id = self.msg_id();
+        let at = |v: Value, _: &Progress| {
             let mut v = v;
-            v["item_id"] = json!(ids(p).1);
+            v["item_id"] = json!(msg_id);
             v["output_index"] = json!(0);
             v["content_index"] = json!(0);
             v
         };
         if !self.opened {
             self.opened = true;
-            let item = message_item(p, "in_progress", json!([]));
+            let item = message_item(&msg_id, "in_progress", json!([]));
             self.event(
                 out,
                 "response.output_item.added",
@@ -269,7 +351,7 @@ impl Render for ResponsesShape {
             v["content_index"] = json!(0);
             v
         };
-        let msg_id = ids(p).1;
+        let msg_id = self.msg_id();
         if self.opened {
             let all = self.all_logprobs(p);
             self.event(
@@ -282,7 +364,7 @@ impl Render for ResponsesShape {
                 "response.content_part.done",
                 at(json!({ "part": text_part(&text, all.clone()) }), &msg_id),
             );
-            let item = message_item(p, "completed", json!([text_part(&text, all)]));
+            let item = message_item(&msg_id, "completed", json!([text_part(&text, all)]));
             self.event(
                 &mut out,
                 "response.output_item.done",
@@ -292,7 +374,7 @@ impl Render for ResponsesShape {
         let base = usize::from(self.opened);
         for (i, call) in calls.iter().enumerate() {
             let index = base + i;
-            let item = call_item(p, i, call, "in_progress", "");
+            let item = call_item(self.suffix(), i, call, "in_progress", "");
             let id = item["id"].clone();
             self.event(
                 &mut out,
@@ -309,7 +391,7 @@ impl Render for ResponsesShape {
                 "response.function_call_arguments.done",
                 json!({ "item_id": id, "output_index": index, "arguments": call.arguments }),
             );
-            let done = call_item(p, i, call, "completed", &call.arguments);
+            let done = call_item(self.suffix(), i, call, "completed", &call.arguments);
             self.event(
                 &mut out,
                 "response.output_item.done",

@@ -1,0 +1,286 @@
+//! OpenAI's Conversations API: `POST /v1/conversations` (with first `items` and `metadata`),
+//! `GET`/`POST` (metadata)/`DELETE /v1/conversations/{id}`, and its items:
+//! `GET`/`POST /v1/conversations/{id}/items`, `GET`/`DELETE .../items/{item_id}`. Items are
+//! checked as generation reads them, so a conversation never holds one a response would refuse.
+
+use std::sync::Arc;
+
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Path, Query, Request, State};
+use axum::response::{IntoResponse, Response};
+use http::HeaderMap;
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::read::caller_state;
+use super::{PageQuery, list};
+use crate::admission::parse_json;
+use crate::http::extract::read_body;
+use crate::http::openai::bad;
+use crate::http::responses::{check_metadata, input_items};
+use crate::state::AppState;
+use lockstep_core::error::LockstepError;
+use lockstep_state::Conversation;
+
+/// Most items one call adds (OpenAI's bound).
+const MAX_NEW_ITEMS: usize = 20;
+
+fn object(c: &Conversation) -> Value {
+    json!({ "id": c.id, "object": "conversation", "created_at": c.created_at, "metadata": c.metadata })
+}
+
+fn not_found(id: &str) -> LockstepError {
+    LockstepError::NotFound {
+        kind: "conversation",
+        id: id.to_string(),
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CreateBody {
+    items: Option<Vec<Value>>,
+    metadata: Option<Value>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct UpdateBody {
+    metadata: Value,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ItemsBody {
+    items: Vec<Value>,
+}
+
+/// The caller's state, its owner key and its body read within the bounds, parsed.
+async fn with_body<T: serde::de::DeserializeOwned>(
+    state: &Arc<AppState>,
+    req: Request,
+) -> Result<(Arc<crate::stored::Stored>, String, T), Response> {
+    let (parts, body) = req.into_parts();
+    let (stored, tenant) =
+        caller_state(state, &parts.headers).map_err(IntoResponse::into_response)?;
+    let bytes = read_body(state, &parts.headers, body)
+        .await
+        .map_err(IntoResponse::into_response)?;
+    let parsed = parse_json(&bytes).map_err(IntoResponse::into_response)?;
+    Ok((stored, tenant, parsed))
+}
+
+/// New items: at most [`MAX_NEW_ITEMS`], each given its id, checked.
+fn new_items(items: Vec<Value>) -> Result<Vec<Value>, LockstepError> {
+    if items.len() > MAX_NEW_ITEMS {
+        return Err(bad(
+            "items",
+            format!("at most {MAX_NEW_ITEMS} items are added at a time"),
+        ));
+    }
+    input_items(&Value::Array(items)).map_err(|e| match e {
+        LockstepError::InvalidRequest { message, param } => LockstepError::InvalidRequest {
+            message,
+            param: param.map(|p| p.replacen("input", "items", 1)),
+        },
+        e => e,
+    })
+}
+
+fn answer(r: Result<Value, LockstepError>) -> Response {
+    match r {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `POST /v1/conversations`.
+pub(crate) async fn create(State(state): State<Arc<AppState>>, req: Request) -> Response {
+    let (stored, tenant, body) = match with_body::<CreateBody>(&state, req).await {
+        Ok(x) => x,
+        Err(r) => return r.into_response(),
+    };
+    answer(
+        async {
+            let metadata = check_metadata(body.metadata, "metadata")?;
+            let items = new_items(body.items.unwrap_or_default())?;
+            let id = lockstep_state::new_id("conv");
+            let c = stored
+                .store
+                .create_conversation(&tenant, &id, &metadata, &items)
+                .await?;
+            Ok(object(&c))
+        }
+        .await,
+    )
+}
+
+/// `GET /v1/conversations/{id}`.
+pub(crate) async fn retrieve(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    let (stored, tenant) = match caller_state(&state, &headers) {
+        Ok(x) => x,
+        Err(r) => return r.into_response(),
+    };
+    answer(
+        async {
+            let c = stored.store.conversation(&tenant, &id).await?;
+            Ok(object(&c.ok_or_else(|| not_found(&id))?))
+        }
+        .await,
+    )
+}
+
+/// `POST /v1/conversations/{id}`: its metadata replaced.
+pub(crate) async fn update(
+    State(state): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    req: Request,
+) -> Response {
+    let (stored, tenant, body) = match with_body::<UpdateBody>(&state, req).await {
+        Ok(x) => x,
+        Err(r) => return r.into_response(),
+    };
+    answer(
+        async {
+            let metadata = check_metadata(Some(body.metadata), "metadata")?;
+            let c = stored
+                .store
+                .update_conversation(&tenant, &id, &metadata)
+                .await?;
+            Ok(object(&c.ok_or_else(|| not_found(&id))?))
+        }
+        .await,
+    )
+}
+
+/// `DELETE /v1/conversations/{id}`: it and its items (responses keep their own copies).
+pub(crate) async fn delete(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    let (stored, tenant) = match caller_state(&state, &headers) {
+        Ok(x) => x,
+        Err(r) => return r.into_response(),
+    };
+    answer(
+        async {
+            if !stored.store.delete_conversation(&tenant, &id).await? {
+                return Err(not_found(&id));
+            }
+            Ok(json!({ "id": id, "object": "conversation.deleted", "deleted": true }))
+        }
+        .await,
+    )
+}
+
+/// `GET /v1/conversations/{id}/items`: a page (`limit`, `order`, `after`).
+pub(crate) async fn list_items(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    q: Result<Query<PageQuery>, QueryRejection>,
+) -> Response {
+    let (stored, tenant) = match caller_state(&state, &headers) {
+        Ok(x) => x,
+        Err(r) => return r.into_response(),
+    };
+    answer(
+        async {
+            let Query(q) =
+                q.map_err(|e| bad("query", format!("the query string: {}", e.body_text())))?;
+            let (limit, desc) = q.checked()?;
+            if stored.store.conversation(&tenant, &id).await?.is_none() {
+                return Err(not_found(&id));
+            }
+            let page = stored
+                .store
+                .items(&tenant, &id, q.after.as_deref(), limit, desc)
+                .await?
+                .ok_or_else(|| {
+                    bad(
+                        "after",
+                        format!(
+                            "no item `{}` in this conversation",
+                            q.after.clone().unwrap_or_default()
+                        ),
+                    )
+                })?;
+            Ok(list(page.items, page.has_more))
+        }
+        .await,
+    )
+}
+
+/// `POST /v1/conversations/{id}/items`: added at the end; the answer lists them.
+pub(crate) async fn add_items(
+    State(state): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    req: Request,
+) -> Response {
+    let (stored, tenant, body) = match with_body::<ItemsBody>(&state, req).await {
+        Ok(x) => x,
+        Err(r) => return r.into_response(),
+    };
+    answer(
+        async {
+            let items = new_items(body.items)?;
+            if !stored.store.add_items(&tenant, &id, &items).await? {
+                return Err(not_found(&id));
+            }
+            Ok(list(items, false))
+        }
+        .await,
+    )
+}
+
+/// `GET /v1/conversations/{id}/items/{item_id}`.
+pub(crate) async fn item(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path((id, item_id)): Path<(String, String)>,
+) -> Response {
+    let (stored, tenant) = match caller_state(&state, &headers) {
+        Ok(x) => x,
+        Err(r) => return r.into_response(),
+    };
+    answer(
+        async {
+            let found = stored.store.item(&tenant, &id, &item_id).await?;
+            found.ok_or(LockstepError::NotFound {
+                kind: "item",
+                id: item_id,
+            })
+        }
+        .await,
+    )
+}
+
+/// `DELETE /v1/conversations/{id}/items/{item_id}`: the answer is the conversation.
+pub(crate) async fn delete_item(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path((id, item_id)): Path<(String, String)>,
+) -> Response {
+    let (stored, tenant) = match caller_state(&state, &headers) {
+        Ok(x) => x,
+        Err(r) => return r.into_response(),
+    };
+    answer(
+        async {
+            if !stored.store.delete_item(&tenant, &id, &item_id).await? {
+                return Err(LockstepError::NotFound {
+                    kind: "item",
+                    id: item_id,
+                });
+            }
+            let c = stored.store.conversation(&tenant, &id).await?;
+            Ok(object(&c.ok_or_else(|| not_found(&id))?))
+        }
+        .await,
+    )
+}

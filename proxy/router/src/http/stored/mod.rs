@@ -1,0 +1,107 @@
+//! The Responses API's state and the Conversations API, on the database of `[state]`
+//! (`lockstep-state`):
+//! - `POST /v1/responses` with `store` (OpenAI's default, true), `previous_response_id`,
+//!   `conversation` and `background` ([`create`]): the earlier items are read before admission,
+//!   so the chained prompt goes through admission and the pair lifecycle like any other;
+//! - `GET`/`DELETE /v1/responses/{id}`, `GET /v1/responses/{id}/input_items`,
+//!   `POST /v1/responses/{id}/cancel`, and a background response's stream resumed with
+//!   `GET /v1/responses/{id}?stream=true&starting_after=N` ([`read`]);
+//! - `/v1/conversations` and its items ([`conversations`]).
+//!
+//! Every object belongs to the tenant whose key created it; another tenant's id is answered as
+//! one that does not exist (404).
+
+mod conversations;
+mod create;
+mod read;
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::routing::{get, post};
+use serde_json::{Value, json};
+
+use crate::admission::Caller;
+use crate::state::AppState;
+
+pub(crate) use create::create;
+
+/// The routes of stored responses and conversations (`POST /v1/responses` is a generation API,
+/// routed with the others).
+pub(crate) fn routes() -> Router<Arc<AppState>> {
+    Router::new()
+        .route(
+            "/v1/responses/{id}",
+            get(read::retrieve).delete(read::delete),
+        )
+        .route("/v1/responses/{id}/input_items", get(read::input_items))
+        .route("/v1/responses/{id}/cancel", post(read::cancel))
+        .route("/v1/conversations", post(conversations::create))
+        .route(
+            "/v1/conversations/{id}",
+            get(conversations::retrieve)
+                .post(conversations::update)
+                .delete(conversations::delete),
+        )
+        .route(
+            "/v1/conversations/{id}/items",
+            get(conversations::list_items).post(conversations::add_items),
+        )
+        .route(
+            "/v1/conversations/{id}/items/{item_id}",
+            get(conversations::item).delete(conversations::delete_item),
+        )
+}
+
+/// The key a caller's objects are stored under: its tenant's name (never its API key), or the
+/// empty string when lockstep runs open.
+fn owner(caller: &Caller) -> String {
+    caller
+        .tenant
+        .as_ref()
+        .map(|t| t.name.to_string())
+        .unwrap_or_default()
+}
+
+/// OpenAI's list object over `data` (each with its `id`).
+fn list(data: Vec<Value>, has_more: bool) -> Value {
+    let id = |v: Option<&Value>| v.and_then(|v| v.get("id")).cloned().unwrap_or(Value::Null);
+    json!({
+        "object": "list",
+        "first_id": id(data.first()),
+        "last_id": id(data.last()),
+        "has_more": has_more,
+        "data": data,
+    })
+}
+
+/// A page's query: `limit` (1 to 100, default 20), `order` (`asc` or `desc`, default `desc`),
+/// `after` (an item id); any other key is refused.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PageQuery {
+    limit: Option<i64>,
+    order: Option<String>,
+    after: Option<String>,
+}
+
+impl PageQuery {
+    /// `(limit, descending)`, checked.
+    fn checked(&self) -> Result<(i64, bool), lockstep_core::error::LockstepError> {
+        let limit = self.limit.unwrap_or(20);
+        if !(1..=100).contains(&limit) {
+            return Err(super::openai::bad("limit", "`limit` is 1 to 100".into()));
+        }
+        let desc = match self.order.as_deref() {
+            None | Some("desc") => true,
+            Some("asc") => false,
+            Some(_) => {
+                return Err(super::openai::bad(
+                    "order",
+                    "`order` is `asc` or `desc`".into(),
+                ));
+            }
+        };
+        Ok((limit, desc))
+    }
+}
