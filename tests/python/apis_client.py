@@ -75,11 +75,12 @@ r3 = with_instructions("Answer briefly, kindly and in plain English.")
 check(r3.usage.input_tokens == r2.usage.input_tokens + 6, f"instructions are part of the prompt {r2.usage} {r3.usage}")
 check(r2.instructions == "Answer briefly.", "instructions echoed")
 
-for kwargs, param in [({"store": True}, "store"), ({"previous_response_id": "resp_1"}, "previous_response_id"),
-                      ({"background": True}, "background")]:
-    e = refused(lambda: oa.responses.create(model=MODEL, input="hi", max_output_tokens=2, **kwargs),
-                openai.BadRequestError, f"responses {param}")
-    check(e.code == "unsupported" and e.param == param, f"{param}: {e.code} {e.param}")
+# Stored by default (tests/python/responses_state_client.py covers the state); an unknown
+# previous response is a 404.
+check(oa.responses.retrieve(r.id).id == r.id, "stored by default, retrieved")
+e = refused(lambda: oa.responses.create(model=MODEL, input="hi", max_output_tokens=2, previous_response_id="resp_1"),
+            openai.NotFoundError, "an unknown previous response", status=404)
+check(e.code == "not_found", f"previous_response_id: {e.code}")
 # Function tools on a model without a tool parser (generic tool calls): a forced call comes back as
 # a `function_call` item with arguments valid for its schema on lockstep's engine; on the SGLang
 # mock (which records constraints, not enforces them) `auto` is refused by name, since only

@@ -186,6 +186,28 @@ async fn official_responses_and_anthropic_clients_against_the_model() {
     s.wait_released().await;
 }
 
+/// Stored responses (chained, background, resumed, cancelled) and conversations on the real
+/// model, through the official `openai` package and LangChain
+/// (`tests/python/responses_state_client.py`); a cancelled background response frees every page.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_state_with_the_official_clients_against_the_model() {
+    let Some(python) = client::clients_python() else {
+        return;
+    };
+    let Some(s) = start("").await else { return };
+    client::run_python_checks_in(
+        &python,
+        "responses_state_client.py",
+        &s.url,
+        MODEL,
+        &[("LOCKSTEP_SLOW", "1")],
+        Duration::from_secs(300),
+        "all responses state checks passed",
+    )
+    .await;
+    s.wait_released().await;
+}
+
 /// Structured outputs on the embedded engine through the official clients: 20 strict schemas,
 /// streamed and not, several seeds, every answer validated (`tests/python/structured_outputs.py`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

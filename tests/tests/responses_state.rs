@@ -581,3 +581,312 @@ async fn cancelling_a_background_response_aborts_its_pair() {
     .json();
     assert_eq!(again["status"], "cancelled");
 }
+
+/// `[state] enabled = false`: nothing is stored, and every request for state is refused by the
+/// field it names (400), the Conversations API too.
+#[tokio::test]
+async fn with_state_off_asking_for_it_is_refused() {
+    let s = stack_with(MockConfig::default(), "enabled = false").await;
+    let r = create(
+        &s,
+        json!({ "input": "x", "max_output_tokens": 2 }),
+        "alice-key",
+    )
+    .await;
+    assert_eq!(r["store"], false, "not stored when off");
+    for (field, v) in [
+        ("store", json!(true)),
+        ("previous_response_id", json!("resp_1")),
+        ("conversation", json!("conv_1")),
+        ("background", json!(true)),
+    ] {
+        let mut body = json!({ "model": MODEL, "input": "x" });
+        body[field] = v;
+        let a = call(&s, "POST", "/v1/responses", Some(body), "alice-key").await;
+        assert_eq!(a.status, 400, "{field}: {}", a.body);
+        assert_eq!(a.json()["error"]["param"], field);
+    }
+    let a = call(
+        &s,
+        "GET",
+        &format!("/v1/responses/{}", r["id"].as_str().expect("id")),
+        None,
+        "alice-key",
+    )
+    .await;
+    assert_eq!(
+        (a.status, a.error_code().as_deref()),
+        (400, Some("unsupported"))
+    );
+    let a = call(
+        &s,
+        "POST",
+        "/v1/conversations",
+        Some(json!({})),
+        "alice-key",
+    )
+    .await;
+    assert_eq!(a.status, 400);
+}
+
+/// Two replicas on one Postgres: a response made on one is read and continued on the other; a
+/// background response running on one is cancelled from the other, whose cancel the running
+/// replica sees at its next write (both halves aborted).
+#[tokio::test]
+async fn replicas_share_state_and_a_cancel_crosses_them() {
+    let pg = Postgres::start();
+    let url = format!("url = \"{}\"", pg.url());
+    let a = stack_with(
+        MockConfig {
+            token_delay: Duration::from_millis(60),
+            ..MockConfig::default()
+        },
+        &url,
+    )
+    .await;
+    let b = stack_with(MockConfig::default(), &url).await;
+    let r = create(
+        &a,
+        json!({ "input": "mike", "max_output_tokens": 2 }),
+        "alice-key",
+    )
+    .await;
+    let id = r["id"].as_str().expect("id");
+    let got = call(&b, "GET", &format!("/v1/responses/{id}"), None, "alice-key").await;
+    assert_eq!(got.json(), r);
+    let next = create(
+        &b,
+        json!({ "input": "november", "previous_response_id": id, "max_output_tokens": 2 }),
+        "alice-key",
+    )
+    .await;
+    assert_eq!(next["previous_response_id"], json!(id));
+    // Background on a, followed live on b, cancelled from b.
+    let bg = create(
+        &a,
+        json!({ "input": "oscar", "background": true, "max_output_tokens": 200 }),
+        "alice-key",
+    )
+    .await;
+    let bid = bg["id"].as_str().expect("id").to_string();
+    for _ in 0..100 {
+        if a.mock.live_halves().len() == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let c = call(
+        &b,
+        "POST",
+        &format!("/v1/responses/{bid}/cancel"),
+        None,
+        "alice-key",
+    )
+    .await;
+    assert_eq!(c.json()["status"], "cancelled", "{}", c.body);
+    assert!(
+        a.mock.wait_idle(Duration::from_secs(5)).await,
+        "a's pair ends"
+    );
+    assert!(
+        a.mock
+            .aborts()
+            .iter()
+            .any(|x| x.role == lockstep_tests::sglang_mock::Role::Decode)
+    );
+    let seen = call(
+        &a,
+        "GET",
+        &format!("/v1/responses/{bid}"),
+        None,
+        "alice-key",
+    )
+    .await
+    .json();
+    assert_eq!(seen["status"], "cancelled");
+}
+
+/// A restart keeps what was stored (SQLite), and the retention time deletes.
+#[tokio::test]
+async fn a_restart_keeps_responses_and_retention_deletes_them() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = sqlite_state(&dir);
+    let s = stack_with(MockConfig::default(), &state).await;
+    let r = create(
+        &s,
+        json!({ "input": "papa", "max_output_tokens": 2 }),
+        "alice-key",
+    )
+    .await;
+    let id = r["id"].as_str().expect("id").to_string();
+    drop(s);
+    let s = stack_with(MockConfig::default(), &state).await;
+    let got = call(&s, "GET", &format!("/v1/responses/{id}"), None, "alice-key").await;
+    assert_eq!(got.json(), r, "kept across the restart");
+    drop(s);
+    let s = stack_with(
+        MockConfig::default(),
+        &format!("{state}\nretention_secs = 1"),
+    )
+    .await;
+    let short = create(
+        &s,
+        json!({ "input": "quebec", "max_output_tokens": 2 }),
+        "alice-key",
+    )
+    .await;
+    let sid = short["id"].as_str().expect("id");
+    assert_eq!(
+        call(
+            &s,
+            "GET",
+            &format!("/v1/responses/{sid}"),
+            None,
+            "alice-key"
+        )
+        .await
+        .status,
+        200
+    );
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+    assert_eq!(
+        call(
+            &s,
+            "GET",
+            &format!("/v1/responses/{sid}"),
+            None,
+            "alice-key"
+        )
+        .await
+        .status,
+        404
+    );
+}
+
+/// The database going away: storing and reading are 503 `state_unavailable` (never an answer
+/// that says it is stored), a request that asks for no state is still served, and once the
+/// database is back everything acknowledged before is there.
+#[tokio::test]
+async fn the_database_going_away_is_503_and_loses_nothing_acknowledged() {
+    let mut pg = Postgres::start();
+    let s = stack_with(
+        MockConfig::default(),
+        &format!("url = \"{}\"\ntimeout_ms = 500", pg.url()),
+    )
+    .await;
+    let r = create(
+        &s,
+        json!({ "input": "romeo", "max_output_tokens": 2 }),
+        "alice-key",
+    )
+    .await;
+    let id = r["id"].as_str().expect("id").to_string();
+    pg.stop();
+    let a = call(
+        &s,
+        "POST",
+        "/v1/responses",
+        Some(json!({ "model": MODEL, "input": "x", "max_output_tokens": 2 })),
+        "alice-key",
+    )
+    .await;
+    assert_eq!(
+        (a.status, a.error_code().as_deref()),
+        (503, Some("state_unavailable")),
+        "{}",
+        a.body
+    );
+    assert_eq!(
+        a.headers.get("retry-after").map(|v| v.as_bytes()),
+        Some(&b"1"[..])
+    );
+    let a = call(&s, "GET", &format!("/v1/responses/{id}"), None, "alice-key").await;
+    assert_eq!(
+        (a.status, a.error_code().as_deref()),
+        (503, Some("state_unavailable"))
+    );
+    let a = call(
+        &s,
+        "POST",
+        "/v1/conversations",
+        Some(json!({})),
+        "alice-key",
+    )
+    .await;
+    assert_eq!(a.status, 503);
+    let unstored = create(
+        &s,
+        json!({ "input": "x", "store": false, "max_output_tokens": 2 }),
+        "alice-key",
+    )
+    .await;
+    assert_eq!(unstored["store"], false);
+    pg.start_again();
+    let mut back = None;
+    for _ in 0..50 {
+        let a = call(&s, "GET", &format!("/v1/responses/{id}"), None, "alice-key").await;
+        if a.status == 200 {
+            back = Some(a.json());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(back.expect("readable again"), r);
+}
+
+/// A stored response whose final write fails is not answered as stored: the whole answer is
+/// 503, and a stream ends with `response.failed` (`state_unavailable`), never `completed`.
+#[tokio::test]
+async fn a_final_write_that_fails_is_never_answered_as_stored() {
+    let mut pg = Postgres::start();
+    let mock = MockConfig {
+        token_delay: Duration::from_millis(150),
+        ..MockConfig::default()
+    };
+    let s = stack_with(mock, &format!("url = \"{}\"\ntimeout_ms = 500", pg.url())).await;
+    let body = json!({ "model": MODEL, "input": "sierra", "max_output_tokens": 8, "stream": true });
+    let (answer, ()) = tokio::join!(
+        call(&s, "POST", "/v1/responses", Some(body), "alice-key"),
+        async {
+            // The response was stored as it started; the database goes away while it decodes
+            // (8 tokens, 150 ms apart).
+            tokio::time::sleep(Duration::from_millis(400)).await;
+            pg.stop();
+        }
+    );
+    let events = answer.objects(true);
+    let last = events.last().expect("events");
+    assert_eq!(last["type"], "response.failed", "{}", answer.body);
+    assert_eq!(last["response"]["error"]["code"], "state_unavailable");
+    assert!(
+        !events
+            .iter()
+            .any(|e| e["type"] == "response.completed" || e["type"] == "response.incomplete")
+    );
+    pg.start_again();
+}
+
+/// The official `openai` package (3.57) and LangChain's `ChatOpenAI(use_responses_api=True)`
+/// through lockstep in front of the SGLang mock (`tests/python/responses_state_client.py`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn official_clients_keep_state_on_the_sglang_mock() {
+    let Some(python) = lockstep_tests::client::clients_python() else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mock = MockConfig {
+        token_delay: Duration::from_millis(20),
+        ..MockConfig::default()
+    };
+    let s = stack_with(mock, &sqlite_state(&dir)).await;
+    lockstep_tests::client::run_python_checks_in(
+        &python,
+        "responses_state_client.py",
+        &s.url,
+        MODEL,
+        &[("LOCKSTEP_KEY", "alice-key"), ("LOCKSTEP_SLOW", "1")],
+        Duration::from_secs(120),
+        "all responses state checks passed",
+    )
+    .await;
+}

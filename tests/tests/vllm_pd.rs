@@ -921,3 +921,24 @@ async fn the_mock_merges_steps_as_vllm_does() {
     }
     assert_eq!(seen[0], seen[1], "the same output, chunked otherwise");
 }
+
+/// Stored responses, background ones and conversations through vLLM disaggregated serving, with
+/// the official `openai` package and LangChain (`tests/python/responses_state_client.py`; the
+/// state in the default SQLite file under the data directory).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn official_clients_keep_responses_state_on_vllm() {
+    let Some(python) = client::clients_python() else {
+        return;
+    };
+    let s = stack().await;
+    client::run_python_checks_in(
+        &python,
+        "responses_state_client.py",
+        &s.url,
+        MODEL,
+        &[("LOCKSTEP_KEY", KEY)],
+        Duration::from_secs(120),
+        "all responses state checks passed",
+    )
+    .await;
+}

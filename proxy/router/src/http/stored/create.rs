@@ -259,16 +259,8 @@ fn terminal(events: &[(String, Value)]) -> Option<&Value> {
     events
         .iter()
         .rev()
-        .find(|(n, _)| respond_terminal(n))
+        .find(|(n, _)| super::ends_stream(n))
         .map(|(_, v)| &v["response"])
-}
-
-/// Whether an event ends a response's stream.
-pub(super) fn respond_terminal(name: &str) -> bool {
-    matches!(
-        name,
-        "response.completed" | "response.incomplete" | "response.failed"
-    )
 }
 
 /// A stored response in the foreground: answered as it runs, stored before it ends.
@@ -342,7 +334,7 @@ async fn foreground(keep: Keep, admitted: Admitted, shape: ResponsesShape) -> Re
                 // The answer would say it is stored: it ends as failed instead.
                 let _ = shape.stream_error(&p, &e);
                 let failed = shape.take_events();
-                if let Some(at) = events.iter().position(|(n, _)| respond_terminal(n)) {
+                if let Some(at) = events.iter().position(|(n, _)| super::ends_stream(n)) {
                     events.truncate(at);
                 }
                 events.extend(failed);

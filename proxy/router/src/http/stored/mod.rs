@@ -63,6 +63,14 @@ fn owner(caller: &Caller) -> String {
         .unwrap_or_default()
 }
 
+/// Whether an event ends a response's stream.
+fn ends_stream(name: &str) -> bool {
+    matches!(
+        name,
+        "response.completed" | "response.incomplete" | "response.failed"
+    )
+}
+
 /// OpenAI's list object over `data` (each with its `id`).
 fn list(data: Vec<Value>, has_more: bool) -> Value {
     let id = |v: Option<&Value>| v.and_then(|v| v.get("id")).cloned().unwrap_or(Value::Null);

@@ -242,9 +242,7 @@ pub(crate) fn event_stream(
             };
             if let Some(last) = events.last() {
                 cursor = last.seq;
-                let done = events
-                    .iter()
-                    .any(|e| super::create::respond_terminal(&e.name));
+                let done = events.iter().any(|e| super::ends_stream(&e.name));
                 let mut out = String::new();
                 for e in &events {
                     out.push_str("event: ");
