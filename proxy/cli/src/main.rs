@@ -99,6 +99,9 @@ enum Command {
         #[command(subcommand)]
         what: ConfigCommand,
     },
+    /// Print the HTTP API's OpenAPI 3.1 document (what `GET /openapi.json` serves; also
+    /// `docs/openapi.json`).
+    Openapi,
     /// Print the sha256 to put in `tenants[].api_keys_sha256` for an API key read from stdin
     /// (one line; from stdin so the key stays out of shell history and process lists).
     HashKey,
@@ -152,7 +155,7 @@ fn main() -> ExitCode {
         Command::Sidecar { config, .. } | Command::Epp { config, .. } => Config::load(config)
             .map(|c| c.server.worker_threads)
             .unwrap_or(0),
-        Command::Check { .. } | Command::HashKey | Command::Config { .. } => 1,
+        Command::Check { .. } | Command::HashKey | Command::Config { .. } | Command::Openapi => 1,
         Command::Worker { .. } | Command::Probe(_) => 0,
     };
     let mut rt = tokio::runtime::Builder::new_multi_thread();
@@ -256,6 +259,11 @@ async fn run(cli: Cli, huge_pages_off: bool) -> ExitCode {
                 "{}",
                 serde_json::to_string_pretty(&schema).unwrap_or_default()
             );
+            ExitCode::SUCCESS
+        }
+        Command::Openapi => {
+            let doc = lockstep_router::http::routes::document();
+            println!("{}", serde_json::to_string_pretty(&doc).unwrap_or_default());
             ExitCode::SUCCESS
         }
         Command::HashKey => {

@@ -114,6 +114,22 @@ fn config_schema_prints_the_shipped_schema() {
     }
 }
 
+/// `lockstep openapi` prints the HTTP API's OpenAPI document: the shipped `docs/openapi.json`,
+/// byte for byte.
+#[test]
+fn openapi_prints_the_shipped_document() {
+    let out = Command::new(BIN)
+        .arg("openapi")
+        .output()
+        .expect("run lockstep");
+    assert!(out.status.success());
+    let shipped = std::fs::read_to_string(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../docs/openapi.json"),
+    )
+    .expect("the shipped document");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), shipped);
+}
+
 /// The probe's exit code reaches the shell: 2 when nothing ever answered.
 #[test]
 fn probe_exits_2_when_nothing_answers() {

@@ -18,6 +18,23 @@ pub enum Prompt {
     Batches(Vec<Vec<u32>>),
 }
 
+impl schemars::JsonSchema for Prompt {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "Prompt".into()
+    }
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({
+            "description": "a string, a list of one string, token ids, or a list of one list of token ids",
+            "anyOf": [
+                { "type": "string" },
+                { "type": "array", "items": { "type": "string" } },
+                { "type": "array", "items": { "type": "integer", "minimum": 0 } },
+                { "type": "array", "items": { "type": "array", "items": { "type": "integer", "minimum": 0 } } },
+            ],
+        })
+    }
+}
+
 /// A string prompt is taken as the parser hands it over (`admission::text_or`); a list is one of the
 /// list forms, all its elements of one kind (an empty list is no texts).
 impl<'de> Deserialize<'de> for Prompt {

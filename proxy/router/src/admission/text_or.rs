@@ -39,10 +39,23 @@ where
     d.deserialize_any(V(expecting, std::marker::PhantomData))
 }
 
-/// `impl Deserialize` for an enum of a `String` variant and a `Vec<_>` variant through
-/// [`text_or_list`].
+/// `impl Deserialize` for an enum of a `String` variant and a `Vec<$item>` variant through
+/// [`text_or_list`], and its JSON Schema (a string, or an array of `$item`).
 macro_rules! text_or_list_enum {
-    ($ty:ident, $text:ident, $list:ident, $expecting:literal) => {
+    ($ty:ident, $text:ident, $list:ident($item:ty), $expecting:literal) => {
+        impl schemars::JsonSchema for $ty {
+            fn schema_name() -> std::borrow::Cow<'static, str> {
+                stringify!($ty).into()
+            }
+            fn json_schema(g: &mut schemars::SchemaGenerator) -> schemars::Schema {
+                let item = g.subschema_for::<$item>();
+                schemars::json_schema!({
+                    "description": $expecting,
+                    "anyOf": [{ "type": "string" }, { "type": "array", "items": item }],
+                })
+            }
+        }
+
         impl<'de> serde::Deserialize<'de> for $ty {
             fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<$ty, D::Error> {
                 Ok(

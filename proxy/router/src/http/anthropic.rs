@@ -30,11 +30,12 @@ pub(crate) enum Text {
 crate::admission::text_or::text_or_list_enum!(
     Text,
     One,
-    Blocks,
+    Blocks(super::content::Part),
     "a string or a list of content blocks"
 );
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+#[schemars(rename = "AnthropicMessageIn")]
 pub(crate) struct Message {
     role: String,
     content: Text,
@@ -42,7 +43,9 @@ pub(crate) struct Message {
     rest: Map<String, Value>,
 }
 
-#[derive(Debug, Deserialize)]
+/// An Anthropic Messages request; other fields are honoured where docs/api.md says and
+/// refused otherwise.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 pub(crate) struct MessagesRequest {
     model: String,
     max_tokens: i64,

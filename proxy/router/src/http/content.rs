@@ -12,7 +12,7 @@ use lockstep_core::error::LockstepError;
 
 /// One content part (OpenAI) or content block (Anthropic): its type, its text, and every other
 /// field it carries.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 pub(crate) struct Part {
     #[serde(rename = "type")]
     pub(super) kind: String,

@@ -28,8 +28,9 @@ pub(crate) const MAX_INPUTS: usize = 2048;
 /// The fields an embeddings request may carry beyond the ones read.
 const EMBEDDINGS: &[&[fields::Known]] = &[&[known("user", fields::any, "")]];
 
-#[derive(Debug, Deserialize)]
-struct EmbeddingsRequest {
+/// An embeddings request.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub(crate) struct EmbeddingsRequest {
     model: Option<String>,
     input: Prompt,
     encoding_format: Option<String>,

@@ -15,10 +15,12 @@ mod logprobs;
 pub(crate) mod openai;
 mod openai_out;
 mod openai_shape;
+mod openapi;
 pub(crate) mod other_fields;
 mod respond;
 pub(crate) mod responses;
 mod responses_out;
+pub mod routes;
 mod sampling;
 mod stored;
 mod tokenize;
@@ -32,7 +34,6 @@ use std::sync::Arc;
 use axum::Router;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
 use http::{Method, Uri};
 use serde_json::json;
 
@@ -55,34 +56,36 @@ pub fn router(state: Arc<AppState>, with_metrics: bool) -> Router {
         .with_state(state)
 }
 
-/// The router's own routes: the generation APIs ([`generation_routes`]), `/v1/models`, the
-/// tokenizer endpoints (`/tokenize`, `/detokenize`, `/tokenizer_info`), `/health`, and
-/// `/metrics` unless `server.metrics_on_admin` moves it behind the admin key.
+/// The router's own routes, every one from the table ([`routes::ROUTES`]): the generation APIs
+/// and `/ready` ([`generation_routes`]), `/v1/models`, the tokenizer endpoints, stored
+/// responses and conversations, `/health`, `/openapi.json`, and `/metrics` unless
+/// `server.metrics_on_admin` moves it behind the admin key.
 pub fn default_routes(state: &Arc<AppState>, with_metrics: bool) -> Router<Arc<AppState>> {
-    let r = generation_routes(state)
-        .route("/v1/models", get(models))
-        .route("/tokenize", post(tokenize::tokenize))
-        .route("/detokenize", post(tokenize::detokenize))
-        .route("/tokenizer_info", get(tokenize::tokenizer_info))
-        .merge(stored::routes())
-        .route("/health", get(health));
-    if with_metrics {
-        r.route("/metrics", get(metrics))
-    } else {
-        r
-    }
+    use routes::Group;
+    routes::ROUTES
+        .iter()
+        .filter(|r| r.group == Group::Other || (r.group == Group::Metrics && with_metrics))
+        .fold(generation_routes(state), |r, route| {
+            r.route(route.path, (route.handler)())
+        })
 }
 
 /// The generation APIs ([`Api`]), each answer with the tenant's rate headers, and `/ready`.
 pub fn generation_routes(state: &Arc<AppState>) -> Router<Arc<AppState>> {
-    let generation = Api::ALL
-        .iter()
-        .fold(Router::new(), |r, api| r.route(api.path(), api.handler()))
-        .layer(axum::middleware::from_fn_with_state(
-            state.clone(),
-            rate_headers,
-        ));
-    Router::new().merge(generation).route("/ready", get(ready))
+    use routes::Group;
+    let of = |group: Group| {
+        routes::ROUTES
+            .iter()
+            .filter(move |r| r.group == group)
+            .fold(Router::new(), |r, route| {
+                r.route(route.path, (route.handler)())
+            })
+    };
+    let generation = of(Group::Generation).layer(axum::middleware::from_fn_with_state(
+        state.clone(),
+        rate_headers,
+    ));
+    generation.merge(of(Group::Ready))
 }
 
 /// One `request` span per HTTP request, child of the client's `traceparent` when it sent one.

@@ -15,7 +15,7 @@ use lockstep_core::error::LockstepError;
 use lockstep_prompt::ChatMessage;
 
 /// `stop`: one string or a list.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(untagged)]
 pub(crate) enum Stop {
     One(String),
@@ -31,7 +31,7 @@ impl Stop {
     }
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 pub(crate) struct StreamOptions {
     #[serde(default)]
     include_usage: bool,
@@ -39,7 +39,7 @@ pub(crate) struct StreamOptions {
 
 /// Sampling fields shared by both endpoints (and built by the Responses and Messages front ends
 /// from their own names: `Default` is "the request did not say").
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, schemars::JsonSchema)]
 pub(crate) struct CommonParams {
     pub(super) max_tokens: Option<i64>,
     pub(super) max_completion_tokens: Option<i64>,
@@ -216,7 +216,7 @@ pub(crate) enum Content {
 crate::admission::text_or::text_or_list_enum!(
     Content,
     Text,
-    Parts,
+    Parts(super::content::Part),
     "a string or a list of content parts"
 );
 
@@ -228,7 +228,9 @@ const CONTENT_PARTS: super::content::PartRule = super::content::PartRule {
     noun: "content part",
 };
 
-#[derive(Debug, Deserialize)]
+/// A chat message: its role, its content, and the fields of its kind (`tool_calls`,
+/// `tool_call_id`, ...).
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 pub(crate) struct MessageIn {
     pub(super) role: String,
     pub(super) content: Option<Content>,
@@ -236,7 +238,9 @@ pub(crate) struct MessageIn {
     pub(super) rest: Map<String, Value>,
 }
 
-#[derive(Debug, Deserialize)]
+/// A chat completion request: `model`, `messages`, the sampling fields, and OpenAI's other
+/// fields, each honoured where docs/api.md says and refused with 400 naming it otherwise.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 pub(crate) struct ChatRequest {
     model: String,
     messages: Vec<MessageIn>,
@@ -421,7 +425,9 @@ fn choices(n: Option<i64>) -> u32 {
     n.and_then(|n| u32::try_from(n).ok()).unwrap_or(1).max(1)
 }
 
-#[derive(Debug, Deserialize)]
+/// A completion request: `model`, `prompt` (text or token ids), the sampling fields, and
+/// OpenAI's other fields, each honoured where docs/api.md says and refused otherwise.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 pub(crate) struct CompletionRequest {
     model: String,
     prompt: Prompt,

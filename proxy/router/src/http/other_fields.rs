@@ -43,9 +43,11 @@ macro_rules! known_and_rest {
         }
     ) => {
         $(#[$m])*
+        #[derive(schemars::JsonSchema)]
         $vis struct $name {
             $($(#[$fm])* $fvis $field: $ty,)*
             /// Every other key, in order: accepted or refused by [`crate::http::fields`].
+            #[serde(flatten)]
             rest: serde_json::Map<String, serde_json::Value>,
         }
 

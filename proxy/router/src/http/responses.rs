@@ -29,12 +29,12 @@ pub(crate) enum InputItems {
 crate::admission::text_or::text_or_list_enum!(
     InputItems,
     Text,
-    Items,
+    Items(Item),
     "a string or a list of input items"
 );
 
-/// One input item; only messages are served.
-#[derive(Debug, Deserialize)]
+/// One input item: a message, a `function_call` or a `function_call_output`.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 pub(crate) struct Item {
     #[serde(rename = "type")]
     kind: Option<String>,
@@ -53,11 +53,11 @@ pub(crate) enum ItemContent {
 crate::admission::text_or::text_or_list_enum!(
     ItemContent,
     Text,
-    Parts,
+    Parts(super::content::Part),
     "a string or a list of content parts"
 );
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 pub(crate) struct TextConfig {
     format: Option<Value>,
     #[serde(flatten)]
@@ -83,7 +83,9 @@ pub(crate) struct Plan {
     pub(crate) conversation: Option<String>,
 }
 
-#[derive(Debug, Deserialize)]
+/// A Responses API request; other fields are honoured where docs/api.md says and refused
+/// otherwise.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 pub(crate) struct ResponsesRequest {
     model: String,
     pub(crate) input: InputItems,

@@ -72,8 +72,8 @@ const TOKENIZE: &[&[Known]] = &[&[
 ]];
 
 /// `POST /tokenize`'s body: vLLM's two forms and llama.cpp's.
-#[derive(Debug, Deserialize)]
-struct TokenizeRequest {
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub(crate) struct TokenizeRequest {
     model: Option<String>,
     prompt: Option<String>,
     /// llama.cpp's text.
@@ -88,8 +88,9 @@ struct TokenizeRequest {
 }
 
 /// `POST /detokenize`'s body.
-#[derive(Debug, Deserialize)]
-struct DetokenizeRequest {
+/// `POST /detokenize`'s body.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub(crate) struct DetokenizeRequest {
     model: Option<String>,
     tokens: Vec<i64>,
     #[serde(flatten)]

@@ -36,22 +36,28 @@ fn not_found(id: &str) -> LockstepError {
     }
 }
 
-#[derive(Debug, Deserialize)]
+/// `POST /v1/conversations`'s body.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
-struct CreateBody {
+#[schemars(rename = "CreateConversationRequest")]
+pub(crate) struct CreateBody {
     items: Option<Vec<Value>>,
     metadata: Option<Value>,
 }
 
-#[derive(Debug, Deserialize)]
+/// `POST /v1/conversations/{id}`'s body.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
-struct UpdateBody {
+#[schemars(rename = "UpdateConversationRequest")]
+pub(crate) struct UpdateBody {
     metadata: Value,
 }
 
-#[derive(Debug, Deserialize)]
+/// `POST /v1/conversations/{id}/items`'s body.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
-struct ItemsBody {
+#[schemars(rename = "CreateItemsRequest")]
+pub(crate) struct ItemsBody {
     items: Vec<Value>,
 }
 

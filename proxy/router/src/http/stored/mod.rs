@@ -8,50 +8,18 @@
 //!   `GET /v1/responses/{id}?stream=true&starting_after=N` ([`read`]);
 //! - `/v1/conversations` and its items ([`conversations`]).
 //!
-//! Every object belongs to the tenant whose key created it; another tenant's id is answered as
+//! The routes are in the listener's table (`http::routes`). Every object belongs to the tenant whose key created it; another tenant's id is answered as
 //! one that does not exist (404).
 
-mod conversations;
+pub(super) mod conversations;
 mod create;
-mod read;
+pub(super) mod read;
 
-use std::sync::Arc;
-
-use axum::Router;
-use axum::routing::{get, post};
 use serde_json::{Value, json};
 
 use crate::admission::Caller;
-use crate::state::AppState;
 
 pub(crate) use create::create;
-
-/// The routes of stored responses and conversations (`POST /v1/responses` is a generation API,
-/// routed with the others).
-pub(crate) fn routes() -> Router<Arc<AppState>> {
-    Router::new()
-        .route(
-            "/v1/responses/{id}",
-            get(read::retrieve).delete(read::delete),
-        )
-        .route("/v1/responses/{id}/input_items", get(read::input_items))
-        .route("/v1/responses/{id}/cancel", post(read::cancel))
-        .route("/v1/conversations", post(conversations::create))
-        .route(
-            "/v1/conversations/{id}",
-            get(conversations::retrieve)
-                .post(conversations::update)
-                .delete(conversations::delete),
-        )
-        .route(
-            "/v1/conversations/{id}/items",
-            get(conversations::list_items).post(conversations::add_items),
-        )
-        .route(
-            "/v1/conversations/{id}/items/{item_id}",
-            get(conversations::item).delete(conversations::delete_item),
-        )
-}
 
 /// The key a caller's objects are stored under: its tenant's name (never its API key), or the
 /// empty string when lockstep runs open.
@@ -87,7 +55,7 @@ fn list(data: Vec<Value>, has_more: bool) -> Value {
 /// `after` (an item id); any other key is refused.
 #[derive(Debug, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
-struct PageQuery {
+pub(crate) struct PageQuery {
     limit: Option<i64>,
     order: Option<String>,
     after: Option<String>,
