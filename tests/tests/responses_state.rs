@@ -890,3 +890,50 @@ async fn official_clients_keep_state_on_the_sglang_mock() {
     )
     .await;
 }
+
+/// A stored foreground stream whose client goes away: its pair is aborted and the stored
+/// response is failed, not left running.
+#[tokio::test]
+async fn a_client_that_goes_away_leaves_a_failed_response_not_a_running_one() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mock = MockConfig {
+        token_delay: Duration::from_millis(100),
+        ..MockConfig::default()
+    };
+    let s = stack_with(mock, &sqlite_state(&dir)).await;
+    let body = json!({ "model": MODEL, "input": "tango", "max_output_tokens": 60, "stream": true })
+        .to_string();
+    let addr = s.url.trim_start_matches("http://").to_string();
+    let mut conn = tokio::net::TcpStream::connect(&addr)
+        .await
+        .expect("connect");
+    let req = format!(
+        "POST /v1/responses HTTP/1.1\r\nhost: {addr}\r\nauthorization: Bearer alice-key\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    conn.write_all(req.as_bytes()).await.expect("write");
+    let mut seen = Vec::new();
+    let id = tokio::time::timeout(BOUND, async {
+        loop {
+            let mut buf = [0u8; 4096];
+            let n = conn.read(&mut buf).await.expect("read");
+            assert!(n > 0, "the stream ended early");
+            seen.extend_from_slice(&buf[..n]);
+            let text = String::from_utf8_lossy(&seen);
+            if let Some(at) = text.find("\"id\":\"resp_") {
+                let rest = &text[at + 6..];
+                return rest[..rest.find('"').expect("id ends")].to_string();
+            }
+        }
+    })
+    .await
+    .expect("the first event");
+    drop(conn);
+    let r = settled(&s, &id, "alice-key").await;
+    assert_eq!(r["status"], "failed", "{r}");
+    assert!(
+        s.mock.wait_idle(Duration::from_secs(5)).await,
+        "its pair was aborted"
+    );
+}

@@ -263,6 +263,32 @@ fn terminal(events: &[(String, Value)]) -> Option<&Value> {
         .map(|(_, v)| &v["response"])
 }
 
+/// A foreground response stored as running: if its answer is dropped before it ends (the
+/// client went away, which aborts its pair), it is stored as failed rather than left running.
+struct Unfinished {
+    keep: Arc<Keep>,
+    id: String,
+    failed: Option<Value>,
+}
+
+impl Unfinished {
+    /// It ended and was stored: nothing left to do.
+    fn done(&mut self) {
+        self.failed = None;
+    }
+}
+
+impl Drop for Unfinished {
+    fn drop(&mut self) {
+        let (Some(body), Ok(rt)) = (self.failed.take(), tokio::runtime::Handle::try_current())
+        else {
+            return;
+        };
+        let (keep, id) = (self.keep.clone(), std::mem::take(&mut self.id));
+        rt.spawn(async move { keep.fail(&id, &body).await });
+    }
+}
+
 /// A stored response in the foreground: answered as it runs, stored before it ends.
 async fn foreground(keep: Keep, admitted: Admitted, shape: ResponsesShape) -> Response {
     let mut shape = shape.journaled();
@@ -274,17 +300,29 @@ async fn foreground(keep: Keep, admitted: Admitted, shape: ResponsesShape) -> Re
     {
         return e.into_response();
     }
+    let keep = Arc::new(keep);
+    let gone = LockstepError::Unavailable {
+        message: "the client went away before the response finished; its pair was aborted".into(),
+    };
+    let mut guard = Unfinished {
+        keep: keep.clone(),
+        id: id.clone(),
+        failed: Some(shape.failed(&model, created, &gone)),
+    };
+    let fail = |e: &LockstepError, shape: &ResponsesShape| shape.failed(&model, created, e);
     let asked = match Asked::of(&admitted, &mut shape) {
         Ok(a) => a,
         Err(e) => {
-            keep.fail(&id, &shape.failed(&model, created, &e)).await;
+            guard.done();
+            keep.fail(&id, &fail(&e, &shape)).await;
             return shape.error(e);
         }
     };
     let committed = match commit(admitted).await {
         Ok(c) => c,
         Err(e) => {
-            keep.fail(&id, &shape.failed(&model, created, &e)).await;
+            guard.done();
+            keep.fail(&id, &fail(&e, &shape)).await;
             return shape.error(e);
         }
     };
@@ -296,14 +334,17 @@ async fn foreground(keep: Keep, admitted: Admitted, shape: ResponsesShape) -> Re
             let c = match next {
                 Ok(c) => c,
                 Err(e) => {
-                    keep.fail(&id, &shape.failed(&model, created, &e)).await;
+                    guard.done();
+                    keep.fail(&id, &fail(&e, &shape)).await;
                     return shape.error(e);
                 }
             };
             p.absorb(&c);
             if let Some(finish) = c.finish {
                 let body = shape.full(&p, finish);
-                if let Err(e) = keep.finish(&id, &body).await {
+                let stored = keep.finish(&id, &body).await;
+                guard.done();
+                if let Err(e) = stored {
                     return e.into_response();
                 }
                 let head = respond::json_head(Response::builder());
@@ -312,25 +353,23 @@ async fn foreground(keep: Keep, admitted: Admitted, shape: ResponsesShape) -> Re
         }
         return respond::build_failed().into_response();
     }
-    let keep = Arc::new(keep);
-    let body =
-        futures_util::stream::unfold(Some((chunks, p, shape, keep)), move |open| async move {
-            let (mut chunks, mut p, mut shape, keep) = open?;
-            let id = shape.id().to_string();
-            let (mut events, last) = match chunks.next().await? {
-                Ok(c) => {
-                    p.absorb(&c);
-                    let _ = shape.chunk(&p, &c);
-                    (shape.take_events(), c.finish.is_some())
-                }
-                Err(e) => {
-                    let _ = shape.stream_error(&p, &e);
-                    (shape.take_events(), true)
-                }
-            };
-            if let Some(body) = terminal(&events).cloned()
-                && let Err(e) = keep.finish(&id, &body).await
-            {
+    let body = futures_util::stream::unfold(Some((chunks, p, shape, guard)), |open| async move {
+        let (mut chunks, mut p, mut shape, mut guard) = open?;
+        let (mut events, last) = match chunks.next().await? {
+            Ok(c) => {
+                p.absorb(&c);
+                let _ = shape.chunk(&p, &c);
+                (shape.take_events(), c.finish.is_some())
+            }
+            Err(e) => {
+                let _ = shape.stream_error(&p, &e);
+                (shape.take_events(), true)
+            }
+        };
+        if let Some(body) = terminal(&events).cloned() {
+            let stored = guard.keep.finish(&guard.id, &body).await;
+            guard.done();
+            if let Err(e) = stored {
                 // The answer would say it is stored: it ends as failed instead.
                 let _ = shape.stream_error(&p, &e);
                 let failed = shape.take_events();
@@ -339,9 +378,10 @@ async fn foreground(keep: Keep, admitted: Admitted, shape: ResponsesShape) -> Re
                 }
                 events.extend(failed);
             }
-            let bytes = Ok::<_, std::convert::Infallible>(sse(&events));
-            Some((bytes, (!last).then_some((chunks, p, shape, keep))))
-        });
+        }
+        let bytes = Ok::<_, std::convert::Infallible>(sse(&events));
+        Some((bytes, (!last).then_some((chunks, p, shape, guard))))
+    });
     respond::answer(
         respond::event_stream(Response::builder()),
         pair_id,
