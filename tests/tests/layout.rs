@@ -741,7 +741,7 @@ fn the_arrows_run_one_way() {
 /// layer's modules and those below, never above. `fuzzing` (the fuzz targets' door) and
 /// `lib.rs` sit above them all.
 const ROUTER_LAYERS: &[&[&str]] = &[
-    &["backend", "stored"],
+    &["backend", "stored", "idempotency"],
     &["pair"],
     &["state"],
     &["admission", "models", "members", "sidecar"],

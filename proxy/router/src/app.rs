@@ -228,6 +228,8 @@ async fn build_state(
     let tokenize_threads = lockstep_prompt::background::threads(cores)
         .map_err(|e| format!("cannot start the tokenizer threads: {e}"))?;
     crate::backend::warm_ids_json();
+    let idempotency =
+        crate::idempotency::Idempotency::new(cfg.idempotency.clone(), metrics.clone());
     let state = Arc::new(AppState {
         models: ArcSwap::from_pointee(models),
         registry,
@@ -246,6 +248,7 @@ async fn build_state(
         tokenize_threads: Arc::new(tokenize_threads),
         role,
         responses,
+        idempotency,
     });
     Ok(state)
 }

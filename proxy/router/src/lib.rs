@@ -12,6 +12,7 @@ pub mod backend;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod http;
+pub mod idempotency;
 pub(crate) mod members;
 pub mod models;
 pub mod pair;

@@ -180,6 +180,8 @@ pub struct AppState {
     pub role: Arc<dyn Role>,
     /// Stored responses and conversations (`[state]`).
     pub responses: crate::stored::ResponseState,
+    /// Requests with an `Idempotency-Key` header (`[idempotency]`).
+    pub idempotency: crate::idempotency::Idempotency,
 }
 
 impl AppState {

@@ -299,6 +299,11 @@ impl Tenants {
         self.shared.as_deref().map(SharedStore::config)
     }
 
+    /// The store the replicas share (`[shared]`), if any.
+    pub fn shared_store(&self) -> Option<Arc<SharedStore>> {
+        self.shared.clone()
+    }
+
     /// Whether keys are required (any tenant configured).
     pub fn required(&self) -> bool {
         !self.by_key.is_empty()

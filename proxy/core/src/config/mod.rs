@@ -4,6 +4,7 @@
 //! what was expected, and [`Config::problems`] lists every problem at once, so `lockstep check`
 //! can show them all.
 
+mod idempotency;
 mod model;
 mod plane;
 mod pool;
@@ -22,6 +23,7 @@ use lockstep_runtime::telemetry::TelemetryConfig;
 use lockstep_runtime::toml_file::{self, ConfigError, ConfigFile, Problem, Problems, Section};
 use serde::Deserialize;
 
+pub use idempotency::IdempotencyConfig;
 pub use lockstep_runtime::engine_section::{
     EngineMode, EngineSection, FaultKind, ScrubKind, WhenFullKind,
 };
@@ -73,6 +75,9 @@ pub struct Config {
     /// Stored responses and conversations (needs a restart to change).
     #[serde(default)]
     pub state: StateConfig,
+    /// Requests with an `Idempotency-Key` header (needs a restart to change).
+    #[serde(default)]
+    pub idempotency: IdempotencyConfig,
     /// The file this configuration was read from (admin reload re-reads it).
     #[serde(skip)]
     pub source: Option<PathBuf>,
@@ -118,6 +123,7 @@ impl ConfigFile for Config {
             s.validate("shared", &mut out);
         }
         self.state.validate("state", &mut out);
+        self.idempotency.validate("idempotency", &mut out);
         let model_names: HashSet<&str> = self.models.iter().map(|m| m.name.as_str()).collect();
         tenant::validate_tenants(&self.tenants, &model_names, &mut out);
         let mut names = HashSet::new();

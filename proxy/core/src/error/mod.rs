@@ -271,6 +271,24 @@ pub enum LockstepError {
         /// The id asked for.
         id: String,
     },
+    /// An `Idempotency-Key` the tenant already sent with another request body.
+    #[error(
+        "Idempotency-Key `{key}` was sent with another request; a repeat must send the same body (or use a new key)"
+    )]
+    IdempotencyKeyReused {
+        /// The key.
+        key: String,
+    },
+    /// A repeat of an `Idempotency-Key` request whose answer cannot be given again: it is running
+    /// on another replica (retry shortly), or it was not kept (too large, or dropped to keep the
+    /// bound); it is never generated twice.
+    #[error("{message}")]
+    IdempotencyConflict {
+        /// Why.
+        message: String,
+        /// Whether it may be answered later (running elsewhere): `Retry-After: 1`.
+        retry: bool,
+    },
     /// The database of stored responses and conversations (`[state]`) cannot be reached or
     /// failed: nothing is answered from a state lockstep cannot read or write.
     #[error("{message}")]
@@ -311,6 +329,11 @@ impl LockstepError {
             LockstepError::PrefillUnverified { .. } => "prefill_unverified",
             LockstepError::SharedStoreUnavailable { .. } => "shared_store_unavailable",
             LockstepError::NotFound { .. } => "not_found",
+            LockstepError::IdempotencyKeyReused { .. } => "idempotency_key_reused",
+            LockstepError::IdempotencyConflict { retry: true, .. } => {
+                "idempotent_request_in_progress"
+            }
+            LockstepError::IdempotencyConflict { retry: false, .. } => "idempotent_answer_not_kept",
             LockstepError::StateUnavailable { .. } => "state_unavailable",
         }
     }
@@ -348,6 +371,8 @@ impl LockstepError {
             LockstepError::RateLimited { .. } | LockstepError::TokensExhausted { .. } => {
                 StatusCode::TOO_MANY_REQUESTS
             }
+            LockstepError::IdempotencyKeyReused { .. } => StatusCode::UNPROCESSABLE_ENTITY,
+            LockstepError::IdempotencyConflict { .. } => StatusCode::CONFLICT,
         }
     }
 
@@ -439,6 +464,8 @@ impl LockstepError {
             LockstepError::ModelNotAllowed { .. } | LockstepError::PrefillNotAllowed { .. } => {
                 Code::PermissionDenied
             }
+            LockstepError::IdempotencyKeyReused { .. } => Code::InvalidArgument,
+            LockstepError::IdempotencyConflict { .. } => Code::Aborted,
         }
     }
 
@@ -486,7 +513,7 @@ impl LockstepError {
     /// The Anthropic error `type` for this error's status (Anthropic's Messages API errors).
     pub fn anthropic_type(&self) -> &'static str {
         match self.status().as_u16() {
-            400 | 408 => "invalid_request_error",
+            400 | 408 | 409 | 422 => "invalid_request_error",
             401 => "authentication_error",
             403 => "permission_error",
             404 => "not_found_error",
@@ -536,7 +563,8 @@ impl LockstepError {
             )],
             LockstepError::WorkersBusy { .. }
             | LockstepError::SharedStoreUnavailable { .. }
-            | LockstepError::StateUnavailable { .. } => {
+            | LockstepError::StateUnavailable { .. }
+            | LockstepError::IdempotencyConflict { retry: true, .. } => {
                 vec![(http::header::RETRY_AFTER, http::HeaderValue::from(1u64))]
             }
             LockstepError::Unauthorized { .. } => vec![(

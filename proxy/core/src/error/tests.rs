@@ -184,6 +184,14 @@ fn every_code_has_one_status_and_a_complete_body() {
             },
             503,
         ),
+        (LockstepError::IdempotencyKeyReused { key: "k".into() }, 422),
+        (
+            LockstepError::IdempotencyConflict {
+                message: "running elsewhere".into(),
+                retry: true,
+            },
+            409,
+        ),
     ];
     // Every variant has an example here (the derived discriminants list them all).
     use strum::IntoEnumIterator;
@@ -223,7 +231,8 @@ fn every_code_has_one_status_and_a_complete_body() {
         let st = err.to_status();
         assert_eq!(st.code(), err.grpc_code());
         let expected: &[Code] = match status {
-            400 | 413 => &[Code::InvalidArgument],
+            400 | 413 | 422 => &[Code::InvalidArgument],
+            409 => &[Code::Aborted],
             401 => &[Code::Unauthenticated],
             403 => &[Code::PermissionDenied],
             404 => &[Code::NotFound],

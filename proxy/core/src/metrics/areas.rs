@@ -388,3 +388,47 @@ impl SharedStoreMetrics {
         }
     }
 }
+
+/// Requests with an `Idempotency-Key` header.
+#[derive(Debug, Clone)]
+pub struct IdempotencyMetrics {
+    /// Requests with a key, by outcome: `first` (generated), `replayed` (a finished answer sent
+    /// again), `joined` (a running answer followed from its first event), `mismatch` (422: the
+    /// key with another body), `in_progress` (409: running on another replica), `not_kept`
+    /// (409: the answer was too large or dropped to keep the bound).
+    pub idempotent_requests: IntCounterVec,
+    /// Keys remembered now, and the bytes of the answers kept for replay now.
+    pub idempotency_keys: IntGauge,
+    /// The bytes of the answers kept for replay now.
+    pub idempotency_bytes: IntGauge,
+}
+
+impl IdempotencyMetrics {
+    pub(super) fn new(r: &Registry) -> IdempotencyMetrics {
+        let plain_gauge = |name: &str, help: &str| {
+            let g = IntGauge::new(name, help).expect("valid metric");
+            r.register(Box::new(g.clone())).expect("unique metric");
+            g
+        };
+        let c = IntCounterVec::new(
+            Opts::new(
+                "lockstep_idempotent_requests_total",
+                "Requests with an Idempotency-Key header, by outcome: first, replayed, joined, mismatch (422), in_progress (409), not_kept (409).",
+            ),
+            &["outcome"],
+        )
+        .expect("valid metric");
+        r.register(Box::new(c.clone())).expect("unique metric");
+        IdempotencyMetrics {
+            idempotent_requests: c,
+            idempotency_keys: plain_gauge(
+                "lockstep_idempotency_keys",
+                "Idempotency keys remembered by this replica now.",
+            ),
+            idempotency_bytes: plain_gauge(
+                "lockstep_idempotency_bytes",
+                "Bytes of answers this replica keeps for idempotent replay now.",
+            ),
+        }
+    }
+}

@@ -11,7 +11,10 @@ use prometheus::{
     Registry, TextEncoder,
 };
 
-pub use areas::{AdmissionMetrics, EngineMetrics, PairMetrics, SharedStoreMetrics, WorkerMetrics};
+pub use areas::{
+    AdmissionMetrics, EngineMetrics, IdempotencyMetrics, PairMetrics, SharedStoreMetrics,
+    WorkerMetrics,
+};
 
 /// Latency buckets, seconds: 1 ms to 5 min.
 const LATENCY: &[f64] = &[
@@ -36,6 +39,8 @@ pub struct Metrics {
     pub engines: EngineMetrics,
     /// The store tenant limits are shared through (`[shared]`).
     pub shared: SharedStoreMetrics,
+    /// Requests with an `Idempotency-Key` header.
+    pub idempotency: IdempotencyMetrics,
 }
 
 impl Default for Metrics {
@@ -134,6 +139,7 @@ impl Metrics {
             workers: WorkerMetrics::new(&registry),
             engines: EngineMetrics::new(&registry),
             shared: SharedStoreMetrics::new(&registry),
+            idempotency: IdempotencyMetrics::new(&registry),
             registry,
         }
     }

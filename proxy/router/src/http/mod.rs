@@ -10,6 +10,8 @@ mod fields;
 pub(crate) mod generate;
 pub mod grpc;
 mod grpc_guard;
+mod idempotency;
+mod idempotency_shared;
 mod logprob_params;
 mod logprobs;
 pub(crate) mod openai;
@@ -81,10 +83,15 @@ pub fn generation_routes(state: &Arc<AppState>) -> Router<Arc<AppState>> {
                 r.route(route.path, (route.handler)())
             })
     };
-    let generation = of(Group::Generation).layer(axum::middleware::from_fn_with_state(
-        state.clone(),
-        rate_headers,
-    ));
+    let generation = of(Group::Generation)
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            idempotency::idempotent,
+        ))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            rate_headers,
+        ));
     generation.merge(of(Group::Ready))
 }
 

@@ -20,6 +20,10 @@
 //! `shared_store_unavailable`). The heartbeat keeps trying; the store back, requests go to it
 //! again (those admitted locally meanwhile keep their local slots until they end).
 
+mod idempotency;
+
+pub use idempotency::Claim as IdempotencyClaim;
+
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
