@@ -549,6 +549,20 @@ impl PdMock {
     pub fn requests(&self) -> Vec<(Role, Value)> {
         lock(&self.inner.requests).items()
     }
+    /// The `input_ids` of every `/generate` body `role` received so far, in order (the most
+    /// recent [`KEPT`] bodies).
+    pub fn prompts(&self, role: Role) -> Vec<Vec<u64>> {
+        self.requests()
+            .into_iter()
+            .filter(|(r, _)| *r == role)
+            .map(|(_, v)| {
+                v["input_ids"]
+                    .as_array()
+                    .map(|a| a.iter().filter_map(Value::as_u64).collect())
+                    .unwrap_or_default()
+            })
+            .collect()
+    }
     /// The W3C `traceparent` header of each `/generate` request that carried one (the most
     /// recent [`KEPT`]).
     pub fn traceparents(&self) -> Vec<(Role, String)> {

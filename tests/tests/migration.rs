@@ -214,16 +214,11 @@ async fn migrations(stack: &Stack, outcome: &str) -> f64 {
 
 /// The `input_ids` of every decode request the mock received from `from` on.
 fn decode_prompts(stack: &Stack, from: usize) -> Vec<Vec<u64>> {
-    stack.mock.requests()[from..]
+    let before = stack.mock.requests()[..from]
         .iter()
         .filter(|(role, _)| *role == Role::Decode)
-        .map(|(_, v)| {
-            v["input_ids"]
-                .as_array()
-                .map(|a| a.iter().filter_map(Value::as_u64).collect())
-                .unwrap_or_default()
-        })
-        .collect()
+        .count();
+    stack.mock.prompts(Role::Decode).split_off(before)
 }
 
 fn audit_lines(path: &std::path::Path, event: &str) -> Vec<Value> {

@@ -64,17 +64,7 @@ fn text(r: &Value) -> String {
 
 /// The prompts the mock's prefill received, in order.
 fn prompts(s: &Stack) -> Vec<Vec<u64>> {
-    s.mock
-        .requests()
-        .into_iter()
-        .filter(|(r, _)| *r == lockstep_tests::sglang_mock::Role::Prefill)
-        .map(|(_, v)| {
-            v["input_ids"]
-                .as_array()
-                .map(|a| a.iter().filter_map(Value::as_u64).collect())
-                .unwrap_or_default()
-        })
-        .collect()
+    s.mock.prompts(lockstep_tests::sglang_mock::Role::Prefill)
 }
 
 /// Waits (bounded) until `id` is no longer running; its stored object.

@@ -7,13 +7,11 @@ use std::sync::Arc;
 
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Path, Query, Request, State};
-use axum::response::{IntoResponse, Response};
-use http::HeaderMap;
+use axum::response::Response;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::read::caller_state;
-use super::{PageQuery, list};
+use super::{Owner, PageQuery, json, list};
 use crate::admission::parse_json;
 use crate::http::extract::read_body;
 use crate::http::openai::bad;
@@ -61,19 +59,14 @@ pub(crate) struct ItemsBody {
     items: Vec<Value>,
 }
 
-/// The caller's state, its owner key and its body read within the bounds, parsed.
-async fn with_body<T: serde::de::DeserializeOwned>(
-    state: &Arc<AppState>,
+/// The body, read within the bounds (after the caller was authenticated on its headers), parsed.
+async fn body<T: serde::de::DeserializeOwned>(
+    state: &AppState,
     req: Request,
-) -> Result<(Arc<crate::stored::Stored>, String, T), Response> {
+) -> Result<T, LockstepError> {
     let (parts, body) = req.into_parts();
-    let (stored, tenant) =
-        caller_state(state, &parts.headers).map_err(IntoResponse::into_response)?;
-    let bytes = read_body(state, &parts.headers, body)
-        .await
-        .map_err(IntoResponse::into_response)?;
-    let parsed = parse_json(&bytes).map_err(IntoResponse::into_response)?;
-    Ok((stored, tenant, parsed))
+    let bytes = read_body(state, &parts.headers, body).await?;
+    parse_json(&bytes)
 }
 
 /// New items: at most [`MAX_NEW_ITEMS`], each given its id, checked.
@@ -93,21 +86,15 @@ fn new_items(items: Vec<Value>) -> Result<Vec<Value>, LockstepError> {
     })
 }
 
-fn answer(r: Result<Value, LockstepError>) -> Response {
-    match r {
-        Ok(v) => axum::Json(v).into_response(),
-        Err(e) => e.into_response(),
-    }
-}
-
 /// `POST /v1/conversations`.
-pub(crate) async fn create(State(state): State<Arc<AppState>>, req: Request) -> Response {
-    let (stored, tenant, body) = match with_body::<CreateBody>(&state, req).await {
-        Ok(x) => x,
-        Err(r) => return r.into_response(),
-    };
-    answer(
+pub(crate) async fn create(
+    State(state): State<Arc<AppState>>,
+    Owner { stored, tenant }: Owner,
+    req: Request,
+) -> Response {
+    json(
         async {
+            let body: CreateBody = body(&state, req).await?;
             let metadata = check_metadata(body.metadata, "metadata")?;
             let items = new_items(body.items.unwrap_or_default())?;
             let id = lockstep_state::new_id("conv");
@@ -122,16 +109,8 @@ pub(crate) async fn create(State(state): State<Arc<AppState>>, req: Request) -> 
 }
 
 /// `GET /v1/conversations/{id}`.
-pub(crate) async fn retrieve(
-    State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
-    Path(id): Path<String>,
-) -> Response {
-    let (stored, tenant) = match caller_state(&state, &headers) {
-        Ok(x) => x,
-        Err(r) => return r.into_response(),
-    };
-    answer(
+pub(crate) async fn retrieve(Owner { stored, tenant }: Owner, Path(id): Path<String>) -> Response {
+    json(
         async {
             let c = stored.store.conversation(&tenant, &id).await?;
             Ok(object(&c.ok_or_else(|| not_found(&id))?))
@@ -143,15 +122,13 @@ pub(crate) async fn retrieve(
 /// `POST /v1/conversations/{id}`: its metadata replaced.
 pub(crate) async fn update(
     State(state): State<Arc<AppState>>,
+    Owner { stored, tenant }: Owner,
     Path(id): Path<String>,
     req: Request,
 ) -> Response {
-    let (stored, tenant, body) = match with_body::<UpdateBody>(&state, req).await {
-        Ok(x) => x,
-        Err(r) => return r.into_response(),
-    };
-    answer(
+    json(
         async {
+            let body: UpdateBody = body(&state, req).await?;
             let metadata = check_metadata(Some(body.metadata), "metadata")?;
             let c = stored
                 .store
@@ -164,16 +141,8 @@ pub(crate) async fn update(
 }
 
 /// `DELETE /v1/conversations/{id}`: it and its items (responses keep their own copies).
-pub(crate) async fn delete(
-    State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
-    Path(id): Path<String>,
-) -> Response {
-    let (stored, tenant) = match caller_state(&state, &headers) {
-        Ok(x) => x,
-        Err(r) => return r.into_response(),
-    };
-    answer(
+pub(crate) async fn delete(Owner { stored, tenant }: Owner, Path(id): Path<String>) -> Response {
+    json(
         async {
             if !stored.store.delete_conversation(&tenant, &id).await? {
                 return Err(not_found(&id));
@@ -186,16 +155,11 @@ pub(crate) async fn delete(
 
 /// `GET /v1/conversations/{id}/items`: a page (`limit`, `order`, `after`).
 pub(crate) async fn list_items(
-    State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
+    Owner { stored, tenant }: Owner,
     Path(id): Path<String>,
     q: Result<Query<PageQuery>, QueryRejection>,
 ) -> Response {
-    let (stored, tenant) = match caller_state(&state, &headers) {
-        Ok(x) => x,
-        Err(r) => return r.into_response(),
-    };
-    answer(
+    json(
         async {
             let Query(q) =
                 q.map_err(|e| bad("query", format!("the query string: {}", e.body_text())))?;
@@ -225,15 +189,13 @@ pub(crate) async fn list_items(
 /// `POST /v1/conversations/{id}/items`: added at the end; the answer lists them.
 pub(crate) async fn add_items(
     State(state): State<Arc<AppState>>,
+    Owner { stored, tenant }: Owner,
     Path(id): Path<String>,
     req: Request,
 ) -> Response {
-    let (stored, tenant, body) = match with_body::<ItemsBody>(&state, req).await {
-        Ok(x) => x,
-        Err(r) => return r.into_response(),
-    };
-    answer(
+    json(
         async {
+            let body: ItemsBody = body(&state, req).await?;
             let items = new_items(body.items)?;
             if !stored.store.add_items(&tenant, &id, &items).await? {
                 return Err(not_found(&id));
@@ -246,15 +208,10 @@ pub(crate) async fn add_items(
 
 /// `GET /v1/conversations/{id}/items/{item_id}`.
 pub(crate) async fn item(
-    State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
+    Owner { stored, tenant }: Owner,
     Path((id, item_id)): Path<(String, String)>,
 ) -> Response {
-    let (stored, tenant) = match caller_state(&state, &headers) {
-        Ok(x) => x,
-        Err(r) => return r.into_response(),
-    };
-    answer(
+    json(
         async {
             let found = stored.store.item(&tenant, &id, &item_id).await?;
             found.ok_or(LockstepError::NotFound {
@@ -268,15 +225,10 @@ pub(crate) async fn item(
 
 /// `DELETE /v1/conversations/{id}/items/{item_id}`: the answer is the conversation.
 pub(crate) async fn delete_item(
-    State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
+    Owner { stored, tenant }: Owner,
     Path((id, item_id)): Path<(String, String)>,
 ) -> Response {
-    let (stored, tenant) = match caller_state(&state, &headers) {
-        Ok(x) => x,
-        Err(r) => return r.into_response(),
-    };
-    answer(
+    json(
         async {
             if !stored.store.delete_item(&tenant, &id, &item_id).await? {
                 return Err(LockstepError::NotFound {

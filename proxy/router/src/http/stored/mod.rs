@@ -15,9 +15,17 @@ pub(super) mod conversations;
 mod create;
 pub(super) mod read;
 
-use serde_json::{Value, json};
+use std::sync::Arc;
 
-use crate::admission::Caller;
+use axum::extract::FromRequestParts;
+use axum::response::{IntoResponse, Response};
+use http::request::Parts;
+use serde_json::Value;
+
+use crate::admission::{Caller, Refusal, authorize};
+use crate::state::AppState;
+use crate::stored::Stored;
+use lockstep_core::error::LockstepError;
 
 pub(crate) use create::create;
 
@@ -31,6 +39,40 @@ fn owner(caller: &Caller) -> String {
         .unwrap_or_default()
 }
 
+/// The caller's stored state and the key its objects are stored under: the caller's key and
+/// its tenant's limits checked on the headers, before any body is read.
+pub(crate) struct Owner {
+    stored: Arc<Stored>,
+    tenant: String,
+}
+
+impl FromRequestParts<Arc<AppState>> for Owner {
+    type Rejection = Refusal;
+
+    async fn from_request_parts(
+        parts: &mut Parts,
+        state: &Arc<AppState>,
+    ) -> Result<Self, Self::Rejection> {
+        let caller = authorize(state, &parts.headers)?;
+        let stored = state
+            .responses
+            .get("id")
+            .map_err(|e| Refusal::count_for(state, "", caller.tenant.as_deref(), e))?;
+        Ok(Owner {
+            stored: stored.clone(),
+            tenant: owner(&caller),
+        })
+    }
+}
+
+/// The JSON answer, or the error's.
+fn json(r: Result<Value, LockstepError>) -> Response {
+    match r {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
 /// Whether an event ends a response's stream.
 fn ends_stream(name: &str) -> bool {
     matches!(
@@ -42,7 +84,7 @@ fn ends_stream(name: &str) -> bool {
 /// OpenAI's list object over `data` (each with its `id`).
 fn list(data: Vec<Value>, has_more: bool) -> Value {
     let id = |v: Option<&Value>| v.and_then(|v| v.get("id")).cloned().unwrap_or(Value::Null);
-    json!({
+    serde_json::json!({
         "object": "list",
         "first_id": id(data.first()),
         "last_id": id(data.last()),

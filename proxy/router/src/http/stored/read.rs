@@ -9,45 +9,21 @@ use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::extract::rejection::QueryRejection;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, Query};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use http::HeaderMap;
 use serde_json::{Value, json};
 
-use super::{PageQuery, list, owner};
-use crate::admission::{Refusal, authorize};
+use super::{Owner, PageQuery, json, list};
 use crate::http::openai::bad;
 use crate::http::respond::event_stream as sse_head;
-use crate::state::AppState;
 use crate::stored::Stored;
 use lockstep_core::error::LockstepError;
-
-/// The caller's stored state and its owner key, or the refusal.
-pub(super) fn caller_state(
-    state: &AppState,
-    headers: &HeaderMap,
-) -> Result<(Arc<Stored>, String), Refusal> {
-    let caller = authorize(state, headers)?;
-    let tenant = owner(&caller);
-    let stored = state
-        .responses
-        .get("id")
-        .map_err(|e| Refusal::count_for(state, "", caller.tenant.as_deref(), e))?;
-    Ok((stored.clone(), tenant))
-}
 
 fn not_found(id: &str) -> LockstepError {
     LockstepError::NotFound {
         kind: "response",
         id: id.to_string(),
-    }
-}
-
-fn json_or(r: Result<Value, LockstepError>) -> Response {
-    match r {
-        Ok(v) => axum::Json(v).into_response(),
-        Err(e) => e.into_response(),
     }
 }
 
@@ -60,15 +36,10 @@ fn query<T>(q: Result<Query<T>, QueryRejection>) -> Result<T, LockstepError> {
 /// `GET /v1/responses/{id}`: the stored object; with `stream=true`, a background response's
 /// events after `starting_after` (every one without it), live while it runs.
 pub(crate) async fn retrieve(
-    State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
+    Owner { stored, tenant }: Owner,
     Path(id): Path<String>,
     q: Result<Query<HashMap<String, String>>, QueryRejection>,
 ) -> Response {
-    let (stored, tenant) = match caller_state(&state, &headers) {
-        Ok(x) => x,
-        Err(r) => return r.into_response(),
-    };
     let r = async {
         let q = query(q)?;
         let mut stream = false;
@@ -117,16 +88,8 @@ pub(crate) async fn retrieve(
 }
 
 /// `DELETE /v1/responses/{id}`: gone from every read; a background one running here stops.
-pub(crate) async fn delete(
-    State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
-    Path(id): Path<String>,
-) -> Response {
-    let (stored, tenant) = match caller_state(&state, &headers) {
-        Ok(x) => x,
-        Err(r) => return r.into_response(),
-    };
-    json_or(
+pub(crate) async fn delete(Owner { stored, tenant }: Owner, Path(id): Path<String>) -> Response {
+    json(
         async {
             if !stored.store.delete_response(&tenant, &id).await? {
                 return Err(not_found(&id));
@@ -140,16 +103,11 @@ pub(crate) async fn delete(
 
 /// `GET /v1/responses/{id}/input_items`: the request's input items, in pages.
 pub(crate) async fn input_items(
-    State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
+    Owner { stored, tenant }: Owner,
     Path(id): Path<String>,
     q: Result<Query<PageQuery>, QueryRejection>,
 ) -> Response {
-    let (stored, tenant) = match caller_state(&state, &headers) {
-        Ok(x) => x,
-        Err(r) => return r.into_response(),
-    };
-    json_or(
+    json(
         async {
             let q = query(q)?;
             let (limit, desc) = q.checked()?;
@@ -177,16 +135,8 @@ pub(crate) async fn input_items(
 /// `POST /v1/responses/{id}/cancel`: a running background response is cancelled (its pair
 /// aborted, here or on the replica running it, whose next write finds it cancelled); a finished
 /// one is answered as it is. Only background responses can be cancelled.
-pub(crate) async fn cancel(
-    State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
-    Path(id): Path<String>,
-) -> Response {
-    let (stored, tenant) = match caller_state(&state, &headers) {
-        Ok(x) => x,
-        Err(r) => return r.into_response(),
-    };
-    json_or(
+pub(crate) async fn cancel(Owner { stored, tenant }: Owner, Path(id): Path<String>) -> Response {
+    json(
         async {
             let r = stored.store.response(&tenant, &id).await?;
             let r = r.ok_or_else(|| not_found(&id))?;
