@@ -313,6 +313,18 @@ impl Idempotency {
         kept
     }
 
+    /// The entry will have no answer here (its key was answered from, or refused by, the
+    /// shared store): forgotten, and any repeat waiting on it is answered at once.
+    pub fn abandon(&self, tenant: &str, key: &str, e: &Arc<Entry>) {
+        self.forget(tenant, key, e);
+        {
+            let mut a = lock(&e.answer);
+            a.dropped = true;
+            a.done = true;
+        }
+        e.changed.notify_waiters();
+    }
+
     /// The answer ended.
     pub fn finish(&self, e: &Entry) {
         lock(&e.answer).done = true;
@@ -410,6 +422,29 @@ mod tests {
             t.bytes.load(Ordering::Acquire),
             5,
             "only the kept answer counts"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_abandoned_entry_answers_its_waiters_at_once() {
+        let t = table(10, 100, 10);
+        let Lookup::New(e) = t.lookup("a", "k", [1; 32]) else {
+            panic!("new")
+        };
+        let waiter = {
+            let e = e.clone();
+            tokio::spawn(async move { e.wait_head(Duration::from_secs(30)).await })
+        };
+        tokio::task::yield_now().await;
+        t.abandon("a", "k", &e);
+        let head = tokio::time::timeout(Duration::from_secs(1), waiter)
+            .await
+            .expect("at once")
+            .expect("waiter");
+        assert!(head.is_none());
+        assert!(
+            matches!(t.lookup("a", "k", [1; 32]), Lookup::New(_)),
+            "forgotten"
         );
     }
 

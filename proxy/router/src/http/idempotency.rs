@@ -133,11 +133,11 @@ pub(crate) async fn idempotent(
                 match super::idempotency_shared::claim(&store, &tenant, &key, &fp, idem).await {
                     Ok(None) => {}
                     Ok(Some(answer)) => {
-                        idem.forget(&tenant, &key, &entry);
+                        idem.abandon(&tenant, &key, &entry);
                         return answer;
                     }
                     Err(e) => {
-                        idem.forget(&tenant, &key, &entry);
+                        idem.abandon(&tenant, &key, &entry);
                         return e.into_response();
                     }
                 }
