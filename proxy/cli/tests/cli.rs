@@ -339,6 +339,66 @@ async fn sighup_reloads_and_refuses_unsafe_configs() {
     hd.abort();
 }
 
+/// A home where the default response-state file cannot be created does not stop `serve`: it
+/// says so once, a Responses request that leaves `store` out is served unstored, and asking for
+/// state is 503 `state_unavailable`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unwritable_home_turns_response_state_off_and_serve_goes_on() {
+    use tokio::io::AsyncBufReadExt;
+    let (w, h) = worker(1500, "prefill").await;
+    let (wd, hd) = worker(1500, "decode").await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("free port")
+        .local_addr()
+        .expect("addr")
+        .port();
+    let path = config(
+        dir.path(),
+        1000,
+        4096,
+        &w,
+        &wd,
+        &format!("[server]\nhttp_listen = \"127.0.0.1:{port}\"\nlog_level = \"info\""),
+    );
+    // Nothing can be created under /proc, root or not.
+    let mut child = tokio::process::Command::new(BIN)
+        .args(["serve", "--config", path.to_str().expect("utf8")])
+        .env("XDG_DATA_HOME", "/proc/lockstep-no-such-dir")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn");
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().expect("stdout")).lines();
+    let (mut warned, mut up) = (false, false);
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(15), async {
+        while let Ok(Some(l)) = lines.next_line().await {
+            warned |= l.contains("responses are not stored");
+            if l.contains("lockstep listening") {
+                up = true;
+                break;
+            }
+        }
+    })
+    .await;
+    assert!(up && warned, "serves, and says why nothing is stored");
+    let stored = http(port, "GET", "/v1/responses/resp_x", "").await;
+    assert!(stored.starts_with("HTTP/1.1 503"), "{stored}");
+    assert!(stored.contains("state_unavailable"), "{stored}");
+    let asked = http(
+        port,
+        "POST",
+        "/v1/responses",
+        r#"{"model": "m", "input": "x", "store": true, "max_output_tokens": 2}"#,
+    )
+    .await;
+    assert!(asked.starts_with("HTTP/1.1 503"), "{asked}");
+    let _ = child.kill().await;
+    h.abort();
+    hd.abort();
+}
+
 /// A raw HTTP/1.1 exchange with lockstep (the CLI tests carry no HTTP client).
 async fn http(port: u16, method: &str, path: &str, body: &str) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
