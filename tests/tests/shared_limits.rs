@@ -500,13 +500,7 @@ async fn local_without_a_replica_count_refuses_until_the_store_has_been_seen() {
         "redis_url = \"redis://127.0.0.1:{}/0\"\nlease_ttl_ms = 1500\ntimeout_ms = 200\n",
         lockstep_tests::gateway::free_port()
     );
-    let r = Replicas::start(
-        1,
-        "tokens_per_minute = 600",
-        &closed,
-        MockConfig::default(),
-    )
-    .await;
+    let r = Replicas::start(1, "tokens_per_minute = 600", &closed, MockConfig::default()).await;
     let a = send(&r.url(0), 8).await;
     assert_eq!(a.status, 503, "{}", a.body);
     assert_eq!(a.error_code().as_deref(), Some("shared_store_unavailable"));

@@ -165,29 +165,14 @@ impl Store {
     /// Deletes a tenant's conversation and its items (`false`: none of its own by that id).
     /// Responses that named it keep their own copies.
     pub async fn delete_conversation(&self, tenant: &str, id: &str) -> Result<bool, LockstepError> {
-        let work = async {
-            let mut tx = self.pool.begin().await?;
-            let n = sqlx::query(
-                "DELETE FROM conversations WHERE id = $1 AND tenant = $2 AND (expires_at IS NULL OR expires_at > $3)",
-            )
-            .bind(id)
-            .bind(tenant)
-            .bind(now_s())
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
-            if n == 0 {
-                tx.rollback().await?;
-                return Ok(false);
-            }
-            sqlx::query("DELETE FROM conversation_items WHERE conversation_id = $1")
-                .bind(id)
-                .execute(&mut *tx)
-                .await?;
-            tx.commit().await?;
-            Ok(true)
-        };
-        self.call("delete a conversation", work).await
+        self.delete_owned(
+            "delete a conversation",
+            "DELETE FROM conversations WHERE id = $1 AND tenant = $2 AND (expires_at IS NULL OR expires_at > $3)",
+            "DELETE FROM conversation_items WHERE conversation_id = $1",
+            tenant,
+            id,
+        )
+        .await
     }
 
     /// Adds items at the end of a tenant's conversation (`false`: none of its own by that id).

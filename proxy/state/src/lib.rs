@@ -180,6 +180,37 @@ impl Store {
         }
     }
 
+    /// Deletes a tenant's row (`owned`: the `DELETE` of it by id `$1`, tenant `$2`, and not
+    /// expired at `$3`) and then the rows that belong to it (`children`: by id `$1`), in one
+    /// transaction (`false`: none of the tenant's own by that id, and nothing deleted).
+    async fn delete_owned(
+        &self,
+        what: &str,
+        owned: &'static str,
+        children: &'static str,
+        tenant: &str,
+        id: &str,
+    ) -> Result<bool, LockstepError> {
+        let work = async {
+            let mut tx = self.pool.begin().await?;
+            let n = sqlx::query(owned)
+                .bind(id)
+                .bind(tenant)
+                .bind(now_s())
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+            if n == 0 {
+                tx.rollback().await?;
+                return Ok(false);
+            }
+            sqlx::query(children).bind(id).execute(&mut *tx).await?;
+            tx.commit().await?;
+            Ok(true)
+        };
+        self.call(what, work).await
+    }
+
     /// Deletes what expired (its retention passed) and fails background responses that have not
     /// moved for `stale` (their replica died): the number of rows deleted.
     pub async fn sweep(&self, stale: Duration) -> Result<u64, LockstepError> {

@@ -184,29 +184,14 @@ impl Store {
 
     /// Deletes a tenant's response and its events (`false`: none of its own by that id).
     pub async fn delete_response(&self, tenant: &str, id: &str) -> Result<bool, LockstepError> {
-        let work = async {
-            let mut tx = self.pool.begin().await?;
-            let n = sqlx::query(
-                "DELETE FROM responses WHERE id = $1 AND tenant = $2 AND (expires_at IS NULL OR expires_at > $3)",
-            )
-            .bind(id)
-            .bind(tenant)
-            .bind(now_s())
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
-            sqlx::query("DELETE FROM response_events WHERE response_id = $1")
-                .bind(id)
-                .execute(&mut *tx)
-                .await?;
-            if n == 0 {
-                tx.rollback().await?;
-            } else {
-                tx.commit().await?;
-            }
-            Ok(n > 0)
-        };
-        self.call("delete a response", work).await
+        self.delete_owned(
+            "delete a response",
+            "DELETE FROM responses WHERE id = $1 AND tenant = $2 AND (expires_at IS NULL OR expires_at > $3)",
+            "DELETE FROM response_events WHERE response_id = $1",
+            tenant,
+            id,
+        )
+        .await
     }
 
     /// Cancels a tenant's running background response: its status and stored object become
