@@ -254,6 +254,34 @@ async fn replicas_coordinate_keys_through_redis() {
     assert_eq!(later.body, running.body);
 }
 
+/// On Anthropic's Messages API the refusals take Anthropic's error shape.
+#[tokio::test]
+async fn refusals_on_messages_take_anthropics_shape() {
+    let s = stack(MockConfig::default(), "").await;
+    let send = |text: &str| {
+        let body = json!({ "model": MODEL, "max_tokens": 2,
+                           "messages": [{ "role": "user", "content": text }] });
+        let url = format!("{}/v1/messages", s.url);
+        async move {
+            TestClient::default()
+                .send_with(
+                    "POST",
+                    &url,
+                    &[("x-api-key", "alice-key"), ("idempotency-key", "k-m")],
+                    body.to_string(),
+                    BOUND,
+                )
+                .await
+        }
+    };
+    assert_eq!(send("tango").await.status, 200);
+    let other = send("uniform").await;
+    assert_eq!(other.status, 422);
+    let v = other.json();
+    assert_eq!(v["type"], "error", "{v}");
+    assert_eq!(v["error"]["code"], "idempotency_key_reused");
+}
+
 #[tokio::test]
 async fn with_idempotency_off_the_header_is_refused() {
     let s = stack(MockConfig::default(), "\n[idempotency]\nenabled = false\n").await;

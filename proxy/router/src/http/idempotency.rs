@@ -88,6 +88,17 @@ fn kept_headers(h: &http::HeaderMap) -> Vec<(http::HeaderName, http::HeaderValue
         .collect()
 }
 
+/// `e` in the shape of the API at `path` (Anthropic's on `/v1/messages`, OpenAI's elsewhere).
+fn refuse(path: &str, e: LockstepError) -> Response {
+    match super::Api::of(path) {
+        Some(api) => {
+            let body = api.error_body(&e);
+            e.into_response_with(body)
+        }
+        None => e.into_response(),
+    }
+}
+
 /// The middleware on the generation routes.
 pub(crate) async fn idempotent(
     State(state): State<Arc<AppState>>,
@@ -98,17 +109,18 @@ pub(crate) async fn idempotent(
         return next.run(req).await;
     };
     let idem = &state.idempotency;
+    let path = req.uri().path().to_string();
     if !idem.cfg.enabled {
-        return LockstepError::Unsupported {
+        let e = LockstepError::Unsupported {
             message: "`Idempotency-Key` is not honoured here (`[idempotency] enabled = false`)"
                 .into(),
             param: Some("Idempotency-Key".into()),
-        }
-        .into_response();
+        };
+        return refuse(&path, e);
     }
     let key = match parse_key(&raw) {
         Ok(k) => k,
-        Err(e) => return e.into_response(),
+        Err(e) => return refuse(&path, e),
     };
     let tenant = match state.models.load().tenants.authenticate(req.headers()) {
         Ok(t) => t.map(|t| t.name.to_string()).unwrap_or_default(),
@@ -118,15 +130,15 @@ pub(crate) async fn idempotent(
     let (parts, body) = req.into_parts();
     let bytes = match read_body(&state, &parts.headers, body).await {
         Ok(b) => b,
-        Err(e) => return e.into_response(),
+        Err(e) => return refuse(&path, e),
     };
     let fp = fingerprint(&parts.method, parts.uri.path(), &bytes);
     match idem.lookup(&tenant, &key, fp) {
         Lookup::Mismatch => {
             idem.count("mismatch");
-            LockstepError::IdempotencyKeyReused { key }.into_response()
+            refuse(&path, LockstepError::IdempotencyKeyReused { key })
         }
-        Lookup::Seen(entry) => from_entry(idem, entry).await,
+        Lookup::Seen(entry) => from_entry(idem, entry, &path).await,
         Lookup::New(entry) => {
             let shared = state.models.load().tenants.shared_store();
             if let Some(store) = shared {
@@ -138,7 +150,7 @@ pub(crate) async fn idempotent(
                     }
                     Err(e) => {
                         idem.abandon(&tenant, &key, &entry);
-                        return e.into_response();
+                        return refuse(&path, e);
                     }
                 }
             }
@@ -150,7 +162,7 @@ pub(crate) async fn idempotent(
 }
 
 /// A repeat, answered from the first request's entry.
-async fn from_entry(idem: &Idempotency, entry: Arc<Entry>) -> Response {
+async fn from_entry(idem: &Idempotency, entry: Arc<Entry>, path: &str) -> Response {
     let not_kept = || {
         LockstepError::IdempotencyConflict {
         message: "the answer to this Idempotency-Key was not kept (too large, or dropped to keep the bound); it is not generated twice: use a new key".into(),
@@ -159,12 +171,12 @@ async fn from_entry(idem: &Idempotency, entry: Arc<Entry>) -> Response {
     };
     if entry.dropped() {
         idem.count("not_kept");
-        return not_kept().into_response();
+        return refuse(path, not_kept());
     }
     let running = !entry.done();
     let Some(head) = entry.wait_head(WAIT_HEAD).await else {
         idem.count("not_kept");
-        return not_kept().into_response();
+        return refuse(path, not_kept());
     };
     idem.count(if running { "joined" } else { "replayed" });
     let body = futures_util::stream::unfold(Some((entry, 0usize)), |open| async move {
