@@ -11,7 +11,7 @@ use axum::response::Response;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::{Owner, PageQuery, json, list};
+use super::{Owner, PageQuery, json, list, query};
 use crate::admission::parse_json;
 use crate::http::extract::read_body;
 use crate::http::openai::bad;
@@ -161,25 +161,24 @@ pub(crate) async fn list_items(
 ) -> Response {
     json(
         async {
-            let Query(q) =
-                q.map_err(|e| bad("query", format!("the query string: {}", e.body_text())))?;
+            let q = query(q)?;
             let (limit, desc) = q.checked()?;
-            if stored.store.conversation(&tenant, &id).await?.is_none() {
-                return Err(not_found(&id));
-            }
             let page = stored
                 .store
                 .items(&tenant, &id, q.after.as_deref(), limit, desc)
-                .await?
-                .ok_or_else(|| {
-                    bad(
-                        "after",
-                        format!(
-                            "no item `{}` in this conversation",
-                            q.after.clone().unwrap_or_default()
-                        ),
-                    )
-                })?;
+                .await?;
+            // `None`: no conversation of the caller's by that id, or no such `after` item in it
+            // (the conversation is read again only to say which).
+            let Some(page) = page else {
+                if stored.store.conversation(&tenant, &id).await?.is_none() {
+                    return Err(not_found(&id));
+                }
+                let after = q.after.clone().unwrap_or_default();
+                return Err(bad(
+                    "after",
+                    format!("no item `{after}` in this conversation"),
+                ));
+            };
             Ok(list(page.items, page.has_more))
         }
         .await,

@@ -73,6 +73,15 @@ fn json(r: Result<Value, LockstepError>) -> Response {
     }
 }
 
+/// A query's keys, refused by name where unknown or unreadable.
+fn query<T>(
+    q: Result<axum::extract::Query<T>, axum::extract::rejection::QueryRejection>,
+) -> Result<T, LockstepError> {
+    q.map(|axum::extract::Query(q)| q).map_err(|e| {
+        crate::http::openai::bad("query", format!("the query string: {}", e.body_text()))
+    })
+}
+
 /// Whether an event ends a response's stream.
 fn ends_stream(name: &str) -> bool {
     matches!(

@@ -14,7 +14,7 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use serde_json::{Value, json};
 
-use super::{Owner, PageQuery, json, list};
+use super::{Owner, PageQuery, json, list, query};
 use crate::http::openai::bad;
 use crate::http::respond::event_stream as sse_head;
 use crate::stored::Stored;
@@ -25,12 +25,6 @@ fn not_found(id: &str) -> LockstepError {
         kind: "response",
         id: id.to_string(),
     }
-}
-
-/// A query's keys, refused by name where unknown or unreadable.
-fn query<T>(q: Result<Query<T>, QueryRejection>) -> Result<T, LockstepError> {
-    q.map(|Query(q)| q)
-        .map_err(|e| bad("query", format!("the query string: {}", e.body_text())))
 }
 
 /// `GET /v1/responses/{id}`: the stored object; with `stream=true`, a background response's
